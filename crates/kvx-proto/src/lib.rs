@@ -1,0 +1,2 @@
+//! kvx-proto: the sans-IO core of kvx.
+pub mod wire;
