@@ -1,0 +1,170 @@
+//! Configuration of each state machine. Every wait has a bound here with a sane default, and
+//! every table or queue has a `*_max`; `validate` refuses settings that would break a rule of
+//! the protocol (`docs/spec/protocol.md` §Timeouts).
+
+use std::time::Duration;
+
+use crate::ids::WriteTag;
+
+/// A setting that cannot work, with the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(pub String);
+
+fn require(ok: bool, why: impl FnOnce() -> String) -> Result<(), ConfigError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError(why()))
+    }
+}
+
+/// The decode side: one receive buffer, its admission queue and request table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceiverConfig {
+    /// Slots (chunks) in the receive buffer.
+    pub buffer_slots: u32,
+    /// Longest time a first batch waits in the admission queue before it is refused.
+    pub admission_timeout: Duration,
+    /// Requests that may wait for admission at once; more are refused.
+    pub admission_queue_max: usize,
+    /// Requests tracked at once (waiting, admitted or unconsumed); more are refused.
+    pub requests_max: usize,
+    /// An admitted request with no batch and no landed chunk for this long is rolled back.
+    pub request_idle_timeout: Duration,
+    /// A complete request the decoder has not consumed for this long is released.
+    pub unconsumed_ttl: Duration,
+    /// How long a slot of a rolled-back request stays out of use when a write into it may
+    /// still land. Must exceed every sender's `write_timeout`.
+    pub write_quarantine: Duration,
+    /// How long the id of an ended request is remembered, so its late batches are refused
+    /// instead of admitted afresh.
+    pub tombstone_ttl: Duration,
+    /// Ended request ids remembered at most; the oldest is forgotten first.
+    pub tombstones_max: usize,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        Self {
+            buffer_slots: 64,
+            admission_timeout: Duration::from_secs(30),
+            admission_queue_max: 4096,
+            requests_max: 8192,
+            request_idle_timeout: Duration::from_secs(30),
+            unconsumed_ttl: Duration::from_secs(300),
+            write_quarantine: Duration::from_secs(60),
+            tombstone_ttl: Duration::from_secs(600),
+            tombstones_max: 65_536,
+        }
+    }
+}
+
+impl ReceiverConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        require(self.buffer_slots > 0, || "buffer_slots must be at least 1".into())?;
+        require(self.buffer_slots <= WriteTag::SLOTS_MAX, || {
+            format!("buffer_slots {} exceeds {} (the write tag's slot field)", self.buffer_slots, WriteTag::SLOTS_MAX)
+        })?;
+        require(self.admission_queue_max > 0, || "admission_queue_max must be at least 1".into())?;
+        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
+        require(!self.request_idle_timeout.is_zero(), || "request_idle_timeout must be positive".into())?;
+        require(!self.admission_timeout.is_zero(), || "admission_timeout must be positive".into())?;
+        Ok(())
+    }
+}
+
+/// How the sender uses one receiver's control channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pipelining {
+    /// Send one message first; pipeline if the reply echoes `seq` (a kvx receiver), else
+    /// keep one message in flight as LMCache does.
+    #[default]
+    Auto,
+    /// Always one message in flight (an LMCache receiver known in advance).
+    Off,
+}
+
+/// The prefill side: one staging pool and a control channel per receiver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SenderConfig {
+    /// Slots (chunks) in the staging pool.
+    pub staging_slots: u32,
+    /// Longest wait for the reply to an admission probe (it may wait in the receiver's queue).
+    pub admission_reply_timeout: Duration,
+    /// Longest wait for the reply to a batch or a cancel.
+    pub reply_timeout: Duration,
+    /// Longest time a posted write may take; then the request fails and the driver resets
+    /// the connection so the fabric flushes it.
+    pub write_timeout: Duration,
+    /// Longest time a prefill thread waits in a blocking staging allocate (used by drivers).
+    pub staging_timeout: Duration,
+    /// Messages in flight on one pipelined channel at most; more wait in order.
+    pub inflight_max: usize,
+    /// Requests tracked at once; more are refused.
+    pub requests_max: usize,
+    /// Messages queued on one channel at most; more are refused.
+    pub channel_queue_max: usize,
+    pub pipelining: Pipelining,
+    /// Send `FailNotif` to the proxy when a request fails (kvx proxies only).
+    pub notify_proxy_on_failure: bool,
+}
+
+impl Default for SenderConfig {
+    fn default() -> Self {
+        Self {
+            staging_slots: 64,
+            admission_reply_timeout: Duration::from_secs(45),
+            reply_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
+            staging_timeout: Duration::from_secs(30),
+            inflight_max: 64,
+            requests_max: 8192,
+            channel_queue_max: 65_536,
+            pipelining: Pipelining::Auto,
+            notify_proxy_on_failure: false,
+        }
+    }
+}
+
+impl SenderConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        require(self.staging_slots > 0, || "staging_slots must be at least 1".into())?;
+        require(self.inflight_max > 0, || "inflight_max must be at least 1".into())?;
+        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
+        require(!self.reply_timeout.is_zero(), || "reply_timeout must be positive".into())?;
+        require(!self.write_timeout.is_zero(), || "write_timeout must be positive".into())?;
+        Ok(())
+    }
+}
+
+/// The proxy's aggregation of completion notices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyConfig {
+    /// Longest wait for every TP rank's `ProxyNotif` of a request (LMCache waits forever).
+    pub kv_ready_timeout: Duration,
+    /// Requests awaited at once.
+    pub requests_max: usize,
+    /// Notices for requests not (yet) awaited that are kept; older ones are dropped.
+    pub early_notices_max: usize,
+    /// How long an early notice is kept.
+    pub early_notice_ttl: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            kv_ready_timeout: Duration::from_secs(120),
+            requests_max: 65_536,
+            early_notices_max: 65_536,
+            early_notice_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ProxyConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
+        require(!self.kv_ready_timeout.is_zero(), || "kv_ready_timeout must be positive".into())
+    }
+}

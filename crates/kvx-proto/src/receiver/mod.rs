@@ -1,0 +1,416 @@
+//! The receiver: admission, per-request slot ledger, rollback, leases and tombstones
+//! (`docs/spec/protocol.md` §Receiver).
+//!
+//! - `mod.rs`: `ReceiverLedger`, its inputs (`handle_*`), outputs (`poll_*`) and timers.
+//! - `batch.rs`: what one `AllocRequest` does to a request.
+//! - `outcome.rs`: `Failure` / `Outcome` and the reasons a sender reads.
+//! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
+
+mod batch;
+mod outcome;
+mod tombstones;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use crate::admission::Admission;
+use crate::config::{ConfigError, ReceiverConfig};
+use crate::ids::{PeerId, ReqKey, SlotIndex, Ticket, WriteTag};
+use crate::slots::{Landing, SlotTable};
+use crate::time::{earliest, Instant};
+use crate::wire::{AllocRequest, AllocResponse, CancelNotif, Message};
+
+pub use outcome::{Failure, Outcome};
+use tombstones::Tombstones;
+
+/// Something the decoder (or a metrics exporter) should know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReceiverEvent {
+    /// The request holds its reservation; `waited` is its time in the admission queue.
+    Admitted { key: ReqKey, total_chunks: u32, waited: Duration },
+    /// Every chunk is allocated and written: the decoder may read `slots` (chunk order)
+    /// and must then call `handle_consume`.
+    Ready { key: ReqKey, slots: Vec<SlotIndex>, keys: Vec<String> },
+    /// The request ended; exactly one per request that was ever tracked or refused.
+    Ended { key: ReqKey, outcome: Outcome },
+}
+
+/// Why `handle_consume` was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumeError {
+    #[error("request {0} is not known to this receiver")]
+    Unknown(ReqKey),
+    #[error("request {0} is not ready: its chunks are not all written yet")]
+    NotReady(ReqKey),
+}
+
+/// Counters since start, for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    pub admitted: u64,
+    pub refused: u64,
+    pub rolled_back: u64,
+    pub consumed: u64,
+    pub stale_landings: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Phase {
+    /// The first batch waits in the admission queue; it is answered once admitted.
+    Waiting { first: AllocRequest },
+    /// Admitted; batches arrive.
+    Receiving,
+    /// The last batch is allocated; waiting for writes to land.
+    Complete,
+    /// Every chunk landed; waiting for the decoder.
+    Ready,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub ticket: Ticket,
+    pub total: u32,
+    /// The reservation this request holds (0 while waiting); shrinks to the allocated count
+    /// when the last batch comes early (the sender sent fewer chunks than declared).
+    pub reservation: u32,
+    pub phase: Phase,
+    pub slots: Vec<WriteTag>,
+    pub keys: Vec<String>,
+    pub landed: u32,
+    /// A kvx sender tells of each landed write; an LMCache sender does not, so its
+    /// requests are ready as soon as the last batch is allocated.
+    pub notices: bool,
+    pub arrived: Instant,
+    /// When this request's current timer fires (admission, idle, or unconsumed).
+    pub deadline: Instant,
+}
+
+#[derive(Debug)]
+pub struct ReceiverLedger {
+    cfg: ReceiverConfig,
+    admission: Admission,
+    slots: SlotTable,
+    requests: BTreeMap<ReqKey, Request>,
+    tickets: BTreeMap<Ticket, ReqKey>,
+    timers: BTreeSet<(Instant, Ticket)>,
+    next_ticket: u64,
+    tombstones: Tombstones,
+    transmits: VecDeque<(PeerId, AllocResponse)>,
+    events: VecDeque<ReceiverEvent>,
+    stats: ReceiverStats,
+}
+
+impl ReceiverLedger {
+    pub fn new(cfg: ReceiverConfig) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        Ok(Self {
+            admission: Admission::new(cfg.buffer_slots, cfg.admission_queue_max),
+            slots: SlotTable::new(cfg.buffer_slots),
+            tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.tombstones_max),
+            cfg,
+            requests: BTreeMap::new(),
+            tickets: BTreeMap::new(),
+            timers: BTreeSet::new(),
+            next_ticket: 0,
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: ReceiverStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ReceiverConfig {
+        &self.cfg
+    }
+
+    /// A decoded control message from `peer`. Messages a receiver never receives
+    /// (`AllocResponse`, `ProxyNotif`, `FailNotif`) are answered with a refusal.
+    pub fn handle_message(&mut self, now: Instant, peer: PeerId, msg: Message) {
+        match msg {
+            Message::AllocRequest(req) => self.on_alloc_request(now, peer, req),
+            Message::CancelNotif(cancel) => self.on_cancel(now, peer, cancel),
+            other => {
+                let what = match other {
+                    Message::AllocResponse(_) => "AllocResponse",
+                    Message::ProxyNotif(_) => "ProxyNotif",
+                    _ => "FailNotif",
+                };
+                self.stats.refused += 1;
+                let reason = format!("a receiver does not accept {what}; send AllocRequest or CancelNotif");
+                self.transmits.push_back((peer, AllocResponse::refused(1, reason, None)));
+            }
+        }
+    }
+
+    /// A write into `tag` landed (the fabric's immediate value).
+    pub fn handle_chunk_landed(&mut self, now: Instant, tag: WriteTag) {
+        match self.slots.land(tag) {
+            Landing::Current { owner } => {
+                let key = self.tickets.get(&owner).cloned().expect("invariant: a granted slot's owner is tracked");
+                let req = self.requests.get_mut(&key).expect("invariant: ticket maps to a request");
+                req.landed += 1;
+                self.touch(&key, now);
+                self.maybe_ready(now, &key);
+            }
+            Landing::QuarantineCleared => self.admission.unpin(1),
+            Landing::Stale => self.stats.stale_landings += 1,
+        }
+    }
+
+    /// The decoder has read request `key`: its slots and reservation are released.
+    pub fn handle_consume(&mut self, now: Instant, key: &ReqKey) -> Result<(), ConsumeError> {
+        let req = self.requests.get(key).ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
+        if !matches!(req.phase, Phase::Ready) {
+            return Err(ConsumeError::NotReady(key.clone()));
+        }
+        self.stats.consumed += 1;
+        // The decoder read every chunk, so no write into these slots is outstanding.
+        self.end(now, key, Outcome::Consumed, true);
+        Ok(())
+    }
+
+    /// Fires every timer due at `now`: admission timeouts, idle leases, unconsumed TTLs,
+    /// quarantine and tombstone expiry.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(ticket) = self.admission.poll_expired(now) {
+            let key = self.tickets.get(&ticket).cloned().expect("invariant: waiting ticket is tracked");
+            self.fail(now, &key, Failure::AdmissionTimeout, false);
+        }
+        self.drain_admitted(now);
+        while let Some(&(at, ticket)) = self.timers.first() {
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            let key = self.tickets.get(&ticket).cloned().expect("invariant: timer ticket is tracked");
+            let failure = match self.requests[&key].phase {
+                Phase::Waiting { .. } => continue, // admission expiry is handled above
+                Phase::Receiving | Phase::Complete => Failure::IdleTimeout,
+                Phase::Ready => Failure::Unconsumed,
+            };
+            self.fail(now, &key, failure, false);
+        }
+        let mut unpinned = 0;
+        while self.slots.poll_quarantine_expired(now).is_some() {
+            unpinned += 1;
+        }
+        if unpinned > 0 {
+            self.admission.unpin(unpinned);
+            self.drain_admitted(now);
+        }
+        self.tombstones.expire(now);
+    }
+
+    /// The earliest instant at which `handle_timeout` has work.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let t = earliest(self.admission.next_deadline(), self.timers.first().map(|t| t.0));
+        earliest(earliest(t, self.slots.next_deadline()), self.tombstones.next_deadline())
+    }
+
+    /// The next reply to send.
+    pub fn poll_transmit(&mut self) -> Option<(PeerId, AllocResponse)> {
+        self.transmits.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
+        self.events.pop_front()
+    }
+
+    pub fn stats(&self) -> &ReceiverStats {
+        &self.stats
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.cfg.buffer_slots
+    }
+
+    /// Reserved but not yet allocated slots.
+    pub fn reserved_unallocated(&self) -> u32 {
+        self.requests.values().map(|r| r.reservation - r.slots.len() as u32).sum()
+    }
+
+    /// Slots owned by live requests (granted or landed).
+    pub fn held_slots(&self) -> u32 {
+        self.slots.held_count()
+    }
+
+    pub fn quarantined_slots(&self) -> u32 {
+        self.slots.quarantined_count()
+    }
+
+    pub fn free_slots(&self) -> u32 {
+        self.slots.free_count()
+    }
+
+    /// Total of all reservations (the admission view).
+    pub fn reserved_total(&self) -> u32 {
+        self.admission.reserved()
+    }
+
+    pub fn admission_queue_len(&self) -> usize {
+        self.admission.queue_len()
+    }
+
+    pub fn tracked_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// True when nothing is reserved, held, quarantined or waiting: the buffer is entirely free.
+    pub fn is_quiescent(&self) -> bool {
+        self.requests.is_empty() && self.slots.free_count() == self.capacity()
+    }
+
+    /// The slot tags of a tracked request, in chunk order.
+    pub fn request_slots(&self, key: &ReqKey) -> Option<&[WriteTag]> {
+        self.requests.get(key).map(|r| r.slots.as_slice())
+    }
+
+    fn on_cancel(&mut self, now: Instant, peer: PeerId, cancel: CancelNotif) {
+        let key = ReqKey { peer, req_id: cancel.req_id.as_str().into() };
+        let drained = cancel.drained.unwrap_or(false);
+        if self.requests.contains_key(&key) {
+            self.fail(now, &key, Failure::Cancelled, drained);
+        } else if !self.tombstones.contains(&key) {
+            // Remember the id anyway, so that a batch still on its way is not admitted afresh.
+            self.tombstones.insert(now, key, Outcome::Failed(Failure::Cancelled));
+        }
+        self.transmits.push_back((peer, AllocResponse::cancel_ack(cancel.seq)));
+    }
+
+    fn new_ticket(&mut self) -> Ticket {
+        self.next_ticket += 1;
+        Ticket(self.next_ticket)
+    }
+
+    /// Moves the request's timer to `at`.
+    fn set_timer(&mut self, key: &ReqKey, at: Instant) {
+        let req = self.requests.get_mut(key).expect("invariant: timer for a tracked request");
+        self.timers.remove(&(req.deadline, req.ticket));
+        req.deadline = at;
+        self.timers.insert((at, req.ticket));
+    }
+
+    /// Progress on an admitted request renews its idle lease.
+    fn touch(&mut self, key: &ReqKey, now: Instant) {
+        if let Some(req) = self.requests.get(key) {
+            if matches!(req.phase, Phase::Receiving | Phase::Complete) {
+                self.set_timer(key, now + self.cfg.request_idle_timeout);
+            }
+        }
+    }
+
+    fn maybe_ready(&mut self, now: Instant, key: &ReqKey) {
+        let req = self.requests.get_mut(key).expect("invariant: ready check on a tracked request");
+        let all_landed = req.landed as usize == req.slots.len();
+        if !matches!(req.phase, Phase::Complete) || !(all_landed || !req.notices) {
+            return;
+        }
+        req.phase = Phase::Ready;
+        let event = ReceiverEvent::Ready {
+            key: key.clone(),
+            slots: req.slots.iter().map(|t| t.slot).collect(),
+            keys: req.keys.clone(),
+        };
+        self.events.push_back(event);
+        self.set_timer(key, now + self.cfg.unconsumed_ttl);
+    }
+
+    /// Rolls back `key` and tells its sender when a first batch still waits for its reply.
+    fn fail(&mut self, now: Instant, key: &ReqKey, failure: Failure, drained: bool) {
+        self.stats.rolled_back += 1;
+        if let Some(Request { phase: Phase::Waiting { first }, ticket, .. }) = self.requests.get(key) {
+            let reply = AllocResponse::refused(first.keys.len(), failure.to_string(), first.seq);
+            self.admission.withdraw(*ticket);
+            self.transmits.push_back((key.peer, reply));
+        }
+        self.end(now, key, Outcome::Failed(failure), drained);
+    }
+
+    /// Ends a tracked request: frees or quarantines its slots, returns its reservation,
+    /// remembers its id, and reports the outcome. `drained`: no write into its slots can
+    /// still land.
+    fn end(&mut self, now: Instant, key: &ReqKey, outcome: Outcome, drained: bool) {
+        let req = self.requests.remove(key).expect("invariant: ending a tracked request");
+        self.tickets.remove(&req.ticket);
+        self.timers.remove(&(req.deadline, req.ticket));
+        let until = now + self.cfg.write_quarantine;
+        let mut quarantined = 0;
+        for tag in &req.slots {
+            if drained {
+                self.slots.release(tag.slot);
+            } else if self.slots.quarantine(tag.slot, until) {
+                quarantined += 1;
+            }
+        }
+        self.admission.pin_from_reservation(quarantined);
+        self.admission.release(req.reservation - quarantined);
+        self.tombstones.insert(now, key.clone(), outcome.clone());
+        self.events.push_back(ReceiverEvent::Ended { key: key.clone(), outcome });
+        self.drain_admitted(now);
+    }
+
+    /// Answers the first batches of requests that admission has just let in.
+    fn drain_admitted(&mut self, now: Instant) {
+        while let Some(ticket) = self.admission.poll_admitted() {
+            let key = self.tickets.get(&ticket).cloned().expect("invariant: admitted ticket is tracked");
+            let req = self.requests.get_mut(&key).expect("invariant: ticket maps to a request");
+            let Phase::Waiting { first } = std::mem::replace(&mut req.phase, Phase::Receiving) else {
+                panic!("invariant: only waiting requests are admitted from the queue");
+            };
+            req.reservation = req.total;
+            let waited = now - req.arrived;
+            self.on_admitted(now, &key, waited);
+            self.apply_batch(now, &key, first);
+        }
+    }
+
+    fn on_admitted(&mut self, now: Instant, key: &ReqKey, waited: Duration) {
+        self.stats.admitted += 1;
+        let total_chunks = self.requests[key].total;
+        self.events.push_back(ReceiverEvent::Admitted { key: key.clone(), total_chunks, waited });
+        self.set_timer(key, now + self.cfg.request_idle_timeout);
+    }
+
+    pub fn check_invariants(&self) {
+        self.admission.check_invariants();
+        self.slots.check_invariants();
+        let reserved: u32 = self.requests.values().map(|r| r.reservation).sum();
+        assert_eq!(reserved, self.admission.reserved(), "invariant: reservations add up");
+        assert_eq!(
+            self.slots.quarantined_count(),
+            self.admission.pinned(),
+            "invariant: every quarantined slot is pinned in admission"
+        );
+        assert_eq!(
+            self.slots.free_count() + self.slots.held_count() + self.slots.quarantined_count(),
+            self.capacity(),
+            "invariant: free + held + quarantined = capacity"
+        );
+        assert!(
+            self.slots.held_count() + self.reserved_unallocated() + self.slots.quarantined_count() <= self.capacity(),
+            "invariant: held + reserved + quarantined <= capacity"
+        );
+        assert!(self.requests.len() <= self.cfg.requests_max, "invariant: request table bound");
+        let mut owners = BTreeMap::new();
+        for (key, req) in &self.requests {
+            assert_eq!(self.tickets.get(&req.ticket), Some(key), "invariant: ticket index");
+            assert!(req.slots.len() as u32 <= req.reservation, "invariant: {key} allocated beyond its reservation");
+            assert!(req.reservation <= req.total, "invariant: {key} reserved beyond its total");
+            let waiting = matches!(req.phase, Phase::Waiting { .. });
+            assert_eq!(waiting, self.admission.is_waiting(req.ticket), "invariant: {key} waits iff queued");
+            if !waiting {
+                assert!(self.timers.contains(&(req.deadline, req.ticket)), "invariant: {key} has a timer");
+            }
+            for tag in &req.slots {
+                assert!(owners.insert(tag.slot, key).is_none(), "invariant: slot {} has two owners", tag.slot.0);
+                let state = self.slots.state(tag.slot);
+                assert!(
+                    matches!(state, crate::slots::SlotState::Granted { owner } | crate::slots::SlotState::Landed { owner } if owner == req.ticket),
+                    "invariant: {key}'s slot {} is in state {state:?}",
+                    tag.slot.0
+                );
+            }
+        }
+        assert_eq!(owners.len() as u32, self.slots.held_count(), "invariant: every held slot has an owner");
+    }
+}

@@ -1,0 +1,96 @@
+//! How a receiver-side request ends, and the reason a sender is given for each refusal.
+//! Every reason names the request and says what a person can do about it.
+
+use std::fmt;
+
+use crate::admission::Refusal;
+
+/// Why the receiver refused or ended a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Failure {
+    /// `req_id` was empty: LMCache's legacy path, which has no admission control.
+    NoReqId,
+    /// `total_chunks == 0` on the first batch.
+    ZeroChunks,
+    /// The request declares more chunks than the whole buffer holds.
+    LargerThanBuffer { need: u32, capacity: u32 },
+    /// Too many requests wait for admission.
+    AdmissionQueueFull { max: usize },
+    /// Too many requests are tracked.
+    TooManyRequests { max: usize },
+    /// Waited `admission_timeout` without a reservation.
+    AdmissionTimeout,
+    /// The sender broke the protocol (the text says how); the request is rolled back.
+    ProtocolViolation(String),
+    /// The sender cancelled the request.
+    Cancelled,
+    /// No batch and no landed chunk for `request_idle_timeout`: the sender is presumed dead.
+    IdleTimeout,
+    /// Complete but not consumed by the decoder within `unconsumed_ttl`.
+    Unconsumed,
+    /// The request already ended; a late batch is refused, never admitted afresh.
+    AlreadyEnded(Box<Outcome>),
+}
+
+/// The end of a request on the receiver: exactly one per request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Consumed,
+    Failed(Failure),
+}
+
+impl From<Refusal> for Failure {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::ZeroChunks => Failure::ZeroChunks,
+            Refusal::LargerThanBuffer { need, capacity } => Failure::LargerThanBuffer { need, capacity },
+            Refusal::QueueFull { max } => Failure::AdmissionQueueFull { max },
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::NoReqId => f.write_str(
+                "no req_id: kvx does not serve LMCache's legacy path; send req_id and total_chunks",
+            ),
+            Failure::ZeroChunks => f.write_str(
+                "total_chunks is 0 on the first batch: declare how many chunks the request will send",
+            ),
+            Failure::LargerThanBuffer { need, capacity } => write!(
+                f,
+                "request needs {need} chunks but the receiver buffer has only {capacity} slots: \
+                 raise the receiver's buffer size or lower the prompt length"
+            ),
+            Failure::AdmissionQueueFull { max } => {
+                write!(f, "admission queue is full ({max} requests wait): retry later or add receivers")
+            }
+            Failure::TooManyRequests { max } => {
+                write!(f, "receiver tracks {max} requests already: retry later or raise requests_max")
+            }
+            Failure::AdmissionTimeout => f.write_str(
+                "admission timed out: the buffer stayed full for admission_timeout; \
+                 the decoder may not be consuming requests",
+            ),
+            Failure::ProtocolViolation(why) => write!(f, "protocol violation: {why}; the request was rolled back"),
+            Failure::Cancelled => f.write_str("cancelled by the sender"),
+            Failure::IdleTimeout => f.write_str(
+                "no batch or write arrived for request_idle_timeout: the sender is presumed dead \
+                 and the reservation was reclaimed",
+            ),
+            Failure::Unconsumed => f.write_str("the decoder did not consume the request within unconsumed_ttl"),
+            Failure::AlreadyEnded(outcome) => write!(f, "request already ended ({outcome}); late batch refused"),
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Outcome::Consumed => f.write_str("consumed"),
+            Outcome::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Ids of ended requests, remembered for `tombstone_ttl` (at most `tombstones_max`, oldest
+//! forgotten first), so a late batch of a failed or cancelled request gets an error reply
+//! and is never admitted afresh (LMCache's zombie re-admission, W7).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use super::Outcome;
+use crate::ids::ReqKey;
+use crate::time::Instant;
+
+#[derive(Debug)]
+pub(super) struct Tombstones {
+    ttl: Duration,
+    max: usize,
+    ended: BTreeMap<ReqKey, (Instant, Outcome)>,
+    order: VecDeque<(Instant, ReqKey)>,
+}
+
+impl Tombstones {
+    pub fn new(ttl: Duration, max: usize) -> Self {
+        Self { ttl, max, ended: BTreeMap::new(), order: VecDeque::new() }
+    }
+
+    pub fn insert(&mut self, now: Instant, key: ReqKey, outcome: Outcome) {
+        if self.max == 0 {
+            return;
+        }
+        while self.ended.len() >= self.max {
+            self.pop_oldest();
+        }
+        self.ended.insert(key.clone(), (now, outcome));
+        self.order.push_back((now, key));
+    }
+
+    pub fn get(&self, key: &ReqKey) -> Option<&Outcome> {
+        self.ended.get(key).map(|(_, o)| o)
+    }
+
+    pub fn contains(&self, key: &ReqKey) -> bool {
+        self.ended.contains_key(key)
+    }
+
+    pub fn expire(&mut self, now: Instant) {
+        while self.order.front().is_some_and(|(at, _)| *at + self.ttl <= now) {
+            self.pop_oldest();
+        }
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.order.front().map(|(at, _)| *at + self.ttl)
+    }
+
+    fn pop_oldest(&mut self) {
+        let Some((at, key)) = self.order.pop_front() else { return };
+        // A key ended twice has two queue entries; only the newest owns the map entry.
+        if self.ended.get(&key).is_some_and(|(t, _)| *t == at) {
+            self.ended.remove(&key);
+        }
+    }
+}

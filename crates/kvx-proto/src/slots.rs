@@ -1,0 +1,236 @@
+//! The receiver's buffer slots: who owns each, which grant (generation) it is on, and
+//! whether a write into it may still land (`docs/spec/protocol.md` §Slots).
+//!
+//! A slot is never handed out again while a write into it may still land: a rolled-back
+//! slot whose write has not been seen goes to quarantine until its write lands (the write
+//! tag names the grant) or `write_quarantine` passes. Freed slots are reused oldest-first,
+//! which also spaces out generations of one slot.
+
+use std::collections::VecDeque;
+
+use crate::ids::{SlotIndex, Ticket, WriteTag};
+use crate::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    /// Handed to `owner`'s sender; its write has not been seen.
+    Granted { owner: Ticket },
+    /// `owner`'s write has landed.
+    Landed { owner: Ticket },
+    /// Owner rolled back while a write may still land; unusable until `until`.
+    Quarantined { until: Instant },
+}
+
+/// What a landed-write notice meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landing {
+    /// The write of a current grant landed.
+    Current { owner: Ticket },
+    /// A late write of a rolled-back grant landed in quarantine; the slot is free now.
+    QuarantineCleared,
+    /// A notice for a grant that is not current (duplicate, or a slot already reused):
+    /// counted, ignored.
+    Stale,
+}
+
+#[derive(Debug, Clone)]
+pub struct SlotTable {
+    state: Vec<SlotState>,
+    generation: Vec<u32>,
+    free: VecDeque<SlotIndex>,
+    /// (until, slot, generation) in `until` order, since `until` is now + a fixed duration.
+    quarantine: VecDeque<(Instant, SlotIndex, u32)>,
+    granted: u32,
+    landed: u32,
+    quarantined: u32,
+}
+
+impl SlotTable {
+    pub fn new(slots: u32) -> Self {
+        Self {
+            state: vec![SlotState::Free; slots as usize],
+            generation: vec![0; slots as usize],
+            free: (0..slots).map(SlotIndex).collect(),
+            quarantine: VecDeque::new(),
+            granted: 0,
+            landed: 0,
+            quarantined: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.state.len() as u32
+    }
+
+    pub fn free_count(&self) -> u32 {
+        self.free.len() as u32
+    }
+
+    pub fn quarantined_count(&self) -> u32 {
+        self.quarantined
+    }
+
+    /// Granted or landed: slots that belong to a live request.
+    pub fn held_count(&self) -> u32 {
+        self.granted + self.landed
+    }
+
+    pub fn state(&self, slot: SlotIndex) -> SlotState {
+        self.state[slot.0 as usize]
+    }
+
+    pub fn tag(&self, slot: SlotIndex) -> WriteTag {
+        WriteTag { slot, generation: self.generation[slot.0 as usize] }
+    }
+
+    /// Hands a free slot to `owner` under a new generation. None when no slot is free, which
+    /// admission rules out for admitted requests (asserted by the ledger).
+    pub fn grant(&mut self, owner: Ticket) -> Option<WriteTag> {
+        let slot = self.free.pop_front()?;
+        let i = slot.0 as usize;
+        debug_assert_eq!(self.state[i], SlotState::Free);
+        self.generation[i] = self.generation[i].wrapping_add(1);
+        self.state[i] = SlotState::Granted { owner };
+        self.granted += 1;
+        Some(WriteTag { slot, generation: self.generation[i] })
+    }
+
+    /// A write notice arrived for `tag`.
+    pub fn land(&mut self, tag: WriteTag) -> Landing {
+        let Some(&state) = self.state.get(tag.slot.0 as usize) else {
+            return Landing::Stale;
+        };
+        if !self.tag(tag.slot).same_grant(tag) {
+            return Landing::Stale;
+        }
+        match state {
+            SlotState::Granted { owner } => {
+                self.state[tag.slot.0 as usize] = SlotState::Landed { owner };
+                self.granted -= 1;
+                self.landed += 1;
+                Landing::Current { owner }
+            }
+            SlotState::Quarantined { .. } => {
+                self.set_free(tag.slot);
+                self.quarantined -= 1;
+                Landing::QuarantineCleared
+            }
+            SlotState::Free | SlotState::Landed { .. } => Landing::Stale,
+        }
+    }
+
+    /// Frees a slot whose write cannot land any more (it landed, or the sender is drained).
+    pub fn release(&mut self, slot: SlotIndex) {
+        match self.state(slot) {
+            SlotState::Granted { .. } => self.granted -= 1,
+            SlotState::Landed { .. } => self.landed -= 1,
+            other => panic!("invariant: release of slot {} in state {other:?}", slot.0),
+        }
+        self.set_free(slot);
+    }
+
+    /// Takes a granted slot out of use until its write lands or `until` passes. Returns
+    /// false (and frees the slot) when its write already landed.
+    pub fn quarantine(&mut self, slot: SlotIndex, until: Instant) -> bool {
+        match self.state(slot) {
+            SlotState::Landed { .. } => {
+                self.release(slot);
+                false
+            }
+            SlotState::Granted { .. } => {
+                self.granted -= 1;
+                self.quarantined += 1;
+                self.state[slot.0 as usize] = SlotState::Quarantined { until };
+                let generation = self.generation[slot.0 as usize];
+                self.quarantine.push_back((until, slot, generation));
+                true
+            }
+            other => panic!("invariant: quarantine of slot {} in state {other:?}", slot.0),
+        }
+    }
+
+    /// Frees the next quarantined slot whose time is up. Entries whose slot was already
+    /// cleared by a late landing are skipped.
+    pub fn poll_quarantine_expired(&mut self, now: Instant) -> Option<SlotIndex> {
+        while let Some(&(until, slot, generation)) = self.quarantine.front() {
+            let live = self.generation[slot.0 as usize] == generation
+                && matches!(self.state(slot), SlotState::Quarantined { .. });
+            if live && until > now {
+                return None;
+            }
+            self.quarantine.pop_front();
+            if live {
+                self.set_free(slot);
+                self.quarantined -= 1;
+                return Some(slot);
+            }
+        }
+        None
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.quarantine.front().map(|q| q.0)
+    }
+
+    fn set_free(&mut self, slot: SlotIndex) {
+        self.state[slot.0 as usize] = SlotState::Free;
+        self.free.push_back(slot);
+    }
+
+    pub fn check_invariants(&self) {
+        let (mut free, mut granted, mut landed, mut quarantined) = (0u32, 0u32, 0u32, 0u32);
+        for s in &self.state {
+            match s {
+                SlotState::Free => free += 1,
+                SlotState::Granted { .. } => granted += 1,
+                SlotState::Landed { .. } => landed += 1,
+                SlotState::Quarantined { .. } => quarantined += 1,
+            }
+        }
+        assert_eq!(free as usize, self.free.len(), "invariant: free list matches free slots");
+        assert_eq!((granted, landed, quarantined), (self.granted, self.landed, self.quarantined), "invariant: slot counters");
+        assert_eq!(free + granted + landed + quarantined, self.capacity(), "invariant: every slot has one state");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_late_write_clears_quarantine_and_a_stale_one_is_ignored() {
+        let mut t = SlotTable::new(2);
+        let a = t.grant(Ticket(1)).expect("free slot");
+        assert!(t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(5)));
+        assert_eq!(t.free_count(), 1);
+        assert_eq!(t.land(a), Landing::QuarantineCleared);
+        assert_eq!(t.land(a), Landing::Stale);
+        t.check_invariants();
+    }
+
+    #[test]
+    fn quarantine_expires_in_order() {
+        let mut t = SlotTable::new(2);
+        let a = t.grant(Ticket(1)).expect("free slot");
+        let b = t.grant(Ticket(1)).expect("free slot");
+        t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(1));
+        t.quarantine(b.slot, Instant::ZERO + Duration::from_secs(2));
+        assert_eq!(t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)), Some(a.slot));
+        assert_eq!(t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)), None);
+        assert_eq!(t.grant(Ticket(2)).map(|g| g.slot), Some(a.slot));
+        t.check_invariants();
+    }
+
+    #[test]
+    fn regranting_bumps_the_generation() {
+        let mut t = SlotTable::new(1);
+        let a = t.grant(Ticket(1)).expect("free slot");
+        t.release(a.slot);
+        let b = t.grant(Ticket(2)).expect("free slot");
+        assert_eq!(a.slot, b.slot);
+        assert_ne!(a.generation, b.generation);
+        assert_eq!(t.land(a), Landing::Stale);
+    }
+}
