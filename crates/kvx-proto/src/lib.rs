@@ -16,7 +16,9 @@
 pub mod admission;
 pub mod config;
 pub mod ids;
+pub mod proxy;
 pub mod receiver;
+pub mod sender;
 pub mod slots;
 pub mod time;
 pub mod wire;

@@ -1,0 +1,681 @@
+//! The sender (prefill side): admission before staging, the staging pool, pipelined
+//! control channels, writes, and exactly-once `ProxyNotif` (`docs/spec/protocol.md` §Sender).
+//!
+//! - `mod.rs`: `SenderFlow`, its inputs and outputs, request lifecycle.
+//! - `channel.rs`: one control channel to one receiver (pipelined or serial).
+//! - `reply.rs`: what a receiver's reply does.
+//! - `staging.rs`: the staging pool.
+//!
+//! A request goes Admitting → Admitted → (Delivered | Failed). A failed request sends one
+//! `CancelNotif` once its posted writes have completed (so it can say `drained`), then
+//! leaves no state behind.
+
+mod channel;
+mod reply;
+mod staging;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use crate::config::{ConfigError, Pipelining, SenderConfig};
+use crate::ids::{PeerId, ReqId, SlotIndex, StagingSlot, WriteId, WriteTag};
+use crate::time::{earliest, Instant};
+use crate::wire::{AllocRequest, CancelNotif, FailNotif, Message, ProxyNotif};
+
+pub use channel::{ChunkSpec, Mode};
+use channel::{Channel, InFlight, Kind, Outgoing};
+pub use staging::StagingPool;
+
+/// Where a message goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destination {
+    Receiver(PeerId),
+    Proxy,
+}
+
+/// A message to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    pub to: Destination,
+    pub msg: Message,
+}
+
+/// A one-sided write to post: the staged chunk into the receiver's slot. The driver reports
+/// its completion with `handle_write_done(id, …)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteOp {
+    pub id: WriteId,
+    pub req_id: ReqId,
+    pub receiver: PeerId,
+    /// The chunk's position in its request.
+    pub chunk: u32,
+    pub staging: StagingSlot,
+    pub remote: SlotIndex,
+    /// The immediate value to carry, when the receiver handed out generations (kvx).
+    pub tag: Option<WriteTag>,
+}
+
+/// How a request was described when it began.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestSpec {
+    pub req_id: ReqId,
+    pub receiver: PeerId,
+    pub total_chunks: u32,
+    pub fmt: u32,
+    /// Shape of one full chunk.
+    pub shape: Vec<u64>,
+    pub dtype: String,
+}
+
+/// Why a request failed on the sender.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SendFailure {
+    Cancelled,
+    /// The receiver refused; its reason, when it gave one.
+    Refused(String),
+    /// The receiver's reply broke the protocol.
+    BadReply(String),
+    /// No reply within the configured bound.
+    ReplyTimeout,
+    /// The control channel to the receiver was lost.
+    ChannelLost,
+    WriteFailed(String),
+    /// A write did not complete within `write_timeout`.
+    WriteTimeout,
+    /// The caller broke the API contract (more chunks than declared, …).
+    Misuse(String),
+}
+
+impl fmt::Display for SendFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendFailure::Cancelled => f.write_str("cancelled"),
+            SendFailure::Refused(why) => write!(f, "refused by the receiver: {why}"),
+            SendFailure::BadReply(why) => write!(f, "bad reply from the receiver: {why}"),
+            SendFailure::ReplyTimeout => f.write_str("the receiver did not reply in time"),
+            SendFailure::ChannelLost => f.write_str("the control channel to the receiver was lost"),
+            SendFailure::WriteFailed(why) => write!(f, "a write failed: {why}"),
+            SendFailure::WriteTimeout => f.write_str("a write did not complete within write_timeout"),
+            SendFailure::Misuse(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+/// What the caller (the prefill engine, a driver) should know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SenderEvent {
+    /// The receiver reserved the whole request: its chunks may now take staging.
+    Admitted { req_id: ReqId },
+    /// Every chunk is written and `ProxyNotif` was emitted (exactly once).
+    Delivered { req_id: ReqId },
+    Failed { req_id: ReqId, failure: SendFailure },
+    /// The channel to `receiver` was reset (reply timeout or loss): the driver should
+    /// reconnect and reset the fabric connection so outstanding writes are flushed.
+    ChannelReset { receiver: PeerId },
+    /// A write is overdue: the driver should reset the fabric connection to `receiver`,
+    /// which flushes the write with an error.
+    FabricStalled { receiver: PeerId },
+}
+
+/// Why a call was refused. The request's state is unchanged unless the text says so.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendError {
+    #[error("request {0} is not known (never begun, or already ended)")]
+    Unknown(ReqId),
+    #[error("request {0} already exists")]
+    Duplicate(ReqId),
+    #[error("request {0} declares total_chunks=0: declare how many chunks it will send")]
+    ZeroChunks(ReqId),
+    #[error("too many requests in flight ({0}); retry later")]
+    TooManyRequests(usize),
+    #[error("request {0} is not admitted yet: wait for its Admitted event")]
+    NotAdmitted(ReqId),
+    #[error("no staging slot is free: wait until writes complete")]
+    WouldBlock,
+    #[error("request {0} failed: {1}")]
+    Failed(ReqId, SendFailure),
+    #[error("request {req_id}: {why} (the request was cancelled)")]
+    Misuse { req_id: ReqId, why: String },
+    #[error("the channel to {0} has {1} queued messages; retry later")]
+    ChannelFull(PeerId, usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Admitting,
+    Admitted,
+    /// Failed: waits for its posted writes to complete, then sends CancelNotif and goes.
+    Failing,
+}
+
+#[derive(Debug, Clone)]
+struct SendRequest {
+    spec: RequestSpec,
+    state: State,
+    /// Staging slots handed to the caller and not yet submitted.
+    staged: BTreeSet<StagingSlot>,
+    submitted: u32,
+    written: u32,
+    writes_in_flight: u32,
+    batches_unanswered: u32,
+    last_submitted: bool,
+    last_acked: bool,
+    /// Keys of every batch sent, for CancelNotif (an LMCache receiver removes exactly these).
+    keys_sent: Vec<String>,
+    /// A message of this request reached the receiver (so it may hold state there).
+    sent_any: bool,
+}
+
+#[derive(Debug, Clone)]
+struct PendingWrite {
+    req_id: ReqId,
+    receiver: PeerId,
+    staging: StagingSlot,
+    deadline: Instant,
+    stall_reported: bool,
+}
+
+/// Counters since start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SenderStats {
+    pub begun: u64,
+    pub delivered: u64,
+    pub failed: u64,
+    pub stale_replies: u64,
+}
+
+#[derive(Debug)]
+pub struct SenderFlow {
+    cfg: SenderConfig,
+    requests: BTreeMap<ReqId, SendRequest>,
+    channels: BTreeMap<PeerId, Channel>,
+    staging: StagingPool,
+    writes: BTreeMap<WriteId, PendingWrite>,
+    next_write: u64,
+    next_seq: u64,
+    transmits: VecDeque<Transmit>,
+    write_ops: VecDeque<WriteOp>,
+    events: VecDeque<SenderEvent>,
+    stats: SenderStats,
+}
+
+impl SenderFlow {
+    pub fn new(cfg: SenderConfig) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        Ok(Self {
+            staging: StagingPool::new(cfg.staging_slots),
+            cfg,
+            requests: BTreeMap::new(),
+            channels: BTreeMap::new(),
+            writes: BTreeMap::new(),
+            next_write: 0,
+            next_seq: 0,
+            transmits: VecDeque::new(),
+            write_ops: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: SenderStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SenderConfig {
+        &self.cfg
+    }
+
+    /// Starts a request: queues its admission probe to the receiver.
+    pub fn handle_begin(&mut self, now: Instant, spec: RequestSpec) -> Result<(), SendError> {
+        if spec.total_chunks == 0 {
+            return Err(SendError::ZeroChunks(spec.req_id));
+        }
+        if self.requests.contains_key(&spec.req_id) {
+            return Err(SendError::Duplicate(spec.req_id));
+        }
+        if self.requests.len() >= self.cfg.requests_max {
+            return Err(SendError::TooManyRequests(self.cfg.requests_max));
+        }
+        let probe = self.alloc_request(&spec, Vec::new(), 0, false);
+        self.check_channel_room(spec.receiver)?;
+        self.stats.begun += 1;
+        let req_id = spec.req_id.clone();
+        let receiver = spec.receiver;
+        self.requests.insert(
+            req_id.clone(),
+            SendRequest {
+                spec,
+                state: State::Admitting,
+                staged: BTreeSet::new(),
+                submitted: 0,
+                written: 0,
+                writes_in_flight: 0,
+                batches_unanswered: 0,
+                last_submitted: false,
+                last_acked: false,
+                keys_sent: Vec::new(),
+                sent_any: false,
+            },
+        );
+        self.enqueue(receiver, req_id, Kind::Probe, probe);
+        self.pump(now, receiver);
+        Ok(())
+    }
+
+    /// Takes a staging slot for an admitted request. `WouldBlock` means wait for a write to
+    /// complete (a blocking driver sleeps on it, bounded by `staging_timeout`).
+    pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        match req.state {
+            State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
+            State::Failing => return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled)),
+            State::Admitted => {}
+        }
+        let needed = req.submitted as usize + req.staged.len();
+        if req.last_submitted || needed >= req.spec.total_chunks as usize {
+            let why = format!("all {} declared chunks already have staging", req.spec.total_chunks);
+            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+        }
+        let slot = self.staging.take(req_id).ok_or(SendError::WouldBlock)?;
+        self.requests.get_mut(req_id).expect("invariant: checked above").staged.insert(slot);
+        Ok(slot)
+    }
+
+    /// Hands back a staging slot the caller took but will not submit.
+    pub fn release_staging(&mut self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
+        let req = self.requests.get_mut(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        if !req.staged.remove(&slot) {
+            let why = format!("staging slot {} is not held by this request", slot.0);
+            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+        }
+        self.staging.give_back(slot);
+        Ok(())
+    }
+
+    /// Submits one batch of staged chunks (empty only as the last batch). Misuse — more
+    /// chunks than declared, a slot the request does not hold, a batch after the last —
+    /// cancels the request, since its declared shape can no longer be trusted.
+    pub fn handle_submit(
+        &mut self,
+        now: Instant,
+        req_id: &ReqId,
+        chunks: Vec<ChunkSpec>,
+        is_last: bool,
+    ) -> Result<(), SendError> {
+        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        match req.state {
+            State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
+            State::Failing => return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled)),
+            State::Admitted => {}
+        }
+        if let Some(why) = Self::misuse_of(req, &chunks, is_last) {
+            self.fail(now, req_id, SendFailure::Misuse(why.clone()));
+            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+        }
+        let receiver = req.spec.receiver;
+        self.check_channel_room(receiver)?;
+        let req = self.requests.get_mut(req_id).expect("invariant: checked above");
+        for c in &chunks {
+            req.staged.remove(&c.staging);
+        }
+        req.submitted += chunks.len() as u32;
+        req.last_submitted = is_last;
+        req.batches_unanswered += 1;
+        let keys = chunks.iter().map(|c| c.key.clone()).collect();
+        let last_toks = chunks.last().map_or(0, |c| c.tokens);
+        let spec = req.spec.clone();
+        let msg = self.alloc_request(&spec, keys, last_toks, is_last);
+        self.enqueue(receiver, req_id.clone(), Kind::Batch { chunks, is_last }, msg);
+        self.pump(now, receiver);
+        Ok(())
+    }
+
+    /// Aborts a request from any state and any thread's point of view: pending staging is
+    /// released, the receiver is told with one `CancelNotif` once no write of the request
+    /// is outstanding, and the request leaves no state behind.
+    pub fn handle_cancel(&mut self, now: Instant, req_id: &ReqId) -> Result<(), SendError> {
+        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        if req.state == State::Failing {
+            return Ok(());
+        }
+        self.fail(now, req_id, SendFailure::Cancelled);
+        Ok(())
+    }
+
+    /// A posted write completed, with an error text on failure.
+    pub fn handle_write_done(&mut self, now: Instant, id: WriteId, result: Result<(), String>) {
+        let Some(w) = self.writes.remove(&id) else { return };
+        self.staging.give_back(w.staging);
+        let req = self.requests.get_mut(&w.req_id).expect("invariant: a pending write's request is tracked");
+        req.writes_in_flight -= 1;
+        match (result, req.state) {
+            (Ok(()), State::Admitted) => {
+                req.written += 1;
+                self.maybe_delivered(&w.req_id);
+            }
+            (Err(why), State::Admitted) => self.fail(now, &w.req_id, SendFailure::WriteFailed(why)),
+            (_, _) => self.maybe_finish_failing(now, &w.req_id),
+        }
+    }
+
+    /// The control channel to `receiver` broke (the driver saw the connection drop): every
+    /// request on it fails; the channel starts afresh.
+    pub fn handle_receiver_lost(&mut self, now: Instant, receiver: PeerId) {
+        self.reset_channel(now, receiver, SendFailure::ChannelLost);
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let overdue: Vec<PeerId> = self
+            .channels
+            .iter()
+            .filter(|(_, ch)| ch.next_deadline().is_some_and(|d| d <= now))
+            .map(|(p, _)| *p)
+            .collect();
+        for receiver in overdue {
+            self.reset_channel(now, receiver, SendFailure::ReplyTimeout);
+        }
+        let stalled: Vec<WriteId> = self
+            .writes
+            .iter()
+            .filter(|(_, w)| !w.stall_reported && w.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stalled {
+            let w = self.writes.get_mut(&id).expect("invariant: listed above");
+            w.stall_reported = true;
+            let (req_id, receiver) = (w.req_id.clone(), w.receiver);
+            self.events.push_back(SenderEvent::FabricStalled { receiver });
+            if self.requests.get(&req_id).is_some_and(|r| r.state != State::Failing) {
+                self.fail(now, &req_id, SendFailure::WriteTimeout);
+            }
+        }
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let channels = self.channels.values().filter_map(Channel::next_deadline).min();
+        let writes = self.writes.values().filter(|w| !w.stall_reported).map(|w| w.deadline).min();
+        earliest(channels, writes)
+    }
+
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    pub fn poll_write(&mut self) -> Option<WriteOp> {
+        self.write_ops.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<SenderEvent> {
+        self.events.pop_front()
+    }
+
+    pub fn stats(&self) -> &SenderStats {
+        &self.stats
+    }
+
+    pub fn staging_free(&self) -> u32 {
+        self.staging.free_count()
+    }
+
+    pub fn staging_capacity(&self) -> u32 {
+        self.staging.capacity()
+    }
+
+    pub fn is_admitted(&self, req_id: &ReqId) -> bool {
+        self.requests.get(req_id).is_some_and(|r| r.state == State::Admitted)
+    }
+
+    pub fn tracked_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn channel_mode(&self, receiver: PeerId) -> Option<Mode> {
+        self.channels.get(&receiver).map(|c| c.mode)
+    }
+
+    /// True when no request, message or write is outstanding and all staging is free.
+    pub fn is_quiescent(&self) -> bool {
+        self.requests.is_empty()
+            && self.writes.is_empty()
+            && self.staging.free_count() == self.staging.capacity()
+            && self.channels.values().all(|c| c.queue.is_empty() && c.in_flight.is_empty())
+    }
+
+    fn misuse_of(req: &SendRequest, chunks: &[ChunkSpec], is_last: bool) -> Option<String> {
+        if req.last_submitted {
+            return Some("a batch was submitted after the last batch".into());
+        }
+        if chunks.is_empty() && !is_last {
+            return Some("an empty batch that is not the last batch".into());
+        }
+        let count = req.submitted + chunks.len() as u32;
+        if count > req.spec.total_chunks {
+            return Some(format!("declared total_chunks={} but submitted {count}", req.spec.total_chunks));
+        }
+        let mut seen = BTreeSet::new();
+        for c in chunks {
+            if !req.staged.contains(&c.staging) || !seen.insert(c.staging) {
+                return Some(format!("staging slot {} is not held by this request", c.staging.0));
+            }
+        }
+        None
+    }
+
+    fn alloc_request(&mut self, spec: &RequestSpec, keys: Vec<String>, last_toks: u64, is_last: bool) -> Message {
+        Message::AllocRequest(AllocRequest {
+            keys,
+            fmt: spec.fmt,
+            shape: spec.shape.clone(),
+            dtype: spec.dtype.clone(),
+            last_chunk_toks: last_toks,
+            req_id: spec.req_id.0.clone(),
+            is_last_batch: is_last,
+            total_chunks: spec.total_chunks,
+            seq: None, // set when enqueued
+        })
+    }
+
+    fn channel(&mut self, receiver: PeerId) -> &mut Channel {
+        let mode = match self.cfg.pipelining {
+            Pipelining::Auto => Mode::Probing,
+            Pipelining::Off => Mode::Serial,
+        };
+        self.channels.entry(receiver).or_insert_with(|| Channel::new(mode))
+    }
+
+    fn check_channel_room(&mut self, receiver: PeerId) -> Result<(), SendError> {
+        let max = self.cfg.channel_queue_max;
+        let len = self.channel(receiver).queue.len();
+        if len >= max {
+            return Err(SendError::ChannelFull(receiver, len));
+        }
+        Ok(())
+    }
+
+    fn enqueue(&mut self, receiver: PeerId, req_id: ReqId, kind: Kind, mut msg: Message) {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        match &mut msg {
+            Message::AllocRequest(m) => m.seq = Some(seq),
+            Message::CancelNotif(m) => m.seq = Some(seq),
+            _ => {}
+        }
+        self.channel(receiver).queue.push_back(Outgoing { seq, req_id, kind, msg });
+    }
+
+    /// Sends whatever the channel's window and rules allow.
+    fn pump(&mut self, now: Instant, receiver: PeerId) {
+        loop {
+            let requests = &self.requests;
+            let busy_elsewhere = |asker: &ReqId| {
+                requests.iter().any(|(id, r)| {
+                    id != asker && r.spec.receiver == receiver && r.state == State::Admitted && !r.last_acked
+                })
+            };
+            let inflight_max = self.cfg.inflight_max;
+            let Some(ch) = self.channels.get_mut(&receiver) else { return };
+            let Some(out) = ch.next_sendable(inflight_max, busy_elsewhere) else { return };
+            let timeout = match out.kind {
+                Kind::Probe => self.cfg.admission_reply_timeout,
+                _ => self.cfg.reply_timeout,
+            };
+            ch.in_flight.push_back(InFlight {
+                seq: out.seq,
+                req_id: out.req_id.clone(),
+                kind: out.kind,
+                deadline: now + timeout,
+            });
+            if let Some(req) = self.requests.get_mut(&out.req_id) {
+                req.sent_any = true;
+                if let Message::AllocRequest(m) = &out.msg {
+                    req.keys_sent.extend(m.keys.iter().cloned());
+                }
+            }
+            self.transmits.push_back(Transmit { to: Destination::Receiver(receiver), msg: out.msg });
+        }
+    }
+
+    /// Fails a request: drops its unsent messages and unsubmitted staging, tells the proxy
+    /// (when configured), and sends CancelNotif once its writes are done.
+    fn fail(&mut self, now: Instant, req_id: &ReqId, failure: SendFailure) {
+        let req = self.requests.get_mut(req_id).expect("invariant: failing a tracked request");
+        debug_assert_ne!(req.state, State::Failing);
+        req.state = State::Failing;
+        let receiver = req.spec.receiver;
+        for slot in std::mem::take(&mut req.staged) {
+            self.staging.give_back(slot);
+        }
+        let ch = self.channels.get_mut(&receiver).expect("invariant: a request's channel exists");
+        let mut freed = Vec::new();
+        ch.queue.retain(|m| {
+            let mine = m.req_id == *req_id;
+            if mine {
+                if let Kind::Batch { chunks, .. } = &m.kind {
+                    freed.extend(chunks.iter().map(|c| c.staging));
+                }
+            }
+            !mine
+        });
+        // Batches in flight get no writes any more: their staging is free now, and their
+        // entries stay only to match the replies.
+        for f in ch.in_flight.iter_mut().filter(|f| f.req_id == *req_id) {
+            if let Kind::Batch { chunks, .. } = &mut f.kind {
+                freed.extend(chunks.drain(..).map(|c| c.staging));
+            }
+        }
+        for slot in freed {
+            self.staging.give_back(slot);
+        }
+        self.stats.failed += 1;
+        if self.cfg.notify_proxy_on_failure {
+            let msg = Message::FailNotif(FailNotif { req_id: req_id.0.clone(), reason: failure.to_string() });
+            self.transmits.push_back(Transmit { to: Destination::Proxy, msg });
+        }
+        self.events.push_back(SenderEvent::Failed { req_id: req_id.clone(), failure });
+        self.maybe_finish_failing(now, req_id);
+        self.pump(now, receiver);
+    }
+
+    /// A failing request with no write outstanding cancels at the receiver and goes.
+    fn maybe_finish_failing(&mut self, now: Instant, req_id: &ReqId) {
+        let req = &self.requests[req_id];
+        if req.state != State::Failing || req.writes_in_flight > 0 {
+            return;
+        }
+        let req = self.requests.remove(req_id).expect("invariant: checked above");
+        if req.sent_any {
+            let msg = Message::CancelNotif(CancelNotif {
+                req_id: req_id.0.clone(),
+                keys: req.keys_sent,
+                seq: None,
+                drained: Some(true),
+            });
+            self.enqueue(req.spec.receiver, req_id.clone(), Kind::Cancel, msg);
+            self.pump(now, req.spec.receiver);
+        }
+    }
+
+    /// Emits `ProxyNotif` once every submitted chunk is written and the last batch is done.
+    fn maybe_delivered(&mut self, req_id: &ReqId) {
+        let req = &self.requests[req_id];
+        let done = req.state == State::Admitted
+            && req.last_acked
+            && req.batches_unanswered == 0
+            && req.writes_in_flight == 0
+            && req.written == req.submitted;
+        if !done {
+            return;
+        }
+        self.requests.remove(req_id);
+        self.stats.delivered += 1;
+        let msg = Message::ProxyNotif(ProxyNotif { req_id: req_id.0.clone() });
+        self.transmits.push_back(Transmit { to: Destination::Proxy, msg });
+        self.events.push_back(SenderEvent::Delivered { req_id: req_id.clone() });
+    }
+
+    fn reset_channel(&mut self, now: Instant, receiver: PeerId, failure: SendFailure) {
+        if !self.channels.contains_key(&receiver) {
+            return;
+        }
+        let on_channel: Vec<ReqId> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.spec.receiver == receiver && r.state != State::Failing)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for req_id in &on_channel {
+            self.fail(now, req_id, failure.clone());
+        }
+        // Nothing on a reset channel is worth sending: the receiver rolls back what it
+        // held when the connection went (leases), and cancels for it would be stale.
+        let ch = self.channels.get_mut(&receiver).expect("invariant: present above");
+        ch.queue.clear();
+        ch.in_flight.clear();
+        ch.mode = match self.cfg.pipelining {
+            Pipelining::Auto => Mode::Probing,
+            Pipelining::Off => Mode::Serial,
+        };
+        self.events.push_back(SenderEvent::ChannelReset { receiver });
+    }
+
+    pub fn check_invariants(&self) {
+        self.staging.check_invariants();
+        let mut owned = 0usize;
+        for (id, req) in &self.requests {
+            let in_writes = self.writes.values().filter(|w| &w.req_id == id).count();
+            assert_eq!(in_writes as u32, req.writes_in_flight, "invariant: {id} write count");
+            let in_batches: usize = self
+                .channels
+                .get(&req.spec.receiver)
+                .map(|ch| {
+                    ch.queue
+                        .iter()
+                        .filter(|m| &m.req_id == id)
+                        .map(|m| if let Kind::Batch { chunks, .. } = &m.kind { chunks.len() } else { 0 })
+                        .sum::<usize>()
+                        + ch.in_flight
+                            .iter()
+                            .filter(|f| &f.req_id == id)
+                            .map(|f| if let Kind::Batch { chunks, .. } = &f.kind { chunks.len() } else { 0 })
+                            .sum::<usize>()
+                })
+                .unwrap_or(0);
+            let holds = self.staging.owned_by(id);
+            let expected = if req.state == State::Failing {
+                req.writes_in_flight as usize
+            } else {
+                req.staged.len() + req.writes_in_flight as usize + in_batches
+            };
+            assert_eq!(holds, expected, "invariant: {id} staging accounting");
+            if req.state == State::Admitting {
+                assert_eq!(holds, 0, "invariant: {id} holds staging before admission");
+            }
+            assert!(req.submitted <= req.spec.total_chunks, "invariant: {id} submitted beyond its total");
+            assert!(req.written <= req.submitted, "invariant: {id} wrote more than it submitted");
+            owned += holds;
+        }
+        let orphan = self.staging.capacity() as usize - self.staging.free_count() as usize - owned;
+        assert_eq!(orphan, 0, "invariant: every held staging slot belongs to a tracked request");
+        for ch in self.channels.values() {
+            assert!(ch.in_flight.len() <= ch.window(self.cfg.inflight_max), "invariant: channel window");
+        }
+    }
+}
