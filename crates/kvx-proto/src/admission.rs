@@ -52,7 +52,14 @@ pub struct Admission {
 
 impl Admission {
     pub fn new(capacity: u32, queue_max: usize) -> Self {
-        Self { capacity, reserved: 0, pinned: 0, waiting: VecDeque::new(), queue_max, admitted: VecDeque::new() }
+        Self {
+            capacity,
+            reserved: 0,
+            pinned: 0,
+            waiting: VecDeque::new(),
+            queue_max,
+            admitted: VecDeque::new(),
+        }
     }
 
     pub fn capacity(&self) -> u32 {
@@ -88,24 +95,37 @@ impl Admission {
             return Decision::Refused(Refusal::ZeroChunks);
         }
         if need > self.capacity {
-            return Decision::Refused(Refusal::LargerThanBuffer { need, capacity: self.capacity });
+            return Decision::Refused(Refusal::LargerThanBuffer {
+                need,
+                capacity: self.capacity,
+            });
         }
         if self.waiting.is_empty() && need <= self.available() {
             self.reserved += need;
             return Decision::Admitted;
         }
         if self.waiting.len() >= self.queue_max {
-            return Decision::Refused(Refusal::QueueFull { max: self.queue_max });
+            return Decision::Refused(Refusal::QueueFull {
+                max: self.queue_max,
+            });
         }
         // Keep deadlines non-decreasing so that expiry can look at the head alone.
         let floor = self.waiting.back().map_or(deadline, |w| w.deadline);
-        self.waiting.push_back(Waiter { ticket, need, deadline: deadline.max(floor) });
+        self.waiting.push_back(Waiter {
+            ticket,
+            need,
+            deadline: deadline.max(floor),
+        });
         Decision::Queued
     }
 
     /// Gives back `amount` reserved slots and admits whoever now fits at the head.
     pub fn release(&mut self, amount: u32) {
-        assert!(amount <= self.reserved, "invariant: release {amount} of {} reserved", self.reserved);
+        assert!(
+            amount <= self.reserved,
+            "invariant: release {amount} of {} reserved",
+            self.reserved
+        );
         self.reserved -= amount;
         self.admit_from_head();
     }
@@ -113,14 +133,22 @@ impl Admission {
     /// Moves `amount` slots from a reservation to the pinned set (a rollback quarantines
     /// slots that a late write may still hit; they stay out of use but leave the request).
     pub fn pin_from_reservation(&mut self, amount: u32) {
-        assert!(amount <= self.reserved, "invariant: pin {amount} of {} reserved", self.reserved);
+        assert!(
+            amount <= self.reserved,
+            "invariant: pin {amount} of {} reserved",
+            self.reserved
+        );
         self.reserved -= amount;
         self.pinned += amount;
     }
 
     /// Returns pinned slots to use.
     pub fn unpin(&mut self, amount: u32) {
-        assert!(amount <= self.pinned, "invariant: unpin {amount} of {} pinned", self.pinned);
+        assert!(
+            amount <= self.pinned,
+            "invariant: unpin {amount} of {} pinned",
+            self.pinned
+        );
         self.pinned -= amount;
         self.admit_from_head();
     }
@@ -175,12 +203,21 @@ impl Admission {
             self.pinned,
             self.capacity
         );
-        assert!(self.waiting.len() <= self.queue_max, "invariant: admission queue over its bound");
+        assert!(
+            self.waiting.len() <= self.queue_max,
+            "invariant: admission queue over its bound"
+        );
         for pair in self.waiting.iter().zip(self.waiting.iter().skip(1)) {
-            assert!(pair.0.deadline <= pair.1.deadline, "invariant: queue deadlines are FIFO");
+            assert!(
+                pair.0.deadline <= pair.1.deadline,
+                "invariant: queue deadlines are FIFO"
+            );
         }
         if let Some(head) = self.waiting.front() {
-            assert!(head.need > self.available(), "invariant: the queue head waits only when it does not fit");
+            assert!(
+                head.need > self.available(),
+                "invariant: the queue head waits only when it does not fit"
+            );
         }
     }
 }
@@ -224,14 +261,23 @@ mod tests {
     #[test]
     fn refusals_are_immediate() {
         let mut adm = Admission::new(10, 1);
-        assert_eq!(adm.request(Ticket(1), 0, later(1)), Decision::Refused(Refusal::ZeroChunks));
+        assert_eq!(
+            adm.request(Ticket(1), 0, later(1)),
+            Decision::Refused(Refusal::ZeroChunks)
+        );
         assert_eq!(
             adm.request(Ticket(2), 11, later(1)),
-            Decision::Refused(Refusal::LargerThanBuffer { need: 11, capacity: 10 })
+            Decision::Refused(Refusal::LargerThanBuffer {
+                need: 11,
+                capacity: 10
+            })
         );
         assert_eq!(adm.request(Ticket(3), 10, later(1)), Decision::Admitted);
         assert_eq!(adm.request(Ticket(4), 1, later(1)), Decision::Queued);
-        assert_eq!(adm.request(Ticket(5), 1, later(1)), Decision::Refused(Refusal::QueueFull { max: 1 }));
+        assert_eq!(
+            adm.request(Ticket(5), 1, later(1)),
+            Decision::Refused(Refusal::QueueFull { max: 1 })
+        );
     }
 
     #[test]

@@ -62,14 +62,28 @@ impl Default for ReceiverConfig {
 
 impl ReceiverConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        require(self.buffer_slots > 0, || "buffer_slots must be at least 1".into())?;
-        require(self.buffer_slots <= WriteTag::SLOTS_MAX, || {
-            format!("buffer_slots {} exceeds {} (the write tag's slot field)", self.buffer_slots, WriteTag::SLOTS_MAX)
+        require(self.buffer_slots > 0, || {
+            "buffer_slots must be at least 1".into()
         })?;
-        require(self.admission_queue_max > 0, || "admission_queue_max must be at least 1".into())?;
-        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
-        require(!self.request_idle_timeout.is_zero(), || "request_idle_timeout must be positive".into())?;
-        require(!self.admission_timeout.is_zero(), || "admission_timeout must be positive".into())?;
+        require(self.buffer_slots <= WriteTag::SLOTS_MAX, || {
+            format!(
+                "buffer_slots {} exceeds {} (the write tag's slot field)",
+                self.buffer_slots,
+                WriteTag::SLOTS_MAX
+            )
+        })?;
+        require(self.admission_queue_max > 0, || {
+            "admission_queue_max must be at least 1".into()
+        })?;
+        require(self.requests_max > 0, || {
+            "requests_max must be at least 1".into()
+        })?;
+        require(!self.request_idle_timeout.is_zero(), || {
+            "request_idle_timeout must be positive".into()
+        })?;
+        require(!self.admission_timeout.is_zero(), || {
+            "admission_timeout must be positive".into()
+        })?;
         Ok(())
     }
 }
@@ -129,11 +143,21 @@ impl Default for SenderConfig {
 
 impl SenderConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        require(self.staging_slots > 0, || "staging_slots must be at least 1".into())?;
-        require(self.inflight_max > 0, || "inflight_max must be at least 1".into())?;
-        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
-        require(!self.reply_timeout.is_zero(), || "reply_timeout must be positive".into())?;
-        require(!self.write_timeout.is_zero(), || "write_timeout must be positive".into())?;
+        require(self.staging_slots > 0, || {
+            "staging_slots must be at least 1".into()
+        })?;
+        require(self.inflight_max > 0, || {
+            "inflight_max must be at least 1".into()
+        })?;
+        require(self.requests_max > 0, || {
+            "requests_max must be at least 1".into()
+        })?;
+        require(!self.reply_timeout.is_zero(), || {
+            "reply_timeout must be positive".into()
+        })?;
+        require(!self.write_timeout.is_zero(), || {
+            "write_timeout must be positive".into()
+        })?;
         Ok(())
     }
 }
@@ -164,7 +188,11 @@ impl Default for ProxyConfig {
 
 impl ProxyConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        require(self.requests_max > 0, || "requests_max must be at least 1".into())?;
-        require(!self.kv_ready_timeout.is_zero(), || "kv_ready_timeout must be positive".into())
+        require(self.requests_max > 0, || {
+            "requests_max must be at least 1".into()
+        })?;
+        require(!self.kv_ready_timeout.is_zero(), || {
+            "kv_ready_timeout must be positive".into()
+        })
     }
 }

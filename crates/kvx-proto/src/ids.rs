@@ -99,10 +99,16 @@ mod tests {
 
     #[test]
     fn imm_round_trips_slot_and_wrapped_generation() {
-        let tag = WriteTag { slot: SlotIndex(0xABCDE), generation: 0x1234_5678 };
+        let tag = WriteTag {
+            slot: SlotIndex(0xABCDE),
+            generation: 0x1234_5678,
+        };
         let back = WriteTag::from_imm(tag.to_imm());
         assert_eq!(back.slot, tag.slot);
         assert!(back.same_grant(tag));
-        assert!(!back.same_grant(WriteTag { generation: tag.generation + 1, ..tag }));
+        assert!(!back.same_grant(WriteTag {
+            generation: tag.generation + 1,
+            ..tag
+        }));
     }
 }

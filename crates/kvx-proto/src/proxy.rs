@@ -72,7 +72,12 @@ impl ProxyTracker {
     }
 
     /// Starts awaiting `req_id` from `tp_ranks` senders.
-    pub fn handle_expect(&mut self, now: Instant, req_id: ReqId, tp_ranks: u32) -> Result<(), ExpectError> {
+    pub fn handle_expect(
+        &mut self,
+        now: Instant,
+        req_id: ReqId,
+        tp_ranks: u32,
+    ) -> Result<(), ExpectError> {
         if tp_ranks == 0 {
             return Err(ExpectError::ZeroRanks);
         }
@@ -89,7 +94,14 @@ impl ProxyTracker {
             self.events.push_back(ProxyEvent::Failed { req_id, reason });
             return Ok(());
         }
-        self.awaited.insert(req_id.clone(), Awaited { ranks: tp_ranks, seen: 0, deadline });
+        self.awaited.insert(
+            req_id.clone(),
+            Awaited {
+                ranks: tp_ranks,
+                seen: 0,
+                deadline,
+            },
+        );
         for _ in 0..early.notices {
             self.count_notice(&req_id);
         }
@@ -110,7 +122,10 @@ impl ProxyTracker {
             Message::FailNotif(f) => {
                 let req_id = ReqId(f.req_id);
                 if self.awaited.remove(&req_id).is_some() {
-                    self.events.push_back(ProxyEvent::Failed { req_id, reason: f.reason });
+                    self.events.push_back(ProxyEvent::Failed {
+                        req_id,
+                        reason: f.reason,
+                    });
                 } else {
                     self.keep_early(now, req_id, Some(f.reason));
                 }
@@ -120,8 +135,12 @@ impl ProxyTracker {
     }
 
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<ReqId> =
-            self.awaited.iter().filter(|(_, a)| a.deadline <= now).map(|(id, _)| id.clone()).collect();
+        let expired: Vec<ReqId> = self
+            .awaited
+            .iter()
+            .filter(|(_, a)| a.deadline <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
         for req_id in expired {
             self.awaited.remove(&req_id);
             let reason = "kv_ready_timeout passed before every TP rank reported".to_owned();
@@ -137,7 +156,12 @@ impl ProxyTracker {
 
     pub fn poll_timeout(&self) -> Option<Instant> {
         let awaited = self.awaited.values().map(|a| a.deadline).min();
-        earliest(awaited, self.early_order.front().map(|(at, _)| *at + self.cfg.early_notice_ttl))
+        earliest(
+            awaited,
+            self.early_order
+                .front()
+                .map(|(at, _)| *at + self.cfg.early_notice_ttl),
+        )
     }
 
     pub fn poll_event(&mut self) -> Option<ProxyEvent> {
@@ -149,11 +173,16 @@ impl ProxyTracker {
     }
 
     fn count_notice(&mut self, req_id: &ReqId) {
-        let a = self.awaited.get_mut(req_id).expect("invariant: counting an awaited request");
+        let a = self
+            .awaited
+            .get_mut(req_id)
+            .expect("invariant: counting an awaited request");
         a.seen += 1;
         if a.seen >= a.ranks {
             self.awaited.remove(req_id);
-            self.events.push_back(ProxyEvent::Ready { req_id: req_id.clone() });
+            self.events.push_back(ProxyEvent::Ready {
+                req_id: req_id.clone(),
+            });
         }
     }
 
@@ -169,7 +198,13 @@ impl ProxyTracker {
             }
             self.early_order.push_back((now, req_id.clone()));
         }
-        let entry = self.early.entry(req_id).or_insert((Early { at: now, ..Early::default() }, None));
+        let entry = self.early.entry(req_id).or_insert((
+            Early {
+                at: now,
+                ..Early::default()
+            },
+            None,
+        ));
         match failure {
             Some(reason) => {
                 entry.0.failed = true;
@@ -188,10 +223,19 @@ impl ProxyTracker {
     }
 
     pub fn check_invariants(&self) {
-        assert!(self.awaited.len() <= self.cfg.requests_max, "invariant: awaited table bound");
-        assert!(self.early.len() <= self.cfg.early_notices_max, "invariant: early table bound");
+        assert!(
+            self.awaited.len() <= self.cfg.requests_max,
+            "invariant: awaited table bound"
+        );
+        assert!(
+            self.early.len() <= self.cfg.early_notices_max,
+            "invariant: early table bound"
+        );
         for (id, a) in &self.awaited {
-            assert!(a.seen < a.ranks, "invariant: {id} should have been reported ready");
+            assert!(
+                a.seen < a.ranks,
+                "invariant: {id} should have been reported ready"
+            );
         }
     }
 }
@@ -208,11 +252,17 @@ mod tests {
     #[test]
     fn ready_after_every_rank_and_not_before() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
-        p.handle_expect(Instant::ZERO, "r1".into(), 2).expect("fresh id");
+        p.handle_expect(Instant::ZERO, "r1".into(), 2)
+            .expect("fresh id");
         p.handle_message(Instant::ZERO, notif("r1"));
         assert_eq!(p.poll_event(), None);
         p.handle_message(Instant::ZERO, notif("r1"));
-        assert_eq!(p.poll_event(), Some(ProxyEvent::Ready { req_id: "r1".into() }));
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Ready {
+                req_id: "r1".into()
+            })
+        );
         p.check_invariants();
     }
 
@@ -220,14 +270,30 @@ mod tests {
     fn early_notice_and_failure_and_timeout() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
         p.handle_message(Instant::ZERO, notif("early"));
-        p.handle_expect(Instant::ZERO, "early".into(), 1).expect("fresh id");
-        assert_eq!(p.poll_event(), Some(ProxyEvent::Ready { req_id: "early".into() }));
-        p.handle_expect(Instant::ZERO, "bad".into(), 1).expect("fresh id");
-        p.handle_message(Instant::ZERO, Message::FailNotif(FailNotif { req_id: "bad".into(), reason: "x".into() }));
+        p.handle_expect(Instant::ZERO, "early".into(), 1)
+            .expect("fresh id");
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Ready {
+                req_id: "early".into()
+            })
+        );
+        p.handle_expect(Instant::ZERO, "bad".into(), 1)
+            .expect("fresh id");
+        p.handle_message(
+            Instant::ZERO,
+            Message::FailNotif(FailNotif {
+                req_id: "bad".into(),
+                reason: "x".into(),
+            }),
+        );
         assert!(matches!(p.poll_event(), Some(ProxyEvent::Failed { .. })));
-        p.handle_expect(Instant::ZERO, "slow".into(), 1).expect("fresh id");
+        p.handle_expect(Instant::ZERO, "slow".into(), 1)
+            .expect("fresh id");
         let t = p.poll_timeout().expect("a deadline");
         p.handle_timeout(t);
-        assert!(matches!(p.poll_event(), Some(ProxyEvent::Failed { req_id, .. }) if req_id.0 == "slow"));
+        assert!(
+            matches!(p.poll_event(), Some(ProxyEvent::Failed { req_id, .. }) if req_id.0 == "slow")
+        );
     }
 }

@@ -15,11 +15,17 @@ use crate::time::Instant;
 pub enum SlotState {
     Free,
     /// Handed to `owner`'s sender; its write has not been seen.
-    Granted { owner: Ticket },
+    Granted {
+        owner: Ticket,
+    },
     /// `owner`'s write has landed.
-    Landed { owner: Ticket },
+    Landed {
+        owner: Ticket,
+    },
     /// Owner rolled back while a write may still land; unusable until `until`.
-    Quarantined { until: Instant },
+    Quarantined {
+        until: Instant,
+    },
 }
 
 /// What a landed-write notice meant.
@@ -81,7 +87,10 @@ impl SlotTable {
     }
 
     pub fn tag(&self, slot: SlotIndex) -> WriteTag {
-        WriteTag { slot, generation: self.generation[slot.0 as usize] }
+        WriteTag {
+            slot,
+            generation: self.generation[slot.0 as usize],
+        }
     }
 
     /// Hands a free slot to `owner` under a new generation. None when no slot is free, which
@@ -93,7 +102,10 @@ impl SlotTable {
         self.generation[i] = self.generation[i].wrapping_add(1);
         self.state[i] = SlotState::Granted { owner };
         self.granted += 1;
-        Some(WriteTag { slot, generation: self.generation[i] })
+        Some(WriteTag {
+            slot,
+            generation: self.generation[i],
+        })
     }
 
     /// A write notice arrived for `tag`.
@@ -146,7 +158,10 @@ impl SlotTable {
                 self.quarantine.push_back((until, slot, generation));
                 true
             }
-            other => panic!("invariant: quarantine of slot {} in state {other:?}", slot.0),
+            other => panic!(
+                "invariant: quarantine of slot {} in state {other:?}",
+                slot.0
+            ),
         }
     }
 
@@ -188,9 +203,21 @@ impl SlotTable {
                 SlotState::Quarantined { .. } => quarantined += 1,
             }
         }
-        assert_eq!(free as usize, self.free.len(), "invariant: free list matches free slots");
-        assert_eq!((granted, landed, quarantined), (self.granted, self.landed, self.quarantined), "invariant: slot counters");
-        assert_eq!(free + granted + landed + quarantined, self.capacity(), "invariant: every slot has one state");
+        assert_eq!(
+            free as usize,
+            self.free.len(),
+            "invariant: free list matches free slots"
+        );
+        assert_eq!(
+            (granted, landed, quarantined),
+            (self.granted, self.landed, self.quarantined),
+            "invariant: slot counters"
+        );
+        assert_eq!(
+            free + granted + landed + quarantined,
+            self.capacity(),
+            "invariant: every slot has one state"
+        );
     }
 }
 
@@ -217,8 +244,14 @@ mod tests {
         let b = t.grant(Ticket(1)).expect("free slot");
         t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(1));
         t.quarantine(b.slot, Instant::ZERO + Duration::from_secs(2));
-        assert_eq!(t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)), Some(a.slot));
-        assert_eq!(t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)), None);
+        assert_eq!(
+            t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),
+            Some(a.slot)
+        );
+        assert_eq!(
+            t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),
+            None
+        );
         assert_eq!(t.grant(Ticket(2)).map(|g| g.slot), Some(a.slot));
         t.check_invariants();
     }

@@ -17,7 +17,10 @@ impl ReceiverLedger {
         if msg.req_id.is_empty() {
             return self.refuse(peer, &msg, Failure::NoReqId);
         }
-        let key = ReqKey { peer, req_id: msg.req_id.as_str().into() };
+        let key = ReqKey {
+            peer,
+            req_id: msg.req_id.as_str().into(),
+        };
         if let Some(prior) = self.tombstones.get(&key) {
             let failure = Failure::AlreadyEnded(Box::new(prior.clone()));
             return self.refuse(peer, &msg, failure);
@@ -25,7 +28,9 @@ impl ReceiverLedger {
         match self.requests.get(&key).map(|r| (&r.phase, r.total)) {
             None => self.first_batch(now, key, msg),
             Some((Phase::Waiting { .. }, _)) => {
-                let why = "a batch arrived while the request's first batch still waits for admission".to_owned();
+                let why =
+                    "a batch arrived while the request's first batch still waits for admission"
+                        .to_owned();
                 self.violation(now, &key, &msg, why);
             }
             Some((Phase::Complete | Phase::Ready, _)) => {
@@ -33,7 +38,10 @@ impl ReceiverLedger {
                 self.violation(now, &key, &msg, why);
             }
             Some((Phase::Receiving, total)) if msg.total_chunks != total => {
-                let why = format!("total_chunks changed from {total} to {} between batches", msg.total_chunks);
+                let why = format!(
+                    "total_chunks changed from {total} to {} between batches",
+                    msg.total_chunks
+                );
                 self.violation(now, &key, &msg, why);
             }
             Some((Phase::Receiving, _)) => self.apply_batch(now, &key, msg),
@@ -42,14 +50,18 @@ impl ReceiverLedger {
 
     fn first_batch(&mut self, now: Instant, key: ReqKey, msg: AllocRequest) {
         if self.requests.len() >= self.cfg.requests_max {
-            let failure = Failure::TooManyRequests { max: self.cfg.requests_max };
+            let failure = Failure::TooManyRequests {
+                max: self.cfg.requests_max,
+            };
             return self.refuse_and_remember(now, key, &msg, failure);
         }
         let ticket = self.new_ticket();
         let deadline = now + self.cfg.admission_timeout;
         let decision = self.admission.request(ticket, msg.total_chunks, deadline);
         let (phase, reservation) = match decision {
-            Decision::Refused(refusal) => return self.refuse_and_remember(now, key, &msg, refusal.into()),
+            Decision::Refused(refusal) => {
+                return self.refuse_and_remember(now, key, &msg, refusal.into())
+            }
             Decision::Admitted => (Phase::Receiving, msg.total_chunks),
             Decision::Queued => (Phase::Waiting { first: msg.clone() }, 0),
         };
@@ -75,7 +87,10 @@ impl ReceiverLedger {
 
     /// Allocates one batch of an admitted request and answers it.
     pub(super) fn apply_batch(&mut self, now: Instant, key: &ReqKey, msg: AllocRequest) {
-        let req = self.requests.get_mut(key).expect("invariant: batch for a tracked request");
+        let req = self
+            .requests
+            .get_mut(key)
+            .expect("invariant: batch for a tracked request");
         let n = msg.keys.len() as u32;
         let allocated = req.slots.len() as u32;
         if allocated + n > req.total {
@@ -92,7 +107,10 @@ impl ReceiverLedger {
         for chunk_key in msg.keys {
             // Admission guarantees a free slot for every reserved chunk (quarantined and
             // held slots are counted against capacity), so this cannot fail.
-            let tag = self.slots.grant(ticket).expect("invariant: a reserved chunk always finds a free slot");
+            let tag = self
+                .slots
+                .grant(ticket)
+                .expect("invariant: a reserved chunk always finds a free slot");
             indexes.push(i64::from(tag.slot.0));
             generations.push(tag.generation);
             req.slots.push(tag);
@@ -107,7 +125,10 @@ impl ReceiverLedger {
             self.admission.release(unused);
         }
         let generations = msg.seq.map(|_| generations);
-        self.transmits.push_back((key.peer, AllocResponse::granted(indexes, generations, msg.seq)));
+        self.transmits.push_back((
+            key.peer,
+            AllocResponse::granted(indexes, generations, msg.seq),
+        ));
         self.touch(key, now);
         self.maybe_ready(now, key);
         self.drain_admitted(now);
@@ -117,23 +138,41 @@ impl ReceiverLedger {
     fn violation(&mut self, now: Instant, key: &ReqKey, msg: &AllocRequest, why: String) {
         let failure = Failure::ProtocolViolation(why);
         self.stats.refused += 1;
-        let reply = AllocResponse::refused(msg.keys.len(), format!("request {key}: {failure}"), msg.seq);
+        let reply =
+            AllocResponse::refused(msg.keys.len(), format!("request {key}: {failure}"), msg.seq);
         self.fail(now, key, failure, false);
         self.transmits.push_back((key.peer, reply));
     }
 
     /// Refuses a first batch that never became a request, and remembers its id so its later
     /// batches are refused too (it fails once, not once per batch).
-    fn refuse_and_remember(&mut self, now: Instant, key: ReqKey, msg: &AllocRequest, failure: Failure) {
+    fn refuse_and_remember(
+        &mut self,
+        now: Instant,
+        key: ReqKey,
+        msg: &AllocRequest,
+        failure: Failure,
+    ) {
         self.refuse(key.peer, msg, failure.clone());
         let outcome = Outcome::Failed(failure);
         self.tombstones.insert(now, key.clone(), outcome.clone());
-        self.events.push_back(super::ReceiverEvent::Ended { key, outcome });
+        self.events
+            .push_back(super::ReceiverEvent::Ended { key, outcome });
     }
 
     fn refuse(&mut self, peer: PeerId, msg: &AllocRequest, failure: Failure) {
         self.stats.refused += 1;
-        let reason = format!("request {}: {failure}", if msg.req_id.is_empty() { "\"\"" } else { &msg.req_id });
-        self.transmits.push_back((peer, AllocResponse::refused(msg.keys.len(), reason, msg.seq)));
+        let reason = format!(
+            "request {}: {failure}",
+            if msg.req_id.is_empty() {
+                "\"\""
+            } else {
+                &msg.req_id
+            }
+        );
+        self.transmits.push_back((
+            peer,
+            AllocResponse::refused(msg.keys.len(), reason, msg.seq),
+        ));
     }
 }

@@ -27,10 +27,18 @@ use tombstones::Tombstones;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReceiverEvent {
     /// The request holds its reservation; `waited` is its time in the admission queue.
-    Admitted { key: ReqKey, total_chunks: u32, waited: Duration },
+    Admitted {
+        key: ReqKey,
+        total_chunks: u32,
+        waited: Duration,
+    },
     /// Every chunk is allocated and written: the decoder may read `slots` (chunk order)
     /// and must then call `handle_consume`.
-    Ready { key: ReqKey, slots: Vec<SlotIndex>, keys: Vec<String> },
+    Ready {
+        key: ReqKey,
+        slots: Vec<SlotIndex>,
+        keys: Vec<String>,
+    },
     /// The request ended; exactly one per request that was ever tracked or refused.
     Ended { key: ReqKey, outcome: Outcome },
 }
@@ -136,8 +144,10 @@ impl ReceiverLedger {
                     _ => "FailNotif",
                 };
                 self.stats.refused += 1;
-                let reason = format!("a receiver does not accept {what}; send AllocRequest or CancelNotif");
-                self.transmits.push_back((peer, AllocResponse::refused(1, reason, None)));
+                let reason =
+                    format!("a receiver does not accept {what}; send AllocRequest or CancelNotif");
+                self.transmits
+                    .push_back((peer, AllocResponse::refused(1, reason, None)));
             }
         }
     }
@@ -146,8 +156,15 @@ impl ReceiverLedger {
     pub fn handle_chunk_landed(&mut self, now: Instant, tag: WriteTag) {
         match self.slots.land(tag) {
             Landing::Current { owner } => {
-                let key = self.tickets.get(&owner).cloned().expect("invariant: a granted slot's owner is tracked");
-                let req = self.requests.get_mut(&key).expect("invariant: ticket maps to a request");
+                let key = self
+                    .tickets
+                    .get(&owner)
+                    .cloned()
+                    .expect("invariant: a granted slot's owner is tracked");
+                let req = self
+                    .requests
+                    .get_mut(&key)
+                    .expect("invariant: ticket maps to a request");
                 req.landed += 1;
                 self.touch(&key, now);
                 self.maybe_ready(now, &key);
@@ -159,7 +176,10 @@ impl ReceiverLedger {
 
     /// The decoder has read request `key`: its slots and reservation are released.
     pub fn handle_consume(&mut self, now: Instant, key: &ReqKey) -> Result<(), ConsumeError> {
-        let req = self.requests.get(key).ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
+        let req = self
+            .requests
+            .get(key)
+            .ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
         if !matches!(req.phase, Phase::Ready) {
             return Err(ConsumeError::NotReady(key.clone()));
         }
@@ -173,7 +193,11 @@ impl ReceiverLedger {
     /// quarantine and tombstone expiry.
     pub fn handle_timeout(&mut self, now: Instant) {
         while let Some(ticket) = self.admission.poll_expired(now) {
-            let key = self.tickets.get(&ticket).cloned().expect("invariant: waiting ticket is tracked");
+            let key = self
+                .tickets
+                .get(&ticket)
+                .cloned()
+                .expect("invariant: waiting ticket is tracked");
             self.fail(now, &key, Failure::AdmissionTimeout, false);
         }
         self.drain_admitted(now);
@@ -182,7 +206,11 @@ impl ReceiverLedger {
                 break;
             }
             self.timers.pop_first();
-            let key = self.tickets.get(&ticket).cloned().expect("invariant: timer ticket is tracked");
+            let key = self
+                .tickets
+                .get(&ticket)
+                .cloned()
+                .expect("invariant: timer ticket is tracked");
             let failure = match self.requests[&key].phase {
                 Phase::Waiting { .. } => continue, // admission expiry is handled above
                 Phase::Receiving | Phase::Complete => Failure::IdleTimeout,
@@ -203,8 +231,14 @@ impl ReceiverLedger {
 
     /// The earliest instant at which `handle_timeout` has work.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let t = earliest(self.admission.next_deadline(), self.timers.first().map(|t| t.0));
-        earliest(earliest(t, self.slots.next_deadline()), self.tombstones.next_deadline())
+        let t = earliest(
+            self.admission.next_deadline(),
+            self.timers.first().map(|t| t.0),
+        );
+        earliest(
+            earliest(t, self.slots.next_deadline()),
+            self.tombstones.next_deadline(),
+        )
     }
 
     /// The next reply to send.
@@ -226,7 +260,10 @@ impl ReceiverLedger {
 
     /// Reserved but not yet allocated slots.
     pub fn reserved_unallocated(&self) -> u32 {
-        self.requests.values().map(|r| r.reservation - r.slots.len() as u32).sum()
+        self.requests
+            .values()
+            .map(|r| r.reservation - r.slots.len() as u32)
+            .sum()
     }
 
     /// Slots owned by live requests (granted or landed).
@@ -266,15 +303,20 @@ impl ReceiverLedger {
     }
 
     fn on_cancel(&mut self, now: Instant, peer: PeerId, cancel: CancelNotif) {
-        let key = ReqKey { peer, req_id: cancel.req_id.as_str().into() };
+        let key = ReqKey {
+            peer,
+            req_id: cancel.req_id.as_str().into(),
+        };
         let drained = cancel.drained.unwrap_or(false);
         if self.requests.contains_key(&key) {
             self.fail(now, &key, Failure::Cancelled, drained);
         } else if !self.tombstones.contains(&key) {
             // Remember the id anyway, so that a batch still on its way is not admitted afresh.
-            self.tombstones.insert(now, key, Outcome::Failed(Failure::Cancelled));
+            self.tombstones
+                .insert(now, key, Outcome::Failed(Failure::Cancelled));
         }
-        self.transmits.push_back((peer, AllocResponse::cancel_ack(cancel.seq)));
+        self.transmits
+            .push_back((peer, AllocResponse::cancel_ack(cancel.seq)));
     }
 
     fn new_ticket(&mut self) -> Ticket {
@@ -284,7 +326,10 @@ impl ReceiverLedger {
 
     /// Moves the request's timer to `at`.
     fn set_timer(&mut self, key: &ReqKey, at: Instant) {
-        let req = self.requests.get_mut(key).expect("invariant: timer for a tracked request");
+        let req = self
+            .requests
+            .get_mut(key)
+            .expect("invariant: timer for a tracked request");
         self.timers.remove(&(req.deadline, req.ticket));
         req.deadline = at;
         self.timers.insert((at, req.ticket));
@@ -300,7 +345,10 @@ impl ReceiverLedger {
     }
 
     fn maybe_ready(&mut self, now: Instant, key: &ReqKey) {
-        let req = self.requests.get_mut(key).expect("invariant: ready check on a tracked request");
+        let req = self
+            .requests
+            .get_mut(key)
+            .expect("invariant: ready check on a tracked request");
         let all_landed = req.landed as usize == req.slots.len();
         if !matches!(req.phase, Phase::Complete) || !(all_landed || !req.notices) {
             return;
@@ -318,7 +366,12 @@ impl ReceiverLedger {
     /// Rolls back `key` and tells its sender when a first batch still waits for its reply.
     fn fail(&mut self, now: Instant, key: &ReqKey, failure: Failure, drained: bool) {
         self.stats.rolled_back += 1;
-        if let Some(Request { phase: Phase::Waiting { first }, ticket, .. }) = self.requests.get(key) {
+        if let Some(Request {
+            phase: Phase::Waiting { first },
+            ticket,
+            ..
+        }) = self.requests.get(key)
+        {
             let reply = AllocResponse::refused(first.keys.len(), failure.to_string(), first.seq);
             self.admission.withdraw(*ticket);
             self.transmits.push_back((key.peer, reply));
@@ -330,7 +383,10 @@ impl ReceiverLedger {
     /// remembers its id, and reports the outcome. `drained`: no write into its slots can
     /// still land.
     fn end(&mut self, now: Instant, key: &ReqKey, outcome: Outcome, drained: bool) {
-        let req = self.requests.remove(key).expect("invariant: ending a tracked request");
+        let req = self
+            .requests
+            .remove(key)
+            .expect("invariant: ending a tracked request");
         self.tickets.remove(&req.ticket);
         self.timers.remove(&(req.deadline, req.ticket));
         let until = now + self.cfg.write_quarantine;
@@ -345,16 +401,27 @@ impl ReceiverLedger {
         self.admission.pin_from_reservation(quarantined);
         self.admission.release(req.reservation - quarantined);
         self.tombstones.insert(now, key.clone(), outcome.clone());
-        self.events.push_back(ReceiverEvent::Ended { key: key.clone(), outcome });
+        self.events.push_back(ReceiverEvent::Ended {
+            key: key.clone(),
+            outcome,
+        });
         self.drain_admitted(now);
     }
 
     /// Answers the first batches of requests that admission has just let in.
     fn drain_admitted(&mut self, now: Instant) {
         while let Some(ticket) = self.admission.poll_admitted() {
-            let key = self.tickets.get(&ticket).cloned().expect("invariant: admitted ticket is tracked");
-            let req = self.requests.get_mut(&key).expect("invariant: ticket maps to a request");
-            let Phase::Waiting { first } = std::mem::replace(&mut req.phase, Phase::Receiving) else {
+            let key = self
+                .tickets
+                .get(&ticket)
+                .cloned()
+                .expect("invariant: admitted ticket is tracked");
+            let req = self
+                .requests
+                .get_mut(&key)
+                .expect("invariant: ticket maps to a request");
+            let Phase::Waiting { first } = std::mem::replace(&mut req.phase, Phase::Receiving)
+            else {
                 panic!("invariant: only waiting requests are admitted from the queue");
             };
             req.reservation = req.total;
@@ -367,7 +434,11 @@ impl ReceiverLedger {
     fn on_admitted(&mut self, now: Instant, key: &ReqKey, waited: Duration) {
         self.stats.admitted += 1;
         let total_chunks = self.requests[key].total;
-        self.events.push_back(ReceiverEvent::Admitted { key: key.clone(), total_chunks, waited });
+        self.events.push_back(ReceiverEvent::Admitted {
+            key: key.clone(),
+            total_chunks,
+            waited,
+        });
         self.set_timer(key, now + self.cfg.request_idle_timeout);
     }
 
@@ -375,7 +446,11 @@ impl ReceiverLedger {
         self.admission.check_invariants();
         self.slots.check_invariants();
         let reserved: u32 = self.requests.values().map(|r| r.reservation).sum();
-        assert_eq!(reserved, self.admission.reserved(), "invariant: reservations add up");
+        assert_eq!(
+            reserved,
+            self.admission.reserved(),
+            "invariant: reservations add up"
+        );
         assert_eq!(
             self.slots.quarantined_count(),
             self.admission.pinned(),
@@ -387,22 +462,47 @@ impl ReceiverLedger {
             "invariant: free + held + quarantined = capacity"
         );
         assert!(
-            self.slots.held_count() + self.reserved_unallocated() + self.slots.quarantined_count() <= self.capacity(),
+            self.slots.held_count() + self.reserved_unallocated() + self.slots.quarantined_count()
+                <= self.capacity(),
             "invariant: held + reserved + quarantined <= capacity"
         );
-        assert!(self.requests.len() <= self.cfg.requests_max, "invariant: request table bound");
+        assert!(
+            self.requests.len() <= self.cfg.requests_max,
+            "invariant: request table bound"
+        );
         let mut owners = BTreeMap::new();
         for (key, req) in &self.requests {
-            assert_eq!(self.tickets.get(&req.ticket), Some(key), "invariant: ticket index");
-            assert!(req.slots.len() as u32 <= req.reservation, "invariant: {key} allocated beyond its reservation");
-            assert!(req.reservation <= req.total, "invariant: {key} reserved beyond its total");
+            assert_eq!(
+                self.tickets.get(&req.ticket),
+                Some(key),
+                "invariant: ticket index"
+            );
+            assert!(
+                req.slots.len() as u32 <= req.reservation,
+                "invariant: {key} allocated beyond its reservation"
+            );
+            assert!(
+                req.reservation <= req.total,
+                "invariant: {key} reserved beyond its total"
+            );
             let waiting = matches!(req.phase, Phase::Waiting { .. });
-            assert_eq!(waiting, self.admission.is_waiting(req.ticket), "invariant: {key} waits iff queued");
+            assert_eq!(
+                waiting,
+                self.admission.is_waiting(req.ticket),
+                "invariant: {key} waits iff queued"
+            );
             if !waiting {
-                assert!(self.timers.contains(&(req.deadline, req.ticket)), "invariant: {key} has a timer");
+                assert!(
+                    self.timers.contains(&(req.deadline, req.ticket)),
+                    "invariant: {key} has a timer"
+                );
             }
             for tag in &req.slots {
-                assert!(owners.insert(tag.slot, key).is_none(), "invariant: slot {} has two owners", tag.slot.0);
+                assert!(
+                    owners.insert(tag.slot, key).is_none(),
+                    "invariant: slot {} has two owners",
+                    tag.slot.0
+                );
                 let state = self.slots.state(tag.slot);
                 assert!(
                     matches!(state, crate::slots::SlotState::Granted { owner } | crate::slots::SlotState::Landed { owner } if owner == req.ticket),
@@ -411,6 +511,10 @@ impl ReceiverLedger {
                 );
             }
         }
-        assert_eq!(owners.len() as u32, self.slots.held_count(), "invariant: every held slot has an owner");
+        assert_eq!(
+            owners.len() as u32,
+            self.slots.held_count(),
+            "invariant: every held slot has an owner"
+        );
     }
 }

@@ -44,7 +44,9 @@ impl From<Refusal> for Failure {
     fn from(r: Refusal) -> Self {
         match r {
             Refusal::ZeroChunks => Failure::ZeroChunks,
-            Refusal::LargerThanBuffer { need, capacity } => Failure::LargerThanBuffer { need, capacity },
+            Refusal::LargerThanBuffer { need, capacity } => {
+                Failure::LargerThanBuffer { need, capacity }
+            }
             Refusal::QueueFull { max } => Failure::AdmissionQueueFull { max },
         }
     }

@@ -19,7 +19,12 @@ pub(super) struct Tombstones {
 
 impl Tombstones {
     pub fn new(ttl: Duration, max: usize) -> Self {
-        Self { ttl, max, ended: BTreeMap::new(), order: VecDeque::new() }
+        Self {
+            ttl,
+            max,
+            ended: BTreeMap::new(),
+            order: VecDeque::new(),
+        }
     }
 
     pub fn insert(&mut self, now: Instant, key: ReqKey, outcome: Outcome) {
@@ -42,7 +47,11 @@ impl Tombstones {
     }
 
     pub fn expire(&mut self, now: Instant) {
-        while self.order.front().is_some_and(|(at, _)| *at + self.ttl <= now) {
+        while self
+            .order
+            .front()
+            .is_some_and(|(at, _)| *at + self.ttl <= now)
+        {
             self.pop_oldest();
         }
     }
@@ -52,7 +61,9 @@ impl Tombstones {
     }
 
     fn pop_oldest(&mut self) {
-        let Some((at, key)) = self.order.pop_front() else { return };
+        let Some((at, key)) = self.order.pop_front() else {
+            return;
+        };
         // A key ended twice has two queue entries; only the newest owns the map entry.
         if self.ended.get(&key).is_some_and(|(t, _)| *t == at) {
             self.ended.remove(&key);

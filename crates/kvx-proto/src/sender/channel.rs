@@ -37,7 +37,10 @@ pub struct ChunkSpec {
 pub enum Kind {
     /// An empty first `AllocRequest`: asks for the reservation before any staging is taken.
     Probe,
-    Batch { chunks: Vec<ChunkSpec>, is_last: bool },
+    Batch {
+        chunks: Vec<ChunkSpec>,
+        is_last: bool,
+    },
     Cancel,
 }
 
@@ -66,7 +69,11 @@ pub struct Channel {
 
 impl Channel {
     pub fn new(mode: Mode) -> Self {
-        Self { mode, queue: VecDeque::new(), in_flight: VecDeque::new() }
+        Self {
+            mode,
+            queue: VecDeque::new(),
+            in_flight: VecDeque::new(),
+        }
     }
 
     /// How many messages may be in flight now.

@@ -22,8 +22,8 @@ use crate::ids::{PeerId, ReqId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::time::{earliest, Instant};
 use crate::wire::{AllocRequest, CancelNotif, FailNotif, Message, ProxyNotif};
 
-pub use channel::{ChunkSpec, Mode};
 use channel::{Channel, InFlight, Kind, Outgoing};
+pub use channel::{ChunkSpec, Mode};
 pub use staging::StagingPool;
 
 /// Where a message goes.
@@ -96,7 +96,9 @@ impl fmt::Display for SendFailure {
             SendFailure::ReplyTimeout => f.write_str("the receiver did not reply in time"),
             SendFailure::ChannelLost => f.write_str("the control channel to the receiver was lost"),
             SendFailure::WriteFailed(why) => write!(f, "a write failed: {why}"),
-            SendFailure::WriteTimeout => f.write_str("a write did not complete within write_timeout"),
+            SendFailure::WriteTimeout => {
+                f.write_str("a write did not complete within write_timeout")
+            }
             SendFailure::Misuse(why) => write!(f, "{why}"),
         }
     }
@@ -106,16 +108,27 @@ impl fmt::Display for SendFailure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SenderEvent {
     /// The receiver reserved the whole request: its chunks may now take staging.
-    Admitted { req_id: ReqId },
+    Admitted {
+        req_id: ReqId,
+    },
     /// Every chunk is written and `ProxyNotif` was emitted (exactly once).
-    Delivered { req_id: ReqId },
-    Failed { req_id: ReqId, failure: SendFailure },
+    Delivered {
+        req_id: ReqId,
+    },
+    Failed {
+        req_id: ReqId,
+        failure: SendFailure,
+    },
     /// The channel to `receiver` was reset (reply timeout or loss): the driver should
     /// reconnect and reset the fabric connection so outstanding writes are flushed.
-    ChannelReset { receiver: PeerId },
+    ChannelReset {
+        receiver: PeerId,
+    },
     /// A write is overdue: the driver should reset the fabric connection to `receiver`,
     /// which flushes the write with an error.
-    FabricStalled { receiver: PeerId },
+    FabricStalled {
+        receiver: PeerId,
+    },
 }
 
 /// Why a call was refused. The request's state is unchanged unless the text says so.
@@ -263,28 +276,49 @@ impl SenderFlow {
     /// Takes a staging slot for an admitted request. `WouldBlock` means wait for a write to
     /// complete (a blocking driver sleeps on it, bounded by `staging_timeout`).
     pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
-        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        let req = self
+            .requests
+            .get(req_id)
+            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
         match req.state {
             State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
-            State::Failing => return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled)),
+            State::Failing => {
+                return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled))
+            }
             State::Admitted => {}
         }
         let needed = req.submitted as usize + req.staged.len();
         if req.last_submitted || needed >= req.spec.total_chunks as usize {
-            let why = format!("all {} declared chunks already have staging", req.spec.total_chunks);
-            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+            let why = format!(
+                "all {} declared chunks already have staging",
+                req.spec.total_chunks
+            );
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why,
+            });
         }
         let slot = self.staging.take(req_id).ok_or(SendError::WouldBlock)?;
-        self.requests.get_mut(req_id).expect("invariant: checked above").staged.insert(slot);
+        self.requests
+            .get_mut(req_id)
+            .expect("invariant: checked above")
+            .staged
+            .insert(slot);
         Ok(slot)
     }
 
     /// Hands back a staging slot the caller took but will not submit.
     pub fn release_staging(&mut self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
-        let req = self.requests.get_mut(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
         if !req.staged.remove(&slot) {
             let why = format!("staging slot {} is not held by this request", slot.0);
-            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why,
+            });
         }
         self.staging.give_back(slot);
         Ok(())
@@ -300,19 +334,30 @@ impl SenderFlow {
         chunks: Vec<ChunkSpec>,
         is_last: bool,
     ) -> Result<(), SendError> {
-        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        let req = self
+            .requests
+            .get(req_id)
+            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
         match req.state {
             State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
-            State::Failing => return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled)),
+            State::Failing => {
+                return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled))
+            }
             State::Admitted => {}
         }
         if let Some(why) = Self::misuse_of(req, &chunks, is_last) {
             self.fail(now, req_id, SendFailure::Misuse(why.clone()));
-            return Err(SendError::Misuse { req_id: req_id.clone(), why });
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why,
+            });
         }
         let receiver = req.spec.receiver;
         self.check_channel_room(receiver)?;
-        let req = self.requests.get_mut(req_id).expect("invariant: checked above");
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .expect("invariant: checked above");
         for c in &chunks {
             req.staged.remove(&c.staging);
         }
@@ -323,7 +368,12 @@ impl SenderFlow {
         let last_toks = chunks.last().map_or(0, |c| c.tokens);
         let spec = req.spec.clone();
         let msg = self.alloc_request(&spec, keys, last_toks, is_last);
-        self.enqueue(receiver, req_id.clone(), Kind::Batch { chunks, is_last }, msg);
+        self.enqueue(
+            receiver,
+            req_id.clone(),
+            Kind::Batch { chunks, is_last },
+            msg,
+        );
         self.pump(now, receiver);
         Ok(())
     }
@@ -332,7 +382,10 @@ impl SenderFlow {
     /// released, the receiver is told with one `CancelNotif` once no write of the request
     /// is outstanding, and the request leaves no state behind.
     pub fn handle_cancel(&mut self, now: Instant, req_id: &ReqId) -> Result<(), SendError> {
-        let req = self.requests.get(req_id).ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        let req = self
+            .requests
+            .get(req_id)
+            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
         if req.state == State::Failing {
             return Ok(());
         }
@@ -342,9 +395,14 @@ impl SenderFlow {
 
     /// A posted write completed, with an error text on failure.
     pub fn handle_write_done(&mut self, now: Instant, id: WriteId, result: Result<(), String>) {
-        let Some(w) = self.writes.remove(&id) else { return };
+        let Some(w) = self.writes.remove(&id) else {
+            return;
+        };
         self.staging.give_back(w.staging);
-        let req = self.requests.get_mut(&w.req_id).expect("invariant: a pending write's request is tracked");
+        let req = self
+            .requests
+            .get_mut(&w.req_id)
+            .expect("invariant: a pending write's request is tracked");
         req.writes_in_flight -= 1;
         match (result, req.state) {
             (Ok(()), State::Admitted) => {
@@ -382,16 +440,30 @@ impl SenderFlow {
             let w = self.writes.get_mut(&id).expect("invariant: listed above");
             w.stall_reported = true;
             let (req_id, receiver) = (w.req_id.clone(), w.receiver);
-            self.events.push_back(SenderEvent::FabricStalled { receiver });
-            if self.requests.get(&req_id).is_some_and(|r| r.state != State::Failing) {
+            self.events
+                .push_back(SenderEvent::FabricStalled { receiver });
+            if self
+                .requests
+                .get(&req_id)
+                .is_some_and(|r| r.state != State::Failing)
+            {
                 self.fail(now, &req_id, SendFailure::WriteTimeout);
             }
         }
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let channels = self.channels.values().filter_map(Channel::next_deadline).min();
-        let writes = self.writes.values().filter(|w| !w.stall_reported).map(|w| w.deadline).min();
+        let channels = self
+            .channels
+            .values()
+            .filter_map(Channel::next_deadline)
+            .min();
+        let writes = self
+            .writes
+            .values()
+            .filter(|w| !w.stall_reported)
+            .map(|w| w.deadline)
+            .min();
         earliest(channels, writes)
     }
 
@@ -420,7 +492,9 @@ impl SenderFlow {
     }
 
     pub fn is_admitted(&self, req_id: &ReqId) -> bool {
-        self.requests.get(req_id).is_some_and(|r| r.state == State::Admitted)
+        self.requests
+            .get(req_id)
+            .is_some_and(|r| r.state == State::Admitted)
     }
 
     pub fn tracked_requests(&self) -> usize {
@@ -436,7 +510,10 @@ impl SenderFlow {
         self.requests.is_empty()
             && self.writes.is_empty()
             && self.staging.free_count() == self.staging.capacity()
-            && self.channels.values().all(|c| c.queue.is_empty() && c.in_flight.is_empty())
+            && self
+                .channels
+                .values()
+                .all(|c| c.queue.is_empty() && c.in_flight.is_empty())
     }
 
     fn misuse_of(req: &SendRequest, chunks: &[ChunkSpec], is_last: bool) -> Option<String> {
@@ -448,18 +525,30 @@ impl SenderFlow {
         }
         let count = req.submitted + chunks.len() as u32;
         if count > req.spec.total_chunks {
-            return Some(format!("declared total_chunks={} but submitted {count}", req.spec.total_chunks));
+            return Some(format!(
+                "declared total_chunks={} but submitted {count}",
+                req.spec.total_chunks
+            ));
         }
         let mut seen = BTreeSet::new();
         for c in chunks {
             if !req.staged.contains(&c.staging) || !seen.insert(c.staging) {
-                return Some(format!("staging slot {} is not held by this request", c.staging.0));
+                return Some(format!(
+                    "staging slot {} is not held by this request",
+                    c.staging.0
+                ));
             }
         }
         None
     }
 
-    fn alloc_request(&mut self, spec: &RequestSpec, keys: Vec<String>, last_toks: u64, is_last: bool) -> Message {
+    fn alloc_request(
+        &mut self,
+        spec: &RequestSpec,
+        keys: Vec<String>,
+        last_toks: u64,
+        is_last: bool,
+    ) -> Message {
         Message::AllocRequest(AllocRequest {
             keys,
             fmt: spec.fmt,
@@ -478,7 +567,9 @@ impl SenderFlow {
             Pipelining::Auto => Mode::Probing,
             Pipelining::Off => Mode::Serial,
         };
-        self.channels.entry(receiver).or_insert_with(|| Channel::new(mode))
+        self.channels
+            .entry(receiver)
+            .or_insert_with(|| Channel::new(mode))
     }
 
     fn check_channel_room(&mut self, receiver: PeerId) -> Result<(), SendError> {
@@ -498,7 +589,12 @@ impl SenderFlow {
             Message::CancelNotif(m) => m.seq = Some(seq),
             _ => {}
         }
-        self.channel(receiver).queue.push_back(Outgoing { seq, req_id, kind, msg });
+        self.channel(receiver).queue.push_back(Outgoing {
+            seq,
+            req_id,
+            kind,
+            msg,
+        });
     }
 
     /// Sends whatever the channel's window and rules allow.
@@ -507,12 +603,19 @@ impl SenderFlow {
             let requests = &self.requests;
             let busy_elsewhere = |asker: &ReqId| {
                 requests.iter().any(|(id, r)| {
-                    id != asker && r.spec.receiver == receiver && r.state == State::Admitted && !r.last_acked
+                    id != asker
+                        && r.spec.receiver == receiver
+                        && r.state == State::Admitted
+                        && !r.last_acked
                 })
             };
             let inflight_max = self.cfg.inflight_max;
-            let Some(ch) = self.channels.get_mut(&receiver) else { return };
-            let Some(out) = ch.next_sendable(inflight_max, busy_elsewhere) else { return };
+            let Some(ch) = self.channels.get_mut(&receiver) else {
+                return;
+            };
+            let Some(out) = ch.next_sendable(inflight_max, busy_elsewhere) else {
+                return;
+            };
             let timeout = match out.kind {
                 Kind::Probe => self.cfg.admission_reply_timeout,
                 _ => self.cfg.reply_timeout,
@@ -529,21 +632,30 @@ impl SenderFlow {
                     req.keys_sent.extend(m.keys.iter().cloned());
                 }
             }
-            self.transmits.push_back(Transmit { to: Destination::Receiver(receiver), msg: out.msg });
+            self.transmits.push_back(Transmit {
+                to: Destination::Receiver(receiver),
+                msg: out.msg,
+            });
         }
     }
 
     /// Fails a request: drops its unsent messages and unsubmitted staging, tells the proxy
     /// (when configured), and sends CancelNotif once its writes are done.
     fn fail(&mut self, now: Instant, req_id: &ReqId, failure: SendFailure) {
-        let req = self.requests.get_mut(req_id).expect("invariant: failing a tracked request");
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .expect("invariant: failing a tracked request");
         debug_assert_ne!(req.state, State::Failing);
         req.state = State::Failing;
         let receiver = req.spec.receiver;
         for slot in std::mem::take(&mut req.staged) {
             self.staging.give_back(slot);
         }
-        let ch = self.channels.get_mut(&receiver).expect("invariant: a request's channel exists");
+        let ch = self
+            .channels
+            .get_mut(&receiver)
+            .expect("invariant: a request's channel exists");
         let mut freed = Vec::new();
         ch.queue.retain(|m| {
             let mine = m.req_id == *req_id;
@@ -566,10 +678,19 @@ impl SenderFlow {
         }
         self.stats.failed += 1;
         if self.cfg.notify_proxy_on_failure {
-            let msg = Message::FailNotif(FailNotif { req_id: req_id.0.clone(), reason: failure.to_string() });
-            self.transmits.push_back(Transmit { to: Destination::Proxy, msg });
+            let msg = Message::FailNotif(FailNotif {
+                req_id: req_id.0.clone(),
+                reason: failure.to_string(),
+            });
+            self.transmits.push_back(Transmit {
+                to: Destination::Proxy,
+                msg,
+            });
         }
-        self.events.push_back(SenderEvent::Failed { req_id: req_id.clone(), failure });
+        self.events.push_back(SenderEvent::Failed {
+            req_id: req_id.clone(),
+            failure,
+        });
         self.maybe_finish_failing(now, req_id);
         self.pump(now, receiver);
     }
@@ -580,7 +701,10 @@ impl SenderFlow {
         if req.state != State::Failing || req.writes_in_flight > 0 {
             return;
         }
-        let req = self.requests.remove(req_id).expect("invariant: checked above");
+        let req = self
+            .requests
+            .remove(req_id)
+            .expect("invariant: checked above");
         if req.sent_any {
             let msg = Message::CancelNotif(CancelNotif {
                 req_id: req_id.0.clone(),
@@ -606,9 +730,16 @@ impl SenderFlow {
         }
         self.requests.remove(req_id);
         self.stats.delivered += 1;
-        let msg = Message::ProxyNotif(ProxyNotif { req_id: req_id.0.clone() });
-        self.transmits.push_back(Transmit { to: Destination::Proxy, msg });
-        self.events.push_back(SenderEvent::Delivered { req_id: req_id.clone() });
+        let msg = Message::ProxyNotif(ProxyNotif {
+            req_id: req_id.0.clone(),
+        });
+        self.transmits.push_back(Transmit {
+            to: Destination::Proxy,
+            msg,
+        });
+        self.events.push_back(SenderEvent::Delivered {
+            req_id: req_id.clone(),
+        });
     }
 
     fn reset_channel(&mut self, now: Instant, receiver: PeerId, failure: SendFailure) {
@@ -626,14 +757,18 @@ impl SenderFlow {
         }
         // Nothing on a reset channel is worth sending: the receiver rolls back what it
         // held when the connection went (leases), and cancels for it would be stale.
-        let ch = self.channels.get_mut(&receiver).expect("invariant: present above");
+        let ch = self
+            .channels
+            .get_mut(&receiver)
+            .expect("invariant: present above");
         ch.queue.clear();
         ch.in_flight.clear();
         ch.mode = match self.cfg.pipelining {
             Pipelining::Auto => Mode::Probing,
             Pipelining::Off => Mode::Serial,
         };
-        self.events.push_back(SenderEvent::ChannelReset { receiver });
+        self.events
+            .push_back(SenderEvent::ChannelReset { receiver });
     }
 
     pub fn check_invariants(&self) {
@@ -641,7 +776,10 @@ impl SenderFlow {
         let mut owned = 0usize;
         for (id, req) in &self.requests {
             let in_writes = self.writes.values().filter(|w| &w.req_id == id).count();
-            assert_eq!(in_writes as u32, req.writes_in_flight, "invariant: {id} write count");
+            assert_eq!(
+                in_writes as u32, req.writes_in_flight,
+                "invariant: {id} write count"
+            );
             let in_batches: usize = self
                 .channels
                 .get(&req.spec.receiver)
@@ -649,12 +787,24 @@ impl SenderFlow {
                     ch.queue
                         .iter()
                         .filter(|m| &m.req_id == id)
-                        .map(|m| if let Kind::Batch { chunks, .. } = &m.kind { chunks.len() } else { 0 })
+                        .map(|m| {
+                            if let Kind::Batch { chunks, .. } = &m.kind {
+                                chunks.len()
+                            } else {
+                                0
+                            }
+                        })
                         .sum::<usize>()
                         + ch.in_flight
                             .iter()
                             .filter(|f| &f.req_id == id)
-                            .map(|f| if let Kind::Batch { chunks, .. } = &f.kind { chunks.len() } else { 0 })
+                            .map(|f| {
+                                if let Kind::Batch { chunks, .. } = &f.kind {
+                                    chunks.len()
+                                } else {
+                                    0
+                                }
+                            })
                             .sum::<usize>()
                 })
                 .unwrap_or(0);
@@ -668,14 +818,26 @@ impl SenderFlow {
             if req.state == State::Admitting {
                 assert_eq!(holds, 0, "invariant: {id} holds staging before admission");
             }
-            assert!(req.submitted <= req.spec.total_chunks, "invariant: {id} submitted beyond its total");
-            assert!(req.written <= req.submitted, "invariant: {id} wrote more than it submitted");
+            assert!(
+                req.submitted <= req.spec.total_chunks,
+                "invariant: {id} submitted beyond its total"
+            );
+            assert!(
+                req.written <= req.submitted,
+                "invariant: {id} wrote more than it submitted"
+            );
             owned += holds;
         }
         let orphan = self.staging.capacity() as usize - self.staging.free_count() as usize - owned;
-        assert_eq!(orphan, 0, "invariant: every held staging slot belongs to a tracked request");
+        assert_eq!(
+            orphan, 0,
+            "invariant: every held staging slot belongs to a tracked request"
+        );
         for ch in self.channels.values() {
-            assert!(ch.in_flight.len() <= ch.window(self.cfg.inflight_max), "invariant: channel window");
+            assert!(
+                ch.in_flight.len() <= ch.window(self.cfg.inflight_max),
+                "invariant: channel window"
+            );
         }
     }
 }

@@ -20,13 +20,20 @@ impl SenderFlow {
             return;
         };
         if ch.mode == Mode::Probing {
-            ch.mode = if reply.seq.is_some() { Mode::Pipelined } else { Mode::Serial };
+            ch.mode = if reply.seq.is_some() {
+                Mode::Pipelined
+            } else {
+                Mode::Serial
+            };
         }
         let Some(answered) = ch.take_in_flight(reply.seq) else {
             self.stats.stale_replies += 1;
             return;
         };
-        let live = self.requests.get(&answered.req_id).is_some_and(|r| r.state != State::Failing);
+        let live = self
+            .requests
+            .get(&answered.req_id)
+            .is_some_and(|r| r.state != State::Failing);
         match answered.kind {
             Kind::Cancel => {}
             _ if !live => {
@@ -35,7 +42,9 @@ impl SenderFlow {
                 }
             }
             Kind::Probe => self.on_probe_reply(now, &answered.req_id, reply),
-            Kind::Batch { chunks, is_last } => self.on_batch_reply(now, &answered.req_id, receiver, chunks, is_last, reply),
+            Kind::Batch { chunks, is_last } => {
+                self.on_batch_reply(now, &answered.req_id, receiver, chunks, is_last, reply)
+            }
         }
         self.pump(now, receiver);
     }
@@ -45,11 +54,19 @@ impl SenderFlow {
             return self.refused(now, req_id, reply);
         }
         if !reply.remote_indexes.is_empty() {
-            let why = format!("admission reply granted {} slots for no keys", reply.remote_indexes.len());
+            let why = format!(
+                "admission reply granted {} slots for no keys",
+                reply.remote_indexes.len()
+            );
             return self.fail(now, req_id, SendFailure::BadReply(why));
         }
-        self.requests.get_mut(req_id).expect("invariant: live request").state = State::Admitted;
-        self.events.push_back(SenderEvent::Admitted { req_id: req_id.clone() });
+        self.requests
+            .get_mut(req_id)
+            .expect("invariant: live request")
+            .state = State::Admitted;
+        self.events.push_back(SenderEvent::Admitted {
+            req_id: req_id.clone(),
+        });
     }
 
     fn on_batch_reply(
@@ -61,9 +78,13 @@ impl SenderFlow {
         is_last: bool,
         reply: AllocResponse,
     ) {
-        let req = self.requests.get_mut(req_id).expect("invariant: live request");
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .expect("invariant: live request");
         req.batches_unanswered -= 1;
-        let first_chunk = req.submitted - chunks.len() as u32 - self.unanswered_chunks(req_id, receiver);
+        let first_chunk =
+            req.submitted - chunks.len() as u32 - self.unanswered_chunks(req_id, receiver);
         if reply.is_refusal() {
             self.free_chunks(&chunks);
             return self.refused(now, req_id, reply);
@@ -75,7 +96,10 @@ impl SenderFlow {
                 return self.fail(now, req_id, SendFailure::BadReply(why));
             }
         };
-        let req = self.requests.get_mut(req_id).expect("invariant: live request");
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .expect("invariant: live request");
         if is_last {
             req.last_acked = true;
         }
@@ -116,10 +140,28 @@ impl SenderFlow {
 
     /// Chunks of `req_id` in batches sent after the one being answered (still unanswered).
     fn unanswered_chunks(&self, req_id: &ReqId, receiver: PeerId) -> u32 {
-        let Some(ch) = self.channels.get(&receiver) else { return 0 };
-        let count = |kind: &Kind| if let Kind::Batch { chunks, .. } = kind { chunks.len() as u32 } else { 0 };
-        let in_flight: u32 = ch.in_flight.iter().filter(|f| &f.req_id == req_id).map(|f| count(&f.kind)).sum();
-        let queued: u32 = ch.queue.iter().filter(|m| &m.req_id == req_id).map(|m| count(&m.kind)).sum();
+        let Some(ch) = self.channels.get(&receiver) else {
+            return 0;
+        };
+        let count = |kind: &Kind| {
+            if let Kind::Batch { chunks, .. } = kind {
+                chunks.len() as u32
+            } else {
+                0
+            }
+        };
+        let in_flight: u32 = ch
+            .in_flight
+            .iter()
+            .filter(|f| &f.req_id == req_id)
+            .map(|f| count(&f.kind))
+            .sum();
+        let queued: u32 = ch
+            .queue
+            .iter()
+            .filter(|m| &m.req_id == req_id)
+            .map(|m| count(&m.kind))
+            .sum();
         in_flight + queued
     }
 
@@ -133,7 +175,9 @@ impl SenderFlow {
     /// both do), so no CancelNotif follows: a second removal of the same keys is LMCache's
     /// double-remove bug (W20).
     fn refused(&mut self, now: Instant, req_id: &ReqId, reply: AllocResponse) {
-        let reason = reply.error.unwrap_or_else(|| "no reason given (an LMCache receiver)".to_owned());
+        let reason = reply
+            .error
+            .unwrap_or_else(|| "no reason given (an LMCache receiver)".to_owned());
         if let Some(req) = self.requests.get_mut(req_id) {
             req.sent_any = false;
         }
@@ -143,22 +187,34 @@ impl SenderFlow {
 
 /// For each chunk of the batch: where to write it (slot and immediate tag), or None when
 /// the receiver already holds it. Checks the reply's shape against the batch.
-fn plan_writes(chunks: &[ChunkSpec], reply: &AllocResponse) -> Result<Vec<Option<(SlotIndex, Option<WriteTag>)>>, String> {
+fn plan_writes(
+    chunks: &[ChunkSpec],
+    reply: &AllocResponse,
+) -> Result<Vec<Option<(SlotIndex, Option<WriteTag>)>>, String> {
     let n = chunks.len();
     let mut skip = vec![false; n];
     for &i in &reply.already_sent_indexes {
-        let i = usize::try_from(i).ok().filter(|&i| i < n).ok_or_else(|| format!("already_sent index {i} out of range 0..{n}"))?;
+        let i = usize::try_from(i)
+            .ok()
+            .filter(|&i| i < n)
+            .ok_or_else(|| format!("already_sent index {i} out of range 0..{n}"))?;
         if std::mem::replace(&mut skip[i], true) {
             return Err(format!("already_sent index {i} repeated"));
         }
     }
     let to_write = n - reply.already_sent_indexes.len();
     if reply.remote_indexes.len() != to_write {
-        return Err(format!("{} remote indexes for {to_write} chunks to write", reply.remote_indexes.len()));
+        return Err(format!(
+            "{} remote indexes for {to_write} chunks to write",
+            reply.remote_indexes.len()
+        ));
     }
     if let Some(g) = &reply.generations {
         if g.len() != to_write {
-            return Err(format!("{} generations for {to_write} chunks to write", g.len()));
+            return Err(format!(
+                "{} generations for {to_write} chunks to write",
+                g.len()
+            ));
         }
     }
     let mut remote = reply.remote_indexes.iter().enumerate();
@@ -169,8 +225,13 @@ fn plan_writes(chunks: &[ChunkSpec], reply: &AllocResponse) -> Result<Vec<Option
             continue;
         }
         let (k, &index) = remote.next().expect("invariant: lengths checked above");
-        let slot = u32::try_from(index).map(SlotIndex).map_err(|_| format!("remote index {index} out of range"))?;
-        let tag = reply.generations.as_ref().map(|g| WriteTag { slot, generation: g[k] });
+        let slot = u32::try_from(index)
+            .map(SlotIndex)
+            .map_err(|_| format!("remote index {index} out of range"))?;
+        let tag = reply.generations.as_ref().map(|g| WriteTag {
+            slot,
+            generation: g[k],
+        });
         plan.push(Some((slot, tag)));
     }
     Ok(plan)

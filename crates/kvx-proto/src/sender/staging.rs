@@ -14,7 +14,10 @@ pub struct StagingPool {
 impl StagingPool {
     pub fn new(slots: u32) -> Self {
         // Reversed so that `pop` hands out slot 0 first.
-        Self { owner: vec![None; slots as usize], free: (0..slots).rev().map(StagingSlot).collect() }
+        Self {
+            owner: vec![None; slots as usize],
+            free: (0..slots).rev().map(StagingSlot).collect(),
+        }
     }
 
     pub fn capacity(&self) -> u32 {
@@ -36,19 +39,33 @@ impl StagingPool {
     }
 
     pub fn give_back(&mut self, slot: StagingSlot) {
-        let owner = self.owner.get_mut(slot.0 as usize).expect("invariant: staging slot in range");
-        assert!(owner.is_some(), "invariant: staging slot {} freed twice", slot.0);
+        let owner = self
+            .owner
+            .get_mut(slot.0 as usize)
+            .expect("invariant: staging slot in range");
+        assert!(
+            owner.is_some(),
+            "invariant: staging slot {} freed twice",
+            slot.0
+        );
         *owner = None;
         self.free.push(slot);
     }
 
     /// Slots each request owns, for the sender's invariant check.
     pub fn owned_by(&self, req: &ReqId) -> usize {
-        self.owner.iter().filter(|o| o.as_ref() == Some(req)).count()
+        self.owner
+            .iter()
+            .filter(|o| o.as_ref() == Some(req))
+            .count()
     }
 
     pub fn check_invariants(&self) {
         let owned = self.owner.iter().filter(|o| o.is_some()).count();
-        assert_eq!(owned + self.free.len(), self.owner.len(), "invariant: staging slots are owned or free");
+        assert_eq!(
+            owned + self.free.len(),
+            self.owner.len(),
+            "invariant: staging slots are owned or free"
+        );
     }
 }
