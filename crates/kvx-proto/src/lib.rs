@@ -26,3 +26,6 @@ pub mod wire;
 pub use config::{ConfigError, ProxyConfig, ReceiverConfig, SenderConfig};
 pub use ids::{PeerId, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag};
 pub use time::Instant;
+
+#[cfg(feature = "testing")]
+pub mod testing;

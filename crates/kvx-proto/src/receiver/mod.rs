@@ -297,6 +297,11 @@ impl ReceiverLedger {
         self.requests.is_empty() && self.slots.free_count() == self.capacity()
     }
 
+    /// The state of one buffer slot (for checkers).
+    pub fn slot_state(&self, slot: SlotIndex) -> crate::slots::SlotState {
+        self.slots.state(slot)
+    }
+
     /// The slot tags of a tracked request, in chunk order.
     pub fn request_slots(&self, key: &ReqKey) -> Option<&[WriteTag]> {
         self.requests.get(key).map(|r| r.slots.as_slice())
@@ -461,10 +466,15 @@ impl ReceiverLedger {
             self.capacity(),
             "invariant: free + held + quarantined = capacity"
         );
-        assert!(
-            self.slots.held_count() + self.reserved_unallocated() + self.slots.quarantined_count()
-                <= self.capacity(),
-            "invariant: held + reserved + quarantined <= capacity"
+        // Admission's view: what a new reservation may take, plus what is promised but not yet
+        // allocated, plus what is allocated, plus what is quarantined, is the whole buffer.
+        assert_eq!(
+            self.admission.available()
+                + self.reserved_unallocated()
+                + self.slots.held_count()
+                + self.slots.quarantined_count(),
+            self.capacity(),
+            "invariant: available + reserved + held + quarantined = capacity"
         );
         assert!(
             self.requests.len() <= self.cfg.requests_max,

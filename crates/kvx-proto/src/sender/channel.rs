@@ -97,14 +97,16 @@ impl Channel {
         if self.mode == Mode::Pipelined {
             return self.queue.pop_front();
         }
-        // Serial: a probe may wait at the receiver, so it must not go out while another
-        // admitted request still needs this channel. Other messages may pass it; a
-        // request's own messages keep their order because its batches exist only after
-        // its probe was answered.
-        let pos = self
-            .queue
-            .iter()
-            .position(|m| !matches!(m.kind, Kind::Probe) || !busy_elsewhere(&m.req_id))?;
+        // Serial: a probe may wait at the receiver, and while it waits nothing else can pass
+        // on this channel. So batches and cancels (which never wait, and which may be what
+        // frees the capacity the probe needs) always go first, and a probe goes only when
+        // no other admitted request still needs the channel. A request's own messages keep
+        // their order: its batches exist only after its probe was answered, and a request
+        // that fails with its probe still queued drops the probe and sends no cancel.
+        let pos = match self.queue.iter().position(|m| !matches!(m.kind, Kind::Probe)) {
+            Some(pos) => pos,
+            None => self.queue.iter().position(|m| !busy_elsewhere(&m.req_id))?,
+        };
         self.queue.remove(pos)
     }
 

@@ -147,6 +147,12 @@ pub enum SendError {
     NotAdmitted(ReqId),
     #[error("no staging slot is free: wait until writes complete")]
     WouldBlock,
+    /// Every staging slot is held by chunks the caller has not submitted: no write can free
+    /// one, so waiting would never end. Submit a (smaller) batch first.
+    #[error(
+        "all {0} staging slots hold unsubmitted chunks: submit a batch before allocating more"
+    )]
+    StagingHeldByCaller(u32),
     #[error("request {0} failed: {1}")]
     Failed(ReqId, SendFailure),
     #[error("request {req_id}: {why} (the request was cancelled)")]
@@ -298,7 +304,13 @@ impl SenderFlow {
                 why,
             });
         }
-        let slot = self.staging.take(req_id).ok_or(SendError::WouldBlock)?;
+        let Some(slot) = self.staging.take(req_id) else {
+            let unsubmitted: usize = self.requests.values().map(|r| r.staged.len()).sum();
+            if unsubmitted == self.staging.capacity() as usize {
+                return Err(SendError::StagingHeldByCaller(self.staging.capacity()));
+            }
+            return Err(SendError::WouldBlock);
+        };
         self.requests
             .get_mut(req_id)
             .expect("invariant: checked above")

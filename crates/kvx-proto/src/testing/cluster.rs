@@ -1,0 +1,858 @@
+//! The harness event loop. See the module map in `testing/mod.rs`.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+use std::time::Duration;
+
+use super::checker::{content_of, Checker, Violation};
+use super::workload::ClusterSpec;
+use crate::ids::{PeerId, ReqId, ReqKey, SlotIndex, WriteId};
+use crate::proxy::{ProxyEvent, ProxyTracker};
+use crate::receiver::{Outcome, ReceiverEvent, ReceiverLedger};
+use crate::sender::{
+    ChunkSpec, Destination, RequestSpec, SendError, SenderEvent, SenderFlow, WriteOp,
+};
+use crate::time::Instant;
+use crate::wire::{self, Message};
+
+/// How a request ended at its sender.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    Delivered,
+    Failed(String),
+}
+
+/// What happened to one planned request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanReport {
+    pub begun_at: Option<Instant>,
+    pub admitted_at: Option<Instant>,
+    pub ended_at: Option<Instant>,
+    pub sender_end: Option<End>,
+    /// `Ok` when the proxy saw every notice, `Err(reason)` on a failure notice or timeout.
+    pub proxy_end: Option<Result<Instant, String>>,
+    pub receiver_end: Option<Outcome>,
+    pub consumed_at: Option<Instant>,
+    pub chunks_verified: u32,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub plans: Vec<PlanReport>,
+    pub steps: u64,
+    pub finished_at: Instant,
+    /// Replies received by raw peers (injected messages).
+    pub raw_replies: Vec<(PeerId, Message)>,
+    /// ProxyNotif messages the proxy received, per request id.
+    pub proxy_notifs: BTreeMap<String, u32>,
+}
+
+impl Report {
+    /// Time from the first request's begin to the last request's end at the proxy.
+    pub fn makespan(&self) -> Duration {
+        let start = self
+            .plans
+            .iter()
+            .filter_map(|p| p.begun_at)
+            .min()
+            .unwrap_or_default();
+        let end = self
+            .plans
+            .iter()
+            .filter_map(|p| p.proxy_end.clone()?.ok())
+            .max()
+            .unwrap_or_default();
+        end - start
+    }
+
+    pub fn delivered(&self) -> usize {
+        self.plans
+            .iter()
+            .filter(|p| p.sender_end == Some(End::Delivered))
+            .count()
+    }
+}
+
+/// The run did not settle, or a checker fired. `dump` says what was outstanding.
+#[derive(Debug, Clone)]
+pub struct Stuck {
+    pub reason: String,
+    pub dump: String,
+    pub report: Report,
+}
+
+impl fmt::Display for Stuck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}\n{}", self.reason, self.dump)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Start(usize),
+    ToReceiver {
+        from: PeerId,
+        r: usize,
+        bytes: Vec<u8>,
+    },
+    ToSender {
+        r: usize,
+        s: usize,
+        bytes: Vec<u8>,
+    },
+    ToRaw {
+        peer: PeerId,
+        bytes: Vec<u8>,
+    },
+    ToProxy {
+        bytes: Vec<u8>,
+    },
+    WriteLands {
+        s: usize,
+        op: WriteOp,
+        fail: bool,
+    },
+    Tick(usize),
+    Consume {
+        r: usize,
+        key: ReqKey,
+    },
+    Cancel(usize),
+    Kill(usize),
+}
+
+#[derive(Debug)]
+struct SenderNode {
+    flow: SenderFlow,
+    alive: bool,
+    staging_mem: Vec<u64>,
+    waiting: VecDeque<usize>,
+    active: Vec<usize>,
+    tick_at: Option<Instant>,
+    busy_until: Instant,
+}
+
+#[derive(Debug)]
+struct ReceiverNode {
+    ledger: ReceiverLedger,
+    mem: Vec<u64>,
+    ready: BTreeMap<ReqKey, Vec<SlotIndex>>,
+}
+
+#[derive(Debug, Default)]
+struct PlanRun {
+    next_chunk: u32,
+    batch: Vec<ChunkSpec>,
+    done_submitting: bool,
+    proxy_ready: bool,
+}
+
+/// Peer ids of raw (injected) senders start here, above every real sender.
+pub const RAW_PEER_BASE: u64 = 1_000;
+
+#[derive(Debug)]
+pub struct Cluster {
+    spec: ClusterSpec,
+    now: Instant,
+    queue: BTreeMap<(Instant, u64), Ev>,
+    seq: u64,
+    link_free_at: BTreeMap<(u8, u64, u64), Instant>,
+    rng: u64,
+    senders: Vec<SenderNode>,
+    receivers: Vec<ReceiverNode>,
+    proxy: ProxyTracker,
+    runs: Vec<PlanRun>,
+    report: Report,
+    checker: Checker,
+    by_req_id: BTreeMap<String, usize>,
+}
+
+impl Cluster {
+    pub fn new(spec: ClusterSpec) -> Self {
+        let senders = spec
+            .senders
+            .iter()
+            .map(|cfg| SenderNode {
+                flow: SenderFlow::new(cfg.clone()).expect("harness: valid sender config"),
+                alive: true,
+                staging_mem: vec![0; cfg.staging_slots as usize],
+                waiting: VecDeque::new(),
+                active: Vec::new(),
+                tick_at: None,
+                busy_until: Instant::ZERO,
+            })
+            .collect();
+        let receivers = spec
+            .receivers
+            .iter()
+            .map(|cfg| ReceiverNode {
+                ledger: ReceiverLedger::new(cfg.clone()).expect("harness: valid receiver config"),
+                mem: vec![0; cfg.buffer_slots as usize],
+                ready: BTreeMap::new(),
+            })
+            .collect();
+        let mut cluster = Cluster {
+            proxy: ProxyTracker::new(spec.proxy.clone()).expect("harness: valid proxy config"),
+            now: Instant::ZERO,
+            queue: BTreeMap::new(),
+            seq: 0,
+            link_free_at: BTreeMap::new(),
+            rng: spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+            senders,
+            receivers,
+            runs: spec.requests.iter().map(|_| PlanRun::default()).collect(),
+            report: Report {
+                plans: vec![PlanReport::default(); spec.requests.len()],
+                ..Report::default()
+            },
+            checker: Checker::default(),
+            by_req_id: spec
+                .requests
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.req_id.clone(), i))
+                .collect(),
+            spec,
+        };
+        for (i, plan) in cluster.spec.requests.clone().iter().enumerate() {
+            cluster.schedule(Instant::ZERO + plan.start_after, Ev::Start(i));
+        }
+        for (s, after) in cluster.spec.kill_sender_after.clone() {
+            cluster.schedule(Instant::ZERO + after, Ev::Kill(s));
+        }
+        cluster
+    }
+
+    /// Sends `msg` from a raw peer (not a real sender) to receiver `r` at `at`; replies are
+    /// collected in `Report::raw_replies`.
+    pub fn inject(&mut self, at: Duration, raw: u64, r: usize, msg: &Message) {
+        let from = PeerId(RAW_PEER_BASE + raw);
+        self.schedule(
+            Instant::ZERO + at,
+            Ev::ToReceiver {
+                from,
+                r,
+                bytes: wire::encode(msg),
+            },
+        );
+    }
+
+    pub fn receiver(&self, r: usize) -> &ReceiverLedger {
+        &self.receivers[r].ledger
+    }
+
+    pub fn sender(&self, s: usize) -> &SenderFlow {
+        &self.senders[s].flow
+    }
+
+    pub fn now(&self) -> Instant {
+        self.now
+    }
+
+    /// Runs until nothing is left to do, at most `max_steps` events and `max_time` of virtual
+    /// time. Every node's invariants and the global checks run after every step.
+    pub fn run(mut self, max_steps: u64, max_time: Duration) -> Result<Report, Stuck> {
+        let limit = Instant::ZERO + max_time;
+        loop {
+            let Some(at) = self.next_time() else { break };
+            if at > limit || self.report.steps >= max_steps {
+                let why = format!(
+                    "did not settle within {max_steps} steps and {max_time:?} of virtual time"
+                );
+                return Err(self.stuck(why));
+            }
+            self.now = at;
+            self.report.steps += 1;
+            self.step();
+            if let Err(v) = self.check() {
+                return Err(self.stuck(format!("checker: {v}")));
+            }
+        }
+        if let Err(v) = self.check_final() {
+            return Err(self.stuck(format!("final check: {v}")));
+        }
+        self.report.finished_at = self.now;
+        Ok(self.report)
+    }
+
+    fn next_time(&self) -> Option<Instant> {
+        let mut t = self.queue.keys().next().map(|k| k.0);
+        let mut consider = |d: Option<Instant>| {
+            if let Some(d) = d {
+                t = Some(t.map_or(d, |x: Instant| x.min(d)));
+            }
+        };
+        for node in self.senders.iter().filter(|n| n.alive) {
+            consider(node.flow.poll_timeout());
+        }
+        for node in &self.receivers {
+            consider(node.ledger.poll_timeout());
+        }
+        consider(self.proxy.poll_timeout());
+        t.map(|t| t.max(self.now))
+    }
+
+    fn step(&mut self) {
+        let now = self.now;
+        if let Some(&key) = self.queue.keys().next().filter(|k| k.0 <= now) {
+            let ev = self.queue.remove(&key).expect("harness: key just seen");
+            self.handle(ev);
+        } else {
+            for s in 0..self.senders.len() {
+                if self.senders[s].alive
+                    && self.senders[s]
+                        .flow
+                        .poll_timeout()
+                        .is_some_and(|t| t <= now)
+                {
+                    self.senders[s].flow.handle_timeout(now);
+                    self.drain_sender(s);
+                }
+            }
+            for r in 0..self.receivers.len() {
+                if self.receivers[r]
+                    .ledger
+                    .poll_timeout()
+                    .is_some_and(|t| t <= now)
+                {
+                    self.receivers[r].ledger.handle_timeout(now);
+                    self.drain_receiver(r);
+                }
+            }
+            if self.proxy.poll_timeout().is_some_and(|t| t <= now) {
+                self.proxy.handle_timeout(now);
+                self.drain_proxy();
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        let now = self.now;
+        match ev {
+            Ev::Start(i) => {
+                let s = self.spec.requests[i].sender;
+                self.senders[s].waiting.push_back(i);
+                self.schedule_tick(s);
+            }
+            Ev::ToReceiver { from, r, bytes } => {
+                if from.0 < RAW_PEER_BASE && !self.senders[from.0 as usize].alive {
+                    return;
+                }
+                let msg = wire::decode(&bytes).expect("harness: the codec decodes what it encoded");
+                self.receivers[r].ledger.handle_message(now, from, msg);
+                self.drain_receiver(r);
+            }
+            Ev::ToSender { r, s, bytes } => {
+                if !self.senders[s].alive {
+                    return;
+                }
+                let msg = wire::decode(&bytes).expect("harness: the codec decodes what it encoded");
+                self.senders[s]
+                    .flow
+                    .handle_message(now, PeerId(r as u64), msg);
+                self.drain_sender(s);
+            }
+            Ev::ToRaw { peer, bytes } => {
+                let msg = wire::decode(&bytes).expect("harness: the codec decodes what it encoded");
+                self.report.raw_replies.push((peer, msg));
+            }
+            Ev::ToProxy { bytes } => {
+                let msg = wire::decode(&bytes).expect("harness: the codec decodes what it encoded");
+                if let Message::ProxyNotif(n) = &msg {
+                    *self
+                        .report
+                        .proxy_notifs
+                        .entry(n.req_id.clone())
+                        .or_default() += 1;
+                    self.checker.on_proxy_notif(&n.req_id);
+                }
+                self.proxy.handle_message(now, msg);
+                self.drain_proxy();
+            }
+            Ev::WriteLands { s, op, fail } => self.land(s, op, fail),
+            Ev::Tick(s) => {
+                self.senders[s].tick_at = None;
+                if self.senders[s].alive {
+                    self.prefill(s);
+                }
+            }
+            Ev::Consume { r, key } => self.consume(r, key),
+            Ev::Cancel(i) => {
+                let s = self.spec.requests[i].sender;
+                if self.senders[s].alive && self.report.plans[i].sender_end.is_none() {
+                    let req_id = ReqId(self.spec.requests[i].req_id.clone());
+                    // Unknown means it already ended on the sender: a harmless race.
+                    let _ = self.senders[s].flow.handle_cancel(now, &req_id);
+                    self.drain_sender(s);
+                }
+            }
+            Ev::Kill(s) => {
+                self.senders[s].alive = false;
+                let node = &mut self.senders[s];
+                node.waiting.clear();
+                node.active.clear();
+            }
+        }
+    }
+
+    /// One-sided write: the bytes are read from staging when they land (a DMA reads its
+    /// source during the transfer, so a staging slot reused too early shows up as corrupt).
+    fn land(&mut self, s: usize, op: WriteOp, fail: bool) {
+        let now = self.now;
+        let r = op.receiver.0 as usize;
+        if !fail {
+            let bytes = self.senders[s].staging_mem[op.staging.0 as usize];
+            let key = ReqKey {
+                peer: PeerId(s as u64),
+                req_id: op.req_id.clone(),
+            };
+            self.checker.on_write(&self.receivers[r].ledger, &key, &op);
+            self.receivers[r].mem[op.remote.0 as usize] = bytes;
+            if let Some(tag) = op.tag {
+                self.receivers[r].ledger.handle_chunk_landed(now, tag);
+                self.drain_receiver(r);
+            }
+        }
+        if self.senders[s].alive {
+            let result = if fail {
+                Err("injected fabric error".to_owned())
+            } else {
+                Ok(())
+            };
+            self.senders[s].flow.handle_write_done(now, op.id, result);
+            self.drain_sender(s);
+        }
+    }
+
+    fn consume(&mut self, r: usize, key: ReqKey) {
+        let Some(slots) = self.receivers[r].ready.remove(&key) else {
+            return;
+        };
+        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
+            return;
+        };
+        let mut verified = 0;
+        for (chunk, slot) in slots.iter().enumerate() {
+            let got = self.receivers[r].mem[slot.0 as usize];
+            self.checker
+                .on_read(&key, chunk as u32, got, content_of(i, chunk as u32));
+            verified += 1;
+        }
+        if self.receivers[r]
+            .ledger
+            .handle_consume(self.now, &key)
+            .is_ok()
+        {
+            self.report.plans[i].consumed_at = Some(self.now);
+            self.report.plans[i].chunks_verified = verified;
+        }
+        self.drain_receiver(r);
+    }
+
+    /// The prefill engine: starts waiting requests up to `interleave`, then round-robin
+    /// stages one batch per admitted request while staging lasts.
+    fn prefill(&mut self, s: usize) {
+        let now = self.now;
+        while self.senders[s].active.len() < self.spec.interleave {
+            let Some(i) = self.senders[s].waiting.pop_front() else {
+                break;
+            };
+            self.begin(s, i);
+        }
+        let mut produced = 0u32;
+        for i in self.senders[s].active.clone() {
+            let req_id = ReqId(self.spec.requests[i].req_id.clone());
+            if !self.senders[s].flow.is_admitted(&req_id) || self.runs[i].done_submitting {
+                continue;
+            }
+            let plan = self.spec.requests[i].clone();
+            let mut blocked = false;
+            while self.runs[i].batch.len() < plan.batch_chunks as usize
+                && self.runs[i].next_chunk < plan.chunks
+            {
+                match self.senders[s].flow.try_allocate(&req_id) {
+                    Ok(slot) => {
+                        let chunk = self.runs[i].next_chunk;
+                        self.senders[s].staging_mem[slot.0 as usize] = content_of(i, chunk);
+                        let key = format!("{}@{chunk}", plan.req_id);
+                        self.runs[i].batch.push(ChunkSpec {
+                            key,
+                            staging: slot,
+                            tokens: 256,
+                        });
+                        self.runs[i].next_chunk += 1;
+                        produced += 1;
+                    }
+                    // Out of staging: submit what is staged (a partial batch) so that
+                    // its writes free staging; holding it would wait on itself.
+                    Err(SendError::WouldBlock | SendError::StagingHeldByCaller(_)) => {
+                        blocked = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            let run = &mut self.runs[i];
+            let is_last = run.next_chunk == plan.chunks;
+            let full = run.batch.len() == plan.batch_chunks as usize;
+            if !run.batch.is_empty() && (full || is_last || blocked) {
+                let batch = std::mem::take(&mut run.batch);
+                run.done_submitting = is_last;
+                // An error means the request ended meanwhile; its end is reported by event.
+                let _ = self.senders[s]
+                    .flow
+                    .handle_submit(now, &req_id, batch, is_last);
+                self.drain_sender(s);
+            }
+            if blocked {
+                break;
+            }
+        }
+        let node = &mut self.senders[s];
+        node.busy_until = now + self.spec.timing.prefill_chunk_time * produced;
+        if produced > 0 {
+            self.schedule_tick(s);
+        }
+    }
+
+    fn begin(&mut self, s: usize, i: usize) {
+        let now = self.now;
+        let plan = self.spec.requests[i].clone();
+        self.senders[s].active.push(i);
+        self.report.plans[i].begun_at = Some(now);
+        let req_id = ReqId(plan.req_id.clone());
+        self.proxy
+            .handle_expect(now, req_id.clone(), 1)
+            .expect("harness: unique request ids");
+        self.drain_proxy();
+        let spec = RequestSpec {
+            req_id,
+            receiver: PeerId(plan.receiver as u64),
+            total_chunks: plan.declared,
+            fmt: 1,
+            shape: vec![2, 2, 256, 64],
+            dtype: "bfloat16".into(),
+        };
+        if let Err(e) = self.senders[s].flow.handle_begin(now, spec) {
+            self.end_plan(i, End::Failed(e.to_string()));
+            return;
+        }
+        if let Some(after) = plan.cancel_after {
+            self.schedule(now + after, Ev::Cancel(i));
+        }
+        self.drain_sender(s);
+    }
+
+    fn drain_sender(&mut self, s: usize) {
+        let now = self.now;
+        while let Some(t) = self.senders[s].flow.poll_transmit() {
+            let bytes = wire::encode(&t.msg);
+            match t.to {
+                Destination::Receiver(r) => {
+                    let at = self.link_time(0, s as u64, r.0, self.spec.timing.net_latency);
+                    self.schedule(
+                        at,
+                        Ev::ToReceiver {
+                            from: PeerId(s as u64),
+                            r: r.0 as usize,
+                            bytes,
+                        },
+                    );
+                }
+                Destination::Proxy => {
+                    let at = self.link_time(1, s as u64, 0, self.spec.timing.net_latency);
+                    self.schedule(at, Ev::ToProxy { bytes });
+                }
+            }
+        }
+        while let Some(op) = self.senders[s].flow.poll_write() {
+            let i = self.by_req_id[&op.req_id.0];
+            let fail = self.spec.requests[i].fail_write_of_chunk == Some(op.chunk);
+            let write_time = self.spec.timing.write_time;
+            let link = (2, s as u64, op.receiver.0);
+            let start = self
+                .link_free_at
+                .get(&link)
+                .copied()
+                .unwrap_or(now)
+                .max(now);
+            self.link_free_at.insert(link, start + write_time);
+            self.schedule(start + write_time, Ev::WriteLands { s, op, fail });
+        }
+        while let Some(ev) = self.senders[s].flow.poll_event() {
+            match ev {
+                SenderEvent::Admitted { req_id } => {
+                    let i = self.by_req_id[&req_id.0];
+                    self.report.plans[i].admitted_at = Some(now);
+                    self.schedule_tick(s);
+                }
+                SenderEvent::Delivered { req_id } => {
+                    let i = self.by_req_id[&req_id.0];
+                    self.checker
+                        .on_delivered(&req_id.0, self.spec.requests[i].chunks);
+                    self.end_plan(i, End::Delivered);
+                }
+                SenderEvent::Failed { req_id, failure } => {
+                    self.end_plan(self.by_req_id[&req_id.0], End::Failed(failure.to_string()))
+                }
+                SenderEvent::ChannelReset { .. } | SenderEvent::FabricStalled { .. } => {}
+            }
+        }
+        // Staging may have been freed: the engine may continue.
+        if !self.senders[s].active.is_empty() || !self.senders[s].waiting.is_empty() {
+            self.schedule_tick(s);
+        }
+    }
+
+    fn drain_receiver(&mut self, r: usize) {
+        while let Some((peer, reply)) = self.receivers[r].ledger.poll_transmit() {
+            let bytes = wire::encode(&Message::AllocResponse(reply));
+            let at = self.link_time(3, r as u64, peer.0, self.spec.timing.net_latency);
+            let ev = if peer.0 >= RAW_PEER_BASE {
+                Ev::ToRaw { peer, bytes }
+            } else {
+                Ev::ToSender {
+                    r,
+                    s: peer.0 as usize,
+                    bytes,
+                }
+            };
+            self.schedule(at, ev);
+        }
+        while let Some(ev) = self.receivers[r].ledger.poll_event() {
+            match ev {
+                ReceiverEvent::Admitted { .. } => {}
+                ReceiverEvent::Ready { key, slots, .. } => {
+                    self.receivers[r].ready.insert(key.clone(), slots);
+                    self.maybe_consume(r, &key);
+                }
+                ReceiverEvent::Ended { key, outcome } => {
+                    self.receivers[r].ready.remove(&key);
+                    self.checker.on_receiver_end(&key, &outcome);
+                    if let Some(&i) = self.by_req_id.get(&key.req_id.0) {
+                        if key.peer.0 == self.spec.requests[i].sender as u64 {
+                            self.report.plans[i].receiver_end = Some(outcome);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn drain_proxy(&mut self) {
+        while let Some(ev) = self.proxy.poll_event() {
+            let (req_id, end) = match ev {
+                ProxyEvent::Ready { req_id } => (req_id, Ok(self.now)),
+                ProxyEvent::Failed { req_id, reason } => (req_id, Err(reason)),
+            };
+            let Some(&i) = self.by_req_id.get(&req_id.0) else {
+                continue;
+            };
+            self.checker
+                .on_proxy_end(&req_id.0, self.report.plans[i].proxy_end.is_some());
+            let ready = end.is_ok();
+            self.report.plans[i].proxy_end = Some(end);
+            if ready {
+                self.runs[i].proxy_ready = true;
+                let plan = &self.spec.requests[i];
+                let key = ReqKey {
+                    peer: PeerId(plan.sender as u64),
+                    req_id,
+                };
+                self.maybe_consume(plan.receiver, &key);
+            }
+        }
+    }
+
+    /// The decoder reads a request once its receiver has it ready and the proxy says so.
+    fn maybe_consume(&mut self, r: usize, key: &ReqKey) {
+        if !self.spec.decoder_consumes || !self.receivers[r].ready.contains_key(key) {
+            return;
+        }
+        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
+            return;
+        };
+        if self.runs[i].proxy_ready {
+            let at = self.now + self.spec.timing.decode_delay;
+            self.schedule(
+                at,
+                Ev::Consume {
+                    r,
+                    key: key.clone(),
+                },
+            );
+        }
+    }
+
+    fn end_plan(&mut self, i: usize, end: End) {
+        let s = self.spec.requests[i].sender;
+        self.checker.on_sender_end(
+            &self.spec.requests[i].req_id,
+            self.report.plans[i].sender_end.is_some(),
+        );
+        self.report.plans[i].sender_end = Some(end);
+        self.report.plans[i].ended_at = Some(self.now);
+        self.senders[s].active.retain(|&a| a != i);
+        if let Some(run) = self.runs.get_mut(i) {
+            // Chunks staged but not yet submitted were released by the sender on failure.
+            run.batch.clear();
+            run.done_submitting = true;
+        }
+        self.schedule_tick(s);
+    }
+
+    fn schedule_tick(&mut self, s: usize) {
+        let node = &mut self.senders[s];
+        if !node.alive || node.tick_at.is_some() {
+            return;
+        }
+        let at = node.busy_until.max(self.now);
+        node.tick_at = Some(at);
+        self.schedule(at, Ev::Tick(s));
+    }
+
+    /// When a message sent now on link (kind, a, b) arrives: latency plus jitter, never
+    /// before an earlier message of the same link (links are FIFO, as TCP and ZMQ are).
+    fn link_time(&mut self, kind: u8, a: u64, b: u64, latency: Duration) -> Instant {
+        let jitter = self.spec.timing.jitter;
+        let extra = if jitter.is_zero() {
+            Duration::ZERO
+        } else {
+            jitter.mul_f64(self.next_unit())
+        };
+        let at = self.now + latency + extra;
+        let link = (kind, a, b);
+        let at = self
+            .link_free_at
+            .get(&link)
+            .map_or(at, |&prev| at.max(prev));
+        self.link_free_at.insert(link, at);
+        at
+    }
+
+    fn next_unit(&mut self) -> f64 {
+        // xorshift64*: deterministic per seed, no dependency.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        (self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn schedule(&mut self, at: Instant, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), ev);
+    }
+
+    fn check(&self) -> Result<(), Violation> {
+        for node in &self.senders {
+            node.flow.check_invariants();
+        }
+        for node in &self.receivers {
+            node.ledger.check_invariants();
+        }
+        self.proxy.check_invariants();
+        self.checker.first_violation()
+    }
+
+    fn check_final(&self) -> Result<(), Violation> {
+        self.check()?;
+        let killed: BTreeSet<usize> = self.spec.kill_sender_after.iter().map(|k| k.0).collect();
+        for (i, plan) in self.spec.requests.iter().enumerate() {
+            let rep = &self.report.plans[i];
+            if !killed.contains(&plan.sender) && rep.sender_end.is_none() {
+                return Err(Violation::new(format!(
+                    "request {} never ended at its sender",
+                    plan.req_id
+                )));
+            }
+            if rep.begun_at.is_some() && rep.proxy_end.is_none() {
+                return Err(Violation::new(format!(
+                    "the proxy never learned how {} ended",
+                    plan.req_id
+                )));
+            }
+            if rep.sender_end == Some(End::Delivered)
+                && self.spec.decoder_consumes
+                && rep.consumed_at.is_none()
+            {
+                return Err(Violation::new(format!(
+                    "delivered request {} was never consumed",
+                    plan.req_id
+                )));
+            }
+        }
+        for (r, node) in self.receivers.iter().enumerate() {
+            if !node.ledger.is_quiescent() {
+                return Err(Violation::new(format!(
+                    "receiver {r} is not entirely free after quiescence: {} tracked, {} free of {}",
+                    node.ledger.tracked_requests(),
+                    node.ledger.free_slots(),
+                    node.ledger.capacity()
+                )));
+            }
+        }
+        for (s, node) in self.senders.iter().enumerate() {
+            if node.alive && !node.flow.is_quiescent() {
+                return Err(Violation::new(format!(
+                    "sender {s} still holds state after quiescence"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn stuck(&self, reason: String) -> Stuck {
+        let mut dump = format!(
+            "at {:?} after {} steps\n",
+            self.now.since_epoch(),
+            self.report.steps
+        );
+        for (i, plan) in self.spec.requests.iter().enumerate() {
+            let rep = &self.report.plans[i];
+            if rep.sender_end.is_none() || rep.proxy_end.is_none() {
+                dump += &format!("  {}: {:?}\n", plan.req_id, rep);
+            }
+        }
+        for (r, node) in self.receivers.iter().enumerate() {
+            let l = &node.ledger;
+            dump += &format!(
+                "  receiver {r}: tracked {} queued {} reserved {} held {} quarantined {} free {}\n",
+                l.tracked_requests(),
+                l.admission_queue_len(),
+                l.reserved_total(),
+                l.held_slots(),
+                l.quarantined_slots(),
+                l.free_slots()
+            );
+        }
+        for (s, node) in self.senders.iter().enumerate() {
+            dump += &format!(
+                "  sender {s}: alive {} tracked {} staging free {}/{}\n",
+                node.alive,
+                node.flow.tracked_requests(),
+                node.flow.staging_free(),
+                node.flow.staging_capacity()
+            );
+        }
+        Stuck {
+            reason,
+            dump,
+            report: self.report.clone(),
+        }
+    }
+
+    #[doc(hidden)]
+    pub fn pending_write_ids(&self) -> Vec<WriteId> {
+        self.queue
+            .values()
+            .filter_map(|e| {
+                if let Ev::WriteLands { op, .. } = e {
+                    Some(op.id)
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,18 @@
+//! A synchronous harness (feature `testing`): senders, receivers and a proxy wired together
+//! with virtual time and in-memory delivery, after quinn's `Pair` and raft-rs's `Network`.
+//!
+//! - `workload.rs`: `ClusterSpec`, `RequestPlan`, `Timing`.
+//! - `cluster.rs`: `Cluster`, the event loop; every message goes through the wire codec,
+//!   every link is FIFO, every write is a model of a one-sided write into receiver memory.
+//! - `checker.rs`: the global checks run after every step and at the end.
+//!
+//! `Cluster::run` is bounded in steps and in virtual time and returns `Stuck` with a dump
+//! of what is outstanding instead of hanging.
+
+mod checker;
+mod cluster;
+mod workload;
+
+pub use checker::Violation;
+pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
+pub use workload::{ClusterSpec, RequestPlan, Timing};
