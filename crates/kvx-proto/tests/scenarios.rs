@@ -401,20 +401,34 @@ fn xpyd_with_jitter_completes() {
 #[test]
 fn serial_channel_cancel_passes_a_waiting_probe() {
     let mut spec = ClusterSpec::new(1, 1, 5, 9)
-        .with(RequestPlan { start_after: Duration::from_micros(284), ..RequestPlan::new(0, 0, "p0", 3, 1) })
+        .with(RequestPlan {
+            start_after: Duration::from_micros(284),
+            ..RequestPlan::new(0, 0, "p0", 3, 1)
+        })
         .with(RequestPlan {
             start_after: Duration::from_micros(319),
             cancel_after: Some(Duration::from_micros(1_948)),
             ..RequestPlan::new(0, 0, "p1", 3, 1)
         })
-        .with(RequestPlan { start_after: Duration::from_micros(319), ..RequestPlan::new(0, 0, "p2", 3, 1) });
+        .with(RequestPlan {
+            start_after: Duration::from_micros(319),
+            ..RequestPlan::new(0, 0, "p2", 3, 1)
+        });
     spec.interleave = 3;
     spec.seed = 12_257_266_579_060_608_737;
     spec.timing.jitter = Duration::from_micros(10);
     spec.senders[0].pipelining = Pipelining::Off;
     let report = run(spec);
-    assert_eq!(report.plans[2].sender_end, Some(End::Delivered), "{:?}", report.plans[2]);
-    assert!(report.makespan() < Duration::from_secs(1), "no admission timeout on the way");
+    assert_eq!(
+        report.plans[2].sender_end,
+        Some(End::Delivered),
+        "{:?}",
+        report.plans[2]
+    );
+    assert!(
+        report.makespan() < Duration::from_secs(1),
+        "no admission timeout on the way"
+    );
 }
 
 /// Found by the property test: a batch larger than the whole staging pool. The engine
@@ -422,7 +436,32 @@ fn serial_channel_cancel_passes_a_waiting_probe() {
 /// caller wait on staging that only its own unsubmitted chunks hold.
 #[test]
 fn batch_larger_than_staging_completes() {
-    let spec = ClusterSpec::new(1, 1, 4, 1)
-        .with(RequestPlan { start_after: Duration::from_micros(128), ..RequestPlan::new(0, 0, "p0", 2, 2) });
+    let spec = ClusterSpec::new(1, 1, 4, 1).with(RequestPlan {
+        start_after: Duration::from_micros(128),
+        ..RequestPlan::new(0, 0, "p0", 2, 2)
+    });
     all_delivered(&run(spec));
+}
+
+/// Found by the property test: on a serial channel, a request cancelled after its last batch
+/// was answered, with writes still in flight, let another request's probe go out before its
+/// CancelNotif, and the probe then waited for the capacity the cancel would free. On a
+/// serial channel a probe now waits until no other request is admitted or failing.
+#[test]
+fn serial_channel_probe_waits_for_a_pending_cancel() {
+    let mut spec = ClusterSpec::new(1, 1, 4, 3)
+        .with(RequestPlan {
+            start_after: Duration::from_micros(1_373),
+            cancel_after: Some(Duration::from_micros(835)),
+            ..RequestPlan::new(0, 0, "p0", 4, 3)
+        })
+        .with(RequestPlan { start_after: Duration::from_micros(1_373), ..RequestPlan::new(0, 0, "p1", 1, 1) });
+    spec.interleave = 3;
+    spec.seed = 7_756_152_892_049_454_264;
+    spec.timing.jitter = Duration::from_micros(170);
+    spec.senders[0].pipelining = Pipelining::Off;
+    spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
+    spec.receivers[0].write_quarantine = Duration::from_secs(5);
+    let report = run(spec);
+    assert_eq!(report.plans[1].sender_end, Some(End::Delivered), "{:?}", report.plans[1]);
 }

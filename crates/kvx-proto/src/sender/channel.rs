@@ -103,7 +103,11 @@ impl Channel {
         // no other admitted request still needs the channel. A request's own messages keep
         // their order: its batches exist only after its probe was answered, and a request
         // that fails with its probe still queued drops the probe and sends no cancel.
-        let pos = match self.queue.iter().position(|m| !matches!(m.kind, Kind::Probe)) {
+        let pos = match self
+            .queue
+            .iter()
+            .position(|m| !matches!(m.kind, Kind::Probe))
+        {
             Some(pos) => pos,
             None => self.queue.iter().position(|m| !busy_elsewhere(&m.req_id))?,
         };

@@ -419,7 +419,7 @@ impl SenderFlow {
         match (result, req.state) {
             (Ok(()), State::Admitted) => {
                 req.written += 1;
-                self.maybe_delivered(&w.req_id);
+                self.maybe_delivered(now, &w.req_id);
             }
             (Err(why), State::Admitted) => self.fail(now, &w.req_id, SendFailure::WriteFailed(why)),
             (_, _) => self.maybe_finish_failing(now, &w.req_id),
@@ -613,12 +613,19 @@ impl SenderFlow {
     fn pump(&mut self, now: Instant, receiver: PeerId) {
         loop {
             let requests = &self.requests;
+            // Whether another request may still need this channel: an admitted one (it may
+            // have batches to send, or fail and need a CancelNotif, until it is delivered),
+            // or a failing one whose CancelNotif (which frees receiver capacity) is yet to go.
+            // A serial channel must not send a probe that could wait ahead of them.
             let busy_elsewhere = |asker: &ReqId| {
                 requests.iter().any(|(id, r)| {
                     id != asker
                         && r.spec.receiver == receiver
-                        && r.state == State::Admitted
-                        && !r.last_acked
+                        && match r.state {
+                            State::Admitted => true,
+                            State::Failing => r.sent_any,
+                            State::Admitting => false,
+                        }
                 })
             };
             let inflight_max = self.cfg.inflight_max;
@@ -730,7 +737,7 @@ impl SenderFlow {
     }
 
     /// Emits `ProxyNotif` once every submitted chunk is written and the last batch is done.
-    fn maybe_delivered(&mut self, req_id: &ReqId) {
+    fn maybe_delivered(&mut self, now: Instant, req_id: &ReqId) {
         let req = &self.requests[req_id];
         let done = req.state == State::Admitted
             && req.last_acked
@@ -740,6 +747,7 @@ impl SenderFlow {
         if !done {
             return;
         }
+        let receiver = req.spec.receiver;
         self.requests.remove(req_id);
         self.stats.delivered += 1;
         let msg = Message::ProxyNotif(ProxyNotif {
@@ -752,6 +760,8 @@ impl SenderFlow {
         self.events.push_back(SenderEvent::Delivered {
             req_id: req_id.clone(),
         });
+        // A serial channel may have held a probe back for this request.
+        self.pump(now, receiver);
     }
 
     fn reset_channel(&mut self, now: Instant, receiver: PeerId, failure: SendFailure) {

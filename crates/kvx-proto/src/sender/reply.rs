@@ -135,7 +135,7 @@ impl SenderFlow {
                 }
             }
         }
-        self.maybe_delivered(req_id);
+        self.maybe_delivered(now, req_id);
     }
 
     /// Chunks of `req_id` in batches sent after the one being answered (still unanswered).

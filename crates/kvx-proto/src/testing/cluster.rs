@@ -166,6 +166,8 @@ pub struct Cluster {
     report: Report,
     checker: Checker,
     by_req_id: BTreeMap<String, usize>,
+    /// Print every event to stderr (set `KVX_TRACE=1`).
+    trace: bool,
 }
 
 impl Cluster {
@@ -214,6 +216,7 @@ impl Cluster {
                 .map(|(i, p)| (p.req_id.clone(), i))
                 .collect(),
             spec,
+            trace: std::env::var_os("KVX_TRACE").is_some(),
         };
         for (i, plan) in cluster.spec.requests.clone().iter().enumerate() {
             cluster.schedule(Instant::ZERO + plan.start_after, Ev::Start(i));
@@ -297,6 +300,9 @@ impl Cluster {
         let now = self.now;
         if let Some(&key) = self.queue.keys().next().filter(|k| k.0 <= now) {
             let ev = self.queue.remove(&key).expect("harness: key just seen");
+            if self.trace {
+                eprintln!("{:>12?} {}", now.since_epoch(), describe(&ev));
+            }
             self.handle(ev);
         } else {
             for s in 0..self.senders.len() {
@@ -854,5 +860,20 @@ impl Cluster {
                 }
             })
             .collect()
+    }
+}
+
+/// One line per event for `KVX_TRACE`: messages are decoded so the trace reads as protocol.
+fn describe(ev: &Ev) -> String {
+    let msg = |bytes: &[u8]| wire::decode(bytes).map_or_else(|e| format!("<{e}>"), |m| format!("{m:?}"));
+    match ev {
+        Ev::ToReceiver { from, r, bytes } => format!("{from} -> receiver {r}: {}", msg(bytes)),
+        Ev::ToSender { r, s, bytes } => format!("receiver {r} -> sender {s}: {}", msg(bytes)),
+        Ev::ToRaw { peer, bytes } => format!("-> {peer}: {}", msg(bytes)),
+        Ev::ToProxy { bytes } => format!("-> proxy: {}", msg(bytes)),
+        Ev::WriteLands { s, op, fail } => {
+            format!("sender {s} write {} {} chunk {} -> slot {}{}", op.id.0, op.req_id, op.chunk, op.remote.0, if *fail { " FAILS" } else { "" })
+        }
+        other => format!("{other:?}"),
     }
 }

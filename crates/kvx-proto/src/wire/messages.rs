@@ -98,7 +98,13 @@ pub enum Message {
 impl AllocResponse {
     /// A successful reply granting `slots`.
     pub fn granted(slots: Vec<i64>, generations: Option<Vec<u32>>, seq: Option<u64>) -> Self {
-        Self { remote_indexes: slots, already_sent_indexes: Vec::new(), seq, error: None, generations }
+        Self {
+            remote_indexes: slots,
+            already_sent_indexes: Vec::new(),
+            seq,
+            error: None,
+            generations,
+        }
     }
 
     /// LMCache's error shape: `max(n_keys, 1)` entries of −1, plus kvx's reason.
