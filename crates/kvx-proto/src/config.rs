@@ -88,6 +88,27 @@ impl ReceiverConfig {
     }
 }
 
+impl ReceiverConfig {
+    /// Checks the timeouts that must agree across a sender and this receiver: a live
+    /// sender's write either lands or fails at the sender before the receiver's lease on the
+    /// request expires, and a slot stays quarantined longer than any write can take.
+    pub fn check_sender(&self, sender: &SenderConfig) -> Result<(), ConfigError> {
+        require(sender.write_timeout < self.request_idle_timeout, || {
+            format!(
+                "sender write_timeout {:?} must be below the receiver's request_idle_timeout {:?}, \
+                 or a slow write can land after its request was rolled back",
+                sender.write_timeout, self.request_idle_timeout
+            )
+        })?;
+        require(sender.write_timeout < self.write_quarantine, || {
+            format!(
+                "sender write_timeout {:?} must be below the receiver's write_quarantine {:?}",
+                sender.write_timeout, self.write_quarantine
+            )
+        })
+    }
+}
+
 /// How the sender uses one receiver's control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pipelining {

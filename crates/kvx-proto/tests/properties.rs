@@ -26,6 +26,8 @@ struct Case {
     seed: u64,
     requests: Vec<(usize, u32, u32, u64, Option<u64>, Option<u32>)>,
     kill: Option<(usize, u64)>,
+    /// Time one write takes, in µs; sometimes longer than the receiver's 1 s lease.
+    write_us: u64,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -50,8 +52,9 @@ fn case() -> impl Strategy<Value = Case> {
                 prop::collection::vec(any::<bool>(), senders),
                 prop::collection::vec(request, 1..=10),
                 prop::option::weighted(0.15, (0..senders, 0u64..3_000)),
+                prop_oneof![8 => 10u64..200, 1 => 300_000u64..1_500_000],
             )
-                .prop_map(move |(serial, requests, kill)| Case {
+                .prop_map(move |(serial, requests, kill, write_us)| Case {
                     senders,
                     buffer,
                     staging,
@@ -61,6 +64,7 @@ fn case() -> impl Strategy<Value = Case> {
                     seed,
                     requests,
                     kill,
+                    write_us,
                 })
         })
 }
@@ -70,8 +74,15 @@ fn spec_of(case: &Case) -> ClusterSpec {
     spec.interleave = case.interleave;
     spec.seed = case.seed;
     spec.timing.jitter = Duration::from_micros(case.jitter_us);
+    spec.timing.write_time = Duration::from_micros(case.write_us);
     spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
     spec.receivers[0].write_quarantine = Duration::from_secs(5);
+    for sender in &mut spec.senders {
+        // Valid deployments keep a sender's write timeout below the receiver's lease
+        // (`ReceiverConfig::check_sender`): slow writes then fail at the sender first.
+        sender.write_timeout = Duration::from_millis(800);
+        spec.receivers[0].check_sender(sender).expect("a valid pairing");
+    }
     for (s, serial) in case.serial.iter().enumerate() {
         if *serial {
             spec.senders[s].pipelining = Pipelining::Off;
@@ -94,7 +105,6 @@ fn spec_of(case: &Case) -> ClusterSpec {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 256,
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/properties.proptest-regressions"))),
         ..ProptestConfig::default()
     })]
@@ -114,6 +124,7 @@ proptest! {
             let faulted = plan.cancel_after.is_some()
                 || plan.fail_write_of_chunk.is_some_and(|c| c < plan.chunks)
                 || killed.is_some()
+                || case.write_us >= 300_000
                 || plan.chunks > buffer;
             if !faulted {
                 prop_assert_eq!(&rep.sender_end, &Some(End::Delivered), "{} {:?}", plan.req_id, rep);
@@ -145,6 +156,7 @@ fn the_same_seed_gives_the_same_run() {
             })
             .collect(),
         kill: None,
+        write_us: 100,
     };
     let a = Cluster::new(spec_of(&case))
         .run(1_000_000, Duration::from_secs(7_200))

@@ -294,6 +294,9 @@ fn dead_sender_reservation_is_reclaimed() {
     spec.timing.prefill_chunk_time = Duration::from_millis(1);
     spec.kill_sender_after = vec![(0, Duration::from_micros(500))];
     spec.receivers[0].request_idle_timeout = Duration::from_secs(2);
+    for s in &mut spec.senders {
+        s.write_timeout = Duration::from_secs(1);
+    }
     spec.receivers[0].write_quarantine = Duration::from_secs(20);
     let report = run(spec);
     assert_eq!(
@@ -455,13 +458,45 @@ fn serial_channel_probe_waits_for_a_pending_cancel() {
             cancel_after: Some(Duration::from_micros(835)),
             ..RequestPlan::new(0, 0, "p0", 4, 3)
         })
-        .with(RequestPlan { start_after: Duration::from_micros(1_373), ..RequestPlan::new(0, 0, "p1", 1, 1) });
+        .with(RequestPlan {
+            start_after: Duration::from_micros(1_373),
+            ..RequestPlan::new(0, 0, "p1", 1, 1)
+        });
     spec.interleave = 3;
     spec.seed = 7_756_152_892_049_454_264;
     spec.timing.jitter = Duration::from_micros(170);
     spec.senders[0].pipelining = Pipelining::Off;
     spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
     spec.receivers[0].write_quarantine = Duration::from_secs(5);
+    spec.senders[0].write_timeout = Duration::from_millis(800);
     let report = run(spec);
-    assert_eq!(report.plans[1].sender_end, Some(End::Delivered), "{:?}", report.plans[1]);
+    assert_eq!(
+        report.plans[1].sender_end,
+        Some(End::Delivered),
+        "{:?}",
+        report.plans[1]
+    );
+}
+
+/// A sender hangs with writes already posted: its NIC keeps writing while the receiver's
+/// lease on the request expires. The rolled-back slots go to quarantine, so the late writes
+/// land there and never in a slot already granted to the next request (whose bytes they
+/// would corrupt); the next request is admitted once the quarantine clears.
+#[test]
+fn late_write_after_a_lease_expiry_lands_in_quarantine() {
+    let mut spec = ClusterSpec::new(2, 1, 2, 2)
+        .with(RequestPlan { write_time: Some(Duration::from_millis(1_200)), ..RequestPlan::new(0, 0, "hung", 2, 2) })
+        .with(RequestPlan { start_after: Duration::from_millis(1), ..RequestPlan::new(1, 0, "next", 2, 2) });
+    for s in &mut spec.senders {
+        s.write_timeout = Duration::from_millis(800);
+    }
+    spec.kill_sender_after = vec![(0, Duration::from_millis(500))];
+    spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
+    spec.receivers[0].write_quarantine = Duration::from_secs(5);
+    let report = run(spec);
+    assert_eq!(report.plans[0].receiver_end, Some(Outcome::Failed(Failure::IdleTimeout)));
+    assert_eq!(report.plans[1].sender_end, Some(End::Delivered));
+    assert_eq!(report.plans[1].chunks_verified, 2);
+    let admitted = report.plans[1].admitted_at.expect("admitted") - Instant0::ZERO;
+    assert!(admitted >= Duration::from_millis(2_400), "admitted after both late writes: {admitted:?}");
 }

@@ -169,7 +169,11 @@ impl ReceiverLedger {
                 self.touch(&key, now);
                 self.maybe_ready(now, &key);
             }
-            Landing::QuarantineCleared => self.admission.unpin(1),
+            Landing::QuarantineCleared => {
+                // A slot came back: the head of the admission queue may fit now.
+                self.admission.unpin(1);
+                self.drain_admitted(now);
+            }
             Landing::Stale => self.stats.stale_landings += 1,
         }
     }

@@ -112,6 +112,7 @@ enum Ev {
         s: usize,
         op: WriteOp,
         fail: bool,
+        posted: Instant,
     },
     Tick(usize),
     Consume {
@@ -171,7 +172,16 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// Builds the cluster. Panics on a deployment `ReceiverConfig::check_sender` refuses:
+    /// the harness tests the protocol under valid settings.
     pub fn new(spec: ClusterSpec) -> Self {
+        for receiver in &spec.receivers {
+            for sender in &spec.senders {
+                if let Err(e) = receiver.check_sender(sender) {
+                    panic!("harness: {e}");
+                }
+            }
+        }
         let senders = spec
             .senders
             .iter()
@@ -376,7 +386,14 @@ impl Cluster {
                 self.proxy.handle_message(now, msg);
                 self.drain_proxy();
             }
-            Ev::WriteLands { s, op, fail } => self.land(s, op, fail),
+            Ev::WriteLands { s, op, fail, posted } => {
+                // A dead sender's kernel tears its connections down: only writes that
+                // complete within its write_timeout of posting may still land.
+                let cut = !self.senders[s].alive && self.now > posted + self.spec.senders[s].write_timeout;
+                if !cut {
+                    self.land(s, op, fail);
+                }
+            }
             Ev::Tick(s) => {
                 self.senders[s].tick_at = None;
                 if self.senders[s].alive {
@@ -431,6 +448,25 @@ impl Cluster {
         }
     }
 
+    /// What a driver does on `FabricStalled`: reset the connection, which flushes every
+    /// outstanding write on it with an error (verbs: the QP goes to error; nothing lands
+    /// after the flush).
+    fn reset_fabric(&mut self, s: usize, receiver: u64) {
+        let flushed: Vec<(Instant, u64)> = self
+            .queue
+            .iter()
+            .filter(|(_, ev)| matches!(ev, Ev::WriteLands { s: ws, op, .. } if *ws == s && op.receiver.0 == receiver))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in flushed {
+            if let Some(Ev::WriteLands { s, op, posted, .. }) = self.queue.remove(&key) {
+                let now = self.now;
+                self.schedule(now, Ev::WriteLands { s, op, fail: true, posted });
+            }
+        }
+        self.link_free_at.remove(&(2, s as u64, receiver));
+    }
+
     fn consume(&mut self, r: usize, key: ReqKey) {
         let Some(slots) = self.receivers[r].ready.remove(&key) else {
             return;
@@ -469,7 +505,9 @@ impl Cluster {
         let mut produced = 0u32;
         for i in self.senders[s].active.clone() {
             let req_id = ReqId(self.spec.requests[i].req_id.clone());
-            if !self.senders[s].flow.is_admitted(&req_id) || self.runs[i].done_submitting {
+            // The engine tries every active request; the core refuses staging to one that is
+            // not admitted yet (NotAdmitted), which the engine treats as "not yet".
+            if self.runs[i].done_submitting {
                 continue;
             }
             let plan = self.spec.requests[i].clone();
@@ -575,7 +613,7 @@ impl Cluster {
         while let Some(op) = self.senders[s].flow.poll_write() {
             let i = self.by_req_id[&op.req_id.0];
             let fail = self.spec.requests[i].fail_write_of_chunk == Some(op.chunk);
-            let write_time = self.spec.timing.write_time;
+            let write_time = self.spec.requests[i].write_time.unwrap_or(self.spec.timing.write_time);
             let link = (2, s as u64, op.receiver.0);
             let start = self
                 .link_free_at
@@ -584,7 +622,7 @@ impl Cluster {
                 .unwrap_or(now)
                 .max(now);
             self.link_free_at.insert(link, start + write_time);
-            self.schedule(start + write_time, Ev::WriteLands { s, op, fail });
+            self.schedule(start + write_time, Ev::WriteLands { s, op, fail, posted: now });
         }
         while let Some(ev) = self.senders[s].flow.poll_event() {
             match ev {
@@ -602,7 +640,8 @@ impl Cluster {
                 SenderEvent::Failed { req_id, failure } => {
                     self.end_plan(self.by_req_id[&req_id.0], End::Failed(failure.to_string()))
                 }
-                SenderEvent::ChannelReset { .. } | SenderEvent::FabricStalled { .. } => {}
+                SenderEvent::FabricStalled { receiver } => self.reset_fabric(s, receiver.0),
+                SenderEvent::ChannelReset { .. } => {}
             }
         }
         // Staging may have been freed: the engine may continue.
@@ -865,14 +904,22 @@ impl Cluster {
 
 /// One line per event for `KVX_TRACE`: messages are decoded so the trace reads as protocol.
 fn describe(ev: &Ev) -> String {
-    let msg = |bytes: &[u8]| wire::decode(bytes).map_or_else(|e| format!("<{e}>"), |m| format!("{m:?}"));
+    let msg =
+        |bytes: &[u8]| wire::decode(bytes).map_or_else(|e| format!("<{e}>"), |m| format!("{m:?}"));
     match ev {
         Ev::ToReceiver { from, r, bytes } => format!("{from} -> receiver {r}: {}", msg(bytes)),
         Ev::ToSender { r, s, bytes } => format!("receiver {r} -> sender {s}: {}", msg(bytes)),
         Ev::ToRaw { peer, bytes } => format!("-> {peer}: {}", msg(bytes)),
         Ev::ToProxy { bytes } => format!("-> proxy: {}", msg(bytes)),
-        Ev::WriteLands { s, op, fail } => {
-            format!("sender {s} write {} {} chunk {} -> slot {}{}", op.id.0, op.req_id, op.chunk, op.remote.0, if *fail { " FAILS" } else { "" })
+        Ev::WriteLands { s, op, fail, .. } => {
+            format!(
+                "sender {s} write {} {} chunk {} -> slot {}{}",
+                op.id.0,
+                op.req_id,
+                op.chunk,
+                op.remote.0,
+                if *fail { " FAILS" } else { "" }
+            )
         }
         other => format!("{other:?}"),
     }

@@ -22,6 +22,8 @@ pub struct RequestPlan {
     pub cancel_after: Option<Duration>,
     /// Fail the write of this chunk (a fabric error).
     pub fail_write_of_chunk: Option<u32>,
+    /// This request's writes take this long instead of `Timing::write_time`.
+    pub write_time: Option<Duration>,
 }
 
 impl RequestPlan {
@@ -42,6 +44,7 @@ impl RequestPlan {
             start_after: Duration::ZERO,
             cancel_after: None,
             fail_write_of_chunk: None,
+            write_time: None,
         }
     }
 }

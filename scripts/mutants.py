@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Deliberately broken variants of kvx-proto, each of which the tests must catch.
+
+Copies the workspace to a scratch folder, applies one mutation at a time, runs the scenario
+and property tests there, and reports whether they failed (caught) or passed (missed).
+Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
+The simulation issue turns these into `--break` variants of the swarm runner.
+"""
+import os, shutil, subprocess, sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRATCH = "/tmp/kvx-mutants"
+SRC = "crates/kvx-proto/src/"
+
+# name: (file, old, new, what it breaks)
+MUTANTS = {
+    "no-reservation": (SRC + "admission.rs",
+        "if self.waiting.is_empty() && need <= self.available() {",
+        "if true {",
+        "admit every request without checking capacity"),
+    "release-before-complete": (SRC + "receiver/batch.rs",
+        "let unused = req.reservation - req.slots.len() as u32;",
+        "let unused = req.reservation;",
+        "release the whole reservation when the last batch is allocated (LMCache W12)"),
+    "proxynotif-before-written": (SRC + "sender/mod.rs",
+        "&& req.writes_in_flight == 0\n            && req.written == req.submitted;",
+        ";",
+        "send ProxyNotif when the last batch is answered, before the writes complete (LMCache U, W8)"),
+    "reuse-slot-early": (SRC + "receiver/mod.rs",
+        "if drained {\n                self.slots.release(tag.slot);",
+        "if true {\n                self.slots.release(tag.slot);",
+        "free a rolled-back request's slots at once, though a write may still land"),
+    "stage-before-admit": (SRC + "sender/mod.rs",
+        "State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),",
+        "State::Admitting => {}",
+        "let a request take staging before its receiver admitted it"),
+    "lock-across-admission": (SRC + "sender/mod.rs",
+        "State::Admitted => true,",
+        "State::Admitted => !r.last_acked && false,",
+        "on a serial channel, send a probe while another admitted request still needs the channel (LMCache W1)"),
+    "no-cancel-release": (SRC + "receiver/mod.rs",
+        "        if self.requests.contains_key(&key) {\n            self.fail(now, &key, Failure::Cancelled, drained);",
+        "        if false {\n            self.fail(now, &key, Failure::Cancelled, drained);",
+        "acknowledge CancelNotif without releasing anything"),
+    "no-fifo": (SRC + "admission.rs",
+        "if head.need > self.available() {\n                break;\n            }",
+        "if head.need > self.available() {\n                let mut q = std::mem::take(&mut self.waiting); let h = q.pop_front(); q.extend(h); self.waiting = q; if self.waiting.front().map(|w| w.need > self.available()).unwrap_or(true) { break; } else { continue; }\n            }",
+        "let a smaller waiter overtake the head of the admission queue"),
+}
+
+def run(name):
+    path, old, new, what = MUTANTS[name]
+    target = os.path.join(SCRATCH, path)
+    shutil.copy(os.path.join(ROOT, path), target)
+    text = open(target).read()
+    if old not in text:
+        return name, "STALE (pattern not found: update scripts/mutants.py)", what
+    open(target, "w").write(text.replace(old, new, 1))
+    env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
+    env.pop("KVX_TRACE", None)
+    cmd = ["cargo", "test", "-q", "--release", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties"]
+    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
+    shutil.copy(os.path.join(ROOT, path), target)
+    out = proc.stdout + proc.stderr
+    # `cargo test -q` lists failing tests indented under a "failures:" heading.
+    failed, in_list = [], False
+    for line in out.splitlines():
+        if line == "failures:":
+            in_list = True
+        elif in_list and line.startswith("    ") and " " not in line.strip():
+            failed.append(line.strip())
+        elif in_list and line.startswith("test result"):
+            in_list = False
+    failed = sorted(set(failed))
+    if "error[" in out:
+        return name, "BUILD ERROR", what
+    return name, ("caught by " + ", ".join(failed)) if proc.returncode else "MISSED", what
+
+def main():
+    names = sys.argv[1:] or list(MUTANTS)
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    shutil.copytree(ROOT, SCRATCH, ignore=shutil.ignore_patterns("target", ".git"))
+    missed = False
+    for name in names:
+        name, verdict, what = run(name)
+        missed |= not verdict.startswith("caught")
+        print(f"{name:28} {verdict}\n{'':28} ({what})", flush=True)
+    sys.exit(1 if missed else 0)
+
+if __name__ == "__main__":
+    main()
