@@ -4,8 +4,8 @@
 //!
 //! - **Encoding** writes what `msgspec.msgpack.encode` writes: a map, `"type"` first, then
 //!   every field in declaration order with defaults included, integers in their smallest
-//!   form. kvx extension fields that are `None` are left out (spec §1).
-//! - **Decoding** follows `msgspec.msgpack.decode(bytes, type=PDMsg)` (spec §3): the tag may
+//!   form. kvx extension fields that are `None` are left out (spec §1.6).
+//! - **Decoding** follows `msgspec.msgpack.decode(bytes, type=PDMsg)` (spec §3.1): the tag may
 //!   sit anywhere in the map, unknown fields are skipped, any integer width is accepted, and
 //!   typing is strict (an int is not a bool, bin is not str). It never panics, never
 //!   recurses on input, and never allocates more than a small multiple of the frame, because
@@ -13,7 +13,7 @@
 //!
 //! serde's internally tagged enums buffer the whole map into `Content` before choosing a
 //! variant, and `String`'s visitor accepts bin as str, so the derived `Deserialize` is both
-//! slower and laxer than msgspec; it is kept for convenience only.
+//! slower and laxer than msgspec (spec §5); it is kept for convenience only.
 
 use rmp::Marker;
 
@@ -86,9 +86,7 @@ pub enum DecodeError {
 /// `Result`, so a thin error pointer keeps the hot path's results in registers.
 type Result<T> = std::result::Result<T, Box<DecodeError>>;
 
-// ---------------------------------------------------------------------------------------
-// Encoding
-// ---------------------------------------------------------------------------------------
+// ---- Encoding ---------------------------------------------------------------------------
 
 /// Encodes `msg` exactly as LMCache's msgspec encoder would (plus any kvx extension fields
 /// that are set).
@@ -109,13 +107,10 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) {
             field_str(out, "req_id", &m.req_id);
         }
         Message::CancelNotif(m) => {
-            header(
-                out,
-                2 + count_some(&[m.seq.is_some(), m.drained.is_some()]),
-                "CancelNotif",
-            );
+            let extensions = [m.seq.is_some(), m.drained.is_some()];
+            header(out, 2 + count_some(&extensions), "CancelNotif");
             field_str(out, "req_id", &m.req_id);
-            field_str_list(out, "keys", &m.keys);
+            field_list(out, "keys", &m.keys, |out, k| write_str(out, k));
             if let Some(seq) = m.seq {
                 field_uint(out, "seq", seq);
             }
@@ -133,13 +128,9 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) {
 
 fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
     header(out, 8 + count_some(&[m.seq.is_some()]), "AllocRequest");
-    field_str_list(out, "keys", &m.keys);
+    field_list(out, "keys", &m.keys, |out, k| write_str(out, k));
     field_uint(out, "fmt", u64::from(m.fmt));
-    key(out, "shape");
-    write_array_len(out, m.shape.len());
-    for &dim in &m.shape {
-        write_uint(out, dim);
-    }
+    field_list(out, "shape", &m.shape, |out, &dim| write_uint(out, dim));
     field_str(out, "dtype", &m.dtype);
     field_uint(out, "last_chunk_toks", m.last_chunk_toks);
     field_str(out, "req_id", &m.req_id);
@@ -153,8 +144,15 @@ fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
 fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
     let extensions = [m.seq.is_some(), m.error.is_some(), m.generations.is_some()];
     header(out, 2 + count_some(&extensions), "AllocResponse");
-    field_int_list(out, "remote_indexes", &m.remote_indexes);
-    field_int_list(out, "already_sent_indexes", &m.already_sent_indexes);
+    field_list(out, "remote_indexes", &m.remote_indexes, |out, &i| {
+        write_sint(out, i)
+    });
+    field_list(
+        out,
+        "already_sent_indexes",
+        &m.already_sent_indexes,
+        |out, &i| write_sint(out, i),
+    );
     if let Some(seq) = m.seq {
         field_uint(out, "seq", seq);
     }
@@ -162,11 +160,9 @@ fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
         field_str(out, "error", error);
     }
     if let Some(generations) = &m.generations {
-        key(out, "generations");
-        write_array_len(out, generations.len());
-        for &g in generations {
-            write_uint(out, u64::from(g));
-        }
+        field_list(out, "generations", generations, |out, &g| {
+            write_uint(out, u64::from(g))
+        });
     }
 }
 
@@ -188,6 +184,7 @@ fn encoded_len_hint(msg: &Message) -> usize {
     }
 }
 
+/// How many of a message's optional fields are set, i.e. will be written.
 fn count_some(present: &[bool]) -> usize {
     present.iter().filter(|&&p| p).count()
 }
@@ -199,38 +196,26 @@ fn header(out: &mut Vec<u8>, fields: usize, type_name: &str) {
     write_str(out, type_name);
 }
 
-fn key(out: &mut Vec<u8>, name: &str) {
-    write_str(out, name);
-}
-
 fn field_str(out: &mut Vec<u8>, name: &str, value: &str) {
-    key(out, name);
+    write_str(out, name);
     write_str(out, value);
 }
 
 fn field_uint(out: &mut Vec<u8>, name: &str, value: u64) {
-    key(out, name);
+    write_str(out, name);
     write_uint(out, value);
 }
 
 fn field_bool(out: &mut Vec<u8>, name: &str, value: bool) {
-    key(out, name);
+    write_str(out, name);
     out.push(if value { 0xc3 } else { 0xc2 });
 }
 
-fn field_str_list(out: &mut Vec<u8>, name: &str, values: &[String]) {
-    key(out, name);
+fn field_list<T>(out: &mut Vec<u8>, name: &str, values: &[T], write: fn(&mut Vec<u8>, &T)) {
+    write_str(out, name);
     write_array_len(out, values.len());
     for v in values {
-        write_str(out, v);
-    }
-}
-
-fn field_int_list(out: &mut Vec<u8>, name: &str, values: &[i64]) {
-    key(out, name);
-    write_array_len(out, values.len());
-    for &v in values {
-        write_sint(out, v);
+        write(out, v);
     }
 }
 
@@ -311,9 +296,7 @@ fn write_sint(out: &mut Vec<u8>, v: i64) {
     }
 }
 
-// ---------------------------------------------------------------------------------------
-// Decoding
-// ---------------------------------------------------------------------------------------
+// ---- Decoding ---------------------------------------------------------------------------
 
 /// Decodes one message, refusing frames over [`DEFAULT_FRAME_MAX_BYTES`].
 pub fn decode(bytes: &[u8]) -> std::result::Result<Message, DecodeError> {
@@ -327,11 +310,9 @@ pub fn decode_with_limit(
     bytes: &[u8],
     frame_max_bytes: usize,
 ) -> std::result::Result<Message, DecodeError> {
-    if bytes.len() > frame_max_bytes {
-        return Err(DecodeError::FrameTooLarge {
-            len: bytes.len(),
-            max: frame_max_bytes,
-        });
+    let (len, max) = (bytes.len(), frame_max_bytes);
+    if len > max {
+        return Err(DecodeError::FrameTooLarge { len, max });
     }
     decode_frame(bytes).map_err(|e| *e)
 }

@@ -85,6 +85,10 @@ pub struct FailNotif {
 }
 
 /// Every message on kvx's wire, tagged by `"type"` with the class name as LMCache does.
+///
+/// The derived `Serialize` (with `rmp_serde::to_vec_named`) writes the same bytes as
+/// [`super::encode`]; decode with [`super::decode`], not serde: the derived `Deserialize`
+/// accepts bin for str, which msgspec rejects, and is about 3× slower (`docs/spec/wire.md` §5).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type")]
 pub enum Message {
