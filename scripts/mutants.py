@@ -6,7 +6,7 @@ and property tests there, and reports whether they failed (caught) or passed (mi
 Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
 The simulation issue turns these into `--break` variants of the swarm runner.
 """
-import os, shutil, subprocess, sys
+import os, re, shutil, subprocess, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/kvx-mutants"
@@ -67,7 +67,7 @@ def run(name):
     for line in out.splitlines():
         if line == "failures:":
             in_list = True
-        elif in_list and line.startswith("    ") and " " not in line.strip():
+        elif in_list and re.fullmatch(r"    [a-z_0-9:]+", line):
             failed.append(line.strip())
         elif in_list and line.startswith("test result"):
             in_list = False

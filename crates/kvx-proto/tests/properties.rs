@@ -15,6 +15,9 @@ use kvx_proto::testing::{Cluster, ClusterSpec, End, RequestPlan};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 
+/// (sender, chunks, batch_chunks, start µs, cancel after µs, failing chunk)
+type PlanTuple = (usize, u32, u32, u64, Option<u64>, Option<u32>);
+
 #[derive(Debug, Clone)]
 struct Case {
     senders: usize,
@@ -24,7 +27,7 @@ struct Case {
     serial: Vec<bool>,
     jitter_us: u64,
     seed: u64,
-    requests: Vec<(usize, u32, u32, u64, Option<u64>, Option<u32>)>,
+    requests: Vec<PlanTuple>,
     kill: Option<(usize, u64)>,
     /// Time one write takes, in µs; sometimes longer than the receiver's 1 s lease.
     write_us: u64,
@@ -81,7 +84,9 @@ fn spec_of(case: &Case) -> ClusterSpec {
         // Valid deployments keep a sender's write timeout below the receiver's lease
         // (`ReceiverConfig::check_sender`): slow writes then fail at the sender first.
         sender.write_timeout = Duration::from_millis(800);
-        spec.receivers[0].check_sender(sender).expect("a valid pairing");
+        spec.receivers[0]
+            .check_sender(sender)
+            .expect("a valid pairing");
     }
     for (s, serial) in case.serial.iter().enumerate() {
         if *serial {

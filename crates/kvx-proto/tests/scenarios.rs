@@ -485,8 +485,14 @@ fn serial_channel_probe_waits_for_a_pending_cancel() {
 #[test]
 fn late_write_after_a_lease_expiry_lands_in_quarantine() {
     let mut spec = ClusterSpec::new(2, 1, 2, 2)
-        .with(RequestPlan { write_time: Some(Duration::from_millis(1_200)), ..RequestPlan::new(0, 0, "hung", 2, 2) })
-        .with(RequestPlan { start_after: Duration::from_millis(1), ..RequestPlan::new(1, 0, "next", 2, 2) });
+        .with(RequestPlan {
+            write_time: Some(Duration::from_millis(1_200)),
+            ..RequestPlan::new(0, 0, "hung", 2, 2)
+        })
+        .with(RequestPlan {
+            start_after: Duration::from_millis(1),
+            ..RequestPlan::new(1, 0, "next", 2, 2)
+        });
     for s in &mut spec.senders {
         s.write_timeout = Duration::from_millis(800);
     }
@@ -494,9 +500,15 @@ fn late_write_after_a_lease_expiry_lands_in_quarantine() {
     spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
     spec.receivers[0].write_quarantine = Duration::from_secs(5);
     let report = run(spec);
-    assert_eq!(report.plans[0].receiver_end, Some(Outcome::Failed(Failure::IdleTimeout)));
+    assert_eq!(
+        report.plans[0].receiver_end,
+        Some(Outcome::Failed(Failure::IdleTimeout))
+    );
     assert_eq!(report.plans[1].sender_end, Some(End::Delivered));
     assert_eq!(report.plans[1].chunks_verified, 2);
     let admitted = report.plans[1].admitted_at.expect("admitted") - Instant0::ZERO;
-    assert!(admitted >= Duration::from_millis(2_400), "admitted after both late writes: {admitted:?}");
+    assert!(
+        admitted >= Duration::from_millis(2_400),
+        "admitted after both late writes: {admitted:?}"
+    );
 }

@@ -359,7 +359,9 @@ impl ReceiverLedger {
             .get_mut(key)
             .expect("invariant: ready check on a tracked request");
         let all_landed = req.landed as usize == req.slots.len();
-        if !matches!(req.phase, Phase::Complete) || !(all_landed || !req.notices) {
+        // An LMCache sender sends no landing notices: its request is ready once allocated.
+        let ready = matches!(req.phase, Phase::Complete) && (all_landed || !req.notices);
+        if !ready {
             return;
         }
         req.phase = Phase::Ready;

@@ -185,12 +185,12 @@ impl SenderFlow {
     }
 }
 
+/// Per chunk of a batch: the slot to write and the immediate tag, or None (already held).
+type WritePlan = Vec<Option<(SlotIndex, Option<WriteTag>)>>;
+
 /// For each chunk of the batch: where to write it (slot and immediate tag), or None when
 /// the receiver already holds it. Checks the reply's shape against the batch.
-fn plan_writes(
-    chunks: &[ChunkSpec],
-    reply: &AllocResponse,
-) -> Result<Vec<Option<(SlotIndex, Option<WriteTag>)>>, String> {
+fn plan_writes(chunks: &[ChunkSpec], reply: &AllocResponse) -> Result<WritePlan, String> {
     let n = chunks.len();
     let mut skip = vec![false; n];
     for &i in &reply.already_sent_indexes {

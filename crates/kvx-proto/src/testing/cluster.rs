@@ -79,7 +79,7 @@ impl Report {
 pub struct Stuck {
     pub reason: String,
     pub dump: String,
-    pub report: Report,
+    pub report: Box<Report>,
 }
 
 impl fmt::Display for Stuck {
@@ -267,8 +267,7 @@ impl Cluster {
     /// time. Every node's invariants and the global checks run after every step.
     pub fn run(mut self, max_steps: u64, max_time: Duration) -> Result<Report, Stuck> {
         let limit = Instant::ZERO + max_time;
-        loop {
-            let Some(at) = self.next_time() else { break };
+        while let Some(at) = self.next_time() {
             if at > limit || self.report.steps >= max_steps {
                 let why = format!(
                     "did not settle within {max_steps} steps and {max_time:?} of virtual time"
@@ -386,10 +385,16 @@ impl Cluster {
                 self.proxy.handle_message(now, msg);
                 self.drain_proxy();
             }
-            Ev::WriteLands { s, op, fail, posted } => {
+            Ev::WriteLands {
+                s,
+                op,
+                fail,
+                posted,
+            } => {
                 // A dead sender's kernel tears its connections down: only writes that
                 // complete within its write_timeout of posting may still land.
-                let cut = !self.senders[s].alive && self.now > posted + self.spec.senders[s].write_timeout;
+                let cut = !self.senders[s].alive
+                    && self.now > posted + self.spec.senders[s].write_timeout;
                 if !cut {
                     self.land(s, op, fail);
                 }
@@ -461,7 +466,15 @@ impl Cluster {
         for key in flushed {
             if let Some(Ev::WriteLands { s, op, posted, .. }) = self.queue.remove(&key) {
                 let now = self.now;
-                self.schedule(now, Ev::WriteLands { s, op, fail: true, posted });
+                self.schedule(
+                    now,
+                    Ev::WriteLands {
+                        s,
+                        op,
+                        fail: true,
+                        posted,
+                    },
+                );
             }
         }
         self.link_free_at.remove(&(2, s as u64, receiver));
@@ -613,7 +626,9 @@ impl Cluster {
         while let Some(op) = self.senders[s].flow.poll_write() {
             let i = self.by_req_id[&op.req_id.0];
             let fail = self.spec.requests[i].fail_write_of_chunk == Some(op.chunk);
-            let write_time = self.spec.requests[i].write_time.unwrap_or(self.spec.timing.write_time);
+            let write_time = self.spec.requests[i]
+                .write_time
+                .unwrap_or(self.spec.timing.write_time);
             let link = (2, s as u64, op.receiver.0);
             let start = self
                 .link_free_at
@@ -622,7 +637,15 @@ impl Cluster {
                 .unwrap_or(now)
                 .max(now);
             self.link_free_at.insert(link, start + write_time);
-            self.schedule(start + write_time, Ev::WriteLands { s, op, fail, posted: now });
+            self.schedule(
+                start + write_time,
+                Ev::WriteLands {
+                    s,
+                    op,
+                    fail,
+                    posted: now,
+                },
+            );
         }
         while let Some(ev) = self.senders[s].flow.poll_event() {
             match ev {
@@ -883,7 +906,7 @@ impl Cluster {
         Stuck {
             reason,
             dump,
-            report: self.report.clone(),
+            report: Box::new(self.report.clone()),
         }
     }
 

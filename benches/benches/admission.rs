@@ -1,0 +1,86 @@
+//! Admission decision + release (issue floor: ≥ 5 million per second), and for context the
+//! same through the whole receiver ledger (probe in, reply out, cancel in, ack out).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvx_proto::admission::{Admission, Decision};
+use kvx_proto::receiver::ReceiverLedger;
+use kvx_proto::wire::{AllocRequest, CancelNotif, Message};
+use kvx_proto::{Instant, PeerId, ReceiverConfig, Ticket};
+
+fn admission(c: &mut Criterion) {
+    let mut group = c.benchmark_group("admission");
+    group.throughput(Throughput::Elements(1));
+    let deadline = Instant::ZERO + Duration::from_secs(30);
+
+    // A buffer half full of other reservations: the decision is made against a non-trivial state.
+    let mut adm = Admission::new(1024, 4096);
+    assert_eq!(adm.request(Ticket(0), 512, deadline), Decision::Admitted);
+    let mut t = 1u64;
+    group.bench_function("decide_and_release", |b| {
+        b.iter(|| {
+            t += 1;
+            let d = adm.request(Ticket(t), black_box(16), deadline);
+            debug_assert_eq!(d, Decision::Admitted);
+            adm.release(16);
+            black_box(d)
+        })
+    });
+
+    // With a waiter queued, every release re-examines the queue head.
+    let mut adm = Admission::new(64, 4096);
+    assert_eq!(adm.request(Ticket(0), 60, deadline), Decision::Admitted);
+    assert_eq!(adm.request(Ticket(1), 64, deadline), Decision::Queued);
+    group.bench_function("decide_and_release_with_waiter", |b| {
+        b.iter(|| {
+            t += 1;
+            let d = adm.request(Ticket(t), black_box(2), deadline);
+            if d == Decision::Queued {
+                adm.withdraw(Ticket(t));
+            }
+            black_box(d)
+        })
+    });
+
+    let cfg = ReceiverConfig {
+        buffer_slots: 1024,
+        ..ReceiverConfig::default()
+    };
+    let mut ledger = ReceiverLedger::new(cfg).expect("valid config");
+    let mut n = 0u64;
+    group.bench_function("ledger_probe_and_cancel", |b| {
+        b.iter(|| {
+            n += 1;
+            let req_id = format!("r{n}");
+            let probe = AllocRequest {
+                keys: Vec::new(),
+                fmt: 1,
+                shape: vec![2, 32, 256, 128],
+                dtype: "bfloat16".into(),
+                last_chunk_toks: 0,
+                req_id: req_id.clone(),
+                is_last_batch: false,
+                total_chunks: 16,
+                seq: Some(n),
+            };
+            let now = Instant::ZERO;
+            ledger.handle_message(now, PeerId(1), Message::AllocRequest(probe));
+            let reply = ledger.poll_transmit();
+            let cancel = CancelNotif {
+                req_id,
+                keys: Vec::new(),
+                seq: Some(n),
+                drained: Some(true),
+            };
+            ledger.handle_message(now, PeerId(1), Message::CancelNotif(cancel));
+            black_box((reply, ledger.poll_transmit()));
+            while ledger.poll_event().is_some() {}
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, admission);
+criterion_main!(benches);
