@@ -44,6 +44,20 @@ fn admission(c: &mut Criterion) {
         })
     });
 
+    // Baseline in the same run: the cheapest per-request bookkeeping a table-based design
+    // would pay (insert and remove one entry in an ordered map).
+    let mut table = std::collections::BTreeMap::new();
+    for k in 0..64u64 {
+        table.insert(k * 1_000_003, 16u32);
+    }
+    group.bench_function("baseline_btreemap_insert_remove", |b| {
+        b.iter(|| {
+            t += 1;
+            table.insert(black_box(t), 16u32);
+            black_box(table.remove(&t))
+        })
+    });
+
     let cfg = ReceiverConfig {
         buffer_slots: 1024,
         ..ReceiverConfig::default()

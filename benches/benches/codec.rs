@@ -44,6 +44,17 @@ fn codec(c: &mut Criterion) {
     group.bench_function("encode_decode", |b| {
         b.iter(|| decode(&encode(black_box(&msg))).expect("invariant: bench bytes decode"))
     });
+    // Baselines in the same run: serde's derived codec (rmp-serde, the obvious alternative,
+    // and laxer: it takes bin for str), and a bare copy of the same bytes.
+    group.bench_function("baseline_serde_derive_encode_decode", |b| {
+        b.iter(|| {
+            let bytes = rmp_serde::to_vec_named(black_box(&msg)).expect("invariant: encodes");
+            rmp_serde::from_slice::<Message>(&bytes).expect("invariant: decodes")
+        })
+    });
+    group.bench_function("baseline_copy_bytes", |b| {
+        b.iter(|| black_box(&bytes).clone())
+    });
     group.finish();
 
     let reply = Message::AllocResponse(AllocResponse::granted(
