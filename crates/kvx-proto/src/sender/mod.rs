@@ -185,6 +185,8 @@ struct SendRequest {
     keys_sent: Vec<String>,
     /// A message of this request reached the receiver (so it may hold state there).
     sent_any: bool,
+    /// Why it failed, once it is `Failing`.
+    failure: Option<SendFailure>,
 }
 
 #[derive(Debug, Clone)]
@@ -272,6 +274,7 @@ impl SenderFlow {
                 last_acked: false,
                 keys_sent: Vec::new(),
                 sent_any: false,
+                failure: None,
             },
         );
         self.enqueue(receiver, req_id, Kind::Probe, probe);
@@ -282,17 +285,7 @@ impl SenderFlow {
     /// Takes a staging slot for an admitted request. `WouldBlock` means wait for a write to
     /// complete (a blocking driver sleeps on it, bounded by `staging_timeout`).
     pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
-        let req = self
-            .requests
-            .get(req_id)
-            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
-        match req.state {
-            State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
-            State::Failing => {
-                return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled))
-            }
-            State::Admitted => {}
-        }
+        let req = self.admitted(req_id)?;
         let needed = req.submitted as usize + req.staged.len();
         if req.last_submitted || needed >= req.spec.total_chunks as usize {
             let why = format!(
@@ -346,17 +339,7 @@ impl SenderFlow {
         chunks: Vec<ChunkSpec>,
         is_last: bool,
     ) -> Result<(), SendError> {
-        let req = self
-            .requests
-            .get(req_id)
-            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
-        match req.state {
-            State::Admitting => return Err(SendError::NotAdmitted(req_id.clone())),
-            State::Failing => {
-                return Err(SendError::Failed(req_id.clone(), SendFailure::Cancelled))
-            }
-            State::Admitted => {}
-        }
+        let req = self.admitted(req_id)?;
         if let Some(why) = Self::misuse_of(req, &chunks, is_last) {
             self.fail(now, req_id, SendFailure::Misuse(why.clone()));
             return Err(SendError::Misuse {
@@ -528,6 +511,22 @@ impl SenderFlow {
                 .all(|c| c.queue.is_empty() && c.in_flight.is_empty())
     }
 
+    /// The request, if it is admitted; else why the caller cannot use it now.
+    fn admitted(&self, req_id: &ReqId) -> Result<&SendRequest, SendError> {
+        let req = self
+            .requests
+            .get(req_id)
+            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        match (&req.state, &req.failure) {
+            (State::Admitting, _) => Err(SendError::NotAdmitted(req_id.clone())),
+            (State::Failing, failure) => Err(SendError::Failed(
+                req_id.clone(),
+                failure.clone().unwrap_or(SendFailure::Cancelled),
+            )),
+            (State::Admitted, _) => Ok(req),
+        }
+    }
+
     fn misuse_of(req: &SendRequest, chunks: &[ChunkSpec], is_last: bool) -> Option<String> {
         if req.last_submitted {
             return Some("a batch was submitted after the last batch".into());
@@ -667,6 +666,7 @@ impl SenderFlow {
             .expect("invariant: failing a tracked request");
         debug_assert_ne!(req.state, State::Failing);
         req.state = State::Failing;
+        req.failure = Some(failure.clone());
         let receiver = req.spec.receiver;
         for slot in std::mem::take(&mut req.staged) {
             self.staging.give_back(slot);
