@@ -1,0 +1,202 @@
+//! The data plane: one-sided writes of staged chunks into a remote registered buffer.
+//!
+//! The contract follows RDMA verbs, so that what the simulation proves holds on hardware:
+//! - a receiver *exposes* a buffer of `slots × slot_bytes`; a sender *connects* its staging
+//!   memory to it and posts writes of one staging slot into one remote slot;
+//! - completions arrive **in posting order per connection**;
+//! - a local completion tells the remote side nothing: the receiver learns of a write only
+//!   from a `Landed` notice, and only when the write carried an immediate value;
+//! - a connection error, or `FabricConn::reset`, **flushes every outstanding write with an
+//!   error**, and nothing lands after the flush.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use kvx_proto::{SlotIndex, StagingSlot, WriteId};
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FabricError {
+    #[error("invalid endpoint {endpoint:?}: {why}")]
+    Endpoint { endpoint: String, why: String },
+    #[error("no buffer is exposed at {0}")]
+    NotExposed(String),
+    #[error("write {0} is outside the registered memory ({1})")]
+    OutOfBounds(u64, String),
+    #[error("the connection was reset; the write was flushed")]
+    Flushed,
+    #[error("the connection is closed")]
+    Closed,
+    #[error("cannot allocate {0}")]
+    Allocation(String),
+    #[error("{0}")]
+    Io(String),
+}
+
+/// Registered memory, addressed by slot. Implementations choose where it lives (heap,
+/// a shared mapping, pinned memory registered with a NIC).
+pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
+    fn slots(&self) -> u32;
+    fn slot_bytes(&self) -> usize;
+    /// Copies `data` to the start of `slot` (a prefill thread filling staging, or a fabric
+    /// landing a write). Panics when `slot` or `data` is out of bounds: a caller bug.
+    fn write_slot(&self, slot: u32, data: &[u8]);
+    /// Copies the first `out.len()` bytes of `slot` into `out`.
+    fn read_slot(&self, slot: u32, out: &mut [u8]);
+}
+
+/// Memory on the heap, one lock per slot. The protocol hands each slot to one owner at a
+/// time, so the locks never contend; they keep this safe Rust without `unsafe`.
+#[derive(Debug)]
+pub struct HeapMemory {
+    slot_bytes: usize,
+    slots: Vec<Mutex<Box<[u8]>>>,
+}
+
+impl HeapMemory {
+    pub fn new(slots: u32, slot_bytes: usize) -> Self {
+        let slots = (0..slots)
+            .map(|_| Mutex::new(vec![0u8; slot_bytes].into_boxed_slice()))
+            .collect();
+        Self { slot_bytes, slots }
+    }
+
+    /// Runs `f` on the slot's bytes in place.
+    pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let mut guard = self.slots[slot as usize]
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        f(&mut guard)
+    }
+}
+
+impl SlotMemory for HeapMemory {
+    fn slots(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn write_slot(&self, slot: u32, data: &[u8]) {
+        assert!(
+            data.len() <= self.slot_bytes,
+            "invariant: {} bytes fit a {}-byte slot",
+            data.len(),
+            self.slot_bytes
+        );
+        self.with_slot(slot, |s| s[..data.len()].copy_from_slice(data));
+    }
+
+    fn read_slot(&self, slot: u32, out: &mut [u8]) {
+        self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
+    }
+}
+
+/// One write to post: `len` bytes of staging slot `local` into remote slot `remote`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PostWrite {
+    pub id: WriteId,
+    pub local: StagingSlot,
+    pub remote: SlotIndex,
+    pub len: usize,
+    /// The immediate value (`WriteTag::to_imm`); the receiver hears of the write only if set.
+    pub imm: Option<u32>,
+}
+
+/// A posted write finished, in posting order per connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub id: WriteId,
+    pub result: Result<(), FabricError>,
+}
+
+/// A write carrying an immediate value landed in the exposed buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Landed {
+    pub imm: u32,
+}
+
+/// What a connection's IO task is asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnOp {
+    Write(PostWrite),
+    /// Tear the connection down: flush every outstanding write with `FabricError::Flushed`.
+    Reset,
+}
+
+/// A sender's connection to one exposed buffer.
+#[derive(Debug)]
+pub struct FabricConn {
+    ops: mpsc::UnboundedSender<ConnOp>,
+    completions: mpsc::UnboundedReceiver<Completion>,
+}
+
+impl FabricConn {
+    /// For implementations. The channels are unbounded because the staging pool bounds them:
+    /// a sender has at most `staging_slots` writes outstanding.
+    pub fn new(
+        ops: mpsc::UnboundedSender<ConnOp>,
+        completions: mpsc::UnboundedReceiver<Completion>,
+    ) -> Self {
+        Self { ops, completions }
+    }
+
+    /// Posts a write; its completion follows on `next_completion`.
+    pub fn post(&self, write: PostWrite) -> Result<(), FabricError> {
+        self.ops
+            .send(ConnOp::Write(write))
+            .map_err(|_| FabricError::Closed)
+    }
+
+    /// Flushes every outstanding write with an error (the driver's answer to a stalled
+    /// write); the connection is unusable afterwards.
+    pub fn reset(&self) {
+        // A closed connection has nothing outstanding; ignoring the error is right.
+        let _ = self.ops.send(ConnOp::Reset);
+    }
+
+    /// The next completion; None once the connection is gone and drained. Cancel-safe.
+    pub async fn next_completion(&mut self) -> Option<Completion> {
+        self.completions.recv().await
+    }
+}
+
+/// A receiver's exposed buffer and the notices of writes landing in it.
+#[derive(Debug)]
+pub struct FabricListener<M> {
+    pub local_endpoint: String,
+    pub memory: Arc<M>,
+    pub landed: mpsc::UnboundedReceiver<Landed>,
+}
+
+/// Makes memory, exposes receive buffers and connects staging to them.
+pub trait Fabric: Clone + Send + Sync + 'static {
+    type Memory: SlotMemory;
+
+    /// Local staging memory for a sender.
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<Self::Memory>, FabricError>;
+
+    /// Creates a receive buffer and accepts writes into it at `endpoint` (port 0: the OS
+    /// picks; `local_endpoint` tells).
+    fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> impl Future<Output = Result<FabricListener<Self::Memory>, FabricError>> + Send;
+
+    /// Connects `staging` to the buffer exposed at `endpoint`.
+    fn connect(
+        &self,
+        endpoint: &str,
+        staging: Arc<Self::Memory>,
+    ) -> impl Future<Output = Result<FabricConn, FabricError>> + Send;
+}

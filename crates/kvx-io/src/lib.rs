@@ -1,0 +1,37 @@
+//! kvx-io: the seams between kvx's protocol core and the world.
+//!
+//! What it is: the traits every driver is generic over — `Transport` (control messages:
+//! LMCache's DEALER/ROUTER alloc channel and PUSH/PULL notice channel), `Fabric` (one-sided
+//! writes of staged chunks into a remote registered buffer, with verbs semantics), `Env`
+//! (both plus a clock and `spawn`) — with in-memory implementations and a conformance suite
+//! that runs the same test bodies against every implementation, so that the simulation
+//! proves things about the real system and not only about itself.
+//!
+//! What it is not: it has no sockets of its own (ZMQ, TCP and shared memory live in
+//! `kvx-transport`, RDMA in `kvx-rdma`) and no protocol logic (`kvx-proto`).
+//!
+//! Map:
+//! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
+//!   `NotifySink`, `NotifySource`, and `TransportError`.
+//! - `fabric`: `Fabric`, `SlotMemory`, `HeapMemory`, `FabricConn`, `FabricListener`, writes,
+//!   completions, landed notices, `FabricError`.
+//! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
+//! - `mem`: `MemTransport` and `MemFabric`, in-process.
+//! - `conformance` (feature): test bodies every implementation runs.
+
+pub mod env;
+pub mod fabric;
+pub mod mem;
+pub mod transport;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use env::{Env, TokioEnv};
+pub use fabric::{
+    Completion, Fabric, FabricConn, FabricError, FabricListener, HeapMemory, Landed, PostWrite,
+    SlotMemory,
+};
+pub use transport::{
+    ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
+};

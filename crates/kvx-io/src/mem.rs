@@ -1,0 +1,259 @@
+//! In-process implementations: `MemTransport` and `MemFabric`. Endpoints are plain names
+//! in a registry shared by clones. They keep the contracts of the real ones (per-connection
+//! FIFO, routing by identity, flush on reset), so the conformance suite runs against them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use kvx_proto::PeerId;
+use tokio::sync::mpsc;
+
+use crate::fabric::{
+    Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener, HeapMemory, Landed,
+    SlotMemory,
+};
+use crate::transport::{
+    ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
+    CHANNEL_DEPTH,
+};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+type Routes = Arc<Mutex<HashMap<PeerId, mpsc::Sender<ClientEvent>>>>;
+
+#[derive(Debug)]
+struct ServerEntry {
+    incoming: mpsc::Sender<(PeerId, Bytes)>,
+    routes: Routes,
+    peers: HashMap<String, PeerId>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    servers: HashMap<String, ServerEntry>,
+    notices: HashMap<String, mpsc::Sender<Bytes>>,
+    next_peer: u64,
+}
+
+/// An in-process transport: endpoints are names in a registry shared by clones.
+#[derive(Debug, Clone, Default)]
+pub struct MemTransport {
+    registry: Arc<Mutex<Registry>>,
+}
+
+impl MemTransport {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+fn taken(endpoint: &str) -> TransportError {
+    TransportError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        why: "already bound".into(),
+    }
+}
+
+fn unknown(endpoint: &str) -> TransportError {
+    TransportError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        why: "nothing is bound there".into(),
+    }
+}
+
+impl Transport for MemTransport {
+    async fn serve(&self, endpoint: &str) -> Result<ControlServer, TransportError> {
+        let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
+        let (out_tx, mut out_rx) = mpsc::channel::<(PeerId, Bytes)>(CHANNEL_DEPTH);
+        let routes: Routes = Arc::default();
+        {
+            let mut reg = lock(&self.registry);
+            if reg.servers.contains_key(endpoint) {
+                return Err(taken(endpoint));
+            }
+            let entry = ServerEntry {
+                incoming: in_tx,
+                routes: routes.clone(),
+                peers: HashMap::new(),
+            };
+            reg.servers.insert(endpoint.to_owned(), entry);
+        }
+        tokio::spawn(async move {
+            while let Some((peer, payload)) = out_rx.recv().await {
+                let route = lock(&routes).get(&peer).cloned();
+                if let Some(route) = route {
+                    // A client that went away loses the reply, as with ZMQ's ROUTER.
+                    let _ = route.send(ClientEvent::Message(payload)).await;
+                }
+            }
+        });
+        Ok(ControlServer::new(endpoint.to_owned(), in_rx, out_tx))
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        identity: &str,
+    ) -> Result<ControlClient, TransportError> {
+        let (ev_tx, ev_rx) = mpsc::channel(CHANNEL_DEPTH);
+        let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(CHANNEL_DEPTH);
+        let (peer, incoming) = {
+            let mut reg = lock(&self.registry);
+            reg.next_peer += 1;
+            let fresh = PeerId(reg.next_peer);
+            let entry = reg
+                .servers
+                .get_mut(endpoint)
+                .ok_or_else(|| unknown(endpoint))?;
+            // Like a ROUTER, one identity is one peer, across reconnects.
+            let peer = *entry.peers.entry(identity.to_owned()).or_insert(fresh);
+            lock(&entry.routes).insert(peer, ev_tx);
+            (peer, entry.incoming.clone())
+        };
+        tokio::spawn(async move {
+            while let Some(payload) = out_rx.recv().await {
+                if incoming.send((peer, payload)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(ControlClient::new(ev_rx, out_tx))
+    }
+
+    async fn notify_sink(&self, endpoint: &str) -> Result<NotifySink, TransportError> {
+        let reg = lock(&self.registry);
+        let tx = reg.notices.get(endpoint).ok_or_else(|| unknown(endpoint))?;
+        Ok(NotifySink::new(tx.clone()))
+    }
+
+    async fn notify_source(&self, endpoint: &str) -> Result<NotifySource, TransportError> {
+        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+        let mut reg = lock(&self.registry);
+        if reg.notices.contains_key(endpoint) {
+            return Err(taken(endpoint));
+        }
+        reg.notices.insert(endpoint.to_owned(), tx);
+        Ok(NotifySource::new(endpoint.to_owned(), rx))
+    }
+}
+
+#[derive(Debug)]
+struct Exposed {
+    memory: Arc<HeapMemory>,
+    landed: mpsc::UnboundedSender<Landed>,
+}
+
+/// An in-process fabric: a write is a copy from staging into the exposed buffer.
+#[derive(Debug, Clone, Default)]
+pub struct MemFabric {
+    exposed: Arc<Mutex<HashMap<String, Exposed>>>,
+}
+
+impl MemFabric {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Fabric for MemFabric {
+    type Memory = HeapMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<HeapMemory>, FabricError> {
+        Ok(Arc::new(HeapMemory::new(slots, slot_bytes)))
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<HeapMemory>, FabricError> {
+        let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut exposed = lock(&self.exposed);
+        if exposed.contains_key(endpoint) {
+            let why = "already exposed".to_owned();
+            return Err(FabricError::Endpoint {
+                endpoint: endpoint.to_owned(),
+                why,
+            });
+        }
+        exposed.insert(
+            endpoint.to_owned(),
+            Exposed {
+                memory: memory.clone(),
+                landed: tx,
+            },
+        );
+        Ok(FabricListener {
+            local_endpoint: endpoint.to_owned(),
+            memory,
+            landed: rx,
+        })
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        staging: Arc<HeapMemory>,
+    ) -> Result<FabricConn, FabricError> {
+        let (remote, landed) = {
+            let exposed = lock(&self.exposed);
+            let e = exposed
+                .get(endpoint)
+                .ok_or_else(|| FabricError::NotExposed(endpoint.to_owned()))?;
+            (e.memory.clone(), e.landed.clone())
+        };
+        let (ops_tx, mut ops_rx) = mpsc::unbounded_channel();
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; staging.slot_bytes()];
+            let mut flushed = false;
+            while let Some(op) = ops_rx.recv().await {
+                let ConnOp::Write(w) = op else {
+                    flushed = true;
+                    continue;
+                };
+                let result = if flushed {
+                    Err(FabricError::Flushed)
+                } else {
+                    copy(&staging, &remote, &w, &mut buf).map(|()| {
+                        if let Some(imm) = w.imm {
+                            // A receiver that stopped listening lost the notice; the write landed.
+                            let _ = landed.send(Landed { imm });
+                        }
+                    })
+                };
+                if done_tx.send(Completion { id: w.id, result }).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(FabricConn::new(ops_tx, done_rx))
+    }
+}
+
+fn copy(
+    staging: &HeapMemory,
+    remote: &HeapMemory,
+    w: &crate::fabric::PostWrite,
+    buf: &mut [u8],
+) -> Result<(), FabricError> {
+    let fits = w.len <= staging.slot_bytes()
+        && w.len <= remote.slot_bytes()
+        && w.local.0 < staging.slots()
+        && w.remote.0 < remote.slots();
+    if !fits {
+        return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
+    }
+    staging.read_slot(w.local.0, &mut buf[..w.len]);
+    remote.write_slot(w.remote.0, &buf[..w.len]);
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! The control plane: small msgpack payloads between peers. Framing belongs to the
+//! transport, encoding to `kvx_proto::wire`, so the codec runs in every simulation.
+//!
+//! Every implementation owns its sockets in a background task and hands out channel-backed
+//! handles. Channels are bounded (backpressure instead of growth), and receiving from them is
+//! cancel-safe, so drivers can `select!` over a handle and their timers freely.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvx_proto::PeerId;
+use tokio::sync::mpsc;
+
+/// Depth of every handle's channels.
+pub const CHANNEL_DEPTH: usize = 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    #[error("invalid endpoint {endpoint:?}: {why}")]
+    Endpoint { endpoint: String, why: String },
+    #[error("{what} timed out after {after:?}")]
+    Timeout { what: &'static str, after: Duration },
+    #[error("the connection is closed")]
+    Closed,
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    FrameTooLarge { len: usize, max: usize },
+    #[error("{0}")]
+    Io(String),
+}
+
+/// The receiver's side of the alloc channel (LMCache: a ROUTER bound to the alloc port):
+/// payloads from many senders, each tagged with the sender's `PeerId`, and replies to them.
+#[derive(Debug)]
+pub struct ControlServer {
+    local_endpoint: String,
+    incoming: mpsc::Receiver<(PeerId, Bytes)>,
+    outgoing: mpsc::Sender<(PeerId, Bytes)>,
+}
+
+impl ControlServer {
+    /// For implementations: wraps the channels their IO task serves.
+    pub fn new(
+        local_endpoint: String,
+        incoming: mpsc::Receiver<(PeerId, Bytes)>,
+        outgoing: mpsc::Sender<(PeerId, Bytes)>,
+    ) -> Self {
+        Self {
+            local_endpoint,
+            incoming,
+            outgoing,
+        }
+    }
+
+    /// The endpoint actually bound (a port chosen by the OS is filled in).
+    pub fn local_endpoint(&self) -> &str {
+        &self.local_endpoint
+    }
+
+    /// The next payload and its sender; None once the transport has shut down. Cancel-safe.
+    pub async fn recv(&mut self) -> Option<(PeerId, Bytes)> {
+        self.incoming.recv().await
+    }
+
+    /// Queues a reply to `to`. A peer that is gone loses it silently, as with ZMQ's ROUTER.
+    pub async fn send(&self, to: PeerId, payload: Bytes) -> Result<(), TransportError> {
+        self.outgoing
+            .send((to, payload))
+            .await
+            .map_err(|_| TransportError::Closed)
+    }
+
+    /// A clonable sender of replies, for other tasks.
+    pub fn replies(&self) -> mpsc::Sender<(PeerId, Bytes)> {
+        self.outgoing.clone()
+    }
+}
+
+/// What a `ControlClient` hears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientEvent {
+    Message(Bytes),
+    /// The connection broke: messages in flight may be lost. The transport reconnects by
+    /// itself; the sender fails what was in flight (`SenderFlow::handle_receiver_lost`).
+    Disconnected,
+    /// Connected again after a `Disconnected`.
+    Reconnected,
+}
+
+/// A sender's side of the alloc channel to one receiver (LMCache: a DEALER).
+#[derive(Debug)]
+pub struct ControlClient {
+    incoming: mpsc::Receiver<ClientEvent>,
+    outgoing: mpsc::Sender<Bytes>,
+}
+
+impl ControlClient {
+    pub fn new(incoming: mpsc::Receiver<ClientEvent>, outgoing: mpsc::Sender<Bytes>) -> Self {
+        Self { incoming, outgoing }
+    }
+
+    /// The next event; None once the transport has shut down. Cancel-safe.
+    pub async fn recv(&mut self) -> Option<ClientEvent> {
+        self.incoming.recv().await
+    }
+
+    pub async fn send(&self, payload: Bytes) -> Result<(), TransportError> {
+        self.outgoing
+            .send(payload)
+            .await
+            .map_err(|_| TransportError::Closed)
+    }
+
+    pub fn sender(&self) -> mpsc::Sender<Bytes> {
+        self.outgoing.clone()
+    }
+}
+
+/// A sender's side of the notice channel to the proxy (LMCache: PUSH).
+#[derive(Debug, Clone)]
+pub struct NotifySink {
+    outgoing: mpsc::Sender<Bytes>,
+}
+
+impl NotifySink {
+    pub fn new(outgoing: mpsc::Sender<Bytes>) -> Self {
+        Self { outgoing }
+    }
+
+    pub async fn send(&self, payload: Bytes) -> Result<(), TransportError> {
+        self.outgoing
+            .send(payload)
+            .await
+            .map_err(|_| TransportError::Closed)
+    }
+}
+
+/// The proxy's side of the notice channel (LMCache: PULL bound to the proxy port).
+#[derive(Debug)]
+pub struct NotifySource {
+    local_endpoint: String,
+    incoming: mpsc::Receiver<Bytes>,
+}
+
+impl NotifySource {
+    pub fn new(local_endpoint: String, incoming: mpsc::Receiver<Bytes>) -> Self {
+        Self {
+            local_endpoint,
+            incoming,
+        }
+    }
+
+    pub fn local_endpoint(&self) -> &str {
+        &self.local_endpoint
+    }
+
+    /// Cancel-safe.
+    pub async fn recv(&mut self) -> Option<Bytes> {
+        self.incoming.recv().await
+    }
+}
+
+/// Makes the four kinds of handle. Endpoints are transport-specific strings
+/// (`tcp://127.0.0.1:8400` for ZMQ; any name for the in-memory transport); a port of 0 asks
+/// the OS for one, and `local_endpoint()` tells which.
+pub trait Transport: Clone + Send + Sync + 'static {
+    /// Binds the alloc channel's server side.
+    fn serve(
+        &self,
+        endpoint: &str,
+    ) -> impl Future<Output = Result<ControlServer, TransportError>> + Send;
+    /// Connects to a receiver's alloc channel as `identity` (unique per sender).
+    fn connect(
+        &self,
+        endpoint: &str,
+        identity: &str,
+    ) -> impl Future<Output = Result<ControlClient, TransportError>> + Send;
+    /// Connects to the proxy's notice channel.
+    fn notify_sink(
+        &self,
+        endpoint: &str,
+    ) -> impl Future<Output = Result<NotifySink, TransportError>> + Send;
+    /// Binds the proxy's notice channel.
+    fn notify_source(
+        &self,
+        endpoint: &str,
+    ) -> impl Future<Output = Result<NotifySource, TransportError>> + Send;
+}

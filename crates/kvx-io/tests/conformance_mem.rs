@@ -1,0 +1,29 @@
+//! The conformance suite against the in-memory implementations.
+
+use kvx_io::conformance;
+use kvx_io::mem::{MemFabric, MemTransport};
+
+#[tokio::test]
+async fn mem_transport_request_reply() {
+    conformance::transport_request_reply(&MemTransport::new(), "alloc", 200).await;
+}
+
+#[tokio::test]
+async fn mem_transport_notices() {
+    conformance::transport_notices(&MemTransport::new(), "proxy", 200).await;
+}
+
+#[tokio::test]
+async fn mem_fabric_writes_land_in_order() {
+    conformance::fabric_writes_land_in_order(&MemFabric::new(), "buffer", 8, 4096).await;
+}
+
+#[tokio::test]
+async fn mem_fabric_reset_flushes() {
+    conformance::fabric_reset_flushes(&MemFabric::new(), "buffer").await;
+}
+
+#[tokio::test]
+async fn mem_fabric_rejects_out_of_bounds() {
+    conformance::fabric_rejects_out_of_bounds(&MemFabric::new(), "buffer").await;
+}
