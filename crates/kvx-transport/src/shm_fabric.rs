@@ -1,0 +1,1 @@
+//! Placeholder: ShmFabric is being written.

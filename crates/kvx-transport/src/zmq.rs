@@ -1,0 +1,1 @@
+//! Placeholder: ZmqTransport is being written.
