@@ -163,6 +163,31 @@ impl FabricConn {
     pub async fn next_completion(&mut self) -> Option<Completion> {
         self.completions.recv().await
     }
+
+    /// Splits the connection into its posting side and its completion stream, so one task
+    /// can post while another waits for completions.
+    pub fn split(self) -> (ConnPoster, mpsc::UnboundedReceiver<Completion>) {
+        (ConnPoster { ops: self.ops }, self.completions)
+    }
+}
+
+/// The posting side of a split `FabricConn`.
+#[derive(Debug, Clone)]
+pub struct ConnPoster {
+    ops: mpsc::UnboundedSender<ConnOp>,
+}
+
+impl ConnPoster {
+    pub fn post(&self, write: PostWrite) -> Result<(), FabricError> {
+        self.ops
+            .send(ConnOp::Write(write))
+            .map_err(|_| FabricError::Closed)
+    }
+
+    /// See `FabricConn::reset`.
+    pub fn reset(&self) {
+        let _ = self.ops.send(ConnOp::Reset);
+    }
 }
 
 /// A receiver's exposed buffer and the notices of writes landing in it.

@@ -220,6 +220,10 @@ pub struct SenderFlow {
     write_ops: VecDeque<WriteOp>,
     events: VecDeque<SenderEvent>,
     stats: SenderStats,
+    /// Why recently failed requests failed (at most `requests_max`, oldest forgotten first),
+    /// so a caller that comes back after the request left learns why, not "unknown".
+    recent_failures: BTreeMap<ReqId, SendFailure>,
+    recent_order: VecDeque<ReqId>,
 }
 
 impl SenderFlow {
@@ -237,6 +241,8 @@ impl SenderFlow {
             write_ops: VecDeque::new(),
             events: VecDeque::new(),
             stats: SenderStats::default(),
+            recent_failures: BTreeMap::new(),
+            recent_order: VecDeque::new(),
         })
     }
 
@@ -258,6 +264,7 @@ impl SenderFlow {
         let probe = self.alloc_request(&spec, Vec::new(), 0, false);
         self.check_channel_room(spec.receiver)?;
         self.stats.begun += 1;
+        self.recent_failures.remove(&spec.req_id);
         let req_id = spec.req_id.clone();
         let receiver = spec.receiver;
         self.requests.insert(
@@ -513,10 +520,13 @@ impl SenderFlow {
 
     /// The request, if it is admitted; else why the caller cannot use it now.
     fn admitted(&self, req_id: &ReqId) -> Result<&SendRequest, SendError> {
-        let req = self
-            .requests
-            .get(req_id)
-            .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        let Some(req) = self.requests.get(req_id) else {
+            // A request that failed and left still answers with why, for a while.
+            return Err(match self.recent_failures.get(req_id) {
+                Some(failure) => SendError::Failed(req_id.clone(), failure.clone()),
+                None => SendError::Unknown(req_id.clone()),
+            });
+        };
         match (&req.state, &req.failure) {
             (State::Admitting, _) => Err(SendError::NotAdmitted(req_id.clone())),
             (State::Failing, failure) => Err(SendError::Failed(
@@ -715,6 +725,21 @@ impl SenderFlow {
     }
 
     /// A failing request with no write outstanding cancels at the receiver and goes.
+    fn remember_failure(&mut self, req_id: &ReqId, failure: SendFailure) {
+        if self
+            .recent_failures
+            .insert(req_id.clone(), failure)
+            .is_none()
+        {
+            self.recent_order.push_back(req_id.clone());
+        }
+        while self.recent_order.len() > self.cfg.requests_max {
+            if let Some(old) = self.recent_order.pop_front() {
+                self.recent_failures.remove(&old);
+            }
+        }
+    }
+
     fn maybe_finish_failing(&mut self, now: Instant, req_id: &ReqId) {
         let req = &self.requests[req_id];
         if req.state != State::Failing || req.writes_in_flight > 0 {
@@ -724,6 +749,9 @@ impl SenderFlow {
             .requests
             .remove(req_id)
             .expect("invariant: checked above");
+        if let Some(failure) = &req.failure {
+            self.remember_failure(req_id, failure.clone());
+        }
         if req.sent_any {
             let msg = Message::CancelNotif(CancelNotif {
                 req_id: req_id.0.clone(),

@@ -1,0 +1,34 @@
+//! kvx-node: the async drivers. Each one owns a kvx-proto state machine in one task, feeds
+//! it the `Env`'s messages, completions and timers, and carries out what it asks for. They
+//! contain no protocol logic and no `cfg(madsim)`: the same code runs in production and in
+//! the simulation.
+//!
+//! Map:
+//! - `sender`: `SenderNode` / `SenderHandle` — begin, a staging allocate that blocks (for
+//!   prefill threads) or awaits, stage bytes, submit, cancel, await the outcome.
+//! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
+//!   requests, read their chunks, consume them.
+//! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
+//! - `metrics`: names of the metrics the drivers record (exported by the binary).
+
+pub mod metrics;
+pub mod proxy;
+pub mod receiver;
+pub mod sender;
+pub mod synthetic;
+
+pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
+pub use receiver::{ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice};
+pub use sender::{ReceiverAddr, SenderHandle, SenderNode};
+
+/// Why a driver could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] kvx_proto::ConfigError),
+    #[error("transport: {0}")]
+    Transport(#[from] kvx_io::TransportError),
+    #[error("fabric: {0}")]
+    Fabric(#[from] kvx_io::FabricError),
+}

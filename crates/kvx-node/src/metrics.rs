@@ -1,0 +1,16 @@
+//! Metric names. The drivers record through the `metrics` facade; whoever runs them installs
+//! an exporter (the `kvx` binary serves Prometheus text). Without one, recording is a no-op.
+
+pub const ADMISSION_QUEUE_LEN: &str = "kvx_receiver_admission_queue_len";
+pub const SLOTS_RESERVED: &str = "kvx_receiver_slots_reserved";
+pub const SLOTS_HELD: &str = "kvx_receiver_slots_held";
+pub const SLOTS_FREE: &str = "kvx_receiver_slots_free";
+pub const SLOTS_QUARANTINED: &str = "kvx_receiver_slots_quarantined";
+pub const ADMITTED: &str = "kvx_receiver_admitted_total";
+pub const REFUSED: &str = "kvx_receiver_refused_total";
+pub const ROLLED_BACK: &str = "kvx_receiver_rolled_back_total";
+pub const CONSUMED: &str = "kvx_receiver_consumed_total";
+pub const ADMISSION_WAIT_SECONDS: &str = "kvx_receiver_admission_wait_seconds";
+pub const DECODE_ERRORS: &str = "kvx_decode_errors_total";
+pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";
+pub const SENDER_FAILED: &str = "kvx_sender_failed_total";

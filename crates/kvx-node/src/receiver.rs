@@ -1,0 +1,229 @@
+//! The receiver driver: owns a `ReceiverLedger`, the alloc channel's server side and the
+//! exposed fabric buffer, and serves the decoder through a `ReceiverHandle`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvx_io::{ControlServer, Env, Fabric, FabricListener, SlotMemory, Transport};
+use kvx_proto::receiver::{ConsumeError, Outcome, ReceiverEvent, ReceiverLedger};
+use kvx_proto::wire::{self, AllocResponse, Message};
+use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex, WriteTag};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics as m;
+use crate::StartError;
+
+/// A request whose chunks are all in the buffer: read `slots` (chunk order), then `consume`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyRequest {
+    pub key: ReqKey,
+    pub slots: Vec<SlotIndex>,
+    pub keys: Vec<String>,
+}
+
+/// What the decoder hears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReceiverNotice {
+    Ready(ReadyRequest),
+    /// A request ended (consumed, failed, expired); exactly one per request.
+    Ended {
+        key: ReqKey,
+        outcome: Outcome,
+    },
+}
+
+#[derive(Debug)]
+enum Cmd {
+    Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
+}
+
+/// The decoder's side of a running receiver.
+#[derive(Debug)]
+pub struct ReceiverHandle<M> {
+    notices: mpsc::UnboundedReceiver<ReceiverNotice>,
+    cmds: mpsc::Sender<Cmd>,
+    memory: Arc<M>,
+    alloc_endpoint: String,
+    fabric_endpoint: String,
+}
+
+/// Starts receivers.
+#[derive(Debug)]
+pub struct ReceiverNode;
+
+impl ReceiverNode {
+    /// Binds the alloc channel at `alloc_endpoint` and exposes a buffer of
+    /// `cfg.buffer_slots × chunk_bytes` at `fabric_endpoint`.
+    pub async fn start<E: Env>(
+        env: E,
+        cfg: ReceiverConfig,
+        chunk_bytes: usize,
+        alloc_endpoint: &str,
+        fabric_endpoint: &str,
+    ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
+        let ledger = ReceiverLedger::new(cfg.clone())?;
+        let server = env.transport().serve(alloc_endpoint).await?;
+        let listener = env
+            .fabric()
+            .expose(fabric_endpoint, cfg.buffer_slots, chunk_bytes)
+            .await?;
+        let (notice_tx, notice_rx) = mpsc::unbounded_channel();
+        let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
+        let handle = ReceiverHandle {
+            notices: notice_rx,
+            cmds: cmd_tx,
+            memory: listener.memory.clone(),
+            alloc_endpoint: server.local_endpoint().to_owned(),
+            fabric_endpoint: listener.local_endpoint.clone(),
+        };
+        let driver = Driver {
+            env: env.clone(),
+            ledger,
+            server,
+            listener,
+            notices: notice_tx,
+            cmds: cmd_rx,
+        };
+        env.spawn(driver.run());
+        Ok(handle)
+    }
+}
+
+impl<M: SlotMemory> ReceiverHandle<M> {
+    /// The bound alloc endpoint (a port 0 request is resolved).
+    pub fn alloc_endpoint(&self) -> &str {
+        &self.alloc_endpoint
+    }
+
+    pub fn fabric_endpoint(&self) -> &str {
+        &self.fabric_endpoint
+    }
+
+    /// The next notice; None once the driver stopped. Cancel-safe.
+    pub async fn next_notice(&mut self) -> Option<ReceiverNotice> {
+        self.notices.recv().await
+    }
+
+    /// Copies the first `out.len()` bytes of a ready request's slot.
+    pub fn read_chunk(&self, slot: SlotIndex, out: &mut [u8]) {
+        self.memory.read_slot(slot.0, out);
+    }
+
+    /// Releases a ready request's slots and reservation after the decoder read it.
+    pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || ConsumeError::Unknown(key.clone());
+        self.cmds
+            .send(Cmd::Consume(key.clone(), tx))
+            .await
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+}
+
+struct Driver<E: Env> {
+    env: E,
+    ledger: ReceiverLedger,
+    server: ControlServer,
+    listener: FabricListener<<E::Fabric as Fabric>::Memory>,
+    notices: mpsc::UnboundedSender<ReceiverNotice>,
+    cmds: mpsc::Receiver<Cmd>,
+}
+
+impl<E: Env> Driver<E> {
+    async fn run(mut self) {
+        let replies = self.server.replies();
+        loop {
+            self.carry_out(&replies).await;
+            let deadline = self.ledger.poll_timeout();
+            let env = self.env.clone();
+            let sleep = async move {
+                match deadline {
+                    Some(at) => env.sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                msg = self.server.recv() => {
+                    let Some((peer, bytes)) = msg else { return };
+                    self.on_message(peer, bytes, &replies).await;
+                }
+                Some(landed) = self.listener.landed.recv() => {
+                    let now = self.env.now();
+                    self.ledger.handle_chunk_landed(now, WriteTag::from_imm(landed.imm));
+                }
+                cmd = self.cmds.recv() => match cmd {
+                    Some(Cmd::Consume(key, reply)) => {
+                        let now = self.env.now();
+                        let _ = reply.send(self.ledger.handle_consume(now, &key));
+                    }
+                    // The decoder is gone: nobody will read what arrives.
+                    None => return,
+                },
+                _ = sleep => {
+                    let now = self.env.now();
+                    self.ledger.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    async fn on_message(
+        &mut self,
+        peer: kvx_proto::PeerId,
+        bytes: Bytes,
+        replies: &mpsc::Sender<(kvx_proto::PeerId, Bytes)>,
+    ) {
+        match wire::decode(&bytes) {
+            Ok(msg) => {
+                let now = self.env.now();
+                self.ledger.handle_message(now, peer, msg);
+            }
+            Err(e) => {
+                // Garbage gets an error reply, LMCache-shaped, and changes nothing else.
+                metrics::counter!(m::DECODE_ERRORS).increment(1);
+                tracing::warn!(%peer, error = %e, len = bytes.len(), "undecodable message");
+                let reply = AllocResponse::refused(1, format!("undecodable message: {e}"), None);
+                let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
+                let _ = replies.send((peer, bytes)).await;
+            }
+        }
+    }
+
+    async fn carry_out(&mut self, replies: &mpsc::Sender<(kvx_proto::PeerId, Bytes)>) {
+        while let Some((peer, reply)) = self.ledger.poll_transmit() {
+            let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
+            if replies.send((peer, bytes)).await.is_err() {
+                return;
+            }
+        }
+        while let Some(ev) = self.ledger.poll_event() {
+            let notice = match ev {
+                ReceiverEvent::Admitted { waited, .. } => {
+                    metrics::counter!(m::ADMITTED).increment(1);
+                    metrics::histogram!(m::ADMISSION_WAIT_SECONDS).record(waited.as_secs_f64());
+                    continue;
+                }
+                ReceiverEvent::Ready { key, slots, keys } => {
+                    ReceiverNotice::Ready(ReadyRequest { key, slots, keys })
+                }
+                ReceiverEvent::Ended { key, outcome } => {
+                    match &outcome {
+                        Outcome::Consumed => metrics::counter!(m::CONSUMED).increment(1),
+                        Outcome::Failed(_) => metrics::counter!(m::ROLLED_BACK).increment(1),
+                    }
+                    ReceiverNotice::Ended { key, outcome }
+                }
+            };
+            // A decoder that stopped listening misses notices; the unconsumed TTL reclaims.
+            let _ = self.notices.send(notice);
+        }
+        let l = &self.ledger;
+        metrics::gauge!(m::ADMISSION_QUEUE_LEN).set(l.admission_queue_len() as f64);
+        metrics::gauge!(m::SLOTS_RESERVED).set(f64::from(l.reserved_unallocated()));
+        metrics::gauge!(m::SLOTS_HELD).set(f64::from(l.held_slots()));
+        metrics::gauge!(m::SLOTS_FREE).set(f64::from(l.free_slots()));
+        metrics::gauge!(m::SLOTS_QUARANTINED).set(f64::from(l.quarantined_slots()));
+        metrics::counter!(m::REFUSED).absolute(l.stats().refused);
+    }
+}

@@ -1,0 +1,633 @@
+//! The sender driver. The `SenderFlow` state machine sits behind a mutex shared by the
+//! driver task and the handles: prefill threads call `allocate_blocking`, `stage`, `submit`
+//! and `cancel` directly (no round trip through the task), and the task carries out what the
+//! core asks for — messages to receivers and the proxy, writes to post — and feeds it
+//! replies, completions and timers.
+//!
+//! Wake-ups: every handle call that changes the core pokes the task (`tokio::sync::Notify`,
+//! which keeps a permit, so none is lost); every core event bumps a `watch` version (async
+//! waiters) and a `Condvar` (blocking prefill threads), so a cancel wakes a thread blocked in
+//! `allocate_blocking` with an error.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvx_io::{
+    ClientEvent, Completion, ControlClient, Env, Fabric, FabricConn, NotifySink, PostWrite,
+    SlotMemory, Transport,
+};
+use kvx_proto::sender::{
+    ChunkSpec, Destination, RequestSpec, SendError, SendFailure, SenderEvent, SenderFlow, Transmit,
+    WriteOp,
+};
+use kvx_proto::wire;
+use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::StartError;
+
+/// Where a receiver (one TP rank of a decode worker) listens.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReceiverAddr {
+    /// Its alloc channel (LMCache: `tcp://host:alloc_port[rank]`).
+    pub alloc: String,
+    /// Its fabric endpoint.
+    pub fabric: String,
+}
+
+/// Outcomes of ended requests kept for `outcome()` at most; the oldest is dropped first.
+const OUTCOMES_KEPT: usize = 65_536;
+
+#[derive(Debug, Default)]
+struct Status {
+    admitted: bool,
+    outcome: Option<Result<(), SendFailure>>,
+}
+
+#[derive(Debug)]
+struct Core {
+    flow: SenderFlow,
+    status: HashMap<ReqId, Status>,
+    ended: VecDeque<ReqId>,
+    receivers: BTreeMap<ReceiverAddr, PeerId>,
+    shutdown: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    core: Mutex<Core>,
+    /// Pokes the driver task after a handle call changed the core.
+    poke: Notify,
+    /// Bumped on every core event, for async waiters.
+    version: watch::Sender<u64>,
+    /// Signalled on every core event, for threads blocked in `allocate_blocking`.
+    cv: Condvar,
+    /// Bytes staged in each staging slot (a partial last chunk writes fewer).
+    lens: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// Handle to a running sender; clone it freely, use it from any thread.
+#[derive(Debug)]
+pub struct SenderHandle<E: Env> {
+    env: E,
+    shared: Arc<Shared>,
+    memory: Arc<<E::Fabric as Fabric>::Memory>,
+    cmds: mpsc::UnboundedSender<Cmd>,
+}
+
+impl<E: Env> Clone for SenderHandle<E> {
+    fn clone(&self) -> Self {
+        Self {
+            env: self.env.clone(),
+            shared: self.shared.clone(),
+            memory: self.memory.clone(),
+            cmds: self.cmds.clone(),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Cmd {
+    AddReceiver(
+        ReceiverAddr,
+        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
+    ),
+    Connected(
+        ReceiverAddr,
+        PeerId,
+        Result<(ControlClient, FabricConn), StartError>,
+        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
+    ),
+    FabricBack(PeerId, FabricConn),
+}
+
+/// Starts senders.
+#[derive(Debug)]
+pub struct SenderNode;
+
+impl SenderNode {
+    /// Starts a sender whose identity is `local_id`, with `proxy` as its notice endpoint
+    /// (None: notices are dropped, for tests without a proxy).
+    pub async fn start<E: Env>(
+        env: E,
+        cfg: SenderConfig,
+        chunk_bytes: usize,
+        local_id: String,
+        proxy: Option<String>,
+    ) -> Result<SenderHandle<E>, StartError> {
+        let flow = SenderFlow::new(cfg.clone())?;
+        let memory = env
+            .fabric()
+            .allocate_staging(cfg.staging_slots, chunk_bytes)?;
+        let sink = match &proxy {
+            Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),
+            None => None,
+        };
+        let (version, _) = watch::channel(0);
+        let shared = Arc::new(Shared {
+            core: Mutex::new(Core {
+                flow,
+                status: HashMap::new(),
+                ended: VecDeque::new(),
+                receivers: BTreeMap::new(),
+                shutdown: false,
+            }),
+            poke: Notify::new(),
+            version,
+            cv: Condvar::new(),
+            lens: (0..cfg.staging_slots)
+                .map(|_| AtomicUsize::new(chunk_bytes))
+                .collect(),
+        });
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (in_tx, in_rx) = mpsc::unbounded_channel();
+        let handle = SenderHandle {
+            env: env.clone(),
+            shared: shared.clone(),
+            memory: memory.clone(),
+            cmds: cmd_tx.clone(),
+        };
+        let driver = Driver {
+            env: env.clone(),
+            shared,
+            memory,
+            local_id,
+            sink,
+            clients: BTreeMap::new(),
+            conns: BTreeMap::new(),
+            inbox_tx: in_tx,
+            inbox: in_rx,
+            cmds: cmd_rx,
+            cmd_tx,
+        };
+        env.spawn(driver.run());
+        Ok(handle)
+    }
+}
+
+impl<E: Env> SenderHandle<E> {
+    fn now(&self) -> kvx_proto::Instant {
+        self.env.now()
+    }
+
+    /// Connects to a receiver (once; later calls return the same id).
+    pub async fn add_receiver(&self, addr: ReceiverAddr) -> Result<PeerId, StartError> {
+        if let Some(&peer) = self.shared.lock().receivers.get(&addr) {
+            return Ok(peer);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.cmds
+            .send(Cmd::AddReceiver(addr, tx))
+            .map_err(|_| closed())?;
+        rx.await.map_err(|_| closed())?
+    }
+
+    /// Begins a request: its admission probe goes out; await `admitted` before staging.
+    pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
+        let now = self.now();
+        let mut core = self.shared.lock();
+        core.flow.handle_begin(now, spec.clone())?;
+        core.status.insert(spec.req_id, Status::default());
+        drop(core);
+        self.shared.poke.notify_one();
+        Ok(())
+    }
+
+    /// Waits until the receiver admitted `req_id` (or it failed).
+    pub async fn admitted(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.wait_for(req_id, |s| s.admitted).await
+    }
+
+    /// Waits until `req_id` was delivered (its ProxyNotif sent) or failed.
+    pub async fn outcome(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        let result = self.wait_for(req_id, |s| s.outcome.is_some()).await;
+        let mut core = self.shared.lock();
+        if let Some(status) = core.status.remove(req_id) {
+            return status.outcome.unwrap_or(result);
+        }
+        result
+    }
+
+    async fn wait_for(
+        &self,
+        req_id: &ReqId,
+        done: impl Fn(&Status) -> bool,
+    ) -> Result<(), SendFailure> {
+        let mut version = self.shared.version.subscribe();
+        loop {
+            {
+                let core = self.shared.lock();
+                match core.status.get(req_id) {
+                    None => {
+                        return Err(SendFailure::Misuse(format!(
+                            "request {req_id} is not known"
+                        )))
+                    }
+                    Some(Status {
+                        outcome: Some(Err(f)),
+                        ..
+                    }) => return Err(f.clone()),
+                    Some(s) if done(s) => return Ok(()),
+                    Some(_) => {}
+                }
+                if core.shutdown {
+                    return Err(SendFailure::ChannelLost);
+                }
+            }
+            if version.changed().await.is_err() {
+                return Err(SendFailure::ChannelLost);
+            }
+        }
+    }
+
+    /// Takes a staging slot, blocking the calling thread until a write completes, for at most
+    /// the configured `staging_timeout`. For prefill worker threads; a cancel of the request
+    /// wakes it with an error. Never call it from an async task.
+    pub fn allocate_blocking(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+        let timeout = self.shared.lock().flow.config().staging_timeout;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut core = self.shared.lock();
+        loop {
+            match core.flow.try_allocate(req_id) {
+                Err(SendError::WouldBlock | SendError::NotAdmitted(_)) => {}
+                other => return other,
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(SendError::WouldBlock);
+            }
+            core = self
+                .shared
+                .cv
+                .wait_timeout(core, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The async form of `allocate_blocking`, bounded by `staging_timeout`.
+    pub async fn allocate(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+        let timeout = self.shared.lock().flow.config().staging_timeout;
+        let mut version = self.shared.version.subscribe();
+        let attempt = async {
+            loop {
+                match self.shared.lock().flow.try_allocate(req_id) {
+                    Err(SendError::WouldBlock | SendError::NotAdmitted(_)) => {}
+                    other => return other,
+                }
+                if version.changed().await.is_err() {
+                    return Err(SendError::WouldBlock);
+                }
+            }
+        };
+        tokio::time::timeout(timeout, attempt)
+            .await
+            .unwrap_or(Err(SendError::WouldBlock))
+    }
+
+    /// Copies a chunk's bytes into a staging slot the caller holds.
+    pub fn stage(&self, slot: StagingSlot, bytes: &[u8]) {
+        self.memory.write_slot(slot.0, bytes);
+        self.shared.lens[slot.0 as usize].store(bytes.len(), Ordering::Release);
+    }
+
+    /// Submits staged chunks as one batch.
+    pub fn submit(
+        &self,
+        req_id: &ReqId,
+        chunks: Vec<ChunkSpec>,
+        is_last: bool,
+    ) -> Result<(), SendError> {
+        let now = self.now();
+        let result = self
+            .shared
+            .lock()
+            .flow
+            .handle_submit(now, req_id, chunks, is_last);
+        self.shared.poke.notify_one();
+        result
+    }
+
+    /// Aborts a request from any state; waiters get an error.
+    pub fn cancel(&self, req_id: &ReqId) -> Result<(), SendError> {
+        let now = self.now();
+        let result = self.shared.lock().flow.handle_cancel(now, req_id);
+        self.shared.poke.notify_one();
+        result
+    }
+
+    pub fn staging_free(&self) -> u32 {
+        self.shared.lock().flow.staging_free()
+    }
+
+    /// Stops the driver task; waiters get `ChannelLost`.
+    pub fn shutdown(&self) {
+        self.shared.lock().shutdown = true;
+        self.shared.poke.notify_one();
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
+    }
+}
+
+fn closed() -> StartError {
+    StartError::Transport(kvx_io::TransportError::Closed)
+}
+
+#[derive(Debug)]
+enum Input {
+    Client(PeerId, ClientEvent),
+    Done(Completion),
+}
+
+struct Driver<E: Env> {
+    env: E,
+    shared: Arc<Shared>,
+    memory: Arc<<E::Fabric as Fabric>::Memory>,
+    local_id: String,
+    sink: Option<NotifySink>,
+    clients: BTreeMap<PeerId, mpsc::Sender<Bytes>>,
+    conns: BTreeMap<PeerId, kvx_io::fabric::ConnPoster>,
+    inbox_tx: mpsc::UnboundedSender<Input>,
+    inbox: mpsc::UnboundedReceiver<Input>,
+    cmds: mpsc::UnboundedReceiver<Cmd>,
+    cmd_tx: mpsc::UnboundedSender<Cmd>,
+}
+
+impl<E: Env> Driver<E> {
+    async fn run(mut self) {
+        loop {
+            self.carry_out().await;
+            let (deadline, shutdown) = {
+                let core = self.shared.lock();
+                (core.flow.poll_timeout(), core.shutdown)
+            };
+            if shutdown {
+                return;
+            }
+            let sleep = async {
+                match deadline {
+                    Some(at) => self.env.sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shared.poke.notified() => {}
+                Some(input) = self.inbox.recv() => self.on_input(input),
+                Some(cmd) = self.cmds.recv() => self.on_cmd(cmd),
+                _ = sleep => {
+                    let now = self.env.now();
+                    self.shared.lock().flow.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    fn on_input(&mut self, input: Input) {
+        let now = self.env.now();
+        let mut core = self.shared.lock();
+        match input {
+            Input::Client(peer, ClientEvent::Message(bytes)) => match wire::decode(&bytes) {
+                Ok(msg) => core.flow.handle_message(now, peer, msg),
+                Err(e) => {
+                    metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
+                    tracing::warn!(%peer, error = %e, "undecodable reply; the reply timeout will catch what it answered");
+                }
+            },
+            Input::Client(peer, ClientEvent::Disconnected) => {
+                core.flow.handle_receiver_lost(now, peer)
+            }
+            Input::Client(_, ClientEvent::Reconnected) => {}
+            Input::Done(c) => {
+                core.flow
+                    .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()))
+            }
+        }
+    }
+
+    fn on_cmd(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::AddReceiver(addr, reply) => {
+                let mut core = self.shared.lock();
+                if let Some(&peer) = core.receivers.get(&addr) {
+                    let _ = reply.send(Ok(peer));
+                    return;
+                }
+                let peer = PeerId(core.receivers.len() as u64 + 1);
+                core.receivers.insert(addr.clone(), peer);
+                drop(core);
+                let (env, memory, cmd_tx) =
+                    (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
+                let identity = format!("{}-to-{}", self.local_id, addr.alloc);
+                // Connecting is bounded by the transport's and fabric's own timeouts; it runs
+                // beside the loop so replies and completions keep flowing meanwhile.
+                self.env.spawn(async move {
+                    let result = async {
+                        let client = env.transport().connect(&addr.alloc, &identity).await?;
+                        let conn = env.fabric().connect(&addr.fabric, memory).await?;
+                        Ok((client, conn))
+                    }
+                    .await;
+                    let _ = cmd_tx.send(Cmd::Connected(addr, peer, result, reply));
+                });
+            }
+            Cmd::Connected(addr, peer, result, reply) => match result {
+                Ok((client, conn)) => {
+                    self.attach_client(peer, client);
+                    self.attach_conn(peer, conn);
+                    let _ = reply.send(Ok(peer));
+                }
+                Err(e) => {
+                    self.shared.lock().receivers.remove(&addr);
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Cmd::FabricBack(peer, conn) => self.attach_conn(peer, conn),
+        }
+    }
+
+    fn attach_client(&mut self, peer: PeerId, mut client: ControlClient) {
+        self.clients.insert(peer, client.sender());
+        let inbox = self.inbox_tx.clone();
+        self.env.spawn(async move {
+            while let Some(ev) = client.recv().await {
+                if inbox.send(Input::Client(peer, ev)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    fn attach_conn(&mut self, peer: PeerId, conn: FabricConn) {
+        let (poster, mut completions) = conn.split();
+        self.conns.insert(peer, poster);
+        let inbox = self.inbox_tx.clone();
+        self.env.spawn(async move {
+            while let Some(c) = completions.recv().await {
+                if inbox.send(Input::Done(c)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Does what the core asked for: sends, posts, and wakes whoever waits on an event.
+    async fn carry_out(&mut self) {
+        let (transmits, writes, events) = {
+            let mut core = self.shared.lock();
+            let mut t = Vec::new();
+            while let Some(x) = core.flow.poll_transmit() {
+                t.push(x);
+            }
+            let mut w = Vec::new();
+            while let Some(x) = core.flow.poll_write() {
+                w.push(x);
+            }
+            let mut e = Vec::new();
+            while let Some(x) = core.flow.poll_event() {
+                e.push(x);
+            }
+            (t, w, e)
+        };
+        for t in transmits {
+            self.transmit(t).await;
+        }
+        for w in writes {
+            self.post(w);
+        }
+        if !events.is_empty() {
+            self.on_events(events);
+        }
+    }
+
+    async fn transmit(&mut self, t: Transmit) {
+        let bytes = Bytes::from(wire::encode(&t.msg));
+        match t.to {
+            Destination::Receiver(peer) => {
+                let Some(client) = self.clients.get(&peer) else {
+                    return;
+                };
+                if client.send(bytes).await.is_err() {
+                    let now = self.env.now();
+                    self.shared.lock().flow.handle_receiver_lost(now, peer);
+                }
+            }
+            Destination::Proxy => match &self.sink {
+                Some(sink) => {
+                    if let Err(e) = sink.send(bytes).await {
+                        tracing::warn!(error = %e, "notice to the proxy not sent");
+                    }
+                }
+                None => tracing::debug!(msg = ?t.msg, "no proxy configured: notice dropped"),
+            },
+        }
+    }
+
+    fn post(&mut self, w: WriteOp) {
+        let len = self.shared.lens[w.staging.0 as usize].load(Ordering::Acquire);
+        let write = PostWrite {
+            id: w.id,
+            local: w.staging,
+            remote: w.remote,
+            len,
+            imm: w.tag.map(|t| t.to_imm()),
+        };
+        let posted = self.conns.get(&w.receiver).map(|c| c.post(write));
+        if !matches!(posted, Some(Ok(()))) {
+            let now = self.env.now();
+            let why = "no fabric connection to the receiver".to_owned();
+            self.shared
+                .lock()
+                .flow
+                .handle_write_done(now, w.id, Err(why));
+        }
+    }
+
+    fn on_events(&mut self, events: Vec<SenderEvent>) {
+        let mut stalled = Vec::new();
+        let mut core = self.shared.lock();
+        for ev in events {
+            match ev {
+                SenderEvent::Admitted { req_id } => {
+                    if let Some(s) = core.status.get_mut(&req_id) {
+                        s.admitted = true;
+                    }
+                }
+                SenderEvent::Delivered { req_id } => {
+                    metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
+                    end(&mut core, req_id, Ok(()));
+                }
+                SenderEvent::Failed { req_id, failure } => {
+                    metrics::counter!(crate::metrics::SENDER_FAILED).increment(1);
+                    tracing::info!(%req_id, %failure, "request failed");
+                    end(&mut core, req_id, Err(failure));
+                }
+                SenderEvent::ChannelReset { receiver } => {
+                    tracing::warn!(%receiver, "control channel reset; the transport reconnects");
+                }
+                SenderEvent::FabricStalled { receiver } => stalled.push(receiver),
+            }
+        }
+        drop(core);
+        for receiver in stalled {
+            self.reset_fabric(receiver);
+        }
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
+    }
+
+    /// A write is overdue: reset the connection (flushing every outstanding write with an
+    /// error) and connect afresh in the background.
+    fn reset_fabric(&mut self, peer: PeerId) {
+        tracing::warn!(%peer, "write overdue: resetting the fabric connection");
+        let Some(poster) = self.conns.remove(&peer) else {
+            return;
+        };
+        poster.reset();
+        let addr = self
+            .shared
+            .lock()
+            .receivers
+            .iter()
+            .find(|(_, p)| **p == peer)
+            .map(|(a, _)| a.clone());
+        let Some(addr) = addr else { return };
+        let (env, memory, cmd_tx) = (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
+        self.env.spawn(async move {
+            for attempt in 0..5u32 {
+                match env.fabric().connect(&addr.fabric, memory.clone()).await {
+                    Ok(conn) => {
+                        let _ = cmd_tx.send(Cmd::FabricBack(peer, conn));
+                        return;
+                    }
+                    Err(e) => tracing::warn!(%peer, error = %e, attempt, "fabric reconnect failed"),
+                }
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        });
+    }
+}
+
+fn end(core: &mut Core, req_id: ReqId, outcome: Result<(), SendFailure>) {
+    if let Some(s) = core.status.get_mut(&req_id) {
+        s.outcome = Some(outcome);
+        core.ended.push_back(req_id);
+        while core.ended.len() > OUTCOMES_KEPT {
+            if let Some(old) = core.ended.pop_front() {
+                if core.status.get(&old).is_some_and(|s| s.outcome.is_some()) {
+                    core.status.remove(&old);
+                }
+            }
+        }
+    }
+}

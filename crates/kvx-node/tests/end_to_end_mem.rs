@@ -1,0 +1,205 @@
+//! The drivers end to end over the in-memory transport and fabric: real async tasks, real
+//! bytes verified by the decoder.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_io::mem::{MemFabric, MemTransport};
+use kvx_io::TokioEnv;
+use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_proto::sender::{RequestSpec, SendError, SendFailure};
+use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+
+const CHUNK: usize = 4096;
+
+fn env() -> TokioEnv<MemTransport, MemFabric> {
+    TokioEnv::new(MemTransport::new(), MemFabric::new())
+}
+
+/// Starts a proxy and one receiver whose decoder verifies and consumes every ready request;
+/// returns the receiver's address and the verified-bytes counter.
+async fn cluster(
+    env: &TokioEnv<MemTransport, MemFabric>,
+    buffer_slots: u32,
+) -> (ReceiverAddr, Arc<AtomicU64>, kvx_node::ProxyHandle) {
+    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
+        .await
+        .expect("proxy starts");
+    let cfg = ReceiverConfig {
+        buffer_slots,
+        ..ReceiverConfig::default()
+    };
+    let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
+        .await
+        .expect("receiver starts");
+    let addr = ReceiverAddr {
+        alloc: receiver.alloc_endpoint().to_owned(),
+        fabric: receiver.fabric_endpoint().to_owned(),
+    };
+    let verified = Arc::new(AtomicU64::new(0));
+    let counter = verified.clone();
+    tokio::spawn(async move {
+        while let Some(notice) = receiver.next_notice().await {
+            if let ReceiverNotice::Ready(ready) = notice {
+                let bytes = synthetic::verify(&receiver, &ready, CHUNK)
+                    .expect("decoder reads the prefill's bytes");
+                counter.fetch_add(bytes, Ordering::Relaxed);
+                receiver
+                    .consume(&ready.key)
+                    .await
+                    .expect("consume a ready request");
+            }
+        }
+    });
+    (addr, verified, proxy)
+}
+
+fn sender_cfg() -> SenderConfig {
+    SenderConfig {
+        staging_slots: 8,
+        notify_proxy_on_failure: true,
+        ..SenderConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_example_one_sender_interleaved() {
+    let env = env();
+    let (addr, verified, proxy) = cluster(&env, 10).await;
+    let sender = SenderNode::start(
+        env.clone(),
+        sender_cfg(),
+        CHUNK,
+        "s0".into(),
+        Some(proxy.endpoint().into()),
+    )
+    .await
+    .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    let mut tasks = Vec::new();
+    for name in ["A", "B"] {
+        let req = SyntheticRequest {
+            req_id: ReqId(name.into()),
+            receiver: peer,
+            chunks: 8,
+            batch_chunks: 2,
+            chunk_bytes: CHUNK,
+        };
+        let ready = proxy.expect(req.req_id.clone(), 1).await.expect("fresh id");
+        let sender = sender.clone();
+        tasks.push(tokio::spawn(async move {
+            synthetic::prefill(&sender, &req).await.expect("delivered");
+            ready.await.expect("proxy answers").expect("proxy: ready");
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("no deadlock")
+            .expect("task ok");
+    }
+    // The decoder consumes after ProxyNotif; give it a moment to finish verifying.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while verified.load(Ordering::Relaxed) < 16 * CHUNK as u64 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("every byte verified");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_request_fails_fast_and_the_proxy_is_told() {
+    let env = env();
+    let (addr, _, proxy) = cluster(&env, 10).await;
+    let sender = SenderNode::start(
+        env.clone(),
+        sender_cfg(),
+        CHUNK,
+        "s0".into(),
+        Some(proxy.endpoint().into()),
+    )
+    .await
+    .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    let req = SyntheticRequest {
+        req_id: ReqId("big".into()),
+        receiver: peer,
+        chunks: 12,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    };
+    let ready = proxy.expect(req.req_id.clone(), 1).await.expect("fresh id");
+    let err = synthetic::prefill(&sender, &req)
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("only 10 slots"), "{err}");
+    let proxy_says = tokio::time::timeout(Duration::from_secs(5), ready)
+        .await
+        .expect("bounded")
+        .expect("answered");
+    assert!(proxy_says.is_err(), "the proxy learns of the failure");
+}
+
+/// A prefill thread blocked in `allocate_blocking` (its request waits for admission behind
+/// a request holding the whole buffer) is woken by a cancel, with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_wakes_a_blocked_allocate_with_an_error() {
+    let env = env();
+    let (addr, _, proxy) = cluster(&env, 10).await;
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        staging_timeout: Duration::from_secs(30),
+        ..sender_cfg()
+    };
+    let sender = SenderNode::start(
+        env.clone(),
+        cfg,
+        CHUNK,
+        "s0".into(),
+        Some(proxy.endpoint().into()),
+    )
+    .await
+    .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    let spec = |id: &str, total| RequestSpec {
+        req_id: ReqId(id.into()),
+        receiver: peer,
+        total_chunks: total,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    };
+    let (whole, waits) = (ReqId("whole".into()), ReqId("waits".into()));
+    sender.begin(spec("whole", 10)).expect("begins");
+    sender.admitted(&whole).await.expect("admitted");
+    // Both staging slots held by the caller, unsubmitted: waiting could never end, so the
+    // core says so at once instead of blocking.
+    sender.allocate(&whole).await.expect("slot 1");
+    sender.allocate(&whole).await.expect("slot 2");
+    let (s, r) = (sender.clone(), whole.clone());
+    let refused = tokio::task::spawn_blocking(move || s.allocate_blocking(&r))
+        .await
+        .expect("join");
+    assert!(
+        matches!(refused, Err(SendError::StagingHeldByCaller(2))),
+        "{refused:?}"
+    );
+
+    sender.begin(spec("waits", 1)).expect("begins");
+    let (s, r) = (sender.clone(), waits.clone());
+    let blocked = tokio::task::spawn_blocking(move || s.allocate_blocking(&r));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!blocked.is_finished(), "the thread waits for admission");
+    sender.cancel(&waits).expect("cancel");
+    let woke = tokio::time::timeout(Duration::from_secs(5), blocked)
+        .await
+        .expect("woken promptly")
+        .expect("join");
+    assert!(
+        matches!(woke, Err(SendError::Failed(_, SendFailure::Cancelled))),
+        "{woke:?}"
+    );
+}
