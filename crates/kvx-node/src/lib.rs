@@ -18,7 +18,7 @@ pub mod sender;
 pub mod synthetic;
 
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
-pub use receiver::{ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice};
+pub use receiver::{BufferSnapshot, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice};
 pub use sender::{ReceiverAddr, SenderHandle, SenderNode};
 
 /// Why a driver could not start.

@@ -35,6 +35,19 @@ pub enum ReceiverNotice {
 #[derive(Debug)]
 enum Cmd {
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
+    Snapshot(oneshot::Sender<BufferSnapshot>),
+}
+
+/// The receive buffer's accounting at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BufferSnapshot {
+    pub capacity: u32,
+    pub free: u32,
+    pub held: u32,
+    pub reserved_unallocated: u32,
+    pub quarantined: u32,
+    pub tracked_requests: usize,
+    pub admission_queue_len: usize,
 }
 
 /// The decoder's side of a running receiver.
@@ -109,6 +122,13 @@ impl<M: SlotMemory> ReceiverHandle<M> {
         self.memory.read_slot(slot.0, out);
     }
 
+    /// The buffer's accounting now (for leak checks and monitoring).
+    pub async fn snapshot(&self) -> Option<BufferSnapshot> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds.send(Cmd::Snapshot(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
     /// Releases a ready request's slots and reservation after the decoder read it.
     pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
         let (tx, rx) = oneshot::channel();
@@ -156,6 +176,18 @@ impl<E: Env> Driver<E> {
                     Some(Cmd::Consume(key, reply)) => {
                         let now = self.env.now();
                         let _ = reply.send(self.ledger.handle_consume(now, &key));
+                    }
+                    Some(Cmd::Snapshot(reply)) => {
+                        let l = &self.ledger;
+                        let _ = reply.send(BufferSnapshot {
+                            capacity: l.capacity(),
+                            free: l.free_slots(),
+                            held: l.held_slots(),
+                            reserved_unallocated: l.reserved_unallocated(),
+                            quarantined: l.quarantined_slots(),
+                            tracked_requests: l.tracked_requests(),
+                            admission_queue_len: l.admission_queue_len(),
+                        });
                     }
                     // The decoder is gone: nobody will read what arrives.
                     None => return,

@@ -1,0 +1,139 @@
+//! Command-line definitions.
+
+use std::ops::RangeInclusive;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvx",
+    version,
+    about = "Move KV-cache chunks from prefill to decode workers, LMCache-compatible, without deadlocks",
+    long_about = "kvx moves KV-cache chunks from the prefill workers of a disaggregated LLM-serving \
+cluster into the buffers of its decode workers, speaking LMCache's PD protocol, with \
+reservation-based admission control that cannot deadlock.\n\nStart with `kvx demo`. Logs go to \
+stderr, filtered by RUST_LOG (e.g. RUST_LOG=kvx=info)."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a proxy, a receiver and senders in one process over loopback, with a synthetic
+    /// chunked-prefill workload verified byte for byte by the decoder.
+    Demo(DemoArgs),
+    /// Decode or encode wire messages (msgpack ⇄ JSON).
+    #[command(subcommand)]
+    Wire(WireCommand),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FabricKind {
+    /// One-sided writes carried over TCP.
+    Tcp,
+    /// Writes straight into the receiver's buffer through shared memory (one host).
+    Shm,
+    /// In-process copies (no sockets at all).
+    Mem,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TransportKind {
+    /// ZeroMQ DEALER/ROUTER and PUSH/PULL, LMCache's sockets and framing.
+    Zmq,
+    /// In-process channels.
+    Mem,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Prefill workers (senders).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub senders: u32,
+    /// Requests per sender.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub requests: u32,
+    /// Chunks per request, drawn uniformly from MIN..MAX (inclusive).
+    #[arg(long, default_value = "4..16", value_parser = parse_range)]
+    pub chunks: RangeInclusive<u32>,
+    /// Requests each sender prefills concurrently.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub interleave: u32,
+    /// Chunks per batch (one AllocRequest).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub batch_chunks: u32,
+    /// Receiver buffer size, in chunks.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub buffer_chunks: u32,
+    /// Staging pool size per sender, in chunks.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub staging_chunks: u32,
+    /// Bytes per chunk.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    pub chunk_bytes: u64,
+    #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
+    pub fabric: FabricKind,
+    #[arg(long, value_enum, default_value_t = TransportKind::Zmq)]
+    pub transport: TransportKind,
+    /// Fraction of requests cancelled at a random moment of their prefill.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub cancel_fraction: f64,
+    /// Seed of the workload (sizes, cancels).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Give up (and exit non-zero) after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+    /// Print one JSON object instead of the table and progress bar.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WireCommand {
+    /// Read one msgpack message on stdin (raw, or hex with --hex) and print it as JSON.
+    Decode {
+        /// The input is hex text (whitespace ignored), as in shared/golden/*.hex.
+        #[arg(long)]
+        hex: bool,
+        /// Read from this file instead of stdin.
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+    /// Read one message as JSON on stdin and write its msgpack bytes to stdout.
+    Encode {
+        /// Write hex text instead of raw bytes.
+        #[arg(long)]
+        hex: bool,
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+}
+
+fn parse_range(s: &str) -> Result<RangeInclusive<u32>, String> {
+    let (lo, hi) = s
+        .split_once("..")
+        .ok_or_else(|| format!("expected MIN..MAX, got {s:?}"))?;
+    let lo: u32 = lo.trim().parse().map_err(|e| format!("MIN {lo:?}: {e}"))?;
+    let hi: u32 = hi
+        .trim_start_matches('=')
+        .trim()
+        .parse()
+        .map_err(|e| format!("MAX {hi:?}: {e}"))?;
+    if lo == 0 || lo > hi {
+        return Err(format!("need 1 <= MIN <= MAX, got {lo}..{hi}"));
+    }
+    Ok(lo..=hi)
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if (0.0..=1.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("a fraction is between 0 and 1, got {f}"))
+    }
+}

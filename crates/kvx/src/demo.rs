@@ -1,0 +1,326 @@
+//! `kvx demo`: a proxy, one receiver (with a verifying decoder) and `--senders` senders in one
+//! process, over the chosen transport and fabric on loopback; prints a summary table or JSON
+//! and exits non-zero when a request is lost, corrupted or stuck, or a slot leaks.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvx_io::Env;
+use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::cli::DemoArgs;
+use crate::envs::Endpoints;
+use crate::workload::{self, Planned, Rng};
+
+/// The demo's result; `--json` prints exactly this.
+#[derive(Debug, Default, Serialize)]
+pub struct Summary {
+    pub transport: String,
+    pub fabric: String,
+    pub requests_total: u64,
+    pub requests_completed: u64,
+    pub requests_failed: u64,
+    /// Of the failed: cancelled on purpose (`--cancel-fraction`).
+    pub requests_cancelled: u64,
+    /// Requests that neither completed nor failed before the timeout.
+    pub requests_lost: u64,
+    pub chunks_corrupted: u64,
+    pub bytes_verified: u64,
+    pub makespan_s: f64,
+    pub bytes_per_sec: f64,
+    /// From a request's begin (its first message) to its ProxyNotif at the proxy.
+    pub latency_ms_p50: f64,
+    pub latency_ms_p99: f64,
+    pub admission_wait_ms_p50: f64,
+    pub admission_wait_ms_p99: f64,
+    /// Receiver slots not free after the run settled.
+    pub slots_leaked: u64,
+}
+
+impl Summary {
+    pub fn ok(&self) -> bool {
+        self.requests_lost == 0
+            && self.chunks_corrupted == 0
+            && self.slots_leaked == 0
+            && self.requests_failed == self.requests_cancelled
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    completed: u64,
+    failed: u64,
+    cancelled: u64,
+    latencies: Vec<Duration>,
+    admission_waits: Vec<Duration>,
+}
+
+pub async fn run_on<E: Env>(
+    env: E,
+    endpoints: Endpoints,
+    args: DemoArgs,
+) -> anyhow::Result<(Summary, ExitCode)> {
+    let chunk_bytes = usize::try_from(args.chunk_bytes).context("chunk size")?;
+    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), &endpoints.proxy)
+        .await
+        .context("starting the proxy")?;
+    let receiver_cfg = ReceiverConfig {
+        buffer_slots: args.buffer_chunks,
+        ..ReceiverConfig::default()
+    };
+    let mut receiver = ReceiverNode::start(
+        env.clone(),
+        receiver_cfg,
+        chunk_bytes,
+        &endpoints.alloc,
+        &endpoints.fabric,
+    )
+    .await
+    .context("starting the receiver")?;
+    let addr = ReceiverAddr {
+        alloc: receiver.alloc_endpoint().to_owned(),
+        fabric: receiver.fabric_endpoint().to_owned(),
+    };
+
+    let verified = Arc::new(AtomicU64::new(0));
+    let corrupted = Arc::new(AtomicU64::new(0));
+    let (verified2, corrupted2) = (verified.clone(), corrupted.clone());
+    let (snap_tx, mut snap_rx) = tokio::sync::mpsc::channel::<
+        tokio::sync::oneshot::Sender<Option<kvx_node::BufferSnapshot>>,
+    >(4);
+    // The decoder: reads every ready request, checks each byte, and releases it.
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                notice = receiver.next_notice() => match notice {
+                    Some(ReceiverNotice::Ready(ready)) => {
+                        match synthetic::verify(&receiver, &ready, chunk_bytes) {
+                            Ok(bytes) => { verified2.fetch_add(bytes, Ordering::Relaxed); }
+                            Err(chunk) => {
+                                tracing::error!(key = %ready.key, chunk, "decoder read corrupt bytes");
+                                corrupted2.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        if let Err(e) = receiver.consume(&ready.key).await {
+                            tracing::error!(key = %ready.key, error = %e, "consume failed");
+                        }
+                    }
+                    Some(ReceiverNotice::Ended { .. }) => {}
+                    None => return,
+                },
+                Some(reply) = snap_rx.recv() => { let _ = reply.send(receiver.snapshot().await); }
+            }
+        }
+    });
+
+    let total = u64::from(args.senders) * u64::from(args.requests);
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+            .expect("invariant: the template is valid")
+            .progress_chars("=> "),
+    );
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let started = Instant::now();
+    let mut rng = Rng::new(args.seed);
+    let mut workers = Vec::new();
+    for s in 0..args.senders {
+        let cfg = SenderConfig {
+            staging_slots: args.staging_chunks,
+            notify_proxy_on_failure: true,
+            ..SenderConfig::default()
+        };
+        let sender = SenderNode::start(
+            env.clone(),
+            cfg,
+            chunk_bytes,
+            format!("demo-sender-{s}"),
+            Some(proxy.endpoint().to_owned()),
+        )
+        .await
+        .with_context(|| format!("starting sender {s}"))?;
+        let peer = sender
+            .add_receiver(addr.clone())
+            .await
+            .with_context(|| format!("sender {s} connecting"))?;
+        let queue = Arc::new(Mutex::new(
+            workload::plan(
+                s,
+                args.requests,
+                &args.chunks,
+                args.cancel_fraction,
+                &mut rng,
+            )
+            .into_iter()
+            .collect::<std::collections::VecDeque<Planned>>(),
+        ));
+        for _ in 0..args.interleave {
+            let (sender, proxy, queue, tally, bar) = (
+                sender.clone(),
+                proxy.clone(),
+                queue.clone(),
+                tally.clone(),
+                bar.clone(),
+            );
+            let batch_chunks = args.batch_chunks;
+            workers.push(tokio::spawn(async move {
+                loop {
+                    let Some(p) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front() else { return };
+                    let req = SyntheticRequest { req_id: ReqId(p.req_id.clone()), receiver: peer, chunks: p.chunks, batch_chunks, chunk_bytes };
+                    let begun = Instant::now();
+                    let ready = match proxy.expect(req.req_id.clone(), 1).await {
+                        Ok(rx) => rx,
+                        Err(e) => {
+                            tracing::error!(req = %p.req_id, error = %e, "proxy refused to await the request");
+                            tally.lock().unwrap_or_else(|e| e.into_inner()).failed += 1;
+                            bar.inc(1);
+                            continue;
+                        }
+                    };
+                    if let Some(after) = p.cancel_after {
+                        let (sender, id) = (sender.clone(), req.req_id.clone());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(after).await;
+                            let _ = sender.cancel(&id);
+                        });
+                    }
+                    let result = synthetic::prefill(&sender, &req).await;
+                    let at_proxy = ready.await.unwrap_or_else(|_| Err("proxy gone".into()));
+                    let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                    match (result, at_proxy) {
+                        (Ok(timing), Ok(())) => {
+                            t.completed += 1;
+                            t.latencies.push(begun.elapsed());
+                            t.admission_waits.push(timing.admission_wait);
+                        }
+                        (result, _) => {
+                            t.failed += 1;
+                            if p.cancel_after.is_some() {
+                                t.cancelled += 1;
+                            } else {
+                                tracing::warn!(req = %p.req_id, ?result, "request failed");
+                            }
+                        }
+                    }
+                    bar.inc(1);
+                }
+            }));
+        }
+    }
+    let deadline = Duration::from_secs(args.timeout_s);
+    let all = futures_join(workers);
+    let finished = tokio::time::timeout(deadline, all).await.is_ok();
+    let makespan = started.elapsed();
+    bar.finish_and_clear();
+
+    // Let the decoder consume the last requests, then check that nothing is left behind.
+    let mut snapshot = None;
+    for _ in 0..200 {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if snap_tx.send(tx).await.is_err() {
+            break;
+        }
+        snapshot = rx.await.ok().flatten();
+        if snapshot.is_some_and(|s| s.tracked_requests == 0 && s.quarantined == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let t = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let bytes_verified = verified.load(Ordering::Relaxed);
+    let ended = t.completed + t.failed;
+    let summary = Summary {
+        transport: endpoints.transport_name.clone(),
+        fabric: endpoints.fabric_name.clone(),
+        requests_total: total,
+        requests_completed: t.completed,
+        requests_failed: t.failed,
+        requests_cancelled: t.cancelled,
+        requests_lost: if finished {
+            total - ended
+        } else {
+            total.saturating_sub(ended)
+        },
+        chunks_corrupted: corrupted.load(Ordering::Relaxed),
+        bytes_verified,
+        makespan_s: makespan.as_secs_f64(),
+        bytes_per_sec: bytes_verified as f64 / makespan.as_secs_f64().max(1e-9),
+        latency_ms_p50: percentile_ms(&t.latencies, 0.50),
+        latency_ms_p99: percentile_ms(&t.latencies, 0.99),
+        admission_wait_ms_p50: percentile_ms(&t.admission_waits, 0.50),
+        admission_wait_ms_p99: percentile_ms(&t.admission_waits, 0.99),
+        slots_leaked: snapshot.map_or(u64::from(args.buffer_chunks), |s| {
+            u64::from(s.capacity - s.free)
+        }),
+    };
+    let code = if summary.ok() && finished {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    };
+    Ok((summary, code))
+}
+
+async fn futures_join(handles: Vec<tokio::task::JoinHandle<()>>) {
+    for h in handles {
+        if let Err(e) = h.await {
+            tracing::error!(error = %e, "a prefill worker panicked");
+        }
+    }
+}
+
+fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// The human-readable summary.
+pub fn print_table(s: &Summary) {
+    let gb = |b: f64| b / 1e9;
+    println!("kvx demo — {} control, {} fabric", s.transport, s.fabric);
+    println!("  requests        {:>10} total, {} completed, {} failed ({} cancelled on purpose), {} lost", s.requests_total, s.requests_completed, s.requests_failed, s.requests_cancelled, s.requests_lost);
+    println!(
+        "  bytes verified  {:>10.3} GB   corrupted chunks: {}",
+        gb(s.bytes_verified as f64),
+        s.chunks_corrupted
+    );
+    println!(
+        "  makespan        {:>10.3} s     throughput: {:.2} GB/s",
+        s.makespan_s,
+        gb(s.bytes_per_sec)
+    );
+    println!(
+        "  latency         {:>10.2} ms p50, {:.2} ms p99 (begin → ProxyNotif at the proxy)",
+        s.latency_ms_p50, s.latency_ms_p99
+    );
+    println!(
+        "  admission wait  {:>10.2} ms p50, {:.2} ms p99",
+        s.admission_wait_ms_p50, s.admission_wait_ms_p99
+    );
+    println!("  slots leaked    {:>10}", s.slots_leaked);
+    println!(
+        "  result          {}",
+        if s.ok() {
+            "OK"
+        } else {
+            "FAILED: lost, corrupted, leaked or unexpectedly failed requests"
+        }
+    );
+}

@@ -1,0 +1,47 @@
+//! The `kvx` command. `kvx demo` runs a whole cluster in one process; `kvx receiver`,
+//! `kvx sender` and `kvx proxy` run its parts as separate processes; `kvx bench` measures a
+//! fabric; `kvx wire` decodes and encodes messages.
+//!
+//! Map:
+//! - `cli`: the clap definitions (every flag's help text).
+//! - `demo`: the demo and its summary.
+//! - `workload`: the synthetic chunked-prefill workload the demo and `kvx sender` run.
+//! - `wire_cmd`: `kvx wire decode|encode`.
+//! - `envs`: picking a transport and fabric at runtime.
+
+mod cli;
+mod demo;
+mod envs;
+mod wire_cmd;
+mod workload;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        cli::Command::Wire(args) => wire_cmd::run(args),
+        cli::Command::Demo(args) => runtime().and_then(|rt| rt.block_on(envs::demo(args))),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvx: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}

@@ -1,0 +1,127 @@
+//! The `kvx` command as a person runs it.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn kvx() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvx"))
+}
+
+fn golden(name: &str) -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/golden/");
+    std::fs::read_to_string(format!("{path}{name}"))
+        .expect("golden file present (../shared/golden)")
+}
+
+fn run_with_stdin(mut cmd: Command, input: &[u8]) -> std::process::Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvx runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input)
+        .expect("write stdin");
+    child.wait_with_output().expect("kvx exits")
+}
+
+#[test]
+fn wire_decode_prints_a_golden_message_as_json() {
+    let mut cmd = kvx();
+    cmd.args(["wire", "decode", "--hex"]);
+    let out = run_with_stdin(cmd, golden("alloc_request_first_batch.hex").as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["type"], "AllocRequest");
+    assert_eq!(json["total_chunks"], 5);
+    assert_eq!(json["req_id"], "s0-r001-n5-t100");
+}
+
+#[test]
+fn wire_encode_round_trips_to_the_golden_bytes() {
+    let mut cmd = kvx();
+    cmd.args(["wire", "encode", "--hex"]);
+    let json = r#"{"type": "ProxyNotif", "req_id": "s0-r001-n5-t100"}"#;
+    let out = run_with_stdin(cmd, json.as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        golden("proxy_notif.hex").trim()
+    );
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_a_failing_status() {
+    let mut cmd = kvx();
+    cmd.args(["wire", "decode", "--hex"]);
+    let out = run_with_stdin(cmd, b"83a474797065");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a valid LMCache/kvx message"), "{err}");
+    let mut missing = kvx();
+    missing.args(["wire", "decode", "--hex", "--file", "/nonexistent"]);
+    let out = run_with_stdin(missing, b"");
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvx()
+        .args(["demo", "--chunks", "9..3"])
+        .output()
+        .expect("kvx runs");
+    assert_eq!(out.status.code(), Some(2), "clap refuses a bad range");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MIN <= MAX"));
+}
+
+#[test]
+fn demo_in_process_completes_and_reports_json() {
+    let out = kvx()
+        .args([
+            "demo",
+            "--transport",
+            "mem",
+            "--fabric",
+            "mem",
+            "--json",
+            "--requests",
+            "10",
+            "--chunk-bytes",
+            "4096",
+            "--cancel-fraction",
+            "0.2",
+        ])
+        .output()
+        .expect("kvx runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    for field in [
+        "requests_total",
+        "requests_completed",
+        "requests_failed",
+        "bytes_verified",
+        "makespan_s",
+        "bytes_per_sec",
+        "latency_ms_p50",
+        "latency_ms_p99",
+        "admission_wait_ms_p99",
+        "slots_leaked",
+    ] {
+        assert!(s.get(field).is_some(), "JSON has {field}: {s}");
+    }
+    assert_eq!(s["requests_total"], 20);
+    assert_eq!(s["slots_leaked"], 0);
+    assert_eq!(s["requests_lost"], 0);
+}
