@@ -4,21 +4,22 @@
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvx_io::Env;
-use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::synthetic;
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
-use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::cli::DemoArgs;
 use crate::envs::Endpoints;
-use crate::workload::{self, Planned, Rng};
+use crate::loadgen::{self, SharedTally, Worker};
+use crate::workload::{self, Rng};
 
 /// The demo's result; `--json` prints exactly this.
 #[derive(Debug, Default, Serialize)]
@@ -52,15 +53,6 @@ impl Summary {
             && self.slots_leaked == 0
             && self.requests_failed == self.requests_cancelled
     }
-}
-
-#[derive(Debug, Default)]
-struct Tally {
-    completed: u64,
-    failed: u64,
-    cancelled: u64,
-    latencies: Vec<Duration>,
-    admission_waits: Vec<Duration>,
 }
 
 pub async fn run_on<E: Env>(
@@ -132,7 +124,7 @@ pub async fn run_on<E: Env>(
             .expect("invariant: the template is valid")
             .progress_chars("=> "),
     );
-    let tally = Arc::new(Mutex::new(Tally::default()));
+    let tally: SharedTally = Arc::default();
     let started = Instant::now();
     let mut rng = Rng::new(args.seed);
     let mut workers = Vec::new();
@@ -155,73 +147,28 @@ pub async fn run_on<E: Env>(
             .add_receiver(addr.clone())
             .await
             .with_context(|| format!("sender {s} connecting"))?;
-        let queue = Arc::new(Mutex::new(
-            workload::plan(
-                s,
-                args.requests,
-                &args.chunks,
-                args.cancel_fraction,
-                &mut rng,
-            )
-            .into_iter()
-            .collect::<std::collections::VecDeque<Planned>>(),
+        let plan = workload::plan(
+            s,
+            args.requests,
+            &args.chunks,
+            args.cancel_fraction,
+            &mut rng,
+        );
+        let worker = Worker {
+            ranks: vec![(sender, peer)],
+            proxy: Some(proxy.clone()),
+            batch_chunks: args.batch_chunks,
+            chunk_bytes,
+        };
+        workers.extend(loadgen::spawn(
+            worker,
+            plan,
+            args.interleave,
+            tally.clone(),
+            bar.clone(),
         ));
-        for _ in 0..args.interleave {
-            let (sender, proxy, queue, tally, bar) = (
-                sender.clone(),
-                proxy.clone(),
-                queue.clone(),
-                tally.clone(),
-                bar.clone(),
-            );
-            let batch_chunks = args.batch_chunks;
-            workers.push(tokio::spawn(async move {
-                loop {
-                    let Some(p) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front() else { return };
-                    let req = SyntheticRequest { req_id: ReqId(p.req_id.clone()), receiver: peer, chunks: p.chunks, batch_chunks, chunk_bytes };
-                    let begun = Instant::now();
-                    let ready = match proxy.expect(req.req_id.clone(), 1).await {
-                        Ok(rx) => rx,
-                        Err(e) => {
-                            tracing::error!(req = %p.req_id, error = %e, "proxy refused to await the request");
-                            tally.lock().unwrap_or_else(|e| e.into_inner()).failed += 1;
-                            bar.inc(1);
-                            continue;
-                        }
-                    };
-                    if let Some(after) = p.cancel_after {
-                        let (sender, id) = (sender.clone(), req.req_id.clone());
-                        tokio::spawn(async move {
-                            tokio::time::sleep(after).await;
-                            let _ = sender.cancel(&id);
-                        });
-                    }
-                    let result = synthetic::prefill(&sender, &req).await;
-                    let at_proxy = ready.await.unwrap_or_else(|_| Err("proxy gone".into()));
-                    let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-                    match (result, at_proxy) {
-                        (Ok(timing), Ok(())) => {
-                            t.completed += 1;
-                            t.latencies.push(begun.elapsed());
-                            t.admission_waits.push(timing.admission_wait);
-                        }
-                        (result, _) => {
-                            t.failed += 1;
-                            if p.cancel_after.is_some() {
-                                t.cancelled += 1;
-                            } else {
-                                tracing::warn!(req = %p.req_id, ?result, "request failed");
-                            }
-                        }
-                    }
-                    bar.inc(1);
-                }
-            }));
-        }
     }
-    let deadline = Duration::from_secs(args.timeout_s);
-    let all = futures_join(workers);
-    let finished = tokio::time::timeout(deadline, all).await.is_ok();
+    let finished = loadgen::finish(workers, Duration::from_secs(args.timeout_s)).await;
     let makespan = started.elapsed();
     bar.finish_and_clear();
 
@@ -238,7 +185,7 @@ pub async fn run_on<E: Env>(
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let t = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let t = loadgen::lock(&tally);
     let bytes_verified = verified.load(Ordering::Relaxed);
     let ended = t.completed + t.failed;
     let summary = Summary {
@@ -257,10 +204,10 @@ pub async fn run_on<E: Env>(
         bytes_verified,
         makespan_s: makespan.as_secs_f64(),
         bytes_per_sec: bytes_verified as f64 / makespan.as_secs_f64().max(1e-9),
-        latency_ms_p50: percentile_ms(&t.latencies, 0.50),
-        latency_ms_p99: percentile_ms(&t.latencies, 0.99),
-        admission_wait_ms_p50: percentile_ms(&t.admission_waits, 0.50),
-        admission_wait_ms_p99: percentile_ms(&t.admission_waits, 0.99),
+        latency_ms_p50: loadgen::percentile_ms(&t.latencies, 0.50),
+        latency_ms_p99: loadgen::percentile_ms(&t.latencies, 0.99),
+        admission_wait_ms_p50: loadgen::percentile_ms(&t.admission_waits, 0.50),
+        admission_wait_ms_p99: loadgen::percentile_ms(&t.admission_waits, 0.99),
         slots_leaked: snapshot.map_or(u64::from(args.buffer_chunks), |s| {
             u64::from(s.capacity - s.free)
         }),
@@ -271,24 +218,6 @@ pub async fn run_on<E: Env>(
         ExitCode::from(1)
     };
     Ok((summary, code))
-}
-
-async fn futures_join(handles: Vec<tokio::task::JoinHandle<()>>) {
-    for h in handles {
-        if let Err(e) = h.await {
-            tracing::error!(error = %e, "a prefill worker panicked");
-        }
-    }
-}
-
-fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
-    if samples.is_empty() {
-        return 0.0;
-    }
-    let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
-    v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
-    v[i.min(v.len() - 1)]
 }
 
 /// The human-readable summary.

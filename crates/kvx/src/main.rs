@@ -5,13 +5,15 @@
 //! Map:
 //! - `cli`: the clap definitions (every flag's help text).
 //! - `demo`: the demo and its summary.
-//! - `workload`: the synthetic chunked-prefill workload the demo and `kvx sender` run.
+//! - `workload`: the seeded plan of synthetic requests.
+//! - `loadgen`: prefill workers that run a plan on every TP rank and tally outcomes.
 //! - `wire_cmd`: `kvx wire decode|encode`.
 //! - `envs`: picking a transport and fabric at runtime.
 
 mod cli;
 mod demo;
 mod envs;
+mod loadgen;
 mod wire_cmd;
 mod workload;
 

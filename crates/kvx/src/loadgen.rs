@@ -1,0 +1,180 @@
+//! The prefill side of the synthetic workload, shared by `kvx demo` and `kvx sender`: worker
+//! tasks that take planned requests from a queue and prefill each on every TP rank at once
+//! (as vLLM's TP workers each store their rank's KV), with optional cancels, and tally the
+//! outcomes.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use kvx_io::Env;
+use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::{ProxyHandle, SenderHandle};
+use kvx_proto::sender::SendFailure;
+use kvx_proto::{PeerId, ReqId};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::workload::Planned;
+
+/// Outcomes of the requests so far.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub completed: u64,
+    pub failed: u64,
+    /// Failed because `--cancel-fraction` cancelled them.
+    pub cancelled: u64,
+    /// Begin → ProxyNotif at the proxy (demo), or → delivered on every rank (sender).
+    pub latencies: Vec<Duration>,
+    pub admission_waits: Vec<Duration>,
+    pub bytes_sent: u64,
+}
+
+pub type SharedTally = Arc<Mutex<Tally>>;
+
+pub fn lock(t: &SharedTally) -> MutexGuard<'_, Tally> {
+    t.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// One prefill worker process: a sender per TP rank, each connected to that rank's receiver.
+pub struct Worker<E: Env> {
+    pub ranks: Vec<(SenderHandle<E>, PeerId)>,
+    pub proxy: Option<ProxyHandle>,
+    pub batch_chunks: u32,
+    pub chunk_bytes: usize,
+}
+
+impl<E: Env> Clone for Worker<E> {
+    fn clone(&self) -> Self {
+        Self {
+            ranks: self.ranks.clone(),
+            proxy: self.proxy.clone(),
+            batch_chunks: self.batch_chunks,
+            chunk_bytes: self.chunk_bytes,
+        }
+    }
+}
+
+/// Starts `interleave` tasks that prefill `plan` concurrently.
+pub fn spawn<E: Env>(
+    worker: Worker<E>,
+    plan: Vec<Planned>,
+    interleave: u32,
+    tally: SharedTally,
+    bar: ProgressBar,
+) -> Vec<JoinHandle<()>> {
+    let queue = Arc::new(Mutex::new(plan.into_iter().collect::<VecDeque<_>>()));
+    (0..interleave)
+        .map(|_| {
+            let (worker, queue, tally, bar) =
+                (worker.clone(), queue.clone(), tally.clone(), bar.clone());
+            tokio::spawn(async move {
+                loop {
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                    let Some(p) = next else { return };
+                    one(&worker, &p, &tally).await;
+                    bar.inc(1);
+                }
+            })
+        })
+        .collect()
+}
+
+async fn one<E: Env>(w: &Worker<E>, p: &Planned, tally: &SharedTally) {
+    let req_id = ReqId(p.req_id.clone());
+    let begun = Instant::now();
+    let at_proxy = match &w.proxy {
+        Some(proxy) => match proxy.expect(req_id.clone(), w.ranks.len() as u32).await {
+            Ok(rx) => Some(rx),
+            Err(e) => {
+                tracing::error!(req = %p.req_id, error = %e, "proxy refused to await the request");
+                lock(tally).failed += 1;
+                return;
+            }
+        },
+        None => None,
+    };
+    if let Some(after) = p.cancel_after {
+        let handles: Vec<_> = w.ranks.iter().map(|(s, _)| s.clone()).collect();
+        let id = req_id.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            for s in handles {
+                // Already ended is fine: the cancel raced the delivery.
+                let _ = s.cancel(&id);
+            }
+        });
+    }
+    // Every rank prefills at once, as vLLM's TP workers each store their own rank's KV.
+    let tasks: Vec<_> = w
+        .ranks
+        .iter()
+        .map(|(sender, peer)| {
+            let req = SyntheticRequest {
+                req_id: req_id.clone(),
+                receiver: *peer,
+                chunks: p.chunks,
+                batch_chunks: w.batch_chunks,
+                chunk_bytes: w.chunk_bytes,
+            };
+            let sender = sender.clone();
+            tokio::spawn(async move { synthetic::prefill(&sender, &req).await })
+        })
+        .collect();
+    let mut results = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        results.push(
+            t.await.unwrap_or_else(|e| {
+                Err(SendFailure::Misuse(format!("prefill task panicked: {e}")))
+            }),
+        );
+    }
+    let proxy_result = match at_proxy {
+        Some(rx) => rx.await.unwrap_or_else(|_| Err("proxy gone".into())),
+        None => Ok(()),
+    };
+    let mut t = lock(tally);
+    let all_ok = results.iter().all(Result::is_ok) && proxy_result.is_ok();
+    if all_ok {
+        t.completed += 1;
+        t.latencies.push(begun.elapsed());
+        let wait = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|r| r.admission_wait)
+            .max()
+            .unwrap_or_default();
+        t.admission_waits.push(wait);
+        t.bytes_sent += u64::from(p.chunks) * w.chunk_bytes as u64 * w.ranks.len() as u64;
+    } else {
+        t.failed += 1;
+        if p.cancel_after.is_some() {
+            t.cancelled += 1;
+        } else {
+            tracing::warn!(req = %p.req_id, ?results, ?proxy_result, "request failed");
+        }
+    }
+}
+
+/// Waits for every worker, at most `deadline`. False when the deadline passed first.
+pub async fn finish(workers: Vec<JoinHandle<()>>, deadline: Duration) -> bool {
+    let all = async {
+        for h in workers {
+            if let Err(e) = h.await {
+                tracing::error!(error = %e, "a prefill worker panicked");
+            }
+        }
+    };
+    tokio::time::timeout(deadline, all).await.is_ok()
+}
+
+pub fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
