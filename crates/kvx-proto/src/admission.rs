@@ -100,6 +100,10 @@ impl Admission {
                 capacity: self.capacity,
             });
         }
+        if broken_variant!(NoReservation) {
+            self.reserved += need;
+            return Decision::Admitted;
+        }
         if self.waiting.is_empty() && need <= self.available() {
             self.reserved += need;
             return Decision::Admitted;

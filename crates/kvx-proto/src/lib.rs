@@ -12,6 +12,19 @@
 //! - `sender`: `SenderFlow`, the prefill side (staging, pipelined channels, ProxyNotif).
 //! - `proxy`: `ProxyTracker`, aggregation of ProxyNotif across TP ranks.
 //! - `testing` (feature): `Cluster`, a synchronous harness with virtual time.
+//! - `broken_variants` (feature, simulation only): deliberately broken behaviours.
+
+/// Whether the deliberately broken variant `Variant::$v` is selected: always `false` unless
+/// the `broken-variants` feature (enabled only by `sim/`) is on.
+macro_rules! broken_variant {
+    ($v:ident) => {{
+        #[cfg(feature = "broken-variants")]
+        let on = $crate::broken_variants::active($crate::broken_variants::Variant::$v);
+        #[cfg(not(feature = "broken-variants"))]
+        let on = false;
+        on
+    }};
+}
 
 pub mod admission;
 pub mod config;
@@ -29,3 +42,6 @@ pub use time::Instant;
 
 #[cfg(feature = "testing")]
 pub mod testing;
+
+#[cfg(feature = "broken-variants")]
+pub mod broken_variants;

@@ -121,6 +121,11 @@ impl ReceiverLedger {
             // A request may send fewer chunks than it declared (LMCache drops a partial last
             // chunk in some configurations, W13): the unused part of the reservation goes back.
             let unused = req.reservation - req.slots.len() as u32;
+            let unused = if broken_variant!(ReleaseBeforeComplete) {
+                req.reservation
+            } else {
+                unused
+            };
             req.reservation -= unused;
             self.admission.release(unused);
         }

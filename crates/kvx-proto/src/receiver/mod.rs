@@ -317,6 +317,11 @@ impl ReceiverLedger {
             req_id: cancel.req_id.as_str().into(),
         };
         let drained = cancel.drained.unwrap_or(false);
+        if broken_variant!(NoCancelRelease) {
+            return self
+                .transmits
+                .push_back((peer, AllocResponse::cancel_ack(cancel.seq)));
+        }
         if self.requests.contains_key(&key) {
             self.fail(now, &key, Failure::Cancelled, drained);
         } else if !self.tombstones.contains(&key) {
@@ -400,6 +405,7 @@ impl ReceiverLedger {
             .expect("invariant: ending a tracked request");
         self.tickets.remove(&req.ticket);
         self.timers.remove(&(req.deadline, req.ticket));
+        let drained = drained || broken_variant!(ReuseSlotEarly);
         let until = now + self.cfg.write_quarantine;
         let mut quarantined = 0;
         for tag in &req.slots {

@@ -528,6 +528,7 @@ impl SenderFlow {
             });
         };
         match (&req.state, &req.failure) {
+            (State::Admitting, _) if broken_variant!(StageBeforeAdmit) => Ok(req),
             (State::Admitting, _) => Err(SendError::NotAdmitted(req_id.clone())),
             (State::Failing, failure) => Err(SendError::Failed(
                 req_id.clone(),
@@ -631,6 +632,7 @@ impl SenderFlow {
                     id != asker
                         && r.spec.receiver == receiver
                         && match r.state {
+                            State::Admitted if broken_variant!(LockAcrossAdmission) => false,
                             State::Admitted => true,
                             State::Failing => r.sent_any,
                             State::Admitting => false,
