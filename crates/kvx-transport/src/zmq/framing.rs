@@ -1,0 +1,195 @@
+//! How kvx lays its payloads into ZMQ multipart messages, and which incoming shapes it
+//! accepts. Pure functions over frames, so every rule is unit-tested without sockets
+//! (`docs/spec/zmq.md` §2).
+//!
+//! LMCache's alloc channel is the REQ/REP envelope: the DEALER sends `["", payload]`, the
+//! ROUTER sees `[identity, "", payload]` and answers `[identity, "", reply]`. LMCache reads
+//! `frames[-1]` as the payload, so a missing delimiter is tolerated; kvx accepts exactly that
+//! tolerance and nothing looser. Anything else (a non-empty delimiter, extra envelope frames)
+//! is not something an LMCache or kvx peer sends, so it is dropped rather than guessed at.
+
+use bytes::Bytes;
+use zeromq::ZmqMessage;
+
+/// Why an incoming message was not passed on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Reject {
+    #[error("a frame of {len} bytes exceeds the {max}-byte limit")]
+    Oversize { len: usize, max: usize },
+    #[error("malformed multipart message: {0}")]
+    Malformed(&'static str),
+}
+
+/// Refuses the message if any frame is larger than `max`. Checked over every frame, not just
+/// the payload, so that no oversize frame is ever handed on in any position.
+fn check_sizes(frames: &[Bytes], max: usize) -> Result<(), Reject> {
+    match frames.iter().map(Bytes::len).find(|&len| len > max) {
+        Some(len) => Err(Reject::Oversize { len, max }),
+        None => Ok(()),
+    }
+}
+
+/// The payload of `[("")?, payload]`: the envelope after the routing identity on a ROUTER,
+/// or a whole reply on a DEALER.
+fn enveloped(frames: &[Bytes]) -> Result<Bytes, Reject> {
+    match frames {
+        [payload] => Ok(payload.clone()),
+        [delimiter, payload] if delimiter.is_empty() => Ok(payload.clone()),
+        [_, _] => Err(Reject::Malformed("the delimiter frame is not empty")),
+        [] => Err(Reject::Malformed("no payload frame")),
+        _ => Err(Reject::Malformed("more than one frame before the payload")),
+    }
+}
+
+/// A ROUTER's incoming `[identity, "", payload]` (or `[identity, payload]`): the sender's
+/// identity and the payload.
+pub(crate) fn routed_in(message: ZmqMessage, max: usize) -> Result<(Bytes, Bytes), Reject> {
+    let frames = message.into_vec();
+    check_sizes(&frames, max)?;
+    let (identity, rest) = frames
+        .split_first()
+        .ok_or(Reject::Malformed("no identity frame"))?;
+    Ok((identity.clone(), enveloped(rest)?))
+}
+
+/// A DEALER's incoming `["", payload]` (or `[payload]`): the payload.
+pub(crate) fn reply_in(message: ZmqMessage, max: usize) -> Result<Bytes, Reject> {
+    let frames = message.into_vec();
+    check_sizes(&frames, max)?;
+    enveloped(&frames)
+}
+
+/// A PULL's incoming notice: exactly one frame (LMCache's PUSH sends `msgpack(ProxyNotif)`
+/// alone).
+pub(crate) fn notice_in(message: ZmqMessage, max: usize) -> Result<Bytes, Reject> {
+    let frames = message.into_vec();
+    check_sizes(&frames, max)?;
+    match <[Bytes; 1]>::try_from(frames) {
+        Ok([payload]) => Ok(payload),
+        Err(_) => Err(Reject::Malformed("a notice must be exactly one frame")),
+    }
+}
+
+/// What a ROUTER sends: `[identity, "", payload]`; the ROUTER consumes the identity frame
+/// to pick the connection, so `["", payload]` goes on the wire.
+pub(crate) fn routed_out(identity: Bytes, payload: Bytes) -> ZmqMessage {
+    let mut message = ZmqMessage::from(identity);
+    message.push_back(Bytes::new());
+    message.push_back(payload);
+    message
+}
+
+/// What a DEALER sends: `["", payload]`, as LMCache's sender does.
+pub(crate) fn request_out(payload: Bytes) -> ZmqMessage {
+    let mut message = ZmqMessage::from(Bytes::new());
+    message.push_back(payload);
+    message
+}
+
+/// What a PUSH sends: the payload as the only frame.
+pub(crate) fn notice_out(payload: Bytes) -> ZmqMessage {
+    ZmqMessage::from(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(frames: &[&'static [u8]]) -> ZmqMessage {
+        let frames: Vec<Bytes> = frames.iter().map(|f| Bytes::from_static(f)).collect();
+        ZmqMessage::try_from(frames).expect("test messages have frames")
+    }
+
+    #[test]
+    fn router_accepts_the_lmcache_envelope_and_a_missing_delimiter() {
+        let got = routed_in(msg(&[b"id", b"", b"payload"]), 64);
+        assert_eq!(
+            got,
+            Ok((Bytes::from_static(b"id"), Bytes::from_static(b"payload")))
+        );
+        let got = routed_in(msg(&[b"id", b"payload"]), 64);
+        assert_eq!(
+            got,
+            Ok((Bytes::from_static(b"id"), Bytes::from_static(b"payload")))
+        );
+        // An empty payload is still a payload: what it means is the codec's business.
+        let got = routed_in(msg(&[b"id", b"", b""]), 64);
+        assert_eq!(got, Ok((Bytes::from_static(b"id"), Bytes::new())));
+    }
+
+    #[test]
+    fn router_rejects_other_shapes() {
+        assert!(matches!(
+            routed_in(msg(&[b"id"]), 64),
+            Err(Reject::Malformed(_))
+        ));
+        assert!(matches!(
+            routed_in(msg(&[b"id", b"x", b"payload"]), 64),
+            Err(Reject::Malformed(_))
+        ));
+        assert!(matches!(
+            routed_in(msg(&[b"id", b"", b"", b"payload"]), 64),
+            Err(Reject::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn every_frame_is_held_to_the_limit() {
+        let big: &'static [u8] = &[7u8; 65];
+        assert_eq!(
+            routed_in(msg(&[b"id", b"", big]), 64),
+            Err(Reject::Oversize { len: 65, max: 64 })
+        );
+        assert_eq!(
+            routed_in(msg(&[b"id", big, b"payload"]), 64),
+            Err(Reject::Oversize { len: 65, max: 64 })
+        );
+        assert_eq!(
+            reply_in(msg(&[b"", big]), 64),
+            Err(Reject::Oversize { len: 65, max: 64 })
+        );
+        assert_eq!(
+            notice_in(msg(&[big]), 64),
+            Err(Reject::Oversize { len: 65, max: 64 })
+        );
+        // Exactly the limit passes.
+        let edge: &'static [u8] = &[7u8; 64];
+        assert_eq!(
+            reply_in(msg(&[b"", edge]), 64),
+            Ok(Bytes::from_static(edge))
+        );
+    }
+
+    #[test]
+    fn dealer_takes_the_payload_after_the_delimiter() {
+        assert_eq!(
+            reply_in(msg(&[b"", b"r"]), 64),
+            Ok(Bytes::from_static(b"r"))
+        );
+        assert_eq!(reply_in(msg(&[b"r"]), 64), Ok(Bytes::from_static(b"r")));
+        assert!(matches!(
+            reply_in(msg(&[b"a", b"r"]), 64),
+            Err(Reject::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn notices_are_single_frames() {
+        assert_eq!(notice_in(msg(&[b"n"]), 64), Ok(Bytes::from_static(b"n")));
+        assert!(matches!(
+            notice_in(msg(&[b"", b"n"]), 64),
+            Err(Reject::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn outgoing_shapes() {
+        let out = routed_out(Bytes::from_static(b"id"), Bytes::from_static(b"p")).into_vec();
+        assert_eq!(out, [&b"id"[..], b"", b"p"]);
+        assert_eq!(
+            request_out(Bytes::from_static(b"p")).into_vec(),
+            [&b""[..], b"p"]
+        );
+        assert_eq!(notice_out(Bytes::from_static(b"p")).into_vec(), [&b"p"[..]]);
+    }
+}

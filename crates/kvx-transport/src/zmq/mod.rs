@@ -1,0 +1,341 @@
+//! `ZmqTransport`: `kvx_io::Transport` over ZeroMQ (the `zeromq` crate, pure Rust), speaking
+//! LMCache's socket pattern and framing byte for byte (`docs/spec/zmq.md`).
+//!
+//! - `serve` binds a ROUTER: the receiver's alloc channel. Each sender's routing identity
+//!   maps to one stable `PeerId` (`peers`); payloads arrive as `[identity, "", payload]` and
+//!   replies leave the same way (`framing`).
+//! - `connect` opens a DEALER (`dealer`) with the sender's identity in its ZMTP READY, as
+//!   libzmq does. The `zeromq` crate does not reconnect a DEALER by itself, so the task
+//!   watches the connection and re-creates the socket with backoff (`link`), reporting
+//!   `Disconnected` and `Reconnected`.
+//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice.
+//!
+//! Every socket is owned by a background task that serves a channel-backed handle from
+//! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
+//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
+//! `ZmqConfig::frame_max_bytes`.
+
+mod dealer;
+mod framing;
+mod link;
+mod peers;
+mod push;
+mod server;
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvx_io::transport::{ControlClient, ControlServer, NotifySink, NotifySource, TransportError};
+use kvx_io::Transport;
+use kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES;
+use kvx_proto::PeerId;
+use zeromq::{Endpoint, Host, ZmqError};
+
+use framing::Reject;
+use peers::PeerTable;
+
+/// Timeouts, backoff and limits of a `ZmqTransport`. `Default` gives the values in
+/// `docs/spec/zmq.md` §5.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ZmqConfig {
+    /// Longest one connection attempt may take: TCP connect (refused connects are retried
+    /// within it) plus the ZMTP greeting and READY handshake. `connect` and `notify_sink`
+    /// fail after one such attempt; reconnects retry with backoff.
+    pub connect_timeout: Duration,
+    /// Longest handing one message to a connection may wait (its queue is full because the
+    /// peer does not read). A DEALER or PUSH then presumes the connection dead and reconnects;
+    /// a ROUTER drops that reply.
+    pub send_timeout: Duration,
+    /// A DEALER that has sent messages and heard nothing back for this long presumes the
+    /// connection dead (a half-open TCP connection never reports EOF) and reconnects. Keep it
+    /// above the protocol's own reply timeouts, which are the precise ones.
+    pub recv_timeout: Duration,
+    /// First wait before a reconnect attempt; it doubles up to `reconnect_backoff_max`.
+    pub reconnect_backoff_min: Duration,
+    pub reconnect_backoff_max: Duration,
+    /// Largest incoming frame passed on; larger ones are dropped, counted and logged.
+    pub frame_max_bytes: usize,
+    /// Routing identities remembered at most (`PeerId` stability); the least recently
+    /// heard is forgotten first.
+    pub peers_max: usize,
+}
+
+impl Default for ZmqConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(5),
+            recv_timeout: Duration::from_secs(60),
+            reconnect_backoff_min: Duration::from_millis(100),
+            reconnect_backoff_max: Duration::from_secs(5),
+            frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
+            peers_max: 65_536,
+        }
+    }
+}
+
+/// A `ZmqConfig` that cannot work, with the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid ZMQ transport configuration: {0}")]
+pub struct ZmqConfigError(String);
+
+impl ZmqConfig {
+    pub fn validate(&self) -> Result<(), ZmqConfigError> {
+        let positive = [
+            ("connect_timeout", self.connect_timeout),
+            ("send_timeout", self.send_timeout),
+            ("recv_timeout", self.recv_timeout),
+            ("reconnect_backoff_min", self.reconnect_backoff_min),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
+            return Err(ZmqConfigError(format!("{name} must be positive")));
+        }
+        if self.reconnect_backoff_max < self.reconnect_backoff_min {
+            return Err(ZmqConfigError(
+                "reconnect_backoff_max must be at least reconnect_backoff_min".into(),
+            ));
+        }
+        if self.frame_max_bytes == 0 || self.peers_max == 0 {
+            return Err(ZmqConfigError(
+                "frame_max_bytes and peers_max must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Counts of what the transport dropped or survived, over every socket it made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZmqStats {
+    /// Incoming messages with a frame over `frame_max_bytes`.
+    pub oversize_dropped: u64,
+    /// Incoming messages whose multipart shape is not one kvx accepts.
+    pub malformed_dropped: u64,
+    /// Sends that waited `send_timeout` in vain.
+    pub send_timeouts: u64,
+    /// Replies to a peer the ROUTER no longer knows or is not connected to.
+    pub unroutable_replies: u64,
+    /// Payloads handed to a DEALER or PUSH while its connection was down.
+    pub dropped_while_down: u64,
+    /// Connections of DEALERs and PUSHes that broke.
+    pub disconnects: u64,
+    /// Connections of DEALERs and PUSHes re-established after a break.
+    pub reconnects: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    oversize_dropped: AtomicU64,
+    malformed_dropped: AtomicU64,
+    send_timeouts: AtomicU64,
+    unroutable_replies: AtomicU64,
+    dropped_while_down: AtomicU64,
+    disconnects: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+/// Adds one; returns the new count.
+fn bump(counter: &AtomicU64) -> u64 {
+    counter.fetch_add(1, Ordering::Relaxed) + 1
+}
+
+/// Whether the `n`th occurrence of a per-message problem is logged: a peer that floods bad
+/// frames must not flood the log too, but the first few and then a sparse sample are kept.
+fn worth_logging(n: u64) -> bool {
+    n <= 8 || n.is_power_of_two()
+}
+
+/// What every socket task of one transport shares.
+#[derive(Debug)]
+struct Shared {
+    config: ZmqConfig,
+    counters: Counters,
+    peers: Mutex<PeerTable>,
+}
+
+impl Shared {
+    fn peers(&self) -> MutexGuard<'_, PeerTable> {
+        // The table has no invariant a panicking holder could break halfway.
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts and (sparsely) logs an incoming message that was not passed on.
+    fn rejected(&self, socket: &'static str, reject: &Reject) {
+        let counter = match reject {
+            Reject::Oversize { .. } => &self.counters.oversize_dropped,
+            Reject::Malformed(_) => &self.counters.malformed_dropped,
+        };
+        let n = bump(counter);
+        if worth_logging(n) {
+            tracing::warn!(
+                socket,
+                dropped_so_far = n,
+                "dropped an incoming message: {reject}"
+            );
+        }
+    }
+}
+
+/// LMCache-compatible ZMQ transport. Clones share configuration, counters and the
+/// identity ↔ `PeerId` table.
+#[derive(Debug, Clone)]
+pub struct ZmqTransport {
+    shared: Arc<Shared>,
+}
+
+impl Default for ZmqTransport {
+    fn default() -> Self {
+        Self::with_valid_config(ZmqConfig::default())
+    }
+}
+
+impl ZmqTransport {
+    pub fn new(config: ZmqConfig) -> Result<Self, ZmqConfigError> {
+        config.validate()?;
+        Ok(Self::with_valid_config(config))
+    }
+
+    fn with_valid_config(config: ZmqConfig) -> Self {
+        let peers = Mutex::new(PeerTable::new(config.peers_max));
+        Self {
+            shared: Arc::new(Shared {
+                config,
+                counters: Counters::default(),
+                peers,
+            }),
+        }
+    }
+
+    pub fn config(&self) -> &ZmqConfig {
+        &self.shared.config
+    }
+
+    pub fn stats(&self) -> ZmqStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ZmqStats {
+            oversize_dropped: get(&c.oversize_dropped),
+            malformed_dropped: get(&c.malformed_dropped),
+            send_timeouts: get(&c.send_timeouts),
+            unroutable_replies: get(&c.unroutable_replies),
+            dropped_while_down: get(&c.dropped_while_down),
+            disconnects: get(&c.disconnects),
+            reconnects: get(&c.reconnects),
+        }
+    }
+
+    /// The ZMQ routing identity a server heard `peer` under (for logs: LMCache identities
+    /// read `"{sender}-to-{receiver}"`), while the transport remembers it.
+    pub fn peer_identity(&self, peer: PeerId) -> Option<Bytes> {
+        self.shared.peers().identity_of(peer)
+    }
+}
+
+fn bad_endpoint(endpoint: &str, why: impl Into<String>) -> TransportError {
+    TransportError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        why: why.into(),
+    }
+}
+
+/// Parses `tcp://host:port` into what the `zeromq` crate is given. Binding accepts libzmq's
+/// `*` for every interface (LMCache binds `tcp://*:port`); the crate would try to resolve
+/// `*` as a host name, so it becomes `0.0.0.0`.
+fn tcp_endpoint(endpoint: &str, binding: bool) -> Result<String, TransportError> {
+    let parsed = Endpoint::from_str(endpoint).map_err(|e| bad_endpoint(endpoint, e.to_string()))?;
+    match parsed {
+        Endpoint::Tcp(Host::Domain(name), port) if name == "*" => {
+            if binding {
+                Ok(format!("tcp://0.0.0.0:{port}"))
+            } else {
+                Err(bad_endpoint(endpoint, "cannot connect to `*`"))
+            }
+        }
+        Endpoint::Tcp(_, 0) if !binding => Err(bad_endpoint(endpoint, "cannot connect to port 0")),
+        Endpoint::Tcp(..) => Ok(parsed.to_string()),
+        _ => Err(bad_endpoint(
+            endpoint,
+            "only tcp:// endpoints are supported",
+        )),
+    }
+}
+
+/// Maps a `zeromq` error of the step `what` onto the transport's error.
+fn zmq_error(what: &'static str, endpoint: &str, error: ZmqError) -> TransportError {
+    match error {
+        ZmqError::ConnectTimeout(after) => TransportError::Timeout { what, after },
+        ZmqError::Endpoint(e) => bad_endpoint(endpoint, e.to_string()),
+        other => TransportError::Io(format!("{what} {endpoint}: {other}")),
+    }
+}
+
+impl Transport for ZmqTransport {
+    async fn serve(&self, endpoint: &str) -> Result<ControlServer, TransportError> {
+        let zmq_endpoint = tcp_endpoint(endpoint, true)?;
+        server::serve(self.shared.clone(), endpoint, &zmq_endpoint).await
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        identity: &str,
+    ) -> Result<ControlClient, TransportError> {
+        let zmq_endpoint = tcp_endpoint(endpoint, false)?;
+        dealer::connect(self.shared.clone(), &zmq_endpoint, identity).await
+    }
+
+    async fn notify_sink(&self, endpoint: &str) -> Result<NotifySink, TransportError> {
+        let zmq_endpoint = tcp_endpoint(endpoint, false)?;
+        push::notify_sink(self.shared.clone(), &zmq_endpoint).await
+    }
+
+    async fn notify_source(&self, endpoint: &str) -> Result<NotifySource, TransportError> {
+        let zmq_endpoint = tcp_endpoint(endpoint, true)?;
+        server::notify_source(self.shared.clone(), endpoint, &zmq_endpoint).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            tcp_endpoint("tcp://*:8400", true).ok().as_deref(),
+            Some("tcp://0.0.0.0:8400")
+        );
+        assert_eq!(
+            tcp_endpoint("tcp://127.0.0.1:0", true).ok().as_deref(),
+            Some("tcp://127.0.0.1:0")
+        );
+        assert!(tcp_endpoint("tcp://*:8400", false).is_err());
+        assert!(tcp_endpoint("tcp://127.0.0.1:0", false).is_err());
+        assert!(tcp_endpoint("ipc:///tmp/x", true).is_err());
+        assert!(tcp_endpoint("127.0.0.1:80", false).is_err());
+    }
+
+    #[test]
+    fn config_validation() {
+        assert_eq!(ZmqConfig::default().validate(), Ok(()));
+        let zero = ZmqConfig {
+            send_timeout: Duration::ZERO,
+            ..ZmqConfig::default()
+        };
+        assert!(zero.validate().is_err());
+        let backwards = ZmqConfig {
+            reconnect_backoff_max: Duration::from_millis(1),
+            ..ZmqConfig::default()
+        };
+        assert!(backwards.validate().is_err());
+    }
+
+    #[test]
+    fn sparse_logging() {
+        let logged: Vec<u64> = (1..=100).filter(|&n| worth_logging(n)).collect();
+        assert_eq!(logged, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]);
+    }
+}
