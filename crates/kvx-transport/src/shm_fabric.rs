@@ -1,1 +1,0 @@
-//! Placeholder: ShmFabric is being written.

@@ -1,0 +1,272 @@
+//! Shared mappings: the only `unsafe` code in kvx-transport, kept to three pointer
+//! operations (`ShmMemory::with_slot`, `SharedSlots::copy_into`), each behind a bounds
+//! check and with its reasoning beside it.
+//!
+//! Two kinds of mapping:
+//! - `ShmMemory`, a `SlotMemory`: an exposed buffer (a file under the fabric's directory,
+//!   removed when the memory is dropped) or staging (anonymous). In-process access goes
+//!   through one lock per slot, like `HeapMemory`, so two threads of this process never
+//!   touch one slot at once.
+//! - `SharedSlots`: a sender's mapping of a receiver's file, written only by that sender's
+//!   connection task.
+//!
+//! What no lock can cover is the other side of the mapping: a sender writes a receiver's
+//! slot through its own mapping. That is sound only under the protocol's ownership rule —
+//! a slot is written by the one sender it is granted to, and read by the receiver only after
+//! that write's `Landed` notice, which travels through a socket and a channel (both
+//! synchronise) after the copy. This is the same contract as RDMA into registered memory.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvx_io::SlotMemory;
+use memmap2::{MmapOptions, MmapRaw};
+
+/// Every file this fabric creates starts with this; a sender maps nothing else.
+pub(crate) const FILE_PREFIX: &str = "kvx-shm-";
+
+/// Registered memory in a mapping: an exposed buffer in a shared file, or anonymous staging.
+pub struct ShmMemory {
+    map: MmapRaw,
+    slots: u32,
+    slot_bytes: usize,
+    locks: Box<[Mutex<()>]>,
+    /// The file an exposed buffer lives in; removed on drop.
+    file: Option<PathBuf>,
+}
+
+impl fmt::Debug for ShmMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShmMemory")
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl ShmMemory {
+    /// Private memory for a sender's staging. The caller has checked the geometry.
+    pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        let map = MmapOptions::new()
+            .len(slots as usize * slot_bytes)
+            .map_anon()?;
+        Ok(Self::from_map(map.into(), slots, slot_bytes, None))
+    }
+
+    /// A new file in `dir` (a tmpfs), sized and filled, mapped shared. The caller has checked
+    /// the geometry. Blocking: it writes the whole buffer once.
+    pub(crate) fn create_shared(dir: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        let len = slots as usize * slot_bytes;
+        let (file, path) = create_unique(dir)?;
+        let mapped = reserve(&file, len).and_then(|()| MmapOptions::new().len(len).map_raw(&file));
+        match mapped {
+            Ok(map) => Ok(Self::from_map(map, slots, slot_bytes, Some(path))),
+            Err(e) => {
+                // Leave nothing behind for a buffer that never existed.
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    fn from_map(map: MmapRaw, slots: u32, slot_bytes: usize, file: Option<PathBuf>) -> Self {
+        let locks = (0..slots).map(|_| Mutex::new(())).collect();
+        ShmMemory {
+            map,
+            slots,
+            slot_bytes,
+            locks,
+            file,
+        }
+    }
+
+    /// The file an exposed buffer lives in (None for staging).
+    pub fn path(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// Runs `f` on the slot's bytes in place, under the slot's lock. Panics when `slot` is out
+    /// of bounds (a caller bug, as for `SlotMemory`).
+    pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        assert!(
+            slot < self.slots,
+            "invariant: slot {slot} < {} slots",
+            self.slots
+        );
+        let _guard = self.locks[slot as usize]
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let offset = slot as usize * self.slot_bytes;
+        // SAFETY: `slot < slots`, so `offset + slot_bytes <= slots * slot_bytes`, the length of
+        // the live mapping `self.map` (kept alive by `&self`): the range is valid and writable.
+        // Within this process the slot's lock, held until `f` returns, makes the `&mut`
+        // exclusive. Writers outside it (a sender's own mapping of the file) touch the slot
+        // only while it is granted to them, never while the receiver reads it (module doc).
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), self.slot_bytes)
+        };
+        f(bytes)
+    }
+}
+
+impl SlotMemory for ShmMemory {
+    fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn write_slot(&self, slot: u32, data: &[u8]) {
+        assert!(
+            data.len() <= self.slot_bytes,
+            "invariant: {} bytes fit a {}-byte slot",
+            data.len(),
+            self.slot_bytes
+        );
+        self.with_slot(slot, |s| s[..data.len()].copy_from_slice(data));
+    }
+
+    fn read_slot(&self, slot: u32, out: &mut [u8]) {
+        self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
+    }
+}
+
+impl Drop for ShmMemory {
+    fn drop(&mut self) {
+        if let Some(path) = &self.file {
+            // Senders keep their mappings; the name is what must not outlive the buffer.
+            if let Err(e) = std::fs::remove_file(path) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove shm file");
+                }
+            }
+        }
+    }
+}
+
+/// A fresh file in `dir`, created exclusively (so it can be neither someone else's file nor a
+/// symlink) and readable by this user only.
+fn create_unique(dir: &Path) -> io::Result<(File, PathBuf)> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut last = None;
+    for _ in 0..8 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{FILE_PREFIX}{}-{n}-{nanos:08x}", std::process::id());
+        let path = dir.join(name);
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+        {
+            Ok(f) => return Ok((f, path)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("no free shm file name")))
+}
+
+/// Gives the file its length and backs every page now. On a tmpfs a page that cannot be
+/// allocated on first touch raises SIGBUS in whoever touches it (a sender, mid-copy); writing
+/// the file here turns a full tmpfs into an error at `expose` instead.
+fn reserve(file: &File, len: usize) -> io::Result<()> {
+    file.set_len(len as u64)?;
+    let zeros = vec![0u8; (1 << 20).min(len)];
+    let mut at = 0usize;
+    while at < len {
+        let n = zeros.len().min(len - at);
+        file.write_all_at(&zeros[..n], at as u64)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// A sender's mapping of a receiver's buffer file.
+pub(crate) struct SharedSlots {
+    map: MmapRaw,
+    slots: u32,
+    slot_bytes: usize,
+}
+
+impl fmt::Debug for SharedSlots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedSlots")
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .finish()
+    }
+}
+
+impl SharedSlots {
+    /// Maps `path`, which must name a regular file (not a symlink) of exactly
+    /// `slots * slot_bytes` bytes, so that every in-bounds copy stays inside the mapping.
+    pub(crate) fn open(path: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        let len = (slots as usize)
+            .checked_mul(slot_bytes)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "geometry overflows"))?;
+        // The name must be a regular file itself, and the file opened must be that one: a
+        // symlink swapped in between the two looks shows up as another inode. (Opening
+        // without truncation changes nothing in a file we then refuse.)
+        let named = std::fs::symlink_metadata(path)?;
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let meta = file.metadata()?;
+        let same =
+            named.file_type().is_file() && named.dev() == meta.dev() && named.ino() == meta.ino();
+        if !same || meta.len() != len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{} is not a {len}-byte buffer file ({} bytes)",
+                    path.display(),
+                    meta.len()
+                ),
+            ));
+        }
+        let map = MmapOptions::new().len(len).map_raw(&file)?;
+        Ok(SharedSlots {
+            map,
+            slots,
+            slot_bytes,
+        })
+    }
+
+    /// Copies `src` to the start of `slot` in the receiver's buffer. Panics when out of bounds:
+    /// the sender checks every write first.
+    pub(crate) fn copy_into(&self, slot: u32, src: &[u8]) {
+        assert!(
+            slot < self.slots && src.len() <= self.slot_bytes,
+            "invariant: the sender bounds-checked write into slot {slot} of {} bytes",
+            src.len()
+        );
+        let offset = slot as usize * self.slot_bytes;
+        // SAFETY: the bounds check above keeps `offset + src.len()` within the mapping, which
+        // `open` made exactly `slots * slot_bytes` long and `&self` keeps alive. `src` is in
+        // other memory: staging is a private anonymous mapping, and `connect` refuses staging
+        // that is this very file, so the ranges cannot overlap. The destination slot is
+        // granted to this sender (module doc); nothing in this process holds a reference
+        // into this mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                src.len(),
+            );
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! Sockets and the handshake, shared by `TcpFabric` and `ShmFabric`'s control channel.
+//!
+//! Both fabrics open one TCP connection per sender: a `Hello` from the sender, a `Welcome`
+//! (with the buffer's geometry) from the receiver, then write headers one way and acks the
+//! other. Everything that can wait on the network here is bounded by a timeout.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvx_io::FabricError;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use super::wire::{
+    Hello, Welcome, WelcomeStatus, HELLO_LEN, VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
+};
+
+/// Settings of the TCP connections a fabric makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// Bounds a sender's connect and handshake, and a receiver's wait for a `Hello`.
+    pub connect_timeout: Duration,
+    /// How long a reset waits for the receiver to confirm it stopped applying this sender's
+    /// writes (it closes its side) before the writes are flushed anyway; see
+    /// `docs/spec/fabrics.md` §Flush.
+    pub fence_timeout: Duration,
+    /// `SO_SNDBUF` / `SO_RCVBUF` in bytes; `None` leaves Linux's autotuning alone, which on
+    /// loopback measured as fast as a fixed 4 MiB (`docs/spec/fabrics.md` §Throughput).
+    pub socket_buffer: Option<u32>,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            fence_timeout: Duration::from_secs(5),
+            socket_buffer: None,
+        }
+    }
+}
+
+/// A buffer's shape as it travels in the handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub slots: u32,
+    pub slot_bytes: u64,
+}
+
+impl Geometry {
+    /// Checks a requested buffer shape: empty or overflowing buffers are refused up front
+    /// rather than failing in an allocator.
+    pub(crate) fn checked(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
+        let total = (slots as usize).checked_mul(slot_bytes);
+        if slots == 0 || slot_bytes == 0 || total.is_none() {
+            return Err(FabricError::Allocation(format!(
+                "{slots} slots of {slot_bytes} bytes"
+            )));
+        }
+        Ok(Geometry {
+            slots,
+            slot_bytes: slot_bytes as u64,
+        })
+    }
+
+    /// Whether `len` bytes into `slot` stay inside this buffer.
+    pub(crate) fn holds(&self, slot: u32, len: u64) -> bool {
+        slot < self.slots && len <= self.slot_bytes
+    }
+}
+
+/// Accepts `host:port` and `tcp://host:port` (the form LMCache configs use).
+fn address(endpoint: &str) -> &str {
+    endpoint.strip_prefix("tcp://").unwrap_or(endpoint)
+}
+
+fn bad_endpoint(endpoint: &str, why: impl ToString) -> FabricError {
+    FabricError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        why: why.to_string(),
+    }
+}
+
+async fn resolve(endpoint: &str) -> Result<SocketAddr, FabricError> {
+    let mut addrs = tokio::net::lookup_host(address(endpoint))
+        .await
+        .map_err(|e| bad_endpoint(endpoint, e))?;
+    addrs
+        .next()
+        .ok_or_else(|| bad_endpoint(endpoint, "resolves to no address"))
+}
+
+fn socket_for(addr: &SocketAddr) -> io::Result<TcpSocket> {
+    if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+}
+
+/// Binds the receiving side. Buffer sizes are set on the listener so that accepted sockets
+/// inherit them before the window is negotiated.
+pub(crate) async fn bind(endpoint: &str, config: &LinkConfig) -> Result<TcpListener, FabricError> {
+    let addr = resolve(endpoint).await?;
+    let setup = || -> io::Result<TcpListener> {
+        let socket = socket_for(&addr)?;
+        socket.set_reuseaddr(true)?;
+        if let Some(bytes) = config.socket_buffer {
+            socket.set_recv_buffer_size(bytes)?;
+            socket.set_send_buffer_size(bytes)?;
+        }
+        socket.bind(addr)?;
+        socket.listen(1024)
+    };
+    setup().map_err(|e| bad_endpoint(endpoint, e))
+}
+
+/// `host:port` of a bound listener, for `FabricListener::local_endpoint`.
+pub(crate) fn local_endpoint(
+    listener: &TcpListener,
+    endpoint: &str,
+) -> Result<String, FabricError> {
+    listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .map_err(|e| bad_endpoint(endpoint, e))
+}
+
+/// Options every fabric socket gets. NODELAY because acks and shm notices are small and
+/// latency-bound; bulk payloads go out in large vectored writes, which Nagle would not help.
+pub(crate) fn tune(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)
+}
+
+/// Connects a sender, bounded by `connect_timeout`.
+pub(crate) async fn connect(endpoint: &str, config: &LinkConfig) -> Result<TcpStream, FabricError> {
+    let addr = resolve(endpoint).await?;
+    let socket = socket_for(&addr).map_err(|e| FabricError::Io(e.to_string()))?;
+    if let Some(bytes) = config.socket_buffer {
+        let set = socket
+            .set_send_buffer_size(bytes)
+            .and_then(|()| socket.set_recv_buffer_size(bytes));
+        set.map_err(|e| FabricError::Io(e.to_string()))?;
+    }
+    let stream = match tokio::time::timeout(config.connect_timeout, socket.connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            return Err(FabricError::NotExposed(endpoint.to_owned()))
+        }
+        Ok(Err(e)) => return Err(FabricError::Io(format!("connect to {endpoint}: {e}"))),
+        Err(_) => {
+            return Err(FabricError::Io(format!(
+                "connect to {endpoint} timed out after {:?}",
+                config.connect_timeout
+            )))
+        }
+    };
+    tune(&stream).map_err(|e| FabricError::Io(e.to_string()))?;
+    Ok(stream)
+}
+
+/// What a sender learns from a successful handshake.
+#[derive(Debug)]
+pub(crate) struct Welcomed {
+    pub geometry: Geometry,
+    /// The `Welcome`'s trailing bytes (the shm file's path; empty over TCP).
+    pub extra: Vec<u8>,
+}
+
+/// The sender's half of the handshake, bounded by `connect_timeout`.
+pub(crate) async fn open_handshake(
+    stream: &mut TcpStream,
+    endpoint: &str,
+    magic: [u8; 4],
+    staging: Geometry,
+    config: &LinkConfig,
+) -> Result<Welcomed, FabricError> {
+    let exchange = async {
+        let hello = Hello {
+            magic,
+            version: VERSION,
+            staging_slots: staging.slots,
+            staging_slot_bytes: staging.slot_bytes,
+        };
+        stream.write_all(&hello.encode()).await?;
+        let mut b = [0u8; WELCOME_LEN];
+        stream.read_exact(&mut b).await?;
+        let welcome = Welcome::decode(&b);
+        let mut extra = Vec::new();
+        if welcome.magic == magic
+            && welcome.status == WelcomeStatus::Ok
+            && welcome.extra_len <= WELCOME_EXTRA_MAX
+        {
+            extra.resize(welcome.extra_len as usize, 0);
+            stream.read_exact(&mut extra).await?;
+        }
+        Ok::<_, io::Error>((welcome, extra))
+    };
+    let (welcome, extra) = match tokio::time::timeout(config.connect_timeout, exchange).await {
+        Ok(Ok(v)) => v,
+        // A receiver that hangs up on our Hello is not one of ours (or refused the magic).
+        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(bad_endpoint(
+                endpoint,
+                "the peer closed during the handshake",
+            ))
+        }
+        Ok(Err(e)) => return Err(FabricError::Io(format!("handshake with {endpoint}: {e}"))),
+        Err(_) => {
+            return Err(bad_endpoint(
+                endpoint,
+                format!("no handshake within {:?}", config.connect_timeout),
+            ))
+        }
+    };
+    if welcome.magic != magic {
+        return Err(bad_endpoint(endpoint, "not a kvx buffer of this fabric"));
+    }
+    let geometry = Geometry {
+        slots: welcome.slots,
+        slot_bytes: welcome.slot_bytes,
+    };
+    match welcome.status {
+        WelcomeStatus::Ok => {}
+        WelcomeStatus::Version => {
+            return Err(bad_endpoint(
+                endpoint,
+                format!(
+                    "the receiver speaks fabric version {}, we speak {VERSION}",
+                    welcome.version
+                ),
+            ))
+        }
+        WelcomeStatus::Geometry => {
+            return Err(bad_endpoint(
+                endpoint,
+                format!(
+                    "staging slots of {} bytes do not fit the receiver's {}-byte slots",
+                    staging.slot_bytes, geometry.slot_bytes
+                ),
+            ))
+        }
+        WelcomeStatus::Unknown(code) => {
+            return Err(bad_endpoint(endpoint, format!("refused (status {code})")))
+        }
+    }
+    if welcome.extra_len > WELCOME_EXTRA_MAX || geometry.slots == 0 || geometry.slot_bytes == 0 {
+        return Err(bad_endpoint(endpoint, "malformed welcome"));
+    }
+    Ok(Welcomed { geometry, extra })
+}
+
+/// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
+/// another fabric, another version, or with staging slots larger than ours (every full-slot
+/// write would fail); `extra` follows an accepting `Welcome`.
+pub(crate) async fn accept_handshake(
+    stream: &mut TcpStream,
+    magic: [u8; 4],
+    ours: Geometry,
+    extra: &[u8],
+    config: &LinkConfig,
+) -> Result<(), String> {
+    let exchange = async {
+        let mut b = [0u8; HELLO_LEN];
+        stream.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+        let hello = Hello::decode(&b);
+        if hello.magic != magic {
+            // Not one of ours: hang up without answering.
+            return Err(format!("unknown magic {:?}", hello.magic));
+        }
+        let status = if hello.version != VERSION {
+            WelcomeStatus::Version
+        } else if hello.staging_slot_bytes > ours.slot_bytes {
+            WelcomeStatus::Geometry
+        } else {
+            WelcomeStatus::Ok
+        };
+        let accepted = status == WelcomeStatus::Ok;
+        let welcome = Welcome {
+            magic,
+            version: VERSION,
+            status,
+            slots: ours.slots,
+            extra_len: if accepted { extra.len() as u32 } else { 0 },
+            slot_bytes: ours.slot_bytes,
+        };
+        stream
+            .write_all(&welcome.encode())
+            .await
+            .map_err(|e| e.to_string())?;
+        if !accepted {
+            return Err(format!("refused: {status:?} ({hello:?})"));
+        }
+        stream.write_all(extra).await.map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(config.connect_timeout, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no handshake within {:?}", config.connect_timeout)),
+    }
+}

@@ -1,0 +1,197 @@
+//! `TcpFabric`: one-sided writes carried over TCP, for clusters without RDMA.
+//!
+//! The receiver binds a listener at the exposed endpoint and owns the buffer (`HeapMemory`).
+//! Each sender opens one connection, handshakes (magic, version, geometry), then streams a
+//! 32-byte header and the payload for every posted write, straight from its staging slot
+//! (a vectored write, no copy). The receiver validates the header, reads the payload straight
+//! into the slot, sends its `Landed` notice if the write carries an immediate, and acks;
+//! the sender turns acks into completions in posting order. Writes are pipelined: nothing
+//! waits for an ack before the next write goes out.
+//!
+//! A completion therefore means the bytes are in the receiver's memory. A reset or a broken
+//! connection flushes every outstanding write with `FabricError::Flushed`, after the receiver
+//! has confirmed it stopped applying this sender's writes (bounded; see
+//! `docs/spec/fabrics.md` §Flush, which also gives the wire format and measured throughput).
+//!
+//! Submodules `link`, `sender`, `receiver` and `wire` are shared with `ShmFabric`, whose
+//! control channel is this protocol without payloads.
+
+pub(crate) mod link;
+pub(crate) mod receiver;
+pub(crate) mod sender;
+pub(crate) mod wire;
+
+use std::io::{self, IoSlice};
+use std::sync::Arc;
+
+use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, HeapMemory, PostWrite, SlotMemory};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use link::Geometry;
+pub use link::LinkConfig as TcpFabricConfig;
+use receiver::{Greeting, Landing};
+use sender::{Pending, SenderLink, Transmit};
+use wire::{WriteHeader, HEADER_LEN, TCP_MAGIC};
+
+/// One-sided writes over TCP. Clones share the configuration only; every exposed buffer and
+/// every connection is independent.
+#[derive(Debug, Clone, Default)]
+pub struct TcpFabric {
+    config: TcpFabricConfig,
+}
+
+impl TcpFabric {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with_config(config: TcpFabricConfig) -> Self {
+        TcpFabric { config }
+    }
+}
+
+impl Fabric for TcpFabric {
+    type Memory = HeapMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<HeapMemory>, FabricError> {
+        Geometry::checked(slots, slot_bytes)?;
+        Ok(Arc::new(HeapMemory::new(slots, slot_bytes)))
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<HeapMemory>, FabricError> {
+        Geometry::checked(slots, slot_bytes)?;
+        let listener = link::bind(endpoint, &self.config).await?;
+        let local_endpoint = link::local_endpoint(&listener, endpoint)?;
+        let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
+        let (landed_tx, landed) = mpsc::unbounded_channel();
+        let greeting = Greeting {
+            magic: TCP_MAGIC,
+            extra: Arc::from(&[][..]),
+            config: self.config.clone(),
+        };
+        tokio::spawn(receiver::accept_loop(
+            listener,
+            Landing::Inline(memory.clone()),
+            landed_tx,
+            greeting,
+        ));
+        tracing::debug!(%local_endpoint, slots, slot_bytes, "tcp fabric buffer exposed");
+        Ok(FabricListener {
+            local_endpoint,
+            memory,
+            landed,
+        })
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        staging: Arc<HeapMemory>,
+    ) -> Result<FabricConn, FabricError> {
+        let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
+        let mut stream = link::connect(endpoint, &self.config).await?;
+        let welcomed =
+            link::open_handshake(&mut stream, endpoint, TCP_MAGIC, ours, &self.config).await?;
+        let (ops_tx, ops) = mpsc::unbounded_channel();
+        let (done, done_rx) = mpsc::unbounded_channel();
+        let link = SenderLink {
+            stream,
+            transmit: InlineTransmit {
+                staging,
+                remote: welcomed.geometry,
+                progress: 0,
+            },
+            ops,
+            done,
+            fence_timeout: self.config.fence_timeout,
+            peer: endpoint.to_owned(),
+        };
+        tokio::spawn(link.run());
+        Ok(FabricConn::new(ops_tx, done_rx))
+    }
+}
+
+/// Bytes one `transmit` call may put on the wire before the task looks at acks and resets.
+const TRANSMIT_BUDGET: usize = 8 << 20;
+
+/// Streams each write as header + payload, the payload straight from the staging slot.
+#[derive(Debug)]
+struct InlineTransmit {
+    staging: Arc<HeapMemory>,
+    remote: Geometry,
+    /// Bytes of the current write (header + payload) already on the wire.
+    progress: usize,
+}
+
+/// Bounds shared by both fabrics' senders: the staging slot and the remote slot must hold it.
+pub(crate) fn check_bounds(
+    w: &PostWrite,
+    staging: Geometry,
+    remote: Geometry,
+) -> Result<(), FabricError> {
+    if staging.holds(w.local.0, w.len as u64) && remote.holds(w.remote.0, w.len as u64) {
+        Ok(())
+    } else {
+        Err(FabricError::OutOfBounds(
+            w.id.0,
+            format!(
+                "{w:?} against staging {} x {} B and remote {} x {} B",
+                staging.slots, staging.slot_bytes, remote.slots, remote.slot_bytes
+            ),
+        ))
+    }
+}
+
+impl Transmit for InlineTransmit {
+    fn check(&self, w: &PostWrite) -> Result<(), FabricError> {
+        let staging = Geometry {
+            slots: self.staging.slots(),
+            slot_bytes: self.staging.slot_bytes() as u64,
+        };
+        check_bounds(w, staging, self.remote)
+    }
+
+    fn transmit(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
+        let mut budget = TRANSMIT_BUDGET;
+        while let Some(w) = pending.next_unsent() {
+            let header = WriteHeader::of(&w).encode();
+            let progress = self.progress;
+            // The slot lock is held only for the non-blocking syscall, never across an await.
+            let wrote = self.staging.with_slot(w.local.0, |slot| {
+                let payload = &slot[..w.len];
+                if progress < HEADER_LEN {
+                    let bufs = [IoSlice::new(&header[progress..]), IoSlice::new(payload)];
+                    stream.try_write_vectored(&bufs)
+                } else {
+                    stream.try_write(&payload[progress - HEADER_LEN..])
+                }
+            });
+            let n = match wrote {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            self.progress += n;
+            if self.progress == HEADER_LEN + w.len {
+                self.progress = 0;
+                pending.mark_sent();
+            }
+            budget = budget.saturating_sub(n);
+            if budget == 0 {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+}

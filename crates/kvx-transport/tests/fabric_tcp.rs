@@ -1,0 +1,63 @@
+//! `TcpFabric` on loopback: kvx-io's fabric conformance bodies, then concurrency, a cut
+//! connection, 1 MiB slots, a dropped listener, handshake refusals, and the receiver's own
+//! bounds checks against a hand-written sender.
+
+mod fabric_common;
+
+use kvx_io::conformance;
+use kvx_transport::tcp_fabric::TcpFabric;
+
+const EP: &str = "127.0.0.1:0";
+
+#[tokio::test]
+async fn tcp_fabric_writes_land_in_order() {
+    conformance::fabric_writes_land_in_order(&TcpFabric::new(), EP, 8, 4096).await;
+}
+
+#[tokio::test]
+async fn tcp_fabric_reset_flushes() {
+    conformance::fabric_reset_flushes(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn tcp_fabric_rejects_out_of_bounds() {
+    conformance::fabric_rejects_out_of_bounds(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_two_senders_concurrently() {
+    fabric_common::two_senders_concurrently(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_one_mib_slots() {
+    fabric_common::one_mib_slots(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_cut_mid_stream() {
+    const SLOT: usize = 256 << 10;
+    // Hello (20 bytes), three whole writes (header 32 + payload), half of the fourth.
+    let cut = 20 + 3 * (32 + SLOT) + SLOT / 2;
+    fabric_common::cut_mid_stream(&TcpFabric::new(), EP, SLOT, cut).await;
+}
+
+#[tokio::test]
+async fn tcp_dropped_listener_stops_serving() {
+    fabric_common::dropped_listener_stops_serving(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn tcp_refuses_larger_staging() {
+    fabric_common::refuses_larger_staging(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn tcp_nothing_exposed() {
+    fabric_common::nothing_exposed(&TcpFabric::new()).await;
+}
+
+#[tokio::test]
+async fn tcp_receiver_checks_bounds() {
+    fabric_common::receiver_checks_bounds(&TcpFabric::new(), EP, b"KVXT", true).await;
+}
