@@ -165,28 +165,53 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "timing; run with --release -- --ignored --nocapture"]
-async fn alloc_round_trip_latency() {
-    let (request, reply) = payloads();
-    assert_eq!((request.len(), reply.len()), (181, 60));
-    let tcp = raw_tcp(request.clone(), reply.clone()).await;
-    let zmq = raw_zeromq(request.clone(), reply.clone()).await;
-    let kvx = kvx_zmq(request, reply).await;
-    println!(
-        "round trips: {ROUNDS} after {WARMUP} warm-up, AllocRequest 181 B / AllocResponse 60 B"
-    );
-    for (name, s) in [
-        ("raw TCP", &tcp),
-        ("raw zeromq", &zmq),
-        ("ZmqTransport", &kvx),
-    ] {
+fn report(runtime: &str, tcp: &Summary, zmq: &Summary, kvx: &Summary) {
+    println!("{runtime}:");
+    for (name, s) in [("raw TCP", tcp), ("raw zeromq", zmq), ("ZmqTransport", kvx)] {
         println!(
-            "{name:>13}: p50 {:7.1} µs  p99 {:7.1} µs  mean {:7.1} µs  (p50 {:.1}x raw TCP)",
+            "  {name:>13}: p50 {:7.1} µs  p99 {:7.1} µs  mean {:7.1} µs  (p50 {:.1}x raw TCP)",
             us(s.p50),
             us(s.p99),
             us(s.mean),
             us(s.p50) / us(tcp.p50)
         );
+    }
+}
+
+/// Both ends share one runtime: first a single-threaded one (no cross-thread wake-ups: the
+/// cost of the sockets and kvx's tasks alone), then two worker threads (each hand-off between
+/// tasks may wake another thread, as between the tasks of a busy process).
+#[test]
+#[ignore = "timing; run with --release -- --ignored --nocapture"]
+fn alloc_round_trip_latency() {
+    let (request, reply) = payloads();
+    assert_eq!((request.len(), reply.len()), (181, 60));
+    println!(
+        "round trips: {ROUNDS} after {WARMUP} warm-up, AllocRequest 181 B / AllocResponse 60 B"
+    );
+    let runtimes = [
+        (
+            "current-thread runtime",
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build(),
+        ),
+        (
+            "multi-thread runtime, 2 workers",
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build(),
+        ),
+    ];
+    for (name, runtime) in runtimes {
+        let runtime = runtime.expect("runtime");
+        let (request, reply) = (request.clone(), reply.clone());
+        runtime.block_on(async move {
+            let tcp = raw_tcp(request.clone(), reply.clone()).await;
+            let zmq = raw_zeromq(request.clone(), reply.clone()).await;
+            let kvx = kvx_zmq(request, reply).await;
+            report(name, &tcp, &zmq, &kvx);
+        });
     }
 }

@@ -78,10 +78,11 @@ impl Backoff {
 
     fn next_wait(&mut self) -> Duration {
         let base = self.next;
-        self.next = (self.next * 2).min(self.max);
+        self.next = self.next.saturating_mul(2).min(self.max);
         // RandomState is randomly keyed per instance: a dependency-free source of jitter.
         let noise = RandomState::new().build_hasher().finish();
-        base + base.mul_f64((noise % 1024) as f64 / 4096.0)
+        let jitter = (base / 4).mul_f64((noise % 1024) as f64 / 1024.0);
+        base.saturating_add(jitter)
     }
 }
 

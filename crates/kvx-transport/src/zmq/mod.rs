@@ -77,6 +77,9 @@ impl Default for ZmqConfig {
     }
 }
 
+/// The longest any `ZmqConfig` duration may be.
+pub const SETTING_MAX: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// A `ZmqConfig` that cannot work, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid ZMQ transport configuration: {0}")]
@@ -92,6 +95,19 @@ impl ZmqConfig {
         ];
         if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
             return Err(ZmqConfigError(format!("{name} must be positive")));
+        }
+        // A day is "never" for all of these, and the cap keeps deadline arithmetic
+        // (`now + timeout`, doubling backoff) far from overflow.
+        let longest = [
+            ("connect_timeout", self.connect_timeout),
+            ("send_timeout", self.send_timeout),
+            ("recv_timeout", self.recv_timeout),
+            ("reconnect_backoff_max", self.reconnect_backoff_max),
+        ];
+        if let Some((name, _)) = longest.iter().find(|(_, d)| *d > SETTING_MAX) {
+            return Err(ZmqConfigError(format!(
+                "{name} must be at most {SETTING_MAX:?}"
+            )));
         }
         if self.reconnect_backoff_max < self.reconnect_backoff_min {
             return Err(ZmqConfigError(
@@ -331,6 +347,11 @@ mod tests {
             ..ZmqConfig::default()
         };
         assert!(backwards.validate().is_err());
+        let forever = ZmqConfig {
+            recv_timeout: Duration::MAX,
+            ..ZmqConfig::default()
+        };
+        assert!(forever.validate().is_err());
     }
 
     #[test]
