@@ -6,11 +6,12 @@
 mod fabric_common;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use kvx_io::conformance;
 use kvx_io::{Fabric, FabricError, SlotMemory};
-use kvx_transport::shm_fabric::ShmFabric;
-use kvx_transport::tcp_fabric::TcpFabric;
+use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig};
+use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -43,8 +44,8 @@ async fn shm_one_mib_slots() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_cut_mid_stream() {
-    // Hello (20 bytes), three whole notices (32 bytes each), half of the fourth.
-    let cut = 20 + 3 * 32 + 16;
+    // Hello (32 bytes), three whole notices (32 bytes each), half of the fourth.
+    let cut = 32 + 3 * 32 + 16;
     fabric_common::cut_mid_stream(&ShmFabric::new(), EP, 64 << 10, cut).await;
 }
 
@@ -66,6 +67,27 @@ async fn shm_nothing_exposed() {
 #[tokio::test]
 async fn shm_receiver_checks_bounds() {
     fabric_common::receiver_checks_bounds(&ShmFabric::new(), EP, b"KVXS", false).await;
+}
+
+#[tokio::test]
+async fn shm_reset_is_bounded_when_the_receiver_stalls() {
+    // A stalled receiver that names a real buffer file, so the sender can map it.
+    let listener = ShmFabric::new().expose(EP, 2, 4096).await.expect("expose");
+    let path = listener
+        .memory
+        .path()
+        .expect("file")
+        .to_str()
+        .expect("utf-8");
+    let path: &'static str = Box::leak(path.to_owned().into_boxed_str());
+    let f = ShmFabric::with_config(ShmFabricConfig {
+        link: TcpFabricConfig {
+            fence_timeout: Duration::from_millis(300),
+            ..TcpFabricConfig::default()
+        },
+        ..ShmFabricConfig::default()
+    });
+    fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXS", path.as_bytes()).await;
 }
 
 #[tokio::test]
@@ -130,16 +152,9 @@ async fn shm_sender_maps_only_kvx_files() {
         let server = tokio::spawn(async move {
             let named = sent;
             let (mut s, _) = fake.accept().await.expect("accept");
-            let mut hello = [0u8; 20];
+            let mut hello = [0u8; 32];
             s.read_exact(&mut hello).await.expect("hello");
-            let mut w = Vec::new();
-            w.extend_from_slice(b"KVXS");
-            w.extend_from_slice(&1u16.to_le_bytes());
-            w.extend_from_slice(&0u16.to_le_bytes());
-            w.extend_from_slice(&2u32.to_le_bytes());
-            w.extend_from_slice(&(named.len() as u32).to_le_bytes());
-            w.extend_from_slice(&4096u64.to_le_bytes());
-            w.extend_from_slice(named.as_bytes());
+            let w = fabric_common::raw::welcome_bytes(b"KVXS", 2, 4096, 1, named.as_bytes());
             s.write_all(&w).await.expect("welcome");
             // Hold the connection until the sender gives up.
             let mut b = [0u8; 64];

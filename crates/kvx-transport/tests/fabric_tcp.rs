@@ -4,8 +4,10 @@
 
 mod fabric_common;
 
+use std::time::Duration;
+
 use kvx_io::conformance;
-use kvx_transport::tcp_fabric::TcpFabric;
+use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
 
 const EP: &str = "127.0.0.1:0";
 
@@ -37,8 +39,8 @@ async fn tcp_one_mib_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_cut_mid_stream() {
     const SLOT: usize = 256 << 10;
-    // Hello (20 bytes), three whole writes (header 32 + payload), half of the fourth.
-    let cut = 20 + 3 * (32 + SLOT) + SLOT / 2;
+    // Hello (32 bytes), three whole writes (header 32 + payload), half of the fourth.
+    let cut = 32 + 3 * (32 + SLOT) + SLOT / 2;
     fabric_common::cut_mid_stream(&TcpFabric::new(), EP, SLOT, cut).await;
 }
 
@@ -60,4 +62,13 @@ async fn tcp_nothing_exposed() {
 #[tokio::test]
 async fn tcp_receiver_checks_bounds() {
     fabric_common::receiver_checks_bounds(&TcpFabric::new(), EP, b"KVXT", true).await;
+}
+
+#[tokio::test]
+async fn tcp_reset_is_bounded_when_the_receiver_stalls() {
+    let f = TcpFabric::with_config(TcpFabricConfig {
+        fence_timeout: Duration::from_millis(300),
+        ..TcpFabricConfig::default()
+    });
+    fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXT", b"").await;
 }

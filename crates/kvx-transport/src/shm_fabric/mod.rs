@@ -140,6 +140,9 @@ impl Fabric for ShmFabric {
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
         let mut stream = link::connect(endpoint, &self.config.link).await?;
+        let peer = stream
+            .peer_addr()
+            .map_err(|e| FabricError::Io(e.to_string()))?;
         let welcomed =
             link::open_handshake(&mut stream, endpoint, SHM_MAGIC, ours, &self.config.link).await?;
         let refuse = |why: String| FabricError::Endpoint {
@@ -175,7 +178,9 @@ impl Fabric for ShmFabric {
             ops,
             done,
             fence_timeout: self.config.link.fence_timeout,
-            peer: endpoint.to_owned(),
+            peer,
+            conn: welcomed.conn,
+            magic: SHM_MAGIC,
         };
         tokio::spawn(link.run());
         Ok(FabricConn::new(ops_tx, done_rx))

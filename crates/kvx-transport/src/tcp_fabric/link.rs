@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use super::wire::{
-    Hello, Welcome, WelcomeStatus, HELLO_LEN, VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
+    Hello, HelloKind, Welcome, WelcomeStatus, HELLO_LEN, VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
 };
 
 /// Settings of the TCP connections a fabric makes.
@@ -21,12 +21,13 @@ use super::wire::{
 pub struct LinkConfig {
     /// Bounds a sender's connect and handshake, and a receiver's wait for a `Hello`.
     pub connect_timeout: Duration,
-    /// How long a reset waits for the receiver to confirm it stopped applying this sender's
-    /// writes (it closes its side) before the writes are flushed anyway; see
-    /// `docs/spec/fabrics.md` §Flush.
+    /// How long a flush waits for the receiver to confirm (over a fresh connection) that it
+    /// stopped applying the old connection's writes before flushing anyway; also how long a
+    /// receiver waits for a fenced connection to stop. See `docs/spec/fabrics.md` §Flush.
     pub fence_timeout: Duration,
-    /// `SO_SNDBUF` / `SO_RCVBUF` in bytes; `None` leaves Linux's autotuning alone, which on
-    /// loopback measured as fast as a fixed 4 MiB (`docs/spec/fabrics.md` §Throughput).
+    /// `SO_SNDBUF` / `SO_RCVBUF` in bytes; `None` leaves Linux's autotuning alone, which grows
+    /// the buffers past what `net.core.rmem_max` allows a fixed size, and on loopback measured
+    /// faster than a fixed 4 MiB (`docs/spec/fabrics.md` §Throughput).
     pub socket_buffer: Option<u32>,
 }
 
@@ -165,6 +166,8 @@ pub(crate) struct Welcomed {
     pub geometry: Geometry,
     /// The `Welcome`'s trailing bytes (the shm file's path; empty over TCP).
     pub extra: Vec<u8>,
+    /// The receiver's id for this connection, to name it in a fence.
+    pub conn: u64,
 }
 
 /// The sender's half of the handshake, bounded by `connect_timeout`.
@@ -179,8 +182,10 @@ pub(crate) async fn open_handshake(
         let hello = Hello {
             magic,
             version: VERSION,
+            kind: HelloKind::Attach,
             staging_slots: staging.slots,
             staging_slot_bytes: staging.slot_bytes,
+            conn: 0,
         };
         stream.write_all(&hello.encode()).await?;
         let mut b = [0u8; WELCOME_LEN];
@@ -240,26 +245,44 @@ pub(crate) async fn open_handshake(
                 ),
             ))
         }
-        WelcomeStatus::Unknown(code) => {
-            return Err(bad_endpoint(endpoint, format!("refused (status {code})")))
+        WelcomeStatus::FenceTimeout | WelcomeStatus::Unknown(_) => {
+            return Err(bad_endpoint(
+                endpoint,
+                format!("refused ({:?})", welcome.status),
+            ))
         }
     }
     if welcome.extra_len > WELCOME_EXTRA_MAX || geometry.slots == 0 || geometry.slot_bytes == 0 {
         return Err(bad_endpoint(endpoint, "malformed welcome"));
     }
-    Ok(Welcomed { geometry, extra })
+    Ok(Welcomed {
+        geometry,
+        extra,
+        conn: welcome.conn,
+    })
+}
+
+/// What a receiver learnt from a `Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Greeted {
+    /// A sender attached (and was welcomed): writes follow.
+    Attached,
+    /// A sender asks to fence its connection `conn`; answer with `answer_fence`.
+    Fence(u64),
 }
 
 /// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
 /// another fabric, another version, or with staging slots larger than ours (every full-slot
-/// write would fail); `extra` follows an accepting `Welcome`.
+/// write would fail); `extra` follows an accepting `Welcome`, which names the connection
+/// `conn`. A fence request is returned unanswered.
 pub(crate) async fn accept_handshake(
     stream: &mut TcpStream,
     magic: [u8; 4],
     ours: Geometry,
     extra: &[u8],
+    conn: u64,
     config: &LinkConfig,
-) -> Result<(), String> {
+) -> Result<Greeted, String> {
     let exchange = async {
         let mut b = [0u8; HELLO_LEN];
         stream.read_exact(&mut b).await.map_err(|e| e.to_string())?;
@@ -270,10 +293,15 @@ pub(crate) async fn accept_handshake(
         }
         let status = if hello.version != VERSION {
             WelcomeStatus::Version
-        } else if hello.staging_slot_bytes > ours.slot_bytes {
-            WelcomeStatus::Geometry
         } else {
-            WelcomeStatus::Ok
+            match hello.kind {
+                HelloKind::Fence => return Ok(Greeted::Fence(hello.conn)),
+                HelloKind::Unknown(k) => return Err(format!("unknown hello kind {k}")),
+                HelloKind::Attach if hello.staging_slot_bytes > ours.slot_bytes => {
+                    WelcomeStatus::Geometry
+                }
+                HelloKind::Attach => WelcomeStatus::Ok,
+            }
         };
         let accepted = status == WelcomeStatus::Ok;
         let welcome = Welcome {
@@ -283,6 +311,7 @@ pub(crate) async fn accept_handshake(
             slots: ours.slots,
             extra_len: if accepted { extra.len() as u32 } else { 0 },
             slot_bytes: ours.slot_bytes,
+            conn,
         };
         stream
             .write_all(&welcome.encode())
@@ -291,10 +320,82 @@ pub(crate) async fn accept_handshake(
         if !accepted {
             return Err(format!("refused: {status:?} ({hello:?})"));
         }
-        stream.write_all(extra).await.map_err(|e| e.to_string())
+        stream.write_all(extra).await.map_err(|e| e.to_string())?;
+        Ok(Greeted::Attached)
     };
     match tokio::time::timeout(config.connect_timeout, exchange).await {
         Ok(r) => r,
         Err(_) => Err(format!("no handshake within {:?}", config.connect_timeout)),
+    }
+}
+
+/// The receiver's answer to a fence request: `stopped` says the connection `conn` applies
+/// nothing any more.
+pub(crate) async fn answer_fence(
+    stream: &mut TcpStream,
+    magic: [u8; 4],
+    conn: u64,
+    stopped: bool,
+) -> io::Result<()> {
+    let welcome = Welcome {
+        magic,
+        version: VERSION,
+        status: if stopped {
+            WelcomeStatus::Ok
+        } else {
+            WelcomeStatus::FenceTimeout
+        },
+        slots: 0,
+        extra_len: 0,
+        slot_bytes: 0,
+        conn,
+    };
+    stream.write_all(&welcome.encode()).await
+}
+
+/// The sender's fence: over a fresh connection to `addr`, asks the receiver to stop applying
+/// connection `conn` and waits for it to confirm, within `limit`. Ok means nothing from that
+/// connection can land any more; so does a refused connection (no listener, no receiver).
+pub(crate) async fn fence_remote(
+    addr: SocketAddr,
+    magic: [u8; 4],
+    conn: u64,
+    limit: Duration,
+) -> Result<(), String> {
+    let exchange = async {
+        let mut stream = match TcpStream::connect(addr).await {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Ok(()),
+            Err(e) => return Err(format!("connect: {e}")),
+        };
+        let hello = Hello {
+            magic,
+            version: VERSION,
+            kind: HelloKind::Fence,
+            staging_slots: 0,
+            staging_slot_bytes: 0,
+            conn,
+        };
+        stream
+            .write_all(&hello.encode())
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let mut b = [0u8; WELCOME_LEN];
+        stream
+            .read_exact(&mut b)
+            .await
+            .map_err(|e| format!("answer: {e}"))?;
+        let welcome = Welcome::decode(&b);
+        if welcome.magic != magic || welcome.conn != conn {
+            return Err(format!("unexpected answer {welcome:?}"));
+        }
+        match welcome.status {
+            WelcomeStatus::Ok => Ok(()),
+            other => Err(format!("the receiver answered {other:?}")),
+        }
+    };
+    match tokio::time::timeout(limit, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer within {limit:?}")),
     }
 }

@@ -100,6 +100,9 @@ impl Fabric for TcpFabric {
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
         let mut stream = link::connect(endpoint, &self.config).await?;
+        let peer = stream
+            .peer_addr()
+            .map_err(|e| FabricError::Io(e.to_string()))?;
         let welcomed =
             link::open_handshake(&mut stream, endpoint, TCP_MAGIC, ours, &self.config).await?;
         let (ops_tx, ops) = mpsc::unbounded_channel();
@@ -114,7 +117,9 @@ impl Fabric for TcpFabric {
             ops,
             done,
             fence_timeout: self.config.fence_timeout,
-            peer: endpoint.to_owned(),
+            peer,
+            conn: welcomed.conn,
+            magic: TCP_MAGIC,
         };
         tokio::spawn(link.run());
         Ok(FabricConn::new(ops_tx, done_rx))

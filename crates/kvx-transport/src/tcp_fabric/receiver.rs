@@ -4,20 +4,23 @@
 //! announces immediates, and acks each write after its bytes are in memory.
 //!
 //! A connection task is the only thing that applies its sender's writes, so once it has
-//! returned (end of stream, an error, a protocol violation, or the listener dropped), nothing
-//! from that connection lands any more.
+//! ended (end of stream, an error, a protocol violation, the listener dropped, or aborted by
+//! a fence), nothing from that connection lands any more. A fence is a sender's request, over
+//! a fresh connection, to abort one of its earlier connections and confirm once it has ended.
 
+use std::collections::HashMap;
 use std::io::{self, IoSliceMut};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{HeapMemory, Landed};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::link::{accept_handshake, tune, Geometry, LinkConfig};
+use super::link::{accept_handshake, answer_fence, tune, Geometry, Greeted, LinkConfig};
 use super::wire::{Ack, AckStatus, WriteHeader, ACK_LEN, FLAG_IMM, HEADER_LEN};
 
 /// Where a connection's writes land.
@@ -50,6 +53,13 @@ pub(crate) struct Greeting {
     pub config: LinkConfig,
 }
 
+/// The connection tasks of one exposed buffer, by connection id, for fences.
+type Registry = Arc<Mutex<HashMap<u64, JoinHandle<()>>>>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
 /// Accepts senders until the listener's owner drops its `landed` receiver.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
@@ -57,6 +67,9 @@ pub(crate) async fn accept_loop(
     landed: mpsc::UnboundedSender<Landed>,
     greeting: Greeting,
 ) {
+    let registry: Registry = Arc::default();
+    // Ids start at 1 and are never reused by this listener.
+    let mut next_conn = 1u64;
     loop {
         let accepted = tokio::select! {
             biased;
@@ -65,16 +78,24 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let conn = next_conn;
+                next_conn += 1;
                 let landing = landing.clone();
                 let landed = landed.clone();
                 let greeting = greeting.clone();
-                tokio::spawn(async move {
+                let reg = registry.clone();
+                let task = tokio::spawn(async move {
                     let peer = peer.to_string();
-                    match serve_sender(stream, landing, landed, &greeting).await {
-                        Ok(()) => debug!(%peer, "fabric sender left"),
-                        Err(why) => warn!(%peer, %why, "fabric sender dropped"),
+                    match serve_sender(stream, landing, landed, &greeting, conn, reg).await {
+                        Ok(()) => debug!(%peer, conn, "fabric sender left"),
+                        Err(why) => warn!(%peer, conn, %why, "fabric sender dropped"),
                     }
                 });
+                // No await between spawn and insert: a fence naming `conn` is accepted by this
+                // loop, so it always finds the entry (or the task already ended).
+                let mut reg = lock(&registry);
+                reg.retain(|_, t| !t.is_finished());
+                reg.insert(conn, task);
             }
             Err(e) => {
                 // Out of descriptors or similar: wait instead of spinning on the error.
@@ -91,17 +112,39 @@ async fn serve_sender(
     landing: Landing,
     landed: mpsc::UnboundedSender<Landed>,
     greeting: &Greeting,
+    conn: u64,
+    registry: Registry,
 ) -> Result<(), String> {
     tune(&stream).map_err(|e| e.to_string())?;
     let ours = landing.geometry();
-    accept_handshake(
+    let greeted = accept_handshake(
         &mut stream,
         greeting.magic,
         ours,
         &greeting.extra,
+        conn,
         &greeting.config,
     )
     .await?;
+    if let Greeted::Fence(target) = greeted {
+        let task = lock(&registry).remove(&target);
+        let stopped = match task {
+            // Never existed or already ended: it applies nothing.
+            None => true,
+            Some(task) => {
+                // Abort takes effect at the task's next await; it never stops mid-syscall,
+                // and once the handle resolves its future is gone.
+                task.abort();
+                tokio::time::timeout(greeting.config.fence_timeout, task)
+                    .await
+                    .is_ok()
+            }
+        };
+        debug!(conn, target, stopped, "fabric fence");
+        return answer_fence(&mut stream, greeting.magic, target, stopped)
+            .await
+            .map_err(|e| e.to_string());
+    }
     let mut conn = Conn {
         stream,
         landing,

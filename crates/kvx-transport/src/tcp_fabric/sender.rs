@@ -8,15 +8,17 @@
 
 use std::collections::VecDeque;
 use std::io;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvx_io::fabric::ConnOp;
 use kvx_io::{Completion, FabricError, PostWrite};
-use tokio::io::{AsyncWriteExt, Interest};
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::link::fence_remote;
 use super::wire::{Ack, AckStatus, ACK_LEN};
 
 /// How a fabric puts writes on the wire.
@@ -211,9 +213,9 @@ enum Stop {
     Reset,
     /// The `FabricConn` was dropped: nobody waits for completions.
     Dropped,
-    /// The receiver closed or the socket failed: it applies nothing more from us.
+    /// The receiver closed, or the socket failed somewhere on the way.
     Broken(String),
-    /// The receiver said something impossible; it may still be applying writes.
+    /// The receiver said something impossible.
     Violation(String),
 }
 
@@ -224,33 +226,49 @@ pub(crate) struct SenderLink<T> {
     pub ops: mpsc::UnboundedReceiver<ConnOp>,
     pub done: mpsc::UnboundedSender<Completion>,
     pub fence_timeout: Duration,
-    /// For logs.
-    pub peer: String,
+    /// The receiver's address (for the fence) and its id for this connection.
+    pub peer: SocketAddr,
+    pub conn: u64,
+    /// The fabric's magic, for the fence's handshake.
+    pub magic: [u8; 4],
 }
 
 impl<T: Transmit> SenderLink<T> {
     pub(crate) async fn run(self) {
         let SenderLink {
-            mut stream,
+            stream,
             mut transmit,
             mut ops,
             done,
             fence_timeout,
             peer,
+            conn,
+            magic,
         } = self;
         let mut pending = Pending::default();
         let stop = serve(&stream, &mut transmit, &mut pending, &mut ops, &done).await;
         match &stop {
-            Stop::Reset => debug!(%peer, "fabric connection reset"),
-            Stop::Dropped => debug!(%peer, "fabric connection dropped by its owner"),
-            Stop::Broken(why) => warn!(%peer, %why, "fabric connection broken"),
-            Stop::Violation(why) => warn!(%peer, %why, "fabric receiver misbehaved"),
+            Stop::Reset => debug!(%peer, conn, "fabric connection reset"),
+            Stop::Dropped => debug!(%peer, conn, "fabric connection dropped by its owner"),
+            Stop::Broken(why) => warn!(%peer, conn, %why, "fabric connection broken"),
+            Stop::Violation(why) => warn!(%peer, conn, %why, "fabric receiver misbehaved"),
         }
-        if matches!(stop, Stop::Reset | Stop::Violation(_)) {
-            fence(&mut stream, fence_timeout, &peer).await;
-        }
+        // Abort rather than close: RST drops our unsent bytes instead of delivering them.
+        // Best effort: on a dead socket there is nothing left to drop.
+        let _ = stream.set_zero_linger();
         drop(stream);
+        // The shm transmitter copies nothing once dropped; nobody waits on a dropped owner.
         drop(transmit);
+        if !matches!(stop, Stop::Dropped) {
+            if let Err(why) = fence_remote(peer, magic, conn, fence_timeout).await {
+                warn!(
+                    %peer,
+                    conn,
+                    %why,
+                    "the receiver did not confirm the fence; flushing anyway"
+                );
+            }
+        }
         // Nothing can land any more: flush, then answer later posts the same way until the
         // owner lets go (writes posted before it saw the reset still need a completion).
         pending.flush_all(|c| {
@@ -341,43 +359,6 @@ async fn serve<T: Transmit>(
             }
         }
         pending.drain(emit);
-    }
-}
-
-/// Makes sure the receiver applies nothing more from this connection before anything is
-/// flushed: half-close, so it reads to the end of what we sent and then closes its side;
-/// its close is the confirmation. Bounded by `fence_timeout`; past it the connection is
-/// aborted (RST, dropping whatever we had not sent yet) and the flush goes ahead — the
-/// receiver is then stalled, and the residual risk is documented in `docs/spec/fabrics.md`.
-async fn fence(stream: &mut TcpStream, fence_timeout: Duration, peer: &str) {
-    if stream.shutdown().await.is_err() {
-        // Already dead: the receiver cannot be reading from it.
-        return;
-    }
-    let confirmed = tokio::time::timeout(fence_timeout, async {
-        let mut sink = [0u8; 4096];
-        loop {
-            if stream.readable().await.is_err() {
-                return;
-            }
-            match stream.try_read(&mut sink) {
-                // EOF (or a reset): the receiver has closed its end.
-                Ok(0) => return,
-                Ok(_) => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(_) => return,
-            }
-        }
-    })
-    .await;
-    if confirmed.is_err() {
-        warn!(
-            %peer,
-            ?fence_timeout,
-            "the receiver did not confirm the reset; aborting the connection and flushing anyway"
-        );
-        // Best effort: RST drops our unsent bytes; the socket is closed right after.
-        let _ = stream.set_zero_linger();
     }
 }
 

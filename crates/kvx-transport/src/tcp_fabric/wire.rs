@@ -14,8 +14,8 @@ pub(crate) const TCP_MAGIC: [u8; 4] = *b"KVXT";
 /// First bytes of a `ShmFabric` control connection (so a TCP sender cannot talk to it).
 pub(crate) const SHM_MAGIC: [u8; 4] = *b"KVXS";
 
-pub(crate) const HELLO_LEN: usize = 20;
-pub(crate) const WELCOME_LEN: usize = 24;
+pub(crate) const HELLO_LEN: usize = 32;
+pub(crate) const WELCOME_LEN: usize = 32;
 pub(crate) const HEADER_LEN: usize = 32;
 pub(crate) const ACK_LEN: usize = 16;
 /// The most trailing bytes a `Welcome` may announce (the shm file's path).
@@ -32,6 +32,8 @@ pub(crate) enum WelcomeStatus {
     Version,
     /// The sender's staging slots are larger than the receiver's slots.
     Geometry,
+    /// A fence: the named connection did not stop within the receiver's fence timeout.
+    FenceTimeout,
     /// A status this version does not know.
     Unknown(u16),
 }
@@ -42,6 +44,7 @@ impl WelcomeStatus {
             WelcomeStatus::Ok => 0,
             WelcomeStatus::Version => 1,
             WelcomeStatus::Geometry => 2,
+            WelcomeStatus::FenceTimeout => 3,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -51,18 +54,53 @@ impl WelcomeStatus {
             0 => WelcomeStatus::Ok,
             1 => WelcomeStatus::Version,
             2 => WelcomeStatus::Geometry,
+            3 => WelcomeStatus::FenceTimeout,
             c => WelcomeStatus::Unknown(c),
         }
     }
 }
 
-/// Sender → receiver, the first frame: who it is and what its staging looks like.
+/// What a connection is for (`Hello::kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HelloKind {
+    /// A sender attaching its staging: writes follow.
+    Attach,
+    /// A sender asking the receiver to stop applying one of its earlier connections
+    /// (`Hello::conn`) and to say when it has.
+    Fence,
+    /// A kind this version does not know.
+    Unknown(u16),
+}
+
+impl HelloKind {
+    fn code(self) -> u16 {
+        match self {
+            HelloKind::Attach => 0,
+            HelloKind::Fence => 1,
+            HelloKind::Unknown(c) => c,
+        }
+    }
+
+    fn from_code(c: u16) -> Self {
+        match c {
+            0 => HelloKind::Attach,
+            1 => HelloKind::Fence,
+            c => HelloKind::Unknown(c),
+        }
+    }
+}
+
+/// Sender → receiver, the first frame: what the connection is for, and what the sender's
+/// staging looks like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub magic: [u8; 4],
     pub version: u16,
+    pub kind: HelloKind,
     pub staging_slots: u32,
     pub staging_slot_bytes: u64,
+    /// `Fence`: the connection to stop (its `Welcome::conn`); `Attach`: zero.
+    pub conn: u64,
 }
 
 impl Hello {
@@ -70,9 +108,11 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[0..4].copy_from_slice(&self.magic);
         b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        // 6..8 reserved, zero.
+        b[6..8].copy_from_slice(&self.kind.code().to_le_bytes());
         b[8..12].copy_from_slice(&self.staging_slots.to_le_bytes());
-        b[12..20].copy_from_slice(&self.staging_slot_bytes.to_le_bytes());
+        // 12..16 reserved, zero.
+        b[16..24].copy_from_slice(&self.staging_slot_bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.conn.to_le_bytes());
         b
     }
 
@@ -80,14 +120,17 @@ impl Hello {
         Hello {
             magic: [b[0], b[1], b[2], b[3]],
             version: u16::from_le_bytes([b[4], b[5]]),
+            kind: HelloKind::from_code(u16::from_le_bytes([b[6], b[7]])),
             staging_slots: u32_at(b, 8),
-            staging_slot_bytes: u64_at(b, 12),
+            staging_slot_bytes: u64_at(b, 16),
+            conn: u64_at(b, 24),
         }
     }
 }
 
-/// Receiver → sender, the answer to `Hello`: the buffer's geometry, then `extra_len` bytes
-/// (the shm file's path; none over TCP).
+/// Receiver → sender, the answer to `Hello`: the buffer's geometry and the connection's id,
+/// then `extra_len` bytes (the shm file's path; none over TCP). The answer to a fence names
+/// the fenced connection and carries no geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Welcome {
     pub magic: [u8; 4],
@@ -96,6 +139,7 @@ pub(crate) struct Welcome {
     pub slots: u32,
     pub extra_len: u32,
     pub slot_bytes: u64,
+    pub conn: u64,
 }
 
 impl Welcome {
@@ -107,6 +151,7 @@ impl Welcome {
         b[8..12].copy_from_slice(&self.slots.to_le_bytes());
         b[12..16].copy_from_slice(&self.extra_len.to_le_bytes());
         b[16..24].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.conn.to_le_bytes());
         b
     }
 
@@ -118,6 +163,7 @@ impl Welcome {
             slots: u32_at(b, 8),
             extra_len: u32_at(b, 12),
             slot_bytes: u64_at(b, 16),
+            conn: u64_at(b, 24),
         }
     }
 }
@@ -235,8 +281,10 @@ mod tests {
         let h = Hello {
             magic: TCP_MAGIC,
             version: VERSION,
+            kind: HelloKind::Fence,
             staging_slots: 7,
             staging_slot_bytes: 1 << 20,
+            conn: 42,
         };
         assert_eq!(Hello::decode(&h.encode()), h);
         let w = Welcome {
@@ -246,6 +294,7 @@ mod tests {
             slots: 9,
             extra_len: 31,
             slot_bytes: 4096,
+            conn: 9,
         };
         assert_eq!(Welcome::decode(&w.encode()), w);
         let hd = WriteHeader {

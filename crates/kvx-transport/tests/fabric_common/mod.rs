@@ -162,58 +162,66 @@ pub async fn one_mib_slots<F: Fabric>(f: &F, endpoint: &str) {
     check_last_rounds(&*listener.memory, 3, 0, 4, 48, MIB);
 }
 
-/// A man in the middle that forwards a connection both ways and cuts it (drops both
-/// sockets) once `cut_after` sender-to-receiver bytes went through.
+/// A man in the middle: forwards connections both ways, and cuts the first one (drops both
+/// sockets) once `cut_after` sender-to-receiver bytes went through it. Later connections
+/// (the sender's fence) are forwarded whole.
 pub async fn cutting_proxy(upstream: String, cut_after: usize) -> String {
     let proxy = TcpListener::bind("127.0.0.1:0").await.expect("proxy bind");
     let addr = proxy.local_addr().expect("proxy addr").to_string();
     tokio::spawn(async move {
-        let Ok((down, _)) = proxy.accept().await else {
-            return;
-        };
-        let Ok(up) = TcpStream::connect(upstream).await else {
-            return;
-        };
-        let (mut down_r, mut down_w) = down.into_split();
-        let (mut up_r, mut up_w) = up.into_split();
-        let forward = async {
-            let mut left = cut_after;
-            let mut buf = vec![0u8; 64 << 10];
-            while left > 0 {
-                let take = buf.len().min(left);
-                match down_r.read(&mut buf[..take]).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if up_w.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                        left -= n;
-                    }
-                }
-            }
-        };
-        let back = async {
-            let _ = tokio::io::copy(&mut up_r, &mut down_w).await;
-        };
-        // The cut: once the forward budget is spent, everything is dropped at once.
-        tokio::select! {
-            () = forward => {}
-            () = back => {}
+        for i in 0..8 {
+            let Ok((down, _)) = proxy.accept().await else {
+                return;
+            };
+            let Ok(up) = TcpStream::connect(upstream.clone()).await else {
+                return;
+            };
+            let limit = if i == 0 { cut_after } else { usize::MAX };
+            tokio::spawn(forward(down, up, limit));
         }
     });
     addr
 }
 
+async fn forward(down: TcpStream, up: TcpStream, limit: usize) {
+    let (mut down_r, mut down_w) = down.into_split();
+    let (mut up_r, mut up_w) = up.into_split();
+    let there = async {
+        let mut left = limit;
+        let mut buf = vec![0u8; 64 << 10];
+        while left > 0 {
+            let take = buf.len().min(left);
+            match down_r.read(&mut buf[..take]).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if up_w.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+            }
+        }
+    };
+    let back = async {
+        let _ = tokio::io::copy(&mut up_r, &mut down_w).await;
+    };
+    // The cut (or either side closing): everything is dropped at once.
+    tokio::select! {
+        () = there => {}
+        () = back => {}
+    }
+}
+
 /// Sender A goes through a proxy that cuts its connection mid-stream: its writes complete
 /// in order, successes first, then errors, and later posts fail too. Sender B, connected
 /// directly, keeps writing throughout, and a sender C connecting after the cut is served.
+/// C writes into a slot of A's once A has its flushes: nothing of A's may land after them.
 /// `cut_after` is where to cut A's byte stream (fabric-specific: it must fall inside the
 /// fourth write).
 pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize, cut_after: usize) {
     const A_WRITES: u32 = 12;
-    // Slots 0..4 are A's, 4..8 B's, 8 C's: a write of A's that the receiver had buffered when
-    // the cut came may still land after A saw its flush, but only in A's slots.
-    let mut listener = f.expose(endpoint, 9, slot_bytes).await.expect("expose");
+    // Slots 0..4 are A's, 4..8 B's.
+    let mut listener = f.expose(endpoint, 8, slot_bytes).await.expect("expose");
     let ep = listener.local_endpoint.clone();
 
     let via = cutting_proxy(ep.clone(), cut_after).await;
@@ -258,13 +266,13 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
     };
     let ((), a_oks) = tokio::join!(b, a_checks);
 
-    // The receiver still serves: C connects after the cut and lands a write.
+    // The receiver still serves: C connects after the cut and lands a write, into A's slot 0.
     let c_staging = f.allocate_staging(1, slot_bytes).expect("staging c");
     c_staging.write_slot(0, &pattern(3 << 16, slot_bytes));
     let mut c = step("connect c", f.connect(&ep, c_staging))
         .await
         .expect("connect c");
-    c.post(write(0, 0, 8, slot_bytes, Some(3 << 16)))
+    c.post(write(0, 0, 0, slot_bytes, Some(3 << 16)))
         .expect("post c");
     assert_eq!(completion(&mut c, "c completion").await.result, Ok(()));
 
@@ -303,8 +311,13 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
     );
     check_last_rounds(&*listener.memory, 2, 4, 4, 64, slot_bytes);
     let mut got = vec![0u8; slot_bytes];
-    listener.memory.read_slot(8, &mut got);
-    assert!(got == pattern(3 << 16, slot_bytes), "c's write landed");
+    // Let anything of A's that could still land do so; then C's bytes must be intact.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        got == pattern(3 << 16, slot_bytes),
+        "c's write landed, and nothing of A's landed after A's flush"
+    );
 }
 
 /// Once the listener is dropped, the receiver stops serving: writes posted afterwards fail,
@@ -350,6 +363,56 @@ pub async fn refuses_larger_staging<F: Fabric>(f: &F, endpoint: &str) {
     );
 }
 
+/// A receiver that stops reading (and never answers a fence): a reset still flushes every
+/// write, within about the fence timeout. `fabric` must use a `fence_timeout` of 300 ms.
+pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
+    f: &F,
+    magic: &'static [u8; 4],
+    extra: &'static [u8],
+) {
+    let fake = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let ep = fake.local_addr().expect("addr").to_string();
+    let server = tokio::spawn(async move {
+        let mut held = Vec::new();
+        // The attach, then the fence; both are answered with silence after the handshake.
+        for i in 0..2 {
+            let Ok(Ok((mut s, _))) = tokio::time::timeout(STEP, fake.accept()).await else {
+                return;
+            };
+            let mut hello = [0u8; 32];
+            if s.read_exact(&mut hello).await.is_err() {
+                return;
+            }
+            if i == 0 {
+                let w = raw::welcome_bytes(magic, 2, 4096, 1, extra);
+                if s.write_all(&w).await.is_err() {
+                    return;
+                }
+            }
+            held.push(s);
+        }
+        tokio::time::sleep(STEP).await;
+    });
+    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let mut conn = step("connect", f.connect(&ep, staging))
+        .await
+        .expect("connect");
+    for i in 0..2u32 {
+        conn.post(write(u64::from(i), i, i, 4096, None))
+            .expect("post");
+    }
+    let start = std::time::Instant::now();
+    conn.reset();
+    for i in 0..2u64 {
+        let c = completion(&mut conn, "flushed completion").await;
+        assert_eq!(c.id, WriteId(i));
+        assert!(c.result.is_err(), "{c:?}");
+    }
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(3), "the flush waited {took:?}");
+    server.abort();
+}
+
 /// Nothing listening: a prompt, typed error.
 pub async fn nothing_exposed<F: Fabric>(f: &F) {
     // Bind and drop a socket to find a port nobody listens on.
@@ -369,13 +432,36 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
 pub mod raw {
     use super::*;
 
+    /// An attaching hello.
     pub fn hello(magic: &[u8; 4], slots: u32, slot_bytes: u64) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(magic);
-        b.extend_from_slice(&1u16.to_le_bytes());
-        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&1u16.to_le_bytes()); // version
+        b.extend_from_slice(&0u16.to_le_bytes()); // kind: attach
         b.extend_from_slice(&slots.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(&slot_bytes.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // conn
+        b
+    }
+
+    /// A welcome as a receiver sends it.
+    pub fn welcome_bytes(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        conn: u64,
+        extra: &[u8],
+    ) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(magic);
+        b.extend_from_slice(&1u16.to_le_bytes()); // version
+        b.extend_from_slice(&0u16.to_le_bytes()); // status: ok
+        b.extend_from_slice(&slots.to_le_bytes());
+        b.extend_from_slice(&(extra.len() as u32).to_le_bytes());
+        b.extend_from_slice(&slot_bytes.to_le_bytes());
+        b.extend_from_slice(&conn.to_le_bytes());
+        b.extend_from_slice(extra);
         b
     }
 
@@ -392,7 +478,7 @@ pub mod raw {
 
     /// (status, slots, slot_bytes, extra)
     pub async fn welcome(s: &mut TcpStream) -> (u16, u32, u64, Vec<u8>) {
-        let mut b = [0u8; 24];
+        let mut b = [0u8; 32];
         step("welcome", s.read_exact(&mut b))
             .await
             .expect("welcome");
