@@ -25,9 +25,117 @@ pub enum Command {
     /// Run a proxy, a receiver and senders in one process over loopback, with a synthetic
     /// chunked-prefill workload verified byte for byte by the decoder.
     Demo(DemoArgs),
+    /// Run a receiver (the decode side), one per TP rank, until Ctrl-C.
+    Receiver(ReceiverArgs),
+    /// Run a sender as a load generator against a remote receiver (one sender per TP rank).
+    Sender(SenderArgs),
+    /// Run a proxy that aggregates ProxyNotif across TP ranks and logs each request's end.
+    Proxy(ProxyArgs),
     /// Decode or encode wire messages (msgpack ⇄ JSON).
     #[command(subcommand)]
     Wire(WireCommand),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReceiverArgs {
+    /// TOML file with a [receiver] table (keys as these flags, snake_case); flags win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to bind [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Alloc-channel port per TP rank, comma-separated (LMCache: pd_peer_alloc_port) [default: 8400].
+    #[arg(long, value_delimiter = ',')]
+    pub alloc_ports: Option<Vec<u16>>,
+    /// Fabric port per TP rank, comma-separated (LMCache: pd_peer_init_port) [default: 8300].
+    #[arg(long, value_delimiter = ',')]
+    pub fabric_ports: Option<Vec<u16>>,
+    /// Buffer size per rank, in chunks [default: 64].
+    #[arg(long)]
+    pub buffer_chunks: Option<u32>,
+    /// Bytes per chunk [default: 1048576].
+    #[arg(long)]
+    pub chunk_bytes: Option<u64>,
+    #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
+    pub fabric: FabricKind,
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9400).
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Do not check the synthetic workload's bytes (for real KV data).
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Exit after this many seconds (for tests); default: run until Ctrl-C.
+    #[arg(long)]
+    pub exit_after_s: Option<u64>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SenderArgs {
+    /// TOML file with a [sender] table (keys as these flags, snake_case); flags win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The receiver's host [default: 127.0.0.1].
+    #[arg(long)]
+    pub receiver_host: Option<String>,
+    /// The receiver's alloc port per TP rank, comma-separated [default: 8400].
+    #[arg(long, value_delimiter = ',')]
+    pub alloc_ports: Option<Vec<u16>>,
+    /// The receiver's fabric port per TP rank, comma-separated [default: 8300].
+    #[arg(long, value_delimiter = ',')]
+    pub fabric_ports: Option<Vec<u16>>,
+    /// The proxy's notice endpoint, host:port [default: 127.0.0.1:8500].
+    #[arg(long)]
+    pub proxy: Option<String>,
+    /// Staging pool per rank, in chunks [default: 64].
+    #[arg(long)]
+    pub staging_chunks: Option<u32>,
+    /// Bytes per chunk; must match the receiver's [default: 1048576].
+    #[arg(long)]
+    pub chunk_bytes: Option<u64>,
+    #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
+    pub fabric: FabricKind,
+    /// Requests to send.
+    #[arg(long, default_value_t = 50)]
+    pub requests: u32,
+    /// Chunks per request, MIN..MAX.
+    #[arg(long, default_value = "4..16", value_parser = parse_range)]
+    pub chunks: RangeInclusive<u32>,
+    /// Requests prefilled concurrently.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub interleave: u32,
+    /// Chunks per batch.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub batch_chunks: u32,
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub cancel_fraction: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// This sender's number, used in request ids so several senders never collide.
+    #[arg(long, default_value_t = 0)]
+    pub sender_index: u32,
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ProxyArgs {
+    /// TOML file with a [proxy] table; flags win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to bind [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Notice port (LMCache: proxy_port) [default: 8500].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Notices that make a request ready: one per decoder TP rank [default: 1].
+    #[arg(long)]
+    pub tp_ranks: Option<u32>,
+    /// Exit after this many seconds (for tests); default: run until Ctrl-C.
+    #[arg(long)]
+    pub exit_after_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

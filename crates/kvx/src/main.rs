@@ -9,11 +9,15 @@
 //! - `loadgen`: prefill workers that run a plan on every TP rank and tally outcomes.
 //! - `wire_cmd`: `kvx wire decode|encode`.
 //! - `envs`: picking a transport and fabric at runtime.
+//! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
+//! - `config`: their TOML file.
 
 mod cli;
+mod config;
 mod demo;
 mod envs;
 mod loadgen;
+mod roles;
 mod wire_cmd;
 mod workload;
 
@@ -32,6 +36,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         cli::Command::Wire(args) => wire_cmd::run(args),
         cli::Command::Demo(args) => runtime().and_then(|rt| rt.block_on(envs::demo(args))),
+        cli::Command::Receiver(args) => runtime().and_then(|rt| rt.block_on(envs::receiver(args))),
+        cli::Command::Sender(args) => runtime().and_then(|rt| rt.block_on(envs::sender(args))),
+        cli::Command::Proxy(args) => runtime().and_then(|rt| rt.block_on(envs::proxy(args))),
     };
     match result {
         Ok(code) => code,

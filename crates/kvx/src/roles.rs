@@ -1,0 +1,348 @@
+//! `kvx receiver`, `kvx sender` and `kvx proxy`: the parts of a cluster as separate
+//! processes, generic over the `Env` that `envs` picks.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::ProgressBar;
+use kvx_io::{Env, Transport};
+use kvx_node::{synthetic, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
+use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::cli::{ProxyArgs, ReceiverArgs, SenderArgs};
+use crate::config;
+use crate::loadgen::{self, SharedTally, Worker};
+use crate::workload::{self, Rng};
+
+/// How endpoint strings look for the chosen transport and fabric.
+#[derive(Debug, Clone, Copy)]
+pub struct Style {
+    /// e.g. `tcp://{host}:{port}` for ZMQ.
+    pub control: fn(&str, u16) -> String,
+    /// e.g. `{host}:{port}` for the TCP fabric.
+    pub fabric: fn(&str, u16) -> String,
+}
+
+/// Stops at Ctrl-C, or after `exit_after_s` when given.
+async fn until_stopped(exit_after_s: Option<u64>) {
+    match exit_after_s {
+        Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
+        None => {
+            if let Err(e) = tokio::signal::ctrl_c().await {
+                tracing::error!(error = %e, "cannot wait for Ctrl-C; stopping");
+            }
+        }
+    }
+}
+
+fn ports(alloc: Vec<u16>, fabric: Vec<u16>) -> anyhow::Result<Vec<(u16, u16)>> {
+    if alloc.is_empty() || alloc.len() != fabric.len() {
+        bail!(
+            "need one alloc port and one fabric port per TP rank: got {} alloc and {} fabric ports",
+            alloc.len(),
+            fabric.len()
+        );
+    }
+    Ok(alloc.into_iter().zip(fabric).collect())
+}
+
+pub async fn receiver<E: Env>(
+    env: E,
+    style: Style,
+    args: ReceiverArgs,
+) -> anyhow::Result<ExitCode> {
+    let file = config::load(args.config.as_deref())?.receiver;
+    let host = args
+        .host
+        .or(file.host)
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let ranks = ports(
+        args.alloc_ports
+            .or(file.alloc_ports)
+            .unwrap_or_else(|| vec![8400]),
+        args.fabric_ports
+            .or(file.fabric_ports)
+            .unwrap_or_else(|| vec![8300]),
+    )?;
+    let buffer_slots = args.buffer_chunks.or(file.buffer_chunks).unwrap_or(64);
+    let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
+    if let Some(addr) = args.metrics.or(file.metrics) {
+        let addr: std::net::SocketAddr = addr
+            .parse()
+            .with_context(|| format!("--metrics {addr:?} is not host:port"))?;
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("serving metrics at {addr}"))?;
+        eprintln!("kvx receiver: metrics at http://{addr}/metrics");
+    }
+    let cfg = ReceiverConfig {
+        buffer_slots,
+        ..ReceiverConfig::default()
+    };
+    let verified = Arc::new(AtomicU64::new(0));
+    let corrupted = Arc::new(AtomicU64::new(0));
+    for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
+        let (alloc, fabric) = (
+            (style.control)(&host, *alloc),
+            (style.fabric)(&host, *fabric),
+        );
+        let mut node = ReceiverNode::start(env.clone(), cfg.clone(), chunk_bytes, &alloc, &fabric)
+            .await
+            .with_context(|| format!("starting TP rank {rank} at {alloc} / {fabric}"))?;
+        eprintln!(
+            "kvx receiver: rank {rank}: alloc {} fabric {}",
+            node.alloc_endpoint(),
+            node.fabric_endpoint()
+        );
+        let (verified, corrupted, verify) = (verified.clone(), corrupted.clone(), !args.no_verify);
+        tokio::spawn(async move {
+            while let Some(notice) = node.next_notice().await {
+                match notice {
+                    ReceiverNotice::Ready(ready) => {
+                        if verify {
+                            match synthetic::verify(&node, &ready, chunk_bytes) {
+                                Ok(bytes) => verified.fetch_add(bytes, Ordering::Relaxed),
+                                Err(chunk) => {
+                                    tracing::error!(key = %ready.key, chunk, "corrupt chunk");
+                                    corrupted.fetch_add(1, Ordering::Relaxed)
+                                }
+                            };
+                        }
+                        if let Err(e) = node.consume(&ready.key).await {
+                            tracing::error!(key = %ready.key, error = %e, "consume failed");
+                        }
+                    }
+                    ReceiverNotice::Ended { key, outcome } => {
+                        tracing::info!(%key, %outcome, "request ended")
+                    }
+                }
+            }
+        });
+    }
+    until_stopped(args.exit_after_s).await;
+    let corrupt = corrupted.load(Ordering::Relaxed);
+    println!(
+        "kvx receiver: {} bytes verified, {corrupt} corrupt chunks",
+        verified.load(Ordering::Relaxed)
+    );
+    Ok(if corrupt == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `kvx sender`'s result (`--json` prints exactly this).
+#[derive(Debug, Serialize)]
+pub struct SenderSummary {
+    pub requests_total: u64,
+    pub requests_completed: u64,
+    pub requests_failed: u64,
+    pub requests_cancelled: u64,
+    pub requests_lost: u64,
+    pub bytes_sent: u64,
+    pub makespan_s: f64,
+    pub bytes_per_sec: f64,
+    pub latency_ms_p50: f64,
+    pub latency_ms_p99: f64,
+    pub admission_wait_ms_p99: f64,
+}
+
+pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::Result<ExitCode> {
+    let file = config::load(args.config.as_deref())?.sender;
+    let host = args
+        .receiver_host
+        .or(file.receiver_host)
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let ranks = ports(
+        args.alloc_ports
+            .or(file.alloc_ports)
+            .unwrap_or_else(|| vec![8400]),
+        args.fabric_ports
+            .or(file.fabric_ports)
+            .unwrap_or_else(|| vec![8300]),
+    )?;
+    let proxy = args
+        .proxy
+        .or(file.proxy)
+        .unwrap_or_else(|| "127.0.0.1:8500".into());
+    let (proxy_host, proxy_port) = split_host_port(&proxy)?;
+    let proxy = (style.control)(&proxy_host, proxy_port);
+    let staging_slots = args.staging_chunks.or(file.staging_chunks).unwrap_or(64);
+    let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
+    let cfg = SenderConfig {
+        staging_slots,
+        notify_proxy_on_failure: true,
+        ..SenderConfig::default()
+    };
+    let mut handles = Vec::new();
+    for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
+        let id = format!(
+            "kvx-sender-{}-pid{}-rank{rank}",
+            args.sender_index,
+            std::process::id()
+        );
+        let node = SenderNode::start(
+            env.clone(),
+            cfg.clone(),
+            chunk_bytes,
+            id,
+            Some(proxy.clone()),
+        )
+        .await
+        .with_context(|| format!("starting the rank {rank} sender"))?;
+        let addr = ReceiverAddr {
+            alloc: (style.control)(&host, *alloc),
+            fabric: (style.fabric)(&host, *fabric),
+        };
+        let peer = node
+            .add_receiver(addr.clone())
+            .await
+            .with_context(|| format!("connecting rank {rank} to {addr:?}"))?;
+        handles.push((node, peer));
+    }
+    let mut rng = Rng::new(args.seed);
+    let plan = workload::plan(
+        args.sender_index,
+        args.requests,
+        &args.chunks,
+        args.cancel_fraction,
+        &mut rng,
+    );
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(u64::from(args.requests))
+    };
+    let tally: SharedTally = Arc::default();
+    let started = Instant::now();
+    let worker = Worker {
+        ranks: handles,
+        proxy: None,
+        batch_chunks: args.batch_chunks,
+        chunk_bytes,
+    };
+    let workers = loadgen::spawn(worker, plan, args.interleave, tally.clone(), bar.clone());
+    let finished = loadgen::finish(workers, Duration::from_secs(args.timeout_s)).await;
+    let makespan = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let t = loadgen::lock(&tally);
+    let total = u64::from(args.requests);
+    let s = SenderSummary {
+        requests_total: total,
+        requests_completed: t.completed,
+        requests_failed: t.failed,
+        requests_cancelled: t.cancelled,
+        requests_lost: total - (t.completed + t.failed).min(total),
+        bytes_sent: t.bytes_sent,
+        makespan_s: makespan,
+        bytes_per_sec: t.bytes_sent as f64 / makespan.max(1e-9),
+        latency_ms_p50: loadgen::percentile_ms(&t.latencies, 0.5),
+        latency_ms_p99: loadgen::percentile_ms(&t.latencies, 0.99),
+        admission_wait_ms_p99: loadgen::percentile_ms(&t.admission_waits, 0.99),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&s)?);
+    } else {
+        println!("{s:#?}");
+    }
+    let ok = finished && s.requests_lost == 0 && s.requests_failed == s.requests_cancelled;
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn split_host_port(s: &str) -> anyhow::Result<(String, u16)> {
+    let (host, port) = s
+        .rsplit_once(':')
+        .with_context(|| format!("{s:?} is not host:port"))?;
+    Ok((
+        host.to_owned(),
+        port.parse().with_context(|| format!("{s:?}: bad port"))?,
+    ))
+}
+
+pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Result<ExitCode> {
+    let file = config::load(args.config.as_deref())?.proxy;
+    let host = args
+        .host
+        .or(file.host)
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let port = args.port.or(file.port).unwrap_or(8500);
+    let tp_ranks = args.tp_ranks.or(file.tp_ranks).unwrap_or(1);
+    let mut source = env
+        .transport()
+        .notify_source(&(style.control)(&host, port))
+        .await
+        .context("binding the notice channel")?;
+    eprintln!(
+        "kvx proxy: notices at {} ({tp_ranks} TP rank(s) per request)",
+        source.local_endpoint()
+    );
+    let mut tracker = ProxyTracker::new(ProxyConfig::default())?;
+    let mut ended: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let stop = until_stopped(args.exit_after_s);
+    tokio::pin!(stop);
+    loop {
+        let deadline = tracker.poll_timeout();
+        let env2 = env.clone();
+        let sleep = async move {
+            match deadline {
+                Some(at) => env2.sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = &mut stop => break,
+            payload = source.recv() => {
+                let Some(payload) = payload else { break };
+                let now = env.now();
+                match kvx_proto::wire::decode(&payload) {
+                    Ok(msg) => {
+                        // A standalone proxy learns of requests from their first notice.
+                        let id = match &msg {
+                            kvx_proto::wire::Message::ProxyNotif(n) => Some(n.req_id.clone()),
+                            kvx_proto::wire::Message::FailNotif(f) => Some(f.req_id.clone()),
+                            _ => None,
+                        };
+                        if let Some(id) = id {
+                            // Already awaited is fine: this notice counts towards it.
+                            let _ = tracker.handle_expect(now, ReqId(id), tp_ranks);
+                        }
+                        tracker.handle_message(now, msg);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "undecodable notice"),
+                }
+            }
+            _ = sleep => tracker.handle_timeout(env.now()),
+        }
+        while let Some(ev) = tracker.poll_event() {
+            match ev {
+                ProxyEvent::Ready { req_id } => {
+                    tracing::info!(%req_id, "ready: every TP rank reported");
+                    *ended.entry("ready").or_default() += 1;
+                }
+                ProxyEvent::Failed { req_id, reason } => {
+                    tracing::warn!(%req_id, %reason, "failed");
+                    *ended.entry("failed").or_default() += 1;
+                }
+            }
+        }
+    }
+    println!(
+        "kvx proxy: {} ready, {} failed",
+        ended.get("ready").unwrap_or(&0),
+        ended.get("failed").unwrap_or(&0)
+    );
+    Ok(ExitCode::SUCCESS)
+}
