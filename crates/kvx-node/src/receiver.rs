@@ -96,6 +96,7 @@ impl ReceiverNode {
             listener,
             notices: notice_tx,
             cmds: cmd_rx,
+            label: handle.alloc_endpoint.clone(),
         };
         env.spawn(driver.run());
         Ok(handle)
@@ -148,6 +149,9 @@ struct Driver<E: Env> {
     listener: FabricListener<<E::Fabric as Fabric>::Memory>,
     notices: mpsc::UnboundedSender<ReceiverNotice>,
     cmds: mpsc::Receiver<Cmd>,
+    /// The `receiver` label on this receiver's metrics (its alloc endpoint), so the TP ranks
+    /// of one process are told apart.
+    label: String,
 }
 
 impl<E: Env> Driver<E> {
@@ -213,7 +217,7 @@ impl<E: Env> Driver<E> {
             }
             Err(e) => {
                 // Garbage gets an error reply, LMCache-shaped, and changes nothing else.
-                metrics::counter!(m::DECODE_ERRORS).increment(1);
+                metrics::counter!(m::DECODE_ERRORS, "receiver" => self.label.clone()).increment(1);
                 tracing::warn!(%peer, error = %e, len = bytes.len(), "undecodable message");
                 let reply = AllocResponse::refused(1, format!("undecodable message: {e}"), None);
                 let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
@@ -232,8 +236,8 @@ impl<E: Env> Driver<E> {
         while let Some(ev) = self.ledger.poll_event() {
             let notice = match ev {
                 ReceiverEvent::Admitted { waited, .. } => {
-                    metrics::counter!(m::ADMITTED).increment(1);
-                    metrics::histogram!(m::ADMISSION_WAIT_SECONDS).record(waited.as_secs_f64());
+                    metrics::counter!(m::ADMITTED, "receiver" => self.label.clone()).increment(1);
+                    metrics::histogram!(m::ADMISSION_WAIT_SECONDS, "receiver" => self.label.clone()).record(waited.as_secs_f64());
                     continue;
                 }
                 ReceiverEvent::Ready { key, slots, keys } => {
@@ -241,8 +245,14 @@ impl<E: Env> Driver<E> {
                 }
                 ReceiverEvent::Ended { key, outcome } => {
                     match &outcome {
-                        Outcome::Consumed => metrics::counter!(m::CONSUMED).increment(1),
-                        Outcome::Failed(_) => metrics::counter!(m::ROLLED_BACK).increment(1),
+                        Outcome::Consumed => {
+                            metrics::counter!(m::CONSUMED, "receiver" => self.label.clone())
+                                .increment(1)
+                        }
+                        Outcome::Failed(_) => {
+                            metrics::counter!(m::ROLLED_BACK, "receiver" => self.label.clone())
+                                .increment(1)
+                        }
                     }
                     ReceiverNotice::Ended { key, outcome }
                 }
@@ -251,11 +261,16 @@ impl<E: Env> Driver<E> {
             let _ = self.notices.send(notice);
         }
         let l = &self.ledger;
-        metrics::gauge!(m::ADMISSION_QUEUE_LEN).set(l.admission_queue_len() as f64);
-        metrics::gauge!(m::SLOTS_RESERVED).set(f64::from(l.reserved_unallocated()));
-        metrics::gauge!(m::SLOTS_HELD).set(f64::from(l.held_slots()));
-        metrics::gauge!(m::SLOTS_FREE).set(f64::from(l.free_slots()));
-        metrics::gauge!(m::SLOTS_QUARANTINED).set(f64::from(l.quarantined_slots()));
-        metrics::counter!(m::REFUSED).absolute(l.stats().refused);
+        metrics::gauge!(m::ADMISSION_QUEUE_LEN, "receiver" => self.label.clone())
+            .set(l.admission_queue_len() as f64);
+        metrics::gauge!(m::SLOTS_RESERVED, "receiver" => self.label.clone())
+            .set(f64::from(l.reserved_unallocated()));
+        metrics::gauge!(m::SLOTS_HELD, "receiver" => self.label.clone())
+            .set(f64::from(l.held_slots()));
+        metrics::gauge!(m::SLOTS_FREE, "receiver" => self.label.clone())
+            .set(f64::from(l.free_slots()));
+        metrics::gauge!(m::SLOTS_QUARANTINED, "receiver" => self.label.clone())
+            .set(f64::from(l.quarantined_slots()));
+        metrics::counter!(m::REFUSED, "receiver" => self.label.clone()).absolute(l.stats().refused);
     }
 }

@@ -407,7 +407,12 @@ impl<E: Env> Driver<E> {
             Input::Client(peer, ClientEvent::Disconnected) => {
                 core.flow.handle_receiver_lost(now, peer)
             }
-            Input::Client(_, ClientEvent::Reconnected) => {}
+            // The receiver may have restarted: its fabric endpoint is a new listener, so the
+            // old fabric connection is dead too. Replace it (in the background).
+            Input::Client(peer, ClientEvent::Reconnected) => {
+                drop(core);
+                self.reset_fabric(peer);
+            }
             Input::Done(c) => {
                 core.flow
                     .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()))
@@ -586,10 +591,10 @@ impl<E: Env> Driver<E> {
         self.shared.cv.notify_all();
     }
 
-    /// A write is overdue: reset the connection (flushing every outstanding write with an
-    /// error) and connect afresh in the background.
+    /// A write is overdue, or the receiver came back after a disconnect: reset the connection
+    /// (flushing every outstanding write with an error) and connect afresh in the background.
     fn reset_fabric(&mut self, peer: PeerId) {
-        tracing::warn!(%peer, "write overdue: resetting the fabric connection");
+        tracing::warn!(%peer, "resetting the fabric connection");
         let Some(poster) = self.conns.remove(&peer) else {
             return;
         };
