@@ -1,0 +1,301 @@
+//! `SimFabric`: a model of RDMA verbs, not a shim.
+//! - Every node's registered memory is a `SimMemory`; a write copies bytes from the sender's
+//!   staging into the receiver's buffer **when it lands** (a DMA reads its source during the
+//!   transfer, so a staging slot reused too early shows up as corrupt data).
+//! - Each connection is a queue pair: writes land in posting order and complete in posting
+//!   order, after the acknowledgement's latency; a local completion tells the receiver
+//!   nothing — it hears of a write only from a `Landed` notice, and only if the write carried
+//!   an immediate.
+//! - Each node's NIC sends `egress_bytes_per_sec` shared by its connections, plus the fabric
+//!   latency (and any slowdown fault) per write.
+//! - A connection error (a partition, a crash of either side, a write out of bounds, a write
+//!   in flight past `qp_retry_timeout`, or the sender's `reset`) flushes every outstanding
+//!   write with `FabricError::Flushed`, in order; nothing lands after the flush, and the
+//!   connection stays in error (as a QP does) until the sender connects afresh.
+//!
+//! Queue pairs run on the world's `infra` node: a NIC keeps working while its process hangs.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, Landed, PostWrite, SlotMemory};
+use tokio::sync::{mpsc, watch};
+
+use crate::world::{Inner, World};
+
+/// Registered memory of a simulated node.
+#[derive(Debug)]
+pub struct SimMemory {
+    slots: u32,
+    slot_bytes: usize,
+    bytes: Mutex<Vec<u8>>,
+}
+
+impl SimMemory {
+    pub fn new(slots: u32, slot_bytes: usize) -> Self {
+        Self {
+            slots,
+            slot_bytes,
+            bytes: Mutex::new(vec![0; slots as usize * slot_bytes]),
+        }
+    }
+
+    fn range(&self, slot: u32, len: usize) -> std::ops::Range<usize> {
+        assert!(
+            slot < self.slots && len <= self.slot_bytes,
+            "invariant: slot {slot} and {len} bytes fit {} slots of {} bytes",
+            self.slots,
+            self.slot_bytes
+        );
+        let start = slot as usize * self.slot_bytes;
+        start..start + len
+    }
+}
+
+impl SlotMemory for SimMemory {
+    fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn write_slot(&self, slot: u32, data: &[u8]) {
+        let range = self.range(slot, data.len());
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range].copy_from_slice(data);
+    }
+
+    fn read_slot(&self, slot: u32, out: &mut [u8]) {
+        let range = self.range(slot, out.len());
+        out.copy_from_slice(&self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range]);
+    }
+}
+
+#[derive(Debug)]
+struct Exposed {
+    node: String,
+    memory: Arc<SimMemory>,
+    landed: mpsc::UnboundedSender<Landed>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    sender: String,
+    receiver: String,
+    endpoint: String,
+    broken: Option<String>,
+    signal: watch::Sender<bool>,
+    last_land: Duration,
+}
+
+/// The fabric's tables, inside the `World`.
+#[derive(Debug, Default)]
+pub struct FabricState {
+    exposed: BTreeMap<String, Exposed>,
+    conns: BTreeMap<u64, Conn>,
+    next_conn: u64,
+    egress_free: BTreeMap<String, Duration>,
+}
+
+/// A node's view of the simulated fabric.
+#[derive(Debug, Clone)]
+pub struct SimFabric {
+    world: World,
+    node: String,
+}
+
+impl SimFabric {
+    pub fn new(world: World, node: &str) -> Self {
+        Self {
+            world,
+            node: node.to_owned(),
+        }
+    }
+}
+
+impl Fabric for SimFabric {
+    type Memory = SimMemory;
+
+    fn allocate_staging(&self, slots: u32, slot_bytes: usize) -> Result<Arc<SimMemory>, FabricError> {
+        Ok(Arc::new(SimMemory::new(slots, slot_bytes)))
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<SimMemory>, FabricError> {
+        let memory = Arc::new(SimMemory::new(slots, slot_bytes));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut w = self.world.lock();
+        if w.fabric.exposed.contains_key(endpoint) {
+            let why = "already exposed".to_owned();
+            return Err(FabricError::Endpoint { endpoint: endpoint.to_owned(), why });
+        }
+        let exposed = Exposed { node: self.node.clone(), memory: memory.clone(), landed: tx };
+        w.fabric.exposed.insert(endpoint.to_owned(), exposed);
+        Ok(FabricListener { local_endpoint: endpoint.to_owned(), memory, landed: rx })
+    }
+
+    async fn connect(&self, endpoint: &str, staging: Arc<SimMemory>) -> Result<FabricConn, FabricError> {
+        // Setting up a queue pair takes a round trip.
+        let rtt = 2 * self.world.lock().model.control_latency_max;
+        tokio::time::sleep(rtt).await;
+        let now = self.world.now();
+        let (signal_tx, signal_rx) = watch::channel(false);
+        let id = {
+            let mut w = self.world.lock();
+            let inner = &mut *w;
+            let exposed = inner.fabric.exposed.get(endpoint);
+            let exposed = exposed.ok_or_else(|| FabricError::NotExposed(endpoint.to_owned()))?;
+            let receiver = exposed.node.clone();
+            if !inner.reachable(&self.node, &receiver) {
+                return Err(FabricError::Io(format!("{endpoint} is unreachable from {}", self.node)));
+            }
+            inner.fabric.next_conn += 1;
+            let id = inner.fabric.next_conn;
+            let conn = Conn {
+                sender: self.node.clone(),
+                receiver,
+                endpoint: endpoint.to_owned(),
+                broken: None,
+                signal: signal_tx,
+                last_land: now,
+            };
+            inner.fabric.conns.insert(id, conn);
+            inner.trace.record(now, format_args!("qp {id}: {} -> {endpoint}", self.node));
+            id
+        };
+        let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let qp = crate::qp::QueuePair::new(self.world.clone(), id, staging, done_tx);
+        self.world.spawn_infra(qp.run(ops_rx, signal_rx));
+        Ok(FabricConn::new(ops_tx, done_rx))
+    }
+}
+
+/// Where a write posted now on connection `id` lands, or why it cannot; the bool says the
+/// write will exceed the retry timeout (the connection errors at the returned time).
+pub(crate) fn schedule(world: &World, id: u64, len: usize) -> Result<(Duration, bool), FabricError> {
+    let now = world.now();
+    let mut w = world.lock();
+    let inner = &mut *w;
+    let conn = inner.fabric.conns.get(&id).ok_or(FabricError::Closed)?;
+    if conn.broken.is_some() {
+        return Err(FabricError::Flushed);
+    }
+    let (sender, receiver) = (conn.sender.clone(), conn.receiver.clone());
+    let model = &inner.model;
+    let wire = Duration::from_nanos((len as u64 * 1_000_000_000) / model.egress_bytes_per_sec.max(1));
+    let free = inner.fabric.egress_free.entry(sender.clone()).or_default();
+    let sent = (*free).max(now) + wire;
+    *free = sent;
+    let flight = model.fabric_latency + inner.slowdown(&sender, &receiver);
+    let retry = model.qp_retry_timeout;
+    let conn = inner.fabric.conns.get_mut(&id).ok_or(FabricError::Closed)?;
+    let land = (sent + flight).max(conn.last_land);
+    conn.last_land = land;
+    if land > now + retry {
+        return Ok((now + retry, true));
+    }
+    Ok((land, false))
+}
+
+/// Lands one write: checks the connection and the bounds, lets the checker see it, copies the
+/// bytes and announces the immediate. An error means the connection is now in error.
+pub(crate) fn land(world: &World, id: u64, staging: &SimMemory, w: &PostWrite) -> Result<(), FabricError> {
+    let now = world.now();
+    let mut g = world.lock();
+    let inner = &mut *g;
+    let conn = inner.fabric.conns.get(&id).ok_or(FabricError::Closed)?;
+    if conn.broken.is_some() {
+        return Err(FabricError::Flushed);
+    }
+    let (sender, endpoint) = (conn.sender.clone(), conn.endpoint.clone());
+    let exposed = inner.fabric.exposed.get(&endpoint).filter(|e| inner.reachable(&sender, &e.node));
+    let Some(exposed) = exposed else {
+        break_conn(inner, now, id, "the receiver is gone");
+        return Err(FabricError::Flushed);
+    };
+    let remote = exposed.memory.clone();
+    let fits = w.local.0 < staging.slots()
+        && w.len <= staging.slot_bytes()
+        && w.remote.0 < remote.slots()
+        && w.len <= remote.slot_bytes();
+    if !fits {
+        break_conn(inner, now, id, "remote access error");
+        return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
+    }
+    let (receiver, landed) = (exposed.node.clone(), exposed.landed.clone());
+    inner.checker.on_write(now, &receiver, &sender, w.remote, w.imm);
+    inner.trace.record(now, format_args!("write {} {sender} -> {receiver} slot {} imm {:?}", w.id.0, w.remote.0, w.imm));
+    drop(g);
+    let mut buf = vec![0u8; w.len];
+    staging.read_slot(w.local.0, &mut buf);
+    remote.write_slot(w.remote.0, &buf);
+    if let Some(imm) = w.imm {
+        // A receiver that stopped listening lost the notice; the bytes are there.
+        let _ = landed.send(Landed { imm });
+    }
+    Ok(())
+}
+
+pub(crate) fn is_broken(world: &World, id: u64) -> bool {
+    world.lock().fabric.conns.get(&id).is_none_or(|c| c.broken.is_some())
+}
+
+pub(crate) fn fail(world: &World, id: u64, why: &str) {
+    let now = world.now();
+    break_conn(&mut world.lock(), now, id, why);
+}
+
+pub(crate) fn close(world: &World, id: u64) {
+    world.lock().fabric.conns.remove(&id);
+}
+
+pub(crate) fn ack_latency(world: &World) -> Duration {
+    world.lock().model.fabric_latency
+}
+
+fn break_conn(inner: &mut Inner, now: Duration, id: u64, why: &str) {
+    let Some(conn) = inner.fabric.conns.get_mut(&id) else { return };
+    if conn.broken.is_some() {
+        return;
+    }
+    conn.broken = Some(why.to_owned());
+    let _ = conn.signal.send(true);
+    let (s, e) = (conn.sender.clone(), conn.endpoint.clone());
+    inner.trace.record(now, format_args!("qp {id}: {s} -> {e} ERROR ({why})"));
+}
+
+/// Breaks every queue pair between nodes `a` and `b`.
+pub fn break_between(inner: &mut Inner, now: Duration, a: &str, b: &str, why: &str) {
+    let hit: Vec<u64> = inner
+        .fabric
+        .conns
+        .iter()
+        .filter(|(_, c)| (c.sender == a && c.receiver == b) || (c.sender == b && c.receiver == a))
+        .map(|(id, _)| *id)
+        .collect();
+    for id in hit {
+        break_conn(inner, now, id, why);
+    }
+}
+
+/// `node` crashed: its exposed buffers vanish and every queue pair touching it errors.
+pub fn on_crash(inner: &mut Inner, now: Duration, node: &str) {
+    inner.fabric.exposed.retain(|_, e| e.node != node);
+    let hit: Vec<u64> = inner
+        .fabric
+        .conns
+        .iter()
+        .filter(|(_, c)| c.sender == node || c.receiver == node)
+        .map(|(id, _)| *id)
+        .collect();
+    for id in hit {
+        break_conn(inner, now, id, "crash");
+    }
+}

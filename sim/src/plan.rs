@@ -1,0 +1,159 @@
+//! Swarm generation (TigerBeetle's VOPR style): one seed draws a whole run — topology, every
+//! node's sizes, the timing of the world, the workload, and which fault knobs are on and how
+//! hard. Each knob is on for only some seeds, so that rare combinations get their turn.
+
+use std::time::Duration;
+
+use kvx_proto::config::Pipelining;
+
+use crate::config::{receiver_node, sender_node, Fault, FaultEvent, RequestPlan, SimConfig};
+use crate::rng::SimRng;
+
+const MS: Duration = Duration::from_millis(1);
+const US: Duration = Duration::from_micros(1);
+
+/// Draws the run of `seed`. Without `faults` nothing is injected and every request (except
+/// oversized ones) must be delivered; with it, faults and aborts hit a first phase, then
+/// everything heals and a second phase must be delivered in full.
+pub fn random(seed: u64, faults: bool) -> SimConfig {
+    let mut rng = SimRng::new(seed);
+    let mut cfg = SimConfig::new(rng.range(1, 3) as usize, rng.range(1, 3) as usize, 1, 1);
+    cfg.seed = seed;
+    cfg.tp = if rng.chance(0.25) { 2 } else { 1 };
+    for d in &mut cfg.decode {
+        d.receiver.buffer_slots = rng.range_u32(4, 40);
+    }
+    for p in &mut cfg.prefill {
+        p.sender.staging_slots = rng.range_u32(1, 24);
+        p.sender.inflight_max = rng.range(1, 16) as usize;
+        if rng.chance(0.3) {
+            p.sender.pipelining = Pipelining::Off;
+        }
+        p.interleave = rng.range(1, 4) as usize;
+        p.allocate_first = rng.chance(0.5);
+    }
+    cfg.chunk_bytes = *rng.pick(&[64, 128, 256, 512]);
+    cfg.prefill_chunk_time = rng.duration(Duration::ZERO, 200 * US);
+    cfg.decode_delay = rng.duration(Duration::ZERO, 2 * MS);
+    cfg.model.control_latency_min = rng.duration(10 * US, 100 * US);
+    cfg.model.control_latency_max = cfg.model.control_latency_min + rng.duration(Duration::ZERO, 400 * US);
+    cfg.model.fabric_latency = rng.duration(2 * US, 50 * US);
+    cfg.model.egress_bytes_per_sec = rng.range(1, 20) * 1_000_000_000;
+
+    let window = rng.duration(5 * MS, 800 * MS);
+    let first = rng.range(3, 24);
+    for i in 0..first {
+        let start_at = 20 * MS + rng.duration(Duration::ZERO, window);
+        let plan = request(&mut rng, &cfg, format!("a{i}"), start_at);
+        cfg.requests.push(plan);
+    }
+    if !faults {
+        return cfg;
+    }
+    let cancels = rng.chance(0.5);
+    for plan in &mut cfg.requests {
+        plan.must_deliver = false;
+        if cancels && rng.chance(0.3) {
+            plan.cancel_after = Some(rng.duration(Duration::ZERO, 3 * MS));
+        }
+    }
+    let end = 20 * MS + window;
+    cfg.faults = faults_for(&mut rng, &cfg, end);
+    let fault_end = cfg.faults.iter().map(|f| f.at + lasts(&f.fault)).max().unwrap_or_default();
+    cfg.heal_at = end.max(fault_end) + 10 * MS;
+    let from = cfg.heal_at + cfg.settle();
+    for i in 0..rng.range(2, 12) {
+        let start_at = from + rng.duration(Duration::ZERO, 50 * MS);
+        let plan = request(&mut rng, &cfg, format!("b{i}"), start_at);
+        cfg.requests.push(plan);
+    }
+    cfg
+}
+
+fn request(rng: &mut SimRng, cfg: &SimConfig, id: String, start_at: Duration) -> RequestPlan {
+    let prefill = rng.range(0, cfg.prefill.len() as u64 - 1) as usize;
+    let decode = rng.range(0, cfg.decode.len() as u64 - 1) as usize;
+    let buffer = cfg.decode[decode].receiver.buffer_slots;
+    // Large requests half the time: contention is where admission bugs live.
+    let chunks = if rng.chance(0.5) { rng.range_u32(buffer.div_ceil(2), buffer) } else { rng.range_u32(1, buffer.min(8)) };
+    let mut plan = RequestPlan::new(&id, prefill, decode, chunks, rng.range_u32(1, 6));
+    plan.start_at = start_at;
+    if rng.chance(0.05) {
+        // LMCache W13: fewer chunks sent than declared.
+        plan.declared = (chunks + rng.range_u32(1, 3)).min(buffer);
+    }
+    if rng.chance(0.03) {
+        plan.declared = buffer + rng.range_u32(1, 4);
+        plan.oversized = true;
+        plan.must_deliver = false;
+    }
+    plan
+}
+
+fn lasts(f: &Fault) -> Duration {
+    match f {
+        Fault::Disconnect { .. } => Duration::ZERO,
+        Fault::Partition { lasts, .. } | Fault::Crash { lasts, .. } => *lasts,
+        Fault::Pause { lasts, .. } | Fault::Slow { lasts, .. } => *lasts,
+    }
+}
+
+/// Each kind of fault is on for about half the seeds, with a random count and strength.
+fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEvent> {
+    let senders: Vec<String> = (0..cfg.prefill.len())
+        .flat_map(|p| (0..cfg.tp).map(move |r| sender_node(p, r)))
+        .collect();
+    let receivers: Vec<String> = (0..cfg.decode.len())
+        .flat_map(|d| (0..cfg.tp).map(move |r| receiver_node(d, r)))
+        .collect();
+    let mut out = Vec::new();
+    let at = |rng: &mut SimRng| rng.duration(10 * MS, end.max(20 * MS));
+    if rng.chance(0.5) {
+        for _ in 0..rng.range(1, 4) {
+            let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
+            out.push(FaultEvent { at: at(rng), fault: Fault::Disconnect { a, b } });
+        }
+    }
+    if rng.chance(0.4) {
+        for _ in 0..rng.range(1, 2) {
+            let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
+            let lasts = rng.duration(10 * MS, 1_000 * MS);
+            out.push(FaultEvent { at: at(rng), fault: Fault::Partition { a, b, lasts } });
+        }
+    }
+    if rng.chance(0.4) {
+        for _ in 0..rng.range(1, 2) {
+            let node = rng.pick(&senders).clone();
+            let lasts = rng.duration(10 * MS, 800 * MS);
+            out.push(FaultEvent { at: at(rng), fault: Fault::Crash { node, lasts } });
+        }
+    }
+    if rng.chance(0.25) {
+        let node = rng.pick(&receivers).clone();
+        let lasts = rng.duration(10 * MS, 800 * MS);
+        out.push(FaultEvent { at: at(rng), fault: Fault::Crash { node, lasts } });
+    }
+    if rng.chance(0.4) {
+        // A hung prefill process whose NIC is slow too: its writes land late, after its
+        // receiver may have given up on the request (the quarantine's reason to exist).
+        for _ in 0..rng.range(1, 2) {
+            let node = rng.pick(&senders).clone();
+            let (when, lasts) = (at(rng), rng.duration(100 * MS, 3_000 * MS));
+            let extra = rng.duration(500 * MS, 2_500 * MS);
+            for b in &receivers {
+                let fault = Fault::Slow { a: node.clone(), b: b.clone(), extra, lasts };
+                out.push(FaultEvent { at: when, fault });
+            }
+            out.push(FaultEvent { at: when + MS, fault: Fault::Pause { node, lasts } });
+        }
+    }
+    if rng.chance(0.4) {
+        for _ in 0..rng.range(1, 3) {
+            let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
+            let (extra, lasts) = (rng.duration(MS, 2_000 * MS), rng.duration(10 * MS, 1_000 * MS));
+            out.push(FaultEvent { at: at(rng), fault: Fault::Slow { a, b, extra, lasts } });
+        }
+    }
+    out.sort_by_key(|f| f.at);
+    out
+}

@@ -1,0 +1,282 @@
+//! The simulated world that every node shares: which nodes are up, the network's faults and
+//! latency model, the transport's and fabric's connection tables, the checker, the request
+//! outcomes and the trace. One lock; nothing awaits while holding it (madsim runs one task
+//! at a time, so the lock never contends — it only keeps the code safe Rust).
+//!
+//! Connections (transport links and fabric queue pairs) are served by tasks on an `infra`
+//! node that is never crashed or paused: the network and the NICs keep working while a
+//! process hangs, and a crash breaks the crashed node's connections explicitly.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use madsim::runtime::Handle;
+use madsim::task::NodeId;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::checker::Checker;
+use crate::fabric::FabricState;
+use crate::known_bugs::KnownBug;
+use crate::net::NetState;
+use crate::nodes::{DecoderCmd, EngineCmd};
+use crate::outcomes::Outcomes;
+use crate::rng::SimRng;
+use crate::trace::Trace;
+
+/// Latency, bandwidth and reconnection of the simulated network.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkModel {
+    /// One-way latency of a control message: uniform in this range (the spread is jitter;
+    /// each connection stays FIFO).
+    pub control_latency_min: Duration,
+    pub control_latency_max: Duration,
+    /// One-way latency of a one-sided write, and of its acknowledgement.
+    pub fabric_latency: Duration,
+    /// Each node's NIC sends this many bytes per second, shared by its connections.
+    pub egress_bytes_per_sec: u64,
+    /// A write in flight this long errors its connection (verbs: the retry count is
+    /// exhausted), flushing everything outstanding. Must stay below every receiver's
+    /// `write_quarantine`, which is what makes a late write harmless.
+    pub qp_retry_timeout: Duration,
+    /// A broken control connection is retried after this, doubling up to the max.
+    pub reconnect_backoff_min: Duration,
+    pub reconnect_backoff_max: Duration,
+}
+
+impl Default for LinkModel {
+    fn default() -> Self {
+        Self {
+            control_latency_min: Duration::from_micros(30),
+            control_latency_max: Duration::from_micros(80),
+            fabric_latency: Duration::from_micros(5),
+            egress_bytes_per_sec: 10_000_000_000,
+            qp_retry_timeout: Duration::from_secs(3),
+            reconnect_backoff_min: Duration::from_millis(20),
+            reconnect_backoff_max: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeState {
+    pub up: bool,
+    /// Starts so far (a restart adds one).
+    pub incarnation: u32,
+}
+
+pub struct Inner {
+    pub rng: SimRng,
+    pub model: LinkModel,
+    pub nodes: BTreeMap<String, NodeState>,
+    partitions: BTreeSet<(String, String)>,
+    slow: BTreeMap<(String, String), Duration>,
+    pub net: NetState,
+    pub fabric: FabricState,
+    pub checker: Checker,
+    pub outcomes: Outcomes,
+    pub trace: Trace,
+    pub engines: BTreeMap<String, mpsc::UnboundedSender<EngineCmd>>,
+    pub decoders: BTreeMap<String, mpsc::UnboundedSender<DecoderCmd>>,
+    /// Known bugs whose workaround is off (`--expose`).
+    pub exposed: Vec<KnownBug>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner").field("nodes", &self.nodes).finish()
+    }
+}
+
+fn pair(a: &str, b: &str) -> (String, String) {
+    if a <= b {
+        (a.to_owned(), b.to_owned())
+    } else {
+        (b.to_owned(), a.to_owned())
+    }
+}
+
+impl Inner {
+    /// Both nodes are up and no partition separates them.
+    pub fn reachable(&self, a: &str, b: &str) -> bool {
+        let up = |n: &str| self.nodes.get(n).is_some_and(|s| s.up);
+        up(a) && up(b) && !self.partitions.contains(&pair(a, b))
+    }
+
+    /// Extra latency a slowdown fault adds between `a` and `b`.
+    pub fn slowdown(&self, a: &str, b: &str) -> Duration {
+        self.slow.get(&pair(a, b)).copied().unwrap_or_default()
+    }
+
+    /// One control message's latency from `a` to `b`.
+    pub fn control_delay(&mut self, a: &str, b: &str) -> Duration {
+        let (lo, hi) = (self.model.control_latency_min, self.model.control_latency_max);
+        self.rng.duration(lo, hi) + self.slowdown(a, b)
+    }
+}
+
+/// A handle on the world; clones share it.
+#[derive(Clone)]
+pub struct World {
+    inner: Arc<Mutex<Inner>>,
+    epoch: Instant,
+    infra: NodeId,
+}
+
+impl std::fmt::Debug for World {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("World")
+    }
+}
+
+impl World {
+    /// Creates the world and its `infra` node. Must run inside a madsim runtime.
+    pub fn new(seed: u64, model: LinkModel) -> Self {
+        let infra = Handle::current().create_node().name("infra").build().id();
+        let inner = Inner {
+            rng: SimRng::new(seed ^ 0x5EED_0F_3011D),
+            model,
+            nodes: BTreeMap::new(),
+            partitions: BTreeSet::new(),
+            slow: BTreeMap::new(),
+            net: NetState::default(),
+            fabric: FabricState::default(),
+            checker: Checker::default(),
+            outcomes: Outcomes::default(),
+            trace: Trace::default(),
+            engines: BTreeMap::new(),
+            decoders: BTreeMap::new(),
+            exposed: Vec::new(),
+        };
+        Self {
+            inner: Arc::new(Mutex::new(inner)),
+            epoch: Instant::now(),
+            infra,
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Virtual time since the world began.
+    pub fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    pub async fn sleep_until(&self, at: Duration) {
+        tokio::time::sleep_until(self.epoch + at).await
+    }
+
+    pub fn record(&self, what: std::fmt::Arguments<'_>) {
+        let now = self.now();
+        self.lock().trace.record(now, what);
+    }
+
+    /// Runs `fut` on the `infra` node (the network and the NICs).
+    pub fn spawn_infra<F>(&self, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        if let Some(node) = Handle::current().get_node(self.infra) {
+            node.spawn(fut);
+        }
+    }
+
+    /// A node (re)started; returns its incarnation.
+    pub fn node_started(&self, name: &str) -> u32 {
+        let now = self.now();
+        let mut w = self.lock();
+        let state = w.nodes.entry(name.to_owned()).or_default();
+        state.up = true;
+        state.incarnation += 1;
+        let inc = state.incarnation;
+        w.trace.record(now, format_args!("node {name} up (incarnation {inc})"));
+        inc
+    }
+
+    pub fn incarnation(&self, name: &str) -> u32 {
+        self.lock().nodes.get(name).map_or(0, |s| s.incarnation)
+    }
+
+    pub fn is_up(&self, name: &str) -> bool {
+        self.lock().nodes.get(name).is_some_and(|s| s.up)
+    }
+
+    /// A node crashed: it is down, its endpoints are gone and every connection touching it
+    /// breaks. The caller kills its madsim node right after.
+    pub fn crash(&self, name: &str) {
+        let now = self.now();
+        let mut w = self.lock();
+        if let Some(state) = w.nodes.get_mut(name) {
+            state.up = false;
+        }
+        w.trace.record(now, format_args!("node {name} CRASHED"));
+        w.engines.remove(name);
+        w.decoders.remove(name);
+        crate::net::on_crash(&mut w, now, name);
+        crate::fabric::on_crash(&mut w, now, name);
+        w.checker.on_crash(now, name);
+    }
+
+    /// Cuts `a` from `b`: every connection between them breaks and none can be made.
+    pub fn partition(&self, a: &str, b: &str) {
+        let now = self.now();
+        let mut w = self.lock();
+        w.partitions.insert(pair(a, b));
+        w.trace.record(now, format_args!("partition {a} | {b}"));
+        crate::net::break_between(&mut w, now, a, b, "partitioned");
+        crate::fabric::break_between(&mut w, now, a, b, "partitioned");
+    }
+
+    /// Breaks the control connection(s) from `a` to `b` once (a TCP reset).
+    pub fn disconnect(&self, a: &str, b: &str) {
+        let now = self.now();
+        let mut w = self.lock();
+        crate::net::break_between(&mut w, now, a, b, "disconnected");
+    }
+
+    /// Adds `extra` latency between `a` and `b` (control and fabric) until healed.
+    pub fn slow_down(&self, a: &str, b: &str, extra: Duration) {
+        let now = self.now();
+        let mut w = self.lock();
+        w.slow.insert(pair(a, b), extra);
+        w.trace.record(now, format_args!("slow {a} ~ {b} +{extra:?}"));
+    }
+
+    /// Ends every partition and slowdown.
+    pub fn heal_network(&self) {
+        let now = self.now();
+        let mut w = self.lock();
+        w.partitions.clear();
+        w.slow.clear();
+        w.trace.record(now, format_args!("network healed"));
+    }
+
+    pub fn end_partition(&self, a: &str, b: &str) {
+        let now = self.now();
+        let mut w = self.lock();
+        w.partitions.remove(&pair(a, b));
+        w.trace.record(now, format_args!("partition {a} | {b} healed"));
+    }
+
+    pub fn end_slow(&self, a: &str, b: &str) {
+        let now = self.now();
+        let mut w = self.lock();
+        w.slow.remove(&pair(a, b));
+        w.trace.record(now, format_args!("slow {a} ~ {b} ends"));
+    }
+
+    /// Hands a command to the prefill engine on `node`; false when the node is down.
+    pub fn send_engine(&self, node: &str, cmd: EngineCmd) -> bool {
+        let tx = self.lock().engines.get(node).cloned();
+        tx.is_some_and(|tx| tx.send(cmd).is_ok())
+    }
+
+    pub fn send_decoder(&self, node: &str, cmd: DecoderCmd) -> bool {
+        let tx = self.lock().decoders.get(node).cloned();
+        tx.is_some_and(|tx| tx.send(cmd).is_ok())
+    }
+}
