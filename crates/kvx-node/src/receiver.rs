@@ -219,7 +219,13 @@ impl<E: Env> Driver<E> {
                 // Garbage gets an error reply, LMCache-shaped, and changes nothing else.
                 metrics::counter!(m::DECODE_ERRORS, "receiver" => self.label.clone()).increment(1);
                 tracing::warn!(%peer, error = %e, len = bytes.len(), "undecodable message");
-                let reply = AllocResponse::refused(1, format!("undecodable message: {e}"), None);
+                // Whoever sends garbage is no LMCache peer; the reason is worth more than
+                // LMCache's exact bytes here.
+                let reason = format!("undecodable message: {e}");
+                let reply = AllocResponse {
+                    error: Some(reason),
+                    ..AllocResponse::refused(1, String::new(), None)
+                };
                 let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
                 let _ = replies.send((peer, bytes)).await;
             }

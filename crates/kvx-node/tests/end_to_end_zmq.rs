@@ -288,7 +288,10 @@ async fn receiver_restart_mid_run() {
     let (_addr, verified, _, _keep) = receiver(&c.env, &c.addr.alloc, &c.addr.fabric, 16).await;
     // Delivered before the stop, or failed with the proxy told — never left hanging.
     if let Err(why) = &result {
-        assert!(!why.contains("proxy silent"), "the proxy was not told: {why}");
+        assert!(
+            !why.contains("proxy silent"),
+            "the proxy was not told: {why}"
+        );
     }
     // Later requests succeed once the sender has reconnected (bounded retries).
     let deadline = tokio::time::Instant::now() + BOUND;

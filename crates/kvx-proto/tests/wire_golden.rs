@@ -16,7 +16,7 @@ const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/g
 
 fn unhex(text: &str) -> Vec<u8> {
     let digits: Vec<u8> = text.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
-    assert!(digits.len() % 2 == 0, "odd number of hex digits");
+    assert!(digits.len().is_multiple_of(2), "odd number of hex digits");
     digits
         .chunks(2)
         .map(|pair| {

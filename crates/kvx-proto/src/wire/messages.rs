@@ -111,13 +111,15 @@ impl AllocResponse {
         }
     }
 
-    /// LMCache's error shape: `max(n_keys, 1)` entries of −1, plus kvx's reason.
+    /// LMCache's error shape: `max(n_keys, 1)` entries of −1, plus kvx's reason for a kvx
+    /// peer. A peer that sent no `seq` (LMCache) gets exactly LMCache's bytes; the receiver
+    /// logs the reason instead.
     pub fn refused(n_keys: usize, reason: String, seq: Option<u64>) -> Self {
         Self {
             remote_indexes: vec![-1; n_keys.max(1)],
             already_sent_indexes: Vec::new(),
             seq,
-            error: Some(reason),
+            error: seq.map(|_| reason),
             generations: None,
         }
     }
