@@ -9,18 +9,35 @@ pub enum KnownBug {
     /// a write completion frees staging but emits none, so a waiter is not woken and waits
     /// out `staging_timeout`. Workaround: the engine re-polls `allocate` every millisecond.
     AllocateWakeup,
+    /// kvx-proto `Channel::next_sendable`: on a pipelined channel, admission probes that wait
+    /// at the receiver count against `inflight_max`. When the window is full of waiting
+    /// probes, an admitted request's batches queue behind them, the receiver cannot free the
+    /// capacity the probes wait for, and everything stalls until a lease or the admission
+    /// timeout fails a request (LMCache's W1, back through the window). Workaround: every
+    /// sender's `inflight_max` exceeds its engine's interleave, so probes never fill it.
+    ProbeWindow,
 }
 
 impl KnownBug {
-    pub const ALL: [KnownBug; 1] = [KnownBug::AllocateWakeup];
+    pub const ALL: [KnownBug; 2] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow];
 
     pub fn name(self) -> &'static str {
         match self {
             KnownBug::AllocateWakeup => "allocate-wakeup",
+            KnownBug::ProbeWindow => "probe-window",
         }
     }
 
     pub fn from_name(name: &str) -> Option<KnownBug> {
         KnownBug::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+/// Applies the workarounds that are configuration (the rest live in the engine).
+pub fn apply(cfg: &mut crate::SimConfig, exposed: &[KnownBug]) {
+    if !exposed.contains(&KnownBug::ProbeWindow) {
+        for p in &mut cfg.prefill {
+            p.sender.inflight_max = p.sender.inflight_max.max(p.interleave + 1);
+        }
     }
 }

@@ -65,8 +65,9 @@ pub fn run(cfg: SimConfig, opts: RunOptions) -> RunReport {
     joined.unwrap_or_else(|why| RunReport { seed, violations: vec![why], ..RunReport::default() })
 }
 
-fn run_here(cfg: SimConfig, opts: RunOptions) -> RunReport {
+fn run_here(mut cfg: SimConfig, opts: RunOptions) -> RunReport {
     let seed = cfg.seed;
+    crate::known_bugs::apply(&mut cfg, &opts.expose);
     broken_variants::set(opts.variant);
     let slot: Arc<Mutex<Option<World>>> = Arc::default();
     let limit = run_limit(&cfg);
