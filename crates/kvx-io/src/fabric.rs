@@ -45,6 +45,23 @@ pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
     fn write_slot(&self, slot: u32, data: &[u8]);
     /// Copies the first `out.len()` bytes of `slot` into `out`.
     fn read_slot(&self, slot: u32, out: &mut [u8]);
+
+    /// Lets `f` fill the first `len` bytes of `slot` in place, sparing a copy when the
+    /// memory allows it (a prefill thread writing a chunk straight into staging). The
+    /// default goes through a buffer and `write_slot`.
+    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        let mut buf = vec![0u8; len];
+        f(&mut buf);
+        self.write_slot(slot, &buf);
+    }
+
+    /// Lets `f` read the first `len` bytes of `slot` in place (the decoder reading a chunk).
+    /// The default copies through `read_slot`.
+    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
+        let mut buf = vec![0u8; len];
+        self.read_slot(slot, &mut buf);
+        f(&buf);
+    }
 }
 
 /// Memory on the heap, one lock per slot. The protocol hands each slot to one owner at a
@@ -93,6 +110,14 @@ impl SlotMemory for HeapMemory {
 
     fn read_slot(&self, slot: u32, out: &mut [u8]) {
         self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
+    }
+
+    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        self.with_slot(slot, |s| f(&mut s[..len]));
+    }
+
+    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
+        self.with_slot(slot, |s| f(&s[..len]));
     }
 }
 

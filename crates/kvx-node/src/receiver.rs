@@ -123,6 +123,11 @@ impl<M: SlotMemory> ReceiverHandle<M> {
         self.memory.read_slot(slot.0, out);
     }
 
+    /// Lets `f` read the first `len` bytes of a ready request's slot in place.
+    pub fn inspect_chunk(&self, slot: SlotIndex, len: usize, f: &mut dyn FnMut(&[u8])) {
+        self.memory.inspect_slot(slot.0, len, f);
+    }
+
     /// The buffer's accounting now (for leak checks and monitoring).
     pub async fn snapshot(&self) -> Option<BufferSnapshot> {
         let (tx, rx) = oneshot::channel();

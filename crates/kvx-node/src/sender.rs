@@ -302,6 +302,13 @@ impl<E: Env> SenderHandle<E> {
         self.shared.lens[slot.0 as usize].store(bytes.len(), Ordering::Release);
     }
 
+    /// Lets `fill` write a chunk of `len` bytes straight into a staging slot the caller holds
+    /// (no intermediate copy where the memory allows it).
+    pub fn stage_with(&self, slot: StagingSlot, len: usize, fill: &mut dyn FnMut(&mut [u8])) {
+        self.memory.fill_slot(slot.0, len, fill);
+        self.shared.lens[slot.0 as usize].store(len, Ordering::Release);
+    }
+
     /// Submits staged chunks as one batch.
     pub fn submit(
         &self,

@@ -86,10 +86,12 @@ pub struct SyntheticRequest {
 }
 
 /// What a prefill of one request measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillTiming {
     /// Time from `begin` to the receiver's admission.
     pub admission_wait: Duration,
+    /// When the first batch was submitted; latency is measured from here.
+    pub first_submit: tokio::time::Instant,
 }
 
 /// Prefills one request: begin, await admission, stage and submit every chunk in batches,
@@ -112,41 +114,43 @@ pub async fn prefill<E: Env>(
         .map_err(|e| SendFailure::Misuse(e.to_string()))?;
     sender.admitted(&req.req_id).await?;
     let admission_wait = started.elapsed();
-    let mut buf = vec![0u8; req.chunk_bytes];
+    let mut first_submit = None;
     let mut batch = Vec::new();
     for chunk in 0..req.chunks {
         let slot = match sender.allocate(&req.req_id).await {
             Ok(slot) => slot,
             Err(e) => {
                 let _ = sender.cancel(&req.req_id);
-                return sender
-                    .outcome(&req.req_id)
-                    .await
-                    .and(Err(SendFailure::Misuse(e.to_string())));
+                let outcome = sender.outcome(&req.req_id).await;
+                return outcome.and(Err(SendFailure::Misuse(e.to_string())));
             }
         };
-        chunk_bytes(&req.req_id.0, chunk, &mut buf);
-        sender.stage(slot, &buf);
+        // The chunk is produced straight into its staging slot.
+        sender.stage_with(slot, req.chunk_bytes, &mut |out| {
+            chunk_bytes(&req.req_id.0, chunk, out)
+        });
+        let key = format!("{}@{chunk}", req.req_id);
         batch.push(ChunkSpec {
-            key: format!("{}@{chunk}", req.req_id),
+            key,
             staging: slot,
             tokens: 256,
         });
         let is_last = chunk + 1 == req.chunks;
-        let full = batch.len() as u32 == req.batch_chunks || is_last;
-        // An error means the request ended meanwhile; its outcome says how.
-        if full
-            && sender
-                .submit(&req.req_id, std::mem::take(&mut batch), is_last)
-                .is_err()
-        {
-            break;
+        if batch.len() as u32 == req.batch_chunks || is_last {
+            first_submit.get_or_insert_with(tokio::time::Instant::now);
+            let batch = std::mem::take(&mut batch);
+            // An error means the request ended meanwhile; its outcome says how.
+            if sender.submit(&req.req_id, batch, is_last).is_err() {
+                break;
+            }
         }
     }
-    sender
-        .outcome(&req.req_id)
-        .await
-        .map(|()| PrefillTiming { admission_wait })
+    let first_submit = first_submit.unwrap_or_else(tokio::time::Instant::now);
+    let outcome = sender.outcome(&req.req_id).await;
+    outcome.map(|()| PrefillTiming {
+        admission_wait,
+        first_submit,
+    })
 }
 
 /// Reads every chunk of a ready request and checks its bytes. Returns the bytes verified,
@@ -156,10 +160,13 @@ pub fn verify<M: SlotMemory>(
     ready: &ReadyRequest,
     chunk_len: usize,
 ) -> Result<u64, u32> {
-    let mut got = vec![0u8; chunk_len];
     for (chunk, slot) in ready.slots.iter().enumerate() {
-        receiver.read_chunk(*slot, &mut got);
-        if !chunk_matches(&ready.key.req_id.0, chunk as u32, &got) {
+        let mut ok = false;
+        let req_id = &ready.key.req_id.0;
+        receiver.inspect_chunk(*slot, chunk_len, &mut |got| {
+            ok = chunk_matches(req_id, chunk as u32, got)
+        });
+        if !ok {
             return Err(chunk as u32);
         }
     }

@@ -37,7 +37,7 @@ pub struct Summary {
     pub bytes_verified: u64,
     pub makespan_s: f64,
     pub bytes_per_sec: f64,
-    /// From a request's begin (its first message) to its ProxyNotif at the proxy.
+    /// From a request's first batch submitted to its ProxyNotif at the proxy.
     pub latency_ms_p50: f64,
     pub latency_ms_p99: f64,
     pub admission_wait_ms_p50: f64,
@@ -236,7 +236,7 @@ pub fn print_table(s: &Summary) {
         gb(s.bytes_per_sec)
     );
     println!(
-        "  latency         {:>10.2} ms p50, {:.2} ms p99 (begin → ProxyNotif at the proxy)",
+        "  latency         {:>10.2} ms p50, {:.2} ms p99 (first batch submitted → ProxyNotif at the proxy)",
         s.latency_ms_p50, s.latency_ms_p99
     );
     println!(
