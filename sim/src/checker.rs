@@ -61,7 +61,7 @@ struct Owner {
 #[derive(Debug)]
 enum Pending {
     Alloc { req: String, total: u32, last: bool },
-    Cancel { req: String, drained: bool },
+    Cancel { req: String },
 }
 
 #[derive(Debug)]
@@ -203,7 +203,15 @@ impl Checker {
                 let p = Pending::Alloc { req: a.req_id.clone(), total: a.total_chunks, last: a.is_last_batch };
                 (a.seq, p)
             }
-            Message::CancelNotif(c) => (c.seq, Pending::Cancel { req: c.req_id.clone(), drained: c.drained == Some(true) }),
+            Message::CancelNotif(c) => {
+                // The receiver acts on a cancel as it arrives, and its decoder may hear of the
+                // end before the checker sees the acknowledgement: note `drained` now.
+                let drained = c.drained == Some(true);
+                if let Some(r) = m.requests.get_mut(&(peer, c.req_id.clone())) {
+                    r.drained_cancel = drained;
+                }
+                (c.seq, Pending::Cancel { req: c.req_id.clone() })
+            }
             _ => return,
         };
         if let Some(seq) = seq {
@@ -218,10 +226,9 @@ impl Checker {
         let Some(m) = self.receivers.get_mut(recv) else { return };
         match m.pending.remove(&(peer, seq)) {
             Some(Pending::Alloc { req, total, last }) => self.on_alloc_reply(now, recv, (peer, req), total, last, reply),
-            Some(Pending::Cancel { req, drained }) => {
+            Some(Pending::Cancel { req }) => {
                 let key = (peer, req);
-                if let Some(r) = m.requests.get_mut(&key) {
-                    r.drained_cancel = drained;
+                if m.requests.contains_key(&key) {
                     self.deferred.push((now + GRACE, recv.to_owned(), Deferred::CancelAcked(key)));
                 }
             }

@@ -49,9 +49,10 @@ pub struct RequestPlan {
     pub batch_chunks: u32,
     /// The client aborts it this long after it began.
     pub cancel_after: Option<Duration>,
-    /// Liveness: no fault touches it, so it must be delivered, ready and read back.
-    pub must_deliver: bool,
-    /// It declares more chunks than the receiver's buffer: it must be refused at once.
+    /// No fault or abort touches it, so liveness applies: it must be delivered, ready at the
+    /// proxy and read back by every decoder (or, when `oversized`, refused at once).
+    pub fault_free: bool,
+    /// It declares more chunks than the receiver's buffer.
     pub oversized: bool,
 }
 
@@ -66,7 +67,7 @@ impl RequestPlan {
             declared: chunks,
             batch_chunks,
             cancel_after: None,
-            must_deliver: true,
+            fault_free: true,
             oversized: false,
         }
     }
@@ -158,18 +159,20 @@ impl SimConfig {
         self
     }
 
-    /// How long leftovers of the fault phase may live (leases, quarantine, unconsumed TTL,
-    /// reconnect backoff): requests that must be delivered start this long after healing.
+    /// How long leftovers of the fault phase may live: receivers' leases, quarantines and
+    /// unconsumed TTLs, senders' reply timeouts (a message handed to a broken connection is
+    /// lost, and only its timeout tells), and the reconnect backoff. Requests that must be
+    /// delivered start this long after healing.
     pub fn settle(&self) -> Duration {
-        let longest = self
-            .decode
-            .iter()
-            .map(|d| {
-                let r = &d.receiver;
-                r.request_idle_timeout.max(r.write_quarantine).max(r.unconsumed_ttl)
-            })
-            .max()
-            .unwrap_or_default();
+        let receivers = self.decode.iter().map(|d| {
+            let r = &d.receiver;
+            r.request_idle_timeout.max(r.write_quarantine).max(r.unconsumed_ttl)
+        });
+        let senders = self.prefill.iter().map(|p| {
+            let s = &p.sender;
+            s.admission_reply_timeout.max(s.reply_timeout).max(s.write_timeout)
+        });
+        let longest = receivers.chain(senders).max().unwrap_or_default();
         longest + self.model.reconnect_backoff_max * 2 + Duration::from_millis(500)
     }
 

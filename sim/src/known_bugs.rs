@@ -16,15 +16,22 @@ pub enum KnownBug {
     /// timeout fails a request (LMCache's W1, back through the window). Workaround: every
     /// sender's `inflight_max` exceeds its engine's interleave, so probes never fill it.
     ProbeWindow,
+    /// kvx-node `SenderHandle::add_receiver`: a new receiver gets `PeerId(receivers.len() + 1)`
+    /// and a failed connect removes its entry, so after a failure a later receiver can get the
+    /// id a pending or connected one already has. Two receivers then share one control
+    /// channel and one fabric connection: a request meant for one is admitted and written by
+    /// the other. Workaround: the engine connects to its receivers one at a time.
+    PeerIdReuse,
 }
 
 impl KnownBug {
-    pub const ALL: [KnownBug; 2] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow];
+    pub const ALL: [KnownBug; 3] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow, KnownBug::PeerIdReuse];
 
     pub fn name(self) -> &'static str {
         match self {
             KnownBug::AllocateWakeup => "allocate-wakeup",
             KnownBug::ProbeWindow => "probe-window",
+            KnownBug::PeerIdReuse => "peer-id-reuse",
         }
     }
 

@@ -70,8 +70,17 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
         Err(e) => return flag(&world, format!("sender {name} could not start: {e}")),
     };
     let peers: Arc<Mutex<BTreeMap<usize, PeerId>>> = Arc::default();
-    for d in 0..cfg.decode.len() {
-        tokio::spawn(connect(world.clone(), handle.clone(), receiver_node(d, rank), d, peers.clone()));
+    if world.lock().exposed.contains(&KnownBug::PeerIdReuse) {
+        for d in 0..cfg.decode.len() {
+            tokio::spawn(connect(world.clone(), handle.clone(), receiver_node(d, rank), d, peers.clone()));
+        }
+    } else {
+        let (world, handle, peers, n) = (world.clone(), handle.clone(), peers.clone(), cfg.decode.len());
+        tokio::spawn(async move {
+            for d in 0..n {
+                connect(world.clone(), handle.clone(), receiver_node(d, rank), d, peers.clone()).await;
+            }
+        });
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     world.lock().engines.insert(name.clone(), tx);
@@ -209,7 +218,7 @@ pub async fn receiver_main(world: World, cfg: Arc<SimConfig>, d: usize, rank: us
     world.lock().checker.on_receiver_start(now, &name, rc.buffer_slots, rc.write_quarantine);
     let (tx, rx) = mpsc::unbounded_channel();
     world.lock().decoders.insert(name.clone(), tx.clone());
-    let decoder = Decoder { world, cfg, name, handle, tx, ready: BTreeMap::new(), verdicts: BTreeMap::new() };
+    let decoder = Decoder { world, cfg, name, rank, handle, tx, ready: BTreeMap::new(), verdicts: BTreeMap::new() };
     decoder.run(rx).await;
 }
 
@@ -217,6 +226,7 @@ struct Decoder {
     world: World,
     cfg: Arc<SimConfig>,
     name: String,
+    rank: usize,
     handle: ReceiverHandle<SimMemory>,
     tx: mpsc::UnboundedSender<DecoderCmd>,
     ready: BTreeMap<String, ReadyRequest>,
@@ -254,6 +264,10 @@ impl Decoder {
         match n {
             ReceiverNotice::Ready(r) => {
                 let req_id = r.key.req_id.0.clone();
+                let meant = self.world.lock().outcomes.reqs.get(&req_id).map(|rec| receiver_node(rec.plan.decode, self.rank));
+                if meant.as_ref().is_some_and(|m| *m != self.name) {
+                    flag(&self.world, format!("G1: {req_id} arrived at {}, but it was sent to {}", self.name, meant.unwrap_or_default()));
+                }
                 self.ready.insert(req_id.clone(), r);
                 self.maybe_consume(&req_id);
             }
@@ -262,6 +276,7 @@ impl Decoder {
                 let consumed = outcome == Outcome::Consumed;
                 self.world.lock().checker.on_ended(now, &self.name, key.peer, &key.req_id.0, consumed);
                 self.world.record(format_args!("{} ended {key}: {outcome}", self.name));
+                self.world.lock().outcomes.on_receiver_end(&key.req_id.0, self.rank, outcome.to_string());
                 self.ready.remove(&key.req_id.0);
                 self.verdicts.remove(&key.req_id.0);
             }

@@ -52,7 +52,7 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     }
     let cancels = rng.chance(0.5);
     for plan in &mut cfg.requests {
-        plan.must_deliver = false;
+        plan.fault_free = false;
         if cancels && rng.chance(0.3) {
             plan.cancel_after = Some(rng.duration(Duration::ZERO, 3 * MS));
         }
@@ -85,7 +85,6 @@ fn request(rng: &mut SimRng, cfg: &SimConfig, id: String, start_at: Duration) ->
     if rng.chance(0.03) {
         plan.declared = buffer + rng.range_u32(1, 4);
         plan.oversized = true;
-        plan.must_deliver = false;
     }
     plan
 }
