@@ -127,7 +127,9 @@ impl SimConfig {
             buffer_slots,
             admission_timeout: Duration::from_secs(5),
             request_idle_timeout: Duration::from_secs(2),
-            unconsumed_ttl: Duration::from_secs(3),
+            // Longer than the proxy's kv_ready_timeout: a rank that finished first keeps its
+            // KV until the proxy has decided.
+            unconsumed_ttl: Duration::from_secs(15),
             write_quarantine: Duration::from_secs(5),
             tombstone_ttl: Duration::from_secs(60),
             ..ReceiverConfig::default()

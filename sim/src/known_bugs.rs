@@ -22,16 +22,25 @@ pub enum KnownBug {
     /// channel and one fabric connection: a request meant for one is admitted and written by
     /// the other. Workaround: the engine connects to its receivers one at a time.
     PeerIdReuse,
+    /// Protocol (design): with TP > 1 each rank's receiver admits in its own FIFO order, and
+    /// nothing orders admissions across ranks. Two requests admitted in opposite orders at
+    /// two ranks' receivers each hold one rank and wait for the other: a circular wait that
+    /// only `admission_timeout` (a failure) or `unconsumed_ttl` breaks — and when the TTL
+    /// breaks it, the proxy can still report ready a request whose first rank's KV is gone.
+    /// Workaround: with TP > 1 the router admits no more chunks to a decode worker than its
+    /// buffer holds (admission at the proxy), so receivers never queue.
+    TpAdmissionCycle,
 }
 
 impl KnownBug {
-    pub const ALL: [KnownBug; 3] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow, KnownBug::PeerIdReuse];
+    pub const ALL: [KnownBug; 4] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow, KnownBug::PeerIdReuse, KnownBug::TpAdmissionCycle];
 
     pub fn name(self) -> &'static str {
         match self {
             KnownBug::AllocateWakeup => "allocate-wakeup",
             KnownBug::ProbeWindow => "probe-window",
             KnownBug::PeerIdReuse => "peer-id-reuse",
+            KnownBug::TpAdmissionCycle => "tp-admission-cycle",
         }
     }
 

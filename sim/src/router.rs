@@ -9,25 +9,39 @@ use std::time::Duration;
 
 use kvx_node::ProxyHandle;
 use kvx_proto::ReqId;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{receiver_node, sender_node, RequestPlan, SimConfig};
+use crate::known_bugs::KnownBug;
 use crate::nodes::{DecoderCmd, EngineCmd, Job};
 use crate::world::World;
 
 /// Runs every planned request; returns when all have ended everywhere (or their bounds ran out).
 pub async fn run_all(world: &World, cfg: &Arc<SimConfig>, proxy: &ProxyHandle) {
+    // Admission at the proxy (the tp-admission-cycle workaround): one chunk budget per
+    // decode worker, as large as its buffer.
+    let throttle = cfg.tp > 1 && !world.lock().exposed.contains(&KnownBug::TpAdmissionCycle);
+    let budgets: Vec<Arc<Semaphore>> = cfg.decode.iter().map(|d| Arc::new(Semaphore::new(d.receiver.buffer_slots as usize))).collect();
     let mut tasks = Vec::new();
     for plan in &cfg.requests {
         let (world, cfg, proxy, plan) = (world.clone(), cfg.clone(), proxy.clone(), plan.clone());
-        tasks.push(tokio::spawn(async move { run_one(&world, &cfg, &proxy, &plan).await }));
+        let budget = throttle.then(|| budgets[plan.decode].clone());
+        tasks.push(tokio::spawn(async move {
+            let mut permit = None;
+            if let Some(budget) = budget {
+                world.sleep_until(plan.start_at).await;
+                let need = plan.declared.min(cfg.decode[plan.decode].receiver.buffer_slots);
+                permit = budget.acquire_many_owned(need).await.ok();
+            }
+            run_one(&world, &cfg, &proxy, &plan, &mut permit).await
+        }));
     }
     for t in tasks {
         let _ = t.await;
     }
 }
 
-async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &RequestPlan) {
+async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &RequestPlan, permit: &mut Option<OwnedSemaphorePermit>) {
     world.sleep_until(plan.start_at).await;
     let now = world.now();
     {
@@ -80,6 +94,8 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
     if !world.lock().outcomes.on_proxy(&plan.id, verdict, now) {
         flag(world, format!("G2: {} ended twice at the proxy", plan.id));
     }
+    // The decoders are told now and consume at once: the budget is free again.
+    permit.take();
     for rank in 0..cfg.tp {
         let cmd = DecoderCmd::Verdict { req_id: plan.id.clone(), rank, ready, chunks: plan.chunks };
         world.send_decoder(&receiver_node(plan.decode, rank), cmd);

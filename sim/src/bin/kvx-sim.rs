@@ -32,7 +32,7 @@ struct Args {
 fn usage() -> &'static str {
     "usage: kvx-sim [--seeds N] [--start S] [--faults] [--break VARIANT] [--trace] [--determinism] [--jobs J] [--first] [--expose BUG]\n\
      variants: no-reservation release-before-complete stage-before-admit lock-across-admission no-cancel-release reuse-slot-early\n\
-     known bugs (worked around unless exposed): allocate-wakeup probe-window peer-id-reuse"
+     known bugs (worked around unless exposed): allocate-wakeup probe-window peer-id-reuse tp-admission-cycle"
 }
 
 fn parse() -> Result<Args> {
