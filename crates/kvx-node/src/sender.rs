@@ -422,9 +422,18 @@ impl<E: Env> Driver<E> {
             }
             Input::Done(c) => {
                 core.flow
-                    .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()))
+                    .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()));
+                // A completed write frees a staging slot without any core event: wake the
+                // allocators waiting for one, async and blocking alike.
+                drop(core);
+                self.wake_waiters();
             }
         }
+    }
+
+    fn wake_waiters(&self) {
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
     }
 
     fn on_cmd(&mut self, cmd: Cmd) {

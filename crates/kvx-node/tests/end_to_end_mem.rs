@@ -203,3 +203,44 @@ async fn cancel_wakes_a_blocked_allocate_with_an_error() {
         "{woke:?}"
     );
 }
+
+/// A request larger than the staging pool: its later chunks wait for its own earlier writes
+/// to complete. Completions free staging without any core event, so the driver must wake
+/// the waiting allocator itself (it once did not: the prefill hung for `staging_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_larger_than_staging_completes_promptly() {
+    let env = env();
+    let (addr, verified, proxy) = cluster(&env, 16).await;
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        ..sender_cfg()
+    };
+    let sender = SenderNode::start(
+        env.clone(),
+        cfg,
+        CHUNK,
+        "s0".into(),
+        Some(proxy.endpoint().into()),
+    )
+    .await
+    .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    let req = SyntheticRequest {
+        req_id: ReqId("long".into()),
+        receiver: peer,
+        chunks: 16,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    };
+    tokio::time::timeout(Duration::from_secs(5), synthetic::prefill(&sender, &req))
+        .await
+        .expect("no wait for staging_timeout")
+        .expect("delivered");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while verified.load(Ordering::Relaxed) < 16 * CHUNK as u64 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("every byte verified");
+}
