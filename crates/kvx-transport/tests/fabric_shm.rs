@@ -188,3 +188,8 @@ async fn shm_staging_memory_round_trips() {
     assert!(ShmFabric::new().allocate_staging(0, 100).is_err());
     assert!(ShmFabric::new().allocate_staging(1, 0).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_restart_at_the_same_endpoint() {
+    fabric_common::restart_at_the_same_endpoint(&ShmFabric::new()).await;
+}

@@ -72,3 +72,8 @@ async fn tcp_reset_is_bounded_when_the_receiver_stalls() {
     });
     fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXT", b"").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_restart_at_the_same_endpoint() {
+    fabric_common::restart_at_the_same_endpoint(&TcpFabric::new()).await;
+}

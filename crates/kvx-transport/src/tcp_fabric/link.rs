@@ -99,21 +99,37 @@ fn socket_for(addr: &SocketAddr) -> io::Result<TcpSocket> {
     }
 }
 
+/// How long `bind` retries an address in use: a listener dropped just before (a receiver
+/// restarting at the same endpoint) lets go of its port only when its task next runs.
+const REBIND_GRACE: Duration = Duration::from_millis(500);
+
 /// Binds the receiving side. Buffer sizes are set on the listener so that accepted sockets
 /// inherit them before the window is negotiated.
 pub(crate) async fn bind(endpoint: &str, config: &LinkConfig) -> Result<TcpListener, FabricError> {
     let addr = resolve(endpoint).await?;
-    let setup = || -> io::Result<TcpListener> {
-        let socket = socket_for(&addr)?;
-        socket.set_reuseaddr(true)?;
-        if let Some(bytes) = config.socket_buffer {
-            socket.set_recv_buffer_size(bytes)?;
-            socket.set_send_buffer_size(bytes)?;
+    let deadline = tokio::time::Instant::now() + REBIND_GRACE;
+    loop {
+        match bind_once(addr, config) {
+            Err(e)
+                if e.kind() == io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            r => return r.map_err(|e| bad_endpoint(endpoint, e)),
         }
-        socket.bind(addr)?;
-        socket.listen(1024)
-    };
-    setup().map_err(|e| bad_endpoint(endpoint, e))
+    }
+}
+
+fn bind_once(addr: SocketAddr, config: &LinkConfig) -> io::Result<TcpListener> {
+    let socket = socket_for(&addr)?;
+    socket.set_reuseaddr(true)?;
+    if let Some(bytes) = config.socket_buffer {
+        socket.set_recv_buffer_size(bytes)?;
+        socket.set_send_buffer_size(bytes)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
 }
 
 /// `host:port` of a bound listener, for `FabricListener::local_endpoint`.

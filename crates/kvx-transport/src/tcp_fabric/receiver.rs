@@ -68,8 +68,9 @@ pub(crate) async fn accept_loop(
     greeting: Greeting,
 ) {
     let registry: Registry = Arc::default();
-    // Ids start at 1 and are never reused by this listener.
-    let mut next_conn = 1u64;
+    // Ids start at a random base: a receiver restarted at the same address must not take a
+    // fence meant for its previous incarnation's connection as one for a live connection.
+    let mut next_conn = random_u64();
     loop {
         let accepted = tokio::select! {
             biased;
@@ -78,8 +79,12 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                // 0 is what an attaching hello carries; never an id.
+                if next_conn == 0 {
+                    next_conn = 1;
+                }
                 let conn = next_conn;
-                next_conn += 1;
+                next_conn = next_conn.wrapping_add(1);
                 let landing = landing.clone();
                 let landed = landed.clone();
                 let greeting = greeting.clone();
@@ -105,6 +110,14 @@ pub(crate) async fn accept_loop(
         }
     }
     debug!("fabric listener dropped; no more senders accepted");
+}
+
+/// 64 random bits from the OS-seeded keys std gives every `RandomState`.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }
 
 async fn serve_sender(

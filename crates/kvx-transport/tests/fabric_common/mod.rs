@@ -352,6 +352,40 @@ pub async fn dropped_listener_stops_serving<F: Fabric>(f: &F, endpoint: &str) {
     );
 }
 
+/// A receiver restarted at the same endpoint right after the old one was dropped: exposing
+/// succeeds at once (the old port is let go asynchronously), a new sender is served, and the
+/// old sender's fence — naming a connection of the previous incarnation — hurts nobody.
+pub async fn restart_at_the_same_endpoint<F: Fabric>(f: &F) {
+    let first = f.expose("127.0.0.1:0", 2, 4096).await.expect("expose");
+    let ep = first.local_endpoint.clone();
+    let old_staging = f.allocate_staging(2, 4096).expect("staging");
+    let mut old = step("connect old", f.connect(&ep, old_staging))
+        .await
+        .expect("connect old");
+    drop(first);
+    let mut second = step("re-expose", f.expose(&ep, 2, 4096))
+        .await
+        .expect("re-expose at the same endpoint");
+    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let mut new = step("connect new", f.connect(&ep, staging.clone()))
+        .await
+        .expect("connect new");
+    // The old connection is dead: its write fails (after its fence, which reaches the new
+    // incarnation).
+    let _ = old.post(write(1, 0, 0, 4096, None));
+    let c = completion(&mut old, "old completion").await;
+    assert!(c.result.is_err(), "{c:?}");
+    for i in 0..8u32 {
+        staging.write_slot(i % 2, &pattern(i, 4096));
+        new.post(write(u64::from(i), i % 2, i % 2, 4096, Some(i)))
+            .expect("post new");
+        let c = completion(&mut new, "new completion").await;
+        assert_eq!(c.result, Ok(()), "the new connection is unharmed");
+        let l = step("landed", second.landed.recv()).await.expect("open");
+        assert_eq!(l.imm, i);
+    }
+}
+
 /// Connecting staging with larger slots than the receiver's is refused at the handshake.
 pub async fn refuses_larger_staging<F: Fabric>(f: &F, endpoint: &str) {
     let listener = f.expose(endpoint, 2, 4096).await.expect("expose");
