@@ -30,10 +30,24 @@ pub enum KnownBug {
     /// Workaround: with TP > 1 the router admits no more chunks to a decode worker than its
     /// buffer holds (admission at the proxy), so receivers never queue.
     TpAdmissionCycle,
+    /// kvx-proto `SenderFlow::handle_message` (sender/reply.rs) matches a reply to its
+    /// in-flight batch without looking at the batch's deadline. A sender whose process
+    /// stalls while a grant is on its way processes the reply after the stall — before its
+    /// own timer would have failed the batch — and posts writes for slots the receiver
+    /// reclaimed (lease) and, once the quarantine ended, granted to another request: the
+    /// write lands in someone else's KV. Workaround: process hangs are kept shorter than
+    /// `request_idle_timeout + write_quarantine`, so a stale write lands in quarantine.
+    StaleGrant,
 }
 
 impl KnownBug {
-    pub const ALL: [KnownBug; 4] = [KnownBug::AllocateWakeup, KnownBug::ProbeWindow, KnownBug::PeerIdReuse, KnownBug::TpAdmissionCycle];
+    pub const ALL: [KnownBug; 5] = [
+        KnownBug::AllocateWakeup,
+        KnownBug::ProbeWindow,
+        KnownBug::PeerIdReuse,
+        KnownBug::TpAdmissionCycle,
+        KnownBug::StaleGrant,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -41,6 +55,7 @@ impl KnownBug {
             KnownBug::ProbeWindow => "probe-window",
             KnownBug::PeerIdReuse => "peer-id-reuse",
             KnownBug::TpAdmissionCycle => "tp-admission-cycle",
+            KnownBug::StaleGrant => "stale-grant",
         }
     }
 
@@ -51,6 +66,15 @@ impl KnownBug {
 
 /// Applies the workarounds that are configuration (the rest live in the engine).
 pub fn apply(cfg: &mut crate::SimConfig, exposed: &[KnownBug]) {
+    if !exposed.contains(&KnownBug::StaleGrant) {
+        let shortest = cfg.decode.iter().map(|d| d.receiver.request_idle_timeout + d.receiver.write_quarantine).min();
+        let cap = shortest.unwrap_or_default().mul_f64(0.9);
+        for f in &mut cfg.faults {
+            if let crate::config::Fault::Pause { lasts, .. } = &mut f.fault {
+                *lasts = (*lasts).min(cap);
+            }
+        }
+    }
     if !exposed.contains(&KnownBug::ProbeWindow) {
         for p in &mut cfg.prefill {
             p.sender.inflight_max = p.sender.inflight_max.max(p.interleave + 1);

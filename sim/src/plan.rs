@@ -39,9 +39,11 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     cfg.model.control_latency_max = cfg.model.control_latency_min + rng.duration(Duration::ZERO, 400 * US);
     cfg.model.fabric_latency = rng.duration(2 * US, 50 * US);
     cfg.model.egress_bytes_per_sec = rng.range(1, 20) * 1_000_000_000;
+    timeouts(&mut rng, &mut cfg);
 
-    let window = rng.duration(5 * MS, 800 * MS);
-    let first = rng.range(3, 24);
+    // Short bursts, or load sustained past the leases and quarantines that faults start.
+    let window = if rng.chance(0.5) { rng.duration(5 * MS, 800 * MS) } else { rng.duration(800 * MS, 4_000 * MS) };
+    let first = rng.range(3, 24) + window.as_millis() as u64 / 200;
     for i in 0..first {
         let start_at = 20 * MS + rng.duration(Duration::ZERO, window);
         let plan = request(&mut rng, &cfg, format!("a{i}"), start_at);
@@ -155,4 +157,22 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
     }
     out.sort_by_key(|f| f.at);
     out
+}
+
+/// Timeouts drawn per seed within the rules that tie them together: a live sender's write
+/// times out before the receiver's lease on the request and its quarantine of the slots
+/// (`ReceiverConfig::check_sender`), the fabric gives up on a write before the quarantine
+/// ends, and a rank that finished first keeps its KV until the proxy decided.
+fn timeouts(rng: &mut SimRng, cfg: &mut SimConfig) {
+    let write_timeout = rng.duration(200 * MS, 1_000 * MS);
+    let idle = write_timeout + rng.duration(200 * MS, 2_000 * MS);
+    let quarantine = idle.max(write_timeout) + rng.duration(500 * MS, 3_000 * MS);
+    for p in &mut cfg.prefill {
+        p.sender.write_timeout = write_timeout;
+    }
+    for d in &mut cfg.decode {
+        d.receiver.request_idle_timeout = idle;
+        d.receiver.write_quarantine = quarantine;
+    }
+    cfg.model.qp_retry_timeout = quarantine - 250 * MS;
 }

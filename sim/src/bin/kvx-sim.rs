@@ -27,17 +27,19 @@ struct Args {
     jobs: usize,
     first: bool,
     expose: Vec<KnownBug>,
+    /// Do not stop at the first failure even with `--break` (to count how often it is caught).
+    keep_going: bool,
 }
 
 fn usage() -> &'static str {
-    "usage: kvx-sim [--seeds N] [--start S] [--faults] [--break VARIANT] [--trace] [--determinism] [--jobs J] [--first] [--expose BUG]\n\
+    "usage: kvx-sim [--seeds N] [--start S] [--faults] [--break VARIANT] [--trace] [--determinism] [--jobs J] [--first] [--keep-going] [--expose BUG]\n\
      variants: no-reservation release-before-complete stage-before-admit lock-across-admission no-cancel-release reuse-slot-early\n\
-     known bugs (worked around unless exposed): allocate-wakeup probe-window peer-id-reuse tp-admission-cycle"
+     known bugs (worked around unless exposed): allocate-wakeup probe-window peer-id-reuse tp-admission-cycle stale-grant"
 }
 
 fn parse() -> Result<Args> {
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut a = Args { seeds: 100, start: 0, faults: false, variant: None, trace: false, determinism: false, jobs, first: false, expose: Vec::new() };
+    let mut a = Args { seeds: 100, start: 0, faults: false, variant: None, trace: false, determinism: false, jobs, first: false, expose: Vec::new(), keep_going: false };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().with_context(|| format!("{name} needs a value\n{}", usage()));
@@ -58,6 +60,7 @@ fn parse() -> Result<Args> {
             "--trace" => a.trace = true,
             "--determinism" => a.determinism = true,
             "--first" => a.first = true,
+            "--keep-going" => a.keep_going = true,
             "-h" | "--help" => {
                 println!("{}", usage());
                 std::process::exit(0);
@@ -126,6 +129,7 @@ fn main() -> Result<()> {
     drop(tx);
     let (mut done, mut failed, mut events, mut requests, mut delivered) = (0u64, Vec::new(), 0u64, 0usize, 0usize);
     let mut running = BTreeSet::new();
+    let mut caught_by = std::collections::BTreeMap::new();
     loop {
         while let Ok(seed) = started_rx.try_recv() {
             running.insert(seed);
@@ -150,9 +154,10 @@ fn main() -> Result<()> {
         requests += report.requests;
         delivered += report.delivered;
         if !report.passed() {
+            *caught_by.entry(label(&report.violations[0])).or_insert(0u64) += 1;
             print_failure(&a, &report, failed.is_empty());
             failed.push(seed);
-            if a.first {
+            if a.first && !a.keep_going {
                 break;
             }
         }
@@ -166,6 +171,10 @@ fn main() -> Result<()> {
         failed.len(),
         done as f64 / wall.max(1e-9)
     );
+    if !caught_by.is_empty() {
+        let by: Vec<String> = caught_by.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+        println!("first violation per failing seed: {}", by.join(", "));
+    }
     if !failed.is_empty() {
         let shown: Vec<String> = failed.iter().take(20).map(|s| s.to_string()).collect();
         println!("failing seeds: {}", shown.join(" "));
@@ -186,4 +195,13 @@ fn print_failure(a: &Args, r: &RunReport, with_tail: bool) {
         }
     }
     println!("  replay: {}", replay(a, r.seed));
+}
+
+/// The name of the rule a violation broke ("A1", "G4 liveness", or the panic's message).
+fn label(v: &str) -> String {
+    let v = v.split_once("] ").map_or(v, |(_, rest)| rest);
+    if let Some(msg) = v.strip_prefix("panic (stuck or an invariant assertion): ") {
+        return format!("panic \"{}\"", msg.chars().take(60).collect::<String>());
+    }
+    v.split(':').next().unwrap_or(v).to_owned()
 }
