@@ -34,6 +34,10 @@ pub enum ReceiverNotice {
 
 #[derive(Debug)]
 enum Cmd {
+    Acquire(
+        ReqKey,
+        oneshot::Sender<Result<Vec<SlotIndex>, ConsumeError>>,
+    ),
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     Snapshot(oneshot::Sender<BufferSnapshot>),
 }
@@ -123,6 +127,19 @@ impl<M: SlotMemory> ReceiverHandle<M> {
         self.memory.read_slot(slot.0, out);
     }
 
+    /// Leases a ready request for reading and returns its slots in chunk order: until
+    /// `consume`, its slots stay put even if the request is cancelled meanwhile. A request
+    /// that ended after its Ready notice gives `Unknown`: skip it.
+    pub async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || ConsumeError::Unknown(key.clone());
+        self.cmds
+            .send(Cmd::Acquire(key.clone(), tx))
+            .await
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// Lets `f` read the first `len` bytes of a ready request's slot in place.
     pub fn inspect_chunk(&self, slot: SlotIndex, len: usize, f: &mut dyn FnMut(&[u8])) {
         self.memory.inspect_slot(slot.0, len, f);
@@ -182,6 +199,9 @@ impl<E: Env> Driver<E> {
                     self.ledger.handle_chunk_landed(now, WriteTag::from_imm(landed.imm));
                 }
                 cmd = self.cmds.recv() => match cmd {
+                    Some(Cmd::Acquire(key, reply)) => {
+                        let _ = reply.send(self.ledger.handle_acquire(&key));
+                    }
                     Some(Cmd::Consume(key, reply)) => {
                         let now = self.env.now();
                         let _ = reply.send(self.ledger.handle_consume(now, &key));

@@ -153,24 +153,46 @@ pub async fn prefill<E: Env>(
     })
 }
 
-/// Reads every chunk of a ready request and checks its bytes. Returns the bytes verified,
-/// or the first chunk that differs.
-pub fn verify<M: SlotMemory>(
+/// What the decoder made of one ready request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoded {
+    /// Every byte matched; this many bytes were read.
+    Verified(u64),
+    /// This chunk held other bytes.
+    Corrupt(u32),
+    /// The request ended between its Ready notice and the lease (cancelled): nothing to read.
+    Gone,
+}
+
+/// The decoder's whole job for one ready request: lease it, check every chunk in place
+/// (unless `check` is false: real KV data), and release it.
+pub async fn decode<M: SlotMemory>(
     receiver: &ReceiverHandle<M>,
     ready: &ReadyRequest,
     chunk_len: usize,
-) -> Result<u64, u32> {
-    for (chunk, slot) in ready.slots.iter().enumerate() {
-        let mut ok = false;
+    check: bool,
+) -> Decoded {
+    let Ok(slots) = receiver.acquire(&ready.key).await else {
+        return Decoded::Gone;
+    };
+    let mut result = Decoded::Verified((slots.len() * chunk_len) as u64);
+    if check {
         let req_id = &ready.key.req_id.0;
-        receiver.inspect_chunk(*slot, chunk_len, &mut |got| {
-            ok = chunk_matches(req_id, chunk as u32, got)
-        });
-        if !ok {
-            return Err(chunk as u32);
+        for (chunk, slot) in slots.iter().enumerate() {
+            let mut ok = false;
+            receiver.inspect_chunk(*slot, chunk_len, &mut |got| {
+                ok = chunk_matches(req_id, chunk as u32, got)
+            });
+            if !ok {
+                result = Decoded::Corrupt(chunk as u32);
+                break;
+            }
         }
     }
-    Ok((ready.slots.len() * chunk_len) as u64)
+    if let Err(e) = receiver.consume(&ready.key).await {
+        tracing::error!(key = %ready.key, error = %e, "consume of a leased request failed");
+    }
+    result
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::TokioEnv;
-use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::sender::{RequestSpec, SendError, SendFailure};
 use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
@@ -43,13 +43,10 @@ async fn cluster(
     tokio::spawn(async move {
         while let Some(notice) = receiver.next_notice().await {
             if let ReceiverNotice::Ready(ready) = notice {
-                let bytes = synthetic::verify(&receiver, &ready, CHUNK)
-                    .expect("decoder reads the prefill's bytes");
-                counter.fetch_add(bytes, Ordering::Relaxed);
-                receiver
-                    .consume(&ready.key)
-                    .await
-                    .expect("consume a ready request");
+                match synthetic::decode(&receiver, &ready, CHUNK, true).await {
+                    Decoded::Verified(bytes) => counter.fetch_add(bytes, Ordering::Relaxed),
+                    other => panic!("the decoder read {other:?} for {}", ready.key),
+                };
             }
         }
     });

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvx_io::{ClientEvent, Env, Fabric, TokioEnv, Transport};
-use kvx_node::synthetic::{self, SyntheticRequest};
+use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
 use kvx_node::{
     ProxyHandle, ProxyNode, ReceiverAddr, ReceiverHandle, ReceiverNode, ReceiverNotice,
     SenderHandle, SenderNode,
@@ -51,9 +51,20 @@ async fn receiver<E: Env>(
         buffer_slots: buffer,
         ..ReceiverConfig::default()
     };
-    let node: ReceiverHandle<_> = ReceiverNode::start(env.clone(), cfg, CHUNK, alloc, fabric)
-        .await
-        .expect("receiver starts");
+    // A restarted receiver may find its port still held for a moment by the old one's
+    // teardown: retry the bind, bounded.
+    let mut attempts = 0;
+    let node: ReceiverHandle<_> = loop {
+        match ReceiverNode::start(env.clone(), cfg.clone(), CHUNK, alloc, fabric).await {
+            Ok(node) => break node,
+            Err(e) if attempts < 50 => {
+                attempts += 1;
+                tracing::info!(error = %e, "receiver start: retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("receiver does not start: {e}"),
+        }
+    };
     let addr = ReceiverAddr {
         alloc: node.alloc_endpoint().to_owned(),
         fabric: node.fabric_endpoint().to_owned(),
@@ -68,11 +79,11 @@ async fn receiver<E: Env>(
                 _ = &mut stop_rx => return, // dropping `node` stops the receiver
                 notice = node.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {
-                        match synthetic::verify(&node, &ready, CHUNK) {
-                            Ok(b) => v.fetch_add(b, Ordering::Relaxed),
-                            Err(_) => c.fetch_add(1, Ordering::Relaxed),
+                        match synthetic::decode(&node, &ready, CHUNK, true).await {
+                            Decoded::Verified(b) => v.fetch_add(b, Ordering::Relaxed),
+                            Decoded::Corrupt(_) => c.fetch_add(1, Ordering::Relaxed),
+                            Decoded::Gone => 0,
                         };
-                        let _ = node.consume(&ready.key).await;
                     }
                     Some(_) => {}
                     None => return,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvx_io::Env;
-use kvx_node::synthetic;
+use kvx_node::synthetic::{self, Decoded};
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 use serde::Serialize;
@@ -94,15 +94,13 @@ pub async fn run_on<E: Env>(
             tokio::select! {
                 notice = receiver.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {
-                        match synthetic::verify(&receiver, &ready, chunk_bytes) {
-                            Ok(bytes) => { verified2.fetch_add(bytes, Ordering::Relaxed); }
-                            Err(chunk) => {
+                        match synthetic::decode(&receiver, &ready, chunk_bytes, true).await {
+                            Decoded::Verified(bytes) => { verified2.fetch_add(bytes, Ordering::Relaxed); }
+                            Decoded::Corrupt(chunk) => {
                                 tracing::error!(key = %ready.key, chunk, "decoder read corrupt bytes");
                                 corrupted2.fetch_add(1, Ordering::Relaxed);
                             }
-                        }
-                        if let Err(e) = receiver.consume(&ready.key).await {
-                            tracing::error!(key = %ready.key, error = %e, "consume failed");
+                            Decoded::Gone => {}
                         }
                     }
                     Some(ReceiverNotice::Ended { .. }) => {}

@@ -10,7 +10,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
 use kvx_io::{Env, Transport};
-use kvx_node::{synthetic, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_node::synthetic::{self, Decoded};
+use kvx_node::{ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
 use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
 use serde::Serialize;
@@ -107,17 +108,16 @@ pub async fn receiver<E: Env>(
             while let Some(notice) = node.next_notice().await {
                 match notice {
                     ReceiverNotice::Ready(ready) => {
-                        if verify {
-                            match synthetic::verify(&node, &ready, chunk_bytes) {
-                                Ok(bytes) => verified.fetch_add(bytes, Ordering::Relaxed),
-                                Err(chunk) => {
-                                    tracing::error!(key = %ready.key, chunk, "corrupt chunk");
-                                    corrupted.fetch_add(1, Ordering::Relaxed)
-                                }
-                            };
-                        }
-                        if let Err(e) = node.consume(&ready.key).await {
-                            tracing::error!(key = %ready.key, error = %e, "consume failed");
+                        match synthetic::decode(&node, &ready, chunk_bytes, verify).await {
+                            Decoded::Verified(bytes) => {
+                                verified
+                                    .fetch_add(if verify { bytes } else { 0 }, Ordering::Relaxed);
+                            }
+                            Decoded::Corrupt(chunk) => {
+                                tracing::error!(key = %ready.key, chunk, "corrupt chunk");
+                                corrupted.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Decoded::Gone => {}
                         }
                     }
                     ReceiverNotice::Ended { key, outcome } => {

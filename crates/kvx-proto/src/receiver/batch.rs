@@ -76,6 +76,8 @@ impl ReceiverLedger {
             notices: msg.seq.is_some(),
             arrived: now,
             deadline,
+            reading: false,
+            doomed: None,
         };
         self.requests.insert(key.clone(), request);
         self.tickets.insert(ticket, key.clone());

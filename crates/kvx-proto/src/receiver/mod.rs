@@ -92,6 +92,10 @@ pub(crate) struct Request {
     pub arrived: Instant,
     /// When this request's current timer fires (admission, idle, or unconsumed).
     pub deadline: Instant,
+    /// The decoder acquired it and is reading (`handle_acquire`).
+    pub reading: bool,
+    /// A failure that arrived while the decoder was reading; it ends the request at consume.
+    pub doomed: Option<Failure>,
 }
 
 #[derive(Debug)]
@@ -178,18 +182,41 @@ impl ReceiverLedger {
         }
     }
 
-    /// The decoder has read request `key`: its slots and reservation are released.
-    pub fn handle_consume(&mut self, now: Instant, key: &ReqKey) -> Result<(), ConsumeError> {
+    /// The decoder starts reading ready request `key`: until `handle_consume`, its slots stay
+    /// put even if the request is cancelled meanwhile (a read is a lease; freeing the slots
+    /// under it would hand the decoder another request's bytes). Returns the slots in chunk
+    /// order.
+    pub fn handle_acquire(&mut self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
         let req = self
             .requests
-            .get(key)
+            .get_mut(key)
             .ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
         if !matches!(req.phase, Phase::Ready) {
             return Err(ConsumeError::NotReady(key.clone()));
         }
-        self.stats.consumed += 1;
-        // The decoder read every chunk, so no write into these slots is outstanding.
-        self.end(now, key, Outcome::Consumed, true);
+        req.reading = true;
+        Ok(req.slots.iter().map(|t| t.slot).collect())
+    }
+
+    /// The decoder has read request `key`: its slots and reservation are released. The
+    /// outcome is `Consumed`, or the failure that arrived while it was being read.
+    pub fn handle_consume(&mut self, now: Instant, key: &ReqKey) -> Result<(), ConsumeError> {
+        let req = self
+            .requests
+            .get_mut(key)
+            .ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
+        if !matches!(req.phase, Phase::Ready) {
+            return Err(ConsumeError::NotReady(key.clone()));
+        }
+        let outcome = match req.doomed.take() {
+            Some(failure) => Outcome::Failed(failure),
+            None => {
+                self.stats.consumed += 1;
+                Outcome::Consumed
+            }
+        };
+        // Every chunk landed, so no write into these slots is outstanding.
+        self.end(now, key, outcome, true);
         Ok(())
     }
 
@@ -381,6 +408,14 @@ impl ReceiverLedger {
 
     /// Rolls back `key` and tells its sender when a first batch still waits for its reply.
     fn fail(&mut self, now: Instant, key: &ReqKey, failure: Failure, drained: bool) {
+        if let Some(req) = self.requests.get_mut(key) {
+            // The decoder is reading it: the failure takes effect at `handle_consume`. Only
+            // the unconsumed TTL (a decoder that never finishes) overrides the lease.
+            if req.reading && failure != Failure::Unconsumed {
+                req.doomed.get_or_insert(failure);
+                return;
+            }
+        }
         self.stats.rolled_back += 1;
         if let Some(Request {
             phase: Phase::Waiting { first },
@@ -506,6 +541,14 @@ impl ReceiverLedger {
             assert!(
                 req.reservation <= req.total,
                 "invariant: {key} reserved beyond its total"
+            );
+            assert!(
+                !req.reading || matches!(req.phase, Phase::Ready),
+                "invariant: {key} is read only when ready"
+            );
+            assert!(
+                req.doomed.is_none() || req.reading,
+                "invariant: {key} is doomed only while read"
             );
             let waiting = matches!(req.phase, Phase::Waiting { .. });
             assert_eq!(

@@ -481,10 +481,14 @@ impl Cluster {
     }
 
     fn consume(&mut self, r: usize, key: ReqKey) {
-        let Some(slots) = self.receivers[r].ready.remove(&key) else {
+        if self.receivers[r].ready.remove(&key).is_none() {
+            return;
+        }
+        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
             return;
         };
-        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
+        // The decoder leases the request before reading, as a real one does.
+        let Ok(slots) = self.receivers[r].ledger.handle_acquire(&key) else {
             return;
         };
         let mut verified = 0;
