@@ -53,6 +53,7 @@ struct Core {
     status: HashMap<ReqId, Status>,
     ended: VecDeque<ReqId>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
+    next_peer: u64,
     shutdown: bool,
 }
 
@@ -141,6 +142,7 @@ impl SenderNode {
                 status: HashMap::new(),
                 ended: VecDeque::new(),
                 receivers: BTreeMap::new(),
+                next_peer: 0,
                 shutdown: false,
             }),
             poke: Notify::new(),
@@ -444,7 +446,10 @@ impl<E: Env> Driver<E> {
                     let _ = reply.send(Ok(peer));
                     return;
                 }
-                let peer = PeerId(core.receivers.len() as u64 + 1);
+                // Ids are never reused, even after a failed connect (found by the
+                // simulation: two receivers once shared an id, and so a channel).
+                core.next_peer += 1;
+                let peer = PeerId(core.next_peer);
                 core.receivers.insert(addr.clone(), peer);
                 drop(core);
                 let (env, memory, cmd_tx) =

@@ -94,12 +94,23 @@ pub struct PrefillTiming {
     pub first_submit: tokio::time::Instant,
 }
 
-/// Prefills one request: begin, await admission, stage and submit every chunk in batches,
-/// and await the outcome (delivered or failed).
+/// Prefills one request: `admit`, then `transfer`.
 pub async fn prefill<E: Env>(
     sender: &SenderHandle<E>,
     req: &SyntheticRequest,
 ) -> Result<PrefillTiming, SendFailure> {
+    let admission_wait = admit(sender, req).await?;
+    transfer(sender, req, admission_wait).await
+}
+
+/// Begins a request and awaits its admission; returns how long that took. With TP > 1,
+/// admit a request's ranks one after another in rank order before transferring any of them
+/// (`docs/spec/protocol.md` §Tensor parallelism): ranks admitted in different orders by
+/// different requests would each hold one rank and wait for the other.
+pub async fn admit<E: Env>(
+    sender: &SenderHandle<E>,
+    req: &SyntheticRequest,
+) -> Result<Duration, SendFailure> {
     let spec = RequestSpec {
         req_id: req.req_id.clone(),
         receiver: req.receiver,
@@ -113,7 +124,16 @@ pub async fn prefill<E: Env>(
         .begin(spec)
         .map_err(|e| SendFailure::Misuse(e.to_string()))?;
     sender.admitted(&req.req_id).await?;
-    let admission_wait = started.elapsed();
+    Ok(started.elapsed())
+}
+
+/// Stages and submits every chunk of an admitted request in batches, and awaits its outcome
+/// (delivered or failed).
+pub async fn transfer<E: Env>(
+    sender: &SenderHandle<E>,
+    req: &SyntheticRequest,
+    admission_wait: Duration,
+) -> Result<PrefillTiming, SendFailure> {
     let mut first_submit = None;
     let mut batch = Vec::new();
     for chunk in 0..req.chunks {

@@ -100,6 +100,23 @@ impl ReceiverConfig {
                 sender.write_timeout, self.request_idle_timeout
             )
         })?;
+        // A grant is acted on at most reply_timeout after its request was sent (later replies
+        // are dropped), and its write lands or is flushed within write_timeout after that;
+        // the receiver's lease and quarantine together must outlast both.
+        require(
+            sender.reply_timeout + sender.write_timeout
+                < self.request_idle_timeout + self.write_quarantine,
+            || {
+                format!(
+                    "sender reply_timeout {:?} + write_timeout {:?} must be below the receiver's \
+                 request_idle_timeout {:?} + write_quarantine {:?}",
+                    sender.reply_timeout,
+                    sender.write_timeout,
+                    self.request_idle_timeout,
+                    self.write_quarantine
+                )
+            },
+        )?;
         require(sender.write_timeout < self.write_quarantine, || {
             format!(
                 "sender write_timeout {:?} must be below the receiver's write_quarantine {:?}",

@@ -84,6 +84,7 @@ fn spec_of(case: &Case) -> ClusterSpec {
         // Valid deployments keep a sender's write timeout below the receiver's lease
         // (`ReceiverConfig::check_sender`): slow writes then fail at the sender first.
         sender.write_timeout = Duration::from_millis(800);
+        sender.reply_timeout = Duration::from_secs(1);
         spec.receivers[0]
             .check_sender(sender)
             .expect("a valid pairing");

@@ -469,6 +469,7 @@ fn serial_channel_probe_waits_for_a_pending_cancel() {
     spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
     spec.receivers[0].write_quarantine = Duration::from_secs(5);
     spec.senders[0].write_timeout = Duration::from_millis(800);
+    spec.senders[0].reply_timeout = Duration::from_secs(1);
     let report = run(spec);
     assert_eq!(
         report.plans[1].sender_end,
@@ -495,6 +496,7 @@ fn late_write_after_a_lease_expiry_lands_in_quarantine() {
         });
     for s in &mut spec.senders {
         s.write_timeout = Duration::from_millis(800);
+        s.reply_timeout = Duration::from_secs(1);
     }
     spec.kill_sender_after = vec![(0, Duration::from_millis(500))];
     spec.receivers[0].request_idle_timeout = Duration::from_secs(1);
@@ -510,5 +512,26 @@ fn late_write_after_a_lease_expiry_lands_in_quarantine() {
     assert!(
         admitted >= Duration::from_millis(2_400),
         "admitted after both late writes: {admitted:?}"
+    );
+}
+
+/// Found by the simulation: on a pipelined channel, probes waiting at the receiver filled
+/// the whole in-flight window, and an admitted request's batches queued behind them — the
+/// capacity the probes waited for could never be freed (W1, back through the window).
+/// Probes now have their own window.
+#[test]
+fn probes_waiting_at_the_receiver_never_block_batches() {
+    let mut spec = ClusterSpec::new(1, 1, 10, 8);
+    spec.interleave = 4;
+    spec.senders[0].inflight_max = 2;
+    for k in 0..4 {
+        spec = spec.with(RequestPlan::new(0, 0, format!("w{k}"), 6, 1));
+    }
+    let report = run(spec);
+    all_delivered(&report);
+    assert!(
+        report.makespan() < Duration::from_secs(1),
+        "no admission timeout on the way: {:?}",
+        report.makespan()
     );
 }

@@ -107,29 +107,61 @@ async fn one<E: Env>(w: &Worker<E>, p: &Planned, tally: &SharedTally) {
             }
         });
     }
-    // Every rank prefills at once, as vLLM's TP workers each store their own rank's KV.
-    let tasks: Vec<_> = w
+    // Ranks are admitted one after another, in rank order, before any transfers: the
+    // protocol's rule for TP (docs/spec/protocol.md §Tensor parallelism). Then every rank
+    // transfers at once, as vLLM's TP workers each store their own rank's KV.
+    let reqs: Vec<_> = w
         .ranks
         .iter()
-        .map(|(sender, peer)| {
-            let req = SyntheticRequest {
-                req_id: req_id.clone(),
-                receiver: *peer,
-                chunks: p.chunks,
-                batch_chunks: w.batch_chunks,
-                chunk_bytes: w.chunk_bytes,
-            };
-            let sender = sender.clone();
-            tokio::spawn(async move { synthetic::prefill(&sender, &req).await })
+        .map(|(_, peer)| SyntheticRequest {
+            req_id: req_id.clone(),
+            receiver: *peer,
+            chunks: p.chunks,
+            batch_chunks: w.batch_chunks,
+            chunk_bytes: w.chunk_bytes,
         })
         .collect();
-    let mut results = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        results.push(
-            t.await.unwrap_or_else(|e| {
+    let mut waits = Vec::with_capacity(reqs.len());
+    for ((sender, _), req) in w.ranks.iter().zip(&reqs) {
+        match synthetic::admit(sender, req).await {
+            Ok(wait) => waits.push(wait),
+            Err(failure) => {
+                for (s, _) in &w.ranks {
+                    let _ = s.cancel(&req_id);
+                }
+                waits.clear();
+                tracing::debug!(req = %p.req_id, %failure, "admission failed on a rank");
+                break;
+            }
+        }
+    }
+    let mut results = Vec::with_capacity(reqs.len());
+    if waits.len() == reqs.len() {
+        let tasks: Vec<_> = w
+            .ranks
+            .iter()
+            .zip(reqs)
+            .zip(waits)
+            .map(|(((sender, _), req), wait)| {
+                let sender = sender.clone();
+                tokio::spawn(async move { synthetic::transfer(&sender, &req, wait).await })
+            })
+            .collect();
+        for t in tasks {
+            results.push(t.await.unwrap_or_else(|e| {
                 Err(SendFailure::Misuse(format!("prefill task panicked: {e}")))
-            }),
-        );
+            }));
+        }
+    } else {
+        // A rank was refused and every rank's request cancelled: collect how each ended.
+        for (sender, _) in &w.ranks {
+            let failure = sender
+                .outcome(&req_id)
+                .await
+                .err()
+                .unwrap_or(SendFailure::Cancelled);
+            results.push(Err(failure));
+        }
     }
     let proxy_result = match at_proxy {
         Some(rx) => rx.await.unwrap_or_else(|_| Err("proxy gone".into())),

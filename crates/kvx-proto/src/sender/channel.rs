@@ -76,10 +76,11 @@ impl Channel {
         }
     }
 
-    /// How many messages may be in flight now.
+    /// How many messages may be in flight at most: `inflight_max` probes plus
+    /// `inflight_max` others when pipelined, one when serial.
     pub fn window(&self, inflight_max: usize) -> usize {
         match self.mode {
-            Mode::Pipelined => inflight_max,
+            Mode::Pipelined => 2 * inflight_max,
             Mode::Probing | Mode::Serial => 1,
         }
     }
@@ -91,11 +92,25 @@ impl Channel {
         inflight_max: usize,
         busy_elsewhere: impl Fn(&ReqId) -> bool,
     ) -> Option<Outgoing> {
-        if self.in_flight.len() >= self.window(inflight_max) {
-            return None;
-        }
         if self.mode == Mode::Pipelined {
-            return self.queue.pop_front();
+            // Probes may wait at the receiver for capacity; batches and cancels never wait,
+            // and may be what frees that capacity. So each class has its own window: a
+            // window full of waiting probes never holds an admitted request's batches back
+            // (found by the simulation: LMCache's W1 again, through the window).
+            let probes = self
+                .in_flight
+                .iter()
+                .filter(|f| matches!(f.kind, Kind::Probe))
+                .count();
+            let others = self.in_flight.len() - probes;
+            let pos = self.queue.iter().position(|m| match m.kind {
+                Kind::Probe => probes < inflight_max,
+                _ => others < inflight_max,
+            })?;
+            return self.queue.remove(pos);
+        }
+        if !self.in_flight.is_empty() {
+            return None;
         }
         // Serial: a probe may wait at the receiver, and while it waits nothing else can pass
         // on this channel. So batches and cancels (which never wait, and which may be what

@@ -34,12 +34,28 @@ impl SenderFlow {
             .requests
             .get(&answered.req_id)
             .is_some_and(|r| r.state != State::Failing);
+        // A reply processed after its deadline (this process stalled, so the timer did not
+        // fire first) is not acted on: the receiver may have reclaimed what it granted and,
+        // after the quarantine, granted it to another request; writing there would land in
+        // someone else's KV (found by the simulation). It counts as a reply timeout.
+        let stale = answered.deadline <= now;
         match answered.kind {
             Kind::Cancel => {}
             _ if !live => {
                 if let Some(req) = self.requests.get_mut(&answered.req_id) {
                     req.batches_unanswered = req.batches_unanswered.saturating_sub(1);
                 }
+            }
+            kind if stale => {
+                if let Kind::Batch { chunks, .. } = &kind {
+                    self.free_chunks(chunks);
+                    let req = self
+                        .requests
+                        .get_mut(&answered.req_id)
+                        .expect("invariant: live request");
+                    req.batches_unanswered -= 1;
+                }
+                self.fail(now, &answered.req_id, SendFailure::ReplyTimeout);
             }
             Kind::Probe => self.on_probe_reply(now, &answered.req_id, reply),
             Kind::Batch { chunks, is_last } => {
