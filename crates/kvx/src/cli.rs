@@ -31,9 +31,42 @@ pub enum Command {
     Sender(SenderArgs),
     /// Run a proxy that aggregates ProxyNotif across TP ranks and logs each request's end.
     Proxy(ProxyArgs),
+    /// Measure a fabric's throughput into another process's buffer, against a baseline
+    /// measured in the same run.
+    Bench(BenchArgs),
+    /// (internal) The exposing side of `kvx bench`.
+    #[command(hide = true)]
+    BenchServe(BenchServeArgs),
     /// Decode or encode wire messages (msgpack ⇄ JSON).
     #[command(subcommand)]
     Wire(WireCommand),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
+    pub fabric: FabricKind,
+    /// Bytes per write (one chunk).
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    pub chunk_bytes: u64,
+    /// Bytes to move in all.
+    #[arg(long, default_value_t = 2 << 30, value_parser = clap::value_parser!(u64).range(8..))]
+    pub total_bytes: u64,
+    /// Writes in flight (and slots on each side).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub window: u32,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchServeArgs {
+    #[arg(long, value_enum)]
+    pub fabric: FabricKind,
+    #[arg(long)]
+    pub chunk_bytes: u64,
+    #[arg(long)]
+    pub slots: u32,
 }
 
 #[derive(Debug, Clone, Args)]

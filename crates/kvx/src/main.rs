@@ -11,7 +11,9 @@
 //! - `envs`: picking a transport and fabric at runtime.
 //! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
 //! - `config`: their TOML file.
+//! - `bench`: `kvx bench`, fabric throughput against a same-run baseline.
 
+mod bench;
 mod cli;
 mod config;
 mod demo;
@@ -39,6 +41,8 @@ fn main() -> ExitCode {
         cli::Command::Receiver(args) => runtime().and_then(|rt| rt.block_on(envs::receiver(args))),
         cli::Command::Sender(args) => runtime().and_then(|rt| rt.block_on(envs::sender(args))),
         cli::Command::Proxy(args) => runtime().and_then(|rt| rt.block_on(envs::proxy(args))),
+        cli::Command::Bench(args) => runtime().and_then(|rt| rt.block_on(bench::run(args))),
+        cli::Command::BenchServe(args) => runtime().and_then(|rt| rt.block_on(bench::serve(args))),
     };
     match result {
         Ok(code) => code,
