@@ -29,9 +29,16 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
+    // One-shot runs (demo, bench) tear their own connections down at the end, which the
+    // fabric logs as broken connections: keep their default quiet; services log warnings.
+    let default_filter = match cli.command {
+        cli::Command::Demo(_) | cli::Command::Bench(_) | cli::Command::BenchServe(_) => "error",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
