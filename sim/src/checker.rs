@@ -111,6 +111,15 @@ impl Checker {
         &self.violations
     }
 
+    /// ProxyNotif messages the proxy received, per request (all ranks together).
+    pub fn proxy_notifs(&self) -> BTreeMap<String, u32> {
+        let mut out = BTreeMap::new();
+        for ((_, req), n) in &self.notifs {
+            *out.entry(req.clone()).or_default() += n;
+        }
+        out
+    }
+
     /// A check outside this module (the engine's, the outcomes') failed.
     pub fn flag(&mut self, now: Duration, what: String) {
         if self.violations.len() < 20 {
@@ -245,7 +254,10 @@ impl Checker {
             return;
         }
         let mut why = Vec::new();
-        if m.ended.contains_key(&key) {
+        // A grant seen just after the request's end may have preceded it (a reply and the
+        // decoder's notice reach the checker by different tasks); one seen later did not.
+        let ended = m.ended.get(&key).map(|e| e.at);
+        if ended.is_some_and(|at| now > at + GRACE) {
             why.push(format!("W7: {recv} granted {}/{} after it ended (zombie re-admission)", key.0, key.1));
         }
         let gens = reply.generations.clone().unwrap_or_default();
@@ -264,6 +276,12 @@ impl Checker {
                 }
             }
             m.slots[slot as usize] = Some(Owner { key: key.clone(), generation, landed: false });
+        }
+        if ended.is_some() {
+            for w in why {
+                self.flag(now, w);
+            }
+            return;
         }
         let r = m.requests.entry(key).or_default();
         if !r.admitted {

@@ -146,8 +146,8 @@ impl SimConfig {
             decode: vec![DecodeWorker { receiver }; decode],
             proxy,
             chunk_bytes: 256,
-            prefill_chunk_time: Duration::from_micros(20),
-            decode_delay: Duration::from_micros(500),
+            prefill_chunk_time: Duration::ZERO,
+            decode_delay: Duration::from_millis(1),
             decoder_consumes: true,
             model: LinkModel::default(),
             requests: Vec::new(),
@@ -187,6 +187,17 @@ impl SimConfig {
             .max()
             .unwrap_or_default();
         self.proxy.kv_ready_timeout.max(sender) + Duration::from_secs(10)
+    }
+
+    /// Every sender-receiver pair passes `ReceiverConfig::check_sender`: the simulation tests
+    /// the protocol under the deployments kvx accepts.
+    pub fn check(&self) -> Result<(), String> {
+        for d in &self.decode {
+            for p in &self.prefill {
+                d.receiver.check_sender(&p.sender).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
     }
 
     pub fn receiver_of(&self, plan: &RequestPlan, rank: usize) -> String {

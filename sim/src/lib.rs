@@ -11,14 +11,16 @@
 //! - `checker`: the global checker over the wire and the memory; `outcomes`: end-to-end
 //!   verdicts per request (exactly-once ends, bytes read back, liveness).
 //! - `config`, `plan`: what a run is; the swarm generator that draws one from a seed.
-//! - `nodes`: sender and receiver nodes (drivers + prefill engine + decoder); `router`: the
-//!   front end that issues requests; `faults`: the injector.
+//! - `nodes`: what runs on each node — the drivers, `engine` (the prefill engine) and
+//!   `decoder`; `router`: the front end that issues requests; `faults`: the injector.
 //! - `run`: one run on its own thread and runtime, with its report.
-//! - `known_bugs`: bugs found in kvx, worked around in the simulated application until fixed.
+//! - `known_bugs`: kvx bugs the simulation found, worked around in the application until fixed.
 //! - `rng`, `trace`: deterministic randomness and the hashed event trace.
 
 pub mod checker;
 pub mod config;
+pub mod decoder;
+pub mod engine;
 pub mod fabric;
 pub mod faults;
 pub mod known_bugs;

@@ -26,6 +26,10 @@ pub struct RankRecord {
     pub verified: Option<bool>,
     /// How the request ended at this rank's receiver, as its decoder heard.
     pub receiver_end: Option<String>,
+    /// When the engine learned the receiver admitted it (engines that await admission).
+    pub admitted_at: Option<Duration>,
+    /// When the decoder read (or discarded) it.
+    pub read_at: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +103,18 @@ impl Outcomes {
         }
     }
 
+    pub fn on_admitted(&mut self, req: &str, rank: usize, now: Duration) {
+        if let Some(r) = self.rank(req, rank) {
+            r.admitted_at = Some(now);
+        }
+    }
+
+    pub fn on_read(&mut self, req: &str, rank: usize, now: Duration) {
+        if let Some(r) = self.rank(req, rank) {
+            r.read_at = Some(now);
+        }
+    }
+
     pub fn on_receiver_end(&mut self, req: &str, rank: usize, outcome: String) {
         if let Some(r) = self.rank(req, rank) {
             r.receiver_end = Some(outcome);
@@ -152,8 +168,10 @@ impl Outcomes {
             return None;
         }
         if plan.oversized {
+            // Rank 0 is refused; later ranks are aborted before they begin or refused too.
             let refused = matches!(&rec.proxy, Some(Err(_)))
-                && rec.ranks.iter().all(|r| matches!(&r.sender, Some(Err(why)) if why.contains("needs")));
+                && matches!(&rec.ranks[0].sender, Some(Err(why)) if why.contains("needs"))
+                && rec.ranks.iter().all(|r| !r.dispatched || matches!(r.sender, Some(Err(_))));
             return (!refused).then(|| format!("W3: oversized {id} was not refused: proxy {:?}, ranks {:?}", rec.proxy, rec.ranks));
         }
         let delivered = rec.ranks.iter().all(|r| matches!(r.sender, Some(Ok(()))));

@@ -10,7 +10,6 @@ use crate::config::{receiver_node, sender_node, Fault, FaultEvent, RequestPlan, 
 use crate::rng::SimRng;
 
 const MS: Duration = Duration::from_millis(1);
-const US: Duration = Duration::from_micros(1);
 
 /// Draws the run of `seed`. Without `faults` nothing is injected and every request (except
 /// oversized ones) must be delivered; with it, faults and aborts hit a first phase, then
@@ -33,11 +32,12 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
         p.allocate_first = rng.chance(0.5);
     }
     cfg.chunk_bytes = *rng.pick(&[64, 128, 256, 512]);
-    cfg.prefill_chunk_time = rng.duration(Duration::ZERO, 200 * US);
-    cfg.decode_delay = rng.duration(Duration::ZERO, 2 * MS);
-    cfg.model.control_latency_min = rng.duration(10 * US, 100 * US);
-    cfg.model.control_latency_max = cfg.model.control_latency_min + rng.duration(Duration::ZERO, 400 * US);
-    cfg.model.fabric_latency = rng.duration(2 * US, 50 * US);
+    // madsim's timers sleep at least 1 ms: the world's timing is drawn at that scale.
+    cfg.prefill_chunk_time = if rng.chance(0.5) { Duration::ZERO } else { rng.duration(MS, 3 * MS) };
+    cfg.decode_delay = rng.duration(MS, 5 * MS);
+    cfg.model.control_latency_min = rng.duration(MS, 3 * MS);
+    cfg.model.control_latency_max = cfg.model.control_latency_min + rng.duration(Duration::ZERO, 5 * MS);
+    cfg.model.fabric_latency = rng.duration(MS, 2 * MS);
     cfg.model.egress_bytes_per_sec = rng.range(1, 20) * 1_000_000_000;
     timeouts(&mut rng, &mut cfg);
 
@@ -159,20 +159,24 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
     out
 }
 
-/// Timeouts drawn per seed within the rules that tie them together: a live sender's write
-/// times out before the receiver's lease on the request and its quarantine of the slots
-/// (`ReceiverConfig::check_sender`), the fabric gives up on a write before the quarantine
-/// ends, and a rank that finished first keeps its KV until the proxy decided.
+/// Timeouts drawn per seed within the rules that tie them together
+/// (`ReceiverConfig::check_sender`): a live sender's write ends before the receiver's lease
+/// on the request and its quarantine of the slots, and a grant acted on within
+/// `reply_timeout` is written or flushed before lease + quarantine run out. The fabric's own
+/// give-up time (a hung sender cannot reset its connection) is the sender's write timeout.
 fn timeouts(rng: &mut SimRng, cfg: &mut SimConfig) {
     let write_timeout = rng.duration(200 * MS, 1_000 * MS);
+    let reply_timeout = rng.duration(300 * MS, 1_500 * MS);
     let idle = write_timeout + rng.duration(200 * MS, 2_000 * MS);
-    let quarantine = idle.max(write_timeout) + rng.duration(500 * MS, 3_000 * MS);
+    let floor = (reply_timeout + write_timeout).saturating_sub(idle).max(write_timeout);
+    let quarantine = floor + rng.duration(200 * MS, 3_000 * MS);
     for p in &mut cfg.prefill {
         p.sender.write_timeout = write_timeout;
+        p.sender.reply_timeout = reply_timeout;
     }
     for d in &mut cfg.decode {
         d.receiver.request_idle_timeout = idle;
         d.receiver.write_quarantine = quarantine;
     }
-    cfg.model.qp_retry_timeout = quarantine - 250 * MS;
+    cfg.model.qp_retry_timeout = write_timeout;
 }

@@ -10,6 +10,8 @@
 //! a process-wide counter; the run is therefore polled inside a current-thread tokio runtime
 //! built with `rng_seed` (needs `--cfg tokio_unstable`), so that generator is seeded too.
 
+use std::collections::BTreeMap;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +24,7 @@ use crate::config::{receiver_node, sender_node, SimConfig, PROXY_ENDPOINT};
 use crate::faults::{self, NodeIds};
 use crate::known_bugs::KnownBug;
 use crate::nodes::{self, DecoderCmd, EngineCmd};
+use crate::outcomes::ReqRecord;
 use crate::router;
 use crate::world::World;
 
@@ -47,6 +50,10 @@ pub struct RunReport {
     pub virtual_time: Duration,
     /// The last lines of the trace, for a failure report.
     pub tail: Vec<String>,
+    /// What every request's parties learned (for scenario assertions).
+    pub outcomes: BTreeMap<String, ReqRecord>,
+    /// ProxyNotif messages the proxy received, per request.
+    pub proxy_notifs: BTreeMap<String, u32>,
 }
 
 impl RunReport {
@@ -65,9 +72,8 @@ pub fn run(cfg: SimConfig, opts: RunOptions) -> RunReport {
     joined.unwrap_or_else(|why| RunReport { seed, violations: vec![why], ..RunReport::default() })
 }
 
-fn run_here(mut cfg: SimConfig, opts: RunOptions) -> RunReport {
+fn run_here(cfg: SimConfig, opts: RunOptions) -> RunReport {
     let seed = cfg.seed;
-    crate::known_bugs::apply(&mut cfg, &opts.expose);
     broken_variants::set(opts.variant);
     let slot: Arc<Mutex<Option<World>>> = Arc::default();
     let limit = run_limit(&cfg);
@@ -98,6 +104,29 @@ fn run_here(mut cfg: SimConfig, opts: RunOptions) -> RunReport {
     }
 }
 
+/// Runs `body` in a fresh simulated world (a madsim runtime on a thread of its own, seeded
+/// like a run), for tests that drive the simulated transport and fabric directly. A panic
+/// in `body` propagates.
+pub fn with_world<F, Fut, T>(seed: u64, body: F) -> T
+where
+    F: FnOnce(World) -> Fut + Send + 'static,
+    Fut: Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    let joined = std::thread::spawn(move || {
+        let rng = tokio1::runtime::RngSeed::from_bytes(&seed.to_le_bytes());
+        let rt = tokio1::runtime::Builder::new_current_thread().rng_seed(rng).build();
+        let rt = rt.unwrap_or_else(|e| panic!("cannot build the seeding runtime: {e}"));
+        let mut sim = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        sim.set_time_limit(Duration::from_secs(3_600));
+        rt.block_on(tokio1::task::unconstrained(async move {
+            sim.block_on(async move { body(World::new(seed, crate::world::LinkModel::default())).await })
+        }))
+    })
+    .join();
+    joined.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
 /// The longest a run may take in virtual time before madsim stops it.
 fn run_limit(cfg: &SimConfig) -> Duration {
     let last = cfg.requests.iter().map(|r| r.start_at).max().unwrap_or_default();
@@ -105,18 +134,33 @@ fn run_limit(cfg: &SimConfig) -> Duration {
 }
 
 async fn simulate(cfg: SimConfig, opts: RunOptions, slot: Arc<Mutex<Option<World>>>) -> Result<RunReport, String> {
+    cfg.check().map_err(|e| format!("the simulated deployment is invalid: {e}"))?;
     let cfg = Arc::new(cfg);
     let world = World::new(cfg.seed, cfg.model.clone());
     world.lock().trace.print = opts.trace;
     world.lock().exposed = opts.expose.clone();
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(world.clone());
+    for (p, w) in cfg.prefill.iter().enumerate() {
+        let s = &w.sender;
+        world.record(format_args!(
+            "config p{p}: staging {} inflight_max {} {:?} interleave {} allocate_first {} write_timeout {:?}",
+            s.staging_slots, s.inflight_max, s.pipelining, w.interleave, w.allocate_first, s.write_timeout
+        ));
+    }
+    for (d, w) in cfg.decode.iter().enumerate() {
+        let r = &w.receiver;
+        world.record(format_args!("config d{d}: buffer {} idle {:?} quarantine {:?}", r.buffer_slots, r.request_idle_timeout, r.write_quarantine));
+    }
+    world.record(format_args!("config: tp {} exposed {:?} variant {:?}", cfg.tp, opts.expose, opts.variant));
     let proxy = start_proxy(&world, &cfg).await?;
     let ids = start_nodes(&world, &cfg);
     tokio::spawn(faults::inject(world.clone(), cfg.clone(), ids.clone()));
     let monitor = tokio::spawn(monitor(world.clone(), cfg.clone()));
     router::run_all(&world, &cfg, &proxy).await;
     monitor.abort();
-    // Quiescence: every lease, quarantine and TTL a failure left behind runs out.
+    // Quiescence: the faults have healed, and every lease, quarantine and TTL a failure left
+    // behind has run out.
+    world.sleep_until(cfg.heal_at).await;
     tokio::time::sleep(cfg.settle()).await;
     final_checks(&world, &cfg).await;
     Ok(report(&world, cfg.seed))
@@ -224,5 +268,7 @@ fn report(world: &World, seed: u64) -> RunReport {
         delivered: w.outcomes.reqs.values().filter(|r| matches!(r.proxy, Some(Ok(())))).count(),
         virtual_time: now,
         tail: w.trace.tail().cloned().collect(),
+        outcomes: w.outcomes.reqs.clone(),
+        proxy_notifs: w.checker.proxy_notifs(),
     }
 }

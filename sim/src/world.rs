@@ -30,7 +30,8 @@ use crate::trace::Trace;
 #[derive(Debug, Clone, PartialEq)]
 pub struct LinkModel {
     /// One-way latency of a control message: uniform in this range (the spread is jitter;
-    /// each connection stays FIFO).
+    /// each connection stays FIFO). madsim's timers sleep at least 1 ms, so latencies below
+    /// that are rounded up; the model works at millisecond scale.
     pub control_latency_min: Duration,
     pub control_latency_max: Duration,
     /// One-way latency of a one-sided write, and of its acknowledgement.
@@ -38,8 +39,9 @@ pub struct LinkModel {
     /// Each node's NIC sends this many bytes per second, shared by its connections.
     pub egress_bytes_per_sec: u64,
     /// A write in flight this long errors its connection (verbs: the retry count is
-    /// exhausted), flushing everything outstanding. Must stay below every receiver's
-    /// `write_quarantine`, which is what makes a late write harmless.
+    /// exhausted), flushing everything outstanding. This is what bounds a write whose
+    /// sender hangs (it cannot reset the connection then): keep it at or below the
+    /// senders' `write_timeout`, which the receivers' quarantine is sized against.
     pub qp_retry_timeout: Duration,
     /// A broken control connection is retried after this, doubling up to the max.
     pub reconnect_backoff_min: Duration,
@@ -49,11 +51,11 @@ pub struct LinkModel {
 impl Default for LinkModel {
     fn default() -> Self {
         Self {
-            control_latency_min: Duration::from_micros(30),
-            control_latency_max: Duration::from_micros(80),
-            fabric_latency: Duration::from_micros(5),
+            control_latency_min: Duration::from_millis(1),
+            control_latency_max: Duration::from_micros(1_500),
+            fabric_latency: Duration::from_millis(1),
             egress_bytes_per_sec: 10_000_000_000,
-            qp_retry_timeout: Duration::from_secs(3),
+            qp_retry_timeout: Duration::from_secs(1),
             reconnect_backoff_min: Duration::from_millis(20),
             reconnect_backoff_max: Duration::from_millis(500),
         }
@@ -166,8 +168,12 @@ impl World {
         self.epoch.elapsed()
     }
 
+    /// Sleeps until `at`; returns at once when it has passed. (madsim, like tokio, sleeps
+    /// at least 1 ms, so the network's latencies are modelled at millisecond scale.)
     pub async fn sleep_until(&self, at: Duration) {
-        tokio::time::sleep_until(self.epoch + at).await
+        if at > self.now() {
+            tokio::time::sleep_until(self.epoch + at).await
+        }
     }
 
     pub fn record(&self, what: std::fmt::Arguments<'_>) {

@@ -1,0 +1,178 @@
+//! The prefill engine on a sender node: what vLLM's worker does with a `SenderHandle`. Each
+//! dispatched request is one task: begin, await admission and report it, wait for the
+//! router's go (with TP > 1 the router admits a request's ranks in rank order before any of
+//! them transfers, `docs/spec/protocol.md` §Tensor parallelism), then stage chunk by chunk as
+//! they are computed, submit in batches, and report the outcome.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvx_node::{ReceiverAddr, SenderHandle};
+use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError};
+use kvx_proto::{PeerId, ReqId, StagingSlot};
+use tokio::sync::{oneshot, Semaphore};
+
+use crate::config::SimConfig;
+use crate::nodes::{content, flag, SimEnv};
+use crate::world::World;
+
+/// One rank's share of a request, as the router hands it to a prefill engine.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub req_id: String,
+    pub rank: usize,
+    pub decode: usize,
+    pub chunks: u32,
+    pub declared: u32,
+    pub batch_chunks: u32,
+}
+
+/// A job and the channels the router follows it on.
+#[derive(Debug)]
+pub struct Dispatch {
+    pub job: Job,
+    /// Admitted (Ok) or failed before admission (Err).
+    pub admitted: oneshot::Sender<Result<(), String>>,
+    /// Transfer now; dropped unsent: abort the request.
+    pub go: oneshot::Receiver<()>,
+    /// Delivered (Ok) or failed (Err), as the sender reports it.
+    pub done: oneshot::Sender<Result<(), String>>,
+}
+
+pub type Peers = Arc<Mutex<BTreeMap<usize, PeerId>>>;
+
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Connects to one receiver, retrying while it is down or unreachable (bounded).
+pub async fn connect(world: World, handle: SenderHandle<SimEnv>, receiver: String, d: usize, peers: Peers) {
+    let addr = ReceiverAddr { alloc: format!("{receiver}/alloc"), fabric: format!("{receiver}/fabric") };
+    let mut backoff = Duration::from_millis(10);
+    for _ in 0..200 {
+        match handle.add_receiver(addr.clone()).await {
+            Ok(peer) => {
+                lock(&peers).insert(d, peer);
+                return;
+            }
+            Err(e) => world.record(format_args!("add_receiver {receiver}: {e}")),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+    flag(&world, format!("could not connect to {receiver} in 200 attempts"));
+}
+
+/// Runs one dispatched request to its end and reports.
+pub async fn prefill(world: World, cfg: Arc<SimConfig>, h: SenderHandle<SimEnv>, p: usize, d: Dispatch, peers: Peers, interleave: Arc<Semaphore>) {
+    let Dispatch { job, admitted, go, done } = d;
+    let Ok(_permit) = interleave.acquire_owned().await else { return };
+    let peer = connected(&peers, job.decode).await;
+    let req_id = ReqId(job.req_id.clone());
+    let began = match peer {
+        None => Err("receiver not connected".to_owned()),
+        Some(receiver) => {
+            let spec = RequestSpec { req_id: req_id.clone(), receiver, total_chunks: job.declared, fmt: 1, shape: vec![2, 1, 256, 1], dtype: "bfloat16".into() };
+            h.begin(spec).map_err(|e| e.to_string())
+        }
+    };
+    if let Err(why) = began {
+        let _ = admitted.send(Err(why.clone()));
+        let _ = done.send(Err(why));
+        return;
+    }
+    // With TP = 1 an engine may also ask for staging at once: the core holds it back until
+    // the request is admitted. Both are valid uses.
+    let early = cfg.prefill[p].allocate_first && cfg.tp == 1;
+    if !early {
+        let result = h.admitted(&req_id).await.map_err(|f| f.to_string());
+        if result.is_ok() {
+            let now = world.now();
+            world.lock().outcomes.on_admitted(&job.req_id, job.rank, now);
+        }
+        let failed = result.is_err();
+        let _ = admitted.send(result);
+        if failed {
+            let _ = done.send(h.outcome(&req_id).await.map_err(|f| f.to_string()));
+            return;
+        }
+    } else {
+        let _ = admitted.send(Ok(()));
+    }
+    if go.await.is_err() {
+        // Another rank was refused: the router aborts this one.
+        let _ = h.cancel(&req_id);
+    } else {
+        transfer(&world, &cfg, &h, p, &job).await;
+    }
+    let _ = done.send(h.outcome(&req_id).await.map_err(|f| f.to_string()));
+}
+
+/// The receiver's peer id once the sender is connected to it; requests wait (bounded) for a
+/// connection still being made, as an engine queues work for a worker that is starting.
+async fn connected(peers: &Peers, d: usize) -> Option<PeerId> {
+    for _ in 0..2_000 {
+        if let Some(&peer) = lock(peers).get(&d) {
+            return Some(peer);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: usize, job: &Job) {
+    let req_id = ReqId(job.req_id.clone());
+    let mut buf = vec![0u8; cfg.chunk_bytes];
+    let mut batch: Vec<ChunkSpec> = Vec::new();
+    for chunk in 0..job.chunks {
+        if !cfg.prefill_chunk_time.is_zero() {
+            tokio::time::sleep(cfg.prefill_chunk_time).await;
+        }
+        // Never wait for staging while holding unsubmitted chunks: that wait could be on
+        // ourselves. Submit what is staged first.
+        if !batch.is_empty() && h.staging_free() == 0 && h.submit(&req_id, std::mem::take(&mut batch), false).is_err() {
+            return;
+        }
+        let timeout = cfg.prefill[p].sender.staging_timeout;
+        let Some(slot) = allocate(world, h, &req_id, &mut batch, timeout).await else { return };
+        // S2, checked from outside: staging goes only to admitted requests, so `admitted`
+        // answers at once (within the shortest timer, 1 ms, far below any round trip).
+        if tokio::time::timeout(Duration::from_millis(1), h.admitted(&req_id)).await.is_err() {
+            flag(world, format!("S2: {} got a staging slot before its receiver admitted it", job.req_id));
+        }
+        content(&job.req_id, job.rank, chunk, &mut buf);
+        h.stage(slot, &buf);
+        batch.push(ChunkSpec { key: format!("{}@{chunk}", job.req_id), staging: slot, tokens: 256 });
+        let last = chunk + 1 == job.chunks;
+        if (batch.len() as u32 == job.batch_chunks || last) && h.submit(&req_id, std::mem::take(&mut batch), last).is_err() {
+            return;
+        }
+    }
+}
+
+/// Takes a staging slot for the request, bounded by `staging_timeout`. On any failure the
+/// request is cancelled (a no-op when it already ended) so that it never lingers.
+async fn allocate(world: &World, h: &SenderHandle<SimEnv>, req_id: &ReqId, batch: &mut Vec<ChunkSpec>, timeout: Duration) -> Option<StagingSlot> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        match h.allocate(req_id).await {
+            Ok(slot) => return Some(slot),
+            // Our own unsubmitted chunks hold staging: submit them.
+            Err(SendError::StagingHeldByCaller(_)) if !batch.is_empty() => {
+                if h.submit(req_id, std::mem::take(batch), false).is_err() {
+                    break;
+                }
+            }
+            // Other requests' unsubmitted chunks hold it (the core cannot tell callers
+            // apart); their tasks submit them before they wait, so try again shortly.
+            Err(SendError::StagingHeldByCaller(_)) => tokio::time::sleep(Duration::from_micros(100)).await,
+            Err(e) => {
+                world.record(format_args!("engine: allocate for {req_id}: {e}"));
+                break;
+            }
+        }
+    }
+    let _ = h.cancel(req_id);
+    None
+}
