@@ -103,7 +103,7 @@ impl QueuePair {
                 return;
             }
             if wr.doomed {
-                fabric::fail(&self.world, self.id, "retry count exceeded");
+                fabric::give_up(&self.world, self.id);
                 return self.flush(now);
             }
             let result = fabric::land(&self.world, self.id, &self.staging, &wr.w);

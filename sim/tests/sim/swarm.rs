@@ -71,6 +71,24 @@ fn tp_ranks_admitted_out_of_order_deadlock() {
     fails_only_when_exposed(cfg, KnownBug::TpAdmissionCycle);
 }
 
+/// The sender hangs while the NIC gives up on a slow write: the fabric connection errors
+/// but the control channel stays up. Without the workaround the driver never replaces the
+/// connection and B, long after everything healed, fails.
+#[test]
+fn fabric_connection_that_errors_is_replaced() {
+    let mut a = RequestPlan::new("A", 0, 0, 4, 4);
+    a.fault_free = false;
+    let mut cfg = SimConfig::new(1, 1, 10, 8).with(a).with(RequestPlan { start_at: 4_000 * MS, ..RequestPlan::new("B", 0, 0, 4, 4) });
+    // 1 ms hops: probe 20→21, reply →22, batch →23, reply →24, writes posted at 24 ms. The
+    // slowdown begins after the last reply left and dooms the writes; the hang covers the
+    // moment (1.024 s) the NIC gives up, so no write timeout fires.
+    cfg.model.control_latency_max = cfg.model.control_latency_min;
+    let hang = Fault::Pause { node: "p0r0".into(), lasts: 1_500 * MS };
+    cfg.faults = vec![slow("p0r0", "d0r0", 2_000 * MS, 100 * MS, 23 * MS + MS / 2), FaultEvent { at: 25 * MS, fault: hang }];
+    cfg.heal_at = 1_700 * MS;
+    fails_only_when_exposed(cfg, KnownBug::FabricNotReplaced);
+}
+
 // Regressions: bugs the simulation found in kvx, fixed since (docs/sim.md §Findings). Each
 // scenario failed before its fix.
 
