@@ -77,13 +77,22 @@ impl RequestPlan {
 pub enum Fault {
     /// One TCP reset of every control connection between the two nodes.
     Disconnect { a: String, b: String },
-    Partition { a: String, b: String, lasts: Duration },
+    Partition {
+        a: String,
+        b: String,
+        lasts: Duration,
+    },
     /// The node dies (its memory and connections with it) and restarts after `lasts`.
     Crash { node: String, lasts: Duration },
     /// The process hangs (its NIC and the network do not).
     Pause { node: String, lasts: Duration },
     /// Extra latency on control messages and writes between the two nodes.
-    Slow { a: String, b: String, extra: Duration, lasts: Duration },
+    Slow {
+        a: String,
+        b: String,
+        extra: Duration,
+        lasts: Duration,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -138,7 +147,11 @@ impl SimConfig {
             kv_ready_timeout: Duration::from_secs(12),
             ..ProxyConfig::default()
         };
-        let worker = PrefillWorker { sender, interleave: 1, allocate_first: false };
+        let worker = PrefillWorker {
+            sender,
+            interleave: 1,
+            allocate_first: false,
+        };
         Self {
             seed: 0,
             tp: 1,
@@ -168,11 +181,15 @@ impl SimConfig {
     pub fn settle(&self) -> Duration {
         let receivers = self.decode.iter().map(|d| {
             let r = &d.receiver;
-            r.request_idle_timeout.max(r.write_quarantine).max(r.unconsumed_ttl)
+            r.request_idle_timeout
+                .max(r.write_quarantine)
+                .max(r.unconsumed_ttl)
         });
         let senders = self.prefill.iter().map(|p| {
             let s = &p.sender;
-            s.admission_reply_timeout.max(s.reply_timeout).max(s.write_timeout)
+            s.admission_reply_timeout
+                .max(s.reply_timeout)
+                .max(s.write_timeout)
         });
         let longest = receivers.chain(senders).max().unwrap_or_default();
         longest + self.model.reconnect_backoff_max * 2 + Duration::from_millis(500)
@@ -194,7 +211,9 @@ impl SimConfig {
     pub fn check(&self) -> Result<(), String> {
         for d in &self.decode {
             for p in &self.prefill {
-                d.receiver.check_sender(&p.sender).map_err(|e| e.to_string())?;
+                d.receiver
+                    .check_sender(&p.sender)
+                    .map_err(|e| e.to_string())?;
             }
         }
         Ok(())

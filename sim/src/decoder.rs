@@ -59,9 +59,21 @@ impl Decoder {
         match n {
             ReceiverNotice::Ready(r) => {
                 let req_id = r.key.req_id.0.clone();
-                let meant = self.world.lock().outcomes.reqs.get(&req_id).map(|rec| receiver_node(rec.plan.decode, self.rank));
+                let meant = self
+                    .world
+                    .lock()
+                    .outcomes
+                    .reqs
+                    .get(&req_id)
+                    .map(|rec| receiver_node(rec.plan.decode, self.rank));
                 if let Some(meant) = meant.filter(|m| *m != self.name) {
-                    flag(&self.world, format!("G1: {req_id} arrived at {}, but it was sent to {meant}", self.name));
+                    flag(
+                        &self.world,
+                        format!(
+                            "G1: {req_id} arrived at {}, but it was sent to {meant}",
+                            self.name
+                        ),
+                    );
                 }
                 self.ready.insert(req_id.clone(), r);
                 self.maybe_consume(&req_id);
@@ -70,9 +82,12 @@ impl Decoder {
                 let now = self.world.now();
                 let consumed = outcome == Outcome::Consumed;
                 let mut w = self.world.lock();
-                w.checker.on_ended(now, &self.name, key.peer, &key.req_id.0, consumed);
-                w.outcomes.on_receiver_end(&key.req_id.0, self.rank, outcome.to_string());
-                w.trace.record(now, format_args!("{} ended {key}: {outcome}", self.name));
+                w.checker
+                    .on_ended(now, &self.name, key.peer, &key.req_id.0, consumed);
+                w.outcomes
+                    .on_receiver_end(&key.req_id.0, self.rank, outcome.to_string());
+                w.trace
+                    .record(now, format_args!("{} ended {key}: {outcome}", self.name));
                 drop(w);
                 self.ready.remove(&key.req_id.0);
                 self.verdicts.remove(&key.req_id.0);
@@ -83,7 +98,10 @@ impl Decoder {
     /// Reads a request once it is both in the buffer and declared by the proxy, after the
     /// decode delay (a timer, so notices keep flowing meanwhile).
     fn maybe_consume(&self, req_id: &str) {
-        if !self.cfg.decoder_consumes || !self.ready.contains_key(req_id) || !self.verdicts.contains_key(req_id) {
+        if !self.cfg.decoder_consumes
+            || !self.ready.contains_key(req_id)
+            || !self.verdicts.contains_key(req_id)
+        {
             return;
         }
         let (tx, req, delay) = (self.tx.clone(), req_id.to_owned(), self.cfg.decode_delay);
@@ -94,17 +112,29 @@ impl Decoder {
     }
 
     async fn consume(&mut self, req_id: &str) {
-        let (Some(ready), Some(&(proxy_ready, chunks))) = (self.ready.remove(req_id), self.verdicts.get(req_id)) else { return };
+        let (Some(ready), Some(&(proxy_ready, chunks))) =
+            (self.ready.remove(req_id), self.verdicts.get(req_id))
+        else {
+            return;
+        };
         // The read lease: until `consume`, the slots stay put whatever happens meanwhile.
-        let Ok(slots) = self.handle.acquire(&ready.key).await else { return };
+        let Ok(slots) = self.handle.acquire(&ready.key).await else {
+            return;
+        };
         if proxy_ready {
             let ok = self.verify(&ready, &slots, chunks);
-            self.world.lock().outcomes.on_verified(req_id, self.rank, ok);
+            self.world
+                .lock()
+                .outcomes
+                .on_verified(req_id, self.rank, ok);
         }
         let now = self.world.now();
         self.world.lock().outcomes.on_read(req_id, self.rank, now);
         if let Err(e) = self.handle.consume(&ready.key).await {
-            flag(&self.world, format!("{} could not consume leased {}: {e}", self.name, ready.key));
+            flag(
+                &self.world,
+                format!("{} could not consume leased {}: {e}", self.name, ready.key),
+            );
         }
     }
 
@@ -113,14 +143,28 @@ impl Decoder {
         let mut got = vec![0u8; self.cfg.chunk_bytes];
         let mut want = vec![0u8; self.cfg.chunk_bytes];
         if slots.len() as u32 != chunks {
-            flag(&self.world, format!("G1: {} is ready at {} with {} chunks, not {chunks}", ready.key, self.name, slots.len()));
+            flag(
+                &self.world,
+                format!(
+                    "G1: {} is ready at {} with {} chunks, not {chunks}",
+                    ready.key,
+                    self.name,
+                    slots.len()
+                ),
+            );
             return false;
         }
         for (chunk, slot) in slots.iter().enumerate() {
             self.handle.read_chunk(*slot, &mut got);
             content(&ready.key.req_id.0, self.rank, chunk as u32, &mut want);
             if got != want {
-                flag(&self.world, format!("G1: {} read corrupt bytes in {} chunk {chunk} (slot {})", self.name, ready.key, slot.0));
+                flag(
+                    &self.world,
+                    format!(
+                        "G1: {} read corrupt bytes in {} chunk {chunk} (slot {})",
+                        self.name, ready.key, slot.0
+                    ),
+                );
                 return false;
             }
         }

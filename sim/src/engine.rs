@@ -47,8 +47,17 @@ pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Connects to one receiver, retrying while it is down or unreachable (bounded).
-pub async fn connect(world: World, handle: SenderHandle<SimEnv>, receiver: String, d: usize, peers: Peers) {
-    let addr = ReceiverAddr { alloc: format!("{receiver}/alloc"), fabric: format!("{receiver}/fabric") };
+pub async fn connect(
+    world: World,
+    handle: SenderHandle<SimEnv>,
+    receiver: String,
+    d: usize,
+    peers: Peers,
+) {
+    let addr = ReceiverAddr {
+        alloc: format!("{receiver}/alloc"),
+        fabric: format!("{receiver}/fabric"),
+    };
     let mut backoff = Duration::from_millis(10);
     for _ in 0..200 {
         match handle.add_receiver(addr.clone()).await {
@@ -61,19 +70,44 @@ pub async fn connect(world: World, handle: SenderHandle<SimEnv>, receiver: Strin
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_millis(500));
     }
-    flag(&world, format!("could not connect to {receiver} in 200 attempts"));
+    flag(
+        &world,
+        format!("could not connect to {receiver} in 200 attempts"),
+    );
 }
 
 /// Runs one dispatched request to its end and reports.
-pub async fn prefill(world: World, cfg: Arc<SimConfig>, h: SenderHandle<SimEnv>, p: usize, d: Dispatch, peers: Peers, interleave: Arc<Semaphore>) {
-    let Dispatch { job, admitted, go, done } = d;
-    let Ok(_permit) = interleave.acquire_owned().await else { return };
+pub async fn prefill(
+    world: World,
+    cfg: Arc<SimConfig>,
+    h: SenderHandle<SimEnv>,
+    p: usize,
+    d: Dispatch,
+    peers: Peers,
+    interleave: Arc<Semaphore>,
+) {
+    let Dispatch {
+        job,
+        admitted,
+        go,
+        done,
+    } = d;
+    let Ok(_permit) = interleave.acquire_owned().await else {
+        return;
+    };
     let peer = connected(&peers, job.decode).await;
     let req_id = ReqId(job.req_id.clone());
     let began = match peer {
         None => Err("receiver not connected".to_owned()),
         Some(receiver) => {
-            let spec = RequestSpec { req_id: req_id.clone(), receiver, total_chunks: job.declared, fmt: 1, shape: vec![2, 1, 256, 1], dtype: "bfloat16".into() };
+            let spec = RequestSpec {
+                req_id: req_id.clone(),
+                receiver,
+                total_chunks: job.declared,
+                fmt: 1,
+                shape: vec![2, 1, 256, 1],
+                dtype: "bfloat16".into(),
+            };
             h.begin(spec).map_err(|e| e.to_string())
         }
     };
@@ -89,7 +123,10 @@ pub async fn prefill(world: World, cfg: Arc<SimConfig>, h: SenderHandle<SimEnv>,
         let result = h.admitted(&req_id).await.map_err(|f| f.to_string());
         if result.is_ok() {
             let now = world.now();
-            world.lock().outcomes.on_admitted(&job.req_id, job.rank, now);
+            world
+                .lock()
+                .outcomes
+                .on_admitted(&job.req_id, job.rank, now);
         }
         let failed = result.is_err();
         let _ = admitted.send(result);
@@ -131,21 +168,42 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
         }
         // Never wait for staging while holding unsubmitted chunks: that wait could be on
         // ourselves. Submit what is staged first.
-        if !batch.is_empty() && h.staging_free() == 0 && h.submit(&req_id, std::mem::take(&mut batch), false).is_err() {
+        if !batch.is_empty()
+            && h.staging_free() == 0
+            && h.submit(&req_id, std::mem::take(&mut batch), false)
+                .is_err()
+        {
             return;
         }
         let timeout = cfg.prefill[p].sender.staging_timeout;
-        let Some(slot) = allocate(world, h, &req_id, &mut batch, timeout).await else { return };
+        let Some(slot) = allocate(world, h, &req_id, &mut batch, timeout).await else {
+            return;
+        };
         // S2, checked from outside: staging goes only to admitted requests, so `admitted`
         // answers at once (within the shortest timer, 1 ms, far below any round trip).
-        if tokio::time::timeout(Duration::from_millis(1), h.admitted(&req_id)).await.is_err() {
-            flag(world, format!("S2: {} got a staging slot before its receiver admitted it", job.req_id));
+        if tokio::time::timeout(Duration::from_millis(1), h.admitted(&req_id))
+            .await
+            .is_err()
+        {
+            flag(
+                world,
+                format!(
+                    "S2: {} got a staging slot before its receiver admitted it",
+                    job.req_id
+                ),
+            );
         }
         content(&job.req_id, job.rank, chunk, &mut buf);
         h.stage(slot, &buf);
-        batch.push(ChunkSpec { key: format!("{}@{chunk}", job.req_id), staging: slot, tokens: 256 });
+        batch.push(ChunkSpec {
+            key: format!("{}@{chunk}", job.req_id),
+            staging: slot,
+            tokens: 256,
+        });
         let last = chunk + 1 == job.chunks;
-        if (batch.len() as u32 == job.batch_chunks || last) && h.submit(&req_id, std::mem::take(&mut batch), last).is_err() {
+        if (batch.len() as u32 == job.batch_chunks || last)
+            && h.submit(&req_id, std::mem::take(&mut batch), last).is_err()
+        {
             return;
         }
     }
@@ -153,7 +211,13 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
 
 /// Takes a staging slot for the request, bounded by `staging_timeout`. On any failure the
 /// request is cancelled (a no-op when it already ended) so that it never lingers.
-async fn allocate(world: &World, h: &SenderHandle<SimEnv>, req_id: &ReqId, batch: &mut Vec<ChunkSpec>, timeout: Duration) -> Option<StagingSlot> {
+async fn allocate(
+    world: &World,
+    h: &SenderHandle<SimEnv>,
+    req_id: &ReqId,
+    batch: &mut Vec<ChunkSpec>,
+    timeout: Duration,
+) -> Option<StagingSlot> {
     let deadline = tokio::time::Instant::now() + timeout;
     while tokio::time::Instant::now() < deadline {
         match h.allocate(req_id).await {
@@ -166,7 +230,9 @@ async fn allocate(world: &World, h: &SenderHandle<SimEnv>, req_id: &ReqId, batch
             }
             // Other requests' unsubmitted chunks hold it (the core cannot tell callers
             // apart); their tasks submit them before they wait, so try again shortly.
-            Err(SendError::StagingHeldByCaller(_)) => tokio::time::sleep(Duration::from_micros(100)).await,
+            Err(SendError::StagingHeldByCaller(_)) => {
+                tokio::time::sleep(Duration::from_micros(100)).await
+            }
             Err(e) => {
                 world.record(format_args!("engine: allocate for {req_id}: {e}"));
                 break;

@@ -119,7 +119,11 @@ impl SimFabric {
 impl Fabric for SimFabric {
     type Memory = SimMemory;
 
-    fn allocate_staging(&self, slots: u32, slot_bytes: usize) -> Result<Arc<SimMemory>, FabricError> {
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<SimMemory>, FabricError> {
         Ok(Arc::new(SimMemory::new(slots, slot_bytes)))
     }
 
@@ -134,14 +138,29 @@ impl Fabric for SimFabric {
         let mut w = self.world.lock();
         if w.fabric.exposed.contains_key(endpoint) {
             let why = "already exposed".to_owned();
-            return Err(FabricError::Endpoint { endpoint: endpoint.to_owned(), why });
+            return Err(FabricError::Endpoint {
+                endpoint: endpoint.to_owned(),
+                why,
+            });
         }
-        let exposed = Exposed { node: self.node.clone(), memory: memory.clone(), landed: tx };
+        let exposed = Exposed {
+            node: self.node.clone(),
+            memory: memory.clone(),
+            landed: tx,
+        };
         w.fabric.exposed.insert(endpoint.to_owned(), exposed);
-        Ok(FabricListener { local_endpoint: endpoint.to_owned(), memory, landed: rx })
+        Ok(FabricListener {
+            local_endpoint: endpoint.to_owned(),
+            memory,
+            landed: rx,
+        })
     }
 
-    async fn connect(&self, endpoint: &str, staging: Arc<SimMemory>) -> Result<FabricConn, FabricError> {
+    async fn connect(
+        &self,
+        endpoint: &str,
+        staging: Arc<SimMemory>,
+    ) -> Result<FabricConn, FabricError> {
         // Setting up a queue pair takes a round trip.
         let rtt = 2 * self.world.lock().model.control_latency_max;
         tokio::time::sleep(rtt).await;
@@ -154,7 +173,10 @@ impl Fabric for SimFabric {
             let exposed = exposed.ok_or_else(|| FabricError::NotExposed(endpoint.to_owned()))?;
             let receiver = exposed.node.clone();
             if !inner.reachable(&self.node, &receiver) {
-                return Err(FabricError::Io(format!("{endpoint} is unreachable from {}", self.node)));
+                return Err(FabricError::Io(format!(
+                    "{endpoint} is unreachable from {}",
+                    self.node
+                )));
             }
             inner.fabric.next_conn += 1;
             let id = inner.fabric.next_conn;
@@ -167,7 +189,9 @@ impl Fabric for SimFabric {
                 last_land: now,
             };
             inner.fabric.conns.insert(id, conn);
-            inner.trace.record(now, format_args!("qp {id}: {} -> {endpoint}", self.node));
+            inner
+                .trace
+                .record(now, format_args!("qp {id}: {} -> {endpoint}", self.node));
             id
         };
         let (ops_tx, ops_rx) = mpsc::unbounded_channel();
@@ -180,7 +204,11 @@ impl Fabric for SimFabric {
 
 /// Where a write posted now on connection `id` lands, or why it cannot; the bool says the
 /// write will exceed the retry timeout (the connection errors at the returned time).
-pub(crate) fn schedule(world: &World, id: u64, len: usize) -> Result<(Duration, bool), FabricError> {
+pub(crate) fn schedule(
+    world: &World,
+    id: u64,
+    len: usize,
+) -> Result<(Duration, bool), FabricError> {
     let now = world.now();
     let mut w = world.lock();
     let inner = &mut *w;
@@ -190,7 +218,8 @@ pub(crate) fn schedule(world: &World, id: u64, len: usize) -> Result<(Duration, 
     }
     let (sender, receiver) = (conn.sender.clone(), conn.receiver.clone());
     let model = &inner.model;
-    let wire = Duration::from_nanos((len as u64 * 1_000_000_000) / model.egress_bytes_per_sec.max(1));
+    let wire =
+        Duration::from_nanos((len as u64 * 1_000_000_000) / model.egress_bytes_per_sec.max(1));
     let free = inner.fabric.egress_free.entry(sender.clone()).or_default();
     let sent = (*free).max(now) + wire;
     *free = sent;
@@ -207,7 +236,12 @@ pub(crate) fn schedule(world: &World, id: u64, len: usize) -> Result<(Duration, 
 
 /// Lands one write: checks the connection and the bounds, lets the checker see it, copies the
 /// bytes and announces the immediate. An error means the connection is now in error.
-pub(crate) fn land(world: &World, id: u64, staging: &SimMemory, w: &PostWrite) -> Result<(), FabricError> {
+pub(crate) fn land(
+    world: &World,
+    id: u64,
+    staging: &SimMemory,
+    w: &PostWrite,
+) -> Result<(), FabricError> {
     let now = world.now();
     let mut g = world.lock();
     let inner = &mut *g;
@@ -216,7 +250,11 @@ pub(crate) fn land(world: &World, id: u64, staging: &SimMemory, w: &PostWrite) -
         return Err(FabricError::Flushed);
     }
     let (sender, endpoint) = (conn.sender.clone(), conn.endpoint.clone());
-    let exposed = inner.fabric.exposed.get(&endpoint).filter(|e| inner.reachable(&sender, &e.node));
+    let exposed = inner
+        .fabric
+        .exposed
+        .get(&endpoint)
+        .filter(|e| inner.reachable(&sender, &e.node));
     let Some(exposed) = exposed else {
         break_conn(inner, now, id, "the receiver is gone");
         return Err(FabricError::Flushed);
@@ -231,8 +269,16 @@ pub(crate) fn land(world: &World, id: u64, staging: &SimMemory, w: &PostWrite) -
         return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
     }
     let (receiver, landed) = (exposed.node.clone(), exposed.landed.clone());
-    inner.checker.on_write(now, &receiver, &sender, w.remote, w.imm);
-    inner.trace.record(now, format_args!("write {} {sender} -> {receiver} slot {} imm {:?}", w.id.0, w.remote.0, w.imm));
+    inner
+        .checker
+        .on_write(now, &receiver, &sender, w.remote, w.imm);
+    inner.trace.record(
+        now,
+        format_args!(
+            "write {} {sender} -> {receiver} slot {} imm {:?}",
+            w.id.0, w.remote.0, w.imm
+        ),
+    );
     drop(g);
     let mut buf = vec![0u8; w.len];
     staging.read_slot(w.local.0, &mut buf);
@@ -245,7 +291,12 @@ pub(crate) fn land(world: &World, id: u64, staging: &SimMemory, w: &PostWrite) -
 }
 
 pub(crate) fn is_broken(world: &World, id: u64) -> bool {
-    world.lock().fabric.conns.get(&id).is_none_or(|c| c.broken.is_some())
+    world
+        .lock()
+        .fabric
+        .conns
+        .get(&id)
+        .is_none_or(|c| c.broken.is_some())
 }
 
 pub(crate) fn fail(world: &World, id: u64, why: &str) {
@@ -260,8 +311,14 @@ pub(crate) fn give_up(world: &World, id: u64) {
     let now = world.now();
     let mut w = world.lock();
     break_conn(&mut w, now, id, "retry count exceeded");
-    let ends = w.fabric.conns.get(&id).map(|c| (c.sender.clone(), c.receiver.clone()));
-    if let Some((sender, receiver)) = ends.filter(|_| !w.exposed.contains(&KnownBug::FabricNotReplaced)) {
+    let ends = w
+        .fabric
+        .conns
+        .get(&id)
+        .map(|c| (c.sender.clone(), c.receiver.clone()));
+    if let Some((sender, receiver)) =
+        ends.filter(|_| !w.exposed.contains(&KnownBug::FabricNotReplaced))
+    {
         crate::net::break_between(&mut w, now, &sender, &receiver, "the link flapped");
     }
 }
@@ -275,14 +332,18 @@ pub(crate) fn ack_latency(world: &World) -> Duration {
 }
 
 fn break_conn(inner: &mut Inner, now: Duration, id: u64, why: &str) {
-    let Some(conn) = inner.fabric.conns.get_mut(&id) else { return };
+    let Some(conn) = inner.fabric.conns.get_mut(&id) else {
+        return;
+    };
     if conn.broken.is_some() {
         return;
     }
     conn.broken = Some(why.to_owned());
     let _ = conn.signal.send(true);
     let (s, e) = (conn.sender.clone(), conn.endpoint.clone());
-    inner.trace.record(now, format_args!("qp {id}: {s} -> {e} ERROR ({why})"));
+    inner
+        .trace
+        .record(now, format_args!("qp {id}: {s} -> {e} ERROR ({why})"));
 }
 
 /// Breaks every queue pair between nodes `a` and `b`.

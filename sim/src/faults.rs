@@ -53,7 +53,9 @@ fn apply(world: &World, ids: &NodeIds, fault: &Fault) {
             });
         }
         Fault::Pause { node, lasts } => {
-            let (Some(&id), true) = (ids.get(&node), world.is_up(&node)) else { return };
+            let (Some(&id), true) = (ids.get(&node), world.is_up(&node)) else {
+                return;
+            };
             world.record(format_args!("node {node} HANGS for {lasts:?}"));
             Handle::current().pause(id);
             let world = world.clone();

@@ -21,7 +21,10 @@ use crate::world::World;
 pub type SimEnv = TokioEnv<SimTransport, SimFabric>;
 
 pub fn env(world: &World, node: &str) -> SimEnv {
-    TokioEnv::new(SimTransport::new(world.clone(), node), SimFabric::new(world.clone(), node))
+    TokioEnv::new(
+        SimTransport::new(world.clone(), node),
+        SimFabric::new(world.clone(), node),
+    )
 }
 
 #[derive(Debug)]
@@ -35,7 +38,11 @@ pub enum EngineCmd {
 #[derive(Debug)]
 pub enum DecoderCmd {
     /// The proxy's word on a request: ready (read and verify it) or failed (discard it).
-    Verdict { req_id: String, ready: bool, chunks: u32 },
+    Verdict {
+        req_id: String,
+        ready: bool,
+        chunks: u32,
+    },
     Consume(String),
     Snapshot(oneshot::Sender<BufferSnapshot>),
 }
@@ -56,14 +63,27 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
     let inc = world.node_started(&name);
     let worker = &cfg.prefill[p];
     let local_id = format!("{name}.{inc}");
-    let started = SenderNode::start(env(&world, &name), worker.sender.clone(), cfg.chunk_bytes, local_id, Some(PROXY_ENDPOINT.to_owned())).await;
+    let started = SenderNode::start(
+        env(&world, &name),
+        worker.sender.clone(),
+        cfg.chunk_bytes,
+        local_id,
+        Some(PROXY_ENDPOINT.to_owned()),
+    )
+    .await;
     let handle = match started {
         Ok(h) => h,
         Err(e) => return flag(&world, format!("sender {name} could not start: {e}")),
     };
     let peers: Peers = Arc::default();
     for d in 0..cfg.decode.len() {
-        tokio::spawn(engine::connect(world.clone(), handle.clone(), receiver_node(d, rank), d, peers.clone()));
+        tokio::spawn(engine::connect(
+            world.clone(),
+            handle.clone(),
+            receiver_node(d, rank),
+            d,
+            peers.clone(),
+        ));
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     world.lock().engines.insert(name.clone(), tx);
@@ -71,7 +91,15 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
     while let Some(cmd) = rx.recv().await {
         match cmd {
             EngineCmd::Prefill(d) => {
-                let run = engine::prefill(world.clone(), cfg.clone(), handle.clone(), p, *d, peers.clone(), interleave.clone());
+                let run = engine::prefill(
+                    world.clone(),
+                    cfg.clone(),
+                    handle.clone(),
+                    p,
+                    *d,
+                    peers.clone(),
+                    interleave.clone(),
+                );
                 tokio::spawn(run);
             }
             EngineCmd::Cancel(req) => {
@@ -91,14 +119,34 @@ pub async fn receiver_main(world: World, cfg: Arc<SimConfig>, d: usize, rank: us
     world.node_started(&name);
     let rc = cfg.decode[d].receiver.clone();
     let (alloc, fabric) = (format!("{name}/alloc"), format!("{name}/fabric"));
-    let handle = match ReceiverNode::start(env(&world, &name), rc.clone(), cfg.chunk_bytes, &alloc, &fabric).await {
+    let handle = match ReceiverNode::start(
+        env(&world, &name),
+        rc.clone(),
+        cfg.chunk_bytes,
+        &alloc,
+        &fabric,
+    )
+    .await
+    {
         Ok(h) => h,
         Err(e) => return flag(&world, format!("receiver {name} could not start: {e}")),
     };
     let now = world.now();
-    world.lock().checker.on_receiver_start(now, &name, rc.buffer_slots, rc.write_quarantine);
+    world
+        .lock()
+        .checker
+        .on_receiver_start(now, &name, rc.buffer_slots, rc.write_quarantine);
     let (tx, rx) = mpsc::unbounded_channel();
     world.lock().decoders.insert(name.clone(), tx.clone());
-    let decoder = Decoder { world, cfg, name, rank, handle, tx, ready: BTreeMap::new(), verdicts: BTreeMap::new() };
+    let decoder = Decoder {
+        world,
+        cfg,
+        name,
+        rank,
+        handle,
+        tx,
+        ready: BTreeMap::new(),
+        verdicts: BTreeMap::new(),
+    };
     decoder.run(rx).await;
 }

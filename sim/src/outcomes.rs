@@ -126,11 +126,17 @@ impl Outcomes {
     }
 
     fn crashed_since(&self, node: &str, since: Duration) -> bool {
-        self.crashes.get(node).is_some_and(|c| c.iter().any(|&t| t >= since))
+        self.crashes
+            .get(node)
+            .is_some_and(|c| c.iter().any(|&t| t >= since))
     }
 
     /// The verdicts; `receivers(req, rank)` names the receiver node of a rank.
-    pub fn check(&self, decoder_consumes: bool, receiver_of: impl Fn(&RequestPlan, usize) -> String) -> Vec<String> {
+    pub fn check(
+        &self,
+        decoder_consumes: bool,
+        receiver_of: impl Fn(&RequestPlan, usize) -> String,
+    ) -> Vec<String> {
         let mut out = Vec::new();
         let mut failed_ranks = BTreeSet::new();
         for (id, rec) in &self.reqs {
@@ -145,16 +151,24 @@ impl Outcomes {
                 if matches!(r.sender, Some(Err(_))) {
                     failed_ranks.insert((id.clone(), rank));
                     if proxy_ready {
-                        out.push(format!("G2: the proxy said {id} was ready though rank {rank} failed"));
+                        out.push(format!(
+                            "G2: the proxy said {id} was ready though rank {rank} failed"
+                        ));
                     }
                 }
                 if r.verified == Some(false) {
-                    out.push(format!("G1: the decoder read wrong bytes for {id} rank {rank}"));
+                    out.push(format!(
+                        "G1: the decoder read wrong bytes for {id} rank {rank}"
+                    ));
                 }
                 let receiver = receiver_of(&rec.plan, rank);
-                let exempt = !decoder_consumes || !rec.plan.fault_free || self.crashed_since(&receiver, rec.begun_at);
+                let exempt = !decoder_consumes
+                    || !rec.plan.fault_free
+                    || self.crashed_since(&receiver, rec.begun_at);
                 if proxy_ready && r.verified.is_none() && !exempt {
-                    out.push(format!("G1: {id} was ready but rank {rank}'s decoder never read it"));
+                    out.push(format!(
+                        "G1: {id} was ready but rank {rank}'s decoder never read it"
+                    ));
                 }
             }
             out.extend(self.liveness(id, rec, decoder_consumes));
@@ -171,14 +185,25 @@ impl Outcomes {
             // Rank 0 is refused; later ranks are aborted before they begin or refused too.
             let refused = matches!(&rec.proxy, Some(Err(_)))
                 && matches!(&rec.ranks[0].sender, Some(Err(why)) if why.contains("needs"))
-                && rec.ranks.iter().all(|r| !r.dispatched || matches!(r.sender, Some(Err(_))));
-            return (!refused).then(|| format!("W3: oversized {id} was not refused: proxy {:?}, ranks {:?}", rec.proxy, rec.ranks));
+                && rec
+                    .ranks
+                    .iter()
+                    .all(|r| !r.dispatched || matches!(r.sender, Some(Err(_))));
+            return (!refused).then(|| {
+                format!(
+                    "W3: oversized {id} was not refused: proxy {:?}, ranks {:?}",
+                    rec.proxy, rec.ranks
+                )
+            });
         }
         let delivered = rec.ranks.iter().all(|r| matches!(r.sender, Some(Ok(()))));
         let read = !decoder_consumes || rec.ranks.iter().all(|r| r.verified == Some(true));
         let ready = matches!(rec.proxy, Some(Ok(())));
         (!(delivered && read && ready)).then(|| {
-            format!("G4 liveness: {id} (no fault on it) was not delivered: proxy {:?}, ranks {:?}", rec.proxy, rec.ranks)
+            format!(
+                "G4 liveness: {id} (no fault on it) was not delivered: proxy {:?}, ranks {:?}",
+                rec.proxy, rec.ranks
+            )
         })
     }
 }

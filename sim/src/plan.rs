@@ -33,16 +33,25 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     }
     cfg.chunk_bytes = *rng.pick(&[64, 128, 256, 512]);
     // madsim's timers sleep at least 1 ms: the world's timing is drawn at that scale.
-    cfg.prefill_chunk_time = if rng.chance(0.5) { Duration::ZERO } else { rng.duration(MS, 3 * MS) };
+    cfg.prefill_chunk_time = if rng.chance(0.5) {
+        Duration::ZERO
+    } else {
+        rng.duration(MS, 3 * MS)
+    };
     cfg.decode_delay = rng.duration(MS, 5 * MS);
     cfg.model.control_latency_min = rng.duration(MS, 3 * MS);
-    cfg.model.control_latency_max = cfg.model.control_latency_min + rng.duration(Duration::ZERO, 5 * MS);
+    cfg.model.control_latency_max =
+        cfg.model.control_latency_min + rng.duration(Duration::ZERO, 5 * MS);
     cfg.model.fabric_latency = rng.duration(MS, 2 * MS);
     cfg.model.egress_bytes_per_sec = rng.range(1, 20) * 1_000_000_000;
     timeouts(&mut rng, &mut cfg);
 
     // Short bursts, or load sustained past the leases and quarantines that faults start.
-    let window = if rng.chance(0.5) { rng.duration(5 * MS, 800 * MS) } else { rng.duration(800 * MS, 4_000 * MS) };
+    let window = if rng.chance(0.5) {
+        rng.duration(5 * MS, 800 * MS)
+    } else {
+        rng.duration(800 * MS, 4_000 * MS)
+    };
     let first = rng.range(3, 24) + window.as_millis() as u64 / 200;
     for i in 0..first {
         let start_at = 20 * MS + rng.duration(Duration::ZERO, window);
@@ -61,7 +70,12 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     }
     let end = 20 * MS + window;
     cfg.faults = faults_for(&mut rng, &cfg, end);
-    let fault_end = cfg.faults.iter().map(|f| f.at + lasts(&f.fault)).max().unwrap_or_default();
+    let fault_end = cfg
+        .faults
+        .iter()
+        .map(|f| f.at + lasts(&f.fault))
+        .max()
+        .unwrap_or_default();
     cfg.heal_at = end.max(fault_end) + 10 * MS;
     let from = cfg.heal_at + cfg.settle();
     for i in 0..rng.range(2, 12) {
@@ -77,7 +91,11 @@ fn request(rng: &mut SimRng, cfg: &SimConfig, id: String, start_at: Duration) ->
     let decode = rng.range(0, cfg.decode.len() as u64 - 1) as usize;
     let buffer = cfg.decode[decode].receiver.buffer_slots;
     // Large requests half the time: contention is where admission bugs live.
-    let chunks = if rng.chance(0.5) { rng.range_u32(buffer.div_ceil(2), buffer) } else { rng.range_u32(1, buffer.min(8)) };
+    let chunks = if rng.chance(0.5) {
+        rng.range_u32(buffer.div_ceil(2), buffer)
+    } else {
+        rng.range_u32(1, buffer.min(8))
+    };
     let mut plan = RequestPlan::new(&id, prefill, decode, chunks, rng.range_u32(1, 6));
     plan.start_at = start_at;
     if rng.chance(0.05) {
@@ -112,27 +130,39 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
     if rng.chance(0.5) {
         for _ in 0..rng.range(1, 4) {
             let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
-            out.push(FaultEvent { at: at(rng), fault: Fault::Disconnect { a, b } });
+            out.push(FaultEvent {
+                at: at(rng),
+                fault: Fault::Disconnect { a, b },
+            });
         }
     }
     if rng.chance(0.4) {
         for _ in 0..rng.range(1, 2) {
             let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
             let lasts = rng.duration(10 * MS, 1_000 * MS);
-            out.push(FaultEvent { at: at(rng), fault: Fault::Partition { a, b, lasts } });
+            out.push(FaultEvent {
+                at: at(rng),
+                fault: Fault::Partition { a, b, lasts },
+            });
         }
     }
     if rng.chance(0.4) {
         for _ in 0..rng.range(1, 2) {
             let node = rng.pick(&senders).clone();
             let lasts = rng.duration(10 * MS, 800 * MS);
-            out.push(FaultEvent { at: at(rng), fault: Fault::Crash { node, lasts } });
+            out.push(FaultEvent {
+                at: at(rng),
+                fault: Fault::Crash { node, lasts },
+            });
         }
     }
     if rng.chance(0.25) {
         let node = rng.pick(&receivers).clone();
         let lasts = rng.duration(10 * MS, 800 * MS);
-        out.push(FaultEvent { at: at(rng), fault: Fault::Crash { node, lasts } });
+        out.push(FaultEvent {
+            at: at(rng),
+            fault: Fault::Crash { node, lasts },
+        });
     }
     if rng.chance(0.4) {
         // A hung prefill process whose NIC is slow too: its writes land late, after its
@@ -142,17 +172,31 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
             let (when, lasts) = (at(rng), rng.duration(100 * MS, 3_000 * MS));
             let extra = rng.duration(500 * MS, 2_500 * MS);
             for b in &receivers {
-                let fault = Fault::Slow { a: node.clone(), b: b.clone(), extra, lasts };
+                let fault = Fault::Slow {
+                    a: node.clone(),
+                    b: b.clone(),
+                    extra,
+                    lasts,
+                };
                 out.push(FaultEvent { at: when, fault });
             }
-            out.push(FaultEvent { at: when + MS, fault: Fault::Pause { node, lasts } });
+            out.push(FaultEvent {
+                at: when + MS,
+                fault: Fault::Pause { node, lasts },
+            });
         }
     }
     if rng.chance(0.4) {
         for _ in 0..rng.range(1, 3) {
             let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
-            let (extra, lasts) = (rng.duration(MS, 2_000 * MS), rng.duration(10 * MS, 1_000 * MS));
-            out.push(FaultEvent { at: at(rng), fault: Fault::Slow { a, b, extra, lasts } });
+            let (extra, lasts) = (
+                rng.duration(MS, 2_000 * MS),
+                rng.duration(10 * MS, 1_000 * MS),
+            );
+            out.push(FaultEvent {
+                at: at(rng),
+                fault: Fault::Slow { a, b, extra, lasts },
+            });
         }
     }
     out.sort_by_key(|f| f.at);
@@ -168,7 +212,9 @@ fn timeouts(rng: &mut SimRng, cfg: &mut SimConfig) {
     let write_timeout = rng.duration(200 * MS, 1_000 * MS);
     let reply_timeout = rng.duration(300 * MS, 1_500 * MS);
     let idle = write_timeout + rng.duration(200 * MS, 2_000 * MS);
-    let floor = (reply_timeout + write_timeout).saturating_sub(idle).max(write_timeout);
+    let floor = (reply_timeout + write_timeout)
+        .saturating_sub(idle)
+        .max(write_timeout);
     let quarantine = floor + rng.duration(200 * MS, 3_000 * MS);
     for p in &mut cfg.prefill {
         p.sender.write_timeout = write_timeout;

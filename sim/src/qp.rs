@@ -34,11 +34,26 @@ pub(crate) struct QueuePair {
 }
 
 impl QueuePair {
-    pub fn new(world: World, id: u64, staging: Arc<SimMemory>, done: mpsc::UnboundedSender<Completion>) -> Self {
-        Self { world, id, staging, done, queue: VecDeque::new() }
+    pub fn new(
+        world: World,
+        id: u64,
+        staging: Arc<SimMemory>,
+        done: mpsc::UnboundedSender<Completion>,
+    ) -> Self {
+        Self {
+            world,
+            id,
+            staging,
+            done,
+            queue: VecDeque::new(),
+        }
     }
 
-    pub async fn run(mut self, mut ops: mpsc::UnboundedReceiver<ConnOp>, mut signal: watch::Receiver<bool>) {
+    pub async fn run(
+        mut self,
+        mut ops: mpsc::UnboundedReceiver<ConnOp>,
+        mut signal: watch::Receiver<bool>,
+    ) {
         loop {
             let next = self.next_event();
             let world = self.world.clone();
@@ -70,8 +85,16 @@ impl QueuePair {
     }
 
     fn next_event(&self) -> Option<Duration> {
-        let landing = self.queue.iter().find(|wr| wr.result.is_none()).map(|wr| wr.land_at);
-        let completing = self.queue.front().filter(|wr| wr.result.is_some()).map(|wr| wr.done_at);
+        let landing = self
+            .queue
+            .iter()
+            .find(|wr| wr.result.is_none())
+            .map(|wr| wr.land_at);
+        let completing = self
+            .queue
+            .front()
+            .filter(|wr| wr.result.is_some())
+            .map(|wr| wr.done_at);
         match (landing, completing) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -81,8 +104,20 @@ impl QueuePair {
     fn post(&mut self, w: PostWrite) {
         let now = self.world.now();
         let wr = match fabric::schedule(&self.world, self.id, w.len) {
-            Ok((land_at, doomed)) => Wr { w, land_at, doomed, result: None, done_at: land_at },
-            Err(e) => Wr { w, land_at: now, doomed: false, result: Some(Err(e)), done_at: now },
+            Ok((land_at, doomed)) => Wr {
+                w,
+                land_at,
+                doomed,
+                result: None,
+                done_at: land_at,
+            },
+            Err(e) => Wr {
+                w,
+                land_at: now,
+                doomed: false,
+                result: Some(Err(e)),
+                done_at: now,
+            },
         };
         self.queue.push_back(wr);
     }
@@ -131,13 +166,29 @@ impl QueuePair {
     /// Hands out due completions in posting order; false when nobody listens any more.
     fn emit(&mut self) -> bool {
         let now = self.world.now();
-        while self.queue.front().is_some_and(|wr| wr.result.is_some() && wr.done_at <= now) {
-            let Some(wr) = self.queue.pop_front() else { break };
+        while self
+            .queue
+            .front()
+            .is_some_and(|wr| wr.result.is_some() && wr.done_at <= now)
+        {
+            let Some(wr) = self.queue.pop_front() else {
+                break;
+            };
             let result = wr.result.unwrap_or(Err(FabricError::Flushed));
             if let Err(e) = &result {
-                self.world.record(format_args!("qp {}: write {} failed: {e}", self.id, wr.w.id.0));
+                self.world.record(format_args!(
+                    "qp {}: write {} failed: {e}",
+                    self.id, wr.w.id.0
+                ));
             }
-            if self.done.send(Completion { id: wr.w.id, result }).is_err() {
+            if self
+                .done
+                .send(Completion {
+                    id: wr.w.id,
+                    result,
+                })
+                .is_err()
+            {
                 return false;
             }
         }

@@ -25,7 +25,9 @@ pub async fn run_all(world: &World, cfg: &Arc<SimConfig>, proxy: &ProxyHandle) {
     let mut tasks = Vec::new();
     for plan in &cfg.requests {
         let (world, cfg, proxy, plan) = (world.clone(), cfg.clone(), proxy.clone(), plan.clone());
-        tasks.push(tokio::spawn(async move { run_one(&world, &cfg, &proxy, &plan).await }));
+        tasks.push(tokio::spawn(async move {
+            run_one(&world, &cfg, &proxy, &plan).await
+        }));
     }
     for t in tasks {
         let _ = t.await;
@@ -39,11 +41,17 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
         let mut w = world.lock();
         w.checker.register_request(&plan.id, plan.chunks);
         w.outcomes.on_begin(plan, cfg.tp, now);
-        w.trace.record(now, format_args!("request {} begins: {plan:?}", plan.id));
+        w.trace
+            .record(now, format_args!("request {} begins: {plan:?}", plan.id));
     }
     let verdict = match proxy.expect(ReqId(plan.id.clone()), cfg.tp as u32).await {
         Ok(rx) => rx,
-        Err(e) => return flag(world, format!("the proxy refused to expect {}: {e}", plan.id)),
+        Err(e) => {
+            return flag(
+                world,
+                format!("the proxy refused to expect {}: {e}", plan.id),
+            )
+        }
     };
     if let Some(after) = plan.cancel_after {
         let (world, id, p, tp) = (world.clone(), plan.id.clone(), plan.prefill, cfg.tp);
@@ -59,8 +67,18 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
     let ranks = dispatch(world, cfg, plan, bound).await;
     let outcome = match tokio::time::timeout(bound, verdict).await {
         Ok(Ok(outcome)) => outcome,
-        Ok(Err(_)) => return flag(world, format!("the proxy dropped {} without an outcome", plan.id)),
-        Err(_) => return flag(world, format!("G4: the proxy did not decide {} within {bound:?}", plan.id)),
+        Ok(Err(_)) => {
+            return flag(
+                world,
+                format!("the proxy dropped {} without an outcome", plan.id),
+            )
+        }
+        Err(_) => {
+            return flag(
+                world,
+                format!("G4: the proxy did not decide {} within {bound:?}", plan.id),
+            )
+        }
     };
     let now = world.now();
     let ready = outcome.is_ok();
@@ -69,7 +87,11 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
         flag(world, format!("G2: {} ended twice at the proxy", plan.id));
     }
     for rank in 0..cfg.tp {
-        let cmd = DecoderCmd::Verdict { req_id: plan.id.clone(), ready, chunks: plan.chunks };
+        let cmd = DecoderCmd::Verdict {
+            req_id: plan.id.clone(),
+            ready,
+            chunks: plan.chunks,
+        };
         world.send_decoder(&receiver_node(plan.decode, rank), cmd);
     }
     for (rank, entry) in ranks.into_iter().enumerate() {
@@ -82,17 +104,34 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
 /// Dispatches every rank's job: admitted one after another in rank order, then all told to
 /// transfer. A rank that is refused (or whose sender is down) aborts the rest. With the TP
 /// rule exposed (`--expose tp-admission-cycle`) every rank goes at once, as before the rule.
-async fn dispatch(world: &World, cfg: &SimConfig, plan: &RequestPlan, bound: Duration) -> Vec<Option<(String, u32, Done)>> {
+async fn dispatch(
+    world: &World,
+    cfg: &SimConfig,
+    plan: &RequestPlan,
+    bound: Duration,
+) -> Vec<Option<(String, u32, Done)>> {
     let ordered = !world.lock().exposed.contains(&KnownBug::TpAdmissionCycle);
     let mut ranks = Vec::new();
     let mut gos = Vec::new();
     for rank in 0..cfg.tp {
         let node = sender_node(plan.prefill, rank);
-        let job = Job { req_id: plan.id.clone(), rank, decode: plan.decode, chunks: plan.chunks, declared: plan.declared, batch_chunks: plan.batch_chunks };
+        let job = Job {
+            req_id: plan.id.clone(),
+            rank,
+            decode: plan.decode,
+            chunks: plan.chunks,
+            declared: plan.declared,
+            batch_chunks: plan.batch_chunks,
+        };
         let (admitted_tx, admitted_rx) = oneshot::channel();
         let (go_tx, go_rx) = oneshot::channel();
         let (done_tx, done_rx) = oneshot::channel();
-        let d = Dispatch { job, admitted: admitted_tx, go: go_rx, done: done_tx };
+        let d = Dispatch {
+            job,
+            admitted: admitted_tx,
+            go: go_rx,
+            done: done_tx,
+        };
         let inc = world.incarnation(&node);
         if !world.send_engine(&node, EngineCmd::Prefill(Box::new(d))) {
             break;
@@ -104,7 +143,10 @@ async fn dispatch(world: &World, cfg: &SimConfig, plan: &RequestPlan, bound: Dur
             continue;
         }
         gos.push(go_tx);
-        if !matches!(tokio::time::timeout(bound, admitted_rx).await, Ok(Ok(Ok(())))) {
+        if !matches!(
+            tokio::time::timeout(bound, admitted_rx).await,
+            Ok(Ok(Ok(())))
+        ) {
             break;
         }
     }
@@ -118,7 +160,15 @@ async fn dispatch(world: &World, cfg: &SimConfig, plan: &RequestPlan, bound: Dur
     ranks
 }
 
-async fn await_sender(world: &World, plan: &RequestPlan, rank: usize, node: &str, inc: u32, done: Done, bound: Duration) {
+async fn await_sender(
+    world: &World,
+    plan: &RequestPlan,
+    rank: usize,
+    node: &str,
+    inc: u32,
+    done: Done,
+    bound: Duration,
+) {
     match tokio::time::timeout(bound, done).await {
         Ok(Ok(outcome)) => {
             world.record(format_args!("sender {node}: {} {outcome:?}", plan.id));
@@ -130,7 +180,16 @@ async fn await_sender(world: &World, plan: &RequestPlan, rank: usize, node: &str
         Ok(Err(_)) if world.incarnation(node) != inc || !world.is_up(node) => {
             world.lock().outcomes.on_sender_lost(&plan.id, rank);
         }
-        Ok(Err(_)) => flag(world, format!("the engine on {node} dropped {} without an outcome", plan.id)),
-        Err(_) => flag(world, format!("G4: {node} did not end {} within {bound:?}", plan.id)),
+        Ok(Err(_)) => flag(
+            world,
+            format!(
+                "the engine on {node} dropped {} without an outcome",
+                plan.id
+            ),
+        ),
+        Err(_) => flag(
+            world,
+            format!("G4: {node} did not end {} within {bound:?}", plan.id),
+        ),
     }
 }

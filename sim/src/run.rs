@@ -68,8 +68,14 @@ pub fn run(cfg: SimConfig, opts: RunOptions) -> RunReport {
     let spawned = std::thread::Builder::new()
         .name(format!("kvx-sim-{seed}"))
         .spawn(move || run_here(cfg, opts));
-    let joined = spawned.map_err(|e| e.to_string()).and_then(|h| h.join().map_err(|_| "the run's thread panicked".to_owned()));
-    joined.unwrap_or_else(|why| RunReport { seed, violations: vec![why], ..RunReport::default() })
+    let joined = spawned
+        .map_err(|e| e.to_string())
+        .and_then(|h| h.join().map_err(|_| "the run's thread panicked".to_owned()));
+    joined.unwrap_or_else(|why| RunReport {
+        seed,
+        violations: vec![why],
+        ..RunReport::default()
+    })
 }
 
 fn run_here(cfg: SimConfig, opts: RunOptions) -> RunReport {
@@ -79,17 +85,26 @@ fn run_here(cfg: SimConfig, opts: RunOptions) -> RunReport {
     let limit = run_limit(&cfg);
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
         let rng = tokio1::runtime::RngSeed::from_bytes(&seed.to_le_bytes());
-        let rt = tokio1::runtime::Builder::new_current_thread().rng_seed(rng).build();
+        let rt = tokio1::runtime::Builder::new_current_thread()
+            .rng_seed(rng)
+            .build();
         let rt = rt.map_err(|e| format!("cannot build the seeding runtime: {e}"))?;
-        let mut sim = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        let mut sim =
+            madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
         sim.set_time_limit(limit);
         let slot = slot.clone();
-        rt.block_on(tokio1::task::unconstrained(async move { sim.block_on(simulate(cfg, opts, slot)) }))
+        rt.block_on(tokio1::task::unconstrained(async move {
+            sim.block_on(simulate(cfg, opts, slot))
+        }))
     }));
     let world = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
     match result {
         Ok(Ok(report)) => report,
-        Ok(Err(why)) => RunReport { seed, violations: vec![why], ..RunReport::default() },
+        Ok(Err(why)) => RunReport {
+            seed,
+            violations: vec![why],
+            ..RunReport::default()
+        },
         Err(panic) => {
             let msg = panic
                 .downcast_ref::<String>()
@@ -98,7 +113,9 @@ fn run_here(cfg: SimConfig, opts: RunOptions) -> RunReport {
                 .unwrap_or_else(|| "a panic".to_owned());
             let mut report = world.map(|w| report(&w, seed)).unwrap_or_default();
             report.seed = seed;
-            report.violations.insert(0, format!("panic (stuck or an invariant assertion): {msg}"));
+            report
+                .violations
+                .insert(0, format!("panic (stuck or an invariant assertion): {msg}"));
             report
         }
     }
@@ -115,12 +132,17 @@ where
 {
     let joined = std::thread::spawn(move || {
         let rng = tokio1::runtime::RngSeed::from_bytes(&seed.to_le_bytes());
-        let rt = tokio1::runtime::Builder::new_current_thread().rng_seed(rng).build();
+        let rt = tokio1::runtime::Builder::new_current_thread()
+            .rng_seed(rng)
+            .build();
         let rt = rt.unwrap_or_else(|e| panic!("cannot build the seeding runtime: {e}"));
-        let mut sim = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        let mut sim =
+            madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
         sim.set_time_limit(Duration::from_secs(3_600));
         rt.block_on(tokio1::task::unconstrained(async move {
-            sim.block_on(async move { body(World::new(seed, crate::world::LinkModel::default())).await })
+            sim.block_on(
+                async move { body(World::new(seed, crate::world::LinkModel::default())).await },
+            )
         }))
     })
     .join();
@@ -129,12 +151,22 @@ where
 
 /// The longest a run may take in virtual time before madsim stops it.
 fn run_limit(cfg: &SimConfig) -> Duration {
-    let last = cfg.requests.iter().map(|r| r.start_at).max().unwrap_or_default();
+    let last = cfg
+        .requests
+        .iter()
+        .map(|r| r.start_at)
+        .max()
+        .unwrap_or_default();
     last.max(cfg.heal_at) + cfg.request_bound() * 2 + cfg.settle() * 2 + Duration::from_secs(60)
 }
 
-async fn simulate(cfg: SimConfig, opts: RunOptions, slot: Arc<Mutex<Option<World>>>) -> Result<RunReport, String> {
-    cfg.check().map_err(|e| format!("the simulated deployment is invalid: {e}"))?;
+async fn simulate(
+    cfg: SimConfig,
+    opts: RunOptions,
+    slot: Arc<Mutex<Option<World>>>,
+) -> Result<RunReport, String> {
+    cfg.check()
+        .map_err(|e| format!("the simulated deployment is invalid: {e}"))?;
     let cfg = Arc::new(cfg);
     let world = World::new(cfg.seed, cfg.model.clone());
     world.lock().trace.print = opts.trace;
@@ -149,9 +181,15 @@ async fn simulate(cfg: SimConfig, opts: RunOptions, slot: Arc<Mutex<Option<World
     }
     for (d, w) in cfg.decode.iter().enumerate() {
         let r = &w.receiver;
-        world.record(format_args!("config d{d}: buffer {} idle {:?} quarantine {:?}", r.buffer_slots, r.request_idle_timeout, r.write_quarantine));
+        world.record(format_args!(
+            "config d{d}: buffer {} idle {:?} quarantine {:?}",
+            r.buffer_slots, r.request_idle_timeout, r.write_quarantine
+        ));
     }
-    world.record(format_args!("config: tp {} exposed {:?} variant {:?}", cfg.tp, opts.expose, opts.variant));
+    world.record(format_args!(
+        "config: tp {} exposed {:?} variant {:?}",
+        cfg.tp, opts.expose, opts.variant
+    ));
     let proxy = start_proxy(&world, &cfg).await?;
     let ids = start_nodes(&world, &cfg);
     tokio::spawn(faults::inject(world.clone(), cfg.clone(), ids.clone()));
@@ -170,8 +208,15 @@ async fn start_proxy(world: &World, cfg: &Arc<SimConfig>) -> Result<kvx_node::Pr
     let node = Handle::current().create_node().name("proxy").build();
     world.node_started("proxy");
     let (env, pc) = (nodes::env(world, "proxy"), cfg.proxy.clone());
-    let started = node.spawn(async move { ProxyNode::start(env, pc, PROXY_ENDPOINT).await.map_err(|e| e.to_string()) });
-    started.await.map_err(|e| format!("proxy task: {e}"))?.map_err(|e| format!("the proxy could not start: {e}"))
+    let started = node.spawn(async move {
+        ProxyNode::start(env, pc, PROXY_ENDPOINT)
+            .await
+            .map_err(|e| e.to_string())
+    });
+    started
+        .await
+        .map_err(|e| format!("proxy task: {e}"))?
+        .map_err(|e| format!("the proxy could not start: {e}"))
 }
 
 /// Creates a madsim node per receiver and sender; each node's init starts its drivers, and
@@ -182,25 +227,45 @@ fn start_nodes(world: &World, cfg: &Arc<SimConfig>) -> NodeIds {
         for rank in 0..cfg.tp {
             let (w, c, name) = (world.clone(), cfg.clone(), receiver_node(d, rank));
             let init = move || nodes::receiver_main(w.clone(), c.clone(), d, rank);
-            ids.insert(name.clone(), Handle::current().create_node().name(name).init(init).build().id());
+            ids.insert(
+                name.clone(),
+                Handle::current()
+                    .create_node()
+                    .name(name)
+                    .init(init)
+                    .build()
+                    .id(),
+            );
         }
     }
     for p in 0..cfg.prefill.len() {
         for rank in 0..cfg.tp {
             let (w, c, name) = (world.clone(), cfg.clone(), sender_node(p, rank));
             let init = move || nodes::sender_main(w.clone(), c.clone(), p, rank);
-            ids.insert(name.clone(), Handle::current().create_node().name(name).init(init).build().id());
+            ids.insert(
+                name.clone(),
+                Handle::current()
+                    .create_node()
+                    .name(name)
+                    .init(init)
+                    .build()
+                    .id(),
+            );
         }
     }
     Arc::new(ids)
 }
 
 fn receivers(cfg: &SimConfig) -> Vec<String> {
-    (0..cfg.decode.len()).flat_map(|d| (0..cfg.tp).map(move |r| receiver_node(d, r))).collect()
+    (0..cfg.decode.len())
+        .flat_map(|d| (0..cfg.tp).map(move |r| receiver_node(d, r)))
+        .collect()
 }
 
 fn senders(cfg: &SimConfig) -> Vec<String> {
-    (0..cfg.prefill.len()).flat_map(|p| (0..cfg.tp).map(move |r| sender_node(p, r))).collect()
+    (0..cfg.prefill.len())
+        .flat_map(|p| (0..cfg.tp).map(move |r| sender_node(p, r)))
+        .collect()
 }
 
 /// Reads every receiver's own accounting now and then (R2), while requests run.
@@ -225,8 +290,14 @@ async fn final_checks(world: &World, cfg: &Arc<SimConfig>) {
             continue;
         }
         match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(s)) if s.free == s.capacity && s.tracked_requests == 0 && s.admission_queue_len == 0 => {}
-            Ok(Ok(s)) => flag(world, format!("G3: receiver {r} is not entirely free after quiescence: {s:?}")),
+            Ok(Ok(s))
+                if s.free == s.capacity
+                    && s.tracked_requests == 0
+                    && s.admission_queue_len == 0 => {}
+            Ok(Ok(s)) => flag(
+                world,
+                format!("G3: receiver {r} is not entirely free after quiescence: {s:?}"),
+            ),
             _ => flag(world, format!("G3: receiver {r} did not answer a snapshot")),
         }
     }
@@ -238,14 +309,19 @@ async fn final_checks(world: &World, cfg: &Arc<SimConfig>) {
         }
         match tokio::time::timeout(bound, rx).await {
             Ok(Ok((free, cap))) if free == cap => {}
-            Ok(Ok((free, cap))) => flag(world, format!("G3: sender {s} holds staging after quiescence: {free} of {cap} free")),
+            Ok(Ok((free, cap))) => flag(
+                world,
+                format!("G3: sender {s} holds staging after quiescence: {free} of {cap} free"),
+            ),
             _ => flag(world, format!("G3: sender {s} did not answer")),
         }
     }
     let now = world.now();
     let mut w = world.lock();
     w.checker.finish(now);
-    let found = w.outcomes.check(cfg.decoder_consumes, |plan, rank| cfg.receiver_of(plan, rank));
+    let found = w.outcomes.check(cfg.decoder_consumes, |plan, rank| {
+        cfg.receiver_of(plan, rank)
+    });
     for why in found {
         w.checker.flag(now, why);
     }
@@ -265,7 +341,12 @@ fn report(world: &World, seed: u64) -> RunReport {
         trace_hash: w.trace.hash(),
         events: w.trace.events(),
         requests: w.outcomes.reqs.len(),
-        delivered: w.outcomes.reqs.values().filter(|r| matches!(r.proxy, Some(Ok(())))).count(),
+        delivered: w
+            .outcomes
+            .reqs
+            .values()
+            .filter(|r| matches!(r.proxy, Some(Ok(()))))
+            .count(),
         virtual_time: now,
         tail: w.trace.tail().cloned().collect(),
         outcomes: w.outcomes.reqs.clone(),

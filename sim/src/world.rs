@@ -114,7 +114,10 @@ impl Inner {
 
     /// One control message's latency from `a` to `b`.
     pub fn control_delay(&mut self, a: &str, b: &str) -> Duration {
-        let (lo, hi) = (self.model.control_latency_min, self.model.control_latency_max);
+        let (lo, hi) = (
+            self.model.control_latency_min,
+            self.model.control_latency_max,
+        );
         self.rng.duration(lo, hi) + self.slowdown(a, b)
     }
 }
@@ -138,7 +141,7 @@ impl World {
     pub fn new(seed: u64, model: LinkModel) -> Self {
         let infra = Handle::current().create_node().name("infra").build().id();
         let inner = Inner {
-            rng: SimRng::new(seed ^ 0x5EED_0F_3011D),
+            rng: SimRng::new(seed ^ 0x05EE_D0F3_011D),
             model,
             nodes: BTreeMap::new(),
             partitions: BTreeSet::new(),
@@ -199,7 +202,8 @@ impl World {
         state.up = true;
         state.incarnation += 1;
         let inc = state.incarnation;
-        w.trace.record(now, format_args!("node {name} up (incarnation {inc})"));
+        w.trace
+            .record(now, format_args!("node {name} up (incarnation {inc})"));
         inc
     }
 
@@ -249,7 +253,8 @@ impl World {
         let now = self.now();
         let mut w = self.lock();
         w.slow.insert(pair(a, b), extra);
-        w.trace.record(now, format_args!("slow {a} ~ {b} +{extra:?}"));
+        w.trace
+            .record(now, format_args!("slow {a} ~ {b} +{extra:?}"));
     }
 
     /// Ends every partition and slowdown.
@@ -265,7 +270,8 @@ impl World {
         let now = self.now();
         let mut w = self.lock();
         w.partitions.remove(&pair(a, b));
-        w.trace.record(now, format_args!("partition {a} | {b} healed"));
+        w.trace
+            .record(now, format_args!("partition {a} | {b} healed"));
     }
 
     pub fn end_slow(&self, a: &str, b: &str) {

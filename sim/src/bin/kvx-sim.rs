@@ -39,22 +39,42 @@ fn usage() -> &'static str {
 
 fn parse() -> Result<Args> {
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut a = Args { seeds: 100, start: 0, faults: false, variant: None, trace: false, determinism: false, jobs, first: false, expose: Vec::new(), keep_going: false };
+    let mut a = Args {
+        seeds: 100,
+        start: 0,
+        faults: false,
+        variant: None,
+        trace: false,
+        determinism: false,
+        jobs,
+        first: false,
+        expose: Vec::new(),
+        keep_going: false,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
-        let mut value = |name: &str| it.next().with_context(|| format!("{name} needs a value\n{}", usage()));
+        let mut value = |name: &str| {
+            it.next()
+                .with_context(|| format!("{name} needs a value\n{}", usage()))
+        };
         match arg.as_str() {
             "--seeds" => a.seeds = value("--seeds")?.parse()?,
             "--start" => a.start = value("--start")?.parse()?,
             "--jobs" => a.jobs = value("--jobs")?.parse::<usize>()?.max(1),
             "--break" => {
                 let name = value("--break")?;
-                a.variant = Some(Variant::from_name(&name).with_context(|| format!("unknown variant {name}\n{}", usage()))?);
+                a.variant = Some(
+                    Variant::from_name(&name)
+                        .with_context(|| format!("unknown variant {name}\n{}", usage()))?,
+                );
                 a.first = true;
             }
             "--expose" => {
                 let name = value("--expose")?;
-                a.expose.push(KnownBug::from_name(&name).with_context(|| format!("unknown known bug {name}\n{}", usage()))?);
+                a.expose.push(
+                    KnownBug::from_name(&name)
+                        .with_context(|| format!("unknown known bug {name}\n{}", usage()))?,
+                );
             }
             "--faults" => a.faults = true,
             "--trace" => a.trace = true,
@@ -87,10 +107,20 @@ fn replay(a: &Args, seed: u64) -> String {
 
 /// Runs one seed (twice with `--determinism`, comparing the traces).
 fn one(a: &Args, seed: u64) -> RunReport {
-    let opts = RunOptions { trace: a.trace, variant: a.variant, expose: a.expose.clone() };
+    let opts = RunOptions {
+        trace: a.trace,
+        variant: a.variant,
+        expose: a.expose.clone(),
+    };
     let mut report = run(plan::random(seed, a.faults), opts.clone());
     if a.determinism {
-        let again = run(plan::random(seed, a.faults), RunOptions { trace: false, ..opts });
+        let again = run(
+            plan::random(seed, a.faults),
+            RunOptions {
+                trace: false,
+                ..opts
+            },
+        );
         if (again.trace_hash, again.events) != (report.trace_hash, report.events) {
             report.violations.push(format!(
                 "G5: the same seed gave two traces: {:016x} ({} events) and {:016x} ({} events)",
@@ -127,7 +157,8 @@ fn main() -> Result<()> {
         });
     }
     drop(tx);
-    let (mut done, mut failed, mut events, mut requests, mut delivered) = (0u64, Vec::new(), 0u64, 0usize, 0usize);
+    let (mut done, mut failed, mut events, mut requests, mut delivered) =
+        (0u64, Vec::new(), 0u64, 0usize, 0usize);
     let mut running = BTreeSet::new();
     let mut caught_by = std::collections::BTreeMap::new();
     loop {
@@ -154,7 +185,9 @@ fn main() -> Result<()> {
         requests += report.requests;
         delivered += report.delivered;
         if !report.passed() {
-            *caught_by.entry(label(&report.violations[0])).or_insert(0u64) += 1;
+            *caught_by
+                .entry(label(&report.violations[0]))
+                .or_insert(0u64) += 1;
             print_failure(&a, &report, failed.is_empty());
             failed.push(seed);
             if a.first && !a.keep_going {
@@ -184,7 +217,11 @@ fn main() -> Result<()> {
 }
 
 fn print_failure(a: &Args, r: &RunReport, with_tail: bool) {
-    println!("FAIL seed {}: {}", r.seed, r.violations.first().map_or("?", |v| v.as_str()));
+    println!(
+        "FAIL seed {}: {}",
+        r.seed,
+        r.violations.first().map_or("?", |v| v.as_str())
+    );
     for v in r.violations.iter().skip(1).take(5) {
         println!("  also: {v}");
     }

@@ -19,27 +19,37 @@ fn fabric(world: &kvx_sim::world::World) -> SimFabric {
 
 #[test]
 fn transport_request_reply() {
-    with_world(1, |w| async move { c::transport_request_reply(&transport(&w), "server", 64).await });
+    with_world(1, |w| async move {
+        c::transport_request_reply(&transport(&w), "server", 64).await
+    });
 }
 
 #[test]
 fn transport_notices() {
-    with_world(2, |w| async move { c::transport_notices(&transport(&w), "notices", 64).await });
+    with_world(2, |w| async move {
+        c::transport_notices(&transport(&w), "notices", 64).await
+    });
 }
 
 #[test]
 fn fabric_writes_land_in_order() {
-    with_world(3, |w| async move { c::fabric_writes_land_in_order(&fabric(&w), "buffer", 16, 4096).await });
+    with_world(3, |w| async move {
+        c::fabric_writes_land_in_order(&fabric(&w), "buffer", 16, 4096).await
+    });
 }
 
 #[test]
 fn fabric_reset_flushes() {
-    with_world(4, |w| async move { c::fabric_reset_flushes(&fabric(&w), "buffer").await });
+    with_world(4, |w| async move {
+        c::fabric_reset_flushes(&fabric(&w), "buffer").await
+    });
 }
 
 #[test]
 fn fabric_rejects_out_of_bounds() {
-    with_world(5, |w| async move { c::fabric_rejects_out_of_bounds(&fabric(&w), "buffer").await });
+    with_world(5, |w| async move {
+        c::fabric_rejects_out_of_bounds(&fabric(&w), "buffer").await
+    });
 }
 
 /// FIFO per connection holds with a wide latency spread (the jitter never reorders).
@@ -61,7 +71,10 @@ fn transport_loses_only_on_a_break() {
         let t = transport(&w);
         let mut server = t.serve("srv").await.expect("serve");
         let mut client = t.connect("srv", "client").await.expect("connect");
-        client.send(Bytes::from_static(b"before")).await.expect("send");
+        client
+            .send(Bytes::from_static(b"before"))
+            .await
+            .expect("send");
         let (_, got) = server.recv().await.expect("open");
         assert_eq!(got, Bytes::from_static(b"before"));
         w.disconnect("main", "main");

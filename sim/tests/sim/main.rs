@@ -3,9 +3,11 @@
 //! - `conformance`: kvx-io's conformance bodies against `SimTransport` and `SimFabric`;
 //! - `scenarios`: the design's seed examples and every LMCache failure the reference
 //!   describes, on the real drivers;
+//! - `topologies`: 2P1D, xPyD, tensor parallelism;
 //! - `swarm`: a short seed sweep, determinism, every broken variant caught, and every known
 //!   kvx bug still reproducing when its workaround is off.
 
 mod conformance;
 mod scenarios;
 mod swarm;
+mod topologies;

@@ -8,7 +8,6 @@ use std::time::Duration;
 use kvx_proto::config::Pipelining;
 use kvx_sim::config::{Fault, FaultEvent};
 use kvx_sim::outcomes::ReqRecord;
-use kvx_sim::rng::SimRng;
 use kvx_sim::{run, RequestPlan, RunOptions, RunReport, SimConfig};
 
 const MS: Duration = Duration::from_millis(1);
@@ -21,12 +20,18 @@ pub fn passes(cfg: SimConfig) -> RunReport {
 }
 
 pub fn rec<'a>(r: &'a RunReport, id: &str) -> &'a ReqRecord {
-    r.outcomes.get(id).unwrap_or_else(|| panic!("{id} never began"))
+    r.outcomes
+        .get(id)
+        .unwrap_or_else(|| panic!("{id} never began"))
 }
 
-fn delivered(r: &RunReport, id: &str) -> bool {
+pub fn delivered(r: &RunReport, id: &str) -> bool {
     let rec = rec(r, id);
-    matches!(rec.proxy, Some(Ok(()))) && rec.ranks.iter().all(|k| matches!(k.sender, Some(Ok(()))) && k.verified == Some(true))
+    matches!(rec.proxy, Some(Ok(())))
+        && rec
+            .ranks
+            .iter()
+            .all(|k| matches!(k.sender, Some(Ok(()))) && k.verified == Some(true))
 }
 
 fn failure(r: &RunReport, id: &str) -> String {
@@ -36,23 +41,31 @@ fn failure(r: &RunReport, id: &str) -> String {
     }
 }
 
-fn plan(id: &str, p: usize, chunks: u32, batch: u32) -> RequestPlan {
+pub fn plan(id: &str, p: usize, chunks: u32, batch: u32) -> RequestPlan {
     RequestPlan::new(id, p, 0, chunks, batch)
 }
 
 fn at(id: &str, p: usize, chunks: u32, batch: u32, start_at: Duration) -> RequestPlan {
-    RequestPlan { start_at, ..plan(id, p, chunks, batch) }
+    RequestPlan {
+        start_at,
+        ..plan(id, p, chunks, batch)
+    }
 }
 
 /// The design note's example: a 10-chunk buffer, A and B need 8 each, from two senders.
 /// B waits in the admission queue until the decoder consumed A; both finish.
 #[test]
 fn seed_example_two_senders() {
-    let cfg = SimConfig::new(2, 1, 10, 8).with(plan("A", 0, 8, 2)).with(at("B", 1, 8, 2, 20 * MS + 10 * US));
+    let cfg = SimConfig::new(2, 1, 10, 8)
+        .with(plan("A", 0, 8, 2))
+        .with(at("B", 1, 8, 2, 20 * MS + 10 * US));
     let r = passes(cfg);
     assert!(delivered(&r, "A") && delivered(&r, "B"));
     let (a, b) = (&rec(&r, "A").ranks[0], &rec(&r, "B").ranks[0]);
-    assert!(b.admitted_at >= a.read_at, "B is admitted once A is consumed: {a:?} {b:?}");
+    assert!(
+        b.admitted_at >= a.read_at,
+        "B is admitted once A is consumed: {a:?} {b:?}"
+    );
 }
 
 /// The same A and B from one sender with interleaved batches (LMCache 0.5.6 deadlocks: B's
@@ -61,7 +74,9 @@ fn seed_example_two_senders() {
 #[test]
 fn seed_example_one_sender_interleaved() {
     for pipelining in [Pipelining::Auto, Pipelining::Off] {
-        let mut cfg = SimConfig::new(1, 1, 10, 8).with(plan("A", 0, 8, 2)).with(at("B", 0, 8, 2, 20 * MS + 10 * US));
+        let mut cfg = SimConfig::new(1, 1, 10, 8)
+            .with(plan("A", 0, 8, 2))
+            .with(at("B", 0, 8, 2, 20 * MS + 10 * US));
         cfg.prefill[0].interleave = 2;
         cfg.prefill[0].sender.pipelining = pipelining;
         let r = passes(cfg);
@@ -74,14 +89,21 @@ fn seed_example_one_sender_interleaved() {
 #[test]
 fn head_of_line_wait_behind_admission() {
     let alone = passes(SimConfig::new(1, 1, 10, 8).with(plan("A", 0, 8, 1)));
-    let mut cfg = SimConfig::new(1, 1, 10, 8).with(plan("A", 0, 8, 1)).with(at("B", 0, 8, 1, 20 * MS + 150 * US));
+    let mut cfg = SimConfig::new(1, 1, 10, 8)
+        .with(plan("A", 0, 8, 1))
+        .with(at("B", 0, 8, 1, 20 * MS + 150 * US));
     cfg.prefill[0].interleave = 2;
     let both = passes(cfg);
     let span = |r: &RunReport| {
         let a = rec(r, "A");
         a.proxy_at.unwrap_or_default() - a.begun_at
     };
-    assert!(span(&both) < span(&alone).mul_f64(1.5), "A alone {:?}, A with B waiting {:?}", span(&alone), span(&both));
+    assert!(
+        span(&both) < span(&alone).mul_f64(1.5),
+        "A alone {:?}, A with B waiting {:?}",
+        span(&alone),
+        span(&both)
+    );
     assert!(delivered(&both, "B"));
 }
 
@@ -89,7 +111,12 @@ fn head_of_line_wait_behind_admission() {
 /// with the buffer full of partial requests); kvx admits whole requests, so all complete.
 #[test]
 fn two_senders_four_concurrent_requests_each() {
-    let sizes = [[16, 4, 12, 9], [7, 16, 5, 14], [16, 16, 8, 4], [11, 13, 6, 15]];
+    let sizes = [
+        [16, 4, 12, 9],
+        [7, 16, 5, 14],
+        [16, 16, 8, 4],
+        [11, 13, 6, 15],
+    ];
     let mut cfg = SimConfig::new(2, 1, 64, 64);
     for p in &mut cfg.prefill {
         p.interleave = 4;
@@ -115,16 +142,28 @@ fn cancel_at_any_moment_releases_everything() {
         let mut c = plan("C", 0, 8, 4);
         c.cancel_after = Some(Duration::from_micros(us));
         c.fault_free = false;
-        let cfg = SimConfig::new(1, 1, 10, 8).with(c).with(at("after", 0, 10, 4, 50 * MS));
+        let cfg = SimConfig::new(1, 1, 10, 8)
+            .with(c)
+            .with(at("after", 0, 10, 4, 50 * MS));
         let r = passes(cfg);
         assert!(delivered(&r, "after"), "cancel at {us}us");
         if failure_or_none(&r, "C").is_some_and(|w| w.contains("cancelled")) {
             cancelled += 1;
-            assert!(matches!(rec(&r, "C").proxy, Some(Err(_))), "the proxy is told");
-            assert_eq!(r.proxy_notifs.get("C"), None, "no ProxyNotif for an aborted request");
+            assert!(
+                matches!(rec(&r, "C").proxy, Some(Err(_))),
+                "the proxy is told"
+            );
+            assert_eq!(
+                r.proxy_notifs.get("C"),
+                None,
+                "no ProxyNotif for an aborted request"
+            );
         }
     }
-    assert!(cancelled > 5, "many cancels hit the request while it ran: {cancelled}");
+    assert!(
+        cancelled > 5,
+        "many cancels hit the request while it ran: {cancelled}"
+    );
 }
 
 fn failure_or_none(r: &RunReport, id: &str) -> Option<String> {
@@ -142,11 +181,20 @@ fn oversized_request_fails_fast_once() {
     big.oversized = true;
     let r = passes(SimConfig::new(1, 1, 10, 8).with(big));
     let why = failure(&r, "big");
-    assert!(why.contains("needs 12 chunks") && why.contains("only 10 slots"), "{why}");
+    assert!(
+        why.contains("needs 12 chunks") && why.contains("only 10 slots"),
+        "{why}"
+    );
     let big = rec(&r, "big");
     let took = big.proxy_at.unwrap_or_default() - big.begun_at;
-    assert!(took < 20 * MS, "refused in {took:?} (a few hops, not admission_timeout): {big:?}");
-    assert!(big.ranks[0].receiver_end.as_deref().is_some_and(|e| e.contains("12 chunks")));
+    assert!(
+        took < 20 * MS,
+        "refused in {took:?} (a few hops, not admission_timeout): {big:?}"
+    );
+    assert!(big.ranks[0]
+        .receiver_end
+        .as_deref()
+        .is_some_and(|e| e.contains("12 chunks")));
 }
 
 /// Zombie batches after a failure (W7): the sender hangs mid-request past the receiver's
@@ -157,15 +205,29 @@ fn oversized_request_fails_fast_once() {
 fn zombie_batches_after_a_failure_are_refused() {
     let mut z = plan("Z", 0, 8, 1);
     z.fault_free = false;
-    let mut cfg = SimConfig::new(1, 1, 10, 8).with(z).with(at("next", 0, 10, 2, 6_000 * MS));
+    let mut cfg = SimConfig::new(1, 1, 10, 8)
+        .with(z)
+        .with(at("next", 0, 10, 2, 6_000 * MS));
     cfg.prefill_chunk_time = MS;
-    let pause = Fault::Pause { node: "p0r0".into(), lasts: 3_000 * MS };
-    cfg.faults = vec![FaultEvent { at: 27 * MS, fault: pause }];
+    let pause = Fault::Pause {
+        node: "p0r0".into(),
+        lasts: 3_000 * MS,
+    };
+    cfg.faults = vec![FaultEvent {
+        at: 27 * MS,
+        fault: pause,
+    }];
     cfg.heal_at = 3_100 * MS;
     let r = passes(cfg);
     let why = failure(&r, "Z");
-    assert!(why.contains("already ended") || why.contains("did not reply in time"), "{why}");
-    assert!(rec(&r, "Z").ranks[0].receiver_end.as_deref().is_some_and(|e| e.contains("request_idle_timeout")));
+    assert!(
+        why.contains("already ended") || why.contains("did not reply in time"),
+        "{why}"
+    );
+    assert!(rec(&r, "Z").ranks[0]
+        .receiver_end
+        .as_deref()
+        .is_some_and(|e| e.contains("request_idle_timeout")));
     assert!(delivered(&r, "next"));
 }
 
@@ -176,16 +238,28 @@ fn zombie_batches_after_a_failure_are_refused() {
 fn no_proxy_notif_after_a_failed_transfer() {
     let mut x = plan("X", 0, 16, 2);
     x.fault_free = false;
-    let mut cfg = SimConfig::new(1, 1, 16, 4).with(x).with(at("next", 0, 16, 4, 8_000 * MS));
+    let mut cfg = SimConfig::new(1, 1, 16, 4)
+        .with(x)
+        .with(at("next", 0, 16, 4, 8_000 * MS));
     cfg.prefill_chunk_time = MS;
-    let cut = Fault::Partition { a: "p0r0".into(), b: "d0r0".into(), lasts: 50 * MS };
-    cfg.faults = vec![FaultEvent { at: 30 * MS, fault: cut }];
+    let cut = Fault::Partition {
+        a: "p0r0".into(),
+        b: "d0r0".into(),
+        lasts: 50 * MS,
+    };
+    cfg.faults = vec![FaultEvent {
+        at: 30 * MS,
+        fault: cut,
+    }];
     cfg.heal_at = 100 * MS;
     let r = passes(cfg);
     failure(&r, "X");
     assert!(matches!(rec(&r, "X").proxy, Some(Err(_))));
     assert_eq!(r.proxy_notifs.get("X"), None);
-    assert!(delivered(&r, "next"), "the sender reconnects its fabric after the partition");
+    assert!(
+        delivered(&r, "next"),
+        "the sender reconnects its fabric after the partition"
+    );
 }
 
 /// A sender dies mid-request: its reservation is reclaimed after the receiver's lease
@@ -194,25 +268,44 @@ fn no_proxy_notif_after_a_failed_transfer() {
 fn dead_sender_reservation_is_reclaimed() {
     let mut dies = plan("dies", 0, 8, 2);
     dies.fault_free = false;
-    let mut cfg = SimConfig::new(2, 1, 10, 8).with(dies).with(at("waits", 1, 8, 2, 21 * MS));
+    let mut cfg = SimConfig::new(2, 1, 10, 8)
+        .with(dies)
+        .with(at("waits", 1, 8, 2, 21 * MS));
     cfg.prefill_chunk_time = MS;
-    let crash = Fault::Crash { node: "p0r0".into(), lasts: 30_000 * MS };
-    cfg.faults = vec![FaultEvent { at: 25 * MS, fault: crash }];
+    let crash = Fault::Crash {
+        node: "p0r0".into(),
+        lasts: 30_000 * MS,
+    };
+    cfg.faults = vec![FaultEvent {
+        at: 25 * MS,
+        fault: crash,
+    }];
     cfg.heal_at = 30_100 * MS;
     let idle = cfg.decode[0].receiver.request_idle_timeout;
     let r = passes(cfg);
-    assert!(rec(&r, "dies").ranks[0].receiver_end.as_deref().is_some_and(|e| e.contains("request_idle_timeout")));
-    assert!(matches!(rec(&r, "dies").proxy, Some(Err(_))), "the proxy times out, not hangs");
+    assert!(rec(&r, "dies").ranks[0]
+        .receiver_end
+        .as_deref()
+        .is_some_and(|e| e.contains("request_idle_timeout")));
+    assert!(
+        matches!(rec(&r, "dies").proxy, Some(Err(_))),
+        "the proxy times out, not hangs"
+    );
     assert!(delivered(&r, "waits"));
     let waited = rec(&r, "waits").ranks[0].admitted_at.unwrap_or_default();
-    assert!(waited >= idle, "admitted only after the lease expired: {waited:?}");
+    assert!(
+        waited >= idle,
+        "admitted only after the lease expired: {waited:?}"
+    );
 }
 
 /// Requests the decoder never consumes are released after their TTL (LMCache counts their
 /// slots free while they still hold memory, W12); the second is admitted only then.
 #[test]
 fn unconsumed_requests_expire() {
-    let mut cfg = SimConfig::new(1, 1, 10, 8).with(plan("u1", 0, 6, 2)).with(at("u2", 0, 6, 2, 21 * MS));
+    let mut cfg = SimConfig::new(1, 1, 10, 8)
+        .with(plan("u1", 0, 6, 2))
+        .with(at("u2", 0, 6, 2, 21 * MS));
     cfg.decoder_consumes = false;
     cfg.prefill[0].interleave = 2;
     // u2 waits out u1's TTL in the admission queue.
@@ -222,61 +315,13 @@ fn unconsumed_requests_expire() {
     let ttl = cfg.decode[0].receiver.unconsumed_ttl;
     let r = passes(cfg);
     for id in ["u1", "u2"] {
-        assert!(rec(&r, id).ranks[0].receiver_end.as_deref().is_some_and(|e| e.contains("unconsumed_ttl")), "{id}");
+        assert!(
+            rec(&r, id).ranks[0]
+                .receiver_end
+                .as_deref()
+                .is_some_and(|e| e.contains("unconsumed_ttl")),
+            "{id}"
+        );
     }
     assert!(rec(&r, "u2").ranks[0].admitted_at.unwrap_or_default() >= ttl);
-}
-
-/// 2P1D: two senders each send one request to one receiver; the transfers overlap, so the
-/// makespan is close to the longer one, not the sum.
-#[test]
-fn two_prefills_transfer_concurrently() {
-    let setup = |plans: &[(&str, usize, u32)]| {
-        let mut cfg = SimConfig::new(2, 1, 64, 16);
-        cfg.chunk_bytes = 1 << 20;
-        cfg.model.egress_bytes_per_sec = 1_000_000_000;
-        cfg.prefill_chunk_time = Duration::ZERO;
-        for &(id, p, chunks) in plans {
-            cfg = cfg.with(plan(id, p, chunks, 4));
-        }
-        let r = passes(cfg);
-        let begin = r.outcomes.values().map(|o| o.begun_at).min().unwrap_or_default();
-        r.outcomes.values().filter_map(|o| o.proxy_at).max().unwrap_or_default() - begin
-    };
-    let (long, short) = (setup(&[("x", 0, 32)]), setup(&[("x", 0, 24)]));
-    let both = setup(&[("a", 0, 32), ("b", 1, 24)]);
-    assert!(both < (long + short).mul_f64(0.75), "makespan {both:?} vs {long:?} + {short:?}");
-    assert!(both < long.mul_f64(1.2), "makespan {both:?} close to the longer {long:?}");
-}
-
-/// xPyD: three prefill workers, two decode workers, random sizes and jittery links.
-#[test]
-fn xpyd_with_random_sizes() {
-    for seed in 0..4 {
-        let mut rng = SimRng::new(seed);
-        let mut cfg = SimConfig::new(3, 2, 24, 12);
-        cfg.seed = seed;
-        cfg.model.control_latency_max = 5 * MS;
-        for p in &mut cfg.prefill {
-            p.interleave = 3;
-        }
-        for k in 0..18 {
-            let mut q = RequestPlan::new(&format!("q{k}"), k % 3, k % 2, rng.range_u32(1, 20), rng.range_u32(1, 4));
-            q.start_at = 20 * MS + rng.duration(Duration::ZERO, 20 * MS);
-            cfg = cfg.with(q);
-        }
-        let r = passes(cfg);
-        assert!(r.outcomes.keys().all(|id| delivered(&r, id)), "seed {seed}");
-    }
-}
-
-/// Tensor parallelism: each of two ranks sends its share to its own receiver; the proxy
-/// waits for both, and each rank's decoder reads its own bytes.
-#[test]
-fn two_tp_ranks_deliver_together() {
-    let mut cfg = SimConfig::new(1, 1, 16, 8).with(plan("t", 0, 12, 3));
-    cfg.tp = 2;
-    let r = passes(cfg);
-    assert!(delivered(&r, "t"));
-    assert_eq!(r.proxy_notifs.get("t"), Some(&2));
 }

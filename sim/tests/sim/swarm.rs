@@ -30,19 +30,27 @@ fn the_same_seed_gives_the_same_trace() {
         let a = run(plan::random(seed, true), RunOptions::default());
         let b = run(plan::random(seed, true), RunOptions::default());
         assert!(a.events > 100, "seed {seed} did something");
-        assert_eq!((a.trace_hash, a.events), (b.trace_hash, b.events), "seed {seed}");
+        assert_eq!(
+            (a.trace_hash, a.events),
+            (b.trace_hash, b.events),
+            "seed {seed}"
+        );
     }
 }
 
 #[test]
 fn every_broken_variant_is_caught_within_200_seeds() {
     for variant in Variant::ALL {
-        let opts = RunOptions { variant: Some(variant), ..RunOptions::default() };
+        let opts = RunOptions {
+            variant: Some(variant),
+            ..RunOptions::default()
+        };
         let caught = (0..200).find_map(|seed| {
             let r = run(plan::random(seed, true), opts.clone());
             (!r.passed()).then(|| (seed, r.violations[0].clone()))
         });
-        let (seed, why) = caught.unwrap_or_else(|| panic!("{} was not caught in 200 seeds", variant.name()));
+        let (seed, why) =
+            caught.unwrap_or_else(|| panic!("{} was not caught in 200 seeds", variant.name()));
         eprintln!("{:<24} caught at seed {seed}: {why}", variant.name());
     }
 }
@@ -50,13 +58,31 @@ fn every_broken_variant_is_caught_within_200_seeds() {
 fn fails_only_when_exposed(cfg: SimConfig, bug: KnownBug) {
     let worked_around = run(cfg.clone(), RunOptions::default());
     assert!(worked_around.passed(), "{:#?}", worked_around.violations);
-    let exposed = run(cfg, RunOptions { expose: vec![bug], ..RunOptions::default() });
-    assert!(!exposed.passed(), "{} no longer reproduces: fixed? then remove its workaround", bug.name());
+    let exposed = run(
+        cfg,
+        RunOptions {
+            expose: vec![bug],
+            ..RunOptions::default()
+        },
+    );
+    assert!(
+        !exposed.passed(),
+        "{} no longer reproduces: fixed? then remove its workaround",
+        bug.name()
+    );
     eprintln!("{:<20} {}", bug.name(), exposed.violations[0]);
 }
 
 fn slow(a: &str, b: &str, extra: Duration, lasts: Duration, at: Duration) -> FaultEvent {
-    FaultEvent { at, fault: Fault::Slow { a: a.into(), b: b.into(), extra, lasts } }
+    FaultEvent {
+        at,
+        fault: Fault::Slow {
+            a: a.into(),
+            b: b.into(),
+            extra,
+            lasts,
+        },
+    }
 }
 
 /// TP = 2: X reaches rank 0's receiver first, Y reaches rank 1's first, and each needs the
@@ -64,9 +90,14 @@ fn slow(a: &str, b: &str, extra: Duration, lasts: Duration, at: Duration) -> Fau
 /// admitted at once, each holds one rank and waits for the other until admission times out.
 #[test]
 fn tp_ranks_admitted_out_of_order_deadlock() {
-    let mut cfg = SimConfig::new(2, 1, 10, 8).with(RequestPlan::new("X", 0, 0, 8, 2)).with(RequestPlan::new("Y", 1, 0, 8, 2));
+    let mut cfg = SimConfig::new(2, 1, 10, 8)
+        .with(RequestPlan::new("X", 0, 0, 8, 2))
+        .with(RequestPlan::new("Y", 1, 0, 8, 2));
     cfg.tp = 2;
-    cfg.faults = vec![slow("p0r1", "d0r1", 5 * MS, 100 * MS, Duration::ZERO), slow("p1r0", "d0r0", 5 * MS, 100 * MS, Duration::ZERO)];
+    cfg.faults = vec![
+        slow("p0r1", "d0r1", 5 * MS, 100 * MS, Duration::ZERO),
+        slow("p1r0", "d0r0", 5 * MS, 100 * MS, Duration::ZERO),
+    ];
     cfg.heal_at = 200 * MS;
     fails_only_when_exposed(cfg, KnownBug::TpAdmissionCycle);
 }
@@ -78,13 +109,25 @@ fn tp_ranks_admitted_out_of_order_deadlock() {
 fn fabric_connection_that_errors_is_replaced() {
     let mut a = RequestPlan::new("A", 0, 0, 4, 4);
     a.fault_free = false;
-    let mut cfg = SimConfig::new(1, 1, 10, 8).with(a).with(RequestPlan { start_at: 4_000 * MS, ..RequestPlan::new("B", 0, 0, 4, 4) });
+    let mut cfg = SimConfig::new(1, 1, 10, 8).with(a).with(RequestPlan {
+        start_at: 4_000 * MS,
+        ..RequestPlan::new("B", 0, 0, 4, 4)
+    });
     // 1 ms hops: probe 20→21, reply →22, batch →23, reply →24, writes posted at 24 ms. The
     // slowdown begins after the last reply left and dooms the writes; the hang covers the
     // moment (1.024 s) the NIC gives up, so no write timeout fires.
     cfg.model.control_latency_max = cfg.model.control_latency_min;
-    let hang = Fault::Pause { node: "p0r0".into(), lasts: 1_500 * MS };
-    cfg.faults = vec![slow("p0r0", "d0r0", 2_000 * MS, 100 * MS, 23 * MS + MS / 2), FaultEvent { at: 25 * MS, fault: hang }];
+    let hang = Fault::Pause {
+        node: "p0r0".into(),
+        lasts: 1_500 * MS,
+    };
+    cfg.faults = vec![
+        slow("p0r0", "d0r0", 2_000 * MS, 100 * MS, 23 * MS + MS / 2),
+        FaultEvent {
+            at: 25 * MS,
+            fault: hang,
+        },
+    ];
     cfg.heal_at = 1_700 * MS;
     fails_only_when_exposed(cfg, KnownBug::FabricNotReplaced);
 }
@@ -98,7 +141,10 @@ fn fabric_connection_that_errors_is_replaced() {
 fn found_allocate_is_woken_by_write_completions() {
     let r = passes(SimConfig::new(1, 1, 10, 1).with(RequestPlan::new("w", 0, 0, 8, 4)));
     let w = &r.outcomes["w"];
-    assert!(w.proxy_at.unwrap_or_default() - w.begun_at < 100 * MS, "{w:?}");
+    assert!(
+        w.proxy_at.unwrap_or_default() - w.begun_at < 100 * MS,
+        "{w:?}"
+    );
 }
 
 /// Admission probes waiting at the receiver filled the pipelined window and held back an
@@ -108,7 +154,10 @@ fn found_allocate_is_woken_by_write_completions() {
 fn found_waiting_probes_do_not_block_batches() {
     let mut cfg = SimConfig::new(1, 1, 10, 8).with(RequestPlan::new("A", 0, 0, 8, 1));
     for (id, start) in [("B", 21 * MS), ("C", 22 * MS)] {
-        cfg = cfg.with(RequestPlan { start_at: start, ..RequestPlan::new(id, 0, 0, 8, 1) });
+        cfg = cfg.with(RequestPlan {
+            start_at: start,
+            ..RequestPlan::new(id, 0, 0, 8, 1)
+        });
     }
     cfg.prefill[0].interleave = 3;
     cfg.prefill[0].sender.inflight_max = 2;
@@ -120,10 +169,29 @@ fn found_waiting_probes_do_not_block_batches() {
 /// id: a request meant for d0 was admitted and written by d2 (fixed in e5c8e7f).
 #[test]
 fn found_peer_ids_are_never_reused() {
-    let mut cfg = SimConfig::new(1, 3, 10, 8).with(RequestPlan { start_at: 1_000 * MS, ..RequestPlan::new("r", 0, 0, 4, 2) });
-    let crash = Fault::Crash { node: "p0r0".into(), lasts: 50 * MS };
-    let cut = Fault::Partition { a: "p0r0".into(), b: "d0r0".into(), lasts: 300 * MS };
-    cfg.faults = vec![FaultEvent { at: 10 * MS, fault: cut }, FaultEvent { at: 11 * MS, fault: crash }];
+    let mut cfg = SimConfig::new(1, 3, 10, 8).with(RequestPlan {
+        start_at: 1_000 * MS,
+        ..RequestPlan::new("r", 0, 0, 4, 2)
+    });
+    let crash = Fault::Crash {
+        node: "p0r0".into(),
+        lasts: 50 * MS,
+    };
+    let cut = Fault::Partition {
+        a: "p0r0".into(),
+        b: "d0r0".into(),
+        lasts: 300 * MS,
+    };
+    cfg.faults = vec![
+        FaultEvent {
+            at: 10 * MS,
+            fault: cut,
+        },
+        FaultEvent {
+            at: 11 * MS,
+            fault: crash,
+        },
+    ];
     cfg.heal_at = 400 * MS;
     passes(cfg);
 }
@@ -135,10 +203,22 @@ fn found_peer_ids_are_never_reused() {
 fn found_stale_grants_are_never_written() {
     let mut z = RequestPlan::new("Z", 0, 0, 8, 4);
     z.fault_free = false;
-    let mut cfg = SimConfig::new(2, 1, 8, 8).with(z).with(RequestPlan { start_at: 8_000 * MS, ..RequestPlan::new("W", 1, 0, 8, 8) });
+    let mut cfg = SimConfig::new(2, 1, 8, 8).with(z).with(RequestPlan {
+        start_at: 8_000 * MS,
+        ..RequestPlan::new("W", 1, 0, 8, 8)
+    });
     cfg.decode_delay = 1_000 * MS;
-    let hang = Fault::Pause { node: "p0r0".into(), lasts: 8_000 * MS };
-    cfg.faults = vec![slow("p0r0", "d0r0", 50 * MS, 300 * MS, 19 * MS), FaultEvent { at: 140 * MS, fault: hang }];
+    let hang = Fault::Pause {
+        node: "p0r0".into(),
+        lasts: 8_000 * MS,
+    };
+    cfg.faults = vec![
+        slow("p0r0", "d0r0", 50 * MS, 300 * MS, 19 * MS),
+        FaultEvent {
+            at: 140 * MS,
+            fault: hang,
+        },
+    ];
     cfg.heal_at = 8_200 * MS;
     let r = passes(cfg);
     assert!(matches!(r.outcomes["Z"].ranks[0].sender, Some(Err(_))));
