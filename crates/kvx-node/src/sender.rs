@@ -111,6 +111,7 @@ enum Cmd {
         tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
     ),
     FabricBack(PeerId, FabricConn),
+    FabricGaveUp(PeerId),
 }
 
 /// Starts senders.
@@ -168,6 +169,8 @@ impl SenderNode {
             sink,
             clients: BTreeMap::new(),
             conns: BTreeMap::new(),
+            conn_generation: 0,
+            reconnecting: std::collections::BTreeSet::new(),
             inbox_tx: in_tx,
             inbox: in_rx,
             cmds: cmd_rx,
@@ -356,7 +359,10 @@ fn closed() -> StartError {
 #[derive(Debug)]
 enum Input {
     Client(PeerId, ClientEvent),
-    Done(Completion),
+    /// A completion from connection generation `u64` to the peer.
+    Done(PeerId, u64, Completion),
+    /// That connection's completion stream ended: it is gone.
+    ConnGone(PeerId, u64),
 }
 
 struct Driver<E: Env> {
@@ -366,7 +372,12 @@ struct Driver<E: Env> {
     local_id: String,
     sink: Option<NotifySink>,
     clients: BTreeMap<PeerId, mpsc::Sender<Bytes>>,
-    conns: BTreeMap<PeerId, kvx_io::fabric::ConnPoster>,
+    /// The live fabric connection to each receiver, with its generation (so that errors of
+    /// a connection already replaced do not reset its successor).
+    conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster)>,
+    conn_generation: u64,
+    /// Receivers whose fabric connection is being replaced.
+    reconnecting: std::collections::BTreeSet<PeerId>,
     inbox_tx: mpsc::UnboundedSender<Input>,
     inbox: mpsc::UnboundedReceiver<Input>,
     cmds: mpsc::UnboundedReceiver<Cmd>,
@@ -422,13 +433,28 @@ impl<E: Env> Driver<E> {
                 drop(core);
                 self.reset_fabric(peer);
             }
-            Input::Done(c) => {
+            Input::Done(peer, generation, c) => {
+                let broken = matches!(
+                    c.result,
+                    Err(kvx_io::FabricError::Flushed
+                        | kvx_io::FabricError::Closed
+                        | kvx_io::FabricError::Io(_))
+                );
                 core.flow
                     .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()));
                 // A completed write frees a staging slot without any core event: wake the
                 // allocators waiting for one, async and blocking alike.
                 drop(core);
                 self.wake_waiters();
+                // A connection whose writes fail (a QP in error, a dropped socket) is never
+                // used again: replace it (found by the simulation: it once never was).
+                if broken {
+                    self.replace_if_current(peer, generation);
+                }
+            }
+            Input::ConnGone(peer, generation) => {
+                drop(core);
+                self.replace_if_current(peer, generation);
             }
         }
     }
@@ -479,6 +505,9 @@ impl<E: Env> Driver<E> {
                 }
             },
             Cmd::FabricBack(peer, conn) => self.attach_conn(peer, conn),
+            Cmd::FabricGaveUp(peer) => {
+                self.reconnecting.remove(&peer);
+            }
         }
     }
 
@@ -496,15 +525,25 @@ impl<E: Env> Driver<E> {
 
     fn attach_conn(&mut self, peer: PeerId, conn: FabricConn) {
         let (poster, mut completions) = conn.split();
-        self.conns.insert(peer, poster);
+        self.conn_generation += 1;
+        let generation = self.conn_generation;
+        self.conns.insert(peer, (generation, poster));
+        self.reconnecting.remove(&peer);
         let inbox = self.inbox_tx.clone();
         self.env.spawn(async move {
             while let Some(c) = completions.recv().await {
-                if inbox.send(Input::Done(c)).is_err() {
-                    break;
+                if inbox.send(Input::Done(peer, generation, c)).is_err() {
+                    return;
                 }
             }
+            let _ = inbox.send(Input::ConnGone(peer, generation));
         });
+    }
+
+    fn replace_if_current(&mut self, peer: PeerId, generation: u64) {
+        if self.conns.get(&peer).is_some_and(|(g, _)| *g == generation) {
+            self.reset_fabric(peer);
+        }
     }
 
     /// Does what the core asked for: sends, posts, and wakes whoever waits on an event.
@@ -568,7 +607,7 @@ impl<E: Env> Driver<E> {
             len,
             imm: w.tag.map(|t| t.to_imm()),
         };
-        let posted = self.conns.get(&w.receiver).map(|c| c.post(write));
+        let posted = self.conns.get(&w.receiver).map(|(_, c)| c.post(write));
         if !matches!(posted, Some(Ok(()))) {
             let now = self.env.now();
             let why = "no fabric connection to the receiver".to_owned();
@@ -576,6 +615,8 @@ impl<E: Env> Driver<E> {
                 .lock()
                 .flow
                 .handle_write_done(now, w.id, Err(why));
+            // Get one for the requests that come after this one.
+            self.reset_fabric(w.receiver);
         }
     }
 
@@ -615,11 +656,13 @@ impl<E: Env> Driver<E> {
     /// A write is overdue, or the receiver came back after a disconnect: reset the connection
     /// (flushing every outstanding write with an error) and connect afresh in the background.
     fn reset_fabric(&mut self, peer: PeerId) {
-        tracing::warn!(%peer, "resetting the fabric connection");
-        let Some(poster) = self.conns.remove(&peer) else {
-            return;
-        };
-        poster.reset();
+        if let Some((_, poster)) = self.conns.remove(&peer) {
+            tracing::warn!(%peer, "resetting the fabric connection");
+            poster.reset();
+        }
+        if !self.reconnecting.insert(peer) {
+            return; // a reconnect is already under way
+        }
         let addr = self
             .shared
             .lock()
@@ -630,7 +673,8 @@ impl<E: Env> Driver<E> {
         let Some(addr) = addr else { return };
         let (env, memory, cmd_tx) = (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
         self.env.spawn(async move {
-            for attempt in 0..5u32 {
+            // Bounded: about five minutes of attempts, backing off to 5 s between them.
+            for attempt in 0..64u32 {
                 match env.fabric().connect(&addr.fabric, memory.clone()).await {
                     Ok(conn) => {
                         let _ = cmd_tx.send(Cmd::FabricBack(peer, conn));
@@ -638,8 +682,13 @@ impl<E: Env> Driver<E> {
                     }
                     Err(e) => tracing::warn!(%peer, error = %e, attempt, "fabric reconnect failed"),
                 }
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                if cmd_tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis((100u64 << attempt.min(6)).min(5_000))).await;
             }
+            tracing::error!(%peer, "giving up reconnecting the fabric; writes to this receiver fail");
+            let _ = cmd_tx.send(Cmd::FabricGaveUp(peer));
         });
     }
 }
