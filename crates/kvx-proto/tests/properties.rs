@@ -173,3 +173,18 @@ fn the_same_seed_gives_the_same_run() {
     assert_eq!(a.steps, b.steps);
     assert_eq!(a.plans, b.plans);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("tests/properties.proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    /// Arbitrary event sequences straight into the core (deliveries in any order across
+    /// links, write failures, cancels, lost connections, time jumps): every invariant holds
+    /// after every event, and once faults stop every request ends and every buffer is free.
+    #[test]
+    fn arbitrary_event_sequences_end_cleanly(bytes in prop::collection::vec(any::<u8>(), 0..800)) {
+        kvx_proto::testing::OpWorld::run(&bytes);
+    }
+}

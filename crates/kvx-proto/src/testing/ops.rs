@@ -1,0 +1,335 @@
+//! A byte-driven driver of the core for fuzzing (`fuzz/fuzz_targets/core_events.rs`) and
+//! property tests: two senders and one receiver wired by explicit FIFO queues, where each
+//! pair of input bytes picks the next event — a begin, a batch, a delivery on one link, a
+//! write completing or failing, a cancel, time passing, a consume, a lost connection.
+//! Every state machine's `check_invariants()` runs after each event, a write may land only
+//! in a live grant of its own request (or in quarantine), and at the end the world heals:
+//! everything is delivered, completed and timed out, and every request must have ended with
+//! both buffers entirely free.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::checker::Checker;
+use crate::config::{ReceiverConfig, SenderConfig};
+use crate::ids::{PeerId, ReqId, ReqKey};
+use crate::receiver::{ReceiverEvent, ReceiverLedger};
+use crate::sender::{ChunkSpec, Destination, RequestSpec, SenderEvent, SenderFlow, WriteOp};
+use crate::time::Instant;
+use crate::wire::{self, Message};
+
+const SENDERS: usize = 2;
+/// Upper bound on operations taken from one input, so a fuzz case stays fast.
+const OPS_MAX: usize = 4_000;
+
+#[derive(Debug)]
+struct Side {
+    flow: SenderFlow,
+    /// Requests begun here: id, declared total, chunks submitted so far.
+    requests: Vec<(ReqId, u32, u32)>,
+    to_receiver: VecDeque<Vec<u8>>,
+    to_sender: VecDeque<Vec<u8>>,
+    writes: VecDeque<WriteOp>,
+}
+
+/// The world the bytes drive.
+#[derive(Debug)]
+pub struct OpWorld {
+    now: Instant,
+    sides: Vec<Side>,
+    receiver: ReceiverLedger,
+    ready: Vec<ReqKey>,
+    begun: u32,
+    checker: Checker,
+}
+
+impl Default for OpWorld {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl OpWorld {
+    /// 6 buffer slots, 4 staging slots per sender: small enough to fill.
+    pub fn new() -> Self {
+        let receiver_cfg = ReceiverConfig {
+            buffer_slots: 6,
+            request_idle_timeout: Duration::from_secs(5),
+            write_quarantine: Duration::from_secs(10),
+            admission_timeout: Duration::from_secs(5),
+            unconsumed_ttl: Duration::from_secs(20),
+            ..ReceiverConfig::default()
+        };
+        let sender_cfg = SenderConfig {
+            staging_slots: 4,
+            reply_timeout: Duration::from_secs(2),
+            admission_reply_timeout: Duration::from_secs(8),
+            write_timeout: Duration::from_secs(2),
+            notify_proxy_on_failure: true,
+            ..SenderConfig::default()
+        };
+        receiver_cfg
+            .check_sender(&sender_cfg)
+            .expect("invariant: a valid deployment");
+        let side = || Side {
+            flow: SenderFlow::new(sender_cfg.clone()).expect("invariant: valid sender config"),
+            requests: Vec::new(),
+            to_receiver: VecDeque::new(),
+            to_sender: VecDeque::new(),
+            writes: VecDeque::new(),
+        };
+        Self {
+            now: Instant::ZERO,
+            sides: (0..SENDERS).map(|_| side()).collect(),
+            receiver: ReceiverLedger::new(receiver_cfg).expect("invariant: valid receiver config"),
+            ready: Vec::new(),
+            begun: 0,
+            checker: Checker::default(),
+        }
+    }
+
+    /// Runs the events the bytes describe, then heals; panics on any broken rule.
+    pub fn run(bytes: &[u8]) {
+        let mut world = OpWorld::new();
+        for pair in bytes.chunks_exact(2).take(OPS_MAX) {
+            world.step(pair[0], pair[1]);
+        }
+        world.heal();
+    }
+
+    /// One event.
+    pub fn step(&mut self, op: u8, arg: u8) {
+        let s = usize::from(arg) % SENDERS;
+        match op % 10 {
+            0 => self.begin(s, 1 + u32::from(arg / 2) % 8),
+            1 => self.submit(s, 1 + u32::from(arg / 2) % 3),
+            2 => self.deliver_to_receiver(s),
+            3 => self.deliver_to_sender(s),
+            4 => self.complete_write(s, arg & 0x80 != 0),
+            5 => self.cancel(s, usize::from(arg / 2)),
+            6 => self.advance(Duration::from_millis(100 * u64::from(arg))),
+            7 => self.consume(usize::from(arg)),
+            8 if arg > 240 => self.lose_connection(s),
+            _ => self.deliver_to_receiver(s),
+        }
+        self.pump();
+        self.check();
+    }
+
+    fn begin(&mut self, s: usize, total: u32) {
+        self.begun += 1;
+        let req_id = ReqId(format!("r{}", self.begun));
+        let spec = RequestSpec {
+            req_id: req_id.clone(),
+            receiver: PeerId(0),
+            total_chunks: total,
+            fmt: 1,
+            shape: vec![1],
+            dtype: "bf16".into(),
+        };
+        if self.sides[s].flow.handle_begin(self.now, spec).is_ok() {
+            self.sides[s].requests.push((req_id, total, 0));
+        }
+    }
+
+    /// Stages and submits up to `n` chunks of the first admitted request with chunks left.
+    fn submit(&mut self, s: usize, n: u32) {
+        let side = &mut self.sides[s];
+        let Some(i) = side
+            .requests
+            .iter()
+            .position(|(id, total, done)| done < total && side.flow.is_admitted(id))
+        else {
+            return;
+        };
+        let (req_id, total, done) = side.requests[i].clone();
+        let mut chunks = Vec::new();
+        for k in 0..n.min(total - done) {
+            match side.flow.try_allocate(&req_id) {
+                Ok(slot) => chunks.push(ChunkSpec {
+                    key: format!("{req_id}@{}", done + k),
+                    staging: slot,
+                    tokens: 1,
+                }),
+                Err(_) => break,
+            }
+        }
+        if chunks.is_empty() {
+            return;
+        }
+        let count = chunks.len() as u32;
+        let last = done + count == total;
+        if side
+            .flow
+            .handle_submit(self.now, &req_id, chunks, last)
+            .is_ok()
+        {
+            side.requests[i].2 += count;
+        }
+    }
+
+    fn deliver_to_receiver(&mut self, s: usize) {
+        if let Some(bytes) = self.sides[s].to_receiver.pop_front() {
+            let msg = wire::decode(&bytes).expect("invariant: the codec decodes what it encoded");
+            self.receiver
+                .handle_message(self.now, PeerId(s as u64), msg);
+        }
+    }
+
+    fn deliver_to_sender(&mut self, s: usize) {
+        if let Some(bytes) = self.sides[s].to_sender.pop_front() {
+            let msg = wire::decode(&bytes).expect("invariant: the codec decodes what it encoded");
+            self.sides[s].flow.handle_message(self.now, PeerId(0), msg);
+        }
+    }
+
+    /// The oldest posted write of sender `s` completes (verbs: in order per connection):
+    /// it lands and succeeds, or fails without landing.
+    fn complete_write(&mut self, s: usize, fail: bool) {
+        let Some(op) = self.sides[s].writes.pop_front() else {
+            return;
+        };
+        if !fail {
+            let key = ReqKey {
+                peer: PeerId(s as u64),
+                req_id: op.req_id.clone(),
+            };
+            self.checker.on_write(&self.receiver, &key, &op);
+            if let Some(tag) = op.tag {
+                self.receiver.handle_chunk_landed(self.now, tag);
+            }
+        }
+        let result = if fail {
+            Err("injected".to_owned())
+        } else {
+            Ok(())
+        };
+        self.sides[s]
+            .flow
+            .handle_write_done(self.now, op.id, result);
+    }
+
+    fn cancel(&mut self, s: usize, pick: usize) {
+        let side = &mut self.sides[s];
+        if side.requests.is_empty() {
+            return;
+        }
+        let id = side.requests[pick % side.requests.len()].0.clone();
+        let _ = side.flow.handle_cancel(self.now, &id);
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now = self.now + by;
+        for side in &mut self.sides {
+            side.flow.handle_timeout(self.now);
+        }
+        self.receiver.handle_timeout(self.now);
+    }
+
+    fn consume(&mut self, pick: usize) {
+        if self.ready.is_empty() {
+            return;
+        }
+        let key = self.ready.remove(pick % self.ready.len());
+        if self.receiver.handle_acquire(&key).is_ok() {
+            let _ = self.receiver.handle_consume(self.now, &key);
+        }
+    }
+
+    /// The control connection of sender `s` breaks: both directions lose what was queued.
+    /// Its fabric connection is reset too, which flushes its writes without landing them.
+    fn lose_connection(&mut self, s: usize) {
+        let side = &mut self.sides[s];
+        side.to_receiver.clear();
+        side.to_sender.clear();
+        side.flow.handle_receiver_lost(self.now, PeerId(0));
+        while let Some(op) = side.writes.pop_front() {
+            side.flow
+                .handle_write_done(self.now, op.id, Err("flushed".into()));
+        }
+    }
+
+    fn pump(&mut self) {
+        for side in &mut self.sides {
+            while let Some(t) = side.flow.poll_transmit() {
+                if t.to == Destination::Receiver(PeerId(0)) {
+                    side.to_receiver.push_back(wire::encode(&t.msg));
+                }
+            }
+            while let Some(op) = side.flow.poll_write() {
+                side.writes.push_back(op);
+            }
+            let mut stalled = false;
+            while let Some(ev) = side.flow.poll_event() {
+                stalled |= matches!(ev, SenderEvent::FabricStalled { .. });
+            }
+            // What a driver does on a stalled write: reset the fabric connection, which
+            // flushes every outstanding write with an error; nothing lands after that.
+            if stalled {
+                while let Some(op) = side.writes.pop_front() {
+                    side.flow.handle_write_done(self.now, op.id, Err("flushed".into()));
+                }
+                while side.flow.poll_event().is_some() {}
+            }
+        }
+        while let Some((peer, reply)) = self.receiver.poll_transmit() {
+            let side = &mut self.sides[peer.0 as usize];
+            side.to_sender
+                .push_back(wire::encode(&Message::AllocResponse(reply)));
+        }
+        while let Some(ev) = self.receiver.poll_event() {
+            if let ReceiverEvent::Ready { key, .. } = ev {
+                self.ready.push(key);
+            }
+        }
+    }
+
+    fn check(&self) {
+        for side in &self.sides {
+            side.flow.check_invariants();
+        }
+        self.receiver.check_invariants();
+        if let Err(v) = self.checker.first_violation() {
+            panic!("checker: {v}");
+        }
+    }
+
+    /// Faults stop: deliver and complete everything, consume what is ready, let time pass.
+    /// Every request must end and both buffers must be entirely free.
+    pub fn heal(&mut self) {
+        for round in 0..10_000 {
+            let busy = self.sides.iter().any(|s| {
+                !s.to_receiver.is_empty() || !s.to_sender.is_empty() || !s.writes.is_empty()
+            });
+            if busy {
+                for s in 0..SENDERS {
+                    self.deliver_to_receiver(s);
+                    self.pump();
+                    self.deliver_to_sender(s);
+                    self.pump();
+                    self.complete_write(s, false);
+                    self.pump();
+                    self.submit(s, 3);
+                    self.pump();
+                }
+            } else if !self.ready.is_empty() {
+                self.consume(0);
+                self.pump();
+            } else {
+                let unfinished = self.sides.iter().any(|s| !s.flow.is_quiescent())
+                    || !self.receiver.is_quiescent();
+                if !unfinished {
+                    return;
+                }
+                // Let every timer run (leases, TTLs, quarantines); submit what can be.
+                for s in 0..SENDERS {
+                    self.submit(s, 3);
+                }
+                self.advance(Duration::from_secs(1));
+                self.pump();
+            }
+            self.check();
+            assert!(round < 9_999, "healed world did not settle: {self:?}");
+        }
+    }
+}
