@@ -86,12 +86,14 @@ pub enum Fault {
     Crash { node: String, lasts: Duration },
     /// The process hangs (its NIC and the network do not).
     Pause { node: String, lasts: Duration },
-    /// Extra latency on control messages and writes between the two nodes.
+    /// Extra latency on writes between the two nodes, and on control messages too unless
+    /// `fabric_only`.
     Slow {
         a: String,
         b: String,
         extra: Duration,
         lasts: Duration,
+        fabric_only: bool,
     },
 }
 

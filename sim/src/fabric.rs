@@ -22,7 +22,6 @@ use std::time::Duration;
 use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, Landed, PostWrite, SlotMemory};
 use tokio::sync::{mpsc, watch};
 
-use crate::known_bugs::KnownBug;
 use crate::world::{Inner, World};
 
 /// Registered memory of a simulated node.
@@ -223,7 +222,7 @@ pub(crate) fn schedule(
     let free = inner.fabric.egress_free.entry(sender.clone()).or_default();
     let sent = (*free).max(now) + wire;
     *free = sent;
-    let flight = model.fabric_latency + inner.slowdown(&sender, &receiver);
+    let flight = model.fabric_latency + inner.fabric_slowdown(&sender, &receiver);
     let retry = model.qp_retry_timeout;
     let conn = inner.fabric.conns.get_mut(&id).ok_or(FabricError::Closed)?;
     let land = (sent + flight).max(conn.last_land);
@@ -302,25 +301,6 @@ pub(crate) fn is_broken(world: &World, id: u64) -> bool {
 pub(crate) fn fail(world: &World, id: u64, why: &str) {
     let now = world.now();
     break_conn(&mut world.lock(), now, id, why);
-}
-
-/// The NIC gave up on a write (retry count exceeded): the connection errors. Until kvx
-/// replaces such a connection by itself (`KnownBug::FabricNotReplaced`), the link flap also
-/// resets the pair's control connection.
-pub(crate) fn give_up(world: &World, id: u64) {
-    let now = world.now();
-    let mut w = world.lock();
-    break_conn(&mut w, now, id, "retry count exceeded");
-    let ends = w
-        .fabric
-        .conns
-        .get(&id)
-        .map(|c| (c.sender.clone(), c.receiver.clone()));
-    if let Some((sender, receiver)) =
-        ends.filter(|_| !w.exposed.contains(&KnownBug::FabricNotReplaced))
-    {
-        crate::net::break_between(&mut w, now, &sender, &receiver, "the link flapped");
-    }
 }
 
 pub(crate) fn close(world: &World, id: u64) {

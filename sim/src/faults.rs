@@ -65,12 +65,18 @@ fn apply(world: &World, ids: &NodeIds, fault: &Fault) {
                 Handle::current().resume(id);
             });
         }
-        Fault::Slow { a, b, extra, lasts } => {
-            world.slow_down(&a, &b, extra);
+        Fault::Slow {
+            a,
+            b,
+            extra,
+            lasts,
+            fabric_only,
+        } => {
+            world.slow_down(&a, &b, extra, fabric_only);
             let world = world.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(lasts).await;
-                world.end_slow(&a, &b);
+                world.end_slow(&a, &b, fabric_only);
             });
         }
     }

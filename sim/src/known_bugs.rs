@@ -13,23 +13,14 @@ pub enum KnownBug {
     /// ranks in rank order before any transfers. The router follows it; exposing this makes
     /// the router admit every rank at once, to show why the rule exists.
     TpAdmissionCycle,
-    /// kvx-node's sender driver replaces its fabric connection to a receiver only when a
-    /// write stalls (`FabricStalled`) or the control channel reconnects. A connection that
-    /// errors by itself while the control channel stays up — the NIC gave up on a write
-    /// (retry count exceeded) while the sender process hung, so no write timeout fired — is
-    /// never replaced: every later write to that receiver fails, for good. Workaround: when a
-    /// queue pair errors by itself, the simulated link flap also resets the pair's control
-    /// connection, whose `Reconnected` makes the driver replace the fabric connection.
-    FabricNotReplaced,
 }
 
 impl KnownBug {
-    pub const ALL: [KnownBug; 2] = [KnownBug::TpAdmissionCycle, KnownBug::FabricNotReplaced];
+    pub const ALL: [KnownBug; 1] = [KnownBug::TpAdmissionCycle];
 
     pub fn name(self) -> &'static str {
         match self {
             KnownBug::TpAdmissionCycle => "tp-admission-cycle",
-            KnownBug::FabricNotReplaced => "fabric-not-replaced",
         }
     }
 

@@ -177,6 +177,7 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
                     b: b.clone(),
                     extra,
                     lasts,
+                    fabric_only: true,
                 };
                 out.push(FaultEvent { at: when, fault });
             }
@@ -193,9 +194,16 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
                 rng.duration(MS, 2_000 * MS),
                 rng.duration(10 * MS, 1_000 * MS),
             );
+            let fabric_only = rng.chance(0.5);
             out.push(FaultEvent {
                 at: at(rng),
-                fault: Fault::Slow { a, b, extra, lasts },
+                fault: Fault::Slow {
+                    a,
+                    b,
+                    extra,
+                    lasts,
+                    fabric_only,
+                },
             });
         }
     }
@@ -224,5 +232,6 @@ fn timeouts(rng: &mut SimRng, cfg: &mut SimConfig) {
         d.receiver.request_idle_timeout = idle;
         d.receiver.write_quarantine = quarantine;
     }
-    cfg.model.qp_retry_timeout = write_timeout;
+    // Real NICs give up long before kvx's write timeout (it only has to bound the write).
+    cfg.model.qp_retry_timeout = rng.duration(write_timeout / 4, write_timeout);
 }

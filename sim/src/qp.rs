@@ -138,7 +138,7 @@ impl QueuePair {
                 return;
             }
             if wr.doomed {
-                fabric::give_up(&self.world, self.id);
+                fabric::fail(&self.world, self.id, "retry count exceeded");
                 return self.flush(now);
             }
             let result = fabric::land(&self.world, self.id, &self.staging, &wr.w);

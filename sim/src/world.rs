@@ -74,7 +74,8 @@ pub struct Inner {
     pub model: LinkModel,
     pub nodes: BTreeMap<String, NodeState>,
     partitions: BTreeSet<(String, String)>,
-    slow: BTreeMap<(String, String), Duration>,
+    /// Extra latency per node pair: (control messages and writes, writes only).
+    slow: BTreeMap<(String, String), (Duration, Duration)>,
     pub net: NetState,
     pub fabric: FabricState,
     pub checker: Checker,
@@ -109,7 +110,14 @@ impl Inner {
 
     /// Extra latency a slowdown fault adds between `a` and `b`.
     pub fn slowdown(&self, a: &str, b: &str) -> Duration {
-        self.slow.get(&pair(a, b)).copied().unwrap_or_default()
+        self.slow.get(&pair(a, b)).map_or(Duration::ZERO, |s| s.0)
+    }
+
+    /// Extra latency a slowdown fault adds to writes between `a` and `b`.
+    pub fn fabric_slowdown(&self, a: &str, b: &str) -> Duration {
+        self.slow
+            .get(&pair(a, b))
+            .map_or(Duration::ZERO, |s| s.0 + s.1)
     }
 
     /// One control message's latency from `a` to `b`.
@@ -249,12 +257,20 @@ impl World {
     }
 
     /// Adds `extra` latency between `a` and `b` (control and fabric) until healed.
-    pub fn slow_down(&self, a: &str, b: &str, extra: Duration) {
+    /// Adds `extra` latency between `a` and `b` until healed: to writes only when
+    /// `fabric_only` (a slow NIC or PCIe path), else to control messages too.
+    pub fn slow_down(&self, a: &str, b: &str, extra: Duration, fabric_only: bool) {
         let now = self.now();
         let mut w = self.lock();
-        w.slow.insert(pair(a, b), extra);
+        let entry = w.slow.entry(pair(a, b)).or_default();
+        if fabric_only {
+            entry.1 = extra;
+        } else {
+            entry.0 = extra;
+        }
+        let what = if fabric_only { "fabric" } else { "all" };
         w.trace
-            .record(now, format_args!("slow {a} ~ {b} +{extra:?}"));
+            .record(now, format_args!("slow {a} ~ {b} +{extra:?} ({what})"));
     }
 
     /// Ends every partition and slowdown.
@@ -274,10 +290,16 @@ impl World {
             .record(now, format_args!("partition {a} | {b} healed"));
     }
 
-    pub fn end_slow(&self, a: &str, b: &str) {
+    pub fn end_slow(&self, a: &str, b: &str, fabric_only: bool) {
         let now = self.now();
         let mut w = self.lock();
-        w.slow.remove(&pair(a, b));
+        if let Some(entry) = w.slow.get_mut(&pair(a, b)) {
+            if fabric_only {
+                entry.1 = Duration::ZERO;
+            } else {
+                entry.0 = Duration::ZERO;
+            }
+        }
         w.trace.record(now, format_args!("slow {a} ~ {b} ends"));
     }
 

@@ -73,16 +73,24 @@ fn fails_only_when_exposed(cfg: SimConfig, bug: KnownBug) {
     eprintln!("{:<20} {}", bug.name(), exposed.violations[0]);
 }
 
-fn slow(a: &str, b: &str, extra: Duration, lasts: Duration, at: Duration) -> FaultEvent {
-    FaultEvent {
-        at,
-        fault: Fault::Slow {
-            a: a.into(),
-            b: b.into(),
-            extra,
-            lasts,
-        },
-    }
+/// A slowdown of `a` ~ `b` from `at`: of writes only (`fabric_only`), or of everything.
+fn slow(
+    a: &str,
+    b: &str,
+    extra: Duration,
+    lasts: Duration,
+    at: Duration,
+    fabric_only: bool,
+) -> FaultEvent {
+    let (a, b) = (a.into(), b.into());
+    let fault = Fault::Slow {
+        a,
+        b,
+        extra,
+        lasts,
+        fabric_only,
+    };
+    FaultEvent { at, fault }
 }
 
 /// TP = 2: X reaches rank 0's receiver first, Y reaches rank 1's first, and each needs the
@@ -95,41 +103,11 @@ fn tp_ranks_admitted_out_of_order_deadlock() {
         .with(RequestPlan::new("Y", 1, 0, 8, 2));
     cfg.tp = 2;
     cfg.faults = vec![
-        slow("p0r1", "d0r1", 5 * MS, 100 * MS, Duration::ZERO),
-        slow("p1r0", "d0r0", 5 * MS, 100 * MS, Duration::ZERO),
+        slow("p0r1", "d0r1", 5 * MS, 100 * MS, Duration::ZERO, false),
+        slow("p1r0", "d0r0", 5 * MS, 100 * MS, Duration::ZERO, false),
     ];
     cfg.heal_at = 200 * MS;
     fails_only_when_exposed(cfg, KnownBug::TpAdmissionCycle);
-}
-
-/// The sender hangs while the NIC gives up on a slow write: the fabric connection errors
-/// but the control channel stays up. Without the workaround the driver never replaces the
-/// connection and B, long after everything healed, fails.
-#[test]
-fn fabric_connection_that_errors_is_replaced() {
-    let mut a = RequestPlan::new("A", 0, 0, 4, 4);
-    a.fault_free = false;
-    let mut cfg = SimConfig::new(1, 1, 10, 8).with(a).with(RequestPlan {
-        start_at: 4_000 * MS,
-        ..RequestPlan::new("B", 0, 0, 4, 4)
-    });
-    // 1 ms hops: probe 20→21, reply →22, batch →23, reply →24, writes posted at 24 ms. The
-    // slowdown begins after the last reply left and dooms the writes; the hang covers the
-    // moment (1.024 s) the NIC gives up, so no write timeout fires.
-    cfg.model.control_latency_max = cfg.model.control_latency_min;
-    let hang = Fault::Pause {
-        node: "p0r0".into(),
-        lasts: 1_500 * MS,
-    };
-    cfg.faults = vec![
-        slow("p0r0", "d0r0", 2_000 * MS, 100 * MS, 23 * MS + MS / 2),
-        FaultEvent {
-            at: 25 * MS,
-            fault: hang,
-        },
-    ];
-    cfg.heal_at = 1_700 * MS;
-    fails_only_when_exposed(cfg, KnownBug::FabricNotReplaced);
 }
 
 // Regressions: bugs the simulation found in kvx, fixed since (docs/sim.md §Findings). Each
@@ -213,7 +191,7 @@ fn found_stale_grants_are_never_written() {
         lasts: 8_000 * MS,
     };
     cfg.faults = vec![
-        slow("p0r0", "d0r0", 50 * MS, 300 * MS, 19 * MS),
+        slow("p0r0", "d0r0", 50 * MS, 300 * MS, 19 * MS, false),
         FaultEvent {
             at: 140 * MS,
             fault: hang,
@@ -222,4 +200,23 @@ fn found_stale_grants_are_never_written() {
     cfg.heal_at = 8_200 * MS;
     let r = passes(cfg);
     assert!(matches!(r.outcomes["Z"].ranks[0].sender, Some(Err(_))));
+}
+
+/// The NIC gave up on a slow write (its retry limit is below the sender's write timeout, as
+/// with real NICs and kvx's defaults): the fabric connection errored while the control
+/// channel stayed up, and the driver never replaced it — every later write to that receiver
+/// failed (fixed in 3145311).
+#[test]
+fn found_an_erroring_fabric_connection_is_replaced() {
+    let mut a = RequestPlan::new("A", 0, 0, 4, 4);
+    a.fault_free = false;
+    let b = RequestPlan {
+        start_at: 4_000 * MS,
+        ..RequestPlan::new("B", 0, 0, 4, 4)
+    };
+    let mut cfg = SimConfig::new(1, 1, 10, 8).with(a).with(b);
+    cfg.model.qp_retry_timeout = 300 * MS;
+    cfg.faults = vec![slow("p0r0", "d0r0", 2_000 * MS, 100 * MS, 10 * MS, true)];
+    cfg.heal_at = 200 * MS;
+    passes(cfg);
 }
