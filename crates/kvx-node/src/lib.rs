@@ -21,6 +21,18 @@ pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{BufferSnapshot, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice};
 pub use sender::{ReceiverAddr, SenderHandle, SenderNode};
 
+/// Sleeps until the core's next deadline, or forever when it has none (the drivers'
+/// `select!` arm for timers).
+pub(crate) async fn sleep_until_deadline<E: kvx_io::Env>(
+    env: &E,
+    deadline: Option<kvx_proto::Instant>,
+) {
+    match deadline {
+        Some(at) => env.sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Why a driver could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

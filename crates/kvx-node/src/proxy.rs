@@ -108,13 +108,7 @@ impl<E: Env> Driver<E> {
                 }
             }
             let deadline = self.tracker.poll_timeout();
-            let env = self.env.clone();
-            let sleep = async move {
-                match deadline {
-                    Some(at) => env.sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = crate::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 payload = self.source.recv() => {
                     let Some(payload) = payload else { return };

@@ -182,13 +182,7 @@ impl<E: Env> Driver<E> {
         loop {
             self.carry_out(&replies).await;
             let deadline = self.ledger.poll_timeout();
-            let env = self.env.clone();
-            let sleep = async move {
-                match deadline {
-                    Some(at) => env.sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = crate::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 msg = self.server.recv() => {
                     let Some((peer, bytes)) = msg else { return };

@@ -395,12 +395,7 @@ impl<E: Env> Driver<E> {
             if shutdown {
                 return;
             }
-            let sleep = async {
-                match deadline {
-                    Some(at) => self.env.sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = crate::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 _ = self.shared.poke.notified() => {}
                 Some(input) = self.inbox.recv() => self.on_input(input),

@@ -43,7 +43,13 @@ async fn until_stopped(exit_after_s: Option<u64>) {
     }
 }
 
-fn ports(alloc: Vec<u16>, fabric: Vec<u16>) -> anyhow::Result<Vec<(u16, u16)>> {
+/// The (alloc, fabric) port of each TP rank, LMCache's layout; defaults to one rank on
+/// 8400 / 8300.
+fn ports(alloc: Option<Vec<u16>>, fabric: Option<Vec<u16>>) -> anyhow::Result<Vec<(u16, u16)>> {
+    let (alloc, fabric) = (
+        alloc.unwrap_or_else(|| vec![8400]),
+        fabric.unwrap_or_else(|| vec![8300]),
+    );
     if alloc.is_empty() || alloc.len() != fabric.len() {
         bail!(
             "need one alloc port and one fabric port per TP rank: got {} alloc and {} fabric ports",
@@ -65,12 +71,8 @@ pub async fn receiver<E: Env>(
         .or(file.host)
         .unwrap_or_else(|| "127.0.0.1".into());
     let ranks = ports(
-        args.alloc_ports
-            .or(file.alloc_ports)
-            .unwrap_or_else(|| vec![8400]),
-        args.fabric_ports
-            .or(file.fabric_ports)
-            .unwrap_or_else(|| vec![8300]),
+        args.alloc_ports.or(file.alloc_ports),
+        args.fabric_ports.or(file.fabric_ports),
     )?;
     let buffer_slots = args.buffer_chunks.or(file.buffer_chunks).unwrap_or(64);
     let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
@@ -163,12 +165,8 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         .or(file.receiver_host)
         .unwrap_or_else(|| "127.0.0.1".into());
     let ranks = ports(
-        args.alloc_ports
-            .or(file.alloc_ports)
-            .unwrap_or_else(|| vec![8400]),
-        args.fabric_ports
-            .or(file.fabric_ports)
-            .unwrap_or_else(|| vec![8300]),
+        args.alloc_ports.or(file.alloc_ports),
+        args.fabric_ports.or(file.fabric_ports),
     )?;
     let proxy = args
         .proxy
