@@ -267,7 +267,8 @@ impl OpWorld {
             // flushes every outstanding write with an error; nothing lands after that.
             if stalled {
                 while let Some(op) = side.writes.pop_front() {
-                    side.flow.handle_write_done(self.now, op.id, Err("flushed".into()));
+                    side.flow
+                        .handle_write_done(self.now, op.id, Err("flushed".into()));
                 }
                 while side.flow.poll_event().is_some() {}
             }
