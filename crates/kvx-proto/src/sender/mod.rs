@@ -147,8 +147,8 @@ pub enum SendError {
     NotAdmitted(ReqId),
     #[error("no staging slot is free: wait until writes complete")]
     WouldBlock,
-    /// Every staging slot is held by chunks the caller has not submitted: no write can free
-    /// one, so waiting would never end. Submit a (smaller) batch first.
+    /// Every staging slot is held by chunks not yet submitted, some of them this caller's:
+    /// no write can free one, so waiting could never end. Submit a (smaller) batch first.
     #[error(
         "all {0} staging slots hold unsubmitted chunks: submit a batch before allocating more"
     )]
@@ -305,8 +305,15 @@ impl SenderFlow {
             });
         }
         let Some(slot) = self.staging.take(req_id) else {
+            // Only unsubmitted chunks hold the pool: no write can free a slot, only a caller
+            // submitting what it staged. Tell the callers that hold some (they can submit a
+            // partial batch); a caller that holds none waits for them.
             let unsubmitted: usize = self.requests.values().map(|r| r.staged.len()).sum();
-            if unsubmitted == self.staging.capacity() as usize {
+            let holds_some = self
+                .requests
+                .get(req_id)
+                .is_some_and(|r| !r.staged.is_empty());
+            if unsubmitted == self.staging.capacity() as usize && holds_some {
                 return Err(SendError::StagingHeldByCaller(self.staging.capacity()));
             }
             return Err(SendError::WouldBlock);
