@@ -126,6 +126,21 @@ impl ReceiverConfig {
     }
 }
 
+impl ReceiverConfig {
+    /// Checks the proxy's wait against this receiver's TTL: a rank that finished first keeps
+    /// its KV at least as long as the proxy may still wait for the other ranks; otherwise the
+    /// proxy could report ready a request whose first rank's KV was already reclaimed (found
+    /// by the simulation).
+    pub fn check_proxy(&self, proxy: &ProxyConfig) -> Result<(), ConfigError> {
+        require(self.unconsumed_ttl > proxy.kv_ready_timeout, || {
+            format!(
+                "receiver unconsumed_ttl {:?} must exceed the proxy's kv_ready_timeout {:?}",
+                self.unconsumed_ttl, proxy.kv_ready_timeout
+            )
+        })
+    }
+}
+
 /// How the sender uses one receiver's control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pipelining {
@@ -232,5 +247,36 @@ impl ProxyConfig {
         require(!self.kv_ready_timeout.is_zero(), || {
             "kv_ready_timeout must be positive".into()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_make_a_valid_deployment() {
+        let r = ReceiverConfig::default();
+        r.check_sender(&SenderConfig::default())
+            .expect("defaults agree");
+        r.check_proxy(&ProxyConfig::default())
+            .expect("defaults agree");
+    }
+
+    #[test]
+    fn disagreeing_timeouts_are_refused_with_a_reason() {
+        let r = ReceiverConfig {
+            request_idle_timeout: Duration::from_secs(5),
+            ..ReceiverConfig::default()
+        };
+        let err = r
+            .check_sender(&SenderConfig::default())
+            .expect_err("write_timeout 10 s ≥ lease 5 s");
+        assert!(err.to_string().contains("request_idle_timeout"), "{err}");
+        let r = ReceiverConfig {
+            unconsumed_ttl: Duration::from_secs(60),
+            ..ReceiverConfig::default()
+        };
+        assert!(r.check_proxy(&ProxyConfig::default()).is_err());
     }
 }

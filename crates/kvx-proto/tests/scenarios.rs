@@ -329,6 +329,7 @@ fn unconsumed_requests_expire() {
         });
     spec.decoder_consumes = false;
     spec.receivers[0].unconsumed_ttl = Duration::from_secs(5);
+    spec.proxy.kv_ready_timeout = Duration::from_secs(4);
     let report = run(spec);
     for p in &report.plans {
         assert_eq!(p.sender_end, Some(End::Delivered));

@@ -181,6 +181,9 @@ impl Cluster {
                     panic!("harness: {e}");
                 }
             }
+            if let Err(e) = receiver.check_proxy(&spec.proxy) {
+                panic!("harness: {e}");
+            }
         }
         let senders = spec
             .senders
