@@ -98,7 +98,7 @@ pub(crate) struct Request {
     pub doomed: Option<Failure>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ReceiverLedger {
     cfg: ReceiverConfig,
     admission: Admission,

@@ -9,7 +9,7 @@ use super::Outcome;
 use crate::ids::ReqKey;
 use crate::time::Instant;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Tombstones {
     ttl: Duration,
     max: usize,

@@ -207,7 +207,7 @@ pub struct SenderStats {
     pub stale_replies: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SenderFlow {
     cfg: SenderConfig,
     requests: BTreeMap<ReqId, SendRequest>,

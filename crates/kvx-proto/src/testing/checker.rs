@@ -34,7 +34,7 @@ pub fn content_of(plan: usize, chunk: u32) -> u64 {
     ((plan as u64 + 1) << 32) | u64::from(chunk + 1)
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Checker {
     violations: Vec<Violation>,
     writes_landed: BTreeMap<String, u32>,

@@ -6,16 +6,19 @@
 //!   every link is FIFO, every write is a model of a one-sided write into receiver memory.
 //! - `checker.rs`: the global checks run after every step and at the end.
 //! - `ops.rs`: `OpWorld`, a byte-driven event sequence over the core (fuzzing, properties).
+//! - `explore.rs`: exhaustive exploration of every interleaving for small configurations.
 //!
 //! `Cluster::run` is bounded in steps and in virtual time and returns `Stuck` with a dump
 //! of what is outstanding instead of hanging.
 
 mod checker;
 mod cluster;
+mod explore;
 mod ops;
 mod workload;
 
 pub use checker::Violation;
 pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
-pub use ops::OpWorld;
+pub use explore::{explore, Exploration};
+pub use ops::{Event, OpWorld};
 pub use workload::{ClusterSpec, RequestPlan, Timing};

@@ -22,7 +22,21 @@ const SENDERS: usize = 2;
 /// Upper bound on operations taken from one input, so a fuzz case stays fast.
 const OPS_MAX: usize = 4_000;
 
-#[derive(Debug)]
+/// One thing that can happen next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Event {
+    Begin { sender: usize, total: u32 },
+    Submit { sender: usize, chunks: u32 },
+    ToReceiver(usize),
+    ToSender(usize),
+    Write { sender: usize, fail: bool },
+    Cancel { sender: usize, pick: usize },
+    Advance(Duration),
+    Consume(usize),
+    LoseConnection(usize),
+}
+
+#[derive(Debug, Clone)]
 struct Side {
     flow: SenderFlow,
     /// Requests begun here: id, declared total, chunks submitted so far.
@@ -33,7 +47,7 @@ struct Side {
 }
 
 /// The world the bytes drive.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct OpWorld {
     now: Instant,
     sides: Vec<Side>,
@@ -97,23 +111,111 @@ impl OpWorld {
         world.heal();
     }
 
-    /// One event.
+    /// One event, decoded from two bytes.
     pub fn step(&mut self, op: u8, arg: u8) {
-        let s = usize::from(arg) % SENDERS;
-        match op % 10 {
-            0 => self.begin(s, 1 + u32::from(arg / 2) % 8),
-            1 => self.submit(s, 1 + u32::from(arg / 2) % 3),
-            2 => self.deliver_to_receiver(s),
-            3 => self.deliver_to_sender(s),
-            4 => self.complete_write(s, arg & 0x80 != 0),
-            5 => self.cancel(s, usize::from(arg / 2)),
-            6 => self.advance(Duration::from_millis(100 * u64::from(arg))),
-            7 => self.consume(usize::from(arg)),
-            8 if arg > 240 => self.lose_connection(s),
-            _ => self.deliver_to_receiver(s),
+        let sender = usize::from(arg) % SENDERS;
+        let event = match op % 10 {
+            0 => Event::Begin {
+                sender,
+                total: 1 + u32::from(arg / 2) % 8,
+            },
+            1 => Event::Submit {
+                sender,
+                chunks: 1 + u32::from(arg / 2) % 3,
+            },
+            2 => Event::ToReceiver(sender),
+            3 => Event::ToSender(sender),
+            4 => Event::Write {
+                sender,
+                fail: arg & 0x80 != 0,
+            },
+            5 => Event::Cancel {
+                sender,
+                pick: usize::from(arg / 2),
+            },
+            6 => Event::Advance(Duration::from_millis(100 * u64::from(arg))),
+            7 => Event::Consume(usize::from(arg)),
+            8 if arg > 240 => Event::LoseConnection(sender),
+            _ => Event::ToReceiver(sender),
+        };
+        self.apply(event);
+    }
+
+    /// Applies one event, then checks every invariant.
+    pub fn apply(&mut self, event: Event) {
+        match event {
+            Event::Begin { sender, total } => self.begin(sender, total),
+            Event::Submit { sender, chunks } => self.submit(sender, chunks),
+            Event::ToReceiver(s) => self.deliver_to_receiver(s),
+            Event::ToSender(s) => self.deliver_to_sender(s),
+            Event::Write { sender, fail } => self.complete_write(sender, fail),
+            Event::Cancel { sender, pick } => self.cancel(sender, pick),
+            Event::Advance(by) => self.advance(by),
+            Event::Consume(pick) => self.consume(pick),
+            Event::LoseConnection(s) => self.lose_connection(s),
         }
         self.pump();
         self.check();
+    }
+
+    /// The events that would change something now, for the explorer: each queue's head,
+    /// each write, each cancel and consume, a batch of one or two chunks, and time jumping
+    /// to the next deadline.
+    pub fn enabled(&self) -> Vec<Event> {
+        let mut events = Vec::new();
+        for (s, side) in self.sides.iter().enumerate() {
+            events.push(Event::Submit {
+                sender: s,
+                chunks: 1,
+            });
+            events.push(Event::Submit {
+                sender: s,
+                chunks: 2,
+            });
+            if !side.to_receiver.is_empty() {
+                events.push(Event::ToReceiver(s));
+            }
+            if !side.to_sender.is_empty() {
+                events.push(Event::ToSender(s));
+            }
+            if !side.writes.is_empty() {
+                events.push(Event::Write {
+                    sender: s,
+                    fail: false,
+                });
+                events.push(Event::Write {
+                    sender: s,
+                    fail: true,
+                });
+            }
+            for pick in 0..side.requests.len() {
+                events.push(Event::Cancel { sender: s, pick });
+            }
+        }
+        for pick in 0..self.ready.len() {
+            events.push(Event::Consume(pick));
+        }
+        if let Some(at) = self.next_deadline() {
+            events.push(Event::Advance(at - self.now));
+        }
+        events
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let senders = self
+            .sides
+            .iter()
+            .filter_map(|s| s.flow.poll_timeout())
+            .min();
+        crate::time::earliest(senders, self.receiver.poll_timeout())
+    }
+
+    /// True when every request has ended and both buffers are entirely free.
+    pub fn settled(&self) -> bool {
+        self.sides
+            .iter()
+            .all(|s| s.flow.is_quiescent() && s.to_receiver.is_empty() && s.to_sender.is_empty())
+            && self.receiver.is_quiescent()
     }
 
     fn begin(&mut self, s: usize, total: u32) {
