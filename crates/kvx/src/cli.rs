@@ -13,7 +13,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     long_about = "kvx moves KV-cache chunks from the prefill workers of a disaggregated LLM-serving \
 cluster into the buffers of its decode workers, speaking LMCache's PD protocol, with \
 reservation-based admission control that cannot deadlock.\n\nStart with `kvx demo`. Logs go to \
-stderr, filtered by RUST_LOG (e.g. RUST_LOG=kvx=info)."
+stderr, filtered by RUST_LOG (e.g. RUST_LOG=kvx_node=info,kvx_transport=info)."
 )]
 pub struct Cli {
     #[command(subcommand)]
