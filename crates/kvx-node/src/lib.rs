@@ -1,6 +1,6 @@
 //! kvx-node: the async drivers. Each one owns a kvx-proto state machine in one task, feeds
 //! it the `Env`'s messages, completions and timers, and carries out what it asks for. They
-//! contain no protocol logic and no `cfg(madsim)`: the same code runs in production and in
+//! contain no protocol logic and no simulation switches: the same code runs in production and in
 //! the simulation.
 //!
 //! Map:

@@ -1,4 +1,10 @@
 //! The harness event loop. See the module map in `testing/mod.rs`.
+//!
+//! - `apps.rs`: the prefill engine and decoder models.
+//! - `settle.rs`: per-step and final checks, the stuck dump, trace lines.
+
+mod apps;
+mod settle;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
@@ -313,7 +319,7 @@ impl Cluster {
         if let Some(&key) = self.queue.keys().next().filter(|k| k.0 <= now) {
             let ev = self.queue.remove(&key).expect("harness: key just seen");
             if self.trace {
-                eprintln!("{:>12?} {}", now.since_epoch(), describe(&ev));
+                eprintln!("{:>12?} {}", now.since_epoch(), settle::describe(&ev));
             }
             self.handle(ev);
         } else {
@@ -483,131 +489,6 @@ impl Cluster {
         self.link_free_at.remove(&(2, s as u64, receiver));
     }
 
-    fn consume(&mut self, r: usize, key: ReqKey) {
-        if self.receivers[r].ready.remove(&key).is_none() {
-            return;
-        }
-        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
-            return;
-        };
-        // The decoder leases the request before reading, as a real one does.
-        let Ok(slots) = self.receivers[r].ledger.handle_acquire(&key) else {
-            return;
-        };
-        let mut verified = 0;
-        for (chunk, slot) in slots.iter().enumerate() {
-            let got = self.receivers[r].mem[slot.0 as usize];
-            self.checker
-                .on_read(&key, chunk as u32, got, content_of(i, chunk as u32));
-            verified += 1;
-        }
-        if self.receivers[r]
-            .ledger
-            .handle_consume(self.now, &key)
-            .is_ok()
-        {
-            self.report.plans[i].consumed_at = Some(self.now);
-            self.report.plans[i].chunks_verified = verified;
-        }
-        self.drain_receiver(r);
-    }
-
-    /// The prefill engine: starts waiting requests up to `interleave`, then round-robin
-    /// stages one batch per admitted request while staging lasts.
-    fn prefill(&mut self, s: usize) {
-        let now = self.now;
-        while self.senders[s].active.len() < self.spec.interleave {
-            let Some(i) = self.senders[s].waiting.pop_front() else {
-                break;
-            };
-            self.begin(s, i);
-        }
-        let mut produced = 0u32;
-        for i in self.senders[s].active.clone() {
-            let req_id = ReqId(self.spec.requests[i].req_id.clone());
-            // The engine tries every active request; the core refuses staging to one that is
-            // not admitted yet (NotAdmitted), which the engine treats as "not yet".
-            if self.runs[i].done_submitting {
-                continue;
-            }
-            let plan = self.spec.requests[i].clone();
-            let mut blocked = false;
-            while self.runs[i].batch.len() < plan.batch_chunks as usize
-                && self.runs[i].next_chunk < plan.chunks
-            {
-                match self.senders[s].flow.try_allocate(&req_id) {
-                    Ok(slot) => {
-                        let chunk = self.runs[i].next_chunk;
-                        self.senders[s].staging_mem[slot.0 as usize] = content_of(i, chunk);
-                        let key = format!("{}@{chunk}", plan.req_id);
-                        self.runs[i].batch.push(ChunkSpec {
-                            key,
-                            staging: slot,
-                            tokens: 256,
-                        });
-                        self.runs[i].next_chunk += 1;
-                        produced += 1;
-                    }
-                    // Out of staging: submit what is staged (a partial batch) so that
-                    // its writes free staging; holding it would wait on itself.
-                    Err(SendError::WouldBlock | SendError::StagingHeldByCaller(_)) => {
-                        blocked = true;
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
-            let run = &mut self.runs[i];
-            let is_last = run.next_chunk == plan.chunks;
-            let full = run.batch.len() == plan.batch_chunks as usize;
-            if !run.batch.is_empty() && (full || is_last || blocked) {
-                let batch = std::mem::take(&mut run.batch);
-                run.done_submitting = is_last;
-                // An error means the request ended meanwhile; its end is reported by event.
-                let _ = self.senders[s]
-                    .flow
-                    .handle_submit(now, &req_id, batch, is_last);
-                self.drain_sender(s);
-            }
-            if blocked {
-                break;
-            }
-        }
-        let node = &mut self.senders[s];
-        node.busy_until = now + self.spec.timing.prefill_chunk_time * produced;
-        if produced > 0 {
-            self.schedule_tick(s);
-        }
-    }
-
-    fn begin(&mut self, s: usize, i: usize) {
-        let now = self.now;
-        let plan = self.spec.requests[i].clone();
-        self.senders[s].active.push(i);
-        self.report.plans[i].begun_at = Some(now);
-        let req_id = ReqId(plan.req_id.clone());
-        self.proxy
-            .handle_expect(now, req_id.clone(), 1)
-            .expect("harness: unique request ids");
-        self.drain_proxy();
-        let spec = RequestSpec {
-            req_id,
-            receiver: PeerId(plan.receiver as u64),
-            total_chunks: plan.declared,
-            fmt: 1,
-            shape: vec![2, 2, 256, 64],
-            dtype: "bfloat16".into(),
-        };
-        if let Err(e) = self.senders[s].flow.handle_begin(now, spec) {
-            self.end_plan(i, End::Failed(e.to_string()));
-            return;
-        }
-        if let Some(after) = plan.cancel_after {
-            self.schedule(now + after, Ev::Cancel(i));
-        }
-        self.drain_sender(s);
-    }
-
     fn drain_sender(&mut self, s: usize) {
         let now = self.now;
         while let Some(t) = self.senders[s].flow.poll_transmit() {
@@ -740,53 +621,6 @@ impl Cluster {
         }
     }
 
-    /// The decoder reads a request once its receiver has it ready and the proxy says so.
-    fn maybe_consume(&mut self, r: usize, key: &ReqKey) {
-        if !self.spec.decoder_consumes || !self.receivers[r].ready.contains_key(key) {
-            return;
-        }
-        let Some(&i) = self.by_req_id.get(&key.req_id.0) else {
-            return;
-        };
-        if self.runs[i].proxy_ready {
-            let at = self.now + self.spec.timing.decode_delay;
-            self.schedule(
-                at,
-                Ev::Consume {
-                    r,
-                    key: key.clone(),
-                },
-            );
-        }
-    }
-
-    fn end_plan(&mut self, i: usize, end: End) {
-        let s = self.spec.requests[i].sender;
-        self.checker.on_sender_end(
-            &self.spec.requests[i].req_id,
-            self.report.plans[i].sender_end.is_some(),
-        );
-        self.report.plans[i].sender_end = Some(end);
-        self.report.plans[i].ended_at = Some(self.now);
-        self.senders[s].active.retain(|&a| a != i);
-        if let Some(run) = self.runs.get_mut(i) {
-            // Chunks staged but not yet submitted were released by the sender on failure.
-            run.batch.clear();
-            run.done_submitting = true;
-        }
-        self.schedule_tick(s);
-    }
-
-    fn schedule_tick(&mut self, s: usize) {
-        let node = &mut self.senders[s];
-        if !node.alive || node.tick_at.is_some() {
-            return;
-        }
-        let at = node.busy_until.max(self.now);
-        node.tick_at = Some(at);
-        self.schedule(at, Ev::Tick(s));
-    }
-
     /// When a message sent now on link (kind, a, b) arrives: latency plus jitter, never
     /// before an earlier message of the same link (links are FIFO, as TCP and ZMQ are).
     fn link_time(&mut self, kind: u8, a: u64, b: u64, latency: Duration) -> Instant {
@@ -817,140 +651,5 @@ impl Cluster {
     fn schedule(&mut self, at: Instant, ev: Ev) {
         self.seq += 1;
         self.queue.insert((at, self.seq), ev);
-    }
-
-    fn check(&self) -> Result<(), Violation> {
-        for node in &self.senders {
-            node.flow.check_invariants();
-        }
-        for node in &self.receivers {
-            node.ledger.check_invariants();
-        }
-        self.proxy.check_invariants();
-        self.checker.first_violation()
-    }
-
-    fn check_final(&self) -> Result<(), Violation> {
-        self.check()?;
-        let killed: BTreeSet<usize> = self.spec.kill_sender_after.iter().map(|k| k.0).collect();
-        for (i, plan) in self.spec.requests.iter().enumerate() {
-            let rep = &self.report.plans[i];
-            if !killed.contains(&plan.sender) && rep.sender_end.is_none() {
-                return Err(Violation::new(format!(
-                    "request {} never ended at its sender",
-                    plan.req_id
-                )));
-            }
-            if rep.begun_at.is_some() && rep.proxy_end.is_none() {
-                return Err(Violation::new(format!(
-                    "the proxy never learned how {} ended",
-                    plan.req_id
-                )));
-            }
-            if rep.sender_end == Some(End::Delivered)
-                && self.spec.decoder_consumes
-                && rep.consumed_at.is_none()
-            {
-                return Err(Violation::new(format!(
-                    "delivered request {} was never consumed",
-                    plan.req_id
-                )));
-            }
-        }
-        for (r, node) in self.receivers.iter().enumerate() {
-            if !node.ledger.is_quiescent() {
-                return Err(Violation::new(format!(
-                    "receiver {r} is not entirely free after quiescence: {} tracked, {} free of {}",
-                    node.ledger.tracked_requests(),
-                    node.ledger.free_slots(),
-                    node.ledger.capacity()
-                )));
-            }
-        }
-        for (s, node) in self.senders.iter().enumerate() {
-            if node.alive && !node.flow.is_quiescent() {
-                return Err(Violation::new(format!(
-                    "sender {s} still holds state after quiescence"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    fn stuck(&self, reason: String) -> Stuck {
-        let mut dump = format!(
-            "at {:?} after {} steps\n",
-            self.now.since_epoch(),
-            self.report.steps
-        );
-        for (i, plan) in self.spec.requests.iter().enumerate() {
-            let rep = &self.report.plans[i];
-            if rep.sender_end.is_none() || rep.proxy_end.is_none() {
-                dump += &format!("  {}: {:?}\n", plan.req_id, rep);
-            }
-        }
-        for (r, node) in self.receivers.iter().enumerate() {
-            let l = &node.ledger;
-            dump += &format!(
-                "  receiver {r}: tracked {} queued {} reserved {} held {} quarantined {} free {}\n",
-                l.tracked_requests(),
-                l.admission_queue_len(),
-                l.reserved_total(),
-                l.held_slots(),
-                l.quarantined_slots(),
-                l.free_slots()
-            );
-        }
-        for (s, node) in self.senders.iter().enumerate() {
-            dump += &format!(
-                "  sender {s}: alive {} tracked {} staging free {}/{}\n",
-                node.alive,
-                node.flow.tracked_requests(),
-                node.flow.staging_free(),
-                node.flow.staging_capacity()
-            );
-        }
-        Stuck {
-            reason,
-            dump,
-            report: Box::new(self.report.clone()),
-        }
-    }
-
-    #[doc(hidden)]
-    pub fn pending_write_ids(&self) -> Vec<WriteId> {
-        self.queue
-            .values()
-            .filter_map(|e| {
-                if let Ev::WriteLands { op, .. } = e {
-                    Some(op.id)
-                } else {
-                    None
-                }
-            })
-            .collect()
-    }
-}
-
-/// One line per event for `KVX_TRACE`: messages are decoded so the trace reads as protocol.
-fn describe(ev: &Ev) -> String {
-    let msg =
-        |bytes: &[u8]| wire::decode(bytes).map_or_else(|e| format!("<{e}>"), |m| format!("{m:?}"));
-    match ev {
-        Ev::ToReceiver { from, r, bytes } => format!("{from} -> receiver {r}: {}", msg(bytes)),
-        Ev::ToSender { r, s, bytes } => format!("receiver {r} -> sender {s}: {}", msg(bytes)),
-        Ev::ToRaw { peer, bytes } => format!("-> {peer}: {}", msg(bytes)),
-        Ev::ToProxy { bytes } => format!("-> proxy: {}", msg(bytes)),
-        Ev::WriteLands { s, op, fail, .. } => {
-            format!(
-                "sender {s} write {} {} chunk {} -> slot {}{}",
-                op.id.0,
-                op.req_id,
-                op.chunk,
-                op.remote.0,
-                if *fail { " FAILS" } else { "" }
-            )
-        }
-        other => format!("{other:?}"),
     }
 }

@@ -1,0 +1,77 @@
+//! The sender's invariants (`docs/invariants.md` S1–S4, S7), checked after every step of
+//! every harness.
+
+use super::channel::Kind;
+use super::{SenderFlow, State};
+
+impl SenderFlow {
+    pub fn check_invariants(&self) {
+        self.staging.check_invariants();
+        let mut owned = 0usize;
+        for (id, req) in &self.requests {
+            let in_writes = self.writes.values().filter(|w| &w.req_id == id).count();
+            assert_eq!(
+                in_writes as u32, req.writes_in_flight,
+                "invariant: {id} write count"
+            );
+            let in_batches: usize = self
+                .channels
+                .get(&req.spec.receiver)
+                .map(|ch| {
+                    ch.queue
+                        .iter()
+                        .filter(|m| &m.req_id == id)
+                        .map(|m| {
+                            if let Kind::Batch { chunks, .. } = &m.kind {
+                                chunks.len()
+                            } else {
+                                0
+                            }
+                        })
+                        .sum::<usize>()
+                        + ch.in_flight
+                            .iter()
+                            .filter(|f| &f.req_id == id)
+                            .map(|f| {
+                                if let Kind::Batch { chunks, .. } = &f.kind {
+                                    chunks.len()
+                                } else {
+                                    0
+                                }
+                            })
+                            .sum::<usize>()
+                })
+                .unwrap_or(0);
+            let holds = self.staging.owned_by(id);
+            let expected = if req.state == State::Failing {
+                req.writes_in_flight as usize
+            } else {
+                req.staged.len() + req.writes_in_flight as usize + in_batches
+            };
+            assert_eq!(holds, expected, "invariant: {id} staging accounting");
+            if req.state == State::Admitting {
+                assert_eq!(holds, 0, "invariant: {id} holds staging before admission");
+            }
+            assert!(
+                req.submitted <= req.spec.total_chunks,
+                "invariant: {id} submitted beyond its total"
+            );
+            assert!(
+                req.written <= req.submitted,
+                "invariant: {id} wrote more than it submitted"
+            );
+            owned += holds;
+        }
+        let orphan = self.staging.capacity() as usize - self.staging.free_count() as usize - owned;
+        assert_eq!(
+            orphan, 0,
+            "invariant: every held staging slot belongs to a tracked request"
+        );
+        for ch in self.channels.values() {
+            assert!(
+                ch.in_flight.len() <= ch.window(self.cfg.inflight_max),
+                "invariant: channel window"
+            );
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! How requests move through the sender: the control channel's queue and sends, failure and
+//! its clean-up (one CancelNotif, no state left), delivery (exactly one ProxyNotif), and a
+//! channel reset.
+
+use super::channel::{Channel, InFlight, Kind, Mode, Outgoing};
+use super::{Destination, SendError, SendFailure, SenderEvent, SenderFlow, State, Transmit};
+use crate::config::Pipelining;
+use crate::ids::{PeerId, ReqId};
+use crate::time::Instant;
+use crate::wire::{CancelNotif, FailNotif, Message, ProxyNotif};
+
+impl SenderFlow {
+    pub(super) fn channel(&mut self, receiver: PeerId) -> &mut Channel {
+        let mode = match self.cfg.pipelining {
+            Pipelining::Auto => Mode::Probing,
+            Pipelining::Off => Mode::Serial,
+        };
+        self.channels
+            .entry(receiver)
+            .or_insert_with(|| Channel::new(mode))
+    }
+
+    pub(super) fn check_channel_room(&mut self, receiver: PeerId) -> Result<(), SendError> {
+        let max = self.cfg.channel_queue_max;
+        let len = self.channel(receiver).queue.len();
+        if len >= max {
+            return Err(SendError::ChannelFull(receiver, len));
+        }
+        Ok(())
+    }
+
+    pub(super) fn enqueue(
+        &mut self,
+        receiver: PeerId,
+        req_id: ReqId,
+        kind: Kind,
+        mut msg: Message,
+    ) {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        match &mut msg {
+            Message::AllocRequest(m) => m.seq = Some(seq),
+            Message::CancelNotif(m) => m.seq = Some(seq),
+            _ => {}
+        }
+        self.channel(receiver).queue.push_back(Outgoing {
+            seq,
+            req_id,
+            kind,
+            msg,
+        });
+    }
+
+    /// Sends whatever the channel's window and rules allow.
+    pub(super) fn pump(&mut self, now: Instant, receiver: PeerId) {
+        loop {
+            let requests = &self.requests;
+            // Whether another request may still need this channel: an admitted one (it may
+            // have batches to send, or fail and need a CancelNotif, until it is delivered),
+            // or a failing one whose CancelNotif (which frees receiver capacity) is yet to go.
+            // A serial channel must not send a probe that could wait ahead of them.
+            let busy_elsewhere = |asker: &ReqId| {
+                requests.iter().any(|(id, r)| {
+                    id != asker
+                        && r.spec.receiver == receiver
+                        && match r.state {
+                            State::Admitted if broken_variant!(LockAcrossAdmission) => false,
+                            State::Admitted => true,
+                            State::Failing => r.sent_any,
+                            State::Admitting => false,
+                        }
+                })
+            };
+            let inflight_max = self.cfg.inflight_max;
+            let Some(ch) = self.channels.get_mut(&receiver) else {
+                return;
+            };
+            let Some(out) = ch.next_sendable(inflight_max, busy_elsewhere) else {
+                return;
+            };
+            let timeout = match out.kind {
+                Kind::Probe => self.cfg.admission_reply_timeout,
+                _ => self.cfg.reply_timeout,
+            };
+            ch.in_flight.push_back(InFlight {
+                seq: out.seq,
+                req_id: out.req_id.clone(),
+                kind: out.kind,
+                deadline: now + timeout,
+            });
+            if let Some(req) = self.requests.get_mut(&out.req_id) {
+                req.sent_any = true;
+                if let Message::AllocRequest(m) = &out.msg {
+                    req.keys_sent.extend(m.keys.iter().cloned());
+                }
+            }
+            self.transmits.push_back(Transmit {
+                to: Destination::Receiver(receiver),
+                msg: out.msg,
+            });
+        }
+    }
+
+    /// Fails a request: drops its unsent messages and unsubmitted staging, tells the proxy
+    /// (when configured), and sends CancelNotif once its writes are done.
+    pub(super) fn fail(&mut self, now: Instant, req_id: &ReqId, failure: SendFailure) {
+        let req = self
+            .requests
+            .get_mut(req_id)
+            .expect("invariant: failing a tracked request");
+        debug_assert_ne!(req.state, State::Failing);
+        req.state = State::Failing;
+        req.failure = Some(failure.clone());
+        let receiver = req.spec.receiver;
+        for slot in std::mem::take(&mut req.staged) {
+            self.staging.give_back(slot);
+        }
+        let ch = self
+            .channels
+            .get_mut(&receiver)
+            .expect("invariant: a request's channel exists");
+        let mut freed = Vec::new();
+        ch.queue.retain(|m| {
+            let mine = m.req_id == *req_id;
+            if mine {
+                if let Kind::Batch { chunks, .. } = &m.kind {
+                    freed.extend(chunks.iter().map(|c| c.staging));
+                }
+            }
+            !mine
+        });
+        // Batches in flight get no writes any more: their staging is free now, and their
+        // entries stay only to match the replies.
+        for f in ch.in_flight.iter_mut().filter(|f| f.req_id == *req_id) {
+            if let Kind::Batch { chunks, .. } = &mut f.kind {
+                freed.extend(chunks.drain(..).map(|c| c.staging));
+            }
+        }
+        for slot in freed {
+            self.staging.give_back(slot);
+        }
+        self.stats.failed += 1;
+        if self.cfg.notify_proxy_on_failure {
+            let msg = Message::FailNotif(FailNotif {
+                req_id: req_id.0.clone(),
+                reason: failure.to_string(),
+            });
+            self.transmits.push_back(Transmit {
+                to: Destination::Proxy,
+                msg,
+            });
+        }
+        self.events.push_back(SenderEvent::Failed {
+            req_id: req_id.clone(),
+            failure,
+        });
+        self.maybe_finish_failing(now, req_id);
+        self.pump(now, receiver);
+    }
+
+    /// A failing request with no write outstanding cancels at the receiver and goes.
+    pub(super) fn remember_failure(&mut self, req_id: &ReqId, failure: SendFailure) {
+        if self
+            .recent_failures
+            .insert(req_id.clone(), failure)
+            .is_none()
+        {
+            self.recent_order.push_back(req_id.clone());
+        }
+        while self.recent_order.len() > self.cfg.requests_max {
+            if let Some(old) = self.recent_order.pop_front() {
+                self.recent_failures.remove(&old);
+            }
+        }
+    }
+
+    pub(super) fn maybe_finish_failing(&mut self, now: Instant, req_id: &ReqId) {
+        let req = &self.requests[req_id];
+        if req.state != State::Failing || req.writes_in_flight > 0 {
+            return;
+        }
+        let req = self
+            .requests
+            .remove(req_id)
+            .expect("invariant: checked above");
+        if let Some(failure) = &req.failure {
+            self.remember_failure(req_id, failure.clone());
+        }
+        if req.sent_any {
+            let msg = Message::CancelNotif(CancelNotif {
+                req_id: req_id.0.clone(),
+                keys: req.keys_sent,
+                seq: None,
+                drained: Some(true),
+            });
+            self.enqueue(req.spec.receiver, req_id.clone(), Kind::Cancel, msg);
+            self.pump(now, req.spec.receiver);
+        }
+    }
+
+    /// Emits `ProxyNotif` once every submitted chunk is written and the last batch is done.
+    pub(super) fn maybe_delivered(&mut self, now: Instant, req_id: &ReqId) {
+        let req = &self.requests[req_id];
+        let done = req.state == State::Admitted
+            && req.last_acked
+            && req.batches_unanswered == 0
+            && req.writes_in_flight == 0
+            && req.written == req.submitted;
+        if !done {
+            return;
+        }
+        let receiver = req.spec.receiver;
+        self.requests.remove(req_id);
+        self.stats.delivered += 1;
+        let msg = Message::ProxyNotif(ProxyNotif {
+            req_id: req_id.0.clone(),
+        });
+        self.transmits.push_back(Transmit {
+            to: Destination::Proxy,
+            msg,
+        });
+        self.events.push_back(SenderEvent::Delivered {
+            req_id: req_id.clone(),
+        });
+        // A serial channel may have held a probe back for this request.
+        self.pump(now, receiver);
+    }
+
+    pub(super) fn reset_channel(&mut self, now: Instant, receiver: PeerId, failure: SendFailure) {
+        if !self.channels.contains_key(&receiver) {
+            return;
+        }
+        let on_channel: Vec<ReqId> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.spec.receiver == receiver && r.state != State::Failing)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for req_id in &on_channel {
+            self.fail(now, req_id, failure.clone());
+        }
+        // Nothing on a reset channel is worth sending: the receiver rolls back what it
+        // held when the connection went (leases), and cancels for it would be stale.
+        let ch = self
+            .channels
+            .get_mut(&receiver)
+            .expect("invariant: present above");
+        ch.queue.clear();
+        ch.in_flight.clear();
+        ch.mode = match self.cfg.pipelining {
+            Pipelining::Auto => Mode::Probing,
+            Pipelining::Off => Mode::Serial,
+        };
+        self.events
+            .push_back(SenderEvent::ChannelReset { receiver });
+    }
+}
