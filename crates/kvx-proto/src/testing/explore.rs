@@ -23,11 +23,59 @@ pub struct Exploration {
     pub truncated: bool,
 }
 
+/// A hash of the world's full `Debug` form, abstracted so that states differing only in
+/// what cannot change behaviour compare equal: times are taken relative to `now` (only
+/// deadlines' distance matters), and statistics counters are dropped.
 fn fingerprint(world: &OpWorld, next: usize) -> u64 {
+    let text = format!("{world:?}");
+    let now = world.now().since_epoch();
     let mut h = DefaultHasher::new();
-    format!("{world:?}").hash(&mut h);
+    abstract_form(&text, now).hash(&mut h);
     next.hash(&mut h);
     h.finish()
+}
+
+/// Rewrites every `Instant(<duration>)` as its distance from `now`, and removes every
+/// `stats: …Stats { … }` block.
+fn abstract_form(text: &str, now: std::time::Duration) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("Instant(") {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + "Instant(".len()..];
+        let end = after.find(')').unwrap_or(after.len());
+        match parse_duration(&after[..end]) {
+            Some(d) => out.push_str(&format!(
+                "T{:+}",
+                d.as_nanos() as i128 - now.as_nanos() as i128
+            )),
+            None => out.push_str(&after[..end]),
+        }
+        rest = after.get(end + 1..).unwrap_or("");
+    }
+    out.push_str(rest);
+    let mut cleaned = String::with_capacity(out.len());
+    let mut rest = out.as_str();
+    while let Some(i) = rest.find("stats: ") {
+        cleaned.push_str(&rest[..i]);
+        let after = &rest[i..];
+        let end = after.find('}').map_or(after.len(), |e| e + 1);
+        rest = &after[end..];
+    }
+    cleaned.push_str(rest);
+    cleaned
+}
+
+/// Parses `Duration`'s `Debug` form (`0ns`, `1.5µs`, `100ms`, `2.25s`).
+fn parse_duration(s: &str) -> Option<std::time::Duration> {
+    let units: [(&str, f64); 4] = [("ns", 1.0), ("µs", 1e3), ("ms", 1e6), ("s", 1e9)];
+    let (num, scale) = units
+        .iter()
+        .find_map(|(u, k)| s.strip_suffix(u).map(|n| (n, *k)))?;
+    let value: f64 = num.parse().ok()?;
+    Some(std::time::Duration::from_nanos(
+        (value * scale).round() as u64
+    ))
 }
 
 /// Explores every interleaving of `plan` (sender, total chunks per request, begun in order),

@@ -210,6 +210,11 @@ impl OpWorld {
         crate::time::earliest(senders, self.receiver.poll_timeout())
     }
 
+    /// The world's clock.
+    pub fn now(&self) -> Instant {
+        self.now
+    }
+
     /// True when every request has ended and both buffers are entirely free.
     pub fn settled(&self) -> bool {
         self.sides
