@@ -278,8 +278,23 @@ impl OpWorld {
     fn deliver_to_receiver(&mut self, s: usize) {
         if let Some(bytes) = self.sides[s].to_receiver.pop_front() {
             let msg = wire::decode(&bytes).expect("invariant: the codec decodes what it encoded");
+            let cancelled = match &msg {
+                Message::CancelNotif(c) => Some(ReqKey {
+                    peer: PeerId(s as u64),
+                    req_id: ReqId(c.req_id.clone()),
+                }),
+                _ => None,
+            };
             self.receiver
                 .handle_message(self.now, PeerId(s as u64), msg);
+            // A cancel releases the request at once (no decoder holds a read lease here:
+            // consumes are atomic in this world), or it only looked acknowledged.
+            if let Some(key) = cancelled {
+                assert!(
+                    self.receiver.request_slots(&key).is_none(),
+                    "checker: {key}'s CancelNotif was acknowledged but the receiver still holds the request"
+                );
+            }
         }
     }
 
