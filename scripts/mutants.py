@@ -58,7 +58,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr
