@@ -61,13 +61,19 @@ fn sender_cfg() -> SenderConfig {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seed_example_one_sender_interleaved() {
-    let env = env();
-    let (addr, verified, proxy) = cluster(&env, 10).await;
+/// Starts sender "s0" with `cfg`, reporting to `proxy`, connected to the receiver at `addr`.
+async fn start_sender(
+    env: &TokioEnv<MemTransport, MemFabric>,
+    proxy: &kvx_node::ProxyHandle,
+    addr: ReceiverAddr,
+    cfg: SenderConfig,
+) -> (
+    kvx_node::SenderHandle<TokioEnv<MemTransport, MemFabric>>,
+    kvx_proto::PeerId,
+) {
     let sender = SenderNode::start(
         env.clone(),
-        sender_cfg(),
+        cfg,
         CHUNK,
         "s0".into(),
         Some(proxy.endpoint().into()),
@@ -75,6 +81,14 @@ async fn seed_example_one_sender_interleaved() {
     .await
     .expect("sender starts");
     let peer = sender.add_receiver(addr).await.expect("connects");
+    (sender, peer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_example_one_sender_interleaved() {
+    let env = env();
+    let (addr, verified, proxy) = cluster(&env, 10).await;
+    let (sender, peer) = start_sender(&env, &proxy, addr, sender_cfg()).await;
     let mut tasks = Vec::new();
     for name in ["A", "B"] {
         let req = SyntheticRequest {
@@ -111,16 +125,7 @@ async fn seed_example_one_sender_interleaved() {
 async fn oversized_request_fails_fast_and_the_proxy_is_told() {
     let env = env();
     let (addr, _, proxy) = cluster(&env, 10).await;
-    let sender = SenderNode::start(
-        env.clone(),
-        sender_cfg(),
-        CHUNK,
-        "s0".into(),
-        Some(proxy.endpoint().into()),
-    )
-    .await
-    .expect("sender starts");
-    let peer = sender.add_receiver(addr).await.expect("connects");
+    let (sender, peer) = start_sender(&env, &proxy, addr, sender_cfg()).await;
     let req = SyntheticRequest {
         req_id: ReqId("big".into()),
         receiver: peer,
@@ -151,16 +156,7 @@ async fn cancel_wakes_a_blocked_allocate_with_an_error() {
         staging_timeout: Duration::from_secs(30),
         ..sender_cfg()
     };
-    let sender = SenderNode::start(
-        env.clone(),
-        cfg,
-        CHUNK,
-        "s0".into(),
-        Some(proxy.endpoint().into()),
-    )
-    .await
-    .expect("sender starts");
-    let peer = sender.add_receiver(addr).await.expect("connects");
+    let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
     let spec = |id: &str, total| RequestSpec {
         req_id: ReqId(id.into()),
         receiver: peer,
@@ -212,16 +208,7 @@ async fn a_request_larger_than_staging_completes_promptly() {
         staging_slots: 2,
         ..sender_cfg()
     };
-    let sender = SenderNode::start(
-        env.clone(),
-        cfg,
-        CHUNK,
-        "s0".into(),
-        Some(proxy.endpoint().into()),
-    )
-    .await
-    .expect("sender starts");
-    let peer = sender.add_receiver(addr).await.expect("connects");
+    let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
     let req = SyntheticRequest {
         req_id: ReqId("long".into()),
         receiver: peer,
