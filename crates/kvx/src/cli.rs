@@ -127,29 +127,11 @@ pub struct SenderArgs {
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
-    /// Requests to send.
-    #[arg(long, default_value_t = 50)]
-    pub requests: u32,
-    /// Chunks per request, MIN..MAX.
-    #[arg(long, default_value = "4..16", value_parser = parse_range)]
-    pub chunks: RangeInclusive<u32>,
-    /// Requests prefilled concurrently.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub interleave: u32,
-    /// Chunks per batch.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub batch_chunks: u32,
-    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
-    pub cancel_fraction: f64,
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
     /// This sender's number, used in request ids so several senders never collide.
     #[arg(long, default_value_t = 0)]
     pub sender_index: u32,
-    #[arg(long, default_value_t = 300)]
-    pub timeout_s: u64,
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -194,18 +176,6 @@ pub struct DemoArgs {
     /// Prefill workers (senders).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub senders: u32,
-    /// Requests per sender.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub requests: u32,
-    /// Chunks per request, drawn uniformly from MIN..MAX (inclusive).
-    #[arg(long, default_value = "4..16", value_parser = parse_range)]
-    pub chunks: RangeInclusive<u32>,
-    /// Requests each sender prefills concurrently.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub interleave: u32,
-    /// Chunks per batch (one AllocRequest).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub batch_chunks: u32,
     /// Receiver buffer size, in chunks.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub buffer_chunks: u32,
@@ -219,6 +189,25 @@ pub struct DemoArgs {
     pub fabric: FabricKind,
     #[arg(long, value_enum, default_value_t = TransportKind::Zmq)]
     pub transport: TransportKind,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+}
+
+/// The synthetic workload, shared by `kvx demo` and `kvx sender`.
+#[derive(Debug, Clone, Args)]
+pub struct WorkloadArgs {
+    /// Requests per sender.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub requests: u32,
+    /// Chunks per request, drawn uniformly from MIN..MAX (inclusive).
+    #[arg(long, default_value = "4..16", value_parser = parse_range)]
+    pub chunks: RangeInclusive<u32>,
+    /// Requests each sender prefills concurrently.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub interleave: u32,
+    /// Chunks per batch (one AllocRequest).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub batch_chunks: u32,
     /// Fraction of requests cancelled at a random moment of their prefill.
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub cancel_fraction: f64,

@@ -111,8 +111,8 @@ pub async fn run_on<E: Env>(
         }
     });
 
-    let total = u64::from(args.senders) * u64::from(args.requests);
-    let bar = if args.json {
+    let total = u64::from(args.senders) * u64::from(args.workload.requests);
+    let bar = if args.workload.json {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(total)
@@ -124,7 +124,7 @@ pub async fn run_on<E: Env>(
     );
     let tally: SharedTally = Arc::default();
     let started = Instant::now();
-    let mut rng = Rng::new(args.seed);
+    let mut rng = Rng::new(args.workload.seed);
     let mut workers = Vec::new();
     for s in 0..args.senders {
         let cfg = SenderConfig {
@@ -147,26 +147,26 @@ pub async fn run_on<E: Env>(
             .with_context(|| format!("sender {s} connecting"))?;
         let plan = workload::plan(
             s,
-            args.requests,
-            &args.chunks,
-            args.cancel_fraction,
+            args.workload.requests,
+            &args.workload.chunks,
+            args.workload.cancel_fraction,
             &mut rng,
         );
         let worker = Worker {
             ranks: vec![(sender, peer)],
             proxy: Some(proxy.clone()),
-            batch_chunks: args.batch_chunks,
+            batch_chunks: args.workload.batch_chunks,
             chunk_bytes,
         };
         workers.extend(loadgen::spawn(
             worker,
             plan,
-            args.interleave,
+            args.workload.interleave,
             tally.clone(),
             bar.clone(),
         ));
     }
-    let finished = loadgen::finish(workers, Duration::from_secs(args.timeout_s)).await;
+    let finished = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s)).await;
     let makespan = started.elapsed();
     bar.finish_and_clear();
 

@@ -34,7 +34,7 @@ const ZMQ_STYLE: Style = Style {
 };
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    let json = args.json;
+    let json = args.workload.json;
     let loopback = |t: &str, f: &str| Endpoints {
         transport_name: t.into(),
         fabric_name: f.into(),

@@ -207,33 +207,39 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
             .with_context(|| format!("connecting rank {rank} to {addr:?}"))?;
         handles.push((node, peer));
     }
-    let mut rng = Rng::new(args.seed);
+    let mut rng = Rng::new(args.workload.seed);
     let plan = workload::plan(
         args.sender_index,
-        args.requests,
-        &args.chunks,
-        args.cancel_fraction,
+        args.workload.requests,
+        &args.workload.chunks,
+        args.workload.cancel_fraction,
         &mut rng,
     );
-    let bar = if args.json {
+    let bar = if args.workload.json {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new(u64::from(args.requests))
+        ProgressBar::new(u64::from(args.workload.requests))
     };
     let tally: SharedTally = Arc::default();
     let started = Instant::now();
     let worker = Worker {
         ranks: handles,
         proxy: None,
-        batch_chunks: args.batch_chunks,
+        batch_chunks: args.workload.batch_chunks,
         chunk_bytes,
     };
-    let workers = loadgen::spawn(worker, plan, args.interleave, tally.clone(), bar.clone());
-    let finished = loadgen::finish(workers, Duration::from_secs(args.timeout_s)).await;
+    let workers = loadgen::spawn(
+        worker,
+        plan,
+        args.workload.interleave,
+        tally.clone(),
+        bar.clone(),
+    );
+    let finished = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s)).await;
     let makespan = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let t = loadgen::lock(&tally);
-    let total = u64::from(args.requests);
+    let total = u64::from(args.workload.requests);
     let s = SenderSummary {
         requests_total: total,
         requests_completed: t.completed,
@@ -247,7 +253,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         latency_ms_p99: loadgen::percentile_ms(&t.latencies, 0.99),
         admission_wait_ms_p99: loadgen::percentile_ms(&t.admission_waits, 0.99),
     };
-    if args.json {
+    if args.workload.json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
         println!("{s:#?}");
