@@ -1,0 +1,84 @@
+//! An opened device shared by a fabric's connections, and its completion poller: a dedicated
+//! thread that polls the device's one completion queue and hands each work completion to its
+//! connection's channel (`route`), from which the connection's async task takes it.
+//!
+//! The poller spins (yielding) while completions come, then sleeps 50 µs between empty polls,
+//! and 1 ms after a second without any; it holds the device only weakly and ends once the
+//! fabric and every connection have let go of it.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crate::config::RdmaConfig;
+use crate::route::Router;
+use crate::verbs::{Verbs, Wc};
+
+/// Polls that find nothing before the poller starts sleeping.
+const SPIN_POLLS: u32 = 2_000;
+/// Short sleeps (50 µs) before the poller sleeps 1 ms at a time: about a second.
+const SHORT_SLEEPS: u32 = 20_000;
+/// Room for a poll's completions, reused.
+const POLL_BATCH: usize = 64;
+
+#[derive(Debug)]
+pub(crate) struct Device<V: Verbs> {
+    pub verbs: V,
+    pub router: Arc<Router>,
+    pub config: RdmaConfig,
+}
+
+impl<V: Verbs> Device<V> {
+    /// Wraps an opened device and starts its poller.
+    pub(crate) fn start(verbs: V, config: RdmaConfig) -> std::io::Result<Arc<Self>> {
+        let device = Arc::new(Device {
+            verbs,
+            router: Arc::new(Router::default()),
+            config,
+        });
+        let weak = Arc::downgrade(&device);
+        std::thread::Builder::new()
+            .name("kvx-rdma-cq".into())
+            .spawn(move || poll_loop(weak))?;
+        Ok(device)
+    }
+}
+
+fn poll_loop<V: Verbs>(device: Weak<Device<V>>) {
+    let mut batch: Vec<Wc> = Vec::with_capacity(POLL_BATCH);
+    let mut idle: u32 = 0;
+    let mut failures: u64 = 0;
+    loop {
+        let Some(dev) = device.upgrade() else {
+            return;
+        };
+        batch.clear();
+        if let Err(e) = dev.verbs.poll(&mut batch) {
+            failures += 1;
+            // A poll error means a broken completion queue; say so, but not in a tight loop.
+            if failures.is_power_of_two() {
+                tracing::error!(error = %e, failures, "polling the completion queue failed");
+            }
+            drop(dev);
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        if !batch.is_empty() {
+            dev.router.dispatch(&batch);
+            idle = 0;
+            continue;
+        }
+        drop(dev);
+        idle = idle.saturating_add(1);
+        back_off(idle);
+    }
+}
+
+fn back_off(idle: u32) {
+    if idle < SPIN_POLLS {
+        std::thread::yield_now();
+    } else if idle < SPIN_POLLS + SHORT_SLEEPS {
+        std::thread::sleep(Duration::from_micros(50));
+    } else {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

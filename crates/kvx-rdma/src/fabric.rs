@@ -1,0 +1,124 @@
+//! `RdmaFabric`: `kvx_io::Fabric` over a `Verbs` device.
+
+use std::sync::Arc;
+
+use kvx_io::{Fabric, FabricConn, FabricError, FabricListener};
+use tokio::sync::mpsc;
+
+use crate::config::RdmaConfig;
+use crate::device::Device;
+use crate::memory::RdmaMemory;
+use crate::verbs::Verbs;
+use crate::wire::Geometry;
+use crate::{link, receiver, sender};
+
+/// Why an RDMA fabric could not be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdmaError {
+    /// No usable device: libibverbs is missing, or it lists no device.
+    #[error("no RDMA device found: {0}")]
+    NoDevice(String),
+    /// `RdmaConfig::device` names a device that is not there.
+    #[error("no RDMA device named {name:?} (found: {found})")]
+    DeviceNotFound { name: String, found: String },
+    /// The device is there but cannot be used as configured.
+    #[error("RDMA device {device}: {detail}")]
+    Device { device: String, detail: String },
+    #[error("cannot start the completion poller thread: {0}")]
+    Poller(String),
+}
+
+/// One-sided writes over RDMA: a receiver's exposed buffer and each sender's staging pool are
+/// memory regions of one device; each (sender, receiver) pair gets its own reliable-connected
+/// queue pair, connected through the side channel at the exposed endpoint; each write is an
+/// RDMA WRITE (with immediate when the caller gives one, which the receiver turns into a
+/// `Landed` notice).
+///
+/// Clones share the device (one protection domain, one completion queue and its poller
+/// thread); every exposed buffer and every connection is independent.
+#[derive(Debug)]
+pub struct RdmaFabric<V: Verbs> {
+    device: Arc<Device<V>>,
+}
+
+impl<V: Verbs> Clone for RdmaFabric<V> {
+    fn clone(&self) -> Self {
+        RdmaFabric {
+            device: self.device.clone(),
+        }
+    }
+}
+
+impl<V: Verbs> RdmaFabric<V> {
+    /// A fabric over an opened device (`ibv::IbvVerbs::open`, or a model in tests); starts its
+    /// completion poller.
+    pub fn with_verbs(verbs: V, config: RdmaConfig) -> Result<Self, RdmaError> {
+        let device = Device::start(verbs, config).map_err(|e| RdmaError::Poller(e.to_string()))?;
+        Ok(RdmaFabric { device })
+    }
+
+    pub fn config(&self) -> &RdmaConfig {
+        &self.device.config
+    }
+
+    pub fn verbs(&self) -> &V {
+        &self.device.verbs
+    }
+
+    fn registered(&self, slots: u32, slot_bytes: usize) -> Result<Arc<RdmaMemory>, FabricError> {
+        Geometry::checked(slots, slot_bytes)?;
+        let memory = RdmaMemory::anonymous(slots, slot_bytes).map_err(|e| {
+            FabricError::Allocation(format!("{slots} x {slot_bytes} B of memory: {e}"))
+        })?;
+        let memory = Arc::new(memory);
+        self.device.verbs.register(&memory).map_err(|e| {
+            FabricError::Allocation(format!("registering {slots} x {slot_bytes} B: {e}"))
+        })?;
+        Ok(memory)
+    }
+}
+
+impl<V: Verbs> Fabric for RdmaFabric<V> {
+    type Memory = RdmaMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.registered(slots, slot_bytes)
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<RdmaMemory>, FabricError> {
+        let memory = self.registered(slots, slot_bytes)?;
+        let listener = link::bind(endpoint).await?;
+        let local_endpoint = link::local_endpoint(&listener, endpoint)?;
+        let (landed_tx, landed) = mpsc::unbounded_channel();
+        tokio::spawn(receiver::accept_loop(
+            listener,
+            self.device.clone(),
+            memory.clone(),
+            landed_tx,
+        ));
+        tracing::debug!(%local_endpoint, slots, slot_bytes, "rdma buffer exposed");
+        Ok(FabricListener {
+            local_endpoint,
+            memory,
+            landed,
+        })
+    }
+
+    async fn connect(
+        &self,
+        endpoint: &str,
+        staging: Arc<RdmaMemory>,
+    ) -> Result<FabricConn, FabricError> {
+        sender::connect(self.device.clone(), endpoint, staging).await
+    }
+}

@@ -1,0 +1,349 @@
+//! An in-process model of an RDMA NIC behind the `Verbs` seam, for tests: every queue pair of
+//! one `FakeVerbs` is on one loopback "wire". It keeps what kvx relies on from RC verbs:
+//! - a write is applied when its target queue pair is connected back to it (RTR/RTS) and the
+//!   remote key and range are valid, else it fails and the requester goes to ERROR;
+//! - a write with immediate consumes one posted receive of the target, whose completion
+//!   carries the immediate and follows the data; with none posted the write waits (RNR), and
+//!   so does everything behind it on that queue pair;
+//! - completions come in posting order per queue pair; ERROR flushes every outstanding work
+//!   request (`WcStatus::Flushed`) and a responder in ERROR accepts nothing.
+//!
+//! Faults: `fail_write_after(n)` fails the (n+1)-th write from now with "retry counter
+//! exceeded", as a link going down would.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use kvx_io::SlotMemory;
+
+use crate::memory::RdmaMemory;
+use crate::verbs::{
+    MrKeys, PortInfo, QpState, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus,
+    WriteWr,
+};
+
+const RETRY_EXCEEDED: WcStatus = WcStatus::Failed {
+    code: 12,
+    name: "transport retry counter exceeded",
+    vendor: 0,
+};
+const REMOTE_ACCESS: WcStatus = WcStatus::Failed {
+    code: 10,
+    name: "remote access error",
+    vendor: 0,
+};
+
+#[derive(Debug, Clone)]
+pub(crate) struct FakeVerbs {
+    nic: Arc<Nic>,
+}
+
+#[derive(Debug)]
+struct Nic {
+    id: u64,
+    state: Mutex<NicState>,
+}
+
+#[derive(Debug, Default)]
+struct NicState {
+    qps: HashMap<u32, QpModel>,
+    regions: HashMap<u32, Weak<RdmaMemory>>,
+    cq: VecDeque<Wc>,
+    next_qpn: u32,
+    next_key: u32,
+    /// Writes left before the next one fails (`fail_write_after`).
+    fail_after: Option<u64>,
+    writes_applied: u64,
+}
+
+#[derive(Debug)]
+struct QpModel {
+    state: QpState,
+    peer: Option<u32>,
+    recvs: VecDeque<u64>,
+    /// Posted writes not yet applied (waiting for a receive, or behind one that is).
+    backlog: VecDeque<PendingWrite>,
+}
+
+#[derive(Debug)]
+struct PendingWrite {
+    wr_id: u64,
+    data: Vec<u8>,
+    remote_addr: u64,
+    rkey: u32,
+    imm: Option<u32>,
+}
+
+static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1 << 40);
+
+impl FakeVerbs {
+    pub(crate) fn new() -> Self {
+        FakeVerbs {
+            nic: Arc::new(Nic {
+                id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+                state: Mutex::new(NicState {
+                    next_qpn: 0x100,
+                    next_key: 0x1000,
+                    ..NicState::default()
+                }),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, NicState> {
+        self.nic.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fails the write applied after `n` more successful ones.
+    pub(crate) fn fail_write_after(&self, n: u64) {
+        self.lock().fail_after = Some(n);
+    }
+
+    pub(crate) fn writes_applied(&self) -> u64 {
+        self.lock().writes_applied
+    }
+
+    /// Queue pairs not yet destroyed.
+    pub(crate) fn live_qps(&self) -> usize {
+        self.lock().qps.len()
+    }
+}
+
+impl Verbs for FakeVerbs {
+    type Qp = FakeQp;
+
+    fn device_id(&self) -> u64 {
+        self.nic.id
+    }
+
+    fn port(&self) -> PortInfo {
+        PortInfo {
+            lid: 0,
+            gid: [0xAA; 16],
+            mtu: 5,
+        }
+    }
+
+    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {
+        let mut s = self.lock();
+        s.next_key += 1;
+        let key = s.next_key;
+        s.regions.insert(key, Arc::downgrade(memory));
+        let keys = MrKeys {
+            lkey: key,
+            rkey: key,
+            addr: memory.region().0,
+            device_id: self.nic.id,
+        };
+        memory.set_registration(keys, Box::new(()))
+    }
+
+    fn create_qp(&self, _send_depth: u32, _recv_depth: u32) -> Result<FakeQp, VerbsError> {
+        let mut s = self.lock();
+        s.next_qpn += 1;
+        let qpn = s.next_qpn;
+        s.qps.insert(
+            qpn,
+            QpModel {
+                state: QpState::Reset,
+                peer: None,
+                recvs: VecDeque::new(),
+                backlog: VecDeque::new(),
+            },
+        );
+        Ok(FakeQp {
+            verbs: self.clone(),
+            qpn,
+        })
+    }
+
+    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
+        out.extend(self.lock().cq.drain(..));
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct FakeQp {
+    verbs: FakeVerbs,
+    qpn: u32,
+}
+
+impl Drop for FakeQp {
+    fn drop(&mut self) {
+        // Destroyed: no more completions of its own, nothing of it applied.
+        self.verbs.lock().qps.remove(&self.qpn);
+    }
+}
+
+impl NicState {
+    fn qp(&mut self, qpn: u32) -> Result<&mut QpModel, VerbsError> {
+        self.qps
+            .get_mut(&qpn)
+            .ok_or_else(|| VerbsError::new("fake", format!("no queue pair {qpn}")))
+    }
+
+    fn move_to_error(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        qp.state = QpState::Error;
+        let flushed: Vec<u64> = qp
+            .backlog
+            .drain(..)
+            .map(|w| w.wr_id)
+            .chain(qp.recvs.drain(..))
+            .collect();
+        self.cq.extend(flushed.into_iter().map(|wr_id| Wc {
+            wr_id,
+            status: WcStatus::Flushed,
+            kind: WcKind::Other,
+        }));
+    }
+
+    /// Applies `qpn`'s backlog in order, as far as it can.
+    fn progress(&mut self, qpn: u32) {
+        loop {
+            let Some(qp) = self.qps.get(&qpn) else { return };
+            let Some(w) = qp.backlog.front() else { return };
+            let peer = qp.peer.and_then(|p| self.qps.get(&p).map(|m| (p, m)));
+            let status = match peer {
+                Some((_, m))
+                    if matches!(m.state, QpState::Rtr | QpState::Rts) && m.peer == Some(qpn) =>
+                {
+                    if w.imm.is_some() && m.recvs.is_empty() {
+                        return; // RNR: wait for a receive
+                    }
+                    if self.fail_after == Some(0) {
+                        self.fail_after = None;
+                        RETRY_EXCEEDED
+                    } else {
+                        WcStatus::Success
+                    }
+                }
+                // No responder connected back to us (gone, in ERROR, never there).
+                _ => RETRY_EXCEEDED,
+            };
+            let Some(w) = self.qps.get_mut(&qpn).and_then(|q| q.backlog.pop_front()) else {
+                return;
+            };
+            let status = if status == WcStatus::Success {
+                self.apply(&w)
+            } else {
+                status
+            };
+            if status == WcStatus::Success {
+                if let Some(imm) = w.imm {
+                    let peer = self.qps.get(&qpn).and_then(|q| q.peer);
+                    if let Some(recv) = peer
+                        .and_then(|p| self.qps.get_mut(&p))
+                        .and_then(|m| m.recvs.pop_front())
+                    {
+                        self.cq.push_back(Wc {
+                            wr_id: recv,
+                            status: WcStatus::Success,
+                            kind: WcKind::RecvImm(imm),
+                        });
+                    }
+                }
+                self.writes_applied += 1;
+                if let Some(n) = self.fail_after.as_mut() {
+                    *n -= 1;
+                }
+                self.cq.push_back(Wc {
+                    wr_id: w.wr_id,
+                    status,
+                    kind: WcKind::Write,
+                });
+            } else {
+                self.cq.push_back(Wc {
+                    wr_id: w.wr_id,
+                    status,
+                    kind: WcKind::Other,
+                });
+                self.move_to_error(qpn);
+                return;
+            }
+        }
+    }
+
+    /// Copies a write into its region; a bad key or range is a remote access error.
+    fn apply(&self, w: &PendingWrite) -> WcStatus {
+        let Some(region) = self.regions.get(&w.rkey).and_then(Weak::upgrade) else {
+            return REMOTE_ACCESS;
+        };
+        let g = region.geometry();
+        let Some(offset) = w.remote_addr.checked_sub(region.region().0) else {
+            return REMOTE_ACCESS;
+        };
+        let slot = offset / g.slot_bytes;
+        let within = offset % g.slot_bytes;
+        // kvx writes whole slots from their start; the model needs no more.
+        if slot >= u64::from(g.slots) || within != 0 || w.data.len() as u64 > g.slot_bytes {
+            return REMOTE_ACCESS;
+        }
+        region.write_slot(slot as u32, &w.data);
+        WcStatus::Success
+    }
+}
+
+impl VerbsQp for FakeQp {
+    fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
+        let mut s = self.verbs.lock();
+        let qp = s.qp(self.qpn)?;
+        let next = qp
+            .state
+            .after(&to)
+            .ok_or_else(|| VerbsError::new("fake modify", format!("{to:?} from {:?}", qp.state)))?;
+        match to {
+            Transition::Error => s.move_to_error(self.qpn),
+            Transition::Rtr(p) => {
+                qp.peer = Some(p.remote.qpn);
+                qp.state = next;
+            }
+            _ => qp.state = next,
+        }
+        Ok(())
+    }
+
+    fn post_write(&mut self, wr: &WriteWr<'_>) -> Result<(), VerbsError> {
+        let mut data = vec![0u8; wr.len as usize];
+        wr.staging.read_slot(wr.local_slot, &mut data);
+        let mut s = self.verbs.lock();
+        let qp = s.qp(self.qpn)?;
+        qp.backlog.push_back(PendingWrite {
+            wr_id: wr.wr_id,
+            data,
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            imm: wr.imm,
+        });
+        if qp.state == QpState::Error {
+            s.move_to_error(self.qpn);
+        } else {
+            s.progress(self.qpn);
+        }
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: u64) -> Result<(), VerbsError> {
+        let mut s = self.verbs.lock();
+        s.qp(self.qpn)?.recvs.push_back(wr_id);
+        // A writer waiting for a receive (RNR) goes on.
+        let waiting: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, m)| m.peer == Some(self.qpn) && !m.backlog.is_empty())
+            .map(|(q, _)| *q)
+            .collect();
+        for q in waiting {
+            s.progress(q);
+        }
+        Ok(())
+    }
+}

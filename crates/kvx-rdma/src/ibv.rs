@@ -1,0 +1,465 @@
+//! `IbvVerbs`: the `Verbs` seam over sideway, i.e. rdma-core's libibverbs, which sideway loads
+//! at run time. Without the library every call fails with `EOPNOTSUPP`, which `open` reports as
+//! "no RDMA device found", like a library that lists no device.
+//!
+//! One device context, one protection domain, one completion queue (extended when the provider
+//! supports it) shared by every queue pair; the completion queue's entries are budgeted so
+//! that it cannot overrun. Work completions are read by status first: verbs defines a failed
+//! completion's opcode and immediate as undefined, so they are read only on success.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{
+    GenericCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType,
+    WorkCompletionStatus,
+};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    GenericQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+
+use crate::config::RdmaConfig;
+use crate::fabric::RdmaError;
+use crate::memory::RdmaMemory;
+use crate::verbs::{
+    wc_status_name, PortInfo, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
+};
+
+/// `ibv_port_state::IBV_PORT_ACTIVE` and `IBV_LINK_LAYER_ETHERNET` (verbs.h ABI values).
+const PORT_ACTIVE: u32 = 4;
+const LINK_LAYER_ETHERNET: u8 = 2;
+/// errno values (Linux) that `ibv_get_device_list` reports for a missing library / kernel.
+const EOPNOTSUPP: i32 = 95;
+const ENOSYS: i32 = 38;
+/// `ibv_query_gid_type`'s sysfs value for a RoCE v2 GID.
+const GID_TYPE_SYSFS_ROCE_V2: u32 = 1;
+/// Hop limit of the GRH: routable RoCE v2 needs more than 1.
+const HOP_LIMIT: u8 = 64;
+/// RNR NAK timer the responder asks for (12 ≈ 0.64 ms).
+const MIN_RNR_TIMER: u8 = 12;
+
+static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
+
+/// The whole source chain of an error, on one line.
+fn chain(e: &dyn StdError) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// What every queue pair of a device uses.
+#[derive(Debug, Clone, Copy)]
+struct QpSettings {
+    port_num: u8,
+    gid_index: u8,
+    service_level: u8,
+    traffic_class: u8,
+    ack_timeout: u8,
+    retry_count: u8,
+    rnr_retry: u8,
+}
+
+/// Completion queue entries promised to live queue pairs.
+#[derive(Debug)]
+struct CqBudget {
+    capacity: u32,
+    used: Mutex<u32>,
+}
+
+pub struct IbvVerbs {
+    name: String,
+    id: u64,
+    port: PortInfo,
+    settings: QpSettings,
+    budget: Arc<CqBudget>,
+    cq: GenericCompletionQueue,
+    pd: Arc<ProtectionDomain>,
+    _ctx: Arc<DeviceContext>,
+}
+
+impl fmt::Debug for IbvVerbs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IbvVerbs")
+            .field("name", &self.name)
+            .field("port", &self.settings.port_num)
+            .field("gid_index", &self.settings.gid_index)
+            .field("mtu", &self.port.mtu)
+            .finish()
+    }
+}
+
+impl IbvVerbs {
+    /// Opens the configured device (or the first), checks its port, picks the GID, and
+    /// allocates the protection domain and completion queue.
+    pub fn open(cfg: &RdmaConfig) -> Result<Self, RdmaError> {
+        let list = DeviceList::new().map_err(|e| {
+            let errno = match &e.0 {
+                GetDeviceListErrorKind::Ibverbs(io) => io.raw_os_error(),
+                _ => None,
+            };
+            RdmaError::NoDevice(match errno {
+                // What sideway's loader answers when libibverbs.so.1 is not there.
+                Some(EOPNOTSUPP) => {
+                    "libibverbs is not installed (rdma-core: libibverbs1 and ibverbs-providers)"
+                        .to_owned()
+                }
+                Some(ENOSYS) => "the kernel has no RDMA support loaded (ib_uverbs)".to_owned(),
+                _ => format!("libibverbs cannot list devices: {}", chain(&e)),
+            })
+        })?;
+        let names: Vec<String> = list.iter().map(|d| d.name()).collect();
+        if names.is_empty() {
+            return Err(RdmaError::NoDevice(
+                "libibverbs lists none (no RDMA NIC, or its driver is not loaded; see `ibv_devices`)".into(),
+            ));
+        }
+        let index =
+            match &cfg.device {
+                None => 0,
+                Some(name) => names.iter().position(|n| n == name).ok_or_else(|| {
+                    RdmaError::DeviceNotFound {
+                        name: name.clone(),
+                        found: names.join(", "),
+                    }
+                })?,
+            };
+        let name = names[index].clone();
+        let fail = |what: &str, e: &dyn StdError| RdmaError::Device {
+            device: name.clone(),
+            detail: format!("{what}: {}", chain(e)),
+        };
+        let device = list
+            .get(index)
+            .ok_or_else(|| RdmaError::NoDevice(format!("{name} vanished")))?;
+        let ctx = device.open().map_err(|e| fail("open", &e))?;
+        let attr = ctx.query_device().map_err(|e| fail("query device", &e))?;
+        let port_attr = ctx
+            .query_port(cfg.port)
+            .map_err(|e| fail(&format!("port {}", cfg.port), &e))?
+            .attr;
+        if port_attr.state != PORT_ACTIVE {
+            return Err(RdmaError::Device {
+                device: name,
+                detail: format!(
+                    "port {} is not active (state {}; see `ibv_devinfo`)",
+                    cfg.port, port_attr.state
+                ),
+            });
+        }
+        let ethernet = port_attr.link_layer == LINK_LAYER_ETHERNET;
+        let gid_index = match cfg.gid_index {
+            Some(i) => i,
+            None if ethernet => pick_roce_gid(&ctx, cfg.port, port_attr.gid_tbl_len),
+            None => 0,
+        };
+        let gid = ctx
+            .query_gid(cfg.port, gid_index)
+            .map_err(|e| fail(&format!("GID index {gid_index}"), &e))?;
+        if ethernet && gid.is_zero() {
+            return Err(RdmaError::Device {
+                device: name,
+                detail: format!(
+                    "GID index {gid_index} of port {} is empty; pick one from `show_gids`",
+                    cfg.port
+                ),
+            });
+        }
+        let pd = ctx
+            .alloc_pd()
+            .map_err(|e| fail("allocate a protection domain", &e))?;
+        let capacity = cfg.cq_depth.min(attr.max_cqe().max(1) as u32);
+        let mut builder = ctx.create_cq_builder();
+        builder.setup_cqe(capacity);
+        let cq = match builder.build_ex() {
+            Ok(cq) => GenericCompletionQueue::from(cq),
+            Err(_) => GenericCompletionQueue::from(
+                builder
+                    .build()
+                    .map_err(|e| fail("create the completion queue", &e))?,
+            ),
+        };
+        tracing::info!(device = %name, port = cfg.port, gid_index, ethernet, mtu = port_attr.active_mtu, "rdma device opened");
+        Ok(IbvVerbs {
+            id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            port: PortInfo {
+                lid: port_attr.lid,
+                gid: gid.raw,
+                mtu: port_attr.active_mtu as u8,
+            },
+            settings: QpSettings {
+                port_num: cfg.port,
+                gid_index: u8::try_from(gid_index).map_err(|_| RdmaError::Device {
+                    device: name.clone(),
+                    detail: format!("GID index {gid_index} does not fit a GRH (max 255)"),
+                })?,
+                service_level: cfg.service_level,
+                traffic_class: cfg.traffic_class,
+                ack_timeout: cfg.ack_timeout,
+                retry_count: cfg.retry_count.min(7),
+                rnr_retry: cfg.rnr_retry.min(7),
+            },
+            budget: Arc::new(CqBudget {
+                capacity,
+                used: Mutex::new(0),
+            }),
+            name,
+            cq,
+            pd,
+            _ctx: ctx,
+        })
+    }
+
+    /// The opened device's name.
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// On RoCE: the first RoCE v2 GID holding an IPv4 address (routable, what most fabrics use),
+/// else the first RoCE v2 GID, else 0.
+fn pick_roce_gid(ctx: &DeviceContext, port: u8, len: i32) -> u32 {
+    let mut v2 = None;
+    for i in 0..len.max(0) as u32 {
+        let (Ok(gid), Ok(kind)) = (ctx.query_gid(port, i), ctx.query_gid_type(port, i)) else {
+            continue;
+        };
+        if gid.is_zero() || kind != GID_TYPE_SYSFS_ROCE_V2 {
+            continue;
+        }
+        let ipv4_mapped = gid.raw[..10].iter().all(|&b| b == 0) && gid.raw[10..12] == [0xFF, 0xFF];
+        if ipv4_mapped {
+            return i;
+        }
+        v2.get_or_insert(i);
+    }
+    v2.unwrap_or(0)
+}
+
+fn mtu(code: u8) -> Result<Mtu, VerbsError> {
+    Ok(match code {
+        1 => Mtu::Mtu256,
+        2 => Mtu::Mtu512,
+        3 => Mtu::Mtu1024,
+        4 => Mtu::Mtu2048,
+        5 => Mtu::Mtu4096,
+        c => return Err(VerbsError::new("ibv_modify_qp", format!("MTU code {c}"))),
+    })
+}
+
+impl Verbs for IbvVerbs {
+    type Qp = IbvQp;
+
+    fn device_id(&self) -> u64 {
+        self.id
+    }
+
+    fn port(&self) -> PortInfo {
+        self.port
+    }
+
+    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {
+        memory.register_ibv(&self.pd, self.id)
+    }
+
+    fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<IbvQp, VerbsError> {
+        let entries = send_depth.saturating_add(recv_depth);
+        {
+            let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
+            if used.saturating_add(entries) > self.budget.capacity {
+                return Err(VerbsError::new(
+                    "create_qp",
+                    format!(
+                        "the completion queue is full ({} of {} entries promised; this queue pair needs {entries})",
+                        *used, self.budget.capacity
+                    ),
+                ));
+            }
+            *used += entries;
+        }
+        let reservation = CqReservation {
+            budget: self.budget.clone(),
+            entries,
+        };
+        let mut builder = self.pd.create_qp_builder();
+        builder
+            .setup_max_send_wr(send_depth.max(1))
+            .setup_max_recv_wr(recv_depth.max(1))
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(self.cq.clone())
+            .setup_recv_cq(self.cq.clone());
+        let qp = match builder.build_ex() {
+            Ok(qp) => GenericQueuePair::from(qp),
+            Err(_) => GenericQueuePair::from(
+                builder
+                    .build()
+                    .map_err(|e| VerbsError::new("ibv_create_qp", chain(&e)))?,
+            ),
+        };
+        Ok(IbvQp {
+            qp,
+            settings: self.settings,
+            _reservation: reservation,
+        })
+    }
+
+    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
+        let poller = match self.cq.start_poll() {
+            Ok(p) => p,
+            Err(PollCompletionQueueError::CompletionQueueEmpty) => return Ok(()),
+            Err(e) => return Err(VerbsError::new("ibv_poll_cq", chain(&e))),
+        };
+        for wc in poller {
+            let code = wc.status();
+            let status = if code == WorkCompletionStatus::Success as u32 {
+                WcStatus::Success
+            } else if code == WorkCompletionStatus::WorkRequestFlushedError as u32 {
+                WcStatus::Flushed
+            } else {
+                WcStatus::Failed {
+                    code,
+                    name: wc_status_name(code),
+                    vendor: wc.vendor_err(),
+                }
+            };
+            let kind = if status != WcStatus::Success {
+                WcKind::Other
+            } else if wc.opcode() == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
+                // Immediates travel in network byte order (`post_write`).
+                WcKind::RecvImm(u32::from_be(wc.imm_data()))
+            } else if wc.opcode() == WorkCompletionOperationType::Write as u32 {
+                WcKind::Write
+            } else {
+                WcKind::Other
+            };
+            out.push(Wc {
+                wr_id: wc.wr_id(),
+                status,
+                kind,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Gives a queue pair's completion queue entries back when it is destroyed.
+#[derive(Debug)]
+struct CqReservation {
+    budget: Arc<CqBudget>,
+    entries: u32,
+}
+
+impl Drop for CqReservation {
+    fn drop(&mut self) {
+        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
+        *used = used.saturating_sub(self.entries);
+    }
+}
+
+pub struct IbvQp {
+    // Declared first: the queue pair is destroyed before its entries are given back.
+    qp: GenericQueuePair,
+    settings: QpSettings,
+    _reservation: CqReservation,
+}
+
+impl fmt::Debug for IbvQp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IbvQp")
+            .field("qpn", &self.qp.qp_number())
+            .finish()
+    }
+}
+
+impl IbvQp {
+    fn attributes(&self, to: Transition) -> Result<QueuePairAttribute, VerbsError> {
+        let s = self.settings;
+        let mut attr = QueuePairAttribute::new();
+        match to {
+            Transition::Init => {
+                attr.setup_state(QueuePairState::Init)
+                    .setup_pkey_index(0)
+                    .setup_port(s.port_num)
+                    .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+            }
+            Transition::Rtr(p) => {
+                let mut av = AddressHandleAttribute::new();
+                av.setup_dest_lid(p.remote.lid)
+                    .setup_port(s.port_num)
+                    .setup_service_level(s.service_level);
+                let gid = Gid { raw: p.remote.gid };
+                if !gid.is_zero() {
+                    av.setup_grh(&gid, 0, s.gid_index, HOP_LIMIT, s.traffic_class);
+                }
+                attr.setup_state(QueuePairState::ReadyToReceive)
+                    .setup_path_mtu(mtu(p.mtu)?)
+                    .setup_dest_qp_num(p.remote.qpn)
+                    .setup_rq_psn(p.remote.psn)
+                    .setup_max_dest_read_atomic(0)
+                    .setup_min_rnr_timer(MIN_RNR_TIMER)
+                    .setup_address_vector(&av);
+            }
+            Transition::Rts { psn } => {
+                attr.setup_state(QueuePairState::ReadyToSend)
+                    .setup_sq_psn(psn)
+                    .setup_timeout(s.ack_timeout)
+                    .setup_retry_cnt(s.retry_count)
+                    .setup_rnr_retry(s.rnr_retry)
+                    .setup_max_read_atomic(0);
+            }
+            Transition::Error => {
+                attr.setup_state(QueuePairState::Error);
+            }
+        }
+        Ok(attr)
+    }
+}
+
+impl VerbsQp for IbvQp {
+    fn qpn(&self) -> u32 {
+        self.qp.qp_number()
+    }
+
+    fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
+        let attr = self.attributes(to)?;
+        self.qp
+            .modify(&attr)
+            .map_err(|e| VerbsError::new("ibv_modify_qp", format!("{to:?}: {}", chain(&e))))
+    }
+
+    fn post_write(&mut self, wr: &WriteWr<'_>) -> Result<(), VerbsError> {
+        let mut guard = self.qp.start_post_send();
+        let handle = guard.construct_wr(wr.wr_id, WorkRequestFlags::Signaled);
+        let handle = match wr.imm {
+            // Network byte order, as verbs peers expect (`poll` undoes it).
+            Some(imm) => handle.setup_write_imm(wr.rkey, wr.remote_addr, imm.to_be()),
+            None => handle.setup_write(wr.rkey, wr.remote_addr),
+        };
+        // On error the guard is dropped, which abandons the work request.
+        wr.staging.set_write_sge(handle, wr.local_slot, wr.len)?;
+        guard
+            .post()
+            .map_err(|e| VerbsError::new("ibv_post_send", chain(&e)))
+    }
+
+    fn post_recv(&mut self, wr_id: u64) -> Result<(), VerbsError> {
+        let mut guard = self.qp.start_post_recv();
+        let _ = guard.construct_wr(wr_id);
+        guard
+            .post()
+            .map_err(|e| VerbsError::new("ibv_post_recv", chain(&e)))
+    }
+}

@@ -1,0 +1,76 @@
+//! kvx-rdma: `RdmaFabric`, kvx's one-sided writes over RDMA verbs — the fabric the protocol's
+//! verbs semantics were written for (`kvx_io::fabric`).
+//!
+//! What it is: a receiver registers its buffer and listens on a TCP side channel (LMCache's
+//! init port per TP rank); a sender registers its staging pool, and connecting exchanges queue
+//! pair numbers, GIDs, the buffer's address and remote key over that channel, one
+//! reliable-connected queue pair per (sender, receiver) pair. A write is an RDMA WRITE from a
+//! staging slot into a remote slot, with the caller's immediate (kvx's `WriteTag`: 20-bit slot,
+//! 12-bit generation) when it has one; the receiver hears of it from the receive completion
+//! that immediate consumes. Completions are polled on a dedicated thread and routed to each
+//! connection's task. A failed work request moves the queue pair to ERROR; the connection then
+//! fences the receiver over the side channel and flushes every outstanding write with an
+//! error, so that nothing lands after the flush.
+//!
+//! What it is not: the verbs library. Its calls sit behind the `Verbs` seam (`verbs`); the
+//! sideway backend (`IbvVerbs`, module `ibv`) is built only with the feature `rdma`, which
+//! needs cmake and libclang to build and libibverbs with a device to run. Without the feature
+//! the crate builds everything above the verbs calls, and its tests run it against an
+//! in-process model of a NIC. Never built under madsim.
+//!
+//! Map:
+//! - `fabric`: `RdmaFabric`, `RdmaError`.
+//! - `config`: `RdmaConfig`, `PathMtu`.
+//! - `verbs`: the `Verbs` / `VerbsQp` seam, work completions, `Qp` (the RC state machine).
+//! - `memory`: `RdmaMemory`, registered slots — the crate's only `unsafe`.
+//! - `wire`: the side channel's frames (hello, welcome, fence) and `Geometry`.
+//! - `link`: side channel sockets, bounded reads and writes.
+//! - `route`: `wr_id` encoding and the routing of completions to connections.
+//! - `device`: an opened device and its completion poller thread.
+//! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).
+//! - `sender`, `receiver`: the connection tasks on either side.
+//! - `ibv` (feature `rdma`): `IbvVerbs`, the sideway backend.
+//!
+//! Operations (devices, GIDs, MTU, ports, TP ranks): `docs/operations.md`.
+
+mod config;
+mod device;
+mod engine;
+mod fabric;
+mod link;
+mod memory;
+mod receiver;
+mod route;
+mod sender;
+pub mod verbs;
+mod wire;
+
+#[cfg(feature = "rdma")]
+mod ibv;
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
+pub use config::{PathMtu, RdmaConfig};
+pub use fabric::{RdmaError, RdmaFabric};
+pub use memory::RdmaMemory;
+pub use wire::{Geometry, QpAddr, SLOT_BYTES_MAX};
+
+#[cfg(feature = "rdma")]
+pub use ibv::IbvVerbs;
+
+/// The fabric over a real device (feature `rdma`).
+#[cfg(feature = "rdma")]
+pub type IbvFabric = RdmaFabric<IbvVerbs>;
+
+#[cfg(feature = "rdma")]
+impl RdmaFabric<IbvVerbs> {
+    /// Opens the configured device (or the first one) and starts its completion poller.
+    /// Without libibverbs, or without a device, this is `RdmaError::NoDevice`.
+    pub fn open(config: RdmaConfig) -> Result<Self, RdmaError> {
+        let verbs = IbvVerbs::open(&config)?;
+        Self::with_verbs(verbs, config)
+    }
+}

@@ -1,0 +1,236 @@
+//! A receiver's side: the accept loop on the side channel's port, and one task per sender
+//! connection that sets up its queue pair, announces each write with immediate that lands
+//! (`Landed`), re-posts the receive it consumed, and answers the fence.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_io::Landed;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::config::path_mtu;
+use crate::device::Device;
+use crate::link;
+use crate::memory::RdmaMemory;
+use crate::route::Route;
+use crate::verbs::{Qp, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus};
+use crate::wire::{
+    Control, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, HELLO_LEN, VERSION,
+};
+
+/// Receives a connection keeps posted are the sender's staging slots plus `recv_slack`, at
+/// most this many: beyond, a write with immediate waits (RNR retry) for a re-posted receive.
+const RECV_DEPTH_MAX: u32 = 4096;
+
+/// Accepts sender connections until the listener's `landed` receiver is dropped.
+pub(crate) async fn accept_loop<V: Verbs>(
+    listener: TcpListener,
+    device: Arc<Device<V>>,
+    memory: Arc<RdmaMemory>,
+    landed: mpsc::UnboundedSender<Landed>,
+) {
+    loop {
+        tokio::select! {
+            () = landed.closed() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((side, peer)) => {
+                    let conn = Connection {
+                        side,
+                        peer,
+                        device: device.clone(),
+                        memory: memory.clone(),
+                        landed: landed.clone(),
+                    };
+                    tokio::spawn(conn.serve());
+                }
+                Err(e) => {
+                    // Out of descriptors and the like: wait instead of spinning.
+                    warn!(error = %e, "rdma side channel: accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}
+
+struct Connection<V: Verbs> {
+    side: TcpStream,
+    peer: SocketAddr,
+    device: Arc<Device<V>>,
+    memory: Arc<RdmaMemory>,
+    landed: mpsc::UnboundedSender<Landed>,
+}
+
+/// Why a connection's task ended.
+#[derive(Debug)]
+enum End {
+    Fenced,
+    SideClosed,
+    ListenerDropped,
+    Failed(String),
+}
+
+impl<V: Verbs> Connection<V> {
+    async fn serve(mut self) {
+        let _ = self.side.set_nodelay(true);
+        let timeout = self.device.config.connect_timeout;
+        let hello = match link::read_frame::<HELLO_LEN>(&mut self.side, timeout).await {
+            Ok(b) => b,
+            Err(e) => return debug!(peer = %self.peer, error = %e, "rdma side channel: no hello"),
+        };
+        // Another protocol on this port gets no answer.
+        let Ok(hello) = Hello::decode(&hello) else {
+            return debug!(peer = %self.peer, "rdma side channel: not a kvx hello");
+        };
+        let refusal = if hello.version != VERSION {
+            Some(WelcomeStatus::VersionMismatch)
+        } else if hello.staging.slot_bytes > self.memory.geometry().slot_bytes {
+            Some(WelcomeStatus::StagingTooLarge)
+        } else {
+            None
+        };
+        if let Some(status) = refusal {
+            return self.refuse(status).await;
+        }
+        let (route, wcs) = self.device.router.add();
+        let (qp, qp_addr) = match self.connect_qp(&hello, &route) {
+            Ok(up) => up,
+            Err(e) => {
+                warn!(peer = %self.peer, error = %e, "cannot set up a queue pair for a sender");
+                return self.refuse(WelcomeStatus::NoResources).await;
+            }
+        };
+        let Some(keys) = self.memory.keys() else {
+            return self.refuse(WelcomeStatus::NoResources).await;
+        };
+        let welcome = Welcome {
+            status: WelcomeStatus::Ok,
+            buffer: self.memory.geometry(),
+            qp: qp_addr,
+            addr: keys.addr,
+            rkey: keys.rkey,
+        };
+        if let Err(e) = link::write_frame(&mut self.side, &welcome.encode(), timeout).await {
+            return debug!(peer = %self.peer, error = %e, "rdma side channel: welcome not sent");
+        }
+        debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, "rdma sender connected");
+        self.run(qp, wcs, route).await;
+    }
+
+    async fn refuse(mut self, status: WelcomeStatus) {
+        let timeout = self.device.config.connect_timeout;
+        let _ =
+            link::write_frame(&mut self.side, &Welcome::refusal(status).encode(), timeout).await;
+    }
+
+    /// A queue pair connected to the sender's, with its receives posted before it can be
+    /// written to.
+    fn connect_qp(&self, hello: &Hello, route: &Route) -> Result<(Qp<V::Qp>, QpAddr), VerbsError> {
+        let cfg = &self.device.config;
+        let port = self.device.verbs.port();
+        let mtu = path_mtu(port.mtu, hello.qp.mtu, cfg.mtu).ok_or_else(|| {
+            VerbsError::new(
+                "hello",
+                format!("MTU code {} from the sender", hello.qp.mtu),
+            )
+        })?;
+        let depth = hello.staging.slots.min(RECV_DEPTH_MAX) + cfg.recv_slack;
+        let mut qp = Qp::new(self.device.verbs.create_qp(1, depth)?);
+        qp.modify(Transition::Init)?;
+        for i in 0..depth {
+            qp.post_recv(route.wr_id(i))?;
+        }
+        qp.modify(Transition::Rtr(RtrParams {
+            remote: hello.qp,
+            mtu,
+        }))?;
+        let psn = link::fresh_psn();
+        qp.modify(Transition::Rts { psn })?;
+        let addr = QpAddr {
+            qpn: qp.qpn(),
+            psn,
+            lid: port.lid,
+            mtu: port.mtu,
+            gid: port.gid,
+        };
+        Ok((qp, addr))
+    }
+
+    async fn run(mut self, mut qp: Qp<V::Qp>, mut wcs: mpsc::UnboundedReceiver<Wc>, route: Route) {
+        let mut control = [0u8; CONTROL_LEN];
+        let mut have = 0usize;
+        let end = loop {
+            tokio::select! {
+                biased;
+                () = self.landed.closed() => break End::ListenerDropped,
+                Some(wc) = wcs.recv() => {
+                    let mut failed = self.on_wc(&mut qp, &wc).err();
+                    while failed.is_none() {
+                        match wcs.try_recv() {
+                            Ok(wc) => failed = self.on_wc(&mut qp, &wc).err(),
+                            Err(_) => break,
+                        }
+                    }
+                    if let Some(why) = failed {
+                        break End::Failed(why);
+                    }
+                }
+                read = self.side.read(&mut control[have..]) => match read {
+                    Ok(0) => break End::SideClosed,
+                    Ok(n) => {
+                        have += n;
+                        if have < CONTROL_LEN {
+                            continue;
+                        }
+                        match Control::decode(&control) {
+                            Control::Fence => break End::Fenced,
+                            other => break End::Failed(format!("unexpected {other:?} from the sender")),
+                        }
+                    }
+                    Err(e) => break End::Failed(format!("side channel: {e}")),
+                },
+            }
+        };
+        // Whatever ended it, this connection's writes stop landing now: in ERROR the queue
+        // pair accepts nothing more (and its posted receives are flushed).
+        qp.move_to_error();
+        if let End::Fenced = end {
+            let timeout = self.device.config.connect_timeout;
+            if let Err(e) =
+                link::write_frame(&mut self.side, &Control::Fenced.encode(), timeout).await
+            {
+                debug!(peer = %self.peer, error = %e, "fence answer not sent");
+            }
+        }
+        match &end {
+            End::Failed(why) => warn!(peer = %self.peer, %why, "rdma sender connection ended"),
+            other => debug!(peer = %self.peer, end = ?other, "rdma sender connection ended"),
+        }
+        // The queue pair is destroyed before this task lets go of the buffer.
+        drop(qp);
+        drop(route);
+        drop(self);
+    }
+
+    /// One routed completion of this connection's receive queue.
+    fn on_wc(&self, qp: &mut Qp<V::Qp>, wc: &Wc) -> Result<(), String> {
+        match (wc.status, wc.kind) {
+            (WcStatus::Success, kind) => {
+                if let WcKind::RecvImm(imm) = kind {
+                    // The listener may be gone; the select loop notices next.
+                    let _ = self.landed.send(Landed { imm });
+                }
+                qp.post_recv(wc.wr_id).map_err(|e| e.to_string())
+            }
+            // The queue pair went to ERROR (an asynchronous error): nothing lands any more.
+            (WcStatus::Flushed, _) => Err("the queue pair's receives were flushed".into()),
+            (WcStatus::Failed { name, code, .. }, _) => {
+                Err(format!("receive failed: {name} (status {code})"))
+            }
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! A sender's connection: the handshake that connects its queue pair to the receiver's
+//! (`wire`), then one task that posts writes, turns routed work completions into ordered
+//! completions (`engine`), watches the side channel, and on failure fences the receiver and
+//! flushes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_io::fabric::ConnOp;
+use kvx_io::{Completion, FabricConn, FabricError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::config::path_mtu;
+use crate::device::Device;
+use crate::engine::{Phase, RemoteBuffer, SendEngine};
+use crate::link;
+use crate::memory::RdmaMemory;
+use crate::route::Route;
+use crate::verbs::{Qp, RtrParams, Transition, Verbs, VerbsError, Wc};
+use crate::wire::{
+    Control, Geometry, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION, WELCOME_LEN,
+};
+
+fn verbs_err(e: VerbsError) -> FabricError {
+    FabricError::Io(format!("rdma: {e}"))
+}
+
+/// Connects `staging` to the buffer exposed at `endpoint` and spawns the connection's task.
+pub(crate) async fn connect<V: Verbs>(
+    device: Arc<Device<V>>,
+    endpoint: &str,
+    staging: Arc<RdmaMemory>,
+) -> Result<FabricConn, FabricError> {
+    let ours = staging.geometry();
+    match staging.keys() {
+        Some(k) if k.device_id == device.verbs.device_id() => {}
+        _ => {
+            return Err(FabricError::Io(
+                "rdma: the staging memory was not allocated by this RdmaFabric".into(),
+            ))
+        }
+    }
+    let timeout = device.config.connect_timeout;
+    let mut side = link::connect(endpoint, timeout).await?;
+    let mut qp = Qp::new(device.verbs.create_qp(ours.slots, 1).map_err(verbs_err)?);
+    qp.modify(Transition::Init).map_err(verbs_err)?;
+    let (route, wcs) = device.router.add();
+    let port = device.verbs.port();
+    let psn = link::fresh_psn();
+    let hello = Hello {
+        version: VERSION,
+        staging: ours,
+        qp: QpAddr {
+            qpn: qp.qpn(),
+            psn,
+            lid: port.lid,
+            mtu: port.mtu,
+            gid: port.gid,
+        },
+    };
+    let io = |e: std::io::Error| FabricError::Io(format!("rdma side channel to {endpoint}: {e}"));
+    link::write_frame(&mut side, &hello.encode(), timeout)
+        .await
+        .map_err(io)?;
+    let welcome = link::read_frame::<WELCOME_LEN>(&mut side, timeout)
+        .await
+        .map_err(io)?;
+    let welcome = Welcome::decode(&welcome)
+        .map_err(|_| FabricError::Io(format!("{endpoint} is not a kvx RDMA endpoint")))?;
+    let remote = check_welcome(&welcome, endpoint)?;
+    let mtu = path_mtu(port.mtu, welcome.qp.mtu, device.config.mtu)
+        .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
+    qp.modify(Transition::Rtr(RtrParams {
+        remote: welcome.qp,
+        mtu,
+    }))
+    .map_err(verbs_err)?;
+    qp.modify(Transition::Rts { psn }).map_err(verbs_err)?;
+    debug!(
+        endpoint,
+        qpn = qp.qpn(),
+        remote_qpn = welcome.qp.qpn,
+        "rdma connection up"
+    );
+    let (ops_tx, ops) = mpsc::unbounded_channel();
+    let (done, done_rx) = mpsc::unbounded_channel();
+    let task = SenderTask {
+        conn: Conn {
+            engine: SendEngine::new(qp, staging, remote, route.key()),
+            route,
+            wcs,
+            ops,
+            done,
+        },
+        side,
+        fence_timeout: device.config.fence_timeout,
+        device,
+    };
+    tokio::spawn(task.run());
+    Ok(FabricConn::new(ops_tx, done_rx))
+}
+
+fn check_welcome(w: &Welcome, endpoint: &str) -> Result<RemoteBuffer, FabricError> {
+    let refused = |why: &str| FabricError::Io(format!("{endpoint} refused the connection: {why}"));
+    match w.status {
+        WelcomeStatus::Ok => {}
+        WelcomeStatus::VersionMismatch => return Err(refused("another protocol version")),
+        WelcomeStatus::StagingTooLarge => {
+            return Err(refused("staging slots larger than its buffer's"))
+        }
+        WelcomeStatus::NoResources => return Err(refused("it could not set up a queue pair")),
+        WelcomeStatus::Unknown(c) => return Err(refused(&format!("unknown status {c}"))),
+    }
+    let g = w.buffer;
+    Geometry::checked(g.slots, g.slot_bytes as usize)
+        .ok()
+        .filter(|c| *c == g)
+        .ok_or_else(|| FabricError::Io(format!("{endpoint} sent a bad buffer shape {g:?}")))?;
+    Ok(RemoteBuffer {
+        geometry: g,
+        addr: w.addr,
+        rkey: w.rkey,
+    })
+}
+
+struct SenderTask<V: Verbs> {
+    conn: Conn<V::Qp>,
+    side: TcpStream,
+    fence_timeout: Duration,
+    device: Arc<Device<V>>,
+}
+
+/// The connection's state apart from its side channel (which the fence borrows meanwhile).
+struct Conn<Q: crate::verbs::VerbsQp> {
+    engine: SendEngine<Q>,
+    route: Route,
+    wcs: mpsc::UnboundedReceiver<Wc>,
+    ops: mpsc::UnboundedReceiver<ConnOp>,
+    done: mpsc::UnboundedSender<Completion>,
+}
+
+/// What the live phase ended with.
+enum Ended {
+    /// The `FabricConn` was dropped: nobody waits for completions.
+    Dropped,
+    /// The connection failed; the side channel is still open (`false`) or closed by the
+    /// receiver (`true`).
+    Failing { side_closed: bool },
+}
+
+impl<Q: crate::verbs::VerbsQp> Conn<Q> {
+    fn emit(&mut self) {
+        while let Some(c) = self.engine.poll_completion() {
+            // A closed channel means the owner dropped the connection; `ops` says so next.
+            let _ = self.done.send(c);
+        }
+    }
+
+    /// Takes one op and everything already queued behind it. False: the owner is gone.
+    fn take_ops(&mut self, first: Option<ConnOp>) -> bool {
+        let mut op = first;
+        loop {
+            match op {
+                None => return false,
+                Some(ConnOp::Write(w)) => self.engine.handle_post(w),
+                Some(ConnOp::Reset) => self.engine.handle_reset(),
+            }
+            match self.ops.try_recv() {
+                Ok(next) => op = Some(next),
+                Err(_) => return true,
+            }
+        }
+    }
+
+    fn take_wcs(&mut self, first: Wc) {
+        self.engine.handle_wc(&first);
+        while let Ok(wc) = self.wcs.try_recv() {
+            self.engine.handle_wc(&wc);
+        }
+    }
+
+    /// Serves while the connection is live.
+    async fn serve(&mut self, side: &mut TcpStream) -> Ended {
+        let mut probe = [0u8; CONTROL_LEN];
+        loop {
+            self.emit();
+            if self.engine.phase() != Phase::Live {
+                return Ended::Failing { side_closed: false };
+            }
+            tokio::select! {
+                biased;
+                op = self.ops.recv() => {
+                    if !self.take_ops(op) {
+                        return Ended::Dropped;
+                    }
+                }
+                Some(wc) = self.wcs.recv() => self.take_wcs(wc),
+                read = side.read(&mut probe) => {
+                    // The receiver sends nothing unasked: its side channel closing (or
+                    // anything else) means the connection is over.
+                    let (why, closed) = match read {
+                        Ok(0) => ("the receiver closed the side channel".to_owned(), true),
+                        Ok(_) => ("the receiver sent an unexpected frame".to_owned(), false),
+                        Err(e) => (format!("side channel: {e}"), false),
+                    };
+                    self.engine.handle_broken(why);
+                    self.emit();
+                    return Ended::Failing { side_closed: closed };
+                }
+            }
+        }
+    }
+
+    /// Asks the receiver to move its queue pair to ERROR while flush completions come in.
+    /// False: the owner dropped the connection meanwhile.
+    async fn fence(&mut self, side: &mut TcpStream, side_closed: bool, timeout: Duration) -> bool {
+        let fence = fence_remote(side, side_closed, timeout);
+        tokio::pin!(fence);
+        loop {
+            self.emit();
+            tokio::select! {
+                biased;
+                confirmed = &mut fence => {
+                    if let Err(why) = confirmed {
+                        warn!(route = self.route.key(), %why, "the receiver did not confirm the fence; flushing anyway");
+                    }
+                    self.engine.handle_fenced();
+                    return true;
+                }
+                op = self.ops.recv() => {
+                    if !self.take_ops(op) {
+                        return false;
+                    }
+                }
+                Some(wc) = self.wcs.recv() => self.take_wcs(wc),
+            }
+        }
+    }
+
+    /// Waits for the flush completion of every write still on the send queue, at most
+    /// `timeout`. False: the owner dropped the connection meanwhile.
+    async fn await_flushes(&mut self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.engine.posted() > 0 {
+            self.emit();
+            tokio::select! {
+                biased;
+                op = self.ops.recv() => {
+                    if !self.take_ops(op) {
+                        return false;
+                    }
+                }
+                Some(wc) = self.wcs.recv() => self.take_wcs(wc),
+                () = tokio::time::sleep_until(deadline) => {
+                    warn!(route = self.route.key(), outstanding = self.engine.posted(), "flush completions did not come in time; counting them as flushed");
+                    self.engine.handle_flush_deadline();
+                }
+            }
+        }
+        self.emit();
+        true
+    }
+}
+
+impl<V: Verbs> SenderTask<V> {
+    async fn run(self) {
+        let SenderTask {
+            mut conn,
+            mut side,
+            fence_timeout,
+            device,
+        } = self;
+        let key = conn.route.key();
+        match conn.serve(&mut side).await {
+            Ended::Dropped => debug!(route = key, "rdma connection dropped by its owner"),
+            Ended::Failing { side_closed } => {
+                warn!(
+                    route = key,
+                    why = conn.engine.failure().unwrap_or("?"),
+                    "rdma connection failed; fencing the receiver, then flushing"
+                );
+                if conn.fence(&mut side, side_closed, fence_timeout).await
+                    && conn.await_flushes(fence_timeout).await
+                {
+                    // Dead: every later post completes with `Flushed` until the owner lets go.
+                    while let Some(op) = conn.ops.recv().await {
+                        if let ConnOp::Write(w) = op {
+                            conn.engine.handle_post(w);
+                            conn.emit();
+                        }
+                    }
+                }
+            }
+        }
+        // The queue pair (in the engine) is destroyed before the staging it may read and the
+        // device it belongs to are let go.
+        drop(conn);
+        drop(side);
+        drop(device);
+    }
+}
+
+/// The fence (`docs/operations.md` §Failures): ask the receiver to move its queue pair to
+/// ERROR and wait for its answer. A side channel the receiver closed counts as confirmed: it
+/// errors its queue pair before closing, and a dead process has no queue pairs.
+async fn fence_remote(
+    side: &mut TcpStream,
+    side_closed: bool,
+    timeout: Duration,
+) -> Result<(), String> {
+    if side_closed {
+        return Ok(());
+    }
+    let exchange = async {
+        side.write_all(&Control::Fence.encode())
+            .await
+            .map_err(|e| format!("sending the fence: {e}"))?;
+        let mut b = [0u8; CONTROL_LEN];
+        match side.read_exact(&mut b).await {
+            Ok(_) => match Control::decode(&b) {
+                Control::Fenced => Ok(()),
+                other => Err(format!("the receiver answered the fence with {other:?}")),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
+            Err(e) => Err(format!("waiting for the fence: {e}")),
+        }
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}

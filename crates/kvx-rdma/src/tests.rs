@@ -1,0 +1,279 @@
+//! `RdmaFabric` end to end over the in-process NIC model (`fake`): the kvx-io conformance
+//! bodies, and the failure paths that hardware exercises rarely — a work request failing
+//! mid-stream, the receiver going away, a dropped connection.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_io::conformance;
+use kvx_io::{Fabric, FabricConn, FabricError, PostWrite, SlotMemory};
+use kvx_proto::{SlotIndex, StagingSlot, WriteId, WriteTag};
+
+use crate::fake::FakeVerbs;
+use crate::{RdmaConfig, RdmaFabric};
+
+const STEP: Duration = Duration::from_secs(10);
+
+fn fabric() -> (RdmaFabric<FakeVerbs>, FakeVerbs) {
+    let verbs = FakeVerbs::new();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(verbs.clone(), config).expect("poller starts");
+    (f, verbs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_writes_land_in_order() {
+    let (f, _) = fabric();
+    conformance::fabric_writes_land_in_order(&f, "127.0.0.1:0", 16, 4096).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_reset_flushes() {
+    let (f, _) = fabric();
+    conformance::fabric_reset_flushes(&f, "127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_rejects_out_of_bounds() {
+    let (f, _) = fabric();
+    conformance::fabric_rejects_out_of_bounds(&f, "tcp://127.0.0.1:0").await;
+}
+
+fn write(id: u64, slot: u32, generation: u32) -> PostWrite {
+    PostWrite {
+        id: WriteId(id),
+        local: StagingSlot(slot % 4),
+        remote: SlotIndex(slot),
+        len: 1024,
+        imm: Some(
+            WriteTag {
+                slot: SlotIndex(slot),
+                generation,
+            }
+            .to_imm(),
+        ),
+    }
+}
+
+async fn completions(conn: &mut FabricConn, n: usize) -> Vec<(u64, Result<(), FabricError>)> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let c = tokio::time::timeout(STEP, conn.next_completion())
+            .await
+            .expect("a completion in time")
+            .expect("connection open");
+        out.push((c.id.0, c.result));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_error_mid_stream_flushes_the_rest_in_order_and_later_posts_too() {
+    let (f, verbs) = fabric();
+    let mut listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
+    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging)
+        .await
+        .expect("connect");
+    verbs.fail_write_after(2);
+    for i in 0..6 {
+        conn.post(write(i, i as u32, 1)).expect("post");
+    }
+    let out = completions(&mut conn, 6).await;
+    let ids: Vec<u64> = out.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, vec![0, 1, 2, 3, 4, 5], "completions in posting order");
+    assert_eq!(out[0].1, Ok(()));
+    assert_eq!(out[1].1, Ok(()));
+    assert!(
+        matches!(&out[2].1, Err(FabricError::Io(m)) if m.contains("retry counter exceeded")),
+        "{:?}",
+        out[2]
+    );
+    assert!(out[3..]
+        .iter()
+        .all(|(_, r)| *r == Err(FabricError::Flushed)));
+    // The receiver heard of exactly the writes that landed, with their tags.
+    for slot in 0..2 {
+        let landed = tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("notice")
+            .expect("listener open");
+        let tag = WriteTag::from_imm(landed.imm);
+        assert_eq!((tag.slot, tag.generation), (SlotIndex(slot), 1));
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), listener.landed.recv())
+            .await
+            .is_err(),
+        "nothing else landed"
+    );
+    conn.post(write(6, 0, 2))
+        .expect("a dead connection still takes posts");
+    assert_eq!(
+        completions(&mut conn, 1).await,
+        vec![(6, Err(FabricError::Flushed))]
+    );
+    assert_eq!(verbs.writes_applied(), 2);
+    drop(conn);
+    // Both queue pairs are gone: the sender's with its task, the receiver's after the fence.
+    wait_until(|| verbs.live_qps() == 0).await;
+}
+
+async fn wait_until(mut f: impl FnMut() -> bool) {
+    tokio::time::timeout(STEP, async {
+        while !f() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("condition reached in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_listener_fails_the_writes_of_its_senders() {
+    let (f, verbs) = fabric();
+    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = f.allocate_staging(4, 1024).expect("staging");
+    staging.write_slot(0, &[9; 1024]);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging)
+        .await
+        .expect("connect");
+    conn.post(write(0, 0, 1)).expect("post");
+    assert_eq!(completions(&mut conn, 1).await, vec![(0, Ok(()))]);
+    let mut got = [0u8; 1024];
+    listener.memory.read_slot(0, &mut got);
+    assert_eq!(got, [9; 1024], "the bytes landed");
+    drop(listener);
+    wait_until(|| verbs.live_qps() == 1).await;
+    conn.post(write(1, 1, 1)).expect("post");
+    let out = completions(&mut conn, 1).await;
+    assert!(
+        out[0].1.is_err(),
+        "a write to a gone receiver fails: {out:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_refusals_and_mismatches_are_clear_errors() {
+    let (f, _) = fabric();
+    let small = f.expose("127.0.0.1:0", 2, 512).await.expect("expose");
+    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let e = f
+        .connect(&small.local_endpoint, staging.clone())
+        .await
+        .expect_err("staging slots larger than the receiver's");
+    assert!(e.to_string().contains("larger"), "{e}");
+    let (other, _) = fabric();
+    let foreign = other.allocate_staging(2, 512).expect("staging");
+    let e = f
+        .connect(&small.local_endpoint, foreign)
+        .await
+        .expect_err("staging of another device");
+    assert!(
+        e.to_string().contains("not allocated by this RdmaFabric"),
+        "{e}"
+    );
+    drop(small);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let nothing = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = nothing.local_addr().expect("addr").to_string();
+    drop(nothing);
+    assert_eq!(
+        f.connect(&endpoint, staging).await.err(),
+        Some(FabricError::NotExposed(endpoint))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_endpoint_times_out_instead_of_hanging() {
+    let verbs = FakeVerbs::new();
+    let config = RdmaConfig {
+        connect_timeout: Duration::from_millis(200),
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(verbs, config).expect("fabric");
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = silent.local_addr().expect("addr").to_string();
+    let staging = f.allocate_staging(1, 64).expect("staging");
+    let e = tokio::time::timeout(STEP, f.connect(&endpoint, staging))
+        .await
+        .expect("bounded")
+        .expect_err("no welcome");
+    assert!(e.to_string().contains("frame"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_writes_through_a_small_window_with_receives_reposted() {
+    let (f, _) = fabric();
+    let mut listener = f.expose("127.0.0.1:0", 4, 256).await.expect("expose");
+    let staging: Arc<_> = f.allocate_staging(2, 256).expect("staging");
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging.clone())
+        .await
+        .expect("connect");
+    // Far more writes with immediate than receives were first posted (2 + 16).
+    for i in 0..200u64 {
+        let slot = (i % 2) as u32;
+        staging.write_slot(slot, &[i as u8; 256]);
+        conn.post(PostWrite {
+            len: 256,
+            local: StagingSlot(slot),
+            ..write(i, (i % 4) as u32, i as u32)
+        })
+        .expect("post");
+        assert_eq!(completions(&mut conn, 1).await, vec![(i, Ok(()))]);
+        let landed = tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("notice")
+            .expect("open");
+        assert_eq!(
+            WriteTag::from_imm(landed.imm).slot,
+            SlotIndex((i % 4) as u32)
+        );
+        let mut got = [0u8; 256];
+        listener.memory.read_slot((i % 4) as u32, &mut got);
+        assert_eq!(got, [i as u8; 256]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_beyond_the_posted_receives_waits_for_reposts_and_loses_nothing() {
+    let (f, _) = fabric();
+    let mut listener = f.expose("127.0.0.1:0", 4, 128).await.expect("expose");
+    // 2 staging slots: the receiver posts 2 + 16 receives; 100 writes go out at once.
+    let staging = f.allocate_staging(2, 128).expect("staging");
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging)
+        .await
+        .expect("connect");
+    for i in 0..100u64 {
+        conn.post(PostWrite {
+            len: 128,
+            local: StagingSlot((i % 2) as u32),
+            ..write(i, (i % 4) as u32, i as u32)
+        })
+        .expect("post");
+    }
+    let out = completions(&mut conn, 100).await;
+    assert!(out
+        .iter()
+        .enumerate()
+        .all(|(i, c)| *c == (i as u64, Ok(()))));
+    for i in 0..100u32 {
+        let landed = tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("notice")
+            .expect("open");
+        let tag = WriteTag::from_imm(landed.imm);
+        assert_eq!((tag.slot, tag.generation), (SlotIndex(i % 4), i % 4096));
+    }
+}

@@ -1,0 +1,394 @@
+//! The seam between kvx's RDMA logic and the verbs library: a device (`Verbs`) that registers
+//! memory, creates queue pairs and polls its completion queue, and a queue pair (`VerbsQp`)
+//! that changes state and posts work requests. `ibv` implements it over sideway (feature
+//! `rdma`); the tests implement it with an in-process model (`fake`), so that everything above
+//! these calls — queue pair states, completion routing, flushing, the side channel — is
+//! tested without hardware.
+//!
+//! `Qp` wraps a `VerbsQp` with the state machine of an RC queue pair
+//! (RESET → INIT → RTR → RTS, and ERROR from anywhere), so that a transition out of order is
+//! refused here, with a clear error, before it reaches the driver.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::memory::RdmaMemory;
+use crate::wire::QpAddr;
+
+/// A failed verbs call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{op}: {detail}")]
+pub struct VerbsError {
+    pub op: &'static str,
+    pub detail: String,
+}
+
+impl VerbsError {
+    pub fn new(op: &'static str, detail: impl fmt::Display) -> Self {
+        VerbsError {
+            op,
+            detail: detail.to_string(),
+        }
+    }
+}
+
+/// How a work request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WcStatus {
+    Success,
+    /// Flushed because the queue pair is in the error state (`IBV_WC_WR_FLUSH_ERR`).
+    Flushed,
+    /// Any other failure: the verbs status code, its name, and the vendor's error.
+    Failed {
+        code: u32,
+        name: &'static str,
+        vendor: u32,
+    },
+}
+
+/// The name of a verbs work completion status (`ibv_wc_status_str`).
+pub fn wc_status_name(code: u32) -> &'static str {
+    const NAMES: [&str; 22] = [
+        "success",
+        "local length error",
+        "local QP operation error",
+        "local EE context operation error",
+        "local protection error",
+        "work request flushed",
+        "memory window bind error",
+        "bad response",
+        "local access error",
+        "remote invalid request",
+        "remote access error",
+        "remote operation error",
+        "transport retry counter exceeded",
+        "RNR retry counter exceeded",
+        "local RDD violation",
+        "remote invalid RD request",
+        "remote aborted",
+        "invalid EE context number",
+        "invalid EE context state",
+        "fatal error",
+        "response timeout",
+        "general error",
+    ];
+    NAMES
+        .get(code as usize)
+        .copied()
+        .unwrap_or("unknown status")
+}
+
+/// What a successful completion was (meaningless for failed ones, as in verbs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WcKind {
+    /// A local RDMA write finished.
+    Write,
+    /// A write with immediate consumed a posted receive; here is the immediate.
+    RecvImm(u32),
+    /// Anything else (a failed completion, an opcode kvx does not post).
+    Other,
+}
+
+/// One work completion, as the poller hands it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wc {
+    pub wr_id: u64,
+    pub status: WcStatus,
+    pub kind: WcKind,
+}
+
+/// What a registered region tells a peer and a work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrKeys {
+    pub lkey: u32,
+    pub rkey: u32,
+    /// The region's start, as the NIC addresses it.
+    pub addr: u64,
+    /// The device (`Verbs::device_id`) whose protection domain holds the registration.
+    pub device_id: u64,
+}
+
+/// One RDMA WRITE (with immediate when `imm` is set) of `len` bytes of staging slot
+/// `local_slot` to `remote_addr` under `rkey`.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteWr<'a> {
+    pub wr_id: u64,
+    pub staging: &'a RdmaMemory,
+    pub local_slot: u32,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub imm: Option<u32>,
+}
+
+/// The port this device's queue pairs use, as peers must address it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortInfo {
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// Active MTU, as the verbs code (1 = 256 … 5 = 4096).
+    pub mtu: u8,
+}
+
+/// An opened RDMA device: protection domain, one completion queue, a port.
+pub trait Verbs: fmt::Debug + Send + Sync + 'static {
+    type Qp: VerbsQp;
+
+    /// Distinguishes devices (protection domains) in this process, so that staging registered
+    /// with one fabric is not posted on another's queue pairs.
+    fn device_id(&self) -> u64;
+
+    fn port(&self) -> PortInfo;
+
+    /// Registers `memory` for local and remote writes; the registration lives (and keeps the
+    /// protection domain alive) as long as the memory.
+    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError>;
+
+    /// A reliable-connected queue pair in RESET whose work completions go to this device's
+    /// completion queue. Fails when the device cannot take one more (the completion queue
+    /// must hold every outstanding work request of every queue pair).
+    fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<Self::Qp, VerbsError>;
+
+    /// Moves the completions now in the completion queue into `out`.
+    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError>;
+}
+
+/// The peer and path settings for RTR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RtrParams {
+    pub remote: QpAddr,
+    /// Path MTU, as the verbs code.
+    pub mtu: u8,
+}
+
+/// A state change of a queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// RESET → INIT, with remote write access.
+    Init,
+    /// INIT → RTR: connect to the peer.
+    Rtr(RtrParams),
+    /// RTR → RTS, starting at our own PSN.
+    Rts { psn: u32 },
+    /// Any → ERROR: every outstanding work request completes with `WcStatus::Flushed`, and
+    /// as a responder the queue pair accepts no more writes.
+    Error,
+}
+
+/// One queue pair.
+pub trait VerbsQp: fmt::Debug + Send + 'static {
+    fn qpn(&self) -> u32;
+    fn modify(&mut self, to: Transition) -> Result<(), VerbsError>;
+    fn post_write(&mut self, wr: &WriteWr<'_>) -> Result<(), VerbsError>;
+    /// Posts one receive without a buffer: what a write with immediate consumes.
+    fn post_recv(&mut self, wr_id: u64) -> Result<(), VerbsError>;
+}
+
+/// The states of an RC queue pair that kvx uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    Reset,
+    Init,
+    Rtr,
+    Rts,
+    Error,
+}
+
+impl QpState {
+    /// The state `to` leads to from `self`, or None when verbs would refuse it.
+    pub fn after(self, to: &Transition) -> Option<QpState> {
+        match (self, to) {
+            (_, Transition::Error) => Some(QpState::Error),
+            (QpState::Reset, Transition::Init) => Some(QpState::Init),
+            (QpState::Init, Transition::Rtr(_)) => Some(QpState::Rtr),
+            (QpState::Rtr, Transition::Rts { .. }) => Some(QpState::Rts),
+            _ => None,
+        }
+    }
+}
+
+/// A queue pair with its state tracked: transitions out of order and posts in the wrong
+/// state are refused before reaching verbs.
+#[derive(Debug)]
+pub struct Qp<Q> {
+    inner: Q,
+    state: QpState,
+}
+
+impl<Q: VerbsQp> Qp<Q> {
+    pub fn new(inner: Q) -> Self {
+        Qp {
+            inner,
+            state: QpState::Reset,
+        }
+    }
+
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.inner.qpn()
+    }
+
+    pub fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
+        let Some(next) = self.state.after(&to) else {
+            return Err(VerbsError::new(
+                "modify_qp",
+                format!("{to:?} is not a transition from {:?}", self.state),
+            ));
+        };
+        match self.inner.modify(to) {
+            Ok(()) => {
+                self.state = next;
+                Ok(())
+            }
+            Err(e) => {
+                // A failed move to ERROR leaves the state unknown; the queue pair is not used
+                // again either way.
+                if matches!(to, Transition::Error) {
+                    self.state = QpState::Error;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Moves to ERROR unless already there. Idempotent; failures are logged, since the caller
+    /// abandons the queue pair either way.
+    pub fn move_to_error(&mut self) {
+        if self.state != QpState::Error {
+            if let Err(e) = self.modify(Transition::Error) {
+                tracing::warn!(qpn = self.qpn(), error = %e, "cannot move the queue pair to error");
+            }
+        }
+    }
+
+    /// Writes are posted only in RTS.
+    pub fn post_write(&mut self, wr: &WriteWr<'_>) -> Result<(), VerbsError> {
+        if self.state != QpState::Rts {
+            return Err(VerbsError::new(
+                "post_send",
+                format!("the queue pair is in {:?}, not RTS", self.state),
+            ));
+        }
+        self.inner.post_write(wr)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn inner_for_tests(&self) -> &Q {
+        &self.inner
+    }
+
+    #[cfg(test)]
+    pub(crate) fn inner_mut_for_tests(&mut self) -> &mut Q {
+        &mut self.inner
+    }
+
+    /// Receives may be posted from INIT on (before the peer can write), not after an error.
+    pub fn post_recv(&mut self, wr_id: u64) -> Result<(), VerbsError> {
+        if matches!(self.state, QpState::Reset | QpState::Error) {
+            return Err(VerbsError::new(
+                "post_recv",
+                format!("the queue pair is in {:?}", self.state),
+            ));
+        }
+        self.inner.post_recv(wr_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Default)]
+    struct Recorder {
+        calls: Vec<String>,
+        fail_next: bool,
+    }
+
+    impl VerbsQp for Recorder {
+        fn qpn(&self) -> u32 {
+            1
+        }
+        fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
+            self.calls.push(format!("{to:?}"));
+            if std::mem::take(&mut self.fail_next) {
+                return Err(VerbsError::new("modify_qp", "injected"));
+            }
+            Ok(())
+        }
+        fn post_write(&mut self, wr: &WriteWr<'_>) -> Result<(), VerbsError> {
+            self.calls.push(format!("write {}", wr.wr_id));
+            Ok(())
+        }
+        fn post_recv(&mut self, wr_id: u64) -> Result<(), VerbsError> {
+            self.calls.push(format!("recv {wr_id}"));
+            Ok(())
+        }
+    }
+
+    fn rtr() -> Transition {
+        Transition::Rtr(RtrParams {
+            remote: QpAddr::default(),
+            mtu: 3,
+        })
+    }
+
+    #[test]
+    fn status_names() {
+        assert_eq!(wc_status_name(12), "transport retry counter exceeded");
+        assert_eq!(wc_status_name(5), "work request flushed");
+        assert_eq!(wc_status_name(999), "unknown status");
+    }
+
+    #[test]
+    fn the_rc_ladder_in_order_only() {
+        let mut qp = Qp::new(Recorder::default());
+        assert!(qp.modify(rtr()).is_err(), "RESET → RTR is refused");
+        assert!(qp.post_recv(1).is_err(), "no receives in RESET");
+        qp.modify(Transition::Init).expect("init");
+        qp.post_recv(1).expect("receives from INIT on");
+        assert!(qp.modify(Transition::Rts { psn: 0 }).is_err(), "INIT → RTS");
+        qp.modify(rtr()).expect("rtr");
+        let mem = RdmaMemory::anonymous(1, 8).expect("memory");
+        let wr = WriteWr {
+            wr_id: 9,
+            staging: &mem,
+            local_slot: 0,
+            len: 8,
+            remote_addr: 0,
+            rkey: 0,
+            imm: None,
+        };
+        assert!(qp.post_write(&wr).is_err(), "no writes before RTS");
+        qp.modify(Transition::Rts { psn: 0 }).expect("rts");
+        qp.post_write(&wr).expect("write in RTS");
+        qp.move_to_error();
+        qp.move_to_error();
+        assert_eq!(qp.state(), QpState::Error);
+        assert!(qp.post_write(&wr).is_err(), "no writes after an error");
+        assert!(qp.post_recv(2).is_err(), "no receives after an error");
+        assert_eq!(
+            qp.inner
+                .calls
+                .iter()
+                .filter(|c| c.as_str() == "Error")
+                .count(),
+            1,
+            "to_error is idempotent: {:?}",
+            qp.inner.calls
+        );
+    }
+
+    #[test]
+    fn a_failed_transition_keeps_the_state_but_a_failed_error_is_final() {
+        let mut qp = Qp::new(Recorder::default());
+        qp.inner.fail_next = true;
+        assert!(qp.modify(Transition::Init).is_err());
+        assert_eq!(qp.state(), QpState::Reset);
+        qp.inner.fail_next = true;
+        qp.move_to_error();
+        assert_eq!(qp.state(), QpState::Error);
+    }
+}

@@ -1,0 +1,368 @@
+//! The side channel's frames (`docs/operations.md` §Side channel): the out-of-band exchange of
+//! queue pair numbers, GIDs and the remote key that sets up a reliable connection, then the
+//! fence. All integers little-endian, every frame fixed-size, reserved bytes zero.
+//!
+//! - `Hello` (sender → receiver, 64 bytes): magic `KVXR`, version, the sender's staging shape
+//!   and its queue pair's address.
+//! - `Welcome` (receiver → sender, 64 bytes): a status, the exposed buffer's shape, the
+//!   receiver's queue pair address, and the buffer's address and remote key.
+//! - `Control` (8 bytes, either way, after the welcome): `Fence` asks the receiver to move its
+//!   queue pair to the error state; `Fenced` says it did (nothing of this connection lands any
+//!   more).
+
+use kvx_io::FabricError;
+use kvx_proto::WriteTag;
+
+pub(crate) const MAGIC: [u8; 4] = *b"KVXR";
+pub(crate) const VERSION: u16 = 1;
+pub(crate) const HELLO_LEN: usize = 64;
+pub(crate) const WELCOME_LEN: usize = 64;
+pub(crate) const CONTROL_LEN: usize = 8;
+
+/// The largest slot a write may fill: a verbs message length is 32 bits, and kvx chunks are at
+/// most 1 GiB.
+pub const SLOT_BYTES_MAX: u64 = 1 << 30;
+
+/// A buffer's shape: `slots` slots of `slot_bytes` bytes, back to back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub slots: u32,
+    pub slot_bytes: u64,
+}
+
+impl Geometry {
+    /// Checks a requested shape: empty, overflowing or unaddressable buffers are refused up
+    /// front. Slots are bounded by what an immediate can name (`WriteTag::SLOTS_MAX`).
+    pub fn checked(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
+        let total = (slots as usize).checked_mul(slot_bytes);
+        let ok = slots > 0
+            && slots <= WriteTag::SLOTS_MAX
+            && slot_bytes > 0
+            && slot_bytes as u64 <= SLOT_BYTES_MAX
+            && total.is_some_and(|t| t <= isize::MAX as usize);
+        if !ok {
+            return Err(FabricError::Allocation(format!(
+                "{slots} slots of {slot_bytes} bytes (1..={} slots of 1..={SLOT_BYTES_MAX} bytes)",
+                WriteTag::SLOTS_MAX
+            )));
+        }
+        Ok(Geometry {
+            slots,
+            slot_bytes: slot_bytes as u64,
+        })
+    }
+
+    /// Whether `len` bytes into `slot` stay inside this buffer.
+    pub fn holds(&self, slot: u32, len: u64) -> bool {
+        slot < self.slots && len <= self.slot_bytes
+    }
+
+    /// Byte offset of `slot` from the buffer's start.
+    pub fn offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_bytes
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        u64::from(self.slots) * self.slot_bytes
+    }
+}
+
+/// Where a queue pair can be reached: what `ibv_modify_qp` to RTR needs about the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpAddr {
+    pub qpn: u32,
+    /// Packet sequence number the peer starts at (24 bits).
+    pub psn: u32,
+    /// InfiniBand local id (0 on RoCE).
+    pub lid: u16,
+    /// Active MTU of the port, as the verbs code (1 = 256 … 5 = 4096).
+    pub mtu: u8,
+    pub gid: [u8; 16],
+}
+
+impl QpAddr {
+    fn put(&self, b: &mut [u8]) {
+        b[12..16].copy_from_slice(&self.qpn.to_le_bytes());
+        b[24..28].copy_from_slice(&self.psn.to_le_bytes());
+        b[28..30].copy_from_slice(&self.lid.to_le_bytes());
+        b[30] = self.mtu;
+        b[32..48].copy_from_slice(&self.gid);
+    }
+
+    fn get(b: &[u8]) -> Self {
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[32..48]);
+        QpAddr {
+            qpn: u32_at(b, 12),
+            psn: u32_at(b, 24),
+            lid: u16::from_le_bytes([b[28], b[29]]),
+            mtu: b[30],
+            gid,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub version: u16,
+    pub staging: Geometry,
+    pub qp: QpAddr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WelcomeStatus {
+    Ok,
+    VersionMismatch,
+    /// The sender's staging slots are larger than the receiver's.
+    StagingTooLarge,
+    /// The receiver could not create or connect a queue pair.
+    NoResources,
+    Unknown(u16),
+}
+
+impl WelcomeStatus {
+    fn code(self) -> u16 {
+        match self {
+            WelcomeStatus::Ok => 0,
+            WelcomeStatus::VersionMismatch => 1,
+            WelcomeStatus::StagingTooLarge => 2,
+            WelcomeStatus::NoResources => 3,
+            WelcomeStatus::Unknown(c) => c,
+        }
+    }
+
+    fn from_code(c: u16) -> Self {
+        match c {
+            0 => WelcomeStatus::Ok,
+            1 => WelcomeStatus::VersionMismatch,
+            2 => WelcomeStatus::StagingTooLarge,
+            3 => WelcomeStatus::NoResources,
+            c => WelcomeStatus::Unknown(c),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Welcome {
+    pub status: WelcomeStatus,
+    pub buffer: Geometry,
+    pub qp: QpAddr,
+    /// The exposed buffer's virtual address and remote key.
+    pub addr: u64,
+    pub rkey: u32,
+}
+
+impl Welcome {
+    /// A refusal: nothing but the status means anything.
+    pub fn refusal(status: WelcomeStatus) -> Self {
+        Welcome {
+            status,
+            buffer: Geometry {
+                slots: 0,
+                slot_bytes: 0,
+            },
+            qp: QpAddr::default(),
+            addr: 0,
+            rkey: 0,
+        }
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+fn head(b: &mut [u8], version: u16, word: u16) {
+    b[0..4].copy_from_slice(&MAGIC);
+    b[4..6].copy_from_slice(&version.to_le_bytes());
+    b[6..8].copy_from_slice(&word.to_le_bytes());
+}
+
+/// Why a frame was not understood: the peer speaks something else; hang up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BadMagic;
+
+impl Hello {
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        head(&mut b, self.version, 0);
+        b[8..12].copy_from_slice(&self.staging.slots.to_le_bytes());
+        b[16..24].copy_from_slice(&self.staging.slot_bytes.to_le_bytes());
+        self.qp.put(&mut b);
+        b
+    }
+
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, BadMagic> {
+        if b[0..4] != MAGIC {
+            return Err(BadMagic);
+        }
+        Ok(Hello {
+            version: u16::from_le_bytes([b[4], b[5]]),
+            staging: Geometry {
+                slots: u32_at(b, 8),
+                slot_bytes: u64_at(b, 16),
+            },
+            qp: QpAddr::get(b),
+        })
+    }
+}
+
+impl Welcome {
+    pub fn encode(&self) -> [u8; WELCOME_LEN] {
+        let mut b = [0u8; WELCOME_LEN];
+        head(&mut b, VERSION, self.status.code());
+        b[8..12].copy_from_slice(&self.buffer.slots.to_le_bytes());
+        b[16..24].copy_from_slice(&self.buffer.slot_bytes.to_le_bytes());
+        self.qp.put(&mut b);
+        b[48..56].copy_from_slice(&self.addr.to_le_bytes());
+        b[56..60].copy_from_slice(&self.rkey.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; WELCOME_LEN]) -> Result<Self, BadMagic> {
+        if b[0..4] != MAGIC {
+            return Err(BadMagic);
+        }
+        Ok(Welcome {
+            status: WelcomeStatus::from_code(u16::from_le_bytes([b[6], b[7]])),
+            buffer: Geometry {
+                slots: u32_at(b, 8),
+                slot_bytes: u64_at(b, 16),
+            },
+            qp: QpAddr::get(b),
+            addr: u64_at(b, 48),
+            rkey: u32_at(b, 56),
+        })
+    }
+}
+
+/// After the welcome: the fence and its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Control {
+    /// Sender → receiver: move your queue pair to the error state.
+    Fence,
+    /// Receiver → sender: done; nothing of this connection lands any more.
+    Fenced,
+    Unknown(u32),
+}
+
+impl Control {
+    pub fn encode(self) -> [u8; CONTROL_LEN] {
+        let kind: u32 = match self {
+            Control::Fence => 1,
+            Control::Fenced => 2,
+            Control::Unknown(k) => k,
+        };
+        let mut b = [0u8; CONTROL_LEN];
+        b[0..4].copy_from_slice(&kind.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; CONTROL_LEN]) -> Self {
+        match u32_at(b, 0) {
+            1 => Control::Fence,
+            2 => Control::Fenced,
+            k => Control::Unknown(k),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr() -> QpAddr {
+        QpAddr {
+            qpn: 0x00AB_CDEF,
+            psn: 0x12_3456,
+            lid: 7,
+            mtu: 5,
+            gid: [0xFE; 16],
+        }
+    }
+
+    #[test]
+    fn hello_round_trips_and_has_the_documented_layout() {
+        let h = Hello {
+            version: VERSION,
+            staging: Geometry {
+                slots: 16,
+                slot_bytes: 1 << 20,
+            },
+            qp: addr(),
+        };
+        let b = h.encode();
+        assert_eq!(&b[0..4], b"KVXR");
+        assert_eq!(&b[4..6], &1u16.to_le_bytes());
+        assert_eq!(&b[8..12], &16u32.to_le_bytes());
+        assert_eq!(&b[12..16], &0x00AB_CDEFu32.to_le_bytes());
+        assert_eq!(&b[16..24], &(1u64 << 20).to_le_bytes());
+        assert_eq!(&b[24..28], &0x12_3456u32.to_le_bytes());
+        assert_eq!(b[30], 5);
+        assert!(b[48..].iter().all(|&x| x == 0), "reserved bytes are zero");
+        assert_eq!(Hello::decode(&b), Ok(h));
+    }
+
+    #[test]
+    fn welcome_round_trips_with_address_and_key() {
+        let w = Welcome {
+            status: WelcomeStatus::Ok,
+            buffer: Geometry {
+                slots: 64,
+                slot_bytes: 4096,
+            },
+            qp: addr(),
+            addr: 0x7F00_DEAD_0000,
+            rkey: 0xCAFE,
+        };
+        let b = w.encode();
+        assert_eq!(&b[48..56], &0x7F00_DEAD_0000u64.to_le_bytes());
+        assert_eq!(Welcome::decode(&b), Ok(w));
+        let refused = Welcome::refusal(WelcomeStatus::StagingTooLarge).encode();
+        assert_eq!(
+            Welcome::decode(&refused).map(|w| w.status),
+            Ok(WelcomeStatus::StagingTooLarge)
+        );
+        let mut odd = refused;
+        odd[6] = 9;
+        assert_eq!(
+            Welcome::decode(&odd).map(|w| w.status),
+            Ok(WelcomeStatus::Unknown(9))
+        );
+    }
+
+    #[test]
+    fn other_magic_is_refused() {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(b"KVXT");
+        assert_eq!(Hello::decode(&b), Err(BadMagic));
+        assert_eq!(Welcome::decode(&b), Err(BadMagic));
+    }
+
+    #[test]
+    fn control_frames_round_trip() {
+        for c in [Control::Fence, Control::Fenced, Control::Unknown(77)] {
+            assert_eq!(Control::decode(&c.encode()), c);
+        }
+    }
+
+    #[test]
+    fn geometry_bounds() {
+        assert!(Geometry::checked(0, 8).is_err());
+        assert!(Geometry::checked(8, 0).is_err());
+        assert!(Geometry::checked(WriteTag::SLOTS_MAX + 1, 8).is_err());
+        assert!(Geometry::checked(1, (SLOT_BYTES_MAX + 1) as usize).is_err());
+        let g = Geometry::checked(4, 100).expect("fine");
+        assert!(g.holds(3, 100));
+        assert!(!g.holds(4, 1));
+        assert!(!g.holds(0, 101));
+        assert_eq!(g.offset(3), 300);
+        assert_eq!(g.total_bytes(), 400);
+    }
+}
