@@ -73,9 +73,20 @@ pub struct HeapMemory {
 }
 
 impl HeapMemory {
+    /// Allocates the slots and touches every page, as registering memory with a NIC pins
+    /// it: the first write into a slot then costs no page fault on the data path (in the
+    /// demo the faults of 192 MiB of fresh buffers were about a tenth of the run's CPU).
     pub fn new(slots: u32, slot_bytes: usize) -> Self {
         let slots = (0..slots)
-            .map(|_| Mutex::new(vec![0u8; slot_bytes].into_boxed_slice()))
+            .map(|_| {
+                let mut slot = vec![0u8; slot_bytes].into_boxed_slice();
+                // `black_box`: the allocation is known to be zeroed, so a plain zero store
+                // could be optimised away, and the page would stay unmapped.
+                for byte in slot.iter_mut().step_by(4096) {
+                    *byte = std::hint::black_box(0);
+                }
+                Mutex::new(slot)
+            })
             .collect();
         Self { slot_bytes, slots }
     }

@@ -27,6 +27,7 @@ use kvx_proto::wire;
 use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::{mpsc, watch, Notify};
 
+use crate::staging_order::{Age, StagingQueue};
 use crate::StartError;
 
 /// Where a receiver (one TP rank of a decode worker) listens.
@@ -43,6 +44,8 @@ const OUTCOMES_KEPT: usize = 65_536;
 
 #[derive(Debug, Default)]
 struct Status {
+    /// Its place in the staging queue (`staging_order`).
+    age: Age,
     admitted: bool,
     outcome: Option<Result<(), SendFailure>>,
 }
@@ -55,6 +58,7 @@ struct Core {
     receivers: BTreeMap<ReceiverAddr, PeerId>,
     next_peer: u64,
     shutdown: bool,
+    staging: StagingQueue,
 }
 
 #[derive(Debug)]
@@ -94,6 +98,76 @@ impl<E: Env> Clone for SenderHandle<E> {
             shared: self.shared.clone(),
             memory: self.memory.clone(),
             cmds: self.cmds.clone(),
+        }
+    }
+}
+
+/// One allocate call's place in the staging queue (`staging_order`): it may take a slot only
+/// when no older request waits for one, and it waits in the queue only while staging is full
+/// for its admitted request. Leaving the queue as its oldest wakes the calls it held back.
+struct StagingTurn<'a> {
+    shared: &'a Shared,
+    age: Age,
+    queued: bool,
+    wake: bool,
+}
+
+impl<'a> StagingTurn<'a> {
+    fn new(shared: &'a Shared, req_id: &ReqId) -> Self {
+        // An unknown request gets age 0: it tries at once and gets the core's error.
+        let age = shared.lock().status.get(req_id).map_or(0, |s| s.age);
+        Self {
+            shared,
+            age,
+            queued: false,
+            wake: false,
+        }
+    }
+
+    /// `Some` when the call is over (a slot or an error); `None`: wait for a core event.
+    fn attempt(
+        &mut self,
+        core: &mut Core,
+        req_id: &ReqId,
+    ) -> Option<Result<StagingSlot, SendError>> {
+        if !core.staging.may_take(self.age) {
+            return None;
+        }
+        match core.flow.try_allocate(req_id) {
+            Err(SendError::WouldBlock) => {
+                if !self.queued {
+                    core.staging.enqueue(self.age);
+                    self.queued = true;
+                }
+                None
+            }
+            Err(SendError::NotAdmitted(_)) => {
+                self.leave(core);
+                None
+            }
+            other => {
+                self.leave(core);
+                Some(other)
+            }
+        }
+    }
+
+    fn leave(&mut self, core: &mut Core) {
+        if std::mem::take(&mut self.queued) && core.staging.dequeue(self.age) {
+            self.wake = true;
+        }
+    }
+}
+
+impl Drop for StagingTurn<'_> {
+    fn drop(&mut self) {
+        if self.queued {
+            let mut core = self.shared.lock();
+            self.leave(&mut core);
+        }
+        if self.wake {
+            self.shared.version.send_modify(|v| *v += 1);
+            self.shared.cv.notify_all();
         }
     }
 }
@@ -145,6 +219,7 @@ impl SenderNode {
                 receivers: BTreeMap::new(),
                 next_peer: 0,
                 shutdown: false,
+                staging: StagingQueue::default(),
             }),
             poke: Notify::new(),
             version,
@@ -203,7 +278,14 @@ impl<E: Env> SenderHandle<E> {
         let now = self.now();
         let mut core = self.shared.lock();
         core.flow.handle_begin(now, spec.clone())?;
-        core.status.insert(spec.req_id, Status::default());
+        let age = core.staging.next_age();
+        core.status.insert(
+            spec.req_id,
+            Status {
+                age,
+                ..Status::default()
+            },
+        );
         drop(core);
         self.shared.poke.notify_one();
         Ok(())
@@ -262,14 +344,15 @@ impl<E: Env> SenderHandle<E> {
     pub fn allocate_blocking(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let timeout = self.shared.lock().flow.config().staging_timeout;
         let deadline = std::time::Instant::now() + timeout;
+        let mut turn = StagingTurn::new(&self.shared, req_id);
         let mut core = self.shared.lock();
         loop {
-            match core.flow.try_allocate(req_id) {
-                Err(SendError::WouldBlock | SendError::NotAdmitted(_)) => {}
-                other => return other,
+            if let Some(result) = turn.attempt(&mut core, req_id) {
+                return result;
             }
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
+                turn.leave(&mut core);
                 return Err(SendError::WouldBlock);
             }
             core = self
@@ -285,11 +368,11 @@ impl<E: Env> SenderHandle<E> {
     pub async fn allocate(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let timeout = self.shared.lock().flow.config().staging_timeout;
         let mut version = self.shared.version.subscribe();
+        let mut turn = StagingTurn::new(&self.shared, req_id);
         let attempt = async {
             loop {
-                match self.shared.lock().flow.try_allocate(req_id) {
-                    Err(SendError::WouldBlock | SendError::NotAdmitted(_)) => {}
-                    other => return other,
+                if let Some(result) = turn.attempt(&mut self.shared.lock(), req_id) {
+                    return result;
                 }
                 if version.changed().await.is_err() {
                     return Err(SendError::WouldBlock);
@@ -299,6 +382,7 @@ impl<E: Env> SenderHandle<E> {
         tokio::time::timeout(timeout, attempt)
             .await
             .unwrap_or(Err(SendError::WouldBlock))
+        // `turn` leaves the queue here if the call timed out while waiting.
     }
 
     /// Copies a chunk's bytes into a staging slot the caller holds.

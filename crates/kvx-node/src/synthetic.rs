@@ -22,57 +22,83 @@ fn chunk_key(req_id: &str, chunk: u32) -> u64 {
         | 1
 }
 
-/// A fixed pseudo-random base pattern of `words` words (SplitMix64), computed once per size
-/// and thread. Chunk bytes are this pattern XOR the chunk's key: cheap enough (a vectorised
-/// XOR) that the demo measures the transfer, not the test-data generator.
-fn with_base<R>(words: usize, f: impl FnOnce(&[u64]) -> R) -> R {
-    thread_local! {
-        static BASE: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    BASE.with(|b| {
-        let mut b = b.borrow_mut();
-        if b.len() < words {
-            let mut x = 0x5EED_u64;
-            *b = (0..words)
-                .map(|_| {
-                    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                    let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                    z ^ (z >> 31)
-                })
-                .collect();
-        }
-        f(&b[..words])
+/// Words per block: chunks are generated and checked in 4 KiB blocks, each the same
+/// pseudo-random base block (L1-resident, so generating and checking run at memory speed)
+/// XOR a per-block key.
+const BLOCK_WORDS: usize = 512;
+
+/// The base block (SplitMix64 from a fixed seed), computed once per process.
+fn base_block() -> &'static [u64; BLOCK_WORDS] {
+    static BASE: std::sync::OnceLock<[u64; BLOCK_WORDS]> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| {
+        let mut x = 0x5EED_u64;
+        std::array::from_fn(|_| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        })
     })
 }
+
+/// The key of 4 KiB block `block` of a chunk whose key is `key`: every block of every chunk
+/// has its own, so a block written at the wrong offset shows as well as a wrong chunk.
+fn block_key(key: u64, block: usize) -> u64 {
+    key ^ (block as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
+}
+
+/// Word `i` of a chunk with key `key`, as stored (little-endian).
+fn word(key: u64, i: usize) -> [u8; 8] {
+    (base_block()[i % BLOCK_WORDS] ^ block_key(key, i / BLOCK_WORDS)).to_le_bytes()
+}
+
+const BLOCK_BYTES: usize = BLOCK_WORDS * 8;
 
 /// Fills `out` with the bytes of chunk `chunk` of request `req_id`.
 pub fn chunk_bytes(req_id: &str, chunk: u32, out: &mut [u8]) {
     let key = chunk_key(req_id, chunk);
-    with_base(out.len().div_ceil(8), |base| {
-        let mut words = out.chunks_exact_mut(8);
-        for (w, b) in (&mut words).zip(base) {
-            w.copy_from_slice(&(b ^ key).to_le_bytes());
+    let base = base_block();
+    let mut blocks = out.chunks_exact_mut(BLOCK_BYTES);
+    let mut block = 0;
+    // Whole blocks: a fixed-length loop over the L1-resident base, which vectorises.
+    for out in &mut blocks {
+        let k = block_key(key, block);
+        for (w, b) in out.chunks_exact_mut(8).zip(base) {
+            w.copy_from_slice(&(b ^ k).to_le_bytes());
         }
-        let tail = words.into_remainder();
-        let last = (base[base.len() - 1] ^ key).to_le_bytes();
-        let n = tail.len();
-        tail.copy_from_slice(&last[..n]);
-    });
+        block += 1;
+    }
+    let i = block * BLOCK_WORDS;
+    let rest = blocks.into_remainder();
+    for (j, w) in rest.chunks_mut(8).enumerate() {
+        let n = w.len();
+        w.copy_from_slice(&word(key, i + j)[..n]);
+    }
 }
 
 /// True when `got` holds exactly chunk `chunk` of request `req_id`.
 pub fn chunk_matches(req_id: &str, chunk: u32, got: &[u8]) -> bool {
     let key = chunk_key(req_id, chunk);
-    with_base(got.len().div_ceil(8), |base| {
-        let words = got.chunks_exact(8);
-        let tail = words.remainder();
-        let body = words.zip(base).all(|(w, b)| {
-            u64::from_le_bytes(w.try_into().expect("invariant: 8-byte chunks")) == b ^ key
+    let base = base_block();
+    let mut blocks = got.chunks_exact(BLOCK_BYTES);
+    let mut block = 0;
+    for got in &mut blocks {
+        let k = block_key(key, block);
+        // The OR of every difference in the block, with no early exit, so that the loop
+        // vectorises; one test per 4 KiB.
+        let diff = got.chunks_exact(8).zip(base).fold(0u64, |acc, (w, b)| {
+            acc | (u64::from_le_bytes(w.try_into().expect("invariant: 8-byte chunks")) ^ b ^ k)
         });
-        let last = (base[base.len() - 1] ^ key).to_le_bytes();
-        body && tail == &last[..tail.len()]
-    })
+        if diff != 0 {
+            return false;
+        }
+        block += 1;
+    }
+    let i = block * BLOCK_WORDS;
+    let rest = blocks.remainder();
+    rest.chunks(8)
+        .enumerate()
+        .all(|(j, w)| w == &word(key, i + j)[..w.len()])
 }
 
 /// One request of the synthetic workload.
@@ -221,7 +247,7 @@ mod tests {
 
     #[test]
     fn chunks_verify_and_any_difference_shows() {
-        for len in [1usize, 7, 8, 13, 4096] {
+        for len in [1usize, 7, 8, 13, 4096, 4099, 3 * 4096 + 5, 1 << 20] {
             let mut a = vec![0u8; len];
             chunk_bytes("s0-r001", 3, &mut a);
             assert!(chunk_matches("s0-r001", 3, &a));
@@ -229,6 +255,18 @@ mod tests {
             assert!(!chunk_matches("s0-r002", 3, &a), "another request's bytes");
             a[len / 2] ^= 0x10;
             assert!(!chunk_matches("s0-r001", 3, &a), "a flipped bit");
+            a[len / 2] ^= 0x10;
+            a[len - 1] ^= 0x01;
+            assert!(!chunk_matches("s0-r001", 3, &a), "the last byte flipped");
         }
+    }
+
+    #[test]
+    fn blocks_at_the_wrong_offset_show() {
+        let mut a = vec![0u8; 4 * BLOCK_BYTES];
+        chunk_bytes("s0-r001", 0, &mut a);
+        let (first, rest) = a.split_at_mut(BLOCK_BYTES);
+        first.swap_with_slice(&mut rest[..BLOCK_BYTES]);
+        assert!(!chunk_matches("s0-r001", 0, &a), "two 4 KiB blocks swapped");
     }
 }
