@@ -1,8 +1,8 @@
-//! A known gap, kept as a runnable reproduction (`docs/spec/zmq.md` §6): a peer that
-//! announces a huge ZMTP frame must not take the receiver down. Today it does: zeromq 0.7
-//! reserves the announced length before kvx sees any of the frame, so nine bytes announcing
-//! 1 TiB abort the process ("memory allocation of … bytes failed"). The test is ignored until
-//! the length is checked before the codec allocates; it then runs with the rest.
+//! A peer that announces a huge ZMTP frame must not take the receiver down
+//! (`docs/spec/zmq.md` §6). zeromq 0.7 reserves a frame's announced length before reading it,
+//! so without the frame-length guard in front of bound sockets nine bytes announcing 1 TiB
+//! abort the process ("memory allocation of … bytes failed"); this test did exactly that
+//! before the guard. Now the attacker's connection is closed and everyone else is served.
 
 use std::fs;
 use std::time::Duration;
@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvx_io::Transport;
 use kvx_transport::zmq::ZmqTransport;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const C2S: &str = concat!(
@@ -18,23 +18,50 @@ const C2S: &str = concat!(
     "/../../../shared/golden/zmtp_alloc_conn0_c2s.hex"
 );
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "aborts the process today: zeromq 0.7 allocates the announced frame length (docs/spec/zmq.md §6)"]
-async fn survives_a_frame_header_announcing_a_terabyte() {
-    let text = fs::read_to_string(C2S).expect("golden stream (is shared/ beside the checkout?)");
+const PUSH_C2S: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/golden/zmtp_proxy_conn0_c2s.hex"
+);
+
+/// A captured client stream's greeting and first command (READY), then the 9-byte header of a
+/// long frame announcing 1 TiB (after an empty delimiter frame when `delimiter`).
+fn attack(golden: &str, delimiter: bool) -> Vec<u8> {
+    let text = fs::read_to_string(golden).expect("golden stream (is shared/ beside the checkout?)");
     let c2s = hex::decode(text.trim()).expect("hex");
-    // LMCache's greeting and READY, then a long frame header announcing 1 TiB.
     let handshake = &c2s[..64 + 2 + usize::from(c2s[65])];
     let mut attack = handshake.to_vec();
-    attack.extend_from_slice(&[0x01, 0x00, 0x02]);
+    if delimiter {
+        attack.extend_from_slice(&[0x01, 0x00]);
+    }
+    attack.push(0x02);
     attack.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    attack
+}
 
+/// Sends `attack` to `endpoint` and checks that the connection gets closed.
+async fn attacker_is_dropped(endpoint: &str, attack: &[u8]) {
+    let addr = endpoint.strip_prefix("tcp://").expect("tcp endpoint");
+    let mut tcp = TcpStream::connect(addr).await.expect("connect");
+    tcp.write_all(attack).await.expect("write");
+    let mut sink = vec![0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match tcp.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {} // the server's greeting and READY
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the attacker's connection is closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_survives_a_frame_header_announcing_a_terabyte() {
     let t = ZmqTransport::default();
     let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
     let endpoint = server.local_endpoint().to_owned();
-    let addr = endpoint.strip_prefix("tcp://").expect("tcp endpoint");
-    let mut tcp = TcpStream::connect(addr).await.expect("connect");
-    tcp.write_all(&attack).await.expect("write");
+    attacker_is_dropped(&endpoint, &attack(C2S, true)).await;
 
     // Everyone else is still served.
     let client = t.connect(&endpoint, "honest").await.expect("connect");
@@ -43,4 +70,21 @@ async fn survives_a_frame_header_announcing_a_terabyte() {
         .await
         .expect("the server answers within 10 s");
     assert_eq!(got.map(|(_, p)| p), Some(Bytes::from_static(b"hi")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_survives_a_frame_header_announcing_a_terabyte() {
+    let t = ZmqTransport::default();
+    let mut source = t.notify_source("tcp://127.0.0.1:0").await.expect("bind");
+    let endpoint = source.local_endpoint().to_owned();
+    attacker_is_dropped(&endpoint, &attack(PUSH_C2S, false)).await;
+
+    let sink = t.notify_sink(&endpoint).await.expect("connect");
+    sink.send(Bytes::from_static(b"notice"))
+        .await
+        .expect("send");
+    let got = tokio::time::timeout(Duration::from_secs(10), source.recv())
+        .await
+        .expect("the notice arrives within 10 s");
+    assert_eq!(got, Some(Bytes::from_static(b"notice")));
 }

@@ -13,10 +13,13 @@
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
 //! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
-//! `ZmqConfig::frame_max_bytes`.
+//! `ZmqConfig::frame_max_bytes`. Bound sockets listen behind a frame-length `guard`, so an
+//! announced frame over `frame_refuse_bytes` closes its connection before the `zeromq` codec
+//! would allocate it.
 
 mod dealer;
 mod framing;
+mod guard;
 mod link;
 mod peers;
 mod push;
@@ -58,6 +61,11 @@ pub struct ZmqConfig {
     pub reconnect_backoff_max: Duration,
     /// Largest incoming frame passed on; larger ones are dropped, counted and logged.
     pub frame_max_bytes: usize,
+    /// A peer that announces a frame longer than this is disconnected by the guard in front
+    /// of a bound socket before any of the frame is buffered (`guard`); frames between
+    /// `frame_max_bytes` and this are received and dropped as above. At least
+    /// `frame_max_bytes`.
+    pub frame_refuse_bytes: usize,
     /// Routing identities remembered at most (`PeerId` stability); the least recently
     /// heard is forgotten first.
     pub peers_max: usize,
@@ -72,6 +80,7 @@ impl Default for ZmqConfig {
             reconnect_backoff_min: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
+            frame_refuse_bytes: 16 * DEFAULT_FRAME_MAX_BYTES,
             peers_max: 65_536,
         }
     }
@@ -117,6 +126,11 @@ impl ZmqConfig {
         if self.frame_max_bytes == 0 || self.peers_max == 0 {
             return Err(ZmqConfigError(
                 "frame_max_bytes and peers_max must be at least 1".into(),
+            ));
+        }
+        if self.frame_refuse_bytes < self.frame_max_bytes {
+            return Err(ZmqConfigError(
+                "frame_refuse_bytes must be at least frame_max_bytes".into(),
             ));
         }
         Ok(())

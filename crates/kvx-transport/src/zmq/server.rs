@@ -1,6 +1,8 @@
 //! The bound sockets: the receiver's ROUTER (`serve`) and the proxy's PULL
-//! (`notify_source`). Each is owned by background tasks that end when the handle is dropped,
-//! which closes the socket, its listener and every accepted connection.
+//! (`notify_source`). Each listens behind a frame-length guard (`guard`): the zeromq socket
+//! binds an internal loopback port and the guard the public endpoint. Each is owned by
+//! background tasks that end when the handle is dropped, which closes the guard, the socket,
+//! its listener and every accepted connection.
 
 use std::sync::Arc;
 
@@ -13,7 +15,40 @@ use zeromq::{
     PullSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend,
 };
 
-use super::{bump, framing, worth_logging, zmq_error, Shared};
+use super::{bump, framing, guard, worth_logging, zmq_error, Shared};
+
+/// Where a bound socket's zeromq side listens: loopback only, behind the guard.
+const INTERNAL: &str = "tcp://127.0.0.1:0";
+
+/// Binds the guard at `zmq_endpoint` (`tcp://host:port`) in front of the zeromq socket
+/// bound at `inner` (`tcp://127.0.0.1:port`); returns the public endpoint and the guard.
+/// The first address `tcp://host:port` resolves to.
+async fn socket_addr(endpoint: &str) -> Option<std::net::SocketAddr> {
+    let hostport = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    tokio::net::lookup_host(hostport).await.ok()?.next()
+}
+
+async fn guard_in_front(
+    shared: &Shared,
+    endpoint: &str,
+    zmq_endpoint: &str,
+    inner: &str,
+) -> Result<(String, AbortOnDrop), TransportError> {
+    let public = socket_addr(zmq_endpoint)
+        .await
+        .ok_or_else(|| TransportError::Endpoint {
+            endpoint: endpoint.to_owned(),
+            why: "cannot resolve the address".into(),
+        })?;
+    let inner = socket_addr(inner)
+        .await
+        .ok_or_else(|| TransportError::Io(format!("internal endpoint {inner} unusable")))?;
+    let refuse = shared.config.frame_refuse_bytes as u64;
+    let g = guard::bind(public, inner, refuse)
+        .await
+        .map_err(|e| TransportError::Io(format!("bind {endpoint}: {e}")))?;
+    Ok((format!("tcp://{}", g.local), AbortOnDrop(g.task)))
+}
 
 /// Aborts a task when dropped, so a helper task cannot outlive the task that owns it.
 #[derive(Debug)]
@@ -31,11 +66,12 @@ pub(super) async fn serve(
     zmq_endpoint: &str,
 ) -> Result<ControlServer, TransportError> {
     let mut socket = RouterSocket::new();
-    let bound = socket
-        .bind(zmq_endpoint)
+    let inner = socket
+        .bind(INTERNAL)
         .await
-        .map_err(|e| zmq_error("bind", endpoint, e))?;
-    let local = bound.to_string();
+        .map_err(|e| zmq_error("bind", endpoint, e))?
+        .to_string();
+    let (local, guard) = guard_in_front(&shared, endpoint, zmq_endpoint, &inner).await?;
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
     // Receiving and replying run in separate tasks over the split socket, so a reply stuck
@@ -46,20 +82,20 @@ pub(super) async fn serve(
         shared,
         recv_half,
         in_tx,
-        AbortOnDrop(replies),
+        [AbortOnDrop(replies), guard],
     ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
     Ok(ControlServer::new(local, in_rx, out_tx))
 }
 
 /// Passes each well-formed incoming message on as `(PeerId, payload)`. Ends when the
-/// `ControlServer` is dropped, taking the reply task (`_replies`) and the socket with it:
+/// `ControlServer` is dropped, taking the reply task, the guard and the socket with it:
 /// clones of `ControlServer::replies()` do not keep a dropped server bound.
 async fn route_requests(
     shared: Arc<Shared>,
     mut socket: RouterRecvHalf,
     incoming: mpsc::Sender<(PeerId, Bytes)>,
-    _replies: AbortOnDrop,
+    _replies_and_guard: [AbortOnDrop; 2],
 ) {
     let max = shared.config.frame_max_bytes;
     loop {
@@ -129,18 +165,24 @@ pub(super) async fn notify_source(
     zmq_endpoint: &str,
 ) -> Result<NotifySource, TransportError> {
     let mut socket = PullSocket::new();
-    let bound = socket
-        .bind(zmq_endpoint)
+    let inner = socket
+        .bind(INTERNAL)
         .await
-        .map_err(|e| zmq_error("bind", endpoint, e))?;
-    let local = bound.to_string();
+        .map_err(|e| zmq_error("bind", endpoint, e))?
+        .to_string();
+    let (local, guard) = guard_in_front(&shared, endpoint, zmq_endpoint, &inner).await?;
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
-    tokio::spawn(pull_notices(shared, socket, tx));
+    tokio::spawn(pull_notices(shared, socket, tx, guard));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
 }
 
-async fn pull_notices(shared: Arc<Shared>, mut socket: PullSocket, incoming: mpsc::Sender<Bytes>) {
+async fn pull_notices(
+    shared: Arc<Shared>,
+    mut socket: PullSocket,
+    incoming: mpsc::Sender<Bytes>,
+    _guard: AbortOnDrop,
+) {
     let max = shared.config.frame_max_bytes;
     loop {
         let received = tokio::select! {
