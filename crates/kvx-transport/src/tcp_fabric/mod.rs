@@ -19,6 +19,8 @@
 pub(crate) mod link;
 pub(crate) mod receiver;
 pub(crate) mod sender;
+#[cfg(target_os = "linux")]
+mod splice;
 pub(crate) mod wire;
 
 use std::io::{self, IoSlice};
@@ -109,11 +111,7 @@ impl Fabric for TcpFabric {
         let (done, done_rx) = mpsc::unbounded_channel();
         let link = SenderLink {
             stream,
-            transmit: InlineTransmit {
-                staging,
-                remote: welcomed.geometry,
-                progress: 0,
-            },
+            transmit: InlineTransmit::new(staging, welcomed.geometry, self.config.zero_copy),
             ops,
             done,
             fence_timeout: self.config.fence_timeout,
@@ -134,8 +132,81 @@ const TRANSMIT_BUDGET: usize = 8 << 20;
 struct InlineTransmit {
     staging: Arc<HeapMemory>,
     remote: Geometry,
-    /// Bytes of the current write (header + payload) already on the wire.
+    /// Bytes of the current write (header + payload) already on the wire (or in `pipe`).
     progress: usize,
+    /// Zero-copy sends through a pipe (`splice`), where the platform has them.
+    #[cfg(target_os = "linux")]
+    pipe: Option<splice::SplicePipe>,
+}
+
+impl InlineTransmit {
+    fn new(staging: Arc<HeapMemory>, remote: Geometry, zero_copy: bool) -> Self {
+        Self {
+            staging,
+            remote,
+            progress: 0,
+            #[cfg(target_os = "linux")]
+            pipe: zero_copy
+                .then(|| {
+                    splice::SplicePipe::new()
+                        .inspect_err(
+                            |e| tracing::warn!(error = %e, "no pipe for zero-copy sends; copying"),
+                        )
+                        .ok()
+                })
+                .flatten(),
+        }
+    }
+
+    /// `transmit` through the pipe: fill it from the current write (header copied, payload
+    /// mapped), empty it into the socket, until the socket is full or the budget spent. A
+    /// write counts as sent once all of it is in the pipe; `backlog` keeps the task
+    /// interested in writability until the pipe is empty.
+    #[cfg(target_os = "linux")]
+    fn transmit_spliced(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
+        let Some(pipe) = self.pipe.as_mut() else {
+            return Ok(());
+        };
+        let mut budget = TRANSMIT_BUDGET;
+        loop {
+            while pipe.queued() > 0 {
+                match pipe.drain_into(stream) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(n) => budget = budget.saturating_sub(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+            if budget == 0 {
+                return Ok(());
+            }
+            let Some(w) = pending.next_unsent() else {
+                return Ok(());
+            };
+            let progress = self.progress;
+            let fed = if progress < HEADER_LEN {
+                pipe.copy_in(&WriteHeader::of(&w).encode()[progress..])
+            } else if progress < HEADER_LEN + w.len {
+                // The slot lock is held only for the call; the kernel's page references
+                // outlive it, which the staging discipline allows (see `splice`).
+                self.staging.with_slot(w.local.0, |slot| {
+                    pipe.map_in(&slot[progress - HEADER_LEN..w.len])
+                })
+            } else {
+                Ok(0)
+            };
+            match fed {
+                Ok(n) => self.progress += n,
+                // The pipe is full: the next round empties it into the socket first.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+            if self.progress == HEADER_LEN + w.len {
+                self.progress = 0;
+                pending.mark_sent();
+            }
+        }
+    }
 }
 
 /// Bounds shared by both fabrics' senders: the staging slot and the remote slot must hold it.
@@ -166,7 +237,16 @@ impl Transmit for InlineTransmit {
         check_bounds(w, staging, self.remote)
     }
 
+    #[cfg(target_os = "linux")]
+    fn backlog(&self) -> bool {
+        self.pipe.as_ref().is_some_and(|p| p.queued() > 0)
+    }
+
     fn transmit(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
+        #[cfg(target_os = "linux")]
+        if self.pipe.is_some() {
+            return self.transmit_spliced(stream, pending);
+        }
         let mut budget = TRANSMIT_BUDGET;
         while let Some(w) = pending.next_unsent() {
             let header = WriteHeader::of(&w).encode();
