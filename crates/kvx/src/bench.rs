@@ -2,9 +2,12 @@
 //! baseline measured in the same run (the machine may be shared and noisy: the ratio is what
 //! to compare). The exposing side is a child process (`kvx bench-serve`, hidden).
 //!
-//! Baselines: for `tcp`, one plain TCP stream on loopback moving the same bytes in chunk-sized
-//! writes; for `shm`, a `memcpy` of the same chunks between two buffers of the same size in
-//! this process.
+//! Baselines: for `tcp` and `rdma`, one plain TCP stream on loopback moving the same bytes in
+//! chunk-sized writes; for `shm`, a `memcpy` of the same chunks between two buffers of the same
+//! size in this process. For `rdma` both processes use the same device, so the writes loop
+//! through the NIC (its PCIe and DMA engines, not the wire): a check that the device, its
+//! memory registration and queue pairs work, and an upper bound for one host
+//! (docs/operations.md §Checking a setup).
 
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -40,7 +43,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let fabric_name = match args.fabric {
         FabricKind::Tcp => "tcp",
         FabricKind::Shm => "shm",
-        FabricKind::Mem => bail!("--fabric mem moves nothing between processes; use tcp or shm"),
+        FabricKind::Rdma => "rdma",
+        FabricKind::Mem => {
+            bail!("--fabric mem moves nothing between processes; use tcp, shm or rdma")
+        }
+    };
+    // Open the device before starting the other side: no device is a plain error.
+    #[cfg(feature = "rdma")]
+    let rdma = match args.fabric {
+        FabricKind::Rdma => Some(crate::envs::rdma(&args.rdma)?),
+        _ => None,
+    };
+    #[cfg(not(feature = "rdma"))]
+    if args.fabric == FabricKind::Rdma {
+        match crate::envs::rdma(&args.rdma)? {}
+    }
+    let rdma_flags = match args.fabric {
+        FabricKind::Rdma => args.rdma.to_flags(),
+        _ => Vec::new(),
     };
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
         .args([
@@ -51,6 +71,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &args.chunk_bytes.to_string(),
         ])
         .args(["--slots", &args.window.to_string()])
+        .args(rdma_flags)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -71,7 +92,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         bail!("unexpected line from kvx bench-serve: {line:?}");
     };
     let (baseline, baseline_rate) = match args.fabric {
-        FabricKind::Tcp => (
+        FabricKind::Tcp | FabricKind::Rdma => (
             "single-stream loopback TCP".to_owned(),
             tcp_baseline(baseline_port, chunk, args.window, writes).await?,
         ),
@@ -83,6 +104,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let (seconds, rate) = match args.fabric {
         FabricKind::Tcp => {
             fabric_rate(TcpFabric::new(), endpoint, chunk, args.window, writes).await?
+        }
+        #[cfg(feature = "rdma")]
+        FabricKind::Rdma => {
+            let fabric = rdma.context("invariant: the RDMA device was opened above")?;
+            fabric_rate(fabric, endpoint, chunk, args.window, writes).await?
         }
         _ => fabric_rate(ShmFabric::new(), endpoint, chunk, args.window, writes).await?,
     };
@@ -202,6 +228,17 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
             tokio::spawn(async move { hold(l).await });
             e
         }
+        #[cfg(feature = "rdma")]
+        FabricKind::Rdma => {
+            let l = crate::envs::rdma(&args.rdma)?
+                .expose("127.0.0.1:0", args.slots, chunk)
+                .await?;
+            let e = l.local_endpoint.clone();
+            tokio::spawn(async move { hold(l).await });
+            e
+        }
+        #[cfg(not(feature = "rdma"))]
+        FabricKind::Rdma => match crate::envs::rdma(&args.rdma)? {},
         _ => {
             let l = TcpFabric::new()
                 .expose("127.0.0.1:0", args.slots, chunk)

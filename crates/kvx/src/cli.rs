@@ -46,6 +46,8 @@ pub enum Command {
 pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Bytes per write (one chunk).
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: u64,
@@ -63,6 +65,8 @@ pub struct BenchArgs {
 pub struct BenchServeArgs {
     #[arg(long, value_enum)]
     pub fabric: FabricKind,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     #[arg(long)]
     pub chunk_bytes: u64,
     #[arg(long)]
@@ -91,6 +95,8 @@ pub struct ReceiverArgs {
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9400).
     #[arg(long)]
     pub metrics: Option<String>,
@@ -127,6 +133,8 @@ pub struct SenderArgs {
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     /// This sender's number, used in request ids so several senders never collide.
     #[arg(long, default_value_t = 0)]
     pub sender_index: u32,
@@ -161,6 +169,54 @@ pub enum FabricKind {
     Shm,
     /// In-process copies (no sockets at all).
     Mem,
+    /// One-sided RDMA writes over verbs (RoCE or InfiniBand; needs a kvx built with
+    /// `--features rdma` and an RDMA NIC; see docs/operations.md).
+    Rdma,
+}
+
+const RDMA: &str = "RDMA (with --fabric rdma)";
+
+/// Which RDMA device, port and GID `--fabric rdma` uses (docs/operations.md).
+#[derive(Debug, Clone, Args)]
+pub struct RdmaArgs {
+    /// RDMA device name (`ibv_devices`, e.g. mlx5_0) [default: the first device].
+    #[arg(long, help_heading = RDMA)]
+    pub rdma_device: Option<String>,
+    /// Physical port of the device.
+    #[arg(long, help_heading = RDMA, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    pub rdma_port: u8,
+    /// GID index (`show_gids`) [default: on RoCE the first RoCE v2 GID with an IPv4 address; on InfiniBand 0].
+    #[arg(long, help_heading = RDMA)]
+    pub rdma_gid_index: Option<u32>,
+    /// Caps the path MTU: 256, 512, 1024, 2048 or 4096 [default: both ports' active MTU].
+    #[arg(long, help_heading = RDMA, value_parser = parse_mtu)]
+    pub rdma_mtu: Option<u32>,
+}
+
+impl RdmaArgs {
+    /// The same settings as flags, for a child process (`kvx bench-serve`).
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut f = vec!["--rdma-port".to_owned(), self.rdma_port.to_string()];
+        if let Some(d) = &self.rdma_device {
+            f.extend(["--rdma-device".to_owned(), d.clone()]);
+        }
+        if let Some(g) = self.rdma_gid_index {
+            f.extend(["--rdma-gid-index".to_owned(), g.to_string()]);
+        }
+        if let Some(m) = self.rdma_mtu {
+            f.extend(["--rdma-mtu".to_owned(), m.to_string()]);
+        }
+        f
+    }
+}
+
+fn parse_mtu(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(m @ (256 | 512 | 1024 | 2048 | 4096)) => Ok(m),
+        _ => Err(format!(
+            "an RDMA MTU is 256, 512, 1024, 2048 or 4096, not {s:?}"
+        )),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -187,6 +243,8 @@ pub struct DemoArgs {
     pub chunk_bytes: u64,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    #[command(flatten)]
+    pub rdma: RdmaArgs,
     #[arg(long, value_enum, default_value_t = TransportKind::Zmq)]
     pub transport: TransportKind,
     #[command(flatten)]

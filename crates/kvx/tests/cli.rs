@@ -125,3 +125,40 @@ fn demo_in_process_completes_and_reports_json() {
     assert_eq!(s["slots_leaked"], 0);
     assert_eq!(s["requests_lost"], 0);
 }
+
+/// `--fabric rdma` without a device (this machine, CI) or without the feature: a clear error
+/// and exit status 2, never a panic, for every command that takes it.
+#[test]
+fn rdma_without_a_device_or_the_feature_is_a_clear_error() {
+    let runs: [&[&str]; 4] = [
+        &["demo", "--fabric", "rdma", "--requests", "1"],
+        &["receiver", "--fabric", "rdma", "--exit-after-s", "1"],
+        &[
+            "sender",
+            "--fabric",
+            "rdma",
+            "--requests",
+            "1",
+            "--timeout-s",
+            "5",
+        ],
+        &["bench", "--fabric", "rdma", "--total-bytes", "1048576"],
+    ];
+    for args in runs {
+        let out = kvx().args(args).output().expect("kvx runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "kvx {args:?} panicked: {err}");
+        if cfg!(feature = "rdma") {
+            if !err.contains("no RDMA device") {
+                eprintln!("kvx {args:?}: this machine has an RDMA device; skipped");
+                continue;
+            }
+        } else {
+            assert!(
+                err.contains("built without RDMA support"),
+                "kvx {args:?}: {err}"
+            );
+        }
+        assert_eq!(out.status.code(), Some(2), "kvx {args:?}: {err}");
+    }
+}
