@@ -52,6 +52,8 @@ mod ibv;
 mod fake;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_node;
 
 pub use config::{PathMtu, RdmaConfig};
 pub use fabric::{RdmaError, RdmaFabric};
