@@ -137,7 +137,11 @@ impl<Q: VerbsQp> SendEngine<Q> {
                     staging: &self.staging,
                     local_slot: write.local.0,
                     len: write.len as u32,
-                    remote_addr: self.remote.addr + self.remote.geometry.offset(write.remote.0),
+                    // A bogus address from the welcome fails at the NIC, not here.
+                    remote_addr: self
+                        .remote
+                        .addr
+                        .wrapping_add(self.remote.geometry.offset(write.remote.0)),
                     rkey: self.remote.rkey,
                     imm: write.imm,
                 };
