@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvx_io::{Env, SlotMemory};
-use kvx_proto::sender::{ChunkSpec, RequestSpec, SendFailure};
+use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
 use kvx_proto::{PeerId, ReqId};
 
 use crate::receiver::{ReadyRequest, ReceiverHandle};
@@ -163,7 +163,23 @@ pub async fn transfer<E: Env>(
     let mut first_submit = None;
     let mut batch = Vec::new();
     for chunk in 0..req.chunks {
-        let slot = match sender.allocate(&req.req_id).await {
+        let mut allocated = sender.allocate(&req.req_id).await;
+        if let Err(SendError::StagingHeldByCaller(_)) = allocated {
+            // Every staging slot holds an unsubmitted chunk and some are ours (other
+            // requests prefilled alongside hold the rest): submit ours as a short batch,
+            // which frees staging once written, and try again.
+            if !batch.is_empty() {
+                first_submit.get_or_insert_with(tokio::time::Instant::now);
+                if sender
+                    .submit(&req.req_id, std::mem::take(&mut batch), false)
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            allocated = sender.allocate(&req.req_id).await;
+        }
+        let slot = match allocated {
             Ok(slot) => slot,
             Err(e) => {
                 let _ = sender.cancel(&req.req_id);

@@ -126,6 +126,40 @@ fn demo_in_process_completes_and_reports_json() {
     assert_eq!(s["requests_lost"], 0);
 }
 
+/// Staging smaller than the requests prefilled at once times the batch: every slot can end
+/// up holding some request's unsubmitted chunks. The prefill then submits what it holds as a
+/// short batch (`StagingHeldByCaller`'s advice) instead of failing; with one staging slot
+/// every request of more than one chunk depends on it.
+#[test]
+fn demo_with_staging_smaller_than_a_batch_completes_every_request() {
+    let out = kvx()
+        .args([
+            "demo",
+            "--transport",
+            "mem",
+            "--fabric",
+            "mem",
+            "--json",
+            "--requests",
+            "6",
+            "--chunk-bytes",
+            "4096",
+            "--staging-chunks",
+            "1",
+            "--interleave",
+            "4",
+        ])
+        .output()
+        .expect("kvx runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(s["requests_completed"], 12, "{s}");
+}
+
 /// `--fabric rdma` without a device (this machine, CI) or without the feature: a clear error
 /// and exit status 2, never a panic, for every command that takes it.
 #[test]
