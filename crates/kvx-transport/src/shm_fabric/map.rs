@@ -55,8 +55,11 @@ impl fmt::Debug for ShmMemory {
 impl ShmMemory {
     /// Private memory for a sender's staging. The caller has checked the geometry.
     pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        // `populate`: map every page now, as registering memory pins it, so the data path
+        // takes no page faults (as `HeapMemory` touches its pages).
         let map = MmapOptions::new()
             .len(slots as usize * slot_bytes)
+            .populate()
             .map_anon()?;
         Ok(Self::from_map(map.into(), slots, slot_bytes, None))
     }
@@ -66,7 +69,8 @@ impl ShmMemory {
     pub(crate) fn create_shared(dir: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = slots as usize * slot_bytes;
         let (file, path) = create_unique(dir)?;
-        let mapped = reserve(&file, len).and_then(|()| MmapOptions::new().len(len).map_raw(&file));
+        let mapped = reserve(&file, len)
+            .and_then(|()| MmapOptions::new().len(len).populate().map_raw(&file));
         match mapped {
             Ok(map) => Ok(Self::from_map(map, slots, slot_bytes, Some(path))),
             Err(e) => {
@@ -238,7 +242,7 @@ impl SharedSlots {
                 ),
             ));
         }
-        let map = MmapOptions::new().len(len).map_raw(&file)?;
+        let map = MmapOptions::new().len(len).populate().map_raw(&file)?;
         Ok(SharedSlots {
             map,
             slots,
