@@ -9,14 +9,14 @@
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
 //!   requests, read their chunks, consume them.
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
-//! - `staging_order`: a freed staging slot goes to the oldest request waiting for one.
+//!   Inside: `sender/staging_order` (a freed staging slot goes to the oldest request waiting
+//!   for one) and `sender/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 
 pub mod metrics;
 pub mod proxy;
 pub mod receiver;
 pub mod sender;
-mod staging_order;
 pub mod synthetic;
 
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};

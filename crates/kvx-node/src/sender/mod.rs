@@ -12,7 +12,6 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
 
 use bytes::Bytes;
 use kvx_io::{
@@ -21,14 +20,16 @@ use kvx_io::{
 };
 use kvx_proto::sender::{
     ChunkSpec, Destination, RequestSpec, SendError, SendFailure, SenderEvent, SenderFlow, Transmit,
-    WriteOp,
 };
 use kvx_proto::wire;
 use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::{mpsc, watch, Notify};
 
-use crate::staging_order::{Age, StagingQueue};
 use crate::StartError;
+use staging_order::{Age, StagingQueue, StagingTurn};
+
+mod fabric_link;
+mod staging_order;
 
 /// Where a receiver (one TP rank of a decode worker) listens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,76 +99,6 @@ impl<E: Env> Clone for SenderHandle<E> {
             shared: self.shared.clone(),
             memory: self.memory.clone(),
             cmds: self.cmds.clone(),
-        }
-    }
-}
-
-/// One allocate call's place in the staging queue (`staging_order`): it may take a slot only
-/// when no older request waits for one, and it waits in the queue only while staging is full
-/// for its admitted request. Leaving the queue as its oldest wakes the calls it held back.
-struct StagingTurn<'a> {
-    shared: &'a Shared,
-    age: Age,
-    queued: bool,
-    wake: bool,
-}
-
-impl<'a> StagingTurn<'a> {
-    fn new(shared: &'a Shared, req_id: &ReqId) -> Self {
-        // An unknown request gets age 0: it tries at once and gets the core's error.
-        let age = shared.lock().status.get(req_id).map_or(0, |s| s.age);
-        Self {
-            shared,
-            age,
-            queued: false,
-            wake: false,
-        }
-    }
-
-    /// `Some` when the call is over (a slot or an error); `None`: wait for a core event.
-    fn attempt(
-        &mut self,
-        core: &mut Core,
-        req_id: &ReqId,
-    ) -> Option<Result<StagingSlot, SendError>> {
-        if !core.staging.may_take(self.age) {
-            return None;
-        }
-        match core.flow.try_allocate(req_id) {
-            Err(SendError::WouldBlock) => {
-                if !self.queued {
-                    core.staging.enqueue(self.age);
-                    self.queued = true;
-                }
-                None
-            }
-            Err(SendError::NotAdmitted(_)) => {
-                self.leave(core);
-                None
-            }
-            other => {
-                self.leave(core);
-                Some(other)
-            }
-        }
-    }
-
-    fn leave(&mut self, core: &mut Core) {
-        if std::mem::take(&mut self.queued) && core.staging.dequeue(self.age) {
-            self.wake = true;
-        }
-    }
-}
-
-impl Drop for StagingTurn<'_> {
-    fn drop(&mut self) {
-        if self.queued {
-            let mut core = self.shared.lock();
-            self.leave(&mut core);
-        }
-        if self.wake {
-            self.shared.version.send_modify(|v| *v += 1);
-            self.shared.cv.notify_all();
         }
     }
 }
@@ -244,6 +175,7 @@ impl SenderNode {
             sink,
             clients: BTreeMap::new(),
             conns: BTreeMap::new(),
+            parked: BTreeMap::new(),
             conn_generation: 0,
             reconnecting: std::collections::BTreeSet::new(),
             inbox_tx: in_tx,
@@ -462,6 +394,9 @@ struct Driver<E: Env> {
     conn_generation: u64,
     /// Receivers whose fabric connection is being replaced.
     reconnecting: std::collections::BTreeSet<PeerId>,
+    /// Writes waiting for a receiver's new fabric connection, in posting order
+    /// (`fabric_link`); at most one per staging slot.
+    parked: BTreeMap<PeerId, Vec<PostWrite>>,
     inbox_tx: mpsc::UnboundedSender<Input>,
     inbox: mpsc::UnboundedReceiver<Input>,
     cmds: mpsc::UnboundedReceiver<Cmd>,
@@ -586,6 +521,7 @@ impl<E: Env> Driver<E> {
             Cmd::FabricBack(peer, conn) => self.attach_conn(peer, conn),
             Cmd::FabricGaveUp(peer) => {
                 self.reconnecting.remove(&peer);
+                self.flush_parked(peer, "the fabric reconnect gave up");
             }
         }
     }
@@ -600,29 +536,6 @@ impl<E: Env> Driver<E> {
                 }
             }
         });
-    }
-
-    fn attach_conn(&mut self, peer: PeerId, conn: FabricConn) {
-        let (poster, mut completions) = conn.split();
-        self.conn_generation += 1;
-        let generation = self.conn_generation;
-        self.conns.insert(peer, (generation, poster));
-        self.reconnecting.remove(&peer);
-        let inbox = self.inbox_tx.clone();
-        self.env.spawn(async move {
-            while let Some(c) = completions.recv().await {
-                if inbox.send(Input::Done(peer, generation, c)).is_err() {
-                    return;
-                }
-            }
-            let _ = inbox.send(Input::ConnGone(peer, generation));
-        });
-    }
-
-    fn replace_if_current(&mut self, peer: PeerId, generation: u64) {
-        if self.conns.get(&peer).is_some_and(|(g, _)| *g == generation) {
-            self.reset_fabric(peer);
-        }
     }
 
     /// Does what the core asked for: sends, posts, and wakes whoever waits on an event.
@@ -677,28 +590,6 @@ impl<E: Env> Driver<E> {
         }
     }
 
-    fn post(&mut self, w: WriteOp) {
-        let len = self.shared.lens[w.staging.0 as usize].load(Ordering::Acquire);
-        let write = PostWrite {
-            id: w.id,
-            local: w.staging,
-            remote: w.remote,
-            len,
-            imm: w.tag.map(|t| t.to_imm()),
-        };
-        let posted = self.conns.get(&w.receiver).map(|(_, c)| c.post(write));
-        if !matches!(posted, Some(Ok(()))) {
-            let now = self.env.now();
-            let why = "no fabric connection to the receiver".to_owned();
-            self.shared
-                .lock()
-                .flow
-                .handle_write_done(now, w.id, Err(why));
-            // Get one for the requests that come after this one.
-            self.reset_fabric(w.receiver);
-        }
-    }
-
     fn on_events(&mut self, events: Vec<SenderEvent>) {
         let mut stalled = Vec::new();
         let mut core = self.shared.lock();
@@ -726,49 +617,11 @@ impl<E: Env> Driver<E> {
         }
         drop(core);
         for receiver in stalled {
+            self.flush_parked(receiver, "write overdue while the fabric reconnects");
             self.reset_fabric(receiver);
         }
         self.shared.version.send_modify(|v| *v += 1);
         self.shared.cv.notify_all();
-    }
-
-    /// A write is overdue, or the receiver came back after a disconnect: reset the connection
-    /// (flushing every outstanding write with an error) and connect afresh in the background.
-    fn reset_fabric(&mut self, peer: PeerId) {
-        if let Some((_, poster)) = self.conns.remove(&peer) {
-            tracing::warn!(%peer, "resetting the fabric connection");
-            poster.reset();
-        }
-        if !self.reconnecting.insert(peer) {
-            return; // a reconnect is already under way
-        }
-        let addr = self
-            .shared
-            .lock()
-            .receivers
-            .iter()
-            .find(|(_, p)| **p == peer)
-            .map(|(a, _)| a.clone());
-        let Some(addr) = addr else { return };
-        let (env, memory, cmd_tx) = (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
-        self.env.spawn(async move {
-            // Bounded: about five minutes of attempts, backing off to 5 s between them.
-            for attempt in 0..64u32 {
-                match env.fabric().connect(&addr.fabric, memory.clone()).await {
-                    Ok(conn) => {
-                        let _ = cmd_tx.send(Cmd::FabricBack(peer, conn));
-                        return;
-                    }
-                    Err(e) => tracing::warn!(%peer, error = %e, attempt, "fabric reconnect failed"),
-                }
-                if cmd_tx.is_closed() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis((100u64 << attempt.min(6)).min(5_000))).await;
-            }
-            tracing::error!(%peer, "giving up reconnecting the fabric; writes to this receiver fail");
-            let _ = cmd_tx.send(Cmd::FabricGaveUp(peer));
-        });
     }
 }
 

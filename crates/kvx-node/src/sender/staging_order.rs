@@ -10,6 +10,11 @@
 
 use std::collections::BTreeMap;
 
+use kvx_proto::sender::SendError;
+use kvx_proto::{ReqId, StagingSlot};
+
+use super::{Core, Shared};
+
 /// A request's age: the order in which the sender began it.
 pub(crate) type Age = u64;
 
@@ -53,6 +58,76 @@ impl StagingQueue {
             }
         }
         was_oldest
+    }
+}
+
+/// One allocate call's place in the staging queue (`staging_order`): it may take a slot only
+/// when no older request waits for one, and it waits in the queue only while staging is full
+/// for its admitted request. Leaving the queue as its oldest wakes the calls it held back.
+pub(super) struct StagingTurn<'a> {
+    shared: &'a Shared,
+    age: Age,
+    queued: bool,
+    wake: bool,
+}
+
+impl<'a> StagingTurn<'a> {
+    pub(super) fn new(shared: &'a Shared, req_id: &ReqId) -> Self {
+        // An unknown request gets age 0: it tries at once and gets the core's error.
+        let age = shared.lock().status.get(req_id).map_or(0, |s| s.age);
+        Self {
+            shared,
+            age,
+            queued: false,
+            wake: false,
+        }
+    }
+
+    /// `Some` when the call is over (a slot or an error); `None`: wait for a core event.
+    pub(super) fn attempt(
+        &mut self,
+        core: &mut Core,
+        req_id: &ReqId,
+    ) -> Option<Result<StagingSlot, SendError>> {
+        if !core.staging.may_take(self.age) {
+            return None;
+        }
+        match core.flow.try_allocate(req_id) {
+            Err(SendError::WouldBlock) => {
+                if !self.queued {
+                    core.staging.enqueue(self.age);
+                    self.queued = true;
+                }
+                None
+            }
+            Err(SendError::NotAdmitted(_)) => {
+                self.leave(core);
+                None
+            }
+            other => {
+                self.leave(core);
+                Some(other)
+            }
+        }
+    }
+
+    pub(super) fn leave(&mut self, core: &mut Core) {
+        if std::mem::take(&mut self.queued) && core.staging.dequeue(self.age) {
+            self.wake = true;
+        }
+    }
+}
+
+impl Drop for StagingTurn<'_> {
+    fn drop(&mut self) {
+        if self.queued {
+            let mut core = self.shared.lock();
+            self.leave(&mut core);
+        }
+        if self.wake {
+            self.shared.version.send_modify(|v| *v += 1);
+            self.shared.cv.notify_all();
+        }
     }
 }
 
