@@ -199,6 +199,22 @@ impl Admission {
         }
     }
 
+    /// The explorer's canonical encoding (feature `testing`); capacity and queue bound are
+    /// fixed by the configuration.
+    #[cfg(feature = "testing")]
+    pub(crate) fn canon(&self, enc: &mut crate::testing::Canon) {
+        enc.u(u64::from(self.reserved));
+        enc.u(u64::from(self.pinned));
+        enc.len(self.waiting.len());
+        for w in &self.waiting {
+            enc.ticket(w.ticket);
+            enc.u(u64::from(w.need));
+            enc.time(w.deadline);
+        }
+        enc.len(self.admitted.len());
+        self.admitted.iter().for_each(|&t| enc.ticket(t));
+    }
+
     pub fn check_invariants(&self) {
         assert!(
             self.reserved + self.pinned <= self.capacity,

@@ -193,6 +193,46 @@ impl SlotTable {
         self.free.push_back(slot);
     }
 
+    /// The explorer's canonical encoding (feature `testing`), first part: each slot's current
+    /// generation for the encoder, and the free list in order (`grant` takes its front).
+    #[cfg(feature = "testing")]
+    pub(crate) fn canon_free(&self, enc: &mut crate::testing::Canon) {
+        let free = |(s, g): (&SlotState, &u32)| (*s != SlotState::Free).then_some(*g);
+        enc.set_generations(self.state.iter().zip(&self.generation).map(free));
+        enc.len(self.free.len());
+        self.free.iter().for_each(|&s| enc.slot(s));
+    }
+
+    /// Second part, once the ledger has named the slots its requests hold: the quarantine
+    /// queue (entries already cleared included: they still set `next_deadline`), then each
+    /// slot's state in the order of its name. The counters follow from the states.
+    #[cfg(feature = "testing")]
+    pub(crate) fn canon_rest(&self, enc: &mut crate::testing::Canon) {
+        enc.len(self.quarantine.len());
+        for &(until, slot, generation) in &self.quarantine {
+            enc.time(until);
+            enc.slot(slot);
+            enc.generation(slot, generation);
+        }
+        for slot in enc.named_slots(self.capacity()) {
+            match self.state(slot) {
+                SlotState::Free => enc.len(0),
+                SlotState::Granted { owner } => {
+                    enc.len(1);
+                    enc.ticket(owner);
+                }
+                SlotState::Landed { owner } => {
+                    enc.len(2);
+                    enc.ticket(owner);
+                }
+                SlotState::Quarantined { until } => {
+                    enc.len(3);
+                    enc.time(until);
+                }
+            }
+        }
+    }
+
     pub fn check_invariants(&self) {
         let (mut free, mut granted, mut landed, mut quarantined) = (0u32, 0u32, 0u32, 0u32);
         for s in &self.state {

@@ -1,17 +1,42 @@
-//! Breadth-first exploration of small configurations (2 senders, a 6-slot buffer, 4 staging
-//! slots per sender): every interleaving of deliveries, write completions and failures,
-//! cancels, consumes and timeouts, up to the state bound, keeps every invariant and can
-//! always heal to a state where every request has ended and both buffers are free.
-//! `KVX_EXPLORE_STATES` raises the bound. The default tests are bounded (and say
-//! `truncated`); the ignored one covers a whole state space and runs in CI in release.
+//! Exploration of every interleaving of small configurations (2 senders, one receiver):
+//! deliveries on each link, write completions and failures, cancels, consumes and timeouts
+//! keep every invariant, and from every state the world can heal to one where every request
+//! has ended and both buffers are free (`docs/sim.md`, "exploration").
+//!
+//! The default tests are quick: a complete search of two one-chunk requests, bounded
+//! breadth-first searches of larger plans (`KVX_EXPLORE_STATES` raises their bound), and a
+//! check of the explorer's abstraction. The ignored ones are complete searches of three
+//! requests, at the full 6-slot buffer and 4-slot staging and in a 2-slot buffer where they
+//! contend, which CI runs in release:
+//! `cargo test --release -p kvx-proto --test explore -- --ignored --nocapture`.
 
-use kvx_proto::testing::explore;
+use kvx_proto::testing::{check_abstraction, explore, explore_from, Exploration, OpWorld, Order};
 
 fn bound(default: usize) -> usize {
     std::env::var("KVX_EXPLORE_STATES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// A complete depth-first search, with its figures printed for `docs/PERFORMANCE.md`.
+fn complete(what: &str, start: OpWorld, plan: &[(usize, u32)]) -> Exploration {
+    let r = explore_from(start, plan, usize::MAX, Order::DepthFirst);
+    eprintln!(
+        "exhaustive, {what} {plan:?}: {} states, {} transitions, depth {}, {:.1} s",
+        r.states,
+        r.transitions,
+        r.depth,
+        r.elapsed.as_secs_f64()
+    );
+    assert!(!r.truncated, "the whole state space must be covered: {r:?}");
+    r
+}
+
+#[test]
+fn two_one_chunk_requests_completely() {
+    let r = complete("6 slots, 4 staging,", OpWorld::new(), &[(0, 1), (1, 1)]);
+    assert!(r.states > 10_000, "{r:?}");
 }
 
 #[test]
@@ -28,13 +53,69 @@ fn three_requests_one_larger_than_the_buffer() {
     assert!(r.states > 100, "{r:?}");
 }
 
-/// Complete exploration (not truncated) of two one-chunk requests from two senders: about
-/// 743,000 states and 6.4 million checked transitions, 2.5 min in release. CI runs it:
-/// `cargo test --release -p kvx-proto --test explore -- --ignored`.
+/// A 2-slot buffer and 1-slot staging: the 2-chunk request waits for admission behind the
+/// first, the third waits behind it (FIFO), and every batch waits for staging.
+#[test]
+fn three_requests_contending_for_a_two_slot_buffer() {
+    let start = OpWorld::with_slots(2, 1);
+    let r = explore_from(
+        start,
+        &[(0, 1), (1, 2), (0, 1)],
+        bound(4_000),
+        Order::BreadthFirst,
+    );
+    eprintln!("three requests, a 2-slot buffer: {r:?}");
+    assert!(r.states > 100, "{r:?}");
+}
+
+/// The explorer's abstraction against the whole state, on a plan small enough for both.
+#[test]
+fn the_abstraction_loses_no_state_of_one_request() {
+    let c = check_abstraction(OpWorld::new(), &[(0, 2)]);
+    eprintln!("abstraction check, one request: {c:?}");
+    assert_eq!(c.image, c.canonical_states, "{c:?}");
+}
+
+/// The full size: 2 senders, 3 requests, 6 buffer slots, 4 staging slots per sender
+/// (one chunk each: every chunk more multiplies the states by about four).
 #[test]
 #[ignore]
-fn exhaustive_two_one_chunk_requests_from_two_senders() {
-    let r = explore(&[(0, 1), (1, 1)], bound(5_000_000));
-    eprintln!("exhaustive, two one-chunk requests from two senders: {r:?}");
-    assert!(!r.truncated, "the whole state space must be covered: {r:?}");
+fn exhaustive_three_requests_from_two_senders() {
+    complete(
+        "6 slots, 4 staging,",
+        OpWorld::new(),
+        &[(0, 1), (1, 1), (0, 1)],
+    );
+}
+
+/// Three requests that contend: admission queueing (FIFO across senders), staging exhausted,
+/// quarantined slots holding back the queue.
+#[test]
+#[ignore]
+fn exhaustive_three_requests_contending_for_a_two_slot_buffer() {
+    complete(
+        "2 slots, 1 staging,",
+        OpWorld::with_slots(2, 1),
+        &[(0, 1), (1, 2), (0, 1)],
+    );
+}
+
+/// Multi-chunk requests: batches of one and two chunks, partial progress when one fails.
+#[test]
+#[ignore]
+fn exhaustive_two_two_chunk_requests_from_two_senders() {
+    complete("6 slots, 4 staging,", OpWorld::new(), &[(0, 2), (1, 2)]);
+}
+
+/// The abstraction check where requests wait for admission and slots are quarantined.
+#[test]
+#[ignore]
+fn the_abstraction_loses_no_state_of_contending_requests() {
+    let started = std::time::Instant::now();
+    let c = check_abstraction(OpWorld::with_slots(2, 1), &[(0, 1), (1, 2)]);
+    eprintln!(
+        "abstraction check, 2 slots, 1 staging, [(0, 1), (1, 2)]: {c:?}, {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(c.image, c.canonical_states, "{c:?}");
 }

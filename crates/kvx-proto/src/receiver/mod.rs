@@ -5,8 +5,11 @@
 //! - `batch.rs`: what one `AllocRequest` does to a request.
 //! - `outcome.rs`: `Failure` / `Outcome` and the reasons a sender reads.
 //! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
+//! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
 
 mod batch;
+#[cfg(feature = "testing")]
+mod canon;
 mod outcome;
 mod tombstones;
 

@@ -60,6 +60,25 @@ impl Tombstones {
         self.order.front().map(|(at, _)| *at + self.ttl)
     }
 
+    /// The explorer's canonical encoding (feature `testing`). Outcomes are left out: a late
+    /// batch's refusal quotes one only as text (`Failure::AlreadyEnded`), which its sender
+    /// only words its failure with.
+    #[cfg(feature = "testing")]
+    pub(crate) fn canon(&self, enc: &mut crate::testing::Canon) {
+        enc.len(self.ended.len());
+        for (key, (at, _)) in &self.ended {
+            enc.u(key.peer.0);
+            enc.str(&key.req_id.0);
+            enc.time(*at);
+        }
+        enc.len(self.order.len());
+        for (at, key) in &self.order {
+            enc.time(*at);
+            enc.u(key.peer.0);
+            enc.str(&key.req_id.0);
+        }
+    }
+
     fn pop_oldest(&mut self) {
         let Some((at, key)) = self.order.pop_front() else {
             return;

@@ -7,11 +7,14 @@
 //! - `channel.rs`: one control channel to one receiver (pipelined or serial).
 //! - `reply.rs`: what a receiver's reply does.
 //! - `staging.rs`: the staging pool.
+//! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
 //!
 //! A request goes Admitting → Admitted → (Delivered | Failed). A failed request sends one
 //! `CancelNotif` once its posted writes have completed (so it can say `drained`), then
 //! leaves no state behind.
 
+#[cfg(feature = "testing")]
+mod canon;
 mod channel;
 mod invariants;
 mod lifecycle;

@@ -60,6 +60,13 @@ impl StagingPool {
             .count()
     }
 
+    /// The free stack in order (the explorer's canonical encoding, feature `testing`).
+    #[cfg(feature = "testing")]
+    pub(crate) fn canon_free(&self, enc: &mut crate::testing::Canon) {
+        enc.len(self.free.len());
+        self.free.iter().for_each(|&s| enc.staging(s));
+    }
+
     pub fn check_invariants(&self) {
         let owned = self.owner.iter().filter(|o| o.is_some()).count();
         assert_eq!(

@@ -19,6 +19,7 @@ mod workload;
 
 pub use checker::Violation;
 pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
-pub use explore::{explore, Exploration};
+pub(crate) use explore::Canon;
+pub use explore::{check_abstraction, explore, explore_from, AbstractionCheck, Exploration, Order};
 pub use ops::{Event, OpWorld};
 pub use workload::{ClusterSpec, RequestPlan, Timing};

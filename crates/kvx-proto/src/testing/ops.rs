@@ -8,9 +8,11 @@
 //! both buffers entirely free.
 
 use std::collections::VecDeque;
+use std::rc::Rc;
 use std::time::Duration;
 
 use super::checker::Checker;
+use super::Canon;
 use crate::config::{ReceiverConfig, SenderConfig};
 use crate::ids::{PeerId, ReqId, ReqKey};
 use crate::receiver::{ReceiverEvent, ReceiverLedger};
@@ -36,13 +38,21 @@ pub enum Event {
     LoseConnection(usize),
 }
 
+/// A message as it comes off the wire: encoded and decoded again when it is sent, so that
+/// every message goes through the codec. Shared by every clone of the world (links are
+/// immutable), so the explorer neither copies nor re-decodes it per state.
+fn through_the_wire(msg: &Message) -> Rc<Message> {
+    let bytes = wire::encode(msg);
+    Rc::new(wire::decode(&bytes).expect("invariant: the codec decodes what it encoded"))
+}
+
 #[derive(Debug, Clone)]
 struct Side {
     flow: SenderFlow,
     /// Requests begun here: id, declared total, chunks submitted so far.
     requests: Vec<(ReqId, u32, u32)>,
-    to_receiver: VecDeque<Vec<u8>>,
-    to_sender: VecDeque<Vec<u8>>,
+    to_receiver: VecDeque<Rc<Message>>,
+    to_sender: VecDeque<Rc<Message>>,
     writes: VecDeque<WriteOp>,
 }
 
@@ -66,8 +76,14 @@ impl Default for OpWorld {
 impl OpWorld {
     /// 6 buffer slots, 4 staging slots per sender: small enough to fill.
     pub fn new() -> Self {
+        Self::with_slots(6, 4)
+    }
+
+    /// `buffer_slots` at the receiver, `staging_slots` at each sender, the same timeouts: a
+    /// smaller world, where fewer chunks are enough to fill the buffer or the staging.
+    pub fn with_slots(buffer_slots: u32, staging_slots: u32) -> Self {
         let receiver_cfg = ReceiverConfig {
-            buffer_slots: 6,
+            buffer_slots,
             request_idle_timeout: Duration::from_secs(5),
             write_quarantine: Duration::from_secs(10),
             admission_timeout: Duration::from_secs(5),
@@ -75,7 +91,7 @@ impl OpWorld {
             ..ReceiverConfig::default()
         };
         let sender_cfg = SenderConfig {
-            staging_slots: 4,
+            staging_slots,
             reply_timeout: Duration::from_secs(2),
             admission_reply_timeout: Duration::from_secs(8),
             write_timeout: Duration::from_secs(2),
@@ -158,20 +174,35 @@ impl OpWorld {
         self.check();
     }
 
-    /// The events that would change something now, for the explorer: each queue's head,
-    /// each write, each cancel and consume, a batch of one or two chunks, and time jumping
-    /// to the next deadline.
+    /// The events that would change something now, for the explorer: each queue's head, each
+    /// side's oldest write (landing or failing), a cancel of each request still live, a
+    /// consume of each ready request, a batch of one chunk (and of two, where that differs),
+    /// and time jumping to the next deadline. Events that would change nothing (a batch with
+    /// no admitted request or no free staging, a cancel of a request already failing or gone,
+    /// a consume of an entry whose request is no longer ready) are left out: they would only
+    /// lead back to the same state.
     pub fn enabled(&self) -> Vec<Event> {
         let mut events = Vec::new();
         for (s, side) in self.sides.iter().enumerate() {
-            events.push(Event::Submit {
-                sender: s,
-                chunks: 1,
-            });
-            events.push(Event::Submit {
-                sender: s,
-                chunks: 2,
-            });
+            // `submit` takes the first admitted request with chunks left.
+            let left = side
+                .requests
+                .iter()
+                .find(|(id, total, done)| done < total && side.flow.is_admitted(id))
+                .map_or(0, |(_, total, done)| total - done);
+            let free = side.flow.staging_free();
+            if left > 0 && free > 0 {
+                events.push(Event::Submit {
+                    sender: s,
+                    chunks: 1,
+                });
+            }
+            if left > 1 && free > 1 {
+                events.push(Event::Submit {
+                    sender: s,
+                    chunks: 2,
+                });
+            }
             if !side.to_receiver.is_empty() {
                 events.push(Event::ToReceiver(s));
             }
@@ -188,17 +219,61 @@ impl OpWorld {
                     fail: true,
                 });
             }
-            for pick in 0..side.requests.len() {
-                events.push(Event::Cancel { sender: s, pick });
+            for (pick, (id, _, _)) in side.requests.iter().enumerate() {
+                if side.flow.is_cancellable(id) {
+                    events.push(Event::Cancel { sender: s, pick });
+                }
             }
         }
-        for pick in 0..self.ready.len() {
-            events.push(Event::Consume(pick));
+        for (pick, key) in self.ready.iter().enumerate() {
+            let first = self.ready.iter().position(|k| k == key) == Some(pick);
+            if first && self.receiver.is_ready(key) {
+                events.push(Event::Consume(pick));
+            }
         }
         if let Some(at) = self.next_deadline() {
             events.push(Event::Advance(at - self.now));
         }
         events
+    }
+
+    /// The explorer's canonical encoding of the world (`explore/canon.rs`). Left out: `now`
+    /// (every time is written relative to it); `begun` (the explorer's position in its plan,
+    /// which it hashes itself); the checker (its violations are empty, or `check` panicked,
+    /// and `writes_landed` is read only by `Cluster`'s delivery check, never here); and
+    /// `ready`, which follows from the receiver: a request is ready iff it has an entry
+    /// (pushed when it became ready; removing one consumes it), and an entry whose request
+    /// is not ready is stale, its consume a no-op. Of the harness's own request records only
+    /// an admitted request's count of submitted chunks is ever read (`submit`).
+    pub(crate) fn canon(&self, enc: &mut Canon) {
+        enc.reset(self.now);
+        self.receiver.canon(enc);
+        for (s, side) in self.sides.iter().enumerate() {
+            enc.set_sender(s);
+            side.flow.canon(enc);
+            enc.len(side.requests.len());
+            for (id, _, done) in &side.requests {
+                let admitted = side.flow.is_admitted(id);
+                enc.u(if admitted { 1 + u64::from(*done) } else { 0 });
+            }
+            for link in [&side.to_receiver, &side.to_sender] {
+                enc.len(link.len());
+                link.iter().for_each(|m| enc.message(m));
+            }
+            enc.len(side.writes.len());
+            for op in &side.writes {
+                enc.write_id(op.id);
+                enc.str(&op.req_id.0);
+                enc.u(op.receiver.0);
+                enc.u(u64::from(op.chunk));
+                enc.staging(op.staging);
+                enc.slot(op.remote);
+                match op.tag {
+                    Some(tag) => enc.tag(tag),
+                    None => enc.len(usize::MAX),
+                }
+            }
+        }
     }
 
     fn next_deadline(&self) -> Option<Instant> {
@@ -276,8 +351,8 @@ impl OpWorld {
     }
 
     fn deliver_to_receiver(&mut self, s: usize) {
-        if let Some(bytes) = self.sides[s].to_receiver.pop_front() {
-            let msg = wire::decode(&bytes).expect("invariant: the codec decodes what it encoded");
+        if let Some(msg) = self.sides[s].to_receiver.pop_front() {
+            let msg = Rc::unwrap_or_clone(msg);
             let cancelled = match &msg {
                 Message::CancelNotif(c) => Some(ReqKey {
                     peer: PeerId(s as u64),
@@ -299,8 +374,8 @@ impl OpWorld {
     }
 
     fn deliver_to_sender(&mut self, s: usize) {
-        if let Some(bytes) = self.sides[s].to_sender.pop_front() {
-            let msg = wire::decode(&bytes).expect("invariant: the codec decodes what it encoded");
+        if let Some(msg) = self.sides[s].to_sender.pop_front() {
+            let msg = Rc::unwrap_or_clone(msg);
             self.sides[s].flow.handle_message(self.now, PeerId(0), msg);
         }
     }
@@ -375,7 +450,7 @@ impl OpWorld {
         for side in &mut self.sides {
             while let Some(t) = side.flow.poll_transmit() {
                 if t.to == Destination::Receiver(PeerId(0)) {
-                    side.to_receiver.push_back(wire::encode(&t.msg));
+                    side.to_receiver.push_back(through_the_wire(&t.msg));
                 }
             }
             while let Some(op) = side.flow.poll_write() {
@@ -398,7 +473,7 @@ impl OpWorld {
         while let Some((peer, reply)) = self.receiver.poll_transmit() {
             let side = &mut self.sides[peer.0 as usize];
             side.to_sender
-                .push_back(wire::encode(&Message::AllocResponse(reply)));
+                .push_back(through_the_wire(&Message::AllocResponse(reply)));
         }
         while let Some(ev) = self.receiver.poll_event() {
             if let ReceiverEvent::Ready { key, .. } = ev {

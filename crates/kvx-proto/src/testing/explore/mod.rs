@@ -1,12 +1,27 @@
 //! Exhaustive exploration of the core for small configurations: every interleaving of
 //! deliveries (per link, in order), write completions and failures, cancels, consumes and
-//! timeouts, over `OpWorld`. States are deduplicated by a hash of their full `Debug` form,
-//! every transition checks every invariant, and from every reachable state the world must
-//! heal to a state where every request has ended and every buffer is free.
+//! timeouts, over `OpWorld`. Every transition checks every invariant; from every state the
+//! world must heal to one where every request has ended and every buffer is free.
+//!
+//! States are told apart by a 128-bit fingerprint of a canonical encoding (`canon.rs`): times
+//! relative to now, counters renamed by rank, slots by first appearance, and nothing that no
+//! later step reads. Equal encodings mean states with the same futures, so visiting one of
+//! them covers the other.
+//!
+//! Breadth-first (`explore`) finds the shortest event sequence to a bug, which is what a
+//! bounded search wants; depth-first (`explore_depth_first`) holds only the current path's
+//! frontier in memory, which is what a complete search of millions of states needs. Both
+//! visit the same states when neither is truncated.
 
-use std::collections::hash_map::DefaultHasher;
+mod canon;
+mod reference;
+
 use std::collections::{HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::time::{Duration, Instant};
+
+pub(crate) use canon::Canon;
+pub use reference::{check_abstraction, AbstractionCheck};
 
 use super::ops::{Event, OpWorld};
 
@@ -17,119 +32,189 @@ pub struct Exploration {
     pub states: usize,
     /// Transitions taken (each one checked).
     pub transitions: usize,
-    /// Longest event sequence to a new state.
+    /// Longest event sequence to a new state (breadth-first: the shortest way to the
+    /// farthest state; depth-first: the longest path the search took).
     pub depth: usize,
     /// True when `max_states` stopped the search before every state was reached.
     pub truncated: bool,
+    /// Wall time.
+    pub elapsed: Duration,
 }
 
-/// A hash of the world's full `Debug` form, abstracted so that states differing only in
-/// what cannot change behaviour compare equal: times are taken relative to `now` (only
-/// deadlines' distance matters), and statistics counters are dropped.
-fn fingerprint(world: &OpWorld, next: usize) -> u64 {
-    let text = format!("{world:?}");
-    let now = world.now().since_epoch();
-    let mut h = DefaultHasher::new();
-    abstract_form(&text, now).hash(&mut h);
-    next.hash(&mut h);
-    h.finish()
-}
-
-/// Rewrites every `Instant(<duration>)` as its distance from `now`, and removes every
-/// `stats: …Stats { … }` block.
-fn abstract_form(text: &str, now: std::time::Duration) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(i) = rest.find("Instant(") {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + "Instant(".len()..];
-        let end = after.find(')').unwrap_or(after.len());
-        match parse_duration(&after[..end]) {
-            Some(d) => out.push_str(&format!(
-                "T{:+}",
-                d.as_nanos() as i128 - now.as_nanos() as i128
-            )),
-            None => out.push_str(&after[..end]),
-        }
-        rest = after.get(end + 1..).unwrap_or("");
-    }
-    out.push_str(rest);
-    let mut cleaned = String::with_capacity(out.len());
-    let mut rest = out.as_str();
-    while let Some(i) = rest.find("stats: ") {
-        cleaned.push_str(&rest[..i]);
-        let after = &rest[i..];
-        let end = after.find('}').map_or(after.len(), |e| e + 1);
-        rest = &after[end..];
-    }
-    cleaned.push_str(rest);
-    cleaned
-}
-
-/// Parses `Duration`'s `Debug` form (`0ns`, `1.5µs`, `100ms`, `2.25s`).
-fn parse_duration(s: &str) -> Option<std::time::Duration> {
-    let units: [(&str, f64); 4] = [("ns", 1.0), ("µs", 1e3), ("ms", 1e6), ("s", 1e9)];
-    let (num, scale) = units
-        .iter()
-        .find_map(|(u, k)| s.strip_suffix(u).map(|n| (n, *k)))?;
-    let value: f64 = num.parse().ok()?;
-    Some(std::time::Duration::from_nanos(
-        (value * scale).round() as u64
-    ))
-}
-
-/// Explores every interleaving of `plan` (sender, total chunks per request, begun in order),
-/// at most `max_states` states. Panics, with the event sequence, on a broken invariant or a
-/// state from which the world does not heal.
+/// Explores every interleaving of `plan` (sender, total chunks per request, begun in order)
+/// breadth-first, at most `max_states` states. Panics, with the event sequence, on a broken
+/// invariant or a state from which the world does not heal.
 pub fn explore(plan: &[(usize, u32)], max_states: usize) -> Exploration {
-    let mut seen = HashSet::new();
-    let mut queue: VecDeque<(OpWorld, usize, Vec<Event>)> = VecDeque::new();
-    let start = OpWorld::new();
-    seen.insert(fingerprint(&start, 0));
-    queue.push_back((start, 0, Vec::new()));
-    let mut report = Exploration {
-        states: 1,
-        transitions: 0,
-        depth: 0,
-        truncated: false,
-    };
-    while let Some((world, next, path)) = queue.pop_front() {
+    explore_from(OpWorld::new(), plan, max_states, Order::BreadthFirst)
+}
+
+/// In which order states are expanded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Shortest event sequences first: a bounded search finds the shortest way to a bug.
+    BreadthFirst,
+    /// Holds only the current path's unexpanded siblings: memory for the visited
+    /// fingerprints alone (16 bytes a state), for complete searches.
+    DepthFirst,
+}
+
+/// As [`explore`], from `start` (e.g. `OpWorld::with_slots`), in `order`.
+pub fn explore_from(
+    start: OpWorld,
+    plan: &[(usize, u32)],
+    max_states: usize,
+    order: Order,
+) -> Exploration {
+    Explorer::new(plan, max_states).run(start, order)
+}
+
+/// A state still to expand, with the events that led to it.
+struct Frame {
+    world: OpWorld,
+    next: usize,
+    path: Vec<Event>,
+}
+
+/// Fingerprints are already uniformly random: hash them by taking their low bits.
+#[derive(Default)]
+struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u128 fingerprints are hashed")
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+struct Explorer<'a> {
+    plan: &'a [(usize, u32)],
+    max_states: usize,
+    seen: HashSet<u128, BuildHasherDefault<Identity>>,
+    canon: Canon,
+    report: Exploration,
+}
+
+impl<'a> Explorer<'a> {
+    fn new(plan: &'a [(usize, u32)], max_states: usize) -> Self {
+        Self {
+            plan,
+            max_states,
+            seen: HashSet::default(),
+            canon: Canon::new(),
+            report: Exploration {
+                states: 0,
+                transitions: 0,
+                depth: 0,
+                truncated: false,
+                elapsed: Duration::ZERO,
+            },
+        }
+    }
+
+    /// The fingerprint of a world that has begun the first `next` requests of the plan.
+    fn fingerprint(&mut self, world: &OpWorld, next: usize) -> u128 {
+        world.canon(&mut self.canon);
+        self.canon.u(next as u64);
+        self.canon.finish()
+    }
+
+    fn run(mut self, start: OpWorld, order: Order) -> Exploration {
+        let started = Instant::now();
+        let fp = self.fingerprint(&start, 0);
+        self.seen.insert(fp);
+        self.report.states = 1;
+        let mut pending = VecDeque::new();
+        pending.push_back(Frame {
+            world: start,
+            next: 0,
+            path: Vec::new(),
+        });
+        let mut children = Vec::new();
+        loop {
+            let frame = match order {
+                Order::BreadthFirst => pending.pop_front(),
+                Order::DepthFirst => pending.pop_back(),
+            };
+            let Some(frame) = frame else { break };
+            let complete = self.expand(frame, &mut children);
+            pending.extend(children.drain(..));
+            if !complete {
+                self.report.truncated = true;
+                break;
+            }
+        }
+        // A truncated search still checks that every state it reached heals.
+        for frame in pending {
+            self.heal(frame.world, &frame.path);
+        }
+        self.report.elapsed = started.elapsed();
+        self.report
+    }
+
+    /// Every state must heal: checked once per state, when it is expanded (so that the world
+    /// need not be cloned for it).
+    fn heal(&self, mut world: OpWorld, path: &[Event]) {
+        let heal = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.heal()));
+        if let Err(e) = heal {
+            panic!(
+                "exploration: no way back to quiescence after {path:?}: {}",
+                panic_text(&e)
+            );
+        }
+    }
+
+    /// Takes every enabled event from `frame`; new states go to `children`, each checked to
+    /// heal. False when the state bound is reached.
+    fn expand(&mut self, frame: Frame, children: &mut Vec<Frame>) -> bool {
+        let Frame { world, next, path } = frame;
         let mut events = world.enabled();
-        if let Some(&(sender, total)) = plan.get(next) {
+        if let Some(&(sender, total)) = self.plan.get(next) {
             events.push(Event::Begin { sender, total });
         }
         for event in events {
             let mut child = world.clone();
-            let mut child_path = path.clone();
-            child_path.push(event);
             let applied =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child.apply(event)));
             if let Err(e) = applied {
-                panic!("exploration: {} after {child_path:?}", panic_text(&e));
-            }
-            report.transitions += 1;
-            let child_next = next + usize::from(matches!(event, Event::Begin { .. }));
-            if !seen.insert(fingerprint(&child, child_next)) {
-                continue;
-            }
-            report.states += 1;
-            report.depth = report.depth.max(child_path.len());
-            let mut healed = child.clone();
-            let heal = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| healed.heal()));
-            if let Err(e) = heal {
                 panic!(
-                    "exploration: no way back to quiescence after {child_path:?}: {}",
-                    panic_text(&e)
+                    "exploration: {} after {:?}",
+                    panic_text(&e),
+                    with(&path, event)
                 );
             }
-            if report.states >= max_states {
-                report.truncated = true;
-                return report;
+            self.report.transitions += 1;
+            let child_next = next + usize::from(matches!(event, Event::Begin { .. }));
+            let fp = self.fingerprint(&child, child_next);
+            if !self.seen.insert(fp) {
+                continue;
             }
-            queue.push_back((child, child_next, child_path));
+            self.report.states += 1;
+            self.report.depth = self.report.depth.max(path.len() + 1);
+            children.push(Frame {
+                world: child,
+                next: child_next,
+                path: with(&path, event),
+            });
+            if self.report.states >= self.max_states {
+                return false;
+            }
         }
+        // Every successor is taken: the world itself is not needed any more.
+        self.heal(world, &path);
+        true
     }
-    report
+}
+
+fn with(path: &[Event], event: Event) -> Vec<Event> {
+    let mut p = Vec::with_capacity(path.len() + 1);
+    p.extend_from_slice(path);
+    p.push(event);
+    p
 }
 
 fn panic_text(e: &Box<dyn std::any::Any + Send>) -> String {
