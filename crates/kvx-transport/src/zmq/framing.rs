@@ -41,15 +41,10 @@ fn enveloped(frames: &[Bytes]) -> Result<Bytes, Reject> {
     }
 }
 
-/// A ROUTER's incoming `[identity, "", payload]` (or `[identity, payload]`): the sender's
-/// identity and the payload.
-pub(crate) fn routed_in(message: ZmqMessage, max: usize) -> Result<(Bytes, Bytes), Reject> {
-    let frames = message.into_vec();
-    check_sizes(&frames, max)?;
-    let (identity, rest) = frames
-        .split_first()
-        .ok_or(Reject::Malformed("no identity frame"))?;
-    Ok((identity.clone(), enveloped(rest)?))
+/// A ROUTER's incoming `["", payload]` (or `[payload]`) from one connection: the payload.
+pub(crate) fn routed_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
+    check_sizes(frames, max)?;
+    enveloped(frames)
 }
 
 /// A DEALER's incoming `["", payload]` (or `[payload]`): the payload.
@@ -61,22 +56,18 @@ pub(crate) fn reply_in(message: ZmqMessage, max: usize) -> Result<Bytes, Reject>
 
 /// A PULL's incoming notice: exactly one frame (LMCache's PUSH sends `msgpack(ProxyNotif)`
 /// alone).
-pub(crate) fn notice_in(message: ZmqMessage, max: usize) -> Result<Bytes, Reject> {
-    let frames = message.into_vec();
-    check_sizes(&frames, max)?;
-    match <[Bytes; 1]>::try_from(frames) {
-        Ok([payload]) => Ok(payload),
-        Err(_) => Err(Reject::Malformed("a notice must be exactly one frame")),
+pub(crate) fn notice_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
+    check_sizes(frames, max)?;
+    match frames {
+        [payload] => Ok(payload.clone()),
+        _ => Err(Reject::Malformed("a notice must be exactly one frame")),
     }
 }
 
-/// What a ROUTER sends: `[identity, "", payload]`; the ROUTER consumes the identity frame
-/// to pick the connection, so `["", payload]` goes on the wire.
-pub(crate) fn routed_out(identity: Bytes, payload: Bytes) -> ZmqMessage {
-    let mut message = ZmqMessage::from(identity);
-    message.push_back(Bytes::new());
-    message.push_back(payload);
-    message
+/// What a ROUTER puts on the wire to the peer's connection: `["", payload]` (the identity
+/// frame of ZMQ's model only picks the connection).
+pub(crate) fn routed_out(payload: &[u8]) -> [&[u8]; 2] {
+    [b"", payload]
 }
 
 /// What a DEALER sends: `["", payload]`, as LMCache's sender does.
@@ -100,35 +91,33 @@ mod tests {
         ZmqMessage::try_from(frames).expect("test messages have frames")
     }
 
+    fn frames(frames: &[&'static [u8]]) -> Vec<Bytes> {
+        frames.iter().map(|f| Bytes::from_static(f)).collect()
+    }
+
     #[test]
     fn router_accepts_the_lmcache_envelope_and_a_missing_delimiter() {
-        let got = routed_in(msg(&[b"id", b"", b"payload"]), 64);
-        assert_eq!(
-            got,
-            Ok((Bytes::from_static(b"id"), Bytes::from_static(b"payload")))
-        );
-        let got = routed_in(msg(&[b"id", b"payload"]), 64);
-        assert_eq!(
-            got,
-            Ok((Bytes::from_static(b"id"), Bytes::from_static(b"payload")))
-        );
+        let got = routed_in(&frames(&[b"", b"payload"]), 64);
+        assert_eq!(got, Ok(Bytes::from_static(b"payload")));
+        let got = routed_in(&frames(&[b"payload"]), 64);
+        assert_eq!(got, Ok(Bytes::from_static(b"payload")));
         // An empty payload is still a payload: what it means is the codec's business.
-        let got = routed_in(msg(&[b"id", b"", b""]), 64);
-        assert_eq!(got, Ok((Bytes::from_static(b"id"), Bytes::new())));
+        let got = routed_in(&frames(&[b"", b""]), 64);
+        assert_eq!(got, Ok(Bytes::new()));
     }
 
     #[test]
     fn router_rejects_other_shapes() {
         assert!(matches!(
-            routed_in(msg(&[b"id"]), 64),
+            routed_in(&frames(&[]), 64),
             Err(Reject::Malformed(_))
         ));
         assert!(matches!(
-            routed_in(msg(&[b"id", b"x", b"payload"]), 64),
+            routed_in(&frames(&[b"x", b"payload"]), 64),
             Err(Reject::Malformed(_))
         ));
         assert!(matches!(
-            routed_in(msg(&[b"id", b"", b"", b"payload"]), 64),
+            routed_in(&frames(&[b"", b"", b"payload"]), 64),
             Err(Reject::Malformed(_))
         ));
     }
@@ -137,11 +126,11 @@ mod tests {
     fn every_frame_is_held_to_the_limit() {
         let big: &'static [u8] = &[7u8; 65];
         assert_eq!(
-            routed_in(msg(&[b"id", b"", big]), 64),
+            routed_in(&frames(&[b"", big]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
-            routed_in(msg(&[b"id", big, b"payload"]), 64),
+            routed_in(&frames(&[big, b"payload"]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
@@ -149,7 +138,7 @@ mod tests {
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
-            notice_in(msg(&[big]), 64),
+            notice_in(&frames(&[big]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         // Exactly the limit passes.
@@ -175,17 +164,19 @@ mod tests {
 
     #[test]
     fn notices_are_single_frames() {
-        assert_eq!(notice_in(msg(&[b"n"]), 64), Ok(Bytes::from_static(b"n")));
+        assert_eq!(
+            notice_in(&frames(&[b"n"]), 64),
+            Ok(Bytes::from_static(b"n"))
+        );
         assert!(matches!(
-            notice_in(msg(&[b"", b"n"]), 64),
+            notice_in(&frames(&[b"", b"n"]), 64),
             Err(Reject::Malformed(_))
         ));
     }
 
     #[test]
     fn outgoing_shapes() {
-        let out = routed_out(Bytes::from_static(b"id"), Bytes::from_static(b"p")).into_vec();
-        assert_eq!(out, [&b"id"[..], b"", b"p"]);
+        assert_eq!(routed_out(b"p"), [&b""[..], b"p"]);
         assert_eq!(
             request_out(Bytes::from_static(b"p")).into_vec(),
             [&b""[..], b"p"]

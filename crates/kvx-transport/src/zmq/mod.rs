@@ -1,29 +1,30 @@
 //! `ZmqTransport`: `kvx_io::Transport` over ZeroMQ (the `zeromq` crate, pure Rust), speaking
 //! LMCache's socket pattern and framing byte for byte (`docs/spec/zmq.md`).
 //!
-//! - `serve` binds a ROUTER: the receiver's alloc channel. Each sender's routing identity
+//! - `serve` binds a ROUTER (`server`, over `zmtp`): the receiver's alloc channel. Each sender's routing identity
 //!   maps to one stable `PeerId` (`peers`); payloads arrive as `[identity, "", payload]` and
 //!   replies leave the same way (`framing`).
 //! - `connect` opens a DEALER (`dealer`) with the sender's identity in its ZMTP READY, as
 //!   libzmq does. The `zeromq` crate does not reconnect a DEALER by itself, so the task
 //!   watches the connection and re-creates the socket with backoff (`link`), reporting
 //!   `Disconnected` and `Reconnected`.
-//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice.
+//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`, over `zmtp`), one
+//!   frame per notice.
 //!
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
 //! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
-//! `ZmqConfig::frame_max_bytes`. Bound sockets listen behind a frame-length `guard`, so an
-//! announced frame over `frame_refuse_bytes` closes its connection before the `zeromq` codec
-//! would allocate it.
+//! `ZmqConfig::frame_max_bytes`. The bound sockets (ROUTER, PULL) read ZMTP themselves
+//! (`zmtp`), checking every frame's length before buffering it: the `zeromq` crate's codec
+//! allocates whatever length a peer announces. Connecting sockets use the crate.
 
 mod dealer;
 mod framing;
-mod guard;
 mod link;
 mod peers;
 mod push;
 mod server;
+mod zmtp;
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,9 +62,9 @@ pub struct ZmqConfig {
     pub reconnect_backoff_max: Duration,
     /// Largest incoming frame passed on; larger ones are dropped, counted and logged.
     pub frame_max_bytes: usize,
-    /// A peer that announces a frame longer than this is disconnected by the guard in front
-    /// of a bound socket before any of the frame is buffered (`guard`); frames between
-    /// `frame_max_bytes` and this are received and dropped as above. At least
+    /// A peer that announces a frame longer than this to a bound socket is disconnected
+    /// before any of the frame is read; frames between `frame_max_bytes` and this are
+    /// skipped as they arrive (never buffered) and their message dropped as above. At least
     /// `frame_max_bytes`.
     pub frame_refuse_bytes: usize,
     /// Routing identities remembered at most (`PeerId` stability); the least recently

@@ -1,54 +1,30 @@
 //! The bound sockets: the receiver's ROUTER (`serve`) and the proxy's PULL
-//! (`notify_source`). Each listens behind a frame-length guard (`guard`): the zeromq socket
-//! binds an internal loopback port and the guard the public endpoint. Each is owned by
-//! background tasks that end when the handle is dropped, which closes the guard, the socket,
-//! its listener and every accepted connection.
+//! (`notify_source`), speaking ZMTP through `zmtp` (which holds every frame to the limits
+//! before buffering it; see there for why these two are not the `zeromq` crate's).
+//!
+//! One task accepts connections; each connection gets a task that handshakes (bounded by
+//! `connect_timeout`) and reads messages, and a ROUTER connection also a writer task fed by a
+//! bounded queue. Everything ends when the handle is dropped: the accept task and every
+//! connection task watch the incoming channel and stop when its receiver is gone, which
+//! closes the listener and every accepted connection.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use bytes::Bytes;
 use kvx_io::transport::{ControlServer, NotifySource, TransportError, CHANNEL_DEPTH};
 use kvx_proto::PeerId;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use zeromq::{
-    PullSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend,
-};
 
-use super::{bump, framing, guard, worth_logging, zmq_error, Shared};
-
-/// Where a bound socket's zeromq side listens: loopback only, behind the guard.
-const INTERNAL: &str = "tcp://127.0.0.1:0";
-
-/// Binds the guard at `zmq_endpoint` (`tcp://host:port`) in front of the zeromq socket
-/// bound at `inner` (`tcp://127.0.0.1:port`); returns the public endpoint and the guard.
-/// The first address `tcp://host:port` resolves to.
-async fn socket_addr(endpoint: &str) -> Option<std::net::SocketAddr> {
-    let hostport = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
-    tokio::net::lookup_host(hostport).await.ok()?.next()
-}
-
-async fn guard_in_front(
-    shared: &Shared,
-    endpoint: &str,
-    zmq_endpoint: &str,
-    inner: &str,
-) -> Result<(String, AbortOnDrop), TransportError> {
-    let public = socket_addr(zmq_endpoint)
-        .await
-        .ok_or_else(|| TransportError::Endpoint {
-            endpoint: endpoint.to_owned(),
-            why: "cannot resolve the address".into(),
-        })?;
-    let inner = socket_addr(inner)
-        .await
-        .ok_or_else(|| TransportError::Io(format!("internal endpoint {inner} unusable")))?;
-    let refuse = shared.config.frame_refuse_bytes as u64;
-    let g = guard::bind(public, inner, refuse)
-        .await
-        .map_err(|e| TransportError::Io(format!("bind {endpoint}: {e}")))?;
-    Ok((format!("tcp://{}", g.local), AbortOnDrop(g.task)))
-}
+use super::framing::{self, Reject};
+use super::zmtp::{self, FrameReader, Incoming};
+use super::{bump, worth_logging, Shared};
 
 /// Aborts a task when dropped, so a helper task cannot outlive the task that owns it.
 #[derive(Debug)]
@@ -60,88 +36,284 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
+/// for errors.
+async fn listen(endpoint: &str, bind: &str) -> Result<TcpListener, TransportError> {
+    let hostport = bind.strip_prefix("tcp://").unwrap_or(bind);
+    let addr: SocketAddr = tokio::net::lookup_host(hostport)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| TransportError::Endpoint {
+            endpoint: endpoint.to_owned(),
+            why: "cannot resolve the address".into(),
+        })?;
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| TransportError::Io(format!("bind {endpoint}: {e}")))
+}
+
+fn local_endpoint(listener: &TcpListener) -> Result<String, TransportError> {
+    let addr = listener
+        .local_addr()
+        .map_err(|e| TransportError::Io(e.to_string()))?;
+    Ok(format!("tcp://{addr}"))
+}
+
+/// Accepts connections until `closed` resolves, handing each to `serve_conn`.
+async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    closed: impl std::future::Future<Output = ()>,
+    serve_conn: F,
+) where
+    F: Fn(TcpStream) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::pin!(closed);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut closed => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve_conn(stream));
+            }
+            Err(e) => {
+                // Out of descriptors, say: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Handshakes within `connect_timeout`; `None` (logged) when the peer fails it.
+async fn handshake(
+    shared: &Shared,
+    reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: &mut OwnedWriteHalf,
+    ours: &str,
+    peers: &[&str],
+) -> Option<Vec<(String, Bytes)>> {
+    let bound = shared.config.connect_timeout;
+    match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, peers)).await {
+        Ok(Ok(props)) => Some(props),
+        Ok(Err(why)) => {
+            tracing::debug!(socket = ours, %why, "ZMTP handshake refused");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(socket = ours, after = ?bound, "ZMTP handshake timed out");
+            None
+        }
+    }
+}
+
+/// Reads the next message; `None` when the connection is over (closed, broken, or its
+/// stream can no longer be trusted).
+async fn next_message(
+    shared: &Shared,
+    socket: &'static str,
+    reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
+) -> Option<Vec<Bytes>> {
+    loop {
+        match reader.next().await {
+            Ok(Incoming::Message(frames)) => return Some(frames),
+            // ZMTP 3.0 peers send no commands after READY; ignore any (PING and the like).
+            Ok(Incoming::Command(_)) => {}
+            Ok(Incoming::Oversize(len)) => {
+                let max = shared.config.frame_max_bytes;
+                shared.rejected(
+                    socket,
+                    &Reject::Oversize {
+                        len: len as usize,
+                        max,
+                    },
+                );
+            }
+            Ok(Incoming::Closed) => return None,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                tracing::warn!(socket, error = %e, "peer disconnected: its stream broke the limits");
+                return None;
+            }
+            Err(e) => {
+                tracing::debug!(socket, error = %e, "peer connection ended");
+                return None;
+            }
+        }
+    }
+}
+
+fn reader_for(
+    shared: &Shared,
+    stream: TcpStream,
+) -> (FrameReader<tokio::net::tcp::OwnedReadHalf>, OwnedWriteHalf) {
+    let (rd, wr) = stream.into_split();
+    let c = &shared.config;
+    (
+        FrameReader::new(rd, c.frame_max_bytes, c.frame_refuse_bytes),
+        wr,
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// ROUTER
+
+/// The connected peers' reply queues, by routing identity. A newer connection with an
+/// identity takes it over (a DEALER that reconnected while its old connection lingers).
+#[derive(Debug, Default)]
+struct Routes {
+    next_conn: u64,
+    next_anonymous: u32,
+    by_identity: HashMap<Bytes, (u64, mpsc::Sender<Bytes>)>,
+}
+
+type SharedRoutes = Arc<Mutex<Routes>>;
+
+fn lock(routes: &SharedRoutes) -> MutexGuard<'_, Routes> {
+    routes.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub(super) async fn serve(
     shared: Arc<Shared>,
     endpoint: &str,
     zmq_endpoint: &str,
 ) -> Result<ControlServer, TransportError> {
-    let mut socket = RouterSocket::new();
-    let inner = socket
-        .bind(INTERNAL)
-        .await
-        .map_err(|e| zmq_error("bind", endpoint, e))?
-        .to_string();
-    let (local, guard) = guard_in_front(&shared, endpoint, zmq_endpoint, &inner).await?;
+    let listener = listen(endpoint, zmq_endpoint).await?;
+    let local = local_endpoint(&listener)?;
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
-    // Receiving and replying run in separate tasks over the split socket, so a reply stuck
-    // behind one slow peer (up to `send_timeout`) never stops requests from everyone else.
-    let (send_half, recv_half) = socket.split();
-    let replies = tokio::spawn(route_replies(shared.clone(), send_half, out_rx));
-    tokio::spawn(route_requests(
-        shared,
-        recv_half,
-        in_tx,
-        [AbortOnDrop(replies), guard],
-    ));
+    let routes = SharedRoutes::default();
+    // Replies run in their own task, so a reply stuck behind one slow peer (up to
+    // `send_timeout`) never stops requests from everyone else.
+    let replies = AbortOnDrop(tokio::spawn(route_replies(
+        shared.clone(),
+        routes.clone(),
+        out_rx,
+    )));
+    let closed = {
+        let in_tx = in_tx.clone();
+        async move {
+            in_tx.closed().await;
+            // Clones of `ControlServer::replies()` do not keep a dropped server bound.
+            drop(replies);
+            tracing::debug!("ROUTER handle dropped; closing");
+        }
+    };
+    tokio::spawn(accept_loop(listener, closed, move |stream| {
+        router_conn(shared.clone(), routes.clone(), in_tx.clone(), stream)
+    }));
     tracing::debug!(endpoint = %local, "ROUTER bound");
     Ok(ControlServer::new(local, in_rx, out_tx))
 }
 
-/// Passes each well-formed incoming message on as `(PeerId, payload)`. Ends when the
-/// `ControlServer` is dropped, taking the reply task, the guard and the socket with it:
-/// clones of `ControlServer::replies()` do not keep a dropped server bound.
-async fn route_requests(
+/// One DEALER's connection: handshake, then its requests in, its replies out.
+async fn router_conn(
     shared: Arc<Shared>,
-    mut socket: RouterRecvHalf,
+    routes: SharedRoutes,
     incoming: mpsc::Sender<(PeerId, Bytes)>,
-    _replies_and_guard: [AbortOnDrop; 2],
+    stream: TcpStream,
 ) {
+    let (mut reader, mut writer) = reader_for(&shared, stream);
+    let Some(props) = handshake(
+        &shared,
+        &mut reader,
+        &mut writer,
+        "ROUTER",
+        &["DEALER", "REQ", "ROUTER"],
+    )
+    .await
+    else {
+        return;
+    };
+    let (conn, identity, queue) = {
+        let mut r = lock(&routes);
+        let identity = props
+            .into_iter()
+            .find(|(k, v)| k.eq_ignore_ascii_case("Identity") && !v.is_empty())
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| {
+                // As libzmq names an anonymous peer: a zero byte and a counter.
+                r.next_anonymous = r.next_anonymous.wrapping_add(1);
+                let mut id = vec![0u8];
+                id.extend_from_slice(&r.next_anonymous.to_be_bytes());
+                Bytes::from(id)
+            });
+        r.next_conn += 1;
+        let conn = r.next_conn;
+        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+        r.by_identity.insert(identity.clone(), (conn, tx));
+        (conn, identity, rx)
+    };
+    let _writer = AbortOnDrop(tokio::spawn(write_replies(writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
-        let received = tokio::select! {
-            _ = incoming.closed() => break,
-            received = socket.recv() => received,
+        let next = tokio::select! {
+            () = incoming.closed() => break,
+            next = next_message(&shared, "ROUTER", &mut reader) => next,
         };
-        match received {
-            Ok(message) => match framing::routed_in(message, max) {
-                Ok((identity, payload)) => {
-                    let peer = shared.peers().peer_for(&identity);
-                    if incoming.send((peer, payload)).await.is_err() {
-                        break;
-                    }
+        let Some(frames) = next else { break };
+        match framing::routed_in(&frames, max) {
+            Ok(payload) => {
+                let peer = shared.peers().peer_for(&identity);
+                if incoming.send((peer, payload)).await.is_err() {
+                    break;
                 }
-                Err(reject) => shared.rejected("ROUTER", &reject),
-            },
-            Err(e) => {
-                // The ROUTER drops a failing peer itself and only reports errors it cannot
-                // attribute; yield so that even a pathological repeat cannot spin.
-                tracing::warn!(error = %e, "ROUTER receive failed");
-                tokio::task::yield_now().await;
             }
+            Err(reject) => shared.rejected("ROUTER", &reject),
         }
     }
-    tracing::debug!("ROUTER handle dropped; closing");
+    let mut r = lock(&routes);
+    if r.by_identity
+        .get(&identity)
+        .is_some_and(|(c, _)| *c == conn)
+    {
+        r.by_identity.remove(&identity);
+    }
 }
 
-/// Sends each reply as `[identity, "", payload]`. A reply to a peer that is not connected is
+/// Writes one connection's replies as `["", payload]`, as many as are queued per write.
+async fn write_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::Receiver<Bytes>) {
+    use tokio::io::AsyncWriteExt;
+    let mut buf = Vec::new();
+    while let Some(payload) = queue.recv().await {
+        buf.clear();
+        zmtp::encode_message(&framing::routed_out(&payload), &mut buf);
+        while let Ok(more) = queue.try_recv() {
+            zmtp::encode_message(&framing::routed_out(&more), &mut buf);
+        }
+        if writer.write_all(&buf).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Hands each reply to its peer's connection. A reply to a peer that is not connected is
 /// lost, as with any ROUTER; the sender's reply timeout covers it.
 async fn route_replies(
     shared: Arc<Shared>,
-    mut socket: RouterSendHalf,
+    routes: SharedRoutes,
     mut outgoing: mpsc::Receiver<(PeerId, Bytes)>,
 ) {
     let send_timeout = shared.config.send_timeout;
     while let Some((peer, payload)) = outgoing.recv().await {
-        let identity = shared.peers().identity_of(peer);
-        let Some(identity) = identity else {
+        let Some(identity) = shared.peers().identity_of(peer) else {
             unroutable(&shared, peer, "no such peer");
             continue;
         };
-        let message = framing::routed_out(identity, payload);
-        match tokio::time::timeout(send_timeout, socket.send(message)).await {
+        let queue = lock(&routes)
+            .by_identity
+            .get(&identity)
+            .map(|(_, q)| q.clone());
+        let Some(queue) = queue else {
+            unroutable(&shared, peer, "not connected");
+            continue;
+        };
+        match tokio::time::timeout(send_timeout, queue.send(payload)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => unroutable(&shared, peer, &e.to_string()),
+            Ok(Err(_)) => unroutable(&shared, peer, "its connection closed"),
             Err(_) => {
                 let n = bump(&shared.counters.send_timeouts);
                 tracing::warn!(%peer, after = ?send_timeout, timeouts_so_far = n,
@@ -159,54 +331,57 @@ fn unroutable(shared: &Shared, peer: PeerId, why: &str) {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// PULL
+
 pub(super) async fn notify_source(
     shared: Arc<Shared>,
     endpoint: &str,
     zmq_endpoint: &str,
 ) -> Result<NotifySource, TransportError> {
-    let mut socket = PullSocket::new();
-    let inner = socket
-        .bind(INTERNAL)
-        .await
-        .map_err(|e| zmq_error("bind", endpoint, e))?
-        .to_string();
-    let (local, guard) = guard_in_front(&shared, endpoint, zmq_endpoint, &inner).await?;
+    let listener = listen(endpoint, zmq_endpoint).await?;
+    let local = local_endpoint(&listener)?;
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
-    tokio::spawn(pull_notices(shared, socket, tx, guard));
+    let closed = {
+        let tx = tx.clone();
+        async move {
+            tx.closed().await;
+            tracing::debug!("PULL handle dropped; closing");
+        }
+    };
+    tokio::spawn(accept_loop(listener, closed, move |stream| {
+        pull_conn(shared.clone(), tx.clone(), stream)
+    }));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
 }
 
-async fn pull_notices(
-    shared: Arc<Shared>,
-    mut socket: PullSocket,
-    incoming: mpsc::Sender<Bytes>,
-    _guard: AbortOnDrop,
-) {
+/// One PUSH's connection: handshake, then one notice per message.
+async fn pull_conn(shared: Arc<Shared>, incoming: mpsc::Sender<Bytes>, stream: TcpStream) {
+    // The write half stays open for the connection's life: closing it would tell the PUSH
+    // that this end is gone.
+    let (mut reader, mut writer) = reader_for(&shared, stream);
+    if handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"])
+        .await
+        .is_none()
+    {
+        return;
+    }
     let max = shared.config.frame_max_bytes;
     loop {
-        let received = tokio::select! {
-            _ = incoming.closed() => break,
-            received = socket.recv() => received,
+        let next = tokio::select! {
+            () = incoming.closed() => break,
+            next = next_message(&shared, "PULL", &mut reader) => next,
         };
-        match received {
-            Ok(message) => match framing::notice_in(message, max) {
-                Ok(payload) => {
-                    if incoming.send(payload).await.is_err() {
-                        break;
-                    }
+        let Some(frames) = next else { break };
+        match framing::notice_in(&frames, max) {
+            Ok(payload) => {
+                if incoming.send(payload).await.is_err() {
+                    break;
                 }
-                Err(reject) => shared.rejected("PULL", &reject),
-            },
-            Err(e) => {
-                // A peer whose stream failed; the PULL has already dropped it.
-                tracing::debug!(error = %e, "PULL receive failed");
-                tokio::task::yield_now().await;
             }
+            Err(reject) => shared.rejected("PULL", &reject),
         }
     }
-    // zeromq 0.7's PullSocket, unlike its other sockets, has no Drop that shuts its
-    // connections down: their writer tasks would keep them open after the socket is gone.
-    socket.backend().shutdown();
-    tracing::debug!("PULL handle dropped; closing");
+    drop(writer);
 }

@@ -1,0 +1,349 @@
+//! The ZMTP 3 subset kvx's bound sockets speak (RFC 23, NULL mechanism): the greeting, the
+//! READY command, and multipart messages of `flags, length, body` frames.
+//!
+//! Why kvx reads ZMTP itself on its bound sockets (ROUTER, PULL) instead of through the
+//! `zeromq` crate: that crate's codec reserves a frame's announced length before reading it
+//! and has no maximum message size, so nine bytes announcing a 1 TiB frame abort the process,
+//! and nothing in its API reaches in front of the codec. Here every frame length is checked
+//! before a byte of the body is buffered: a frame over `frame_max_bytes` is skipped as it
+//! streams past (the message is dropped and counted), and one announced over
+//! `frame_refuse_bytes` ends the connection. Connecting sockets (DEALER, PUSH) still use the
+//! crate: they talk to the receiver and proxy their operator configured.
+
+use std::io;
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+const MORE: u8 = 0x01;
+const LONG: u8 = 0x02;
+const COMMAND: u8 = 0x04;
+
+/// kvx's greeting: signature (with libzmq's padding), ZMTP 3.0, NULL, as-server 0, filler.
+/// 3.0 rather than 3.1: a 3.1 peer then never sends heartbeats, and the framing is the same.
+pub(super) fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[8] = 0x01;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[11] = 0;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// Checks a peer's greeting: a ZMTP 3 signature and the NULL mechanism.
+pub(super) fn check_greeting(g: &[u8; 64]) -> Result<(), String> {
+    if g[0] != 0xff || g[9] & 0x01 != 0x01 {
+        return Err("not a ZMTP greeting".into());
+    }
+    if g[10] < 3 {
+        return Err(format!(
+            "ZMTP {}.{} is too old (3.0 or later)",
+            g[10], g[11]
+        ));
+    }
+    let mechanism = &g[12..32];
+    if !mechanism.starts_with(b"NULL") || mechanism[4..].iter().any(|&b| b != 0) {
+        return Err("only the NULL mechanism is supported".into());
+    }
+    Ok(())
+}
+
+/// A READY command announcing `socket_type`, as one frame on the wire.
+pub(super) fn ready(socket_type: &str) -> Vec<u8> {
+    let mut body = Vec::with_capacity(32);
+    body.push(5);
+    body.extend_from_slice(b"READY");
+    let name = b"Socket-Type";
+    body.push(name.len() as u8);
+    body.extend_from_slice(name);
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut frame = Vec::with_capacity(body.len() + 2);
+    frame.extend_from_slice(&[COMMAND, body.len() as u8]);
+    frame.extend_from_slice(&body);
+    frame
+}
+
+/// The properties of a READY command body; an error for anything else.
+pub(super) fn parse_ready(body: &[u8]) -> Result<Vec<(String, Bytes)>, String> {
+    let bad = || "malformed READY command".to_owned();
+    let (&name_len, rest) = body.split_first().ok_or_else(bad)?;
+    let name = rest.get(..usize::from(name_len)).ok_or_else(bad)?;
+    if name != b"READY" {
+        return Err(format!(
+            "expected READY, got the command {:?}",
+            String::from_utf8_lossy(name)
+        ));
+    }
+    let mut rest = &rest[usize::from(name_len)..];
+    let mut props = Vec::new();
+    while let Some((&n, tail)) = rest.split_first() {
+        let key = tail.get(..usize::from(n)).ok_or_else(bad)?;
+        let tail = &tail[usize::from(n)..];
+        let len = tail.get(..4).ok_or_else(bad)?;
+        let len = u32::from_be_bytes(len.try_into().map_err(|_| bad())?) as usize;
+        let value = tail.get(4..4 + len).ok_or_else(bad)?;
+        props.push((
+            String::from_utf8_lossy(key).into_owned(),
+            Bytes::copy_from_slice(value),
+        ));
+        rest = &tail[4 + len..];
+    }
+    Ok(props)
+}
+
+/// What reading one message found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Incoming {
+    /// A complete message's frames.
+    Message(Vec<Bytes>),
+    /// A command frame (after the handshake: PING and the like), body included.
+    Command(Bytes),
+    /// A message with a frame over `frame_max_bytes`, skipped without buffering it.
+    Oversize(u64),
+    /// The peer closed the connection cleanly between messages.
+    Closed,
+}
+
+/// Reads frames from one connection, holding each frame to the limits before buffering it.
+#[derive(Debug)]
+pub(super) struct FrameReader<R> {
+    io: R,
+    buf: BytesMut,
+    max: u64,
+    refuse_above: u64,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub(super) fn new(io: R, max: usize, refuse_above: usize) -> Self {
+        Self {
+            io,
+            buf: BytesMut::with_capacity(8 << 10),
+            max: max as u64,
+            refuse_above: refuse_above as u64,
+        }
+    }
+
+    /// Reads until `buf` holds `n` bytes; false on a clean end of stream before any byte of
+    /// this step when `eof_ok`.
+    async fn fill(&mut self, n: usize, eof_ok: bool) -> io::Result<bool> {
+        while self.buf.len() < n {
+            if self.io.read_buf(&mut self.buf).await? == 0 {
+                if eof_ok && self.buf.is_empty() {
+                    return Ok(false);
+                }
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+        Ok(true)
+    }
+
+    pub(super) async fn greeting(&mut self) -> io::Result<[u8; 64]> {
+        self.fill(64, false).await?;
+        let mut g = [0u8; 64];
+        self.buf.copy_to_slice(&mut g);
+        Ok(g)
+    }
+
+    /// Discards `left` body bytes as they arrive, never holding more than one read.
+    async fn skip(&mut self, mut left: u64) -> io::Result<()> {
+        loop {
+            let take = left.min(self.buf.len() as u64) as usize;
+            self.buf.advance(take);
+            left -= take as u64;
+            if left == 0 {
+                return Ok(());
+            }
+            self.buf.clear();
+            if self.io.read_buf(&mut self.buf).await? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+
+    /// Reads one message (or one command). An `InvalidData` error means the stream cannot be
+    /// trusted any further (reserved flags, a frame announced over `frame_refuse_bytes`).
+    pub(super) async fn next(&mut self) -> io::Result<Incoming> {
+        let mut frames = Vec::new();
+        let mut oversize = None;
+        loop {
+            if !self
+                .fill(1, frames.is_empty() && oversize.is_none())
+                .await?
+            {
+                return Ok(Incoming::Closed);
+            }
+            let flags = self.buf[0];
+            if flags & !(MORE | LONG | COMMAND) != 0 {
+                return Err(invalid(format!("reserved ZMTP frame flags {flags:#04x}")));
+            }
+            let header = if flags & LONG != 0 { 9 } else { 2 };
+            self.fill(header, false).await?;
+            let len = if flags & LONG != 0 {
+                u64::from_be_bytes(self.buf[1..9].try_into().expect("invariant: 8 bytes"))
+            } else {
+                u64::from(self.buf[1])
+            };
+            self.buf.advance(header);
+            if len > self.refuse_above {
+                return Err(invalid(format!(
+                    "a frame of {len} bytes announced (limit {})",
+                    self.refuse_above
+                )));
+            }
+            if len > self.max {
+                oversize.get_or_insert(len);
+                self.skip(len).await?;
+            } else {
+                let len = len as usize;
+                self.fill(len, false).await?;
+                let body = self.buf.split_to(len).freeze();
+                if flags & COMMAND != 0 {
+                    // Commands are single frames, never part of a message.
+                    return Ok(Incoming::Command(body));
+                }
+                if oversize.is_none() {
+                    frames.push(body);
+                }
+            }
+            if flags & MORE == 0 {
+                return Ok(match oversize {
+                    Some(len) => Incoming::Oversize(len),
+                    None => Incoming::Message(frames),
+                });
+            }
+        }
+    }
+}
+
+fn invalid(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why)
+}
+
+/// Appends `frames` as one message to `out`: MORE on all but the last, long frames from 256
+/// bytes, as libzmq frames them.
+pub(super) fn encode_message(frames: &[&[u8]], out: &mut Vec<u8>) {
+    for (i, frame) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { MORE } else { 0 };
+        if frame.len() < 256 {
+            out.extend_from_slice(&[more, frame.len() as u8]);
+        } else {
+            out.push(more | LONG);
+            out.extend_from_slice(&(frame.len() as u64).to_be_bytes());
+        }
+        out.extend_from_slice(frame);
+    }
+}
+
+/// The handshake of a bound socket of type `ours`: our greeting and READY out, the peer's
+/// checked (greeting, then READY with a `Socket-Type` in `peers`). Returns the peer's READY
+/// properties. The caller bounds it in time.
+pub(super) async fn handshake<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    ours: &str,
+    peers: &[&str],
+) -> Result<Vec<(String, Bytes)>, String>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut hello = greeting().to_vec();
+    hello.extend_from_slice(&ready(ours));
+    writer.write_all(&hello).await.map_err(|e| e.to_string())?;
+    check_greeting(&reader.greeting().await.map_err(|e| e.to_string())?)?;
+    let Incoming::Command(body) = reader.next().await.map_err(|e| e.to_string())? else {
+        return Err("the peer sent no READY command".into());
+    };
+    let props = parse_ready(&body)?;
+    let kind = props
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("Socket-Type"))
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        .unwrap_or_default();
+    if !peers.iter().any(|p| *p == kind) {
+        return Err(format!("a {kind:?} socket cannot talk to a {ours}"));
+    }
+    Ok(props)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn read_all(stream: &[u8], max: usize, refuse: usize) -> Vec<io::Result<Incoming>> {
+        let mut r = FrameReader::new(stream, max, refuse);
+        let mut out = Vec::new();
+        loop {
+            let next = r.next().await;
+            let end = matches!(next, Ok(Incoming::Closed) | Err(_));
+            out.push(next);
+            if end {
+                return out;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn messages_commands_and_oversize_frames() {
+        let mut s = Vec::new();
+        encode_message(&[b"", b"hello"], &mut s);
+        s.extend_from_slice(&[COMMAND, 4, b'P', b'I', b'N', b'G']);
+        encode_message(&[b"", &[7u8; 300]], &mut s); // over a 256-byte limit: skipped
+        encode_message(&[&[9u8; 256]], &mut s); // exactly the limit, a long frame
+        let got = read_all(&s, 256, 1024).await;
+        let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
+        assert_eq!(
+            got,
+            [
+                Incoming::Message(vec![Bytes::new(), Bytes::from_static(b"hello")]),
+                Incoming::Command(Bytes::from_static(b"PING")),
+                Incoming::Oversize(300),
+                Incoming::Message(vec![Bytes::from(vec![9u8; 256])]),
+                Incoming::Closed,
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_terabyte_announced_ends_the_stream_without_buffering() {
+        let mut s = vec![LONG];
+        s.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        let got = read_all(&s, 1 << 20, 16 << 20).await;
+        let err = got.last().expect("one").as_ref().expect_err("refused");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn reserved_flags_and_truncation_are_errors() {
+        let got = read_all(&[0x80, 0], 64, 64).await;
+        assert!(got[0].is_err());
+        let got = read_all(&[MORE, 1, b'a'], 64, 64).await;
+        assert_eq!(
+            got[0].as_ref().expect_err("truncated").kind(),
+            io::ErrorKind::UnexpectedEof
+        );
+    }
+
+    #[test]
+    fn greeting_and_ready_round_trip() {
+        assert_eq!(check_greeting(&greeting()), Ok(()));
+        let mut old = greeting();
+        old[10] = 2;
+        assert!(check_greeting(&old).is_err());
+        let mut curve = greeting();
+        curve[12..17].copy_from_slice(b"CURVE");
+        assert!(check_greeting(&curve).is_err());
+        let frame = ready("ROUTER");
+        assert_eq!(frame[0], COMMAND);
+        let props = parse_ready(&frame[2..]).expect("parses");
+        assert_eq!(
+            props,
+            [("Socket-Type".to_owned(), Bytes::from_static(b"ROUTER"))]
+        );
+        assert!(parse_ready(b"\x04PING").is_err());
+        assert!(parse_ready(b"\x05READY\x0bSocket-Type\x00\x00\x00\x09ROUT").is_err());
+    }
+}
