@@ -1,5 +1,6 @@
-//! The receiver's canonical encoding for the explorer (feature `testing`; see
-//! `testing/explore/canon.rs` for what is renamed and why that is sound).
+//! The receiver's hooks for the explorer (feature `testing`): its canonical encoding (see
+//! `testing/explore/canon.rs` for what is renamed and why that is sound), and two questions
+//! the explorer's world asks of it.
 //!
 //! Left out, because no later step reads them: `cfg` (fixed), `stats`, `next_ticket` (it only
 //! hands out fresh tickets; live ones are renamed by rank), a request's `arrived` (read only
@@ -20,6 +21,27 @@ impl ReceiverLedger {
     }
 
     /// Must come before anything else that names a buffer slot or a write tag.
+    /// A request admitted (or past admission) although one that arrived before it still
+    /// waits: tickets are handed out on arrival, and a request that arrives while others wait
+    /// queues behind them, so under FIFO admission every waiting ticket is larger than every
+    /// other tracked one. Returns (the later one, the earlier one still waiting).
+    pub(crate) fn admitted_out_of_order(&self) -> Option<(ReqKey, ReqKey)> {
+        let waiting = |r: &&super::Request| matches!(r.phase, Phase::Waiting { .. });
+        let (first_waiting, _) = self
+            .requests
+            .iter()
+            .filter(|(_, r)| waiting(r))
+            .min_by_key(|(_, r)| r.ticket)?;
+        let (later, _) = self
+            .requests
+            .iter()
+            .filter(|(_, r)| !waiting(r))
+            .max_by_key(|(_, r)| r.ticket)?;
+        let later_ticket = self.requests[later].ticket;
+        (later_ticket > self.requests[first_waiting].ticket)
+            .then(|| (later.clone(), first_waiting.clone()))
+    }
+
     pub(crate) fn canon(&self, enc: &mut Canon) {
         self.slots.canon_free(enc);
         self.admission.canon(enc);

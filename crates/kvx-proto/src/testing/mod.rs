@@ -6,7 +6,7 @@
 //!   every link is FIFO, every write is a model of a one-sided write into receiver memory.
 //! - `checker.rs`: the global checks run after every step and at the end.
 //! - `ops.rs`: `OpWorld`, a byte-driven event sequence over the core (fuzzing, properties).
-//! - `explore.rs`: exhaustive exploration of every interleaving for small configurations.
+//! - `explore/`: exhaustive exploration of every interleaving for small configurations.
 //!
 //! `Cluster::run` is bounded in steps and in virtual time and returns `Stuck` with a dump
 //! of what is outstanding instead of hanging.

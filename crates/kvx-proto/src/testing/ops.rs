@@ -1,11 +1,12 @@
-//! A byte-driven driver of the core for fuzzing (`fuzz/fuzz_targets/core_events.rs`) and
-//! property tests: two senders and one receiver wired by explicit FIFO queues, where each
-//! pair of input bytes picks the next event — a begin, a batch, a delivery on one link, a
-//! write completing or failing, a cancel, time passing, a consume, a lost connection.
-//! Every state machine's `check_invariants()` runs after each event, a write may land only
-//! in a live grant of its own request (or in quarantine), and at the end the world heals:
-//! everything is delivered, completed and timed out, and every request must have ended with
-//! both buffers entirely free.
+//! A byte-driven driver of the core for fuzzing (`fuzz/fuzz_targets/core_events.rs`),
+//! property tests and the explorer (`explore/`): two senders and one receiver wired by
+//! explicit FIFO queues, where each pair of input bytes picks the next event — a begin, a
+//! batch, a delivery on one link, a write completing or failing, a cancel, time passing, a
+//! consume, a lost connection. Every state machine's `check_invariants()` runs after each
+//! event, a write may land only in a live grant of its own request (or in quarantine),
+//! admission is FIFO, a caller that asks for staging before admission is refused, and at the
+//! end the world heals: everything is delivered, completed and timed out, and every request
+//! must have ended with both buffers entirely free.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -317,6 +318,14 @@ impl OpWorld {
     /// Stages and submits up to `n` chunks of the first admitted request with chunks left.
     fn submit(&mut self, s: usize, n: u32) {
         let side = &mut self.sides[s];
+        // A caller that does not wait for `Admitted` asks for staging for its other requests
+        // too: the core must refuse (S2). Whatever it hands out anyway stays staged, where the
+        // sender's invariant sees it.
+        for (id, total, done) in &side.requests {
+            if done < total && !side.flow.is_admitted(id) {
+                let _ = side.flow.try_allocate(id);
+            }
+        }
         let Some(i) = side
             .requests
             .iter()
@@ -487,6 +496,9 @@ impl OpWorld {
             side.flow.check_invariants();
         }
         self.receiver.check_invariants();
+        if let Some((admitted, waiting)) = self.receiver.admitted_out_of_order() {
+            panic!("checker: {admitted} was admitted while {waiting}, which queued before it, waits (A2: admission is FIFO)");
+        }
         if let Err(v) = self.checker.first_violation() {
             panic!("checker: {v}");
         }

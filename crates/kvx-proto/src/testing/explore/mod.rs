@@ -9,9 +9,12 @@
 //! them covers the other.
 //!
 //! Breadth-first (`explore`) finds the shortest event sequence to a bug, which is what a
-//! bounded search wants; depth-first (`explore_depth_first`) holds only the current path's
-//! frontier in memory, which is what a complete search of millions of states needs. Both
-//! visit the same states when neither is truncated.
+//! bounded search wants; depth-first (`explore_from(…, Order::DepthFirst)`) holds only the
+//! current path's unexpanded siblings in memory, which is what a complete search of millions
+//! of states needs. Both visit the same states when neither is truncated.
+//!
+//! - `canon.rs`: the canonical encoding and the fingerprint.
+//! - `reference.rs`: `check_abstraction`, the encoding checked against the whole state.
 
 mod canon;
 mod reference;
