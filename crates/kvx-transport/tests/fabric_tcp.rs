@@ -78,14 +78,26 @@ async fn tcp_restart_at_the_same_endpoint() {
     fabric_common::restart_at_the_same_endpoint(&TcpFabric::new()).await;
 }
 
-/// The copying send path (`zero_copy: false`, and every platform but Linux) conforms too.
+/// The zero-copy send path (`zero_copy: true`, Linux) conforms too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_copying_sends_one_mib_slots() {
-    let f = TcpFabric::with_config(TcpFabricConfig {
-        zero_copy: false,
+async fn tcp_zero_copy_sends_one_mib_slots() {
+    fabric_common::one_mib_slots(&zero_copy(), EP).await;
+}
+
+/// The zero-copy path through two senders at once and a connection cut mid-stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_zero_copy_two_senders_and_a_cut() {
+    fabric_common::two_senders_concurrently(&zero_copy(), EP).await;
+    const SLOT: usize = 256 << 10;
+    let cut = 32 + 3 * (32 + SLOT) + SLOT / 2;
+    fabric_common::cut_mid_stream(&zero_copy(), EP, SLOT, cut).await;
+}
+
+fn zero_copy() -> TcpFabric {
+    TcpFabric::with_config(TcpFabricConfig {
+        zero_copy: true,
         ..TcpFabricConfig::default()
-    });
-    fabric_common::one_mib_slots(&f, EP).await;
+    })
 }
 
 /// Zero-copy sends hand the kernel references to staging pages, so a slot rewritten as soon
@@ -98,7 +110,7 @@ async fn tcp_staging_rewritten_right_after_completion_never_changes_landed_bytes
     use kvx_proto::{SlotIndex, StagingSlot, WriteId};
     const MIB: usize = 1 << 20;
     const ROUNDS: u32 = 32;
-    let f = TcpFabric::new();
+    let f = zero_copy();
     let listener = f.expose(EP, ROUNDS, MIB).await.expect("expose");
     let staging = f.allocate_staging(1, MIB).expect("staging");
     let mut conn = fabric_common::step(

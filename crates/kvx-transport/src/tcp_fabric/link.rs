@@ -30,7 +30,10 @@ pub struct LinkConfig {
     /// faster than a fixed 4 MiB (`docs/spec/fabrics.md` §Throughput).
     pub socket_buffer: Option<u32>,
     /// Sends payloads with `vmsplice` + `splice` instead of copying them into the socket
-    /// (Linux; elsewhere ignored): one copy of every byte fewer (`tcp_fabric/splice.rs`).
+    /// (Linux; elsewhere ignored): one copy of every byte fewer (`tcp_fabric/splice.rs`), but
+    /// page pinning and page-sized socket fragments instead. Off by default: on the 2-core VM
+    /// it measured no faster in `kvx demo` and 25–30 % slower in `kvx bench` while another job
+    /// held a core (`docs/spec/fabrics.md` §3); measure on the target host before enabling.
     pub zero_copy: bool,
 }
 
@@ -40,7 +43,7 @@ impl Default for LinkConfig {
             connect_timeout: Duration::from_secs(5),
             fence_timeout: Duration::from_secs(5),
             socket_buffer: None,
-            zero_copy: true,
+            zero_copy: false,
         }
     }
 }
