@@ -153,26 +153,14 @@ impl<'a> Explorer<'a> {
         }
         // A truncated search still checks that every state it reached heals.
         for frame in pending {
-            self.heal(frame.world, &frame.path);
+            heal(frame.world, &frame.path);
         }
         self.report.elapsed = started.elapsed();
         self.report
     }
 
-    /// Every state must heal: checked once per state, when it is expanded (so that the world
-    /// need not be cloned for it).
-    fn heal(&self, mut world: OpWorld, path: &[Event]) {
-        let heal = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.heal()));
-        if let Err(e) = heal {
-            panic!(
-                "exploration: no way back to quiescence after {path:?}: {}",
-                panic_text(&e)
-            );
-        }
-    }
-
-    /// Takes every enabled event from `frame`; new states go to `children`, each checked to
-    /// heal. False when the state bound is reached.
+    /// Takes every enabled event from `frame`'s world (new states go to `children`), then
+    /// checks that the world itself heals. False when the state bound is reached.
     fn expand(&mut self, frame: Frame, children: &mut Vec<Frame>) -> bool {
         let Frame { world, next, path } = frame;
         let mut events = world.enabled();
@@ -204,12 +192,25 @@ impl<'a> Explorer<'a> {
                 path: with(&path, event),
             });
             if self.report.states >= self.max_states {
+                heal(world, &path);
                 return false;
             }
         }
         // Every successor is taken: the world itself is not needed any more.
-        self.heal(world, &path);
+        heal(world, &path);
         true
+    }
+}
+
+/// Every state must heal: checked once per state, when it is expanded (so that the world
+/// need not be cloned for it).
+fn heal(mut world: OpWorld, path: &[Event]) {
+    let heal = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| world.heal()));
+    if let Err(e) = heal {
+        panic!(
+            "exploration: no way back to quiescence after {path:?}: {}",
+            panic_text(&e)
+        );
     }
 }
 
