@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs `kvx demo --json` once per configuration, in turn, for ROUNDS rounds (so the
+# configurations share the machine's conditions), printing throughput, latency and CPU per GB.
+#   bash scripts/demo-ab.sh ROUNDS "ARGS1" "ARGS2" ...
+#   e.g. bash scripts/demo-ab.sh 3 "--staging-chunks 64" "--staging-chunks 8"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p kvx
+rounds=$1
+shift
+out=$(mktemp)
+times=$(mktemp)
+trap 'rm -f "$out" "$times"' EXIT
+for _ in $(seq 1 "$rounds"); do
+  for args in "$@"; do
+    # shellcheck disable=SC2086 # ARGS are meant to split into flags
+    /usr/bin/time -f "%U %S" -o "$times" ./target/release/kvx demo --json $args >"$out" 2>/dev/null
+    python3 - "$args" "$out" "$times" <<'PY'
+import json, sys
+args, out, times = sys.argv[1:]
+d = json.load(open(out))
+user, system = map(float, open(times).read().split()[-2:])
+print(f"{args:45s} {d['bytes_per_sec'] / 1e9:5.2f} GB/s  p50 {d['latency_ms_p50']:6.1f} ms  "
+      f"p99 {d['latency_ms_p99']:6.1f} ms  CPU/GB {(user + system) / (d['bytes_verified'] / 1e9):.3f}  "
+      f"complete={d['requests_completed'] == d['requests_total']}")
+PY
+  done
+done
