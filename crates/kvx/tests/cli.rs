@@ -82,31 +82,32 @@ fn bad_input_gets_a_clear_error_and_a_failing_status() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("MIN <= MAX"));
 }
 
-#[test]
-fn demo_in_process_completes_and_reports_json() {
-    let out = kvx()
-        .args([
-            "demo",
-            "--transport",
-            "mem",
-            "--fabric",
-            "mem",
-            "--json",
-            "--requests",
-            "10",
-            "--chunk-bytes",
-            "4096",
-            "--cancel-fraction",
-            "0.2",
-        ])
-        .output()
-        .expect("kvx runs");
+/// Runs an in-process demo (mem transport and fabric, 4 KiB chunks, JSON) with `extra`
+/// flags; it must succeed; returns its JSON summary.
+fn mem_demo(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "demo",
+        "--transport",
+        "mem",
+        "--fabric",
+        "mem",
+        "--json",
+        "--chunk-bytes",
+        "4096",
+    ];
+    args.extend_from_slice(extra);
+    let out = kvx().args(&args).output().expect("kvx runs");
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+#[test]
+fn demo_in_process_completes_and_reports_json() {
+    let s = mem_demo(&["--requests", "10", "--cancel-fraction", "0.2"]);
     for field in [
         "requests_total",
         "requests_completed",
@@ -132,31 +133,14 @@ fn demo_in_process_completes_and_reports_json() {
 /// every request of more than one chunk depends on it.
 #[test]
 fn demo_with_staging_smaller_than_a_batch_completes_every_request() {
-    let out = kvx()
-        .args([
-            "demo",
-            "--transport",
-            "mem",
-            "--fabric",
-            "mem",
-            "--json",
-            "--requests",
-            "6",
-            "--chunk-bytes",
-            "4096",
-            "--staging-chunks",
-            "1",
-            "--interleave",
-            "4",
-        ])
-        .output()
-        .expect("kvx runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let s = mem_demo(&[
+        "--requests",
+        "6",
+        "--staging-chunks",
+        "1",
+        "--interleave",
+        "4",
+    ]);
     assert_eq!(s["requests_completed"], 12, "{s}");
 }
 
