@@ -2,11 +2,14 @@
 //! madsim (the simulation has its own models in `sim/`).
 //!
 //! Map:
-//! - `zmq`: `ZmqTransport`, LMCache's socket pattern and framing on the `zeromq` crate:
-//!   sender DEALER → receiver ROUTER for `AllocRequest`/`CancelNotif` and replies, sender
-//!   PUSH → proxy PULL for `ProxyNotif`; reconnects, bounded waits, a frame-size limit.
+//! - `zmq`: `ZmqTransport`, LMCache's socket pattern and framing: sender DEALER → receiver
+//!   ROUTER for `AllocRequest`/`CancelNotif` and replies, sender PUSH → proxy PULL for
+//!   `ProxyNotif`; the connecting sockets are the `zeromq` crate's, the bound ones kvx's own
+//!   ZMTP server (frame lengths checked before anything is buffered); reconnects, bounded
+//!   waits.
 //! - `tcp_fabric`: `TcpFabric`, one-sided writes carried over TCP into the receiver's
-//!   registered buffer, for clusters without RDMA.
+//!   registered buffer, for clusters without RDMA (zero-copy `splice` sends opt-in; the
+//!   crate's other `unsafe` file beside `shm_fabric/map.rs`).
 //! - `shm_fabric`: `ShmFabric`, sender and receiver on one host: the sender writes straight
 //!   into the receiver's buffer through a shared memory mapping.
 
