@@ -2,99 +2,23 @@
 //! connecting, and reading and writing fixed-size frames, every step bounded.
 
 use std::io;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvx_io::FabricError;
+use kvx_transport::sockets;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 
-/// How long `bind` retries an address in use: a listener dropped just before (a receiver
-/// restarting at the same endpoint) lets go of its port only when its task next runs.
-const REBIND_GRACE: Duration = Duration::from_millis(500);
-
-/// Accepts `host:port` and `tcp://host:port` (the form LMCache configs use).
-fn address(endpoint: &str) -> &str {
-    endpoint.strip_prefix("tcp://").unwrap_or(endpoint)
-}
-
-fn bad_endpoint(endpoint: &str, why: impl ToString) -> FabricError {
-    FabricError::Endpoint {
-        endpoint: endpoint.to_owned(),
-        why: why.to_string(),
-    }
-}
-
-async fn resolve(endpoint: &str) -> Result<SocketAddr, FabricError> {
-    let mut addrs = tokio::net::lookup_host(address(endpoint))
-        .await
-        .map_err(|e| bad_endpoint(endpoint, e))?;
-    addrs
-        .next()
-        .ok_or_else(|| bad_endpoint(endpoint, "resolves to no address"))
-}
-
-fn socket_for(addr: &SocketAddr) -> io::Result<TcpSocket> {
-    if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-}
-
+/// Binds the receiver's side-channel port (LMCache's init port per TP rank).
 pub(crate) async fn bind(endpoint: &str) -> Result<TcpListener, FabricError> {
-    let addr = resolve(endpoint).await?;
-    let deadline = tokio::time::Instant::now() + REBIND_GRACE;
-    loop {
-        let bound = socket_for(&addr).and_then(|s| {
-            s.set_reuseaddr(true)?;
-            s.bind(addr)?;
-            s.listen(1024)
-        });
-        match bound {
-            Err(e)
-                if e.kind() == io::ErrorKind::AddrInUse
-                    && tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            r => return r.map_err(|e| bad_endpoint(endpoint, e)),
-        }
-    }
+    sockets::bind(endpoint, None).await
 }
 
-/// `ip:port` of a bound listener, for `FabricListener::local_endpoint`.
-pub(crate) fn local_endpoint(
-    listener: &TcpListener,
-    endpoint: &str,
-) -> Result<String, FabricError> {
-    listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .map_err(|e| bad_endpoint(endpoint, e))
-}
+pub(crate) use kvx_transport::sockets::local_endpoint;
 
 /// Connects a sender's side channel within `timeout`.
 pub(crate) async fn connect(endpoint: &str, timeout: Duration) -> Result<TcpStream, FabricError> {
-    let addr = resolve(endpoint).await?;
-    let socket = socket_for(&addr).map_err(|e| FabricError::Io(e.to_string()))?;
-    let stream = match tokio::time::timeout(timeout, socket.connect(addr)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            return Err(FabricError::NotExposed(endpoint.to_owned()))
-        }
-        Ok(Err(e)) => return Err(FabricError::Io(format!("connect to {endpoint}: {e}"))),
-        Err(_) => {
-            return Err(FabricError::Io(format!(
-                "connect to {endpoint} timed out after {timeout:?}"
-            )))
-        }
-    };
-    // Frames are small and latency-bound.
-    stream
-        .set_nodelay(true)
-        .map_err(|e| FabricError::Io(e.to_string()))?;
-    Ok(stream)
+    sockets::connect(endpoint, timeout, None).await
 }
 
 /// Reads one `N`-byte frame within `timeout`.

@@ -10,9 +10,12 @@
 //! - `tcp_fabric`: `TcpFabric`, one-sided writes carried over TCP into the receiver's
 //!   registered buffer, for clusters without RDMA (zero-copy `splice` sends opt-in; the
 //!   crate's other `unsafe` file beside `shm_fabric/map.rs`).
+//! - `sockets`: the TCP sockets beside every fabric's data path (bind with a rebind grace,
+//!   bounded connect), shared with `kvx-rdma`'s side channel.
 //! - `shm_fabric`: `ShmFabric`, sender and receiver on one host: the sender writes straight
 //!   into the receiver's buffer through a shared memory mapping.
 
 pub mod shm_fabric;
+pub mod sockets;
 pub mod tcp_fabric;
 pub mod zmq;

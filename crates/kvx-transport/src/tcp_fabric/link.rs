@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use kvx_io::FabricError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::sockets::{self, bad_endpoint};
 
 use super::wire::{
     Hello, HelloKind, Welcome, WelcomeStatus, HELLO_LEN, VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
@@ -77,78 +79,12 @@ impl Geometry {
     }
 }
 
-/// Accepts `host:port` and `tcp://host:port` (the form LMCache configs use).
-fn address(endpoint: &str) -> &str {
-    endpoint.strip_prefix("tcp://").unwrap_or(endpoint)
-}
-
-fn bad_endpoint(endpoint: &str, why: impl ToString) -> FabricError {
-    FabricError::Endpoint {
-        endpoint: endpoint.to_owned(),
-        why: why.to_string(),
-    }
-}
-
-async fn resolve(endpoint: &str) -> Result<SocketAddr, FabricError> {
-    let mut addrs = tokio::net::lookup_host(address(endpoint))
-        .await
-        .map_err(|e| bad_endpoint(endpoint, e))?;
-    addrs
-        .next()
-        .ok_or_else(|| bad_endpoint(endpoint, "resolves to no address"))
-}
-
-fn socket_for(addr: &SocketAddr) -> io::Result<TcpSocket> {
-    if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-}
-
-/// How long `bind` retries an address in use: a listener dropped just before (a receiver
-/// restarting at the same endpoint) lets go of its port only when its task next runs.
-const REBIND_GRACE: Duration = Duration::from_millis(500);
-
-/// Binds the receiving side. Buffer sizes are set on the listener so that accepted sockets
-/// inherit them before the window is negotiated.
+/// Binds the receiving side (`sockets::bind`, with the configured buffer sizes).
 pub(crate) async fn bind(endpoint: &str, config: &LinkConfig) -> Result<TcpListener, FabricError> {
-    let addr = resolve(endpoint).await?;
-    let deadline = tokio::time::Instant::now() + REBIND_GRACE;
-    loop {
-        match bind_once(addr, config) {
-            Err(e)
-                if e.kind() == io::ErrorKind::AddrInUse
-                    && tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            r => return r.map_err(|e| bad_endpoint(endpoint, e)),
-        }
-    }
+    sockets::bind(endpoint, config.socket_buffer).await
 }
 
-fn bind_once(addr: SocketAddr, config: &LinkConfig) -> io::Result<TcpListener> {
-    let socket = socket_for(&addr)?;
-    socket.set_reuseaddr(true)?;
-    if let Some(bytes) = config.socket_buffer {
-        socket.set_recv_buffer_size(bytes)?;
-        socket.set_send_buffer_size(bytes)?;
-    }
-    socket.bind(addr)?;
-    socket.listen(1024)
-}
-
-/// `host:port` of a bound listener, for `FabricListener::local_endpoint`.
-pub(crate) fn local_endpoint(
-    listener: &TcpListener,
-    endpoint: &str,
-) -> Result<String, FabricError> {
-    listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .map_err(|e| bad_endpoint(endpoint, e))
-}
+pub(crate) use crate::sockets::local_endpoint;
 
 /// Options every fabric socket gets. NODELAY because acks and shm notices are small and
 /// latency-bound; bulk payloads go out in large vectored writes, which Nagle would not help.
@@ -158,29 +94,7 @@ pub(crate) fn tune(stream: &TcpStream) -> io::Result<()> {
 
 /// Connects a sender, bounded by `connect_timeout`.
 pub(crate) async fn connect(endpoint: &str, config: &LinkConfig) -> Result<TcpStream, FabricError> {
-    let addr = resolve(endpoint).await?;
-    let socket = socket_for(&addr).map_err(|e| FabricError::Io(e.to_string()))?;
-    if let Some(bytes) = config.socket_buffer {
-        let set = socket
-            .set_send_buffer_size(bytes)
-            .and_then(|()| socket.set_recv_buffer_size(bytes));
-        set.map_err(|e| FabricError::Io(e.to_string()))?;
-    }
-    let stream = match tokio::time::timeout(config.connect_timeout, socket.connect(addr)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            return Err(FabricError::NotExposed(endpoint.to_owned()))
-        }
-        Ok(Err(e)) => return Err(FabricError::Io(format!("connect to {endpoint}: {e}"))),
-        Err(_) => {
-            return Err(FabricError::Io(format!(
-                "connect to {endpoint} timed out after {:?}",
-                config.connect_timeout
-            )))
-        }
-    };
-    tune(&stream).map_err(|e| FabricError::Io(e.to_string()))?;
-    Ok(stream)
+    sockets::connect(endpoint, config.connect_timeout, config.socket_buffer).await
 }
 
 /// What a sender learns from a successful handshake.
