@@ -309,9 +309,18 @@ async fn receiver_restart_mid_run() {
     let mut n = 0;
     loop {
         n += 1;
+        let attempt = tokio::time::Instant::now();
         match request(&s, &c.proxy, peer, &format!("after-{n}"), 4, 2).await {
             Ok(()) => break,
             Err(why) if tokio::time::Instant::now() < deadline => {
+                // Requests made while the sender is reconnecting fail at once, never by
+                // waiting out the reply timeout (they once did, for 10 s).
+                assert!(
+                    attempt.elapsed() < Duration::from_secs(2),
+                    "failed after {:?}: {why}",
+                    attempt.elapsed()
+                );
+                assert!(why.contains("channel"), "{why}");
                 tracing::info!(%why, "not reconnected yet");
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }

@@ -4,9 +4,8 @@
 //! Map:
 //! - `zmq`: `ZmqTransport`, LMCache's socket pattern and framing: sender DEALER → receiver
 //!   ROUTER for `AllocRequest`/`CancelNotif` and replies, sender PUSH → proxy PULL for
-//!   `ProxyNotif`; the connecting sockets are the `zeromq` crate's, the bound ones kvx's own
-//!   ZMTP server (frame lengths checked before anything is buffered); reconnects, bounded
-//!   waits.
+//!   `ProxyNotif`, all four sockets speaking kvx's own ZMTP 3 (frame lengths checked before
+//!   anything is buffered); reconnects, bounded waits.
 //! - `tcp_fabric`: `TcpFabric`, one-sided writes carried over TCP into the receiver's
 //!   registered buffer, for clusters without RDMA (zero-copy `splice` sends opt-in; the
 //!   crate's other `unsafe` file beside `shm_fabric/map.rs`).

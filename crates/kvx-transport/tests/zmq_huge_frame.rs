@@ -1,17 +1,20 @@
-//! A peer that announces a huge ZMTP frame must not take the receiver down
+//! A peer that announces a huge ZMTP frame must not take a kvx process down
 //! (`docs/spec/zmq.md` §6). zeromq 0.7 reserves a frame's announced length before reading it,
-//! so without the frame-length guard in front of bound sockets nine bytes announcing 1 TiB
-//! abort the process ("memory allocation of … bytes failed"); this test did exactly that
-//! before the guard. Now the attacker's connection is closed and everyone else is served.
+//! so on its sockets nine bytes announcing 1 TiB abort the process ("memory allocation of …
+//! bytes failed"); these tests did exactly that before kvx read ZMTP itself. Now the
+//! attacker's connection is closed, and everyone else is served: on the bound sockets (ROUTER,
+//! PULL) and on a DEALER whose "receiver" is the attacker.
 
 use std::fs;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvx_io::transport::ClientEvent;
 use kvx_io::Transport;
+use kvx_transport::zmq::ZmqConfig;
 use kvx_transport::zmq::ZmqTransport;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
 const C2S: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -87,4 +90,44 @@ async fn a_pull_survives_a_frame_header_announcing_a_terabyte() {
         .await
         .expect("the notice arrives within 10 s");
     assert_eq!(got, Some(Bytes::from_static(b"notice")));
+}
+
+/// What a ROUTER sends first (captured from LMCache's receiver): greeting and READY.
+const S2C: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../../shared/golden/zmtp_alloc_conn0_s2c.hex"
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dealer_survives_a_router_announcing_a_terabyte() {
+    let config = ZmqConfig {
+        reconnect_backoff_min: Duration::from_millis(20),
+        reconnect_backoff_max: Duration::from_millis(100),
+        ..ZmqConfig::default()
+    };
+    let t = ZmqTransport::new(config).expect("valid");
+    // The "receiver": a captured ROUTER handshake, then a 1 TiB reply frame once a request
+    // arrives.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let endpoint = format!("tcp://{}", listener.local_addr().expect("addr"));
+    let attacker = tokio::spawn(async move {
+        let (mut tcp, _) = listener.accept().await.expect("accept");
+        tcp.write_all(&attack(S2C, true)).await.expect("write");
+        let mut sink = vec![0u8; 4096];
+        // Held open until the DEALER hangs up.
+        while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+        listener
+    });
+    let mut client = t.connect(&endpoint, "victim").await.expect("connect");
+    client.send(Bytes::from_static(b"hi")).await.expect("send");
+    let got = tokio::time::timeout(Duration::from_secs(10), client.recv())
+        .await
+        .expect("the DEALER reacts within 10 s");
+    assert_eq!(got, Some(ClientEvent::Disconnected));
+    let listener = tokio::time::timeout(Duration::from_secs(10), attacker)
+        .await
+        .expect("the DEALER hung up")
+        .expect("attacker task");
+    drop(listener);
+    assert_eq!(t.stats().disconnects, 1);
 }

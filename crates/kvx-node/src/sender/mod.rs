@@ -174,6 +174,7 @@ impl SenderNode {
             local_id,
             sink,
             clients: BTreeMap::new(),
+            control_down: Default::default(),
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
             conn_generation: 0,
@@ -388,6 +389,10 @@ struct Driver<E: Env> {
     local_id: String,
     sink: Option<NotifySink>,
     clients: BTreeMap<PeerId, mpsc::Sender<Bytes>>,
+    /// Receivers whose control channel is down (between the transport's `Disconnected` and
+    /// `Reconnected`): what would be sent to them is lost, so requests fail at once instead
+    /// of waiting out the reply timeout.
+    control_down: std::collections::BTreeSet<PeerId>,
     /// The live fabric connection to each receiver, with its generation (so that errors of
     /// a connection already replaced do not reset its successor).
     conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster)>,
@@ -439,11 +444,13 @@ impl<E: Env> Driver<E> {
                 }
             },
             Input::Client(peer, ClientEvent::Disconnected) => {
+                self.control_down.insert(peer);
                 core.flow.handle_receiver_lost(now, peer)
             }
             // The receiver may have restarted: its fabric endpoint is a new listener, so the
             // old fabric connection is dead too. Replace it (in the background).
             Input::Client(peer, ClientEvent::Reconnected) => {
+                self.control_down.remove(&peer);
                 drop(core);
                 self.reset_fabric(peer);
             }
@@ -574,7 +581,9 @@ impl<E: Env> Driver<E> {
                 let Some(client) = self.clients.get(&peer) else {
                     return;
                 };
-                if client.send(bytes).await.is_err() {
+                // The transport drops what it is handed while reconnecting (a request held
+                // across the gap could be one already failed); fail it here, at once.
+                if self.control_down.contains(&peer) || client.send(bytes).await.is_err() {
                     let now = self.env.now();
                     self.shared.lock().flow.handle_receiver_lost(now, peer);
                 }

@@ -1,32 +1,36 @@
 //! The sender's DEALER on a receiver's alloc channel (`Transport::connect`): sends
 //! `["", payload]` under the sender's identity, delivers the last frame of each reply, and
 //! reconnects after a break (`link`), reporting `Disconnected` and `Reconnected`.
+//!
+//! Per connection, a reader task hands replies straight to the `ControlClient`'s channel and
+//! ends when the peer goes (EOF is seen the moment a restarted receiver's old process exits);
+//! this task writes requests, batching whatever is queued into one write.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
-use futures::StreamExt;
 use kvx_io::transport::{ClientEvent, ControlClient, TransportError, CHANNEL_DEPTH};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use zeromq::util::PeerIdentity;
-use zeromq::{DealerSocket, SocketEvent, SocketRecv, SocketSend};
 
-use super::link::{discard_queued, note_broken, open, reconnect, End, Link};
-use super::{bad_endpoint, bump, framing, Shared};
+use super::conn::{next_message, AbortOnDrop};
+use super::link::{
+    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, End, Link, Role,
+};
+use super::{bad_endpoint, framing, zmtp, Shared};
 
 /// libzmq's rules for a routing identity: 1 to 255 bytes, not starting with a zero byte
-/// (those are reserved for identities the ROUTER generates). zeromq would silently replace
-/// an empty identity by a random one, losing `PeerId` stability.
-fn dealer_identity(endpoint: &str, identity: &str) -> Result<PeerIdentity, TransportError> {
+/// (those are reserved for identities the ROUTER generates). An empty identity would be
+/// replaced by a random one per connection, losing `PeerId` stability.
+fn dealer_identity(endpoint: &str, identity: &str) -> Result<Bytes, TransportError> {
     let bytes = identity.as_bytes();
-    if bytes.is_empty() || bytes.len() > PeerIdentity::MAX_LENGTH || bytes[0] == 0 {
+    if bytes.is_empty() || bytes.len() > 255 || bytes[0] == 0 {
         return Err(bad_endpoint(
             endpoint,
             format!("identity {identity:?} must be 1 to 255 bytes and not start with a zero byte"),
         ));
     }
-    PeerIdentity::try_from(bytes).map_err(|e| bad_endpoint(endpoint, e.to_string()))
+    Ok(Bytes::copy_from_slice(bytes))
 }
 
 pub(super) async fn connect(
@@ -34,14 +38,18 @@ pub(super) async fn connect(
     endpoint: &str,
     identity: &str,
 ) -> Result<ControlClient, TransportError> {
-    let identity = dealer_identity(endpoint, identity)?;
-    let link = open::<DealerSocket>(&shared, endpoint, Some(&identity)).await?;
+    let role = Role {
+        ours: "DEALER",
+        identity: Some(dealer_identity(endpoint, identity)?),
+        peers: &["ROUTER", "REP"],
+    };
+    let link = open(&shared, endpoint, &role).await?;
     let (events, events_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (outgoing_tx, outgoing) = mpsc::channel(CHANNEL_DEPTH);
     let dealer = Dealer {
         shared,
         endpoint: endpoint.to_owned(),
-        identity,
+        role,
         events,
         outgoing,
     };
@@ -52,32 +60,44 @@ pub(super) async fn connect(
 struct Dealer {
     shared: Arc<Shared>,
     endpoint: String,
-    identity: PeerIdentity,
+    role: Role,
     events: mpsc::Sender<ClientEvent>,
     outgoing: mpsc::Receiver<Bytes>,
+}
+
+/// Replies heard on one connection, and when the last one came: the writer's silence check.
+#[derive(Debug)]
+struct Heard {
+    replies: u64,
+    last: Instant,
+}
+
+type SharedHeard = Arc<Mutex<Heard>>;
+
+fn heard(h: &SharedHeard) -> std::sync::MutexGuard<'_, Heard> {
+    h.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Dealer {
     /// Serves the connection, reconnecting after each break, until the `ControlClient` is
     /// dropped (clones of `ControlClient::sender()` alone do not keep the socket alive).
-    async fn run(mut self, first: Link<DealerSocket>) {
+    async fn run(mut self, first: Link) {
         let mut link = first;
         loop {
-            let why = match self.serve(&mut link).await {
+            let why = match self.serve(link).await {
                 End::HandleGone => break,
                 End::Broken(why) => why,
             };
             note_broken(&self.shared, "DEALER", &self.endpoint, &why);
-            drop(link);
             discard_queued(&self.shared, &mut self.outgoing);
             if self.events.send(ClientEvent::Disconnected).await.is_err() {
                 break;
             }
             let events = &self.events;
-            let back = reconnect::<DealerSocket, _>(
+            let back = reconnect(
                 &self.shared,
                 &self.endpoint,
-                Some(&self.identity),
+                &self.role,
                 &mut self.outgoing,
                 || events.closed(),
             )
@@ -91,61 +111,90 @@ impl Dealer {
         tracing::debug!(endpoint = %self.endpoint, "DEALER handle dropped; closing");
     }
 
-    async fn serve(&mut self, link: &mut Link<DealerSocket>) -> End {
+    /// One connection's life. Returns after the reader task has ended or been aborted, so
+    /// no reply of this connection can follow the `Disconnected` sent next.
+    async fn serve(&mut self, link: Link) -> End {
+        let Link { reader, mut writer } = link;
         let config = &self.shared.config;
-        // Requests sent and not yet answered, and when the channel last made progress: the
-        // connection is presumed dead after `recv_timeout` of silence with some outstanding.
-        let mut outstanding = 0u64;
-        let mut progress = Instant::now();
+        let heard_on = SharedHeard::new(Mutex::new(Heard {
+            replies: 0,
+            last: Instant::now(),
+        }));
+        let mut reading = AbortOnDrop(tokio::spawn(read_replies(
+            self.shared.clone(),
+            reader,
+            self.events.clone(),
+            heard_on.clone(),
+        )));
+        // Requests written; with `Heard`, what is outstanding. A connection with requests
+        // outstanding and no reply for `recv_timeout` is presumed dead: a half-open TCP
+        // connection never reports EOF, and every LMCache request gets a reply.
+        let mut sent = 0u64;
+        let mut silent_since = Instant::now();
+        let mut buf = Vec::with_capacity(1024);
+        let encode = |payload: &[u8], out: &mut Vec<u8>| {
+            zmtp::encode_message(&framing::request_out(payload), out);
+        };
         loop {
-            let silent_until = progress + config.recv_timeout;
+            let outstanding = sent > heard(&heard_on).replies;
             tokio::select! {
                 _ = self.events.closed() => return End::HandleGone,
-                event = link.monitor.next() => match event {
-                    Some(SocketEvent::Disconnected(_)) => {
-                        return End::Broken("the peer closed the connection".into())
-                    }
-                    Some(_) => {}
-                    None => return End::Broken("the socket monitor closed".into()),
-                },
-                received = link.socket.recv() => {
-                    let message = match received {
-                        Ok(message) => message,
-                        Err(e) => return End::Broken(format!("receive failed: {e}")),
-                    };
-                    outstanding = outstanding.saturating_sub(1);
-                    progress = Instant::now();
-                    match framing::reply_in(message, config.frame_max_bytes) {
-                        Ok(payload) => {
-                            if self.events.send(ClientEvent::Message(payload)).await.is_err() {
-                                return End::HandleGone;
-                            }
-                        }
-                        Err(reject) => self.shared.rejected("DEALER", &reject),
-                    }
+                ended = &mut reading.0 => {
+                    return ended.unwrap_or_else(|e| End::Broken(format!("reader task: {e}")));
                 }
-                payload = self.outgoing.recv() => {
-                    let Some(payload) = payload else { return End::HandleGone };
-                    let message = framing::request_out(payload);
-                    match tokio::time::timeout(config.send_timeout, link.socket.send(message)).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => return End::Broken(format!("send failed: {e}")),
-                        Err(_) => {
-                            bump(&self.shared.counters.send_timeouts);
-                            return End::Broken(format!("send timed out after {:?}", config.send_timeout));
-                        }
+                taken = next_batch(&mut self.outgoing, &mut buf, encode) => {
+                    let Some(taken) = taken else { return End::HandleGone };
+                    if !outstanding {
+                        silent_since = Instant::now();
                     }
-                    if outstanding == 0 {
-                        progress = Instant::now();
+                    if let Err(why) = write_bounded(&self.shared, &mut writer, &buf).await {
+                        return End::Broken(why);
                     }
-                    outstanding += 1;
+                    sent += taken;
                 }
-                _ = tokio::time::sleep_until(silent_until), if outstanding > 0 => {
+                _ = tokio::time::sleep_until(silent_since + config.recv_timeout), if outstanding => {
+                    let h = heard(&heard_on);
+                    if h.last > silent_since {
+                        // Replies came meanwhile: silence counts from the last one.
+                        silent_since = h.last;
+                        continue;
+                    }
                     return End::Broken(format!(
-                        "{outstanding} request(s) unanswered for {:?}", config.recv_timeout
+                        "{} request(s) unanswered for {:?}",
+                        sent - h.replies,
+                        config.recv_timeout
                     ));
                 }
             }
+        }
+    }
+}
+
+/// Hands one connection's replies to the `ControlClient` until the connection ends.
+async fn read_replies(
+    shared: Arc<Shared>,
+    mut reader: zmtp::FrameReader<tokio::net::tcp::OwnedReadHalf>,
+    events: mpsc::Sender<ClientEvent>,
+    heard_on: SharedHeard,
+) -> End {
+    let max = shared.config.frame_max_bytes;
+    loop {
+        let frames = match next_message(&shared, "DEALER", &mut reader).await {
+            Ok(frames) => frames,
+            Err(why) => return End::Broken(why),
+        };
+        {
+            let mut h = heard(&heard_on);
+            h.replies += 1;
+            h.last = Instant::now();
+        }
+        match framing::reply_in(&frames, max) {
+            Ok(payload) => {
+                if events.send(ClientEvent::Message(payload)).await.is_err() {
+                    return End::HandleGone;
+                }
+            }
+            Err(reject) => shared.rejected("DEALER", &reject),
         }
     }
 }

@@ -9,7 +9,6 @@
 //! is not something an LMCache or kvx peer sends, so it is dropped rather than guessed at.
 
 use bytes::Bytes;
-use zeromq::ZmqMessage;
 
 /// Why an incoming message was not passed on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,10 +47,9 @@ pub(crate) fn routed_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
 }
 
 /// A DEALER's incoming `["", payload]` (or `[payload]`): the payload.
-pub(crate) fn reply_in(message: ZmqMessage, max: usize) -> Result<Bytes, Reject> {
-    let frames = message.into_vec();
-    check_sizes(&frames, max)?;
-    enveloped(&frames)
+pub(crate) fn reply_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
+    check_sizes(frames, max)?;
+    enveloped(frames)
 }
 
 /// A PULL's incoming notice: exactly one frame (LMCache's PUSH sends `msgpack(ProxyNotif)`
@@ -71,24 +69,21 @@ pub(crate) fn routed_out(payload: &[u8]) -> [&[u8]; 2] {
 }
 
 /// What a DEALER sends: `["", payload]`, as LMCache's sender does.
-pub(crate) fn request_out(payload: Bytes) -> ZmqMessage {
-    let mut message = ZmqMessage::from(Bytes::new());
-    message.push_back(payload);
-    message
+pub(crate) fn request_out(payload: &[u8]) -> [&[u8]; 2] {
+    [b"", payload]
 }
 
 /// What a PUSH sends: the payload as the only frame.
-pub(crate) fn notice_out(payload: Bytes) -> ZmqMessage {
-    ZmqMessage::from(payload)
+pub(crate) fn notice_out(payload: &[u8]) -> [&[u8]; 1] {
+    [payload]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn msg(frames: &[&'static [u8]]) -> ZmqMessage {
-        let frames: Vec<Bytes> = frames.iter().map(|f| Bytes::from_static(f)).collect();
-        ZmqMessage::try_from(frames).expect("test messages have frames")
+    fn msg(frames: &[&'static [u8]]) -> Vec<Bytes> {
+        frames.iter().map(|f| Bytes::from_static(f)).collect()
     }
 
     fn frames(frames: &[&'static [u8]]) -> Vec<Bytes> {
@@ -134,7 +129,7 @@ mod tests {
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
-            reply_in(msg(&[b"", big]), 64),
+            reply_in(&msg(&[b"", big]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
@@ -144,7 +139,7 @@ mod tests {
         // Exactly the limit passes.
         let edge: &'static [u8] = &[7u8; 64];
         assert_eq!(
-            reply_in(msg(&[b"", edge]), 64),
+            reply_in(&msg(&[b"", edge]), 64),
             Ok(Bytes::from_static(edge))
         );
     }
@@ -152,12 +147,12 @@ mod tests {
     #[test]
     fn dealer_takes_the_payload_after_the_delimiter() {
         assert_eq!(
-            reply_in(msg(&[b"", b"r"]), 64),
+            reply_in(&msg(&[b"", b"r"]), 64),
             Ok(Bytes::from_static(b"r"))
         );
-        assert_eq!(reply_in(msg(&[b"r"]), 64), Ok(Bytes::from_static(b"r")));
+        assert_eq!(reply_in(&msg(&[b"r"]), 64), Ok(Bytes::from_static(b"r")));
         assert!(matches!(
-            reply_in(msg(&[b"a", b"r"]), 64),
+            reply_in(&msg(&[b"a", b"r"]), 64),
             Err(Reject::Malformed(_))
         ));
     }
@@ -177,10 +172,7 @@ mod tests {
     #[test]
     fn outgoing_shapes() {
         assert_eq!(routed_out(b"p"), [&b""[..], b"p"]);
-        assert_eq!(
-            request_out(Bytes::from_static(b"p")).into_vec(),
-            [&b""[..], b"p"]
-        );
-        assert_eq!(notice_out(Bytes::from_static(b"p")).into_vec(), [&b"p"[..]]);
+        assert_eq!(request_out(b"p"), [&b""[..], b"p"]);
+        assert_eq!(notice_out(b"p"), [&b"p"[..]]);
     }
 }

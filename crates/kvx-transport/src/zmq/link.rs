@@ -1,11 +1,11 @@
 //! What the connecting sockets (the DEALER in `dealer`, the PUSH in `push`) share: opening
-//! a connection with a bounded handshake, and reconnecting after a break.
+//! a connection (TCP, then the ZMTP handshake, bounded together by `connect_timeout`),
+//! writing batches of messages, and reconnecting after a break.
 //!
-//! zeromq 0.7 reconnects only SUB sockets by itself; a DEALER or PUSH whose peer goes away
-//! simply loses its only peer, and sends then fail. So each task watches its connection
-//! (the socket monitor's `Disconnected`, a failed or timed-out send, and for the DEALER a
-//! silence of `recv_timeout` with requests outstanding), and when it breaks drops the socket
-//! and opens a fresh one, waiting an exponentially growing, jittered backoff between
+//! libzmq reconnects a DEALER or PUSH by itself; kvx's own sockets do it here. Each socket
+//! task watches its connection (the reader reporting the peer gone, a failed or timed-out
+//! write, and for the DEALER a silence of `recv_timeout` with requests outstanding), and when
+//! it breaks opens a fresh one, waiting an exponentially growing, jittered backoff between
 //! attempts. Each attempt is bounded by `connect_timeout`.
 //!
 //! Payloads handed in while the connection is down, and those still queued when it broke,
@@ -16,47 +16,128 @@
 use std::collections::hash_map::RandomState;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::io;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::channel::mpsc as zmq_mpsc;
 use kvx_io::transport::TransportError;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use zeromq::util::PeerIdentity;
-use zeromq::{Socket, SocketEvent, SocketOptions};
 
-use super::{bump, worth_logging, zmq_error, Shared};
+use super::zmtp::{self, FrameReader};
+use super::{bad_endpoint, bump, worth_logging, Shared};
 
-/// A live connection: the socket and the monitor that reports its peer leaving.
-pub(super) struct Link<S> {
-    pub(super) socket: S,
-    pub(super) monitor: zmq_mpsc::Receiver<SocketEvent>,
+/// Which socket a connection is for: its type, its routing identity (DEALER), and the
+/// socket types it may talk to.
+#[derive(Debug, Clone)]
+pub(super) struct Role {
+    pub(super) ours: &'static str,
+    pub(super) identity: Option<Bytes>,
+    pub(super) peers: &'static [&'static str],
 }
 
-/// One connection attempt, bounded by `connect_timeout`.
-pub(super) async fn open<S: Socket>(
+/// A live connection after the handshake.
+pub(super) struct Link {
+    pub(super) reader: FrameReader<OwnedReadHalf>,
+    pub(super) writer: OwnedWriteHalf,
+}
+
+/// The most messages one write gathers from the queue: enough to pay one system call for a
+/// burst, few enough that a slow peer's `send_timeout` still concerns a bounded amount.
+const BATCH_MAX: usize = 64;
+
+/// One connection attempt to `endpoint` (`tcp://host:port`, already checked), TCP and ZMTP
+/// handshake together bounded by `connect_timeout`. A refused TCP connection is retried
+/// within that bound: the peer may be starting.
+pub(super) async fn open(
     shared: &Shared,
     endpoint: &str,
-    identity: Option<&PeerIdentity>,
-) -> Result<Link<S>, TransportError> {
+    role: &Role,
+) -> Result<Link, TransportError> {
     let after = shared.config.connect_timeout;
-    let mut options = SocketOptions::default();
-    // zeromq retries refused connects itself within this bound; the outer timeout also
-    // covers the handshake with a peer that accepts but never answers.
-    options.connect_timeout(after);
-    if let Some(identity) = identity {
-        options.peer_identity(identity.clone());
-    }
-    let mut socket = S::with_options(options);
-    // Subscribe before connecting, so no disconnect can go unobserved.
-    let monitor = socket.monitor();
-    match tokio::time::timeout(after, socket.connect(endpoint)).await {
-        Ok(Ok(())) => Ok(Link { socket, monitor }),
-        Ok(Err(e)) => Err(zmq_error("connect", endpoint, e)),
+    match tokio::time::timeout(after, open_unbounded(shared, endpoint, role)).await {
+        Ok(link) => link,
         Err(_) => Err(TransportError::Timeout {
             what: "connect",
             after,
         }),
+    }
+}
+
+async fn open_unbounded(
+    shared: &Shared,
+    endpoint: &str,
+    role: &Role,
+) -> Result<Link, TransportError> {
+    let hostport = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    let addr = tokio::net::lookup_host(hostport)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| bad_endpoint(endpoint, "cannot resolve the address"))?;
+    let mut retry = Duration::from_millis(10);
+    let stream = loop {
+        match TcpStream::connect(addr).await {
+            Ok(stream) => break stream,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(TransportError::Io(format!("connect {endpoint}: {e}"))),
+        }
+    };
+    // Control messages are small and latency-bound.
+    let _ = stream.set_nodelay(true);
+    let (rd, mut writer) = stream.into_split();
+    let c = &shared.config;
+    let mut reader = FrameReader::new(rd, c.frame_max_bytes, c.frame_refuse_bytes);
+    zmtp::handshake(
+        &mut reader,
+        &mut writer,
+        role.ours,
+        role.identity.as_deref(),
+        role.peers,
+    )
+    .await
+    .map_err(|why| TransportError::Io(format!("ZMTP handshake with {endpoint}: {why}")))?;
+    Ok(Link { reader, writer })
+}
+
+/// Waits for the next payload and takes whatever else is queued behind it (up to
+/// `BATCH_MAX`), encoding each as one message into `buf` (cleared first) with `encode`.
+/// Returns how many were taken; `None` when the handle is gone.
+pub(super) async fn next_batch(
+    outgoing: &mut mpsc::Receiver<Bytes>,
+    buf: &mut Vec<u8>,
+    encode: impl Fn(&[u8], &mut Vec<u8>),
+) -> Option<u64> {
+    buf.clear();
+    encode(&outgoing.recv().await?, buf);
+    let mut taken = 1;
+    while taken < BATCH_MAX {
+        let Ok(more) = outgoing.try_recv() else { break };
+        encode(&more, buf);
+        taken += 1;
+    }
+    Some(taken as u64)
+}
+
+/// Writes `bytes` within `send_timeout`; `Err` says why the connection is presumed dead.
+pub(super) async fn write_bounded(
+    shared: &Shared,
+    writer: &mut OwnedWriteHalf,
+    bytes: &[u8],
+) -> Result<(), String> {
+    let after = shared.config.send_timeout;
+    match tokio::time::timeout(after, writer.write_all(bytes)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("send failed: {e}")),
+        Err(_) => {
+            bump(&shared.counters.send_timeouts);
+            Err(format!("send timed out after {after:?}"))
+        }
     }
 }
 
@@ -126,13 +207,13 @@ async fn while_down<F: Future>(
 }
 
 /// Opens a fresh connection after a break, with backoff; `None` if the handle went away.
-pub(super) async fn reconnect<S: Socket, G>(
+pub(super) async fn reconnect<G>(
     shared: &Shared,
     endpoint: &str,
-    identity: Option<&PeerIdentity>,
+    role: &Role,
     outgoing: &mut mpsc::Receiver<Bytes>,
     gone: impl Fn() -> G,
-) -> Option<Link<S>>
+) -> Option<Link>
 where
     G: Future<Output = ()>,
 {
@@ -140,7 +221,7 @@ where
     for attempt in 1u64.. {
         let wait = backoff.next_wait();
         while_down(shared, outgoing, gone(), tokio::time::sleep(wait)).await?;
-        let opened = open::<S>(shared, endpoint, identity);
+        let opened = open(shared, endpoint, role);
         match while_down(shared, outgoing, gone(), opened).await? {
             Ok(link) => {
                 discard_queued(shared, outgoing);

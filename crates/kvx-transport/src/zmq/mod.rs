@@ -1,23 +1,23 @@
-//! `ZmqTransport`: `kvx_io::Transport` over ZeroMQ (the `zeromq` crate, pure Rust), speaking
-//! LMCache's socket pattern and framing byte for byte (`docs/spec/zmq.md`).
+//! `ZmqTransport`: `kvx_io::Transport` over ZeroMQ, speaking LMCache's socket pattern and
+//! framing byte for byte (`docs/spec/zmq.md`). kvx speaks ZMTP 3 itself (`zmtp`) on all four
+//! sockets; the spec's §6 says why the `zeromq` crate is only a test peer now.
 //!
-//! - `serve` binds a ROUTER (`server`, over `zmtp`): the receiver's alloc channel. Each sender's routing identity
-//!   maps to one stable `PeerId` (`peers`); payloads arrive as `[identity, "", payload]` and
-//!   replies leave the same way (`framing`).
+//! - `serve` binds a ROUTER (`server`): the receiver's alloc channel. Each sender's routing
+//!   identity maps to one stable `PeerId` (`peers`); payloads arrive as `[identity, "",
+//!   payload]` and replies leave the same way (`framing`).
 //! - `connect` opens a DEALER (`dealer`) with the sender's identity in its ZMTP READY, as
-//!   libzmq does. The `zeromq` crate does not reconnect a DEALER by itself, so the task
-//!   watches the connection and re-creates the socket with backoff (`link`), reporting
+//!   libzmq does; it watches the connection and reconnects with backoff (`link`), reporting
 //!   `Disconnected` and `Reconnected`.
-//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`, over `zmtp`), one
-//!   frame per notice.
+//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice.
+//! - `conn`: reading messages and task lifetimes, shared by every connection.
 //!
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
 //! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
-//! `ZmqConfig::frame_max_bytes`. The bound sockets (ROUTER, PULL) read ZMTP themselves
-//! (`zmtp`), checking every frame's length before buffering it: the `zeromq` crate's codec
-//! allocates whatever length a peer announces. Connecting sockets use the crate.
+//! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered) and
+//! `frame_refuse_bytes`.
 
+mod conn;
 mod dealer;
 mod framing;
 mod link;
@@ -26,7 +26,6 @@ mod push;
 mod server;
 mod zmtp;
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -36,7 +35,6 @@ use kvx_io::transport::{ControlClient, ControlServer, NotifySink, NotifySource, 
 use kvx_io::Transport;
 use kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES;
 use kvx_proto::PeerId;
-use zeromq::{Endpoint, Host, ZmqError};
 
 use framing::Reject;
 use peers::PeerTable;
@@ -272,35 +270,37 @@ fn bad_endpoint(endpoint: &str, why: impl Into<String>) -> TransportError {
     }
 }
 
-/// Parses `tcp://host:port` into what the `zeromq` crate is given. Binding accepts libzmq's
-/// `*` for every interface (LMCache binds `tcp://*:port`); the crate would try to resolve
-/// `*` as a host name, so it becomes `0.0.0.0`.
+/// Parses `tcp://host:port` (host: a name, an IPv4 address, `[IPv6]`, or `*` when binding)
+/// into the `tcp://host:port` kvx binds or connects to. Binding accepts libzmq's `*` for every
+/// interface (LMCache binds `tcp://*:port`) as `0.0.0.0`, and port 0 (the OS picks one).
 fn tcp_endpoint(endpoint: &str, binding: bool) -> Result<String, TransportError> {
-    let parsed = Endpoint::from_str(endpoint).map_err(|e| bad_endpoint(endpoint, e.to_string()))?;
-    match parsed {
-        Endpoint::Tcp(Host::Domain(name), port) if name == "*" => {
-            if binding {
-                Ok(format!("tcp://0.0.0.0:{port}"))
-            } else {
-                Err(bad_endpoint(endpoint, "cannot connect to `*`"))
-            }
-        }
-        Endpoint::Tcp(_, 0) if !binding => Err(bad_endpoint(endpoint, "cannot connect to port 0")),
-        Endpoint::Tcp(..) => Ok(parsed.to_string()),
-        _ => Err(bad_endpoint(
+    let Some(hostport) = endpoint.strip_prefix("tcp://") else {
+        return Err(bad_endpoint(
             endpoint,
             "only tcp:// endpoints are supported",
-        )),
+        ));
+    };
+    let (host, port) = hostport
+        .rsplit_once(':')
+        .ok_or_else(|| bad_endpoint(endpoint, "expected tcp://host:port"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| bad_endpoint(endpoint, format!("{port:?} is not a port number")))?;
+    let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
+    let plain = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_');
+    let host = match host {
+        "*" if binding => "0.0.0.0",
+        "*" => return Err(bad_endpoint(endpoint, "cannot connect to `*`")),
+        h if bracketed || plain => h,
+        h => return Err(bad_endpoint(endpoint, format!("{h:?} is not a host"))),
+    };
+    if port == 0 && !binding {
+        return Err(bad_endpoint(endpoint, "cannot connect to port 0"));
     }
-}
-
-/// Maps a `zeromq` error of the step `what` onto the transport's error.
-fn zmq_error(what: &'static str, endpoint: &str, error: ZmqError) -> TransportError {
-    match error {
-        ZmqError::ConnectTimeout(after) => TransportError::Timeout { what, after },
-        ZmqError::Endpoint(e) => bad_endpoint(endpoint, e.to_string()),
-        other => TransportError::Io(format!("{what} {endpoint}: {other}")),
-    }
+    Ok(format!("tcp://{host}:{port}"))
 }
 
 impl Transport for ZmqTransport {
@@ -347,6 +347,26 @@ mod tests {
         assert!(tcp_endpoint("tcp://127.0.0.1:0", false).is_err());
         assert!(tcp_endpoint("ipc:///tmp/x", true).is_err());
         assert!(tcp_endpoint("127.0.0.1:80", false).is_err());
+        assert_eq!(
+            tcp_endpoint("tcp://[::1]:5555", false).ok().as_deref(),
+            Some("tcp://[::1]:5555")
+        );
+        assert_eq!(
+            tcp_endpoint("tcp://decode-0.cluster:5555", false)
+                .ok()
+                .as_deref(),
+            Some("tcp://decode-0.cluster:5555")
+        );
+        for bad in [
+            "tcp://:5555",
+            "tcp://host",
+            "tcp://host:65536",
+            "tcp://host:x",
+            "tcp://a b:1",
+            "tcp://[]:1",
+        ] {
+            assert!(tcp_endpoint(bad, true).is_err(), "{bad}");
+        }
     }
 
     #[test]

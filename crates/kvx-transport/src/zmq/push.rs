@@ -1,22 +1,33 @@
 //! The sender's PUSH to the proxy's notice channel (`Transport::notify_sink`): one frame
 //! per notice, reconnecting after a break (`link`).
+//!
+//! A PULL never sends anything after the handshake, but a reader task still watches the
+//! connection: its end of stream is how a departed proxy is noticed at once, rather than
+//! when a later write fails (and the notices written meanwhile are lost).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use kvx_io::transport::{NotifySink, TransportError, CHANNEL_DEPTH};
 use tokio::sync::mpsc;
-use zeromq::{PushSocket, SocketEvent, SocketSend};
 
-use super::link::{discard_queued, note_broken, open, reconnect, End, Link};
-use super::{bump, framing, Shared};
+use super::conn::{next_message, AbortOnDrop};
+use super::link::{
+    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, End, Link, Role,
+};
+use super::{framing, zmtp, Shared};
+
+const ROLE: Role = Role {
+    ours: "PUSH",
+    identity: None,
+    peers: &["PULL"],
+};
 
 pub(super) async fn notify_sink(
     shared: Arc<Shared>,
     endpoint: &str,
 ) -> Result<NotifySink, TransportError> {
-    let link = open::<PushSocket>(&shared, endpoint, None).await?;
+    let link = open(&shared, endpoint, &ROLE).await?;
     let (tx, outgoing) = mpsc::channel(CHANNEL_DEPTH);
     let pusher = Pusher {
         shared,
@@ -35,21 +46,20 @@ struct Pusher {
 
 impl Pusher {
     /// Ends when every clone of the `NotifySink` is dropped.
-    async fn run(mut self, first: Link<PushSocket>) {
+    async fn run(mut self, first: Link) {
         let mut link = first;
         loop {
-            let why = match self.serve(&mut link).await {
+            let why = match self.serve(link).await {
                 End::HandleGone => break,
                 End::Broken(why) => why,
             };
             note_broken(&self.shared, "PUSH", &self.endpoint, &why);
-            drop(link);
             discard_queued(&self.shared, &mut self.outgoing);
             // A NotifySink has no other half: it is gone when `outgoing` closes.
-            let back = reconnect::<PushSocket, _>(
+            let back = reconnect(
                 &self.shared,
                 &self.endpoint,
-                None,
+                &ROLE,
                 &mut self.outgoing,
                 std::future::pending,
             )
@@ -60,29 +70,35 @@ impl Pusher {
         tracing::debug!(endpoint = %self.endpoint, "PUSH handle dropped; closing");
     }
 
-    /// zeromq's PUSH never reads its connection, so a peer that left is noticed only when a
-    /// write to it fails: the notice that discovers it (and possibly one before) is lost.
-    async fn serve(&mut self, link: &mut Link<PushSocket>) -> End {
-        let send_timeout = self.shared.config.send_timeout;
+    async fn serve(&mut self, link: Link) -> End {
+        let Link {
+            mut reader,
+            mut writer,
+        } = link;
+        let shared = self.shared.clone();
+        // Anything a PULL sends is ignored; the read ends when the connection does.
+        let mut watching = AbortOnDrop(tokio::spawn(async move {
+            loop {
+                if let Err(why) = next_message(&shared, "PUSH", &mut reader).await {
+                    return why;
+                }
+            }
+        }));
+        let mut buf = Vec::with_capacity(1024);
+        let encode = |payload: &[u8], out: &mut Vec<u8>| {
+            zmtp::encode_message(&framing::notice_out(payload), out);
+        };
         loop {
             tokio::select! {
-                event = link.monitor.next() => match event {
-                    Some(SocketEvent::Disconnected(_)) => {
-                        return End::Broken("the peer closed the connection".into())
+                why = &mut watching.0 => {
+                    return End::Broken(why.unwrap_or_else(|e| format!("reader task: {e}")));
+                }
+                taken = next_batch(&mut self.outgoing, &mut buf, encode) => {
+                    if taken.is_none() {
+                        return End::HandleGone;
                     }
-                    Some(_) => {}
-                    None => return End::Broken("the socket monitor closed".into()),
-                },
-                payload = self.outgoing.recv() => {
-                    let Some(payload) = payload else { return End::HandleGone };
-                    let message = framing::notice_out(payload);
-                    match tokio::time::timeout(send_timeout, link.socket.send(message)).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => return End::Broken(format!("send failed: {e}")),
-                        Err(_) => {
-                            bump(&self.shared.counters.send_timeouts);
-                            return End::Broken(format!("send timed out after {send_timeout:?}"));
-                        }
+                    if let Err(why) = write_bounded(&self.shared, &mut writer, &buf).await {
+                        return End::Broken(why);
                     }
                 }
             }

@@ -1,6 +1,6 @@
 //! The bound sockets: the receiver's ROUTER (`serve`) and the proxy's PULL
 //! (`notify_source`), speaking ZMTP through `zmtp` (which holds every frame to the limits
-//! before buffering it; see there for why these two are not the `zeromq` crate's).
+//! before buffering it; see there for why kvx does not use the `zeromq` crate).
 //!
 //! One task accepts connections; each connection gets a task that handshakes (bounded by
 //! `connect_timeout`) and reads messages, and a ROUTER connection also a writer task fed by a
@@ -9,7 +9,6 @@
 //! closes the listener and every accepted connection.
 
 use std::collections::HashMap;
-use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -20,21 +19,11 @@ use kvx_proto::PeerId;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
-use super::framing::{self, Reject};
-use super::zmtp::{self, FrameReader, Incoming};
+use super::conn::{next_message, AbortOnDrop};
+use super::framing;
+use super::zmtp::{self, FrameReader};
 use super::{bump, worth_logging, Shared};
-
-/// Aborts a task when dropped, so a helper task cannot outlive the task that owns it.
-#[derive(Debug)]
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
 /// for errors.
@@ -98,7 +87,7 @@ async fn handshake(
     peers: &[&str],
 ) -> Option<Vec<(String, Bytes)>> {
     let bound = shared.config.connect_timeout;
-    match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, peers)).await {
+    match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, None, peers)).await {
         Ok(Ok(props)) => Some(props),
         Ok(Err(why)) => {
             tracing::debug!(socket = ours, %why, "ZMTP handshake refused");
@@ -107,41 +96,6 @@ async fn handshake(
         Err(_) => {
             tracing::debug!(socket = ours, after = ?bound, "ZMTP handshake timed out");
             None
-        }
-    }
-}
-
-/// Reads the next message; `None` when the connection is over (closed, broken, or its
-/// stream can no longer be trusted).
-async fn next_message(
-    shared: &Shared,
-    socket: &'static str,
-    reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
-) -> Option<Vec<Bytes>> {
-    loop {
-        match reader.next().await {
-            Ok(Incoming::Message(frames)) => return Some(frames),
-            // ZMTP 3.0 peers send no commands after READY; ignore any (PING and the like).
-            Ok(Incoming::Command(_)) => {}
-            Ok(Incoming::Oversize(len)) => {
-                let max = shared.config.frame_max_bytes;
-                shared.rejected(
-                    socket,
-                    &Reject::Oversize {
-                        len: len as usize,
-                        max,
-                    },
-                );
-            }
-            Ok(Incoming::Closed) => return None,
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                tracing::warn!(socket, error = %e, "peer disconnected: its stream broke the limits");
-                return None;
-            }
-            Err(e) => {
-                tracing::debug!(socket, error = %e, "peer connection ended");
-                return None;
-            }
         }
     }
 }
@@ -252,7 +206,7 @@ async fn router_conn(
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
-            next = next_message(&shared, "ROUTER", &mut reader) => next,
+            next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
         let Some(frames) = next else { break };
         match framing::routed_in(&frames, max) {
@@ -371,7 +325,7 @@ async fn pull_conn(shared: Arc<Shared>, incoming: mpsc::Sender<Bytes>, stream: T
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
-            next = next_message(&shared, "PULL", &mut reader) => next,
+            next = next_message(&shared, "PULL", &mut reader) => next.ok(),
         };
         let Some(frames) = next else { break };
         match framing::notice_in(&frames, max) {

@@ -1,14 +1,14 @@
-//! The ZMTP 3 subset kvx's bound sockets speak (RFC 23, NULL mechanism): the greeting, the
+//! The ZMTP 3 subset kvx speaks on every socket (RFC 23, NULL mechanism): the greeting, the
 //! READY command, and multipart messages of `flags, length, body` frames.
 //!
-//! Why kvx reads ZMTP itself on its bound sockets (ROUTER, PULL) instead of through the
-//! `zeromq` crate: that crate's codec reserves a frame's announced length before reading it
-//! and has no maximum message size, so nine bytes announcing a 1 TiB frame abort the process,
-//! and nothing in its API reaches in front of the codec. Here every frame length is checked
-//! before a byte of the body is buffered: a frame over `frame_max_bytes` is skipped as it
-//! streams past (the message is dropped and counted), and one announced over
-//! `frame_refuse_bytes` ends the connection. Connecting sockets (DEALER, PUSH) still use the
-//! crate: they talk to the receiver and proxy their operator configured.
+//! Why kvx reads and writes ZMTP itself instead of through the `zeromq` crate (0.7): its codec
+//! reserves a frame's announced length before reading it and has no maximum message size, so
+//! nine bytes announcing a 1 TiB frame abort the process, and nothing in its API reaches in
+//! front of the codec. Here every frame length is checked before a byte of the body is
+//! buffered: a frame over `frame_max_bytes` is skipped as it streams past (the message is
+//! dropped and counted), and one announced over `frame_refuse_bytes` ends the connection.
+//! That holds for bound sockets (ROUTER, PULL: any peer can reach them) and connecting ones
+//! (DEALER, PUSH: a restarted or impostor peer on the configured port) alike.
 
 use std::io;
 
@@ -50,18 +50,29 @@ pub(super) fn check_greeting(g: &[u8; 64]) -> Result<(), String> {
     Ok(())
 }
 
-/// A READY command announcing `socket_type`, as one frame on the wire.
-pub(super) fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = Vec::with_capacity(32);
+/// A READY command announcing `socket_type` (and, for a DEALER, its routing `identity`, as
+/// libzmq sends it), as one frame on the wire.
+pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
+    let mut body = Vec::with_capacity(32 + identity.map_or(0, <[u8]>::len));
     body.push(5);
     body.extend_from_slice(b"READY");
-    let name = b"Socket-Type";
-    body.push(name.len() as u8);
-    body.extend_from_slice(name);
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    let mut frame = Vec::with_capacity(body.len() + 2);
-    frame.extend_from_slice(&[COMMAND, body.len() as u8]);
+    let mut property = |name: &[u8], value: &[u8]| {
+        body.push(name.len() as u8);
+        body.extend_from_slice(name);
+        body.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        body.extend_from_slice(value);
+    };
+    property(b"Socket-Type", socket_type.as_bytes());
+    if let Some(identity) = identity {
+        property(b"Identity", identity);
+    }
+    let mut frame = Vec::with_capacity(body.len() + 9);
+    if body.len() < 256 {
+        frame.extend_from_slice(&[COMMAND, body.len() as u8]);
+    } else {
+        frame.push(COMMAND | LONG);
+        frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    }
     frame.extend_from_slice(&body);
     frame
 }
@@ -237,13 +248,14 @@ pub(super) fn encode_message(frames: &[&[u8]], out: &mut Vec<u8>) {
     }
 }
 
-/// The handshake of a bound socket of type `ours`: our greeting and READY out, the peer's
-/// checked (greeting, then READY with a `Socket-Type` in `peers`). Returns the peer's READY
-/// properties. The caller bounds it in time.
+/// The handshake of a socket of type `ours` (with `identity` in its READY, for a DEALER): our
+/// greeting and READY out, the peer's checked (greeting, then READY with a `Socket-Type` in
+/// `peers`). Returns the peer's READY properties. The caller bounds it in time.
 pub(super) async fn handshake<R, W>(
     reader: &mut FrameReader<R>,
     writer: &mut W,
     ours: &str,
+    identity: Option<&[u8]>,
     peers: &[&str],
 ) -> Result<Vec<(String, Bytes)>, String>
 where
@@ -251,7 +263,7 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut hello = greeting().to_vec();
-    hello.extend_from_slice(&ready(ours));
+    hello.extend_from_slice(&ready(ours, identity));
     writer.write_all(&hello).await.map_err(|e| e.to_string())?;
     check_greeting(&reader.greeting().await.map_err(|e| e.to_string())?)?;
     let Incoming::Command(body) = reader.next().await.map_err(|e| e.to_string())? else {
@@ -336,13 +348,27 @@ mod tests {
         let mut curve = greeting();
         curve[12..17].copy_from_slice(b"CURVE");
         assert!(check_greeting(&curve).is_err());
-        let frame = ready("ROUTER");
+        let frame = ready("ROUTER", None);
         assert_eq!(frame[0], COMMAND);
         let props = parse_ready(&frame[2..]).expect("parses");
         assert_eq!(
             props,
             [("Socket-Type".to_owned(), Bytes::from_static(b"ROUTER"))]
         );
+        let frame = ready("DEALER", Some(b"s0-to-r0"));
+        let props = parse_ready(&frame[2..]).expect("parses");
+        assert_eq!(
+            props,
+            [
+                ("Socket-Type".to_owned(), Bytes::from_static(b"DEALER")),
+                ("Identity".to_owned(), Bytes::from_static(b"s0-to-r0")),
+            ]
+        );
+        // A 255-byte identity makes a READY too long for a short command frame.
+        let frame = ready("DEALER", Some(&[b'x'; 255]));
+        assert_eq!(frame[0], COMMAND | LONG);
+        let props = parse_ready(&frame[9..]).expect("parses");
+        assert_eq!(props[1].1.len(), 255);
         assert!(parse_ready(b"\x04PING").is_err());
         assert!(parse_ready(b"\x05READY\x0bSocket-Type\x00\x00\x00\x09ROUT").is_err());
     }

@@ -1,0 +1,57 @@
+//! What every connection task shares, bound and connecting sockets alike: reading the next
+//! message with the limits' rejections counted, and tasks that cannot outlive their owner.
+
+use std::io;
+
+use bytes::Bytes;
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::task::JoinHandle;
+
+use super::framing::Reject;
+use super::zmtp::{FrameReader, Incoming};
+use super::Shared;
+
+/// Aborts a task when dropped, so a helper task cannot outlive the task that owns it.
+#[derive(Debug)]
+pub(super) struct AbortOnDrop<T>(pub(super) JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the next message, skipping commands (ZMTP 3.0 peers send none after READY; PING
+/// and the like are ignored) and counting oversize messages. `Err` says why the connection
+/// is over: closed, broken, or its stream can no longer be trusted.
+pub(super) async fn next_message(
+    shared: &Shared,
+    socket: &'static str,
+    reader: &mut FrameReader<OwnedReadHalf>,
+) -> Result<Vec<Bytes>, String> {
+    loop {
+        match reader.next().await {
+            Ok(Incoming::Message(frames)) => return Ok(frames),
+            Ok(Incoming::Command(_)) => {}
+            Ok(Incoming::Oversize(len)) => {
+                let max = shared.config.frame_max_bytes;
+                shared.rejected(
+                    socket,
+                    &Reject::Oversize {
+                        len: len as usize,
+                        max,
+                    },
+                );
+            }
+            Ok(Incoming::Closed) => return Err("the peer closed the connection".into()),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                tracing::warn!(socket, error = %e, "peer disconnected: its stream broke the limits");
+                return Err(format!("the peer's stream broke the limits: {e}"));
+            }
+            Err(e) => {
+                tracing::debug!(socket, error = %e, "peer connection ended");
+                return Err(format!("receive failed: {e}"));
+            }
+        }
+    }
+}
