@@ -236,9 +236,9 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub buffer_chunks: u32,
     /// Staging pool size per sender, in chunks. Staging only needs to cover what is in
-    /// flight on the link (its bandwidth-delay product): more adds queueing, not throughput
-    /// (docs/PERFORMANCE.md measures 8 against 64).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    /// flight on the link (its bandwidth-delay product): more adds queueing and cache
+    /// misses, not throughput (docs/PERFORMANCE.md measures 4 against 8 and 64).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub staging_chunks: u32,
     /// Bytes per chunk.
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
