@@ -376,3 +376,38 @@ async fn push_reconnects_after_the_pull_restarts() {
     );
     assert_eq!(t.stats().dropped_while_down, 0, "{:?}", t.stats());
 }
+
+/// Replies to a peer that is not reading pile up behind its socket (the ROUTER's writer task
+/// takes over from the direct writes); once it reads, every reply arrives, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_to_a_slow_reader_arrive_in_order() {
+    let t = transport(quick());
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let mut client = t
+        .connect(server.local_endpoint(), "slow")
+        .await
+        .expect("connect");
+    client.send(Bytes::from_static(b"hi")).await.expect("send");
+    let (peer, _) = step("request", server.recv()).await.expect("open");
+    // More than the client's event channel (1024) and its socket buffers hold.
+    const REPLIES: u32 = 1500;
+    let reply = |i: u32| {
+        let mut r = vec![(i % 251) as u8; 64 << 10];
+        r[..4].copy_from_slice(&i.to_be_bytes());
+        Bytes::from(r)
+    };
+    for i in 0..REPLIES {
+        step("queue a reply", server.send(peer, reply(i)))
+            .await
+            .expect("reply");
+    }
+    for i in 0..REPLIES {
+        assert_eq!(
+            event(&mut client, "reply").await,
+            ClientEvent::Message(reply(i)),
+            "reply {i}"
+        );
+    }
+    assert_eq!(t.stats().send_timeouts, 0);
+    assert_eq!(t.stats().disconnects, 0);
+}

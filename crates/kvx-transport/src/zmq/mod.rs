@@ -23,6 +23,7 @@ mod framing;
 mod link;
 mod peers;
 mod push;
+mod router_out;
 mod server;
 mod zmtp;
 
