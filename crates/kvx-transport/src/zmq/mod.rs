@@ -23,7 +23,6 @@ mod framing;
 mod link;
 mod peers;
 mod push;
-mod router_out;
 mod server;
 mod zmtp;
 

@@ -3,12 +3,14 @@
 //! before buffering it; see there for why kvx does not use the `zeromq` crate).
 //!
 //! One task accepts connections; each connection gets a task that handshakes (bounded by
-//! `connect_timeout`) and reads messages; a ROUTER's replies go out through `router_out`. Everything ends when the handle is dropped: the accept task and every
+//! `connect_timeout`) and reads messages, and a ROUTER connection also a writer task fed by a
+//! bounded queue. Everything ends when the handle is dropped: the accept task and every
 //! connection task watch the incoming channel and stop when its receiver is gone, which
 //! closes the listener and every accepted connection.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,9 +22,8 @@ use tokio::sync::mpsc;
 
 use super::conn::{next_message, AbortOnDrop};
 use super::framing;
-use super::router_out::{lock, route_replies, ConnOut, SharedRoutes};
 use super::zmtp::{self, FrameReader};
-use super::Shared;
+use super::{bump, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
 /// for errors.
@@ -114,6 +115,21 @@ fn reader_for(
 // ---------------------------------------------------------------------------------------
 // ROUTER
 
+/// The connected peers' reply queues, by routing identity. A newer connection with an
+/// identity takes it over (a DEALER that reconnected while its old connection lingers).
+#[derive(Debug, Default)]
+struct Routes {
+    next_conn: u64,
+    next_anonymous: u32,
+    by_identity: HashMap<Bytes, (u64, mpsc::Sender<Bytes>)>,
+}
+
+type SharedRoutes = Arc<Mutex<Routes>>;
+
+fn lock(routes: &SharedRoutes) -> MutexGuard<'_, Routes> {
+    routes.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub(super) async fn serve(
     shared: Arc<Shared>,
     endpoint: &str,
@@ -166,7 +182,7 @@ async fn router_conn(
     else {
         return;
     };
-    let (conn, identity) = {
+    let (conn, identity, queue) = {
         let mut r = lock(&routes);
         let identity = props
             .into_iter()
@@ -181,10 +197,11 @@ async fn router_conn(
             });
         r.next_conn += 1;
         let conn = r.next_conn;
-        r.by_identity
-            .insert(identity.clone(), (conn, Arc::new(ConnOut::new(writer))));
-        (conn, identity)
+        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+        r.by_identity.insert(identity.clone(), (conn, tx));
+        (conn, identity, rx)
     };
+    let _writer = AbortOnDrop(tokio::spawn(write_replies(writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
@@ -208,6 +225,63 @@ async fn router_conn(
         .is_some_and(|(c, _)| *c == conn)
     {
         r.by_identity.remove(&identity);
+    }
+}
+
+/// Writes one connection's replies as `["", payload]`, as many as are queued per write.
+async fn write_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::Receiver<Bytes>) {
+    use tokio::io::AsyncWriteExt;
+    let mut buf = Vec::new();
+    while let Some(payload) = queue.recv().await {
+        buf.clear();
+        zmtp::encode_message(&framing::routed_out(&payload), &mut buf);
+        while let Ok(more) = queue.try_recv() {
+            zmtp::encode_message(&framing::routed_out(&more), &mut buf);
+        }
+        if writer.write_all(&buf).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Hands each reply to its peer's connection. A reply to a peer that is not connected is
+/// lost, as with any ROUTER; the sender's reply timeout covers it.
+async fn route_replies(
+    shared: Arc<Shared>,
+    routes: SharedRoutes,
+    mut outgoing: mpsc::Receiver<(PeerId, Bytes)>,
+) {
+    let send_timeout = shared.config.send_timeout;
+    while let Some((peer, payload)) = outgoing.recv().await {
+        let Some(identity) = shared.peers().identity_of(peer) else {
+            unroutable(&shared, peer, "no such peer");
+            continue;
+        };
+        let queue = lock(&routes)
+            .by_identity
+            .get(&identity)
+            .map(|(_, q)| q.clone());
+        let Some(queue) = queue else {
+            unroutable(&shared, peer, "not connected");
+            continue;
+        };
+        match tokio::time::timeout(send_timeout, queue.send(payload)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => unroutable(&shared, peer, "its connection closed"),
+            Err(_) => {
+                let n = bump(&shared.counters.send_timeouts);
+                tracing::warn!(%peer, after = ?send_timeout, timeouts_so_far = n,
+                    "ROUTER reply timed out (the peer is not reading); dropped");
+            }
+        }
+    }
+}
+
+fn unroutable(shared: &Shared, peer: PeerId, why: &str) {
+    let n = bump(&shared.counters.unroutable_replies);
+    // Routine when a sender goes away with replies pending, so debug unless it piles up.
+    if worth_logging(n) {
+        tracing::debug!(%peer, why, unroutable_so_far = n, "reply dropped");
     }
 }
 
