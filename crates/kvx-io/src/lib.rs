@@ -34,4 +34,5 @@ pub use fabric::{
 };
 pub use transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
+    DISCONNECT_ACK,
 };

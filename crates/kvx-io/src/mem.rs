@@ -115,6 +115,10 @@ impl Transport for MemTransport {
         };
         tokio::spawn(async move {
             while let Some(payload) = out_rx.recv().await {
+                // Never disconnected, so never fenced; acknowledgements are not sent on.
+                if payload == crate::transport::DISCONNECT_ACK {
+                    continue;
+                }
                 if incoming.send((peer, payload)).await.is_err() {
                     break;
                 }

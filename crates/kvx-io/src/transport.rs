@@ -77,12 +77,23 @@ impl ControlServer {
     }
 }
 
+/// The payload a `ControlClient`'s caller sends to acknowledge a `ClientEvent::Disconnected`.
+/// Empty, since no message encodes to zero bytes; transports never send it on.
+pub const DISCONNECT_ACK: Bytes = Bytes::new();
+
 /// What a `ControlClient` hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClientEvent {
     Message(Bytes),
     /// The connection broke: messages in flight may be lost. The transport reconnects by
     /// itself; the sender fails what was in flight (`SenderFlow::handle_receiver_lost`).
+    ///
+    /// From this event on, the client drops every payload handed to it until the caller
+    /// sends `DISCONNECT_ACK`, saying it has failed everything it sent before: otherwise a
+    /// payload sent before the caller had processed this event could reach the *next*
+    /// connection, where a serial (LMCache) receiver's reply to it would be matched to a later
+    /// request. After the acknowledgement, payloads are delivered once reconnected (and
+    /// dropped while still down).
     Disconnected,
     /// Connected again after a `Disconnected`.
     Reconnected,

@@ -6,7 +6,9 @@ use std::fs;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvx_io::transport::{ClientEvent, ControlClient, ControlServer, TransportError};
+use kvx_io::transport::{
+    ClientEvent, ControlClient, ControlServer, TransportError, DISCONNECT_ACK,
+};
 use kvx_io::Transport;
 use kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES;
 use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
@@ -96,12 +98,24 @@ async fn dealer_reconnects_after_the_router_restarts() {
         ClientEvent::Reconnected
     );
 
+    // Reconnected, but the disconnect is not acknowledged yet: as far as the DEALER knows,
+    // this payload was sent before its sender failed its requests, so it must not reach the
+    // new connection (a serial receiver's reply to it would answer a later request).
+    client
+        .send(Bytes::from_static(b"stale"))
+        .await
+        .expect("send");
+    client.send(DISCONNECT_ACK).await.expect("ack");
     client
         .send(Bytes::from_static(b"after"))
         .await
         .expect("send");
     let (again, payload) = step("request", server.recv()).await.expect("open");
-    assert_eq!(payload, Bytes::from_static(b"after"));
+    assert_eq!(
+        payload,
+        Bytes::from_static(b"after"),
+        "only what follows the acknowledgement is delivered"
+    );
     assert_eq!(
         again, peer,
         "the sender keeps its PeerId across the reconnect"
@@ -116,6 +130,7 @@ async fn dealer_reconnects_after_the_router_restarts() {
     );
     let stats = t.stats();
     assert_eq!((stats.disconnects, stats.reconnects), (1, 1), "{stats:?}");
+    assert_eq!(stats.dropped_while_down, 1, "{stats:?}");
 }
 
 /// The receiver stays away for several connect timeouts: the DEALER keeps trying, with
@@ -142,6 +157,7 @@ async fn dealer_outlasts_an_outage_longer_than_the_connect_timeout() {
         .send(Bytes::from_static(b"lost"))
         .await
         .expect("send");
+    client.send(DISCONNECT_ACK).await.expect("ack");
     let mut server = serve_again(&t, &endpoint).await;
     assert_eq!(
         event(&mut client, "reconnect").await,
@@ -410,4 +426,38 @@ async fn replies_to_a_slow_reader_arrive_in_order() {
     }
     assert_eq!(t.stats().send_timeouts, 0);
     assert_eq!(t.stats().disconnects, 0);
+}
+
+/// Silence is counted from when a request went out, not from an earlier reply: a request
+/// sent after a quiet spell and answered within `recv_timeout` keeps the connection (it once
+/// broke it, `recv_timeout` after the previous request, because the writer had not noticed
+/// that reply).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_answered_within_the_recv_timeout_keeps_the_connection() {
+    let recv_timeout = Duration::from_millis(300);
+    let t = transport(ZmqConfig {
+        recv_timeout,
+        ..quick()
+    });
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let mut client = t
+        .connect(server.local_endpoint(), "sender-d")
+        .await
+        .expect("connect");
+    round_trip(&mut client, &mut server, "a").await;
+    tokio::time::sleep(recv_timeout / 3).await;
+    client.send(Bytes::from_static(b"b")).await.expect("send");
+    let (peer, b) = step("b", server.recv()).await.expect("open");
+    assert_eq!(b, Bytes::from_static(b"b"));
+    // Answered 5/6 of the timeout after it was sent: 7/6 after "a".
+    tokio::time::sleep(recv_timeout * 5 / 6).await;
+    server
+        .send(peer, Bytes::from_static(b"re:b"))
+        .await
+        .expect("reply");
+    assert_eq!(
+        event(&mut client, "reply b").await,
+        ClientEvent::Message(Bytes::from_static(b"re:b"))
+    );
+    assert_eq!(t.stats().disconnects, 0, "{:?}", t.stats());
 }

@@ -80,12 +80,22 @@ fn transport_loses_only_on_a_break() {
         w.disconnect("main", "main");
         assert_eq!(client.recv().await, Some(ClientEvent::Disconnected));
         assert_eq!(client.recv().await, Some(ClientEvent::Reconnected));
+        // Not acknowledged yet: dropped even though connected (the fence).
+        client
+            .send(Bytes::from_static(b"stale"))
+            .await
+            .expect("send");
+        client.send(kvx_io::DISCONNECT_ACK).await.expect("ack");
         for i in 0..10u8 {
             client.send(Bytes::from(vec![i])).await.expect("send");
         }
         for i in 0..10u8 {
             let (_, got) = server.recv().await.expect("open");
-            assert_eq!(got, Bytes::from(vec![i]), "FIFO after reconnecting");
+            assert_eq!(
+                got,
+                Bytes::from(vec![i]),
+                "FIFO after reconnecting, nothing from before the acknowledgement"
+            );
         }
     });
 }

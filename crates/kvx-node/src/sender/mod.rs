@@ -175,6 +175,7 @@ impl SenderNode {
             sink,
             clients: BTreeMap::new(),
             control_down: Default::default(),
+            acks_due: Vec::new(),
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
             conn_generation: 0,
@@ -393,6 +394,10 @@ struct Driver<E: Env> {
     /// `Reconnected`): what would be sent to them is lost, so requests fail at once instead
     /// of waiting out the reply timeout.
     control_down: std::collections::BTreeSet<PeerId>,
+    /// Receivers whose `Disconnected` has been processed (their requests failed) and not yet
+    /// acknowledged to the transport (`kvx_io::DISCONNECT_ACK`), which drops everything sent
+    /// to them until then.
+    acks_due: Vec<PeerId>,
     /// The live fabric connection to each receiver, with its generation (so that errors of
     /// a connection already replaced do not reset its successor).
     conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster)>,
@@ -445,7 +450,8 @@ impl<E: Env> Driver<E> {
             },
             Input::Client(peer, ClientEvent::Disconnected) => {
                 self.control_down.insert(peer);
-                core.flow.handle_receiver_lost(now, peer)
+                core.flow.handle_receiver_lost(now, peer);
+                self.acks_due.push(peer);
             }
             // The receiver may have restarted: its fabric endpoint is a new listener, so the
             // old fabric connection is dead too. Replace it (in the background).
@@ -563,6 +569,12 @@ impl<E: Env> Driver<E> {
             }
             (t, w, e)
         };
+        // Acknowledge processed disconnects before anything else reaches those receivers.
+        for peer in std::mem::take(&mut self.acks_due) {
+            if let Some(client) = self.clients.get(&peer) {
+                let _ = client.send(kvx_io::DISCONNECT_ACK).await;
+            }
+        }
         for t in transmits {
             self.transmit(t).await;
         }

@@ -22,16 +22,17 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 /// Reads the next message, skipping commands (ZMTP 3.0 peers send none after READY; PING
-/// and the like are ignored) and counting oversize messages. `Err` says why the connection
+/// and the like are ignored). `Ok(None)`: a message arrived but was dropped (counted and
+/// logged): a frame over `frame_max_bytes`, or too many frames. `Err` says why the connection
 /// is over: closed, broken, or its stream can no longer be trusted.
 pub(super) async fn next_message(
     shared: &Shared,
     socket: &'static str,
     reader: &mut FrameReader<OwnedReadHalf>,
-) -> Result<Vec<Bytes>, String> {
+) -> Result<Option<Vec<Bytes>>, String> {
     loop {
         match reader.next().await {
-            Ok(Incoming::Message(frames)) => return Ok(frames),
+            Ok(Incoming::Message(frames)) => return Ok(Some(frames)),
             Ok(Incoming::Command(_)) => {}
             Ok(Incoming::Oversize(len)) => {
                 let max = shared.config.frame_max_bytes;
@@ -42,6 +43,11 @@ pub(super) async fn next_message(
                         max,
                     },
                 );
+                return Ok(None);
+            }
+            Ok(Incoming::TooManyFrames(_)) => {
+                shared.rejected(socket, &Reject::Malformed("more frames than any shape has"));
+                return Ok(None);
             }
             Ok(Incoming::Closed) => return Err("the peer closed the connection".into()),
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {

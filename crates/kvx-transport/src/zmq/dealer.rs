@@ -15,7 +15,8 @@ use tokio::time::Instant;
 
 use super::conn::{next_message, AbortOnDrop};
 use super::link::{
-    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, End, Link, Role,
+    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, Backoff, End, Link,
+    Outgoing, Role,
 };
 use super::{bad_endpoint, framing, zmtp, Shared};
 
@@ -45,8 +46,9 @@ pub(super) async fn connect(
     };
     let link = open(&shared, endpoint, &role).await?;
     let (events, events_rx) = mpsc::channel(CHANNEL_DEPTH);
-    let (outgoing_tx, outgoing) = mpsc::channel(CHANNEL_DEPTH);
+    let (outgoing_tx, outgoing) = Outgoing::new();
     let dealer = Dealer {
+        backoff: Backoff::new(&shared),
         shared,
         endpoint: endpoint.to_owned(),
         role,
@@ -61,8 +63,9 @@ struct Dealer {
     shared: Arc<Shared>,
     endpoint: String,
     role: Role,
+    backoff: Backoff,
     events: mpsc::Sender<ClientEvent>,
-    outgoing: mpsc::Receiver<Bytes>,
+    outgoing: Outgoing,
 }
 
 /// Replies heard on one connection, and when the last one came: the writer's silence check.
@@ -84,11 +87,16 @@ impl Dealer {
     async fn run(mut self, first: Link) {
         let mut link = first;
         loop {
+            let began = Instant::now();
             let why = match self.serve(link).await {
                 End::HandleGone => break,
                 End::Broken(why) => why,
             };
+            self.backoff.after_connection(began.elapsed());
             note_broken(&self.shared, "DEALER", &self.endpoint, &why);
+            // Nothing the caller sent before it has processed `Disconnected` may reach the
+            // next connection: fence until it acknowledges (`kvx_io::DISCONNECT_ACK`).
+            self.outgoing.fence();
             discard_queued(&self.shared, &mut self.outgoing);
             if self.events.send(ClientEvent::Disconnected).await.is_err() {
                 break;
@@ -98,6 +106,7 @@ impl Dealer {
                 &self.shared,
                 &self.endpoint,
                 &self.role,
+                &mut self.backoff,
                 &mut self.outgoing,
                 || events.closed(),
             )
@@ -111,11 +120,10 @@ impl Dealer {
         tracing::debug!(endpoint = %self.endpoint, "DEALER handle dropped; closing");
     }
 
-    /// One connection's life. Returns after the reader task has ended or been aborted, so
-    /// no reply of this connection can follow the `Disconnected` sent next.
+    /// One connection's life. Returns only after the reader task has ended, so no reply of
+    /// this connection can follow the `Disconnected` sent next.
     async fn serve(&mut self, link: Link) -> End {
-        let Link { reader, mut writer } = link;
-        let config = &self.shared.config;
+        let Link { reader, writer } = link;
         let heard_on = SharedHeard::new(Mutex::new(Heard {
             replies: 0,
             last: Instant::now(),
@@ -126,9 +134,27 @@ impl Dealer {
             self.events.clone(),
             heard_on.clone(),
         )));
-        // Requests written; with `Heard`, what is outstanding. A connection with requests
-        // outstanding and no reply for `recv_timeout` is presumed dead: a half-open TCP
-        // connection never reports EOF, and every LMCache request gets a reply.
+        let (end, reader_joined) = self.write_requests(writer, &mut reading, &heard_on).await;
+        if !reader_joined {
+            // Aborting only asks: wait until the reader is really gone.
+            reading.0.abort();
+            let _ = (&mut reading.0).await;
+        }
+        end
+    }
+
+    /// Writes requests until the connection breaks or the handle goes; true with the end when
+    /// it came from the reader (whose task is then joined already). A connection with
+    /// requests outstanding and no reply for `recv_timeout` is presumed dead: a half-open TCP
+    /// connection never reports EOF, and every LMCache request gets a reply.
+    async fn write_requests(
+        &mut self,
+        mut writer: tokio::net::tcp::OwnedWriteHalf,
+        reading: &mut AbortOnDrop<End>,
+        heard_on: &SharedHeard,
+    ) -> (End, bool) {
+        let recv_timeout = self.shared.config.recv_timeout;
+        // Requests written; with `Heard`, what is outstanding, and since when it is silent.
         let mut sent = 0u64;
         let mut silent_since = Instant::now();
         let mut buf = Vec::with_capacity(1024);
@@ -136,34 +162,36 @@ impl Dealer {
             zmtp::encode_message(&framing::request_out(payload), out);
         };
         loop {
-            let outstanding = sent > heard(&heard_on).replies;
+            let outstanding = sent > heard(heard_on).replies;
             tokio::select! {
-                _ = self.events.closed() => return End::HandleGone,
+                _ = self.events.closed() => return (End::HandleGone, false),
                 ended = &mut reading.0 => {
-                    return ended.unwrap_or_else(|e| End::Broken(format!("reader task: {e}")));
+                    let end = ended.unwrap_or_else(|e| End::Broken(format!("reader task: {e}")));
+                    return (end, true);
                 }
-                taken = next_batch(&mut self.outgoing, &mut buf, encode) => {
-                    let Some(taken) = taken else { return End::HandleGone };
-                    if !outstanding {
+                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, encode) => {
+                    let Some(taken) = taken else { return (End::HandleGone, false) };
+                    // Read again: replies may have come since the loop began.
+                    if sent == heard(heard_on).replies {
                         silent_since = Instant::now();
                     }
                     if let Err(why) = write_bounded(&self.shared, &mut writer, &buf).await {
-                        return End::Broken(why);
+                        return (End::Broken(why), false);
                     }
                     sent += taken;
                 }
-                _ = tokio::time::sleep_until(silent_since + config.recv_timeout), if outstanding => {
-                    let h = heard(&heard_on);
+                _ = tokio::time::sleep_until(silent_since + recv_timeout), if outstanding => {
+                    let h = heard(heard_on);
+                    if h.replies >= sent {
+                        continue;
+                    }
                     if h.last > silent_since {
                         // Replies came meanwhile: silence counts from the last one.
                         silent_since = h.last;
                         continue;
                     }
-                    return End::Broken(format!(
-                        "{} request(s) unanswered for {:?}",
-                        sent - h.replies,
-                        config.recv_timeout
-                    ));
+                    let why = format!("{} request(s) unanswered for {recv_timeout:?}", sent - h.replies);
+                    return (End::Broken(why), false);
                 }
             }
         }
@@ -179,15 +207,17 @@ async fn read_replies(
 ) -> End {
     let max = shared.config.frame_max_bytes;
     loop {
-        let frames = match next_message(&shared, "DEALER", &mut reader).await {
-            Ok(frames) => frames,
+        let next = match next_message(&shared, "DEALER", &mut reader).await {
+            Ok(next) => next,
             Err(why) => return End::Broken(why),
         };
+        // Every message answers a request, even one dropped as oversize: the peer is alive.
         {
             let mut h = heard(&heard_on);
             h.replies += 1;
             h.last = Instant::now();
         }
+        let Some(frames) = next else { continue };
         match framing::reply_in(&frames, max) {
             Ok(payload) => {
                 if events.send(ClientEvent::Message(payload)).await.is_err() {

@@ -11,7 +11,11 @@
 //! Payloads handed in while the connection is down, and those still queued when it broke,
 //! are dropped and counted. Holding them for the next connection would deliver requests the
 //! sender has already failed on `Disconnected`, and LMCache's serial channel matches replies
-//! by order alone, so a stale reply would be taken for a new request's.
+//! by order alone, so a stale reply would be taken for a new request's. For the same reason a
+//! DEALER that reported `Disconnected` is *fenced* (`Outgoing`): it drops every payload until
+//! the caller acknowledges the disconnect (`kvx_io::transport::DISCONNECT_ACK`), even once
+//! reconnected, so a payload the caller sent before it had failed its requests never reaches
+//! the next connection.
 
 use std::collections::hash_map::RandomState;
 use std::future::Future;
@@ -20,7 +24,7 @@ use std::io;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_io::transport::TransportError;
+use kvx_io::transport::{TransportError, CHANNEL_DEPTH};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -48,6 +52,66 @@ pub(super) struct Link {
 /// burst, few enough that a slow peer's `send_timeout` still concerns a bounded amount.
 const BATCH_MAX: usize = 64;
 
+/// TCP keepalive on connecting sockets: a peer whose host vanished without closing the
+/// connection is found within about `KEEPALIVE_IDLE + KEEPALIVE_RETRIES × KEEPALIVE_INTERVAL`
+/// even when nothing is being sent (a PUSH never reads a reply that could time out).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// What a caller hands a connecting socket, with the DEALER's disconnect fence: while fenced,
+/// payloads are dropped (counted) until the caller's acknowledgement, an empty payload, which
+/// is never sent on (no message encodes to zero bytes).
+#[derive(Debug)]
+pub(super) struct Outgoing {
+    rx: mpsc::Receiver<Bytes>,
+    fenced: bool,
+}
+
+impl Outgoing {
+    pub(super) fn new() -> (mpsc::Sender<Bytes>, Self) {
+        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+        (tx, Self { rx, fenced: false })
+    }
+
+    /// Drops everything until the caller acknowledges (a DEALER after `Disconnected`).
+    pub(super) fn fence(&mut self) {
+        self.fenced = true;
+    }
+
+    /// Whether `payload` is to be sent; consumes acknowledgements and fenced payloads.
+    fn admit(&mut self, shared: &Shared, payload: &Bytes) -> bool {
+        if payload.is_empty() {
+            self.fenced = false;
+            return false;
+        }
+        if self.fenced {
+            dropped_while_down(shared);
+            return false;
+        }
+        true
+    }
+
+    /// The next payload to send; `None` when the handle is gone. Cancel-safe.
+    pub(super) async fn recv(&mut self, shared: &Shared) -> Option<Bytes> {
+        loop {
+            let payload = self.rx.recv().await?;
+            if self.admit(shared, &payload) {
+                return Some(payload);
+            }
+        }
+    }
+
+    fn try_recv(&mut self, shared: &Shared) -> Option<Bytes> {
+        loop {
+            let payload = self.rx.try_recv().ok()?;
+            if self.admit(shared, &payload) {
+                return Some(payload);
+            }
+        }
+    }
+}
+
 /// One connection attempt to `endpoint` (`tcp://host:port`, already checked), TCP and ZMTP
 /// handshake together bounded by `connect_timeout`. A refused TCP connection is retried
 /// within that bound: the peer may be starting.
@@ -72,22 +136,43 @@ async fn open_unbounded(
     role: &Role,
 ) -> Result<Link, TransportError> {
     let hostport = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
-    let addr = tokio::net::lookup_host(hostport)
+    let addrs: Vec<_> = tokio::net::lookup_host(hostport)
         .await
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| bad_endpoint(endpoint, "cannot resolve the address"))?;
+        .map_err(|e| bad_endpoint(endpoint, format!("cannot resolve the address: {e}")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(bad_endpoint(endpoint, "the address resolves to nothing"));
+    }
+    // Every address in turn (`localhost` may give `::1` first while the peer listens on IPv4
+    // only); a round that finds every one refusing is retried: the peer may be starting.
     let mut retry = Duration::from_millis(10);
-    let stream = loop {
-        match TcpStream::connect(addr).await {
-            Ok(stream) => break stream,
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                tokio::time::sleep(retry).await;
-                retry = (retry * 2).min(Duration::from_millis(200));
+    let stream = 'connected: loop {
+        let mut refused_all = true;
+        let mut last = None;
+        for addr in &addrs {
+            match TcpStream::connect(addr).await {
+                Ok(stream) => break 'connected stream,
+                Err(e) => {
+                    refused_all &= e.kind() == io::ErrorKind::ConnectionRefused;
+                    last = Some(e);
+                }
             }
-            Err(e) => return Err(TransportError::Io(format!("connect {endpoint}: {e}"))),
         }
+        if !refused_all {
+            let e = last.expect("invariant: at least one address was tried");
+            return Err(TransportError::Io(format!("connect {endpoint}: {e}")));
+        }
+        tokio::time::sleep(retry).await;
+        retry = (retry * 2).min(Duration::from_millis(200));
     };
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    let sock = socket2::SockRef::from(&stream);
+    let _ = sock.set_tcp_keepalive(&keepalive);
+    // Written data unacknowledged this long ends the connection (a vanished host).
+    let _ = sock.set_tcp_user_timeout(Some(shared.config.send_timeout));
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (rd, mut writer) = stream.into_split();
@@ -107,17 +192,21 @@ async fn open_unbounded(
 
 /// Waits for the next payload and takes whatever else is queued behind it (up to
 /// `BATCH_MAX`), encoding each as one message into `buf` (cleared first) with `encode`.
-/// Returns how many were taken; `None` when the handle is gone.
+/// Returns how many were taken; `None` when the handle is gone. Cancel-safe.
 pub(super) async fn next_batch(
-    outgoing: &mut mpsc::Receiver<Bytes>,
+    shared: &Shared,
+    outgoing: &mut Outgoing,
     buf: &mut Vec<u8>,
     encode: impl Fn(&[u8], &mut Vec<u8>),
 ) -> Option<u64> {
+    let first = outgoing.recv(shared).await?;
     buf.clear();
-    encode(&outgoing.recv().await?, buf);
+    encode(&first, buf);
     let mut taken = 1;
     while taken < BATCH_MAX {
-        let Ok(more) = outgoing.try_recv() else { break };
+        let Some(more) = outgoing.try_recv(shared) else {
+            break;
+        };
         encode(&more, buf);
         taken += 1;
     }
@@ -143,17 +232,30 @@ pub(super) async fn write_bounded(
 
 /// Exponential backoff from `min` to `max`, with up to a quarter of jitter so that senders
 /// that lost the same receiver do not all return at the same instant.
+///
+/// It is kept across connections: a peer that accepts and then drops every connection (a
+/// crash loop, an impostor on the port) is retried ever more slowly, not ten times a second.
+/// `reset` starts over once a connection has proved itself.
 #[derive(Debug)]
-struct Backoff {
+pub(super) struct Backoff {
     next: Duration,
+    min: Duration,
     max: Duration,
 }
 
 impl Backoff {
-    fn new(shared: &Shared) -> Self {
+    pub(super) fn new(shared: &Shared) -> Self {
         Self {
             next: shared.config.reconnect_backoff_min,
+            min: shared.config.reconnect_backoff_min,
             max: shared.config.reconnect_backoff_max,
+        }
+    }
+
+    /// After a connection that lasted `lived`: one that outlived the longest wait was healthy.
+    pub(super) fn after_connection(&mut self, lived: Duration) {
+        if lived >= self.max {
+            self.next = self.min;
         }
     }
 
@@ -168,8 +270,8 @@ impl Backoff {
 }
 
 /// Drains what is queued on `outgoing` without waiting, counting it as dropped.
-pub(super) fn discard_queued(shared: &Shared, outgoing: &mut mpsc::Receiver<Bytes>) {
-    while outgoing.try_recv().is_ok() {
+pub(super) fn discard_queued(shared: &Shared, outgoing: &mut Outgoing) {
+    while outgoing.try_recv(shared).is_some() {
         dropped_while_down(shared);
     }
 }
@@ -188,7 +290,7 @@ fn dropped_while_down(shared: &Shared) {
 /// `None` comes back as soon as the handle is gone (`gone` resolves or `outgoing` closes).
 async fn while_down<F: Future>(
     shared: &Shared,
-    outgoing: &mut mpsc::Receiver<Bytes>,
+    outgoing: &mut Outgoing,
     gone: impl Future<Output = ()>,
     fut: F,
 ) -> Option<F::Output> {
@@ -198,7 +300,7 @@ async fn while_down<F: Future>(
         tokio::select! {
             out = &mut fut => return Some(out),
             _ = &mut gone => return None,
-            payload = outgoing.recv() => match payload {
+            payload = outgoing.recv(shared) => match payload {
                 Some(_) => dropped_while_down(shared),
                 None => return None,
             },
@@ -211,13 +313,13 @@ pub(super) async fn reconnect<G>(
     shared: &Shared,
     endpoint: &str,
     role: &Role,
-    outgoing: &mut mpsc::Receiver<Bytes>,
+    backoff: &mut Backoff,
+    outgoing: &mut Outgoing,
     gone: impl Fn() -> G,
 ) -> Option<Link>
 where
     G: Future<Output = ()>,
 {
-    let mut backoff = Backoff::new(shared);
     for attempt in 1u64.. {
         let wait = backoff.next_wait();
         while_down(shared, outgoing, gone(), tokio::time::sleep(wait)).await?;
@@ -248,13 +350,23 @@ pub(super) enum End {
 
 pub(super) fn note_broken(shared: &Shared, socket: &'static str, endpoint: &str, why: &str) {
     let n = bump(&shared.counters.disconnects);
-    tracing::warn!(
-        socket,
-        endpoint,
-        why,
-        disconnects_so_far = n,
-        "connection lost; reconnecting"
-    );
+    if worth_logging(n) {
+        tracing::warn!(
+            socket,
+            endpoint,
+            why,
+            disconnects_so_far = n,
+            "connection lost; reconnecting"
+        );
+    } else {
+        tracing::debug!(
+            socket,
+            endpoint,
+            why,
+            disconnects_so_far = n,
+            "connection lost"
+        );
+    }
 }
 
 #[cfg(test)]
@@ -265,6 +377,7 @@ mod tests {
     fn backoff_doubles_to_the_cap_with_bounded_jitter() {
         let mut b = Backoff {
             next: Duration::from_millis(100),
+            min: Duration::from_millis(100),
             max: Duration::from_millis(500),
         };
         let bases = [100u64, 200, 400, 500, 500];
@@ -276,5 +389,10 @@ mod tests {
                 "{wait:?} vs {base:?}"
             );
         }
+        // A short-lived connection keeps the backoff where it was; a long one resets it.
+        b.after_connection(Duration::from_millis(499));
+        assert!(b.next_wait() >= Duration::from_millis(500));
+        b.after_connection(Duration::from_millis(500));
+        assert!(b.next_wait() < Duration::from_millis(200));
     }
 }

@@ -47,9 +47,10 @@ pub struct ZmqConfig {
     /// within it) plus the ZMTP greeting and READY handshake. `connect` and `notify_sink`
     /// fail after one such attempt; reconnects retry with backoff.
     pub connect_timeout: Duration,
-    /// Longest handing one message to a connection may wait (its queue is full because the
-    /// peer does not read). A DEALER or PUSH then presumes the connection dead and reconnects;
-    /// a ROUTER drops that reply.
+    /// Longest one write to a connection may take (its socket buffer stays full because the
+    /// peer does not read); the connection is then presumed dead and closed (a DEALER or
+    /// PUSH reconnects). Also the TCP user timeout of connecting sockets: data unacknowledged
+    /// this long ends the connection.
     pub send_timeout: Duration,
     /// A DEALER that has sent messages and heard nothing back for this long presumes the
     /// connection dead (a half-open TCP connection never reports EOF) and reconnects. Keep it
@@ -60,8 +61,8 @@ pub struct ZmqConfig {
     pub reconnect_backoff_max: Duration,
     /// Largest incoming frame passed on; larger ones are dropped, counted and logged.
     pub frame_max_bytes: usize,
-    /// A peer that announces a frame longer than this to a bound socket is disconnected
-    /// before any of the frame is read; frames between `frame_max_bytes` and this are
+    /// A peer that announces a frame longer than this is disconnected before any of the
+    /// frame is read (a DEALER or PUSH then reconnects); frames between `frame_max_bytes` and this are
     /// skipped as they arrive (never buffered) and their message dropped as above. At least
     /// `frame_max_bytes`.
     pub frame_refuse_bytes: usize,
@@ -143,7 +144,9 @@ pub struct ZmqStats {
     pub oversize_dropped: u64,
     /// Incoming messages whose multipart shape is not one kvx accepts.
     pub malformed_dropped: u64,
-    /// Sends that waited `send_timeout` in vain.
+    /// Sends that could not be made: a DEALER's, PUSH's or ROUTER's write that took longer
+    /// than `send_timeout` (the connection is then closed), or a ROUTER reply dropped because
+    /// its peer's queue was full (the peer is not reading).
     pub send_timeouts: u64,
     /// Replies to a peer the ROUTER no longer knows or is not connected to.
     pub unroutable_replies: u64,
@@ -271,8 +274,9 @@ fn bad_endpoint(endpoint: &str, why: impl Into<String>) -> TransportError {
 }
 
 /// Parses `tcp://host:port` (host: a name, an IPv4 address, `[IPv6]`, or `*` when binding)
-/// into the `tcp://host:port` kvx binds or connects to. Binding accepts libzmq's `*` for every
-/// interface (LMCache binds `tcp://*:port`) as `0.0.0.0`, and port 0 (the OS picks one).
+/// into the `tcp://host:port` kvx binds or connects to. Binding accepts libzmq's `*` (LMCache
+/// binds `tcp://*:port`) as `0.0.0.0`, every IPv4 interface, as libzmq does without
+/// `ZMQ_IPV6`; and port 0 (the OS picks one). An IPv6 address must be in brackets.
 fn tcp_endpoint(endpoint: &str, binding: bool) -> Result<String, TransportError> {
     let Some(hostport) = endpoint.strip_prefix("tcp://") else {
         return Err(bad_endpoint(
@@ -283,19 +287,38 @@ fn tcp_endpoint(endpoint: &str, binding: bool) -> Result<String, TransportError>
     let (host, port) = hostport
         .rsplit_once(':')
         .ok_or_else(|| bad_endpoint(endpoint, "expected tcp://host:port"))?;
-    let port: u16 = port
-        .parse()
-        .map_err(|_| bad_endpoint(endpoint, format!("{port:?} is not a port number")))?;
-    let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
-    let plain = !host.is_empty()
+    let port: u16 = match port.parse() {
+        Ok(p) if port.bytes().all(|b| b.is_ascii_digit()) => p,
+        _ => {
+            return Err(bad_endpoint(
+                endpoint,
+                format!("{port:?} is not a port number"),
+            ))
+        }
+    };
+    let host = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        inner
+            .parse::<std::net::Ipv6Addr>()
+            .map_err(|_| bad_endpoint(endpoint, format!("[{inner}] is not an IPv6 address")))?;
+        host
+    } else if host.contains(':') {
+        return Err(bad_endpoint(
+            endpoint,
+            "an IPv6 address must be in brackets: tcp://[addr]:port",
+        ));
+    } else if host == "*" {
+        if !binding {
+            return Err(bad_endpoint(endpoint, "cannot connect to `*`"));
+        }
+        "0.0.0.0"
+    } else if !host.is_empty()
         && host
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_');
-    let host = match host {
-        "*" if binding => "0.0.0.0",
-        "*" => return Err(bad_endpoint(endpoint, "cannot connect to `*`")),
-        h if bracketed || plain => h,
-        h => return Err(bad_endpoint(endpoint, format!("{h:?} is not a host"))),
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_')
+    {
+        host
+    } else {
+        return Err(bad_endpoint(endpoint, format!("{host:?} is not a host")));
     };
     if port == 0 && !binding {
         return Err(bad_endpoint(endpoint, "cannot connect to port 0"));
@@ -364,6 +387,10 @@ mod tests {
             "tcp://host:x",
             "tcp://a b:1",
             "tcp://[]:1",
+            "tcp://[foo]:1",
+            "tcp://[1.2.3.4]:1",
+            "tcp://host:+80",
+            "tcp://::1:5555",
         ] {
             assert!(tcp_endpoint(bad, true).is_err(), "{bad}");
         }

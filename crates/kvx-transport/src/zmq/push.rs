@@ -7,13 +7,12 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use kvx_io::transport::{NotifySink, TransportError, CHANNEL_DEPTH};
-use tokio::sync::mpsc;
+use kvx_io::transport::{NotifySink, TransportError};
 
 use super::conn::{next_message, AbortOnDrop};
 use super::link::{
-    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, End, Link, Role,
+    discard_queued, next_batch, note_broken, open, reconnect, write_bounded, Backoff, End, Link,
+    Outgoing, Role,
 };
 use super::{framing, zmtp, Shared};
 
@@ -28,8 +27,9 @@ pub(super) async fn notify_sink(
     endpoint: &str,
 ) -> Result<NotifySink, TransportError> {
     let link = open(&shared, endpoint, &ROLE).await?;
-    let (tx, outgoing) = mpsc::channel(CHANNEL_DEPTH);
+    let (tx, outgoing) = Outgoing::new();
     let pusher = Pusher {
+        backoff: Backoff::new(&shared),
         shared,
         endpoint: endpoint.to_owned(),
         outgoing,
@@ -41,7 +41,8 @@ pub(super) async fn notify_sink(
 struct Pusher {
     shared: Arc<Shared>,
     endpoint: String,
-    outgoing: mpsc::Receiver<Bytes>,
+    backoff: Backoff,
+    outgoing: Outgoing,
 }
 
 impl Pusher {
@@ -49,10 +50,12 @@ impl Pusher {
     async fn run(mut self, first: Link) {
         let mut link = first;
         loop {
+            let began = tokio::time::Instant::now();
             let why = match self.serve(link).await {
                 End::HandleGone => break,
                 End::Broken(why) => why,
             };
+            self.backoff.after_connection(began.elapsed());
             note_broken(&self.shared, "PUSH", &self.endpoint, &why);
             discard_queued(&self.shared, &mut self.outgoing);
             // A NotifySink has no other half: it is gone when `outgoing` closes.
@@ -60,6 +63,7 @@ impl Pusher {
                 &self.shared,
                 &self.endpoint,
                 &ROLE,
+                &mut self.backoff,
                 &mut self.outgoing,
                 std::future::pending,
             )
@@ -93,7 +97,7 @@ impl Pusher {
                 why = &mut watching.0 => {
                     return End::Broken(why.unwrap_or_else(|e| format!("reader task: {e}")));
                 }
-                taken = next_batch(&mut self.outgoing, &mut buf, encode) => {
+                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, encode) => {
                     if taken.is_none() {
                         return End::HandleGone;
                     }

@@ -201,14 +201,15 @@ async fn router_conn(
         r.by_identity.insert(identity.clone(), (conn, tx));
         (conn, identity, rx)
     };
-    let _writer = AbortOnDrop(tokio::spawn(write_replies(writer, queue)));
+    let _writer = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
             next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
-        let Some(frames) = next else { break };
+        let Some(next) = next else { break };
+        let Some(frames) = next else { continue }; // dropped, counted
         match framing::routed_in(&frames, max) {
             Ok(payload) => {
                 let peer = shared.peers().peer_for(&identity);
@@ -228,9 +229,16 @@ async fn router_conn(
     }
 }
 
-/// Writes one connection's replies as `["", payload]`, as many as are queued per write.
-async fn write_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::Receiver<Bytes>) {
+/// Writes one connection's replies as `["", payload]`, as many as are queued per write. A
+/// write that takes longer than `send_timeout` (the peer stopped reading, or vanished
+/// without closing) ends the connection: its replies are lost, as the peer is.
+async fn write_replies(
+    shared: Arc<Shared>,
+    mut writer: OwnedWriteHalf,
+    mut queue: mpsc::Receiver<Bytes>,
+) {
     use tokio::io::AsyncWriteExt;
+    let after = shared.config.send_timeout;
     let mut buf = Vec::new();
     while let Some(payload) = queue.recv().await {
         buf.clear();
@@ -238,20 +246,32 @@ async fn write_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::Receiver<Byt
         while let Ok(more) = queue.try_recv() {
             zmtp::encode_message(&framing::routed_out(&more), &mut buf);
         }
-        if writer.write_all(&buf).await.is_err() {
-            return;
+        match tokio::time::timeout(after, writer.write_all(&buf)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return,
+            Err(_) => {
+                let n = bump(&shared.counters.send_timeouts);
+                tracing::warn!(
+                    ?after,
+                    timeouts_so_far = n,
+                    "ROUTER reply write timed out (the peer is not reading); connection closed"
+                );
+                // Dropping the write half sends FIN; the peer's DEALER reconnects.
+                return;
+            }
         }
     }
 }
 
-/// Hands each reply to its peer's connection. A reply to a peer that is not connected is
-/// lost, as with any ROUTER; the sender's reply timeout covers it.
+/// Hands each reply to its peer's connection without waiting: one task routes every peer's
+/// replies, so a peer that stopped reading must not hold up the others. A reply to a peer
+/// that is not connected, or whose queue (`CHANNEL_DEPTH` replies) is full, is lost, as with
+/// any ROUTER; the sender's reply timeout covers it.
 async fn route_replies(
     shared: Arc<Shared>,
     routes: SharedRoutes,
     mut outgoing: mpsc::Receiver<(PeerId, Bytes)>,
 ) {
-    let send_timeout = shared.config.send_timeout;
     while let Some((peer, payload)) = outgoing.recv().await {
         let Some(identity) = shared.peers().identity_of(peer) else {
             unroutable(&shared, peer, "no such peer");
@@ -265,13 +285,17 @@ async fn route_replies(
             unroutable(&shared, peer, "not connected");
             continue;
         };
-        match tokio::time::timeout(send_timeout, queue.send(payload)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => unroutable(&shared, peer, "its connection closed"),
-            Err(_) => {
+        match queue.try_send(payload) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                unroutable(&shared, peer, "its connection closed")
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
                 let n = bump(&shared.counters.send_timeouts);
-                tracing::warn!(%peer, after = ?send_timeout, timeouts_so_far = n,
-                    "ROUTER reply timed out (the peer is not reading); dropped");
+                if worth_logging(n) {
+                    tracing::warn!(%peer, dropped_so_far = n,
+                        "ROUTER reply dropped: the peer is not reading its replies");
+                }
             }
         }
     }
@@ -327,7 +351,8 @@ async fn pull_conn(shared: Arc<Shared>, incoming: mpsc::Sender<Bytes>, stream: T
             () = incoming.closed() => break,
             next = next_message(&shared, "PULL", &mut reader) => next.ok(),
         };
-        let Some(frames) = next else { break };
+        let Some(next) = next else { break };
+        let Some(frames) = next else { continue }; // dropped, counted
         match framing::notice_in(&frames, max) {
             Ok(payload) => {
                 if incoming.send(payload).await.is_err() {

@@ -19,6 +19,11 @@ const MORE: u8 = 0x01;
 const LONG: u8 = 0x02;
 const COMMAND: u8 = 0x04;
 
+/// The most frames of one message that are buffered. No shape kvx accepts has more than
+/// three; without a limit, a peer sending frames with MORE set forever would grow one message
+/// without end, each frame within `frame_max_bytes`.
+pub(super) const FRAMES_MAX: u64 = 4;
+
 /// kvx's greeting: signature (with libzmq's padding), ZMTP 3.0, NULL, as-server 0, filler.
 /// 3.0 rather than 3.1: a 3.1 peer then never sends heartbeats, and the framing is the same.
 pub(super) fn greeting() -> [u8; 64] {
@@ -114,6 +119,9 @@ pub(super) enum Incoming {
     Command(Bytes),
     /// A message with a frame over `frame_max_bytes`, skipped without buffering it.
     Oversize(u64),
+    /// A message of more than `FRAMES_MAX` frames; the frames past the limit were skipped
+    /// without buffering them. The count is how many it had.
+    TooManyFrames(u64),
     /// The peer closed the connection cleanly between messages.
     Closed,
 }
@@ -178,17 +186,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// trusted any further (reserved flags, a frame announced over `frame_refuse_bytes`).
     pub(super) async fn next(&mut self) -> io::Result<Incoming> {
         let mut frames = Vec::new();
+        let mut count = 0u64;
         let mut oversize = None;
         loop {
-            if !self
-                .fill(1, frames.is_empty() && oversize.is_none())
-                .await?
-            {
+            if !self.fill(1, count == 0).await? {
                 return Ok(Incoming::Closed);
             }
             let flags = self.buf[0];
             if flags & !(MORE | LONG | COMMAND) != 0 {
                 return Err(invalid(format!("reserved ZMTP frame flags {flags:#04x}")));
+            }
+            // A command is one frame on its own, never inside a message: anything else would
+            // put message boundaries out of step.
+            if flags & COMMAND != 0 && (count > 0 || flags & MORE != 0) {
+                return Err(invalid("a command frame inside a multipart message".into()));
             }
             let header = if flags & LONG != 0 { 9 } else { 2 };
             self.fill(header, false).await?;
@@ -204,24 +215,25 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     self.refuse_above
                 )));
             }
-            if len > self.max {
-                oversize.get_or_insert(len);
+            count += 1;
+            if len > self.max || count > FRAMES_MAX {
+                if len > self.max {
+                    oversize.get_or_insert(len);
+                }
                 self.skip(len).await?;
             } else {
                 let len = len as usize;
                 self.fill(len, false).await?;
                 let body = self.buf.split_to(len).freeze();
                 if flags & COMMAND != 0 {
-                    // Commands are single frames, never part of a message.
                     return Ok(Incoming::Command(body));
                 }
-                if oversize.is_none() {
-                    frames.push(body);
-                }
+                frames.push(body);
             }
             if flags & MORE == 0 {
                 return Ok(match oversize {
                     Some(len) => Incoming::Oversize(len),
+                    None if count > FRAMES_MAX => Incoming::TooManyFrames(count),
                     None => Incoming::Message(frames),
                 });
             }
@@ -326,6 +338,43 @@ mod tests {
         let got = read_all(&s, 1 << 20, 16 << 20).await;
         let err = got.last().expect("one").as_ref().expect_err("refused");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn long_messages_are_skipped_past_the_frame_limit() {
+        let mut s = Vec::new();
+        let many: Vec<&[u8]> = vec![b"frame"; 10_000];
+        encode_message(&many, &mut s);
+        encode_message(&[b"", b"after"], &mut s);
+        let got = read_all(&s, 64, 1024).await;
+        let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
+        assert_eq!(
+            got,
+            [
+                Incoming::TooManyFrames(10_000),
+                Incoming::Message(vec![Bytes::new(), Bytes::from_static(b"after")]),
+                Incoming::Closed,
+            ]
+        );
+        let mut r = FrameReader::new(&s[..], 64, 1024);
+        assert!(matches!(r.next().await, Ok(Incoming::TooManyFrames(_))));
+        assert!(
+            r.buf.capacity() < 64 << 10,
+            "the skipped frames were not buffered"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_command_inside_a_message_is_an_error() {
+        let mut s = vec![MORE, 1, b'a'];
+        s.extend_from_slice(&[COMMAND, 4, b'P', b'I', b'N', b'G']);
+        let got = read_all(&s, 64, 64).await;
+        assert_eq!(
+            got[0].as_ref().expect_err("refused").kind(),
+            io::ErrorKind::InvalidData
+        );
+        let got = read_all(&[COMMAND | MORE, 1, b'x', 0, 0], 64, 64).await;
+        assert!(got[0].is_err(), "a command with MORE");
     }
 
     #[tokio::test]
