@@ -28,7 +28,11 @@ async fn next_message(client: &mut crate::transport::ControlClient, what: &str) 
     loop {
         match step(what, client.recv()).await {
             Some(ClientEvent::Message(b)) => return b,
-            Some(ClientEvent::Disconnected | ClientEvent::Reconnected) => continue,
+            // The contract: one acknowledgement per disconnect, or everything after is dropped.
+            Some(ClientEvent::Disconnected) => {
+                let _ = client.send(crate::transport::DISCONNECT_ACK).await;
+            }
+            Some(ClientEvent::Reconnected) => continue,
             None => panic!("conformance: transport closed while waiting for {what}"),
         }
     }

@@ -89,7 +89,8 @@ pub enum ClientEvent {
     /// itself; the sender fails what was in flight (`SenderFlow::handle_receiver_lost`).
     ///
     /// From this event on, the client drops every payload handed to it until the caller
-    /// sends `DISCONNECT_ACK`, saying it has failed everything it sent before: otherwise a
+    /// sends `DISCONNECT_ACK` (one per `Disconnected`; the fence stays up while any is
+    /// unacknowledged), saying it has failed everything it sent before: otherwise a
     /// payload sent before the caller had processed this event could reach the *next*
     /// connection, where a serial (LMCache) receiver's reply to it would be matched to a later
     /// request. After the acknowledgement, payloads are delivered once reconnected (and

@@ -461,3 +461,81 @@ async fn a_request_answered_within_the_recv_timeout_keeps_the_connection() {
     );
     assert_eq!(t.stats().disconnects, 0, "{:?}", t.stats());
 }
+
+/// One acknowledgement lifts one disconnect: a caller that lags two breaks behind (a receiver
+/// in a crash loop) and acknowledges the first is still fenced for the second, so nothing it
+/// sent before processing that one reaches the newest connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_disconnect_needs_its_own_acknowledgement() {
+    let t = transport(quick());
+    let server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let endpoint = server.local_endpoint().to_owned();
+    let mut client = t.connect(&endpoint, "sender-e").await.expect("connect");
+    drop(server);
+    assert_eq!(event(&mut client, "D1").await, ClientEvent::Disconnected);
+    let server = serve_again(&t, &endpoint).await;
+    assert_eq!(event(&mut client, "R1").await, ClientEvent::Reconnected);
+    drop(server);
+    assert_eq!(event(&mut client, "D2").await, ClientEvent::Disconnected);
+    let mut server = serve_again(&t, &endpoint).await;
+    assert_eq!(event(&mut client, "R2").await, ClientEvent::Reconnected);
+    // The caller catches up with D1 only.
+    client.send(DISCONNECT_ACK).await.expect("ack 1");
+    client
+        .send(Bytes::from_static(b"stale"))
+        .await
+        .expect("send");
+    // Now with D2.
+    client.send(DISCONNECT_ACK).await.expect("ack 2");
+    client
+        .send(Bytes::from_static(b"fresh"))
+        .await
+        .expect("send");
+    let (_, payload) = step("request", server.recv()).await.expect("open");
+    assert_eq!(payload, Bytes::from_static(b"fresh"));
+}
+
+/// A peer that stops reading its replies is cut off after `send_timeout`: by the connection
+/// writer's timeout or by the TCP user timeout on the stalled window, whichever comes first
+/// (with neither, this test fails). The DEALER notices, reconnects, and is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_closes_a_connection_whose_replies_stall() {
+    let server_side = transport(ZmqConfig {
+        send_timeout: Duration::from_millis(200),
+        ..quick()
+    });
+    let client_side = transport(quick());
+    let mut server = server_side.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let mut client = client_side
+        .connect(server.local_endpoint(), "stalled")
+        .await
+        .expect("connect");
+    client.send(Bytes::from_static(b"hi")).await.expect("send");
+    let (peer, _) = step("request", server.recv()).await.expect("open");
+    // The client reads nothing meanwhile: its event channel (1024) fills, then its socket.
+    let big = Bytes::from(vec![0x5a; 64 << 10]);
+    for _ in 0..1500 {
+        server.send(peer, big.clone()).await.expect("queue");
+    }
+    // Longer than the server's send_timeout: its connection writer is stuck that long.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        server_side.stats().send_timeouts >= 1,
+        "{:?}",
+        server_side.stats()
+    );
+    // Drain: what arrived before the cut, then the disconnect.
+    loop {
+        match event(&mut client, "drain").await {
+            ClientEvent::Message(_) => {}
+            ClientEvent::Disconnected => break,
+            ClientEvent::Reconnected => panic!("reconnected before the disconnect"),
+        }
+    }
+    client.send(DISCONNECT_ACK).await.expect("ack");
+    assert_eq!(
+        event(&mut client, "reconnect").await,
+        ClientEvent::Reconnected
+    );
+    round_trip(&mut client, &mut server, "again").await;
+}

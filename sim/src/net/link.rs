@@ -191,18 +191,18 @@ pub(super) async fn client_task(
         let w = world.lock();
         (w.model.reconnect_backoff_min, w.model.reconnect_backoff_max)
     };
-    // After `Disconnected`, everything is dropped until the caller acknowledges
-    // (`kvx_io::DISCONNECT_ACK`, an empty payload that is never sent on), as ZmqTransport's
-    // DEALER does: a payload sent before the caller failed its requests must not reach the
-    // next connection.
-    let mut fenced = false;
+    // After `Disconnected`, everything is dropped until the caller acknowledges it and every
+    // earlier one (`kvx_io::DISCONNECT_ACK`, an empty payload that is never sent on), as
+    // ZmqTransport's DEALER does: a payload sent before the caller failed its requests must
+    // not reach the next connection. A count: one acknowledgement lifts one disconnect.
+    let mut unacknowledged = 0u64;
     loop {
         broken.borrow_and_update();
         loop {
             tokio::select! {
                 p = out_rx.recv() => match p {
-                    Some(p) if p.is_empty() => fenced = false,
-                    Some(p) if fenced => drop_payload(&world, link, &p),
+                    Some(p) if p.is_empty() => unacknowledged = unacknowledged.saturating_sub(1),
+                    Some(p) if unacknowledged > 0 => drop_payload(&world, link, &p),
                     Some(p) => send_up(&world, link, p),
                     None => return close_link(&world, link),
                 },
@@ -212,7 +212,7 @@ pub(super) async fn client_task(
                 }
             }
         }
-        fenced = true;
+        unacknowledged += 1;
         if events.send(ClientEvent::Disconnected).await.is_err() {
             return close_link(&world, link);
         }
@@ -223,7 +223,9 @@ pub(super) async fn client_task(
             let retry = loop {
                 tokio::select! {
                     p = out_rx.recv() => match p {
-                        Some(p) if p.is_empty() => fenced = false,
+                        Some(p) if p.is_empty() => {
+                            unacknowledged = unacknowledged.saturating_sub(1)
+                        }
                         Some(p) => drop_payload(&world, link, &p),
                         None => return close_link(&world, link),
                     },

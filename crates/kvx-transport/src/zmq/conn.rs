@@ -2,14 +2,38 @@
 //! message with the limits' rejections counted, and tasks that cannot outlive their owner.
 
 use std::io;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
 use super::framing::Reject;
 use super::zmtp::{FrameReader, Incoming};
 use super::Shared;
+
+/// TCP keepalive: idle this long, then probes. With `TCP_USER_TIMEOUT` set as well, Linux
+/// ends the connection once a probe stays unanswered for the user timeout, so a peer whose
+/// host vanished without closing the connection is found in about
+/// `KEEPALIVE_IDLE + user_timeout` (15 s with the defaults) even when nothing is being sent.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Makes a connection notice a peer that vanished without closing it: keepalive probes when
+/// idle, and data (or probes) unacknowledged for `user_timeout` end the connection. Every
+/// ZMQ connection, bound or connecting, gets it. Best effort: a platform without these
+/// options keeps kvx's own timeouts (`recv_timeout`, `send_timeout`).
+pub(super) fn watch_liveness(stream: &TcpStream, user_timeout: Duration) {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    let sock = socket2::SockRef::from(stream);
+    let _ = sock.set_tcp_keepalive(&keepalive);
+    let _ = sock.set_tcp_user_timeout(Some(user_timeout));
+}
 
 /// Aborts a task when dropped, so a helper task cannot outlive the task that owns it.
 #[derive(Debug)]

@@ -30,6 +30,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
+use super::conn::watch_liveness;
 use super::zmtp::{self, FrameReader};
 use super::{bad_endpoint, bump, worth_logging, Shared};
 
@@ -52,40 +53,42 @@ pub(super) struct Link {
 /// burst, few enough that a slow peer's `send_timeout` still concerns a bounded amount.
 const BATCH_MAX: usize = 64;
 
-/// TCP keepalive on connecting sockets: a peer whose host vanished without closing the
-/// connection is found within about `KEEPALIVE_IDLE + KEEPALIVE_RETRIES × KEEPALIVE_INTERVAL`
-/// even when nothing is being sent (a PUSH never reads a reply that could time out).
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-const KEEPALIVE_RETRIES: u32 = 3;
-
-/// What a caller hands a connecting socket, with the DEALER's disconnect fence: while fenced,
-/// payloads are dropped (counted) until the caller's acknowledgement, an empty payload, which
-/// is never sent on (no message encodes to zero bytes).
+/// What a caller hands a connecting socket, with the DEALER's disconnect fence: payloads are
+/// dropped (counted) while any `Disconnected` is unacknowledged. The caller acknowledges each
+/// one with an empty payload, never sent on (no message encodes to zero bytes). A count, not a
+/// flag: the acknowledgement of one disconnect must not lift the fence of a later one (a
+/// receiver in a crash loop with a lagging caller: D1, R1, D2, then ack 1).
 #[derive(Debug)]
 pub(super) struct Outgoing {
     rx: mpsc::Receiver<Bytes>,
-    fenced: bool,
+    unacknowledged: u64,
 }
 
 impl Outgoing {
     pub(super) fn new() -> (mpsc::Sender<Bytes>, Self) {
         let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
-        (tx, Self { rx, fenced: false })
+        (
+            tx,
+            Self {
+                rx,
+                unacknowledged: 0,
+            },
+        )
     }
 
-    /// Drops everything until the caller acknowledges (a DEALER after `Disconnected`).
+    /// Drops everything until the caller acknowledges this disconnect and every earlier one
+    /// (a DEALER, as it reports `Disconnected`).
     pub(super) fn fence(&mut self) {
-        self.fenced = true;
+        self.unacknowledged += 1;
     }
 
     /// Whether `payload` is to be sent; consumes acknowledgements and fenced payloads.
     fn admit(&mut self, shared: &Shared, payload: &Bytes) -> bool {
         if payload.is_empty() {
-            self.fenced = false;
+            self.unacknowledged = self.unacknowledged.saturating_sub(1);
             return false;
         }
-        if self.fenced {
+        if self.unacknowledged > 0 {
             dropped_while_down(shared);
             return false;
         }
@@ -144,35 +147,33 @@ async fn open_unbounded(
         return Err(bad_endpoint(endpoint, "the address resolves to nothing"));
     }
     // Every address in turn (`localhost` may give `::1` first while the peer listens on IPv4
-    // only); a round that finds every one refusing is retried: the peer may be starting.
+    // only), each with its share of the connect timeout, so one that drops connection attempts
+    // silently cannot use up the whole bound. A round in which some address refused or did
+    // not answer, and none connected, is retried (the peer may be starting) until the
+    // caller's bound; one in which every address failed otherwise (unreachable, say) is final.
+    let share =
+        (shared.config.connect_timeout / addrs.len() as u32).max(Duration::from_millis(100));
     let mut retry = Duration::from_millis(10);
     let stream = 'connected: loop {
-        let mut refused_all = true;
-        let mut last = None;
+        let mut retryable = false;
+        let mut last = String::new();
         for addr in &addrs {
-            match TcpStream::connect(addr).await {
-                Ok(stream) => break 'connected stream,
-                Err(e) => {
-                    refused_all &= e.kind() == io::ErrorKind::ConnectionRefused;
-                    last = Some(e);
+            match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+                Ok(Ok(stream)) => break 'connected stream,
+                Ok(Err(e)) => {
+                    retryable |= e.kind() == io::ErrorKind::ConnectionRefused;
+                    last = format!("{addr}: {e}");
                 }
+                Err(_) => retryable = true,
             }
         }
-        if !refused_all {
-            let e = last.expect("invariant: at least one address was tried");
-            return Err(TransportError::Io(format!("connect {endpoint}: {e}")));
+        if !retryable {
+            return Err(TransportError::Io(format!("connect {endpoint}: {last}")));
         }
         tokio::time::sleep(retry).await;
         retry = (retry * 2).min(Duration::from_millis(200));
     };
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(KEEPALIVE_IDLE)
-        .with_interval(KEEPALIVE_INTERVAL)
-        .with_retries(KEEPALIVE_RETRIES);
-    let sock = socket2::SockRef::from(&stream);
-    let _ = sock.set_tcp_keepalive(&keepalive);
-    // Written data unacknowledged this long ends the connection (a vanished host).
-    let _ = sock.set_tcp_user_timeout(Some(shared.config.send_timeout));
+    watch_liveness(&stream, shared.config.send_timeout);
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (rd, mut writer) = stream.into_split();

@@ -20,7 +20,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::conn::{next_message, AbortOnDrop};
+use super::conn::{next_message, watch_liveness, AbortOnDrop};
 use super::framing;
 use super::zmtp::{self, FrameReader};
 use super::{bump, worth_logging, Shared};
@@ -52,6 +52,7 @@ fn local_endpoint(listener: &TcpListener) -> Result<String, TransportError> {
 /// Accepts connections until `closed` resolves, handing each to `serve_conn`.
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
+    send_timeout: Duration,
     closed: impl std::future::Future<Output = ()>,
     serve_conn: F,
 ) where
@@ -67,6 +68,7 @@ async fn accept_loop<F, Fut>(
         match accepted {
             Ok((stream, _)) => {
                 let _ = stream.set_nodelay(true);
+                watch_liveness(&stream, send_timeout);
                 tokio::spawn(serve_conn(stream));
             }
             Err(e) => {
@@ -156,9 +158,12 @@ pub(super) async fn serve(
             tracing::debug!("ROUTER handle dropped; closing");
         }
     };
-    tokio::spawn(accept_loop(listener, closed, move |stream| {
-        router_conn(shared.clone(), routes.clone(), in_tx.clone(), stream)
-    }));
+    tokio::spawn(accept_loop(
+        listener,
+        shared.config.send_timeout,
+        closed,
+        move |stream| router_conn(shared.clone(), routes.clone(), in_tx.clone(), stream),
+    ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
     Ok(ControlServer::new(local, in_rx, out_tx))
 }
@@ -201,11 +206,14 @@ async fn router_conn(
         r.by_identity.insert(identity.clone(), (conn, tx));
         (conn, identity, rx)
     };
-    let _writer = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
+    let mut writing = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
+            // The replies' side is over (a write timed out, or a newer connection took the
+            // identity): stop taking requests that could never be answered here.
+            _ = &mut writing.0 => break,
             next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
         let Some(next) = next else { break };
@@ -327,9 +335,12 @@ pub(super) async fn notify_source(
             tracing::debug!("PULL handle dropped; closing");
         }
     };
-    tokio::spawn(accept_loop(listener, closed, move |stream| {
-        pull_conn(shared.clone(), tx.clone(), stream)
-    }));
+    tokio::spawn(accept_loop(
+        listener,
+        shared.config.send_timeout,
+        closed,
+        move |stream| pull_conn(shared.clone(), tx.clone(), stream),
+    ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
 }

@@ -217,10 +217,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
             count += 1;
             if len > self.max || count > FRAMES_MAX {
+                self.skip(len).await?;
+                if flags & COMMAND != 0 {
+                    // An oversize command is still a command (ignored), not a message.
+                    return Ok(Incoming::Command(Bytes::new()));
+                }
                 if len > self.max {
                     oversize.get_or_insert(len);
                 }
-                self.skip(len).await?;
             } else {
                 let len = len as usize;
                 self.fill(len, false).await?;
@@ -317,6 +321,9 @@ mod tests {
         s.extend_from_slice(&[COMMAND, 4, b'P', b'I', b'N', b'G']);
         encode_message(&[b"", &[7u8; 300]], &mut s); // over a 256-byte limit: skipped
         encode_message(&[&[9u8; 256]], &mut s); // exactly the limit, a long frame
+        s.push(COMMAND | LONG); // an oversize command: skipped, still a command
+        s.extend_from_slice(&300u64.to_be_bytes());
+        s.extend_from_slice(&[0u8; 300]);
         let got = read_all(&s, 256, 1024).await;
         let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
         assert_eq!(
@@ -326,6 +333,7 @@ mod tests {
                 Incoming::Command(Bytes::from_static(b"PING")),
                 Incoming::Oversize(300),
                 Incoming::Message(vec![Bytes::from(vec![9u8; 256])]),
+                Incoming::Command(Bytes::new()),
                 Incoming::Closed,
             ]
         );
