@@ -43,7 +43,7 @@ impl Decoder {
                     }
                     Some(DecoderCmd::Consume(req_id)) => self.consume(&req_id).await,
                     Some(DecoderCmd::Snapshot(reply)) => {
-                        if let Some(s) = self.handle.snapshot().await {
+                        if let Some(s) = self.handle.reader().snapshot().await {
                             let now = self.world.now();
                             self.world.lock().checker.on_snapshot(now, &self.name, &s);
                             let _ = reply.send(s);
@@ -118,7 +118,7 @@ impl Decoder {
             return;
         };
         // The read lease: until `consume`, the slots stay put whatever happens meanwhile.
-        let Ok(slots) = self.handle.acquire(&ready.key).await else {
+        let Ok(slots) = self.handle.reader().acquire(&ready.key).await else {
             return;
         };
         if proxy_ready {
@@ -130,7 +130,7 @@ impl Decoder {
         }
         let now = self.world.now();
         self.world.lock().outcomes.on_read(req_id, self.rank, now);
-        if let Err(e) = self.handle.consume(&ready.key).await {
+        if let Err(e) = self.handle.reader().consume(&ready.key).await {
             flag(
                 &self.world,
                 format!("{} could not consume leased {}: {e}", self.name, ready.key),
@@ -155,7 +155,7 @@ impl Decoder {
             return false;
         }
         for (chunk, slot) in slots.iter().enumerate() {
-            self.handle.read_chunk(*slot, &mut got);
+            self.handle.reader().read_chunk(*slot, &mut got);
             content(&ready.key.req_id.0, self.rank, chunk as u32, &mut want);
             if got != want {
                 flag(

@@ -7,7 +7,7 @@
 //! - `sender`: `SenderNode` / `SenderHandle` — begin, a staging allocate that blocks (for
 //!   prefill threads) or awaits, stage bytes, submit, cancel, await the outcome.
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
-//!   requests, read their chunks, consume them.
+//!   requests; its clonable `ChunkReader` reads their chunks and consumes them.
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
 //!   Inside: `sender/staging_order` (a freed staging slot goes to the oldest request waiting
 //!   for one) and `sender/fabric_link` (fabric connections, writes parked across a reconnect).
@@ -20,7 +20,9 @@ pub mod sender;
 pub mod synthetic;
 
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
-pub use receiver::{BufferSnapshot, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice};
+pub use receiver::{
+    BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
+};
 pub use sender::{ReceiverAddr, SenderHandle, SenderNode};
 
 /// Sleeps until the core's next deadline, or forever when it has none (the drivers'

@@ -54,14 +54,32 @@ pub struct BufferSnapshot {
     pub admission_queue_len: usize,
 }
 
-/// The decoder's side of a running receiver.
+/// The decoder's side of a running receiver: its notices, and (`reader`) what reads and
+/// releases requests.
 #[derive(Debug)]
 pub struct ReceiverHandle<M> {
     notices: mpsc::UnboundedReceiver<ReceiverNotice>,
-    cmds: mpsc::Sender<Cmd>,
-    memory: Arc<M>,
+    reader: ChunkReader<M>,
     alloc_endpoint: String,
     fabric_endpoint: String,
+}
+
+/// Reads ready requests in place and releases them. Clonable, so that a decoder can read
+/// several requests at once from several tasks or threads while one of them takes the
+/// notices.
+#[derive(Debug)]
+pub struct ChunkReader<M> {
+    cmds: mpsc::Sender<Cmd>,
+    memory: Arc<M>,
+}
+
+impl<M> Clone for ChunkReader<M> {
+    fn clone(&self) -> Self {
+        Self {
+            cmds: self.cmds.clone(),
+            memory: self.memory.clone(),
+        }
+    }
 }
 
 /// Starts receivers.
@@ -88,8 +106,10 @@ impl ReceiverNode {
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let handle = ReceiverHandle {
             notices: notice_rx,
-            cmds: cmd_tx,
-            memory: listener.memory.clone(),
+            reader: ChunkReader {
+                cmds: cmd_tx,
+                memory: listener.memory.clone(),
+            },
             alloc_endpoint: server.local_endpoint().to_owned(),
             fabric_endpoint: listener.local_endpoint.clone(),
         };
@@ -122,6 +142,13 @@ impl<M: SlotMemory> ReceiverHandle<M> {
         self.notices.recv().await
     }
 
+    /// Reads and releases ready requests; clone it to decode from several tasks.
+    pub fn reader(&self) -> &ChunkReader<M> {
+        &self.reader
+    }
+}
+
+impl<M: SlotMemory> ChunkReader<M> {
     /// Copies the first `out.len()` bytes of a ready request's slot.
     pub fn read_chunk(&self, slot: SlotIndex, out: &mut [u8]) {
         self.memory.read_slot(slot.0, out);

@@ -8,7 +8,7 @@ use kvx_io::{Env, SlotMemory};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
 use kvx_proto::{PeerId, ReqId};
 
-use crate::receiver::{ReadyRequest, ReceiverHandle};
+use crate::receiver::{ChunkReader, ReadyRequest};
 use crate::sender::SenderHandle;
 
 /// The key every word of chunk `chunk` of request `req_id` is mixed with: FNV-1a of the id,
@@ -229,7 +229,7 @@ pub enum Decoded {
 /// The decoder's whole job for one ready request: lease it, check every chunk in place
 /// (unless `check` is false: real KV data), and release it.
 pub async fn decode<M: SlotMemory>(
-    receiver: &ReceiverHandle<M>,
+    receiver: &ChunkReader<M>,
     ready: &ReadyRequest,
     chunk_len: usize,
     check: bool,

@@ -43,7 +43,7 @@ async fn cluster(
     tokio::spawn(async move {
         while let Some(notice) = receiver.next_notice().await {
             if let ReceiverNotice::Ready(ready) = notice {
-                match synthetic::decode(&receiver, &ready, CHUNK, true).await {
+                match synthetic::decode(receiver.reader(), &ready, CHUNK, true).await {
                     Decoded::Verified(bytes) => counter.fetch_add(bytes, Ordering::Relaxed),
                     other => panic!("the decoder read {other:?} for {}", ready.key),
                 };

@@ -79,7 +79,7 @@ async fn receiver<E: Env>(
                 _ = &mut stop_rx => return, // dropping `node` stops the receiver
                 notice = node.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {
-                        match synthetic::decode(&node, &ready, CHUNK, true).await {
+                        match synthetic::decode(node.reader(), &ready, CHUNK, true).await {
                             Decoded::Verified(b) => v.fetch_add(b, Ordering::Relaxed),
                             Decoded::Corrupt(_) => c.fetch_add(1, Ordering::Relaxed),
                             Decoded::Gone => 0,

@@ -44,7 +44,7 @@ async fn a_failed_write_fails_its_request_everywhere_and_the_next_one_reconnects
         while let Some(notice) = receiver.next_notice().await {
             match notice {
                 ReceiverNotice::Ready(ready) => {
-                    let d = synthetic::decode(&receiver, &ready, CHUNK, true).await;
+                    let d = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
                     assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
                 }
                 ReceiverNotice::Ended { key, outcome } => {

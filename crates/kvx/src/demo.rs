@@ -3,20 +3,20 @@
 //! and exits non-zero when a request is lost, corrupted or stuck, or a slot leaks.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvx_io::Env;
-use kvx_node::synthetic::{self, Decoded};
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::cli::DemoArgs;
+use crate::decoder::{self, DecodeTally};
 use crate::envs::Endpoints;
 use crate::loadgen::{self, SharedTally, Worker};
 use crate::workload::{self, Rng};
@@ -82,9 +82,8 @@ pub async fn run_on<E: Env>(
         fabric: receiver.fabric_endpoint().to_owned(),
     };
 
-    let verified = Arc::new(AtomicU64::new(0));
-    let corrupted = Arc::new(AtomicU64::new(0));
-    let (verified2, corrupted2) = (verified.clone(), corrupted.clone());
+    let decode_tally = Arc::new(DecodeTally::default());
+    let decoded = decode_tally.clone();
     let (snap_tx, mut snap_rx) = tokio::sync::mpsc::channel::<
         tokio::sync::oneshot::Sender<Option<kvx_node::BufferSnapshot>>,
     >(4);
@@ -94,19 +93,12 @@ pub async fn run_on<E: Env>(
             tokio::select! {
                 notice = receiver.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {
-                        match synthetic::decode(&receiver, &ready, chunk_bytes, true).await {
-                            Decoded::Verified(bytes) => { verified2.fetch_add(bytes, Ordering::Relaxed); }
-                            Decoded::Corrupt(chunk) => {
-                                tracing::error!(key = %ready.key, chunk, "decoder read corrupt bytes");
-                                corrupted2.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Decoded::Gone => {}
-                        }
+                        decoder::spawn(receiver.reader(), ready, chunk_bytes, true, &decoded);
                     }
                     Some(ReceiverNotice::Ended { .. }) => {}
                     None => return,
                 },
-                Some(reply) = snap_rx.recv() => { let _ = reply.send(receiver.snapshot().await); }
+                Some(reply) = snap_rx.recv() => { let _ = reply.send(receiver.reader().snapshot().await); }
             }
         }
     });
@@ -178,13 +170,14 @@ pub async fn run_on<E: Env>(
             break;
         }
         snapshot = rx.await.ok().flatten();
-        if snapshot.is_some_and(|s| s.tracked_requests == 0 && s.quarantined == 0) {
+        let settled = snapshot.is_some_and(|s| s.tracked_requests == 0 && s.quarantined == 0);
+        if settled && decode_tally.in_progress.load(Ordering::Acquire) == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     let t = loadgen::lock(&tally);
-    let bytes_verified = verified.load(Ordering::Relaxed);
+    let bytes_verified = decode_tally.verified.load(Ordering::Relaxed);
     let ended = t.completed + t.failed;
     let summary = Summary {
         transport: endpoints.transport_name.clone(),
@@ -198,7 +191,7 @@ pub async fn run_on<E: Env>(
         } else {
             total.saturating_sub(ended)
         },
-        chunks_corrupted: corrupted.load(Ordering::Relaxed),
+        chunks_corrupted: decode_tally.corrupted.load(Ordering::Relaxed),
         bytes_verified,
         makespan_s: makespan.as_secs_f64(),
         bytes_per_sec: bytes_verified as f64 / makespan.as_secs_f64().max(1e-9),

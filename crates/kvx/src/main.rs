@@ -5,6 +5,7 @@
 //! Map:
 //! - `cli`: the clap definitions (every flag's help text).
 //! - `demo`: the demo and its summary.
+//! - `decoder`: the synthetic decoder of `demo` and `receiver` (a task per ready request).
 //! - `workload`: the seeded plan of synthetic requests.
 //! - `loadgen`: prefill workers that run a plan on every TP rank and tally outcomes.
 //! - `wire_cmd`: `kvx wire decode|encode`.
@@ -16,6 +17,7 @@
 mod bench;
 mod cli;
 mod config;
+mod decoder;
 mod demo;
 mod envs;
 mod loadgen;

@@ -3,14 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
 use kvx_io::{Env, Transport};
-use kvx_node::synthetic::{self, Decoded};
 use kvx_node::{ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
 use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
@@ -19,6 +18,7 @@ use tokio::time::Instant;
 
 use crate::cli::{ProxyArgs, ReceiverArgs, SenderArgs};
 use crate::config;
+use crate::decoder::{self, DecodeTally};
 use crate::loadgen::{self, SharedTally, Worker};
 use crate::workload::{self, Rng};
 
@@ -90,8 +90,7 @@ pub async fn receiver<E: Env>(
         buffer_slots,
         ..ReceiverConfig::default()
     };
-    let verified = Arc::new(AtomicU64::new(0));
-    let corrupted = Arc::new(AtomicU64::new(0));
+    let tally = Arc::new(DecodeTally::default());
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
         let (alloc, fabric) = (
             (style.control)(&host, *alloc),
@@ -105,22 +104,12 @@ pub async fn receiver<E: Env>(
             node.alloc_endpoint(),
             node.fabric_endpoint()
         );
-        let (verified, corrupted, verify) = (verified.clone(), corrupted.clone(), !args.no_verify);
+        let (tally, verify) = (tally.clone(), !args.no_verify);
         tokio::spawn(async move {
             while let Some(notice) = node.next_notice().await {
                 match notice {
                     ReceiverNotice::Ready(ready) => {
-                        match synthetic::decode(&node, &ready, chunk_bytes, verify).await {
-                            Decoded::Verified(bytes) => {
-                                verified
-                                    .fetch_add(if verify { bytes } else { 0 }, Ordering::Relaxed);
-                            }
-                            Decoded::Corrupt(chunk) => {
-                                tracing::error!(key = %ready.key, chunk, "corrupt chunk");
-                                corrupted.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Decoded::Gone => {}
-                        }
+                        decoder::spawn(node.reader(), ready, chunk_bytes, verify, &tally);
                     }
                     ReceiverNotice::Ended { key, outcome } => {
                         tracing::info!(%key, %outcome, "request ended")
@@ -130,10 +119,10 @@ pub async fn receiver<E: Env>(
         });
     }
     until_stopped(args.exit_after_s).await;
-    let corrupt = corrupted.load(Ordering::Relaxed);
+    let corrupt = tally.corrupted.load(Ordering::Relaxed);
     println!(
         "kvx receiver: {} bytes verified, {corrupt} corrupt chunks",
-        verified.load(Ordering::Relaxed)
+        tally.verified.load(Ordering::Relaxed)
     );
     Ok(if corrupt == 0 {
         ExitCode::SUCCESS
