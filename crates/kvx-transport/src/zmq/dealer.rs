@@ -159,7 +159,7 @@ impl Dealer {
         let mut silent_since = Instant::now();
         let mut buf = Vec::with_capacity(1024);
         let encode = |payload: &[u8], out: &mut Vec<u8>| {
-            zmtp::encode_message(&framing::request_out(payload), out);
+            zmtp::encode_message(&framing::enveloped_out(payload), out);
         };
         loop {
             let outstanding = sent > heard(heard_on).replies;
@@ -218,7 +218,7 @@ async fn read_replies(
             h.last = Instant::now();
         }
         let Some(frames) = next else { continue };
-        match framing::reply_in(&frames, max) {
+        match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
                 if events.send(ClientEvent::Message(payload)).await.is_err() {
                     return End::HandleGone;

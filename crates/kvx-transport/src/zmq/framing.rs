@@ -40,14 +40,9 @@ fn enveloped(frames: &[Bytes]) -> Result<Bytes, Reject> {
     }
 }
 
-/// A ROUTER's incoming `["", payload]` (or `[payload]`) from one connection: the payload.
-pub(crate) fn routed_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
-    check_sizes(frames, max)?;
-    enveloped(frames)
-}
-
-/// A DEALER's incoming `["", payload]` (or `[payload]`): the payload.
-pub(crate) fn reply_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
+/// The payload of an incoming `["", payload]` (or `[payload]`): a request on a ROUTER (its
+/// routing identity comes from the connection, not a frame) and a reply on a DEALER alike.
+pub(crate) fn enveloped_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
     check_sizes(frames, max)?;
     enveloped(frames)
 }
@@ -62,14 +57,9 @@ pub(crate) fn notice_in(frames: &[Bytes], max: usize) -> Result<Bytes, Reject> {
     }
 }
 
-/// What a ROUTER puts on the wire to the peer's connection: `["", payload]` (the identity
-/// frame of ZMQ's model only picks the connection).
-pub(crate) fn routed_out(payload: &[u8]) -> [&[u8]; 2] {
-    [b"", payload]
-}
-
-/// What a DEALER sends: `["", payload]`, as LMCache's sender does.
-pub(crate) fn request_out(payload: &[u8]) -> [&[u8]; 2] {
+/// What a DEALER sends (as LMCache's sender does) and a ROUTER puts on the wire to the peer's
+/// connection (the identity frame of ZMQ's model only picks the connection): `["", payload]`.
+pub(crate) fn enveloped_out(payload: &[u8]) -> [&[u8]; 2] {
     [b"", payload]
 }
 
@@ -82,37 +72,33 @@ pub(crate) fn notice_out(payload: &[u8]) -> [&[u8]; 1] {
 mod tests {
     use super::*;
 
-    fn msg(frames: &[&'static [u8]]) -> Vec<Bytes> {
-        frames.iter().map(|f| Bytes::from_static(f)).collect()
-    }
-
     fn frames(frames: &[&'static [u8]]) -> Vec<Bytes> {
         frames.iter().map(|f| Bytes::from_static(f)).collect()
     }
 
     #[test]
     fn router_accepts_the_lmcache_envelope_and_a_missing_delimiter() {
-        let got = routed_in(&frames(&[b"", b"payload"]), 64);
+        let got = enveloped_in(&frames(&[b"", b"payload"]), 64);
         assert_eq!(got, Ok(Bytes::from_static(b"payload")));
-        let got = routed_in(&frames(&[b"payload"]), 64);
+        let got = enveloped_in(&frames(&[b"payload"]), 64);
         assert_eq!(got, Ok(Bytes::from_static(b"payload")));
         // An empty payload is still a payload: what it means is the codec's business.
-        let got = routed_in(&frames(&[b"", b""]), 64);
+        let got = enveloped_in(&frames(&[b"", b""]), 64);
         assert_eq!(got, Ok(Bytes::new()));
     }
 
     #[test]
     fn router_rejects_other_shapes() {
         assert!(matches!(
-            routed_in(&frames(&[]), 64),
+            enveloped_in(&frames(&[]), 64),
             Err(Reject::Malformed(_))
         ));
         assert!(matches!(
-            routed_in(&frames(&[b"x", b"payload"]), 64),
+            enveloped_in(&frames(&[b"x", b"payload"]), 64),
             Err(Reject::Malformed(_))
         ));
         assert!(matches!(
-            routed_in(&frames(&[b"", b"", b"payload"]), 64),
+            enveloped_in(&frames(&[b"", b"", b"payload"]), 64),
             Err(Reject::Malformed(_))
         ));
     }
@@ -121,15 +107,15 @@ mod tests {
     fn every_frame_is_held_to_the_limit() {
         let big: &'static [u8] = &[7u8; 65];
         assert_eq!(
-            routed_in(&frames(&[b"", big]), 64),
+            enveloped_in(&frames(&[b"", big]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
-            routed_in(&frames(&[big, b"payload"]), 64),
+            enveloped_in(&frames(&[big, b"payload"]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
-            reply_in(&msg(&[b"", big]), 64),
+            enveloped_in(&frames(&[b"", big]), 64),
             Err(Reject::Oversize { len: 65, max: 64 })
         );
         assert_eq!(
@@ -139,7 +125,7 @@ mod tests {
         // Exactly the limit passes.
         let edge: &'static [u8] = &[7u8; 64];
         assert_eq!(
-            reply_in(&msg(&[b"", edge]), 64),
+            enveloped_in(&frames(&[b"", edge]), 64),
             Ok(Bytes::from_static(edge))
         );
     }
@@ -147,12 +133,15 @@ mod tests {
     #[test]
     fn dealer_takes_the_payload_after_the_delimiter() {
         assert_eq!(
-            reply_in(&msg(&[b"", b"r"]), 64),
+            enveloped_in(&frames(&[b"", b"r"]), 64),
             Ok(Bytes::from_static(b"r"))
         );
-        assert_eq!(reply_in(&msg(&[b"r"]), 64), Ok(Bytes::from_static(b"r")));
+        assert_eq!(
+            enveloped_in(&frames(&[b"r"]), 64),
+            Ok(Bytes::from_static(b"r"))
+        );
         assert!(matches!(
-            reply_in(&msg(&[b"a", b"r"]), 64),
+            enveloped_in(&frames(&[b"a", b"r"]), 64),
             Err(Reject::Malformed(_))
         ));
     }
@@ -171,8 +160,7 @@ mod tests {
 
     #[test]
     fn outgoing_shapes() {
-        assert_eq!(routed_out(b"p"), [&b""[..], b"p"]);
-        assert_eq!(request_out(b"p"), [&b""[..], b"p"]);
+        assert_eq!(enveloped_out(b"p"), [&b""[..], b"p"]);
         assert_eq!(notice_out(b"p"), [&b"p"[..]]);
     }
 }

@@ -218,7 +218,7 @@ async fn router_conn(
         };
         let Some(next) = next else { break };
         let Some(frames) = next else { continue }; // dropped, counted
-        match framing::routed_in(&frames, max) {
+        match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
                 let peer = shared.peers().peer_for(&identity);
                 if incoming.send((peer, payload)).await.is_err() {
@@ -250,9 +250,9 @@ async fn write_replies(
     let mut buf = Vec::new();
     while let Some(payload) = queue.recv().await {
         buf.clear();
-        zmtp::encode_message(&framing::routed_out(&payload), &mut buf);
+        zmtp::encode_message(&framing::enveloped_out(&payload), &mut buf);
         while let Ok(more) = queue.try_recv() {
-            zmtp::encode_message(&framing::routed_out(&more), &mut buf);
+            zmtp::encode_message(&framing::enveloped_out(&more), &mut buf);
         }
         match tokio::time::timeout(after, writer.write_all(&buf)).await {
             Ok(Ok(())) => {}
