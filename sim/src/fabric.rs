@@ -8,6 +8,13 @@
 //!   an immediate.
 //! - Each node's NIC sends `egress_bytes_per_sec` shared by its connections, plus the fabric
 //!   latency (and any slowdown fault) per write.
+//! - Access as the TCP and shared-memory fabrics enforce it (`kvx_io::access`): a connection
+//!   attaches with a credential the receiver's buffer issued, and a write lands only under its
+//!   peer's current grant, once; any other is refused (nothing copied, nothing announced,
+//!   the connection stays up). The checker sees every write *attempted*, before the access
+//!   check, so a protocol bug that makes a sender write outside its grant is still caught.
+//! - Checksums: a write's carried checksum is compared with the bytes that land, and the
+//!   notice says how they compared.
 //! - A connection error (a partition, a crash of either side, a write out of bounds, a write
 //!   in flight past `qp_retry_timeout`, or the sender's `reset`) flushes every outstanding
 //!   write with `FabricError::Flushed`, in order; nothing lands after the flush, and the
@@ -19,7 +26,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, Landed, PostWrite, SlotMemory};
+use kvx_io::{
+    ChecksumCheck, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError,
+    FabricListener, LandedWrite, PostWrite, SlotMemory,
+};
+use kvx_proto::PeerId;
 use tokio::sync::{mpsc, watch};
 
 use crate::world::{Inner, World};
@@ -77,7 +88,8 @@ impl SlotMemory for SimMemory {
 struct Exposed {
     node: String,
     memory: Arc<SimMemory>,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
+    access: Arc<FabricAccess>,
 }
 
 #[derive(Debug)]
@@ -85,6 +97,8 @@ struct Conn {
     sender: String,
     receiver: String,
     endpoint: String,
+    /// The control peer the connection authenticated as.
+    peer: PeerId,
     broken: Option<String>,
     signal: watch::Sender<bool>,
     last_land: Duration,
@@ -133,8 +147,13 @@ impl Fabric for SimFabric {
         slot_bytes: usize,
     ) -> Result<FabricListener<SimMemory>, FabricError> {
         let memory = Arc::new(SimMemory::new(slots, slot_bytes));
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = kvx_io::landing_channel(slots);
         let mut w = self.world.lock();
+        // Deterministic per seed, and different for every incarnation of a buffer.
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&w.rng.next_u64().to_le_bytes());
+        key[8..].copy_from_slice(&w.rng.next_u64().to_le_bytes());
+        let access = Arc::new(FabricAccess::new(slots, key));
         if w.fabric.exposed.contains_key(endpoint) {
             let why = "already exposed".to_owned();
             return Err(FabricError::Endpoint {
@@ -146,12 +165,14 @@ impl Fabric for SimFabric {
             node: self.node.clone(),
             memory: memory.clone(),
             landed: tx,
+            access: access.clone(),
         };
         w.fabric.exposed.insert(endpoint.to_owned(), exposed);
         Ok(FabricListener {
             local_endpoint: endpoint.to_owned(),
             memory,
             landed: rx,
+            access,
         })
     }
 
@@ -159,6 +180,7 @@ impl Fabric for SimFabric {
         &self,
         endpoint: &str,
         staging: Arc<SimMemory>,
+        credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         // Setting up a queue pair takes a round trip.
         let rtt = 2 * self.world.lock().model.control_latency_max;
@@ -177,12 +199,25 @@ impl Fabric for SimFabric {
                     self.node
                 )));
             }
+            let peer = exposed.access.authenticate(&credential).ok_or_else(|| {
+                FabricError::Unauthorized(endpoint.to_owned(), "not issued by this buffer".into())
+            })?;
+            if staging.slot_bytes() != exposed.memory.slot_bytes() {
+                return Err(FabricError::Incompatible {
+                    endpoint: endpoint.to_owned(),
+                    why: kvx_io::fabric::slot_size_mismatch(
+                        staging.slot_bytes(),
+                        exposed.memory.slot_bytes(),
+                    ),
+                });
+            }
             inner.fabric.next_conn += 1;
             let id = inner.fabric.next_conn;
             let conn = Conn {
                 sender: self.node.clone(),
                 receiver,
                 endpoint: endpoint.to_owned(),
+                peer,
                 broken: None,
                 signal: signal_tx,
                 last_land: now,
@@ -233,14 +268,16 @@ pub(crate) fn schedule(
     Ok((land, false))
 }
 
-/// Lands one write: checks the connection and the bounds, lets the checker see it, copies the
-/// bytes and announces the immediate. An error means the connection is now in error.
+/// Lands one write: checks the connection and the bounds, lets the checker see it, checks it
+/// against the access rules, copies the bytes and announces it. `Err` means the connection is
+/// now in error; `Ok(Some(e))` that this write failed (refused, or its checksum did not match)
+/// with the connection still up.
 pub(crate) fn land(
     world: &World,
     id: u64,
     staging: &SimMemory,
     w: &PostWrite,
-) -> Result<(), FabricError> {
+) -> Result<Option<FabricError>, FabricError> {
     let now = world.now();
     let mut g = world.lock();
     let inner = &mut *g;
@@ -248,7 +285,7 @@ pub(crate) fn land(
     if conn.broken.is_some() {
         return Err(FabricError::Flushed);
     }
-    let (sender, endpoint) = (conn.sender.clone(), conn.endpoint.clone());
+    let (sender, endpoint, peer) = (conn.sender.clone(), conn.endpoint.clone(), conn.peer);
     let exposed = inner
         .fabric
         .exposed
@@ -267,26 +304,54 @@ pub(crate) fn land(
         break_conn(inner, now, id, "remote access error");
         return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
     }
-    let (receiver, landed) = (exposed.node.clone(), exposed.landed.clone());
+    let (receiver, landed, access) = (
+        exposed.node.clone(),
+        exposed.landed.clone(),
+        exposed.access.clone(),
+    );
     inner
         .checker
         .on_write(now, &receiver, &sender, w.remote, w.imm);
+    let admitted = access.admit(peer, w.remote.0, w.len as u64, w.imm);
     inner.trace.record(
         now,
         format_args!(
-            "write {} {sender} -> {receiver} slot {} imm {:?}",
-            w.id.0, w.remote.0, w.imm
+            "write {} {sender} -> {receiver} slot {} imm {:?}{}",
+            w.id.0,
+            w.remote.0,
+            w.imm,
+            if admitted.is_err() { " REFUSED" } else { "" }
         ),
     );
     drop(g);
+    let tag = match admitted {
+        Ok(tag) => tag,
+        Err(refusal) => return Ok(Some(FabricError::Refused(refusal.to_string()))),
+    };
     let mut buf = vec![0u8; w.len];
     staging.read_slot(w.local.0, &mut buf);
     remote.write_slot(w.remote.0, &buf);
-    if let Some(imm) = w.imm {
-        // A receiver that stopped listening lost the notice; the bytes are there.
-        let _ = landed.send(Landed { imm });
-    }
-    Ok(())
+    let checksum = match w.checksum {
+        None => ChecksumCheck::Absent,
+        Some(carried) => match kvx_io::chunk_checksum(&buf) {
+            computed if computed == carried => ChecksumCheck::Match,
+            computed => ChecksumCheck::Mismatch { carried, computed },
+        },
+    };
+    // A receiver that stopped listening lost the notice; the bytes are there.
+    let _ = landed.try_send(LandedWrite {
+        peer,
+        slot: w.remote,
+        tag,
+        bytes: w.len as u64,
+        checksum,
+    });
+    Ok(match checksum {
+        ChecksumCheck::Mismatch { .. } => Some(FabricError::Corrupt(
+            "the landed bytes do not match the chunk's checksum".into(),
+        )),
+        _ => None,
+    })
 }
 
 pub(crate) fn is_broken(world: &World, id: u64) -> bool {

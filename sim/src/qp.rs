@@ -141,12 +141,16 @@ impl QueuePair {
                 fabric::fail(&self.world, self.id, "retry count exceeded");
                 return self.flush(now);
             }
-            let result = fabric::land(&self.world, self.id, &self.staging, &wr.w);
-            let failed = result.is_err();
+            let (result, broken) = match fabric::land(&self.world, self.id, &self.staging, &wr.w) {
+                Ok(None) => (Ok(()), false),
+                // Refused or corrupt: this write failed, the connection is fine.
+                Ok(Some(e)) => (Err(e), false),
+                Err(e) => (Err(e), true),
+            };
             let wr = &mut self.queue[i];
-            wr.done_at = if failed { now } else { now + ack };
+            wr.done_at = if broken { now } else { now + ack };
             wr.result = Some(result);
-            if failed {
+            if broken {
                 return self.flush(now);
             }
         }

@@ -9,9 +9,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_proto::{SlotIndex, StagingSlot, WriteId};
+use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
+use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 
-use crate::fabric::{Completion, Fabric, FabricError, PostWrite, SlotMemory};
+use crate::access::FabricCredential;
+use crate::checksum::chunk_checksum;
+use crate::fabric::{Completion, Fabric, FabricError, FabricListener, PostWrite, SlotMemory};
 use crate::transport::{ClientEvent, Transport};
 
 /// The longest any single step of a conformance body may take.
@@ -151,9 +154,46 @@ async fn next_completion(conn: &mut crate::fabric::FabricConn, what: &str) -> Co
         .expect("conformance: connection open")
 }
 
-/// Writes land byte for byte, completions come back in posting order, each write that
-/// carries an immediate is announced on the receiver with that immediate, and one without
-/// is not.
+/// The generation the bodies grant slots under (any value works; not 0, to catch a fabric
+/// that ignores it).
+const GEN: u32 = 5;
+
+fn imm(slot: u32) -> Option<u32> {
+    Some(
+        WriteTag {
+            slot: SlotIndex(slot),
+            generation: GEN,
+        }
+        .to_imm(),
+    )
+}
+
+/// Grants every slot of `listener` to `peer` (what a receiver's ledger would do for its
+/// requests) and returns the credential that peer attaches with.
+fn grant_all<M>(listener: &FabricListener<M>, peer: PeerId) -> FabricCredential {
+    for slot in 0..listener.access.slots() {
+        listener.access.grant(slot, peer, GEN);
+    }
+    listener.access.credential_for(peer)
+}
+
+/// A write of staging slot `local` into remote slot `remote` under its grant, with the
+/// checksum of `bytes` (the staging slot's content).
+fn granted_write(id: u64, local: u32, remote: u32, bytes: &[u8]) -> PostWrite {
+    PostWrite {
+        id: WriteId(id),
+        local: StagingSlot(local),
+        remote: SlotIndex(remote),
+        len: bytes.len(),
+        imm: imm(remote),
+        checksum: Some(chunk_checksum(bytes)),
+    }
+}
+
+/// Writes land byte for byte, completions come back in posting order, and each write is
+/// announced once, with the peer its connection authenticated as, its slot, its immediate,
+/// its length and how its checksum compared (a fabric that carries none says `Absent`). A
+/// write without an immediate names no grant and is never announced.
 pub async fn fabric_writes_land_in_order<F: Fabric>(
     f: &F,
     endpoint: &str,
@@ -164,28 +204,42 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
         .expose(endpoint, slots, slot_bytes)
         .await
         .expect("conformance: expose");
+    let peer = PeerId(41);
+    let credential = grant_all(&listener, peer);
     let staging = f
         .allocate_staging(slots, slot_bytes)
         .expect("conformance: staging");
     let mut conn = f
-        .connect(&listener.local_endpoint, staging.clone())
+        .connect(&listener.local_endpoint, staging.clone(), credential)
         .await
         .expect("conformance: connect");
     for s in 0..slots {
         staging.write_slot(s, &pattern(s, slot_bytes));
     }
-    // Staging slot s goes to remote slot (slots-1-s); the first write carries no immediate.
+    // A write without an immediate first: refused, nothing lands.
+    let bare = PostWrite {
+        imm: None,
+        ..granted_write(100, 0, 0, &pattern(0, slot_bytes))
+    };
+    conn.post(bare).expect("conformance: post");
+    // Staging slot s goes to remote slot (slots-1-s).
     for s in 0..slots {
-        let imm = (s > 0).then_some(1000 + s);
-        let w = PostWrite {
-            id: WriteId(u64::from(s)),
-            local: StagingSlot(s),
-            remote: SlotIndex(slots - 1 - s),
-            len: slot_bytes,
-            imm,
-        };
+        let w = granted_write(u64::from(s), s, slots - 1 - s, &pattern(s, slot_bytes));
         conn.post(w).expect("conformance: post");
     }
+    // A fabric that checks before writing refuses it; RDMA, where the NIC writes first, lets
+    // it land unannounced. Either way no notice follows (checked below: the notices are
+    // exactly the granted writes').
+    let c = next_completion(&mut conn, "first completion").await;
+    assert_eq!(
+        c.id,
+        WriteId(100),
+        "conformance: completions in posting order"
+    );
+    assert!(
+        matches!(c.result, Err(FabricError::Refused(_)) | Ok(())),
+        "conformance: a write without an immediate: {c:?}"
+    );
     for s in 0..slots {
         let c = next_completion(&mut conn, "write completion").await;
         assert_eq!(
@@ -195,14 +249,28 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
         );
         assert_eq!(c.result, Ok(()), "conformance: write {s} succeeds");
     }
-    for s in 1..slots {
+    for s in 0..slots {
         let landed = step("landed notice", listener.landed.recv())
             .await
             .expect("conformance: listener open");
+        let remote = slots - 1 - s;
+        let expected = LandedWrite {
+            peer,
+            slot: SlotIndex(remote),
+            tag: WriteTag::from_imm(imm(remote).expect("set")),
+            bytes: slot_bytes as u64,
+            checksum: landed.checksum,
+        };
         assert_eq!(
-            landed.imm,
-            1000 + s,
-            "conformance: one notice per immediate, in order, none for a write without"
+            landed, expected,
+            "conformance: one notice per write, in order, saying who wrote what"
+        );
+        assert!(
+            matches!(
+                landed.checksum,
+                ChecksumCheck::Match | ChecksumCheck::Absent
+            ),
+            "conformance: a sound write's checksum matches, or was not carried: {landed:?}"
         );
     }
     let mut got = vec![0u8; slot_bytes];
@@ -216,6 +284,187 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
     }
 }
 
+/// A write lands only under its connection's peer's current grant, once: another peer's
+/// write into a granted slot, a write naming another slot or an old generation, and a second
+/// write of one grant are refused, change no byte and are never announced; a credential the
+/// buffer did not issue cannot attach, nor can staging of another chunk size.
+pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(f: &F, endpoint: &str) {
+    const BYTES: usize = 1024;
+    let mut listener = f
+        .expose(endpoint, 4, BYTES)
+        .await
+        .expect("conformance: expose");
+    let (owner, intruder) = (PeerId(1), PeerId(2));
+    listener.access.grant(0, owner, GEN);
+    listener.access.grant(1, intruder, GEN);
+    let staging = f.allocate_staging(4, BYTES).expect("conformance: staging");
+    let junk = vec![0xEEu8; BYTES];
+    staging.write_slot(0, &junk);
+    let mut bad = f
+        .connect(
+            &listener.local_endpoint,
+            staging.clone(),
+            listener.access.credential_for(intruder),
+        )
+        .await
+        .expect("conformance: the intruder attaches (it holds a credential of its own)");
+    // Into the owner's slot under the owner's grant; into its own slot naming another
+    // slot; into its own slot under another generation.
+    let stale = WriteTag {
+        slot: SlotIndex(1),
+        generation: GEN + 1,
+    };
+    let attempts = [
+        granted_write(1, 0, 0, &junk),
+        PostWrite {
+            imm: imm(0),
+            ..granted_write(2, 0, 1, &junk)
+        },
+        PostWrite {
+            imm: Some(stale.to_imm()),
+            ..granted_write(3, 0, 1, &junk)
+        },
+    ];
+    for w in attempts {
+        bad.post(w).expect("conformance: post");
+    }
+    for id in 1..=3 {
+        let c = next_completion(&mut bad, "refused write's completion").await;
+        assert_eq!(c.id, WriteId(id));
+        assert!(
+            matches!(c.result, Err(FabricError::Refused(_))),
+            "conformance: write {id} outside the intruder's grants is refused: {c:?}"
+        );
+    }
+    // The owner's own write lands; its second write under the same grant does not.
+    let mine = pattern(9, BYTES);
+    let owner_staging = f.allocate_staging(4, BYTES).expect("conformance: staging");
+    owner_staging.write_slot(0, &mine);
+    let mut good = f
+        .connect(
+            &listener.local_endpoint,
+            owner_staging.clone(),
+            listener.access.credential_for(owner),
+        )
+        .await
+        .expect("conformance: connect");
+    good.post(granted_write(10, 0, 0, &mine))
+        .expect("conformance: post");
+    assert_eq!(
+        next_completion(&mut good, "owner's write").await.result,
+        Ok(())
+    );
+    good.post(granted_write(11, 0, 0, &mine))
+        .expect("conformance: post");
+    assert!(
+        matches!(
+            next_completion(&mut good, "second write of a grant")
+                .await
+                .result,
+            Err(FabricError::Refused(_))
+        ),
+        "conformance: a grant admits one write"
+    );
+    let landed = step("owner's notice", listener.landed.recv())
+        .await
+        .expect("conformance: listener open");
+    assert_eq!(
+        (landed.peer, landed.slot),
+        (owner, SlotIndex(0)),
+        "conformance: the first notice is the owner's write; no refused write is announced"
+    );
+    let mut got = vec![0u8; BYTES];
+    listener.memory.read_slot(0, &mut got);
+    assert!(got == mine, "conformance: slot 0 holds the owner's bytes");
+    listener.memory.read_slot(1, &mut got);
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "conformance: refused writes changed no byte"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), listener.landed.recv())
+            .await
+            .is_err(),
+        "conformance: nothing else is announced"
+    );
+    assert!(
+        listener.access.refused() >= 4,
+        "conformance: refusals are counted"
+    );
+    // A credential of another buffer (another key) does not attach.
+    let other = crate::access::FabricAccess::new(4, [7; 16]).credential_for(owner);
+    let refused = f
+        .connect(&listener.local_endpoint, owner_staging.clone(), other)
+        .await;
+    assert!(
+        matches!(refused, Err(FabricError::Unauthorized(..))),
+        "conformance: a credential the buffer did not issue is refused: {refused:?}"
+    );
+    // Nor does staging with another chunk size.
+    let small = f
+        .allocate_staging(4, BYTES / 2)
+        .expect("conformance: staging");
+    let refused = f
+        .connect(
+            &listener.local_endpoint,
+            small,
+            listener.access.credential_for(owner),
+        )
+        .await;
+    assert!(
+        refused.is_err(),
+        "conformance: staging of another chunk size is refused"
+    );
+}
+
+/// A write whose bytes do not match its checksum completes with `Corrupt` and is announced
+/// as a mismatch, so the receiver fails its request.
+pub async fn fabric_checks_checksums<F: Fabric>(f: &F, endpoint: &str) {
+    const BYTES: usize = 4096;
+    let mut listener = f
+        .expose(endpoint, 2, BYTES)
+        .await
+        .expect("conformance: expose");
+    let peer = PeerId(3);
+    let credential = grant_all(&listener, peer);
+    let staging = f.allocate_staging(2, BYTES).expect("conformance: staging");
+    let bytes = pattern(1, BYTES);
+    staging.write_slot(0, &bytes);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("conformance: connect");
+    let mut w = granted_write(1, 0, 0, &bytes);
+    let carried = w.checksum.expect("set") ^ 1;
+    w.checksum = Some(carried);
+    conn.post(w).expect("conformance: post");
+    let c = next_completion(&mut conn, "corrupt write's completion").await;
+    assert!(
+        matches!(c.result, Err(FabricError::Corrupt(_))),
+        "conformance: a checksum mismatch fails the write: {c:?}"
+    );
+    let landed = step("notice", listener.landed.recv())
+        .await
+        .expect("conformance: listener open");
+    assert_eq!(
+        landed.checksum,
+        ChecksumCheck::Mismatch {
+            carried,
+            computed: chunk_checksum(&bytes)
+        },
+        "conformance: the notice says the checksum did not match"
+    );
+    // Without a checksum the write lands and says so.
+    let mut w = granted_write(2, 0, 1, &bytes);
+    w.checksum = None;
+    conn.post(w).expect("conformance: post");
+    assert_eq!(next_completion(&mut conn, "write").await.result, Ok(()));
+    let landed = step("notice", listener.landed.recv())
+        .await
+        .expect("conformance: listener open");
+    assert_eq!(landed.checksum, ChecksumCheck::Absent);
+}
+
 /// After `reset`, every write still outstanding or posted later completes with an error,
 /// exactly once, in order; nothing is lost and nothing completes twice.
 pub async fn fabric_reset_flushes<F: Fabric>(f: &F, endpoint: &str) {
@@ -223,9 +472,10 @@ pub async fn fabric_reset_flushes<F: Fabric>(f: &F, endpoint: &str) {
         .expose(endpoint, 4, 4096)
         .await
         .expect("conformance: expose");
+    let credential = grant_all(&listener, PeerId(1));
     let staging = f.allocate_staging(4, 4096).expect("conformance: staging");
     let mut conn = f
-        .connect(&listener.local_endpoint, staging)
+        .connect(&listener.local_endpoint, staging, credential)
         .await
         .expect("conformance: connect");
     let write = |i: u64| PostWrite {
@@ -233,7 +483,8 @@ pub async fn fabric_reset_flushes<F: Fabric>(f: &F, endpoint: &str) {
         local: StagingSlot((i % 4) as u32),
         remote: SlotIndex((i % 4) as u32),
         len: 4096,
-        imm: None,
+        imm: imm((i % 4) as u32),
+        checksum: None,
     };
     for i in 0..4 {
         conn.post(write(i)).expect("conformance: post");
@@ -274,9 +525,10 @@ pub async fn fabric_rejects_out_of_bounds<F: Fabric>(f: &F, endpoint: &str) {
         .expose(endpoint, 2, 1024)
         .await
         .expect("conformance: expose");
+    let credential = grant_all(&listener, PeerId(1));
     let staging = f.allocate_staging(2, 1024).expect("conformance: staging");
     let mut conn = f
-        .connect(&listener.local_endpoint, staging)
+        .connect(&listener.local_endpoint, staging, credential)
         .await
         .expect("conformance: connect");
     let w = PostWrite {
@@ -284,7 +536,8 @@ pub async fn fabric_rejects_out_of_bounds<F: Fabric>(f: &F, endpoint: &str) {
         local: StagingSlot(0),
         remote: SlotIndex(2),
         len: 1024,
-        imm: None,
+        imm: imm(2),
+        checksum: None,
     };
     match conn.post(w) {
         Err(_) => {}

@@ -7,14 +7,20 @@
 //! - a local completion tells the remote side nothing: the receiver learns of a write only
 //!   from a `Landed` notice, and only when the write carried an immediate value;
 //! - a connection error, or `FabricConn::reset`, **flushes every outstanding write with an
-//!   error**, and nothing lands after the flush.
+//!   error**, and nothing lands after the flush;
+//! - a write lands only where the peer its connection authenticated as holds the slot's
+//!   current grant (`access`), once per grant; each landing is announced with what the
+//!   receiver needs to check it (peer, slot, bytes, and how its checksum compared).
 
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
+use kvx_proto::receiver::LandedWrite;
 use kvx_proto::{SlotIndex, StagingSlot, WriteId};
 use tokio::sync::mpsc;
+
+use crate::access::{FabricAccess, FabricCredential};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -27,6 +33,22 @@ pub enum FabricError {
     OutOfBounds(u64, String),
     #[error("the connection was reset; the write was flushed")]
     Flushed,
+    /// The receiver's fabric refused the write (nothing of it landed): the connection's
+    /// peer holds no current grant for that slot.
+    #[error("the receiver refused the write: {0}")]
+    Refused(String),
+    /// The write's bytes landed but did not match the checksum sent with them; the
+    /// receiver fails the request.
+    #[error("the receiver found the chunk corrupt: {0}")]
+    Corrupt(String),
+    /// The receiver does not accept this connection's credential (not issued by it, or by
+    /// an earlier incarnation of it).
+    #[error("the receiver at {0} refused the fabric credential: {1}")]
+    Unauthorized(String, String),
+    /// The two sides cannot work together as configured (another chunk size, another
+    /// protocol version): retrying cannot help.
+    #[error("the fabric at {endpoint} is incompatible: {why}")]
+    Incompatible { endpoint: String, why: String },
     #[error("the connection is closed")]
     Closed,
     #[error("cannot allocate {0}")]
@@ -139,8 +161,12 @@ pub struct PostWrite {
     pub local: StagingSlot,
     pub remote: SlotIndex,
     pub len: usize,
-    /// The immediate value (`WriteTag::to_imm`); the receiver hears of the write only if set.
+    /// The immediate value (`WriteTag::to_imm`): which grant the write is for. A kvx
+    /// receiver refuses writes without one.
     pub imm: Option<u32>,
+    /// The chunk's checksum (`checksum::chunk_checksum` of its `len` bytes), when the sender
+    /// computes them; the receiver compares it with the bytes that landed.
+    pub checksum: Option<u32>,
 }
 
 /// A posted write finished, in posting order per connection.
@@ -150,10 +176,24 @@ pub struct Completion {
     pub result: Result<(), FabricError>,
 }
 
-/// A write carrying an immediate value landed in the exposed buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Landed {
-    pub imm: u32,
+/// Why a sender's staging cannot attach to a receiver's buffer: every fabric requires the
+/// same chunk size on both sides (a smaller sender chunk would leave the rest of each slot
+/// stale, which the decoder would read as the chunk's tail).
+pub fn slot_size_mismatch(staging_slot_bytes: usize, remote_slot_bytes: usize) -> String {
+    format!(
+        "the sender's chunks are {staging_slot_bytes} bytes but the receiver's slots are \
+         {remote_slot_bytes} bytes: start both with the same chunk size"
+    )
+}
+
+/// The channel of landing notices from a fabric to the receiver's driver. Bounded: the
+/// access rules announce at most one write per grant, and the driver handles a notice
+/// before the slot it names can be granted again, so no more than about one notice per slot
+/// is ever queued; the room left over absorbs the moments when a slot freed by a timer is
+/// re-granted and written before the driver has read an older notice. A fabric that finds
+/// it full anyway drops the notice (its request then times out): never a safety matter.
+pub fn landing_channel(slots: u32) -> (mpsc::Sender<LandedWrite>, mpsc::Receiver<LandedWrite>) {
+    mpsc::channel(2 * slots as usize + 64)
 }
 
 /// What a connection's IO task is asked to do.
@@ -226,12 +266,14 @@ impl ConnPoster {
     }
 }
 
-/// A receiver's exposed buffer and the notices of writes landing in it.
+/// A receiver's exposed buffer, the notices of writes landing in it, and its access rules
+/// (the driver mirrors the ledger's grants into `access` and hands out its credentials).
 #[derive(Debug)]
 pub struct FabricListener<M> {
     pub local_endpoint: String,
     pub memory: Arc<M>,
-    pub landed: mpsc::UnboundedReceiver<Landed>,
+    pub landed: mpsc::Receiver<LandedWrite>,
+    pub access: Arc<FabricAccess>,
 }
 
 /// Makes memory, exposes receive buffers and connects staging to them.
@@ -254,10 +296,13 @@ pub trait Fabric: Clone + Send + Sync + 'static {
         slot_bytes: usize,
     ) -> impl Future<Output = Result<FabricListener<Self::Memory>, FabricError>> + Send;
 
-    /// Connects `staging` to the buffer exposed at `endpoint`.
+    /// Connects `staging` to the buffer exposed at `endpoint`, as the control peer that
+    /// `credential` was issued to (the receiver refuses a credential it did not issue).
+    /// The staging slots must be exactly as large as the receiver's.
     fn connect(
         &self,
         endpoint: &str,
         staging: Arc<Self::Memory>,
+        credential: FabricCredential,
     ) -> impl Future<Output = Result<FabricConn, FabricError>> + Send;
 }

@@ -15,23 +15,34 @@
 //!   `NotifySink`, `NotifySource`, and `TransportError`.
 //! - `fabric`: `Fabric`, `SlotMemory`, `HeapMemory`, `FabricConn`, `FabricListener`, writes,
 //!   completions, landed notices, `FabricError`.
+//! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
+//!   `FabricCredential` (what ties a fabric connection to a control peer).
+//! - `checksum`: the end-to-end chunk checksum (CRC32C).
+//! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
 //! - `mem`: `MemTransport` and `MemFabric`, in-process.
 //! - `conformance` (feature): test bodies every implementation runs.
 
+pub mod access;
+pub mod checksum;
 pub mod env;
 pub mod fabric;
+pub mod log_limit;
 pub mod mem;
 pub mod transport;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use access::{FabricAccess, FabricCredential, WriteRefusal};
+pub use checksum::{chunk_checksum, ChecksumState};
 pub use env::{Env, TokioEnv};
 pub use fabric::{
-    Completion, Fabric, FabricConn, FabricError, FabricListener, HeapMemory, Landed, PostWrite,
-    SlotMemory,
+    landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, HeapMemory,
+    PostWrite, SlotMemory,
 };
+pub use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
+pub use log_limit::LogLimiter;
 pub use transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
     DISCONNECT_ACK,

@@ -9,14 +9,17 @@ use bytes::Bytes;
 use kvx_proto::PeerId;
 use tokio::sync::mpsc;
 
+use crate::access::{FabricAccess, FabricCredential};
+use crate::checksum::chunk_checksum;
 use crate::fabric::{
-    Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener, HeapMemory, Landed,
-    SlotMemory,
+    landing_channel, Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener,
+    HeapMemory, SlotMemory,
 };
 use crate::transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
     CHANNEL_DEPTH,
 };
+use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poison| poison.into_inner())
@@ -147,10 +150,12 @@ impl Transport for MemTransport {
 #[derive(Debug)]
 struct Exposed {
     memory: Arc<HeapMemory>,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
+    access: Arc<FabricAccess>,
 }
 
-/// An in-process fabric: a write is a copy from staging into the exposed buffer.
+/// An in-process fabric: a write is a copy from staging into the exposed buffer, after the
+/// same access checks as the real fabrics.
 #[derive(Debug, Clone, Default)]
 pub struct MemFabric {
     exposed: Arc<Mutex<HashMap<String, Exposed>>>,
@@ -180,7 +185,8 @@ impl Fabric for MemFabric {
         slot_bytes: usize,
     ) -> Result<FabricListener<HeapMemory>, FabricError> {
         let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
-        let (tx, rx) = mpsc::unbounded_channel();
+        let access = Arc::new(FabricAccess::with_random_key(slots)?);
+        let (tx, rx) = landing_channel(slots);
         let mut exposed = lock(&self.exposed);
         if exposed.contains_key(endpoint) {
             let why = "already exposed".to_owned();
@@ -194,12 +200,14 @@ impl Fabric for MemFabric {
             Exposed {
                 memory: memory.clone(),
                 landed: tx,
+                access: access.clone(),
             },
         );
         Ok(FabricListener {
             local_endpoint: endpoint.to_owned(),
             memory,
             landed: rx,
+            access,
         })
     }
 
@@ -207,14 +215,24 @@ impl Fabric for MemFabric {
         &self,
         endpoint: &str,
         staging: Arc<HeapMemory>,
+        credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        let (remote, landed) = {
+        let (remote, landed, access) = {
             let exposed = lock(&self.exposed);
             let e = exposed
                 .get(endpoint)
                 .ok_or_else(|| FabricError::NotExposed(endpoint.to_owned()))?;
-            (e.memory.clone(), e.landed.clone())
+            (e.memory.clone(), e.landed.clone(), e.access.clone())
         };
+        let peer = access.authenticate(&credential).ok_or_else(|| {
+            FabricError::Unauthorized(endpoint.to_owned(), "not issued by this buffer".into())
+        })?;
+        if staging.slot_bytes() != remote.slot_bytes() {
+            return Err(FabricError::Incompatible {
+                endpoint: endpoint.to_owned(),
+                why: crate::fabric::slot_size_mismatch(staging.slot_bytes(), remote.slot_bytes()),
+            });
+        }
         let (ops_tx, mut ops_rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -228,12 +246,18 @@ impl Fabric for MemFabric {
                 let result = if flushed {
                     Err(FabricError::Flushed)
                 } else {
-                    copy(&staging, &remote, &w, &mut buf).map(|()| {
-                        if let Some(imm) = w.imm {
-                            // A receiver that stopped listening lost the notice; the write landed.
-                            let _ = landed.send(Landed { imm });
-                        }
+                    land(&staging, &remote, &access, peer, &w, &mut buf).map(|notice| {
+                        // A receiver that stopped listening lost the notice; the write landed.
+                        let _ = landed.try_send(notice);
+                        notice.checksum
                     })
+                };
+                let result = match result {
+                    Ok(ChecksumCheck::Mismatch { .. }) => Err(FabricError::Corrupt(
+                        "the landed bytes do not match the chunk's checksum".into(),
+                    )),
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e),
                 };
                 if done_tx.send(Completion { id: w.id, result }).is_err() {
                     break;
@@ -244,12 +268,15 @@ impl Fabric for MemFabric {
     }
 }
 
-fn copy(
+/// One write, checked against the access rules and both geometries, then copied.
+fn land(
     staging: &HeapMemory,
     remote: &HeapMemory,
+    access: &FabricAccess,
+    peer: PeerId,
     w: &crate::fabric::PostWrite,
     buf: &mut [u8],
-) -> Result<(), FabricError> {
+) -> Result<LandedWrite, FabricError> {
     let fits = w.len <= staging.slot_bytes()
         && w.len <= remote.slot_bytes()
         && w.local.0 < staging.slots()
@@ -257,7 +284,27 @@ fn copy(
     if !fits {
         return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
     }
+    let tag = access
+        .admit(peer, w.remote.0, w.len as u64, w.imm)
+        .map_err(|r| FabricError::Refused(r.to_string()))?;
     staging.read_slot(w.local.0, &mut buf[..w.len]);
     remote.write_slot(w.remote.0, &buf[..w.len]);
-    Ok(())
+    let checksum = match w.checksum {
+        None => ChecksumCheck::Absent,
+        Some(carried) => {
+            let computed = chunk_checksum(&buf[..w.len]);
+            if computed == carried {
+                ChecksumCheck::Match
+            } else {
+                ChecksumCheck::Mismatch { carried, computed }
+            }
+        }
+    };
+    Ok(LandedWrite {
+        peer,
+        slot: w.remote,
+        tag,
+        bytes: w.len as u64,
+        checksum,
+    })
 }

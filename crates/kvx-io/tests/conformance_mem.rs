@@ -27,3 +27,13 @@ async fn mem_fabric_reset_flushes() {
 async fn mem_fabric_rejects_out_of_bounds() {
     conformance::fabric_rejects_out_of_bounds(&MemFabric::new(), "buffer").await;
 }
+
+#[tokio::test]
+async fn mem_fabric_refuses_writes_outside_grants() {
+    conformance::fabric_refuses_writes_outside_grants(&MemFabric::new(), "buffer").await;
+}
+
+#[tokio::test]
+async fn mem_fabric_checks_checksums() {
+    conformance::fabric_checks_checksums(&MemFabric::new(), "buffer").await;
+}

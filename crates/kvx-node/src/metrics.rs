@@ -10,6 +10,13 @@ pub const ADMITTED: &str = "kvx_receiver_admitted_total";
 pub const REFUSED: &str = "kvx_receiver_refused_total";
 pub const ROLLED_BACK: &str = "kvx_receiver_rolled_back_total";
 pub const CONSUMED: &str = "kvx_receiver_consumed_total";
+/// Fabric writes refused before landing (not the grant holder's, a second write of a grant,
+/// no immediate), counted by the fabric's access rules.
+pub const FABRIC_WRITES_REFUSED: &str = "kvx_receiver_fabric_writes_refused_total";
+/// Landing notices the ledger refused (not the grant holder's, or not the slot named).
+pub const LANDINGS_REFUSED: &str = "kvx_receiver_landings_refused_total";
+/// Chunks that landed empty or failed their checksum; each failed its request.
+pub const CORRUPT_CHUNKS: &str = "kvx_receiver_corrupt_chunks_total";
 pub const ADMISSION_WAIT_SECONDS: &str = "kvx_receiver_admission_wait_seconds";
 pub const DECODE_ERRORS: &str = "kvx_decode_errors_total";
 pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";

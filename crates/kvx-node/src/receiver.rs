@@ -4,10 +4,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvx_io::{ControlServer, Env, Fabric, FabricListener, SlotMemory, Transport};
-use kvx_proto::receiver::{ConsumeError, Outcome, ReceiverEvent, ReceiverLedger};
+use kvx_io::{ControlServer, Env, Fabric, FabricListener, LogLimiter, SlotMemory, Transport};
+use kvx_proto::receiver::{
+    ConsumeError, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
+};
 use kvx_proto::wire::{self, AllocResponse, Message};
-use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex, WriteTag};
+use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics as m;
@@ -121,6 +123,8 @@ impl ReceiverNode {
             notices: notice_tx,
             cmds: cmd_rx,
             label: handle.alloc_endpoint.clone(),
+            refusals_logged: LogLimiter::default(),
+            undecodable_logged: LogLimiter::default(),
         };
         env.spawn(driver.run());
         Ok(handle)
@@ -201,6 +205,10 @@ struct Driver<E: Env> {
     /// The `receiver` label on this receiver's metrics (its alloc endpoint), so the TP ranks
     /// of one process are told apart.
     label: String,
+    /// Refused and corrupt landings are logged at most once a second: a peer can cause them
+    /// at will.
+    refusals_logged: LogLimiter,
+    undecodable_logged: LogLimiter,
 }
 
 impl<E: Env> Driver<E> {
@@ -215,10 +223,7 @@ impl<E: Env> Driver<E> {
                     let Some((peer, bytes)) = msg else { return };
                     self.on_message(peer, bytes, &replies).await;
                 }
-                Some(landed) = self.listener.landed.recv() => {
-                    let now = self.env.now();
-                    self.ledger.handle_chunk_landed(now, WriteTag::from_imm(landed.imm));
-                }
+                Some(landed) = self.listener.landed.recv() => self.on_landed(landed),
                 cmd = self.cmds.recv() => match cmd {
                     Some(Cmd::Acquire(key, reply)) => {
                         let _ = reply.send(self.ledger.handle_acquire(&key));
@@ -250,6 +255,20 @@ impl<E: Env> Driver<E> {
         }
     }
 
+    fn on_landed(&mut self, landed: LandedWrite) {
+        let now = self.env.now();
+        let verdict = self.ledger.handle_chunk_landed(now, landed);
+        let (metric, why) = match verdict {
+            LandingVerdict::Refused(why) => (m::LANDINGS_REFUSED, why),
+            LandingVerdict::Corrupt(why) => (m::CORRUPT_CHUNKS, why),
+            _ => return,
+        };
+        metrics::counter!(metric, "receiver" => self.label.clone()).increment(1);
+        if let Some(left_out) = self.refusals_logged.allow() {
+            tracing::warn!(receiver = %self.label, %why, left_out, "landed write not accepted");
+        }
+    }
+
     async fn on_message(
         &mut self,
         peer: kvx_proto::PeerId,
@@ -264,7 +283,9 @@ impl<E: Env> Driver<E> {
             Err(e) => {
                 // Garbage gets an error reply, LMCache-shaped, and changes nothing else.
                 metrics::counter!(m::DECODE_ERRORS, "receiver" => self.label.clone()).increment(1);
-                tracing::warn!(%peer, error = %e, len = bytes.len(), "undecodable message");
+                if let Some(left_out) = self.undecodable_logged.allow() {
+                    tracing::warn!(%peer, error = %e, len = bytes.len(), left_out, "undecodable message");
+                }
                 // Whoever sends garbage is no LMCache peer; the reason is worth more than
                 // LMCache's exact bytes here.
                 let reason = format!("undecodable message: {e}");
@@ -279,7 +300,17 @@ impl<E: Env> Driver<E> {
     }
 
     async fn carry_out(&mut self, replies: &mpsc::Sender<(kvx_proto::PeerId, Bytes)>) {
-        while let Some((peer, reply)) = self.ledger.poll_transmit() {
+        // The fabric learns of grants before the replies that hand them out leave.
+        while let Some(change) = self.ledger.poll_grant_change() {
+            self.listener.access.apply(change);
+        }
+        while let Some((peer, mut reply)) = self.ledger.poll_transmit() {
+            // A kvx sender (its messages carry `seq`) attaches its fabric connection with this
+            // credential; every reply carries it, so the sender always has the current one.
+            if reply.seq.is_some() {
+                let credential = self.listener.access.credential_for(peer);
+                reply.fabric_credential = Some(credential.to_text());
+            }
             let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
             if replies.send((peer, bytes)).await.is_err() {
                 return;
@@ -324,5 +355,7 @@ impl<E: Env> Driver<E> {
         metrics::gauge!(m::SLOTS_QUARANTINED, "receiver" => self.label.clone())
             .set(f64::from(l.quarantined_slots()));
         metrics::counter!(m::REFUSED, "receiver" => self.label.clone()).absolute(l.stats().refused);
+        metrics::counter!(m::FABRIC_WRITES_REFUSED, "receiver" => self.label.clone())
+            .absolute(self.listener.access.refused());
     }
 }

@@ -42,6 +42,10 @@ pub struct ReceiverConfig {
     pub tombstone_ttl: Duration,
     /// Ended request ids remembered at most; the oldest is forgotten first.
     pub tombstones_max: usize,
+    /// A kvx sender's chunk must carry a checksum, checked against the landed bytes before its
+    /// request is ready; one without fails its request. Turn off only where the fabric cannot
+    /// carry checksums and its own CRC is trusted (RDMA: the NIC's ICRC covers the wire).
+    pub require_checksums: bool,
 }
 
 impl Default for ReceiverConfig {
@@ -56,6 +60,7 @@ impl Default for ReceiverConfig {
             write_quarantine: Duration::from_secs(60),
             tombstone_ttl: Duration::from_secs(600),
             tombstones_max: 65_536,
+            require_checksums: true,
         }
     }
 }
@@ -175,6 +180,10 @@ pub struct SenderConfig {
     pub pipelining: Pipelining,
     /// Send `FailNotif` to the proxy when a request fails (kvx proxies only).
     pub notify_proxy_on_failure: bool,
+    /// Compute each chunk's checksum (CRC32C) when it is staged and send it with the write,
+    /// so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
+    /// §Checksums). Off only for fabrics that cannot carry one (RDMA).
+    pub checksums: bool,
 }
 
 impl Default for SenderConfig {
@@ -190,6 +199,7 @@ impl Default for SenderConfig {
             channel_queue_max: 65_536,
             pipelining: Pipelining::Auto,
             notify_proxy_on_failure: false,
+            checksums: true,
         }
     }
 }

@@ -13,8 +13,24 @@
 
 use std::collections::VecDeque;
 
-use crate::ids::{SlotIndex, Ticket, WriteTag};
+use crate::ids::{PeerId, SlotIndex, Ticket, WriteTag};
 use crate::time::Instant;
+
+/// Who may write into a slot now: the peer its current grant went to, under that grant's
+/// generation. The fabric mirrors these (`poll_grant_change`) and refuses every other write
+/// before it touches the slot (`docs/spec/protocol.md` §Slots, grant-bound writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotGrant {
+    pub peer: PeerId,
+    pub generation: u32,
+}
+
+/// A slot's grant changed: `Some` when it is handed out, `None` once it is free again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantChange {
+    pub slot: SlotIndex,
+    pub grant: Option<SlotGrant>,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotState {
@@ -43,12 +59,20 @@ pub enum Landing {
     /// A notice for a grant that is not current (duplicate, or a slot already reused):
     /// counted, ignored.
     Stale,
+    /// The grant is current but the write came from another peer's connection: never
+    /// announced, never clears a quarantine.
+    Forged,
 }
 
 #[derive(Debug, Clone)]
 pub struct SlotTable {
     state: Vec<SlotState>,
     generation: Vec<u32>,
+    /// The peer of each slot's current grant, from `grant` until the slot is free again
+    /// (through `Landed` and `Quarantined`: a late write of that grant may still land).
+    holder: Vec<Option<PeerId>>,
+    /// Grant changes not yet taken by `poll_grant_change`, in order.
+    changes: VecDeque<GrantChange>,
     /// A stack: `grant` takes the slot freed last.
     free: Vec<SlotIndex>,
     /// (until, slot, generation) in `until` order, since `until` is now + a fixed duration.
@@ -63,6 +87,8 @@ impl SlotTable {
         Self {
             state: vec![SlotState::Free; slots as usize],
             generation: vec![0; slots as usize],
+            holder: vec![None; slots as usize],
+            changes: VecDeque::new(),
             // Reversed, so that a fresh table grants slot 0 first.
             free: (0..slots).rev().map(SlotIndex).collect(),
             quarantine: VecDeque::new(),
@@ -100,28 +126,47 @@ impl SlotTable {
         }
     }
 
-    /// Hands a free slot to `owner` under a new generation. None when no slot is free, which
-    /// admission rules out for admitted requests (asserted by the ledger).
-    pub fn grant(&mut self, owner: Ticket) -> Option<WriteTag> {
+    /// Hands a free slot to `owner` (a request of `peer`) under a new generation. None when
+    /// no slot is free, which admission rules out for admitted requests (asserted by the
+    /// ledger).
+    pub fn grant(&mut self, owner: Ticket, peer: PeerId) -> Option<WriteTag> {
         let slot = self.free.pop()?;
         let i = slot.0 as usize;
         debug_assert_eq!(self.state[i], SlotState::Free);
         self.generation[i] = self.generation[i].wrapping_add(1);
         self.state[i] = SlotState::Granted { owner };
+        self.holder[i] = Some(peer);
         self.granted += 1;
-        Some(WriteTag {
+        let generation = self.generation[i];
+        self.changes.push_back(GrantChange {
             slot,
-            generation: self.generation[i],
-        })
+            grant: Some(SlotGrant { peer, generation }),
+        });
+        Some(WriteTag { slot, generation })
     }
 
-    /// A write notice arrived for `tag`.
-    pub fn land(&mut self, tag: WriteTag) -> Landing {
+    /// The next change to the slots' grants, for the fabric's mirror (`FabricAccess`). A
+    /// driver applies every change before it sends the replies the ledger queued with them,
+    /// so a write never arrives before its grant is known to the fabric.
+    pub fn poll_grant_change(&mut self) -> Option<GrantChange> {
+        self.changes.pop_front()
+    }
+
+    /// The peer whose grant `slot` is under, if any.
+    pub fn holder(&self, slot: SlotIndex) -> Option<PeerId> {
+        self.holder.get(slot.0 as usize).copied().flatten()
+    }
+
+    /// A write notice arrived for `tag` from a connection of `peer`.
+    pub fn land(&mut self, tag: WriteTag, peer: PeerId) -> Landing {
         let Some(&state) = self.state.get(tag.slot.0 as usize) else {
             return Landing::Stale;
         };
         if !self.tag(tag.slot).same_grant(tag) {
             return Landing::Stale;
+        }
+        if state != SlotState::Free && self.holder(tag.slot) != Some(peer) {
+            return Landing::Forged;
         }
         match state {
             SlotState::Granted { owner } => {
@@ -197,6 +242,8 @@ impl SlotTable {
 
     fn set_free(&mut self, slot: SlotIndex) {
         self.state[slot.0 as usize] = SlotState::Free;
+        self.holder[slot.0 as usize] = None;
+        self.changes.push_back(GrantChange { slot, grant: None });
         self.free.push(slot);
     }
 
@@ -235,6 +282,8 @@ impl SlotTable {
                 SlotState::Quarantined { until } => {
                     enc.len(3);
                     enc.time(until);
+                    // Whose late write may still clear it.
+                    enc.u(self.holder(slot).map_or(0, |p| p.0));
                 }
             }
         }
@@ -265,6 +314,13 @@ impl SlotTable {
             self.capacity(),
             "invariant: every slot has one state"
         );
+        for (i, s) in self.state.iter().enumerate() {
+            assert_eq!(
+                *s == SlotState::Free,
+                self.holder[i].is_none(),
+                "invariant: slot {i} has a holder iff it is not free"
+            );
+        }
     }
 }
 
@@ -276,19 +332,19 @@ mod tests {
     #[test]
     fn a_late_write_clears_quarantine_and_a_stale_one_is_ignored() {
         let mut t = SlotTable::new(2);
-        let a = t.grant(Ticket(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
         assert!(t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(5)));
         assert_eq!(t.free_count(), 1);
-        assert_eq!(t.land(a), Landing::QuarantineCleared);
-        assert_eq!(t.land(a), Landing::Stale);
+        assert_eq!(t.land(a, PeerId(1)), Landing::QuarantineCleared);
+        assert_eq!(t.land(a, PeerId(1)), Landing::Stale);
         t.check_invariants();
     }
 
     #[test]
     fn quarantine_expires_in_order() {
         let mut t = SlotTable::new(2);
-        let a = t.grant(Ticket(1)).expect("free slot");
-        let b = t.grant(Ticket(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let b = t.grant(Ticket(1), PeerId(1)).expect("free slot");
         t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(1));
         t.quarantine(b.slot, Instant::ZERO + Duration::from_secs(2));
         assert_eq!(
@@ -299,18 +355,56 @@ mod tests {
             t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),
             None
         );
-        assert_eq!(t.grant(Ticket(2)).map(|g| g.slot), Some(a.slot));
+        assert_eq!(t.grant(Ticket(2), PeerId(2)).map(|g| g.slot), Some(a.slot));
         t.check_invariants();
     }
 
     #[test]
     fn regranting_bumps_the_generation() {
         let mut t = SlotTable::new(1);
-        let a = t.grant(Ticket(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
         t.release(a.slot);
-        let b = t.grant(Ticket(2)).expect("free slot");
+        let b = t.grant(Ticket(2), PeerId(2)).expect("free slot");
         assert_eq!(a.slot, b.slot);
         assert_ne!(a.generation, b.generation);
-        assert_eq!(t.land(a), Landing::Stale);
+        assert_eq!(t.land(a, PeerId(1)), Landing::Stale);
+    }
+
+    #[test]
+    fn a_write_from_another_peer_is_forged_and_changes_nothing() {
+        let mut t = SlotTable::new(2);
+        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        assert_eq!(t.land(a, PeerId(2)), Landing::Forged);
+        assert_eq!(t.state(a.slot), SlotState::Granted { owner: Ticket(1) });
+        // Nor may it clear the quarantine of a rolled-back grant.
+        assert!(t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(5)));
+        assert_eq!(t.land(a, PeerId(2)), Landing::Forged);
+        assert_eq!(t.quarantined_count(), 1);
+        assert_eq!(t.land(a, PeerId(1)), Landing::QuarantineCleared);
+        t.check_invariants();
+    }
+
+    #[test]
+    fn grant_changes_mirror_grants_and_frees_in_order() {
+        let mut t = SlotTable::new(1);
+        let a = t.grant(Ticket(1), PeerId(7)).expect("free slot");
+        t.release(a.slot);
+        let changes: Vec<_> = std::iter::from_fn(|| t.poll_grant_change()).collect();
+        assert_eq!(
+            changes,
+            vec![
+                GrantChange {
+                    slot: a.slot,
+                    grant: Some(SlotGrant {
+                        peer: PeerId(7),
+                        generation: a.generation
+                    })
+                },
+                GrantChange {
+                    slot: a.slot,
+                    grant: None
+                },
+            ]
+        );
     }
 }

@@ -583,15 +583,17 @@ fn message() -> impl Strategy<Value = Message> {
         any::<Option<u64>>(),
         prop::option::of(text()),
         prop::option::of(prop::collection::vec(any::<u32>(), 0..20)),
+        prop::option::of(text()),
     )
         .prop_map(
-            |(remote_indexes, already_sent_indexes, seq, error, generations)| {
+            |(remote_indexes, already_sent_indexes, seq, error, generations, credential)| {
                 Message::AllocResponse(AllocResponse {
                     remote_indexes,
                     already_sent_indexes,
                     seq,
                     error,
                     generations,
+                    fabric_credential: credential,
                 })
             },
         );

@@ -81,6 +81,7 @@ fn w(id: u64, remote: u32) -> PostWrite {
         remote: SlotIndex(remote),
         len: SLOT,
         imm: None,
+        checksum: None,
     }
 }
 

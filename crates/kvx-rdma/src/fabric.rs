@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use kvx_io::{Fabric, FabricConn, FabricError, FabricListener};
-use tokio::sync::mpsc;
 
 use crate::config::RdmaConfig;
 use crate::device::Device;
@@ -99,18 +98,21 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         let memory = self.registered(slots, slot_bytes)?;
         let listener = link::bind(endpoint).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
-        let (landed_tx, landed) = mpsc::unbounded_channel();
+        let (landed_tx, landed) = kvx_io::landing_channel(slots);
+        let access = Arc::new(kvx_io::FabricAccess::with_random_key(slots)?);
         tokio::spawn(receiver::accept_loop(
             listener,
             self.device.clone(),
             memory.clone(),
             landed_tx,
+            access.clone(),
         ));
         tracing::debug!(%local_endpoint, slots, slot_bytes, "rdma buffer exposed");
         Ok(FabricListener {
             local_endpoint,
             memory,
             landed,
+            access,
         })
     }
 
@@ -118,7 +120,8 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         &self,
         endpoint: &str,
         staging: Arc<RdmaMemory>,
+        credential: kvx_io::FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        sender::connect(self.device.clone(), endpoint, staging).await
+        sender::connect(self.device.clone(), endpoint, staging, credential).await
     }
 }

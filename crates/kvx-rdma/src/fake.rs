@@ -243,7 +243,10 @@ impl NicState {
                         self.cq.push_back(Wc {
                             wr_id: recv,
                             status: WcStatus::Success,
-                            kind: WcKind::RecvImm(imm),
+                            kind: WcKind::RecvImm {
+                                imm,
+                                byte_len: w.data.len() as u32,
+                            },
                         });
                     }
                 }

@@ -339,7 +339,10 @@ impl Verbs for IbvVerbs {
                 WcKind::Other
             } else if wc.opcode() == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
                 // Immediates travel in network byte order (`post_write`).
-                WcKind::RecvImm(u32::from_be(wc.imm_data()))
+                WcKind::RecvImm {
+                    imm: u32::from_be(wc.imm_data()),
+                    byte_len: wc.byte_len(),
+                }
             } else if wc.opcode() == WorkCompletionOperationType::Write as u32 {
                 WcKind::Write
             } else {

@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_io::Landed;
+use kvx_io::{FabricAccess, LandedWrite, LogLimiter};
+use kvx_proto::PeerId;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -19,7 +20,7 @@ use crate::memory::RdmaMemory;
 use crate::route::Route;
 use crate::verbs::{Qp, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus};
 use crate::wire::{
-    Control, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, HELLO_LEN, VERSION,
+    Control, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, HELLO_BASE_LEN, HELLO_LEN, VERSION,
 };
 
 /// Receives a connection keeps posted are the sender's staging slots plus `recv_slack`, at
@@ -31,8 +32,10 @@ pub(crate) async fn accept_loop<V: Verbs>(
     listener: TcpListener,
     device: Arc<Device<V>>,
     memory: Arc<RdmaMemory>,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
+    access: Arc<FabricAccess>,
 ) {
+    let refusals_logged = Arc::new(LogLimiter::default());
     loop {
         tokio::select! {
             () = landed.closed() => return,
@@ -44,6 +47,8 @@ pub(crate) async fn accept_loop<V: Verbs>(
                         device: device.clone(),
                         memory: memory.clone(),
                         landed: landed.clone(),
+                        access: access.clone(),
+                        refusals_logged: refusals_logged.clone(),
                     };
                     tokio::spawn(conn.serve());
                 }
@@ -62,7 +67,9 @@ struct Connection<V: Verbs> {
     peer: SocketAddr,
     device: Arc<Device<V>>,
     memory: Arc<RdmaMemory>,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
+    access: Arc<FabricAccess>,
+    refusals_logged: Arc<LogLimiter>,
 }
 
 /// Why a connection's task ended.
@@ -78,23 +85,37 @@ impl<V: Verbs> Connection<V> {
     async fn serve(mut self) {
         let _ = self.side.set_nodelay(true);
         let timeout = self.device.config.connect_timeout;
-        let hello = match link::read_frame::<HELLO_LEN>(&mut self.side, timeout).await {
+        let base = match link::read_frame::<HELLO_BASE_LEN>(&mut self.side, timeout).await {
             Ok(b) => b,
             Err(e) => return debug!(peer = %self.peer, error = %e, "rdma side channel: no hello"),
         };
         // Another protocol on this port gets no answer.
-        let Ok(hello) = Hello::decode(&hello) else {
+        let Ok(base_hello) = Hello::decode_base(&base) else {
             return debug!(peer = %self.peer, "rdma side channel: not a kvx hello");
         };
-        let refusal = if hello.version != VERSION {
-            Some(WelcomeStatus::VersionMismatch)
-        } else if hello.staging.slot_bytes > self.memory.geometry().slot_bytes {
-            Some(WelcomeStatus::StagingTooLarge)
-        } else {
-            None
+        if base_hello.version != VERSION {
+            return self.refuse(WelcomeStatus::VersionMismatch).await;
+        }
+        let rest = match link::read_frame::<{ HELLO_LEN - HELLO_BASE_LEN }>(&mut self.side, timeout)
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => return debug!(peer = %self.peer, error = %e, "rdma side channel: no hello"),
         };
-        if let Some(status) = refusal {
-            return self.refuse(status).await;
+        let mut whole = [0u8; HELLO_LEN];
+        whole[..HELLO_BASE_LEN].copy_from_slice(&base);
+        whole[HELLO_BASE_LEN..].copy_from_slice(&rest);
+        let Ok(hello) = Hello::decode(&whole) else {
+            return debug!(peer = %self.peer, "rdma side channel: not a kvx hello");
+        };
+        let Some(control_peer) = self.access.authenticate(&hello.credential) else {
+            if let Some(left_out) = self.refusals_logged.allow() {
+                warn!(peer = %self.peer, left_out, "rdma sender refused: its credential was not issued here");
+            }
+            return self.refuse(WelcomeStatus::Unauthorized).await;
+        };
+        if hello.staging.slot_bytes != self.memory.geometry().slot_bytes {
+            return self.refuse(WelcomeStatus::StagingMismatch).await;
         }
         let (route, wcs) = self.device.router.add();
         let (qp, qp_addr) = match self.connect_qp(&hello, &route) {
@@ -117,14 +138,18 @@ impl<V: Verbs> Connection<V> {
         if let Err(e) = link::write_frame(&mut self.side, &welcome.encode(), timeout).await {
             return debug!(peer = %self.peer, error = %e, "rdma side channel: welcome not sent");
         }
-        debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, "rdma sender connected");
-        self.run(qp, wcs, route).await;
+        debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, %control_peer, "rdma sender connected");
+        self.run(qp, wcs, route, control_peer).await;
     }
 
     async fn refuse(mut self, status: WelcomeStatus) {
         let timeout = self.device.config.connect_timeout;
-        let _ =
-            link::write_frame(&mut self.side, &Welcome::refusal(status).encode(), timeout).await;
+        let mut refusal = Welcome::refusal(status);
+        // The buffer's shape, so a sender with another chunk size can say both sizes.
+        if status == WelcomeStatus::StagingMismatch {
+            refusal.buffer = self.memory.geometry();
+        }
+        let _ = link::write_frame(&mut self.side, &refusal.encode(), timeout).await;
     }
 
     /// A queue pair connected to the sender's, with its receives posted before it can be
@@ -160,7 +185,13 @@ impl<V: Verbs> Connection<V> {
         Ok((qp, addr))
     }
 
-    async fn run(mut self, mut qp: Qp<V::Qp>, mut wcs: mpsc::UnboundedReceiver<Wc>, route: Route) {
+    async fn run(
+        mut self,
+        mut qp: Qp<V::Qp>,
+        mut wcs: mpsc::UnboundedReceiver<Wc>,
+        route: Route,
+        control_peer: PeerId,
+    ) {
         let mut control = [0u8; CONTROL_LEN];
         let mut have = 0usize;
         let end = loop {
@@ -168,10 +199,10 @@ impl<V: Verbs> Connection<V> {
                 biased;
                 () = self.landed.closed() => break End::ListenerDropped,
                 Some(wc) = wcs.recv() => {
-                    let mut failed = self.on_wc(&mut qp, &wc).err();
+                    let mut failed = self.on_wc(&mut qp, &wc, control_peer).err();
                     while failed.is_none() {
                         match wcs.try_recv() {
-                            Ok(wc) => failed = self.on_wc(&mut qp, &wc).err(),
+                            Ok(wc) => failed = self.on_wc(&mut qp, &wc, control_peer).err(),
                             Err(_) => break,
                         }
                     }
@@ -216,13 +247,15 @@ impl<V: Verbs> Connection<V> {
         drop(self);
     }
 
-    /// One routed completion of this connection's receive queue.
-    fn on_wc(&self, qp: &mut Qp<V::Qp>, wc: &Wc) -> Result<(), String> {
+    /// One routed completion of this connection's receive queue. The NIC wrote before anyone
+    /// could check: the access rules decide here whether the write is announced (a write
+    /// outside its queue pair's peer's grants is counted and never announced; what such a
+    /// write does to another request's bytes is `docs/operations.md` §Access over RDMA).
+    fn on_wc(&self, qp: &mut Qp<V::Qp>, wc: &Wc, peer: PeerId) -> Result<(), String> {
         match (wc.status, wc.kind) {
             (WcStatus::Success, kind) => {
-                if let WcKind::RecvImm(imm) = kind {
-                    // The listener may be gone; the select loop notices next.
-                    let _ = self.landed.send(Landed { imm });
+                if let WcKind::RecvImm { imm, byte_len } = kind {
+                    self.announce(peer, imm, byte_len);
                 }
                 qp.post_recv(wc.wr_id).map_err(|e| e.to_string())
             }
@@ -230,6 +263,37 @@ impl<V: Verbs> Connection<V> {
             (WcStatus::Flushed, _) => Err("the queue pair's receives were flushed".into()),
             (WcStatus::Failed { name, code, .. }, _) => {
                 Err(format!("receive failed: {name} (status {code})"))
+            }
+        }
+    }
+
+    fn announce(&self, peer: PeerId, imm: u32, byte_len: u32) {
+        let tag = kvx_proto::WriteTag::from_imm(imm);
+        if let Err(refusal) = self
+            .access
+            .admit(peer, tag.slot.0, u64::from(byte_len), Some(imm))
+        {
+            if let Some(left_out) = self.refusals_logged.allow() {
+                warn!(%refusal, left_out, "rdma write not announced");
+            }
+            return;
+        }
+        let notice = LandedWrite {
+            peer,
+            slot: tag.slot,
+            tag,
+            bytes: u64::from(byte_len),
+            // An RDMA write carries no checksum of kvx's (the NIC's ICRC covers the wire).
+            checksum: kvx_io::ChecksumCheck::Absent,
+        };
+        // A closed listener is noticed by the select loop; a full channel cannot happen within
+        // the access rules' bound (`kvx_io::landing_channel`).
+        if let Err(mpsc::error::TrySendError::Full(_)) = self.landed.try_send(notice) {
+            if let Some(left_out) = self.refusals_logged.allow() {
+                warn!(
+                    left_out,
+                    "landing notice dropped: the notice channel is full"
+                );
             }
         }
     }

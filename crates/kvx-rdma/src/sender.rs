@@ -33,6 +33,7 @@ pub(crate) async fn connect<V: Verbs>(
     device: Arc<Device<V>>,
     endpoint: &str,
     staging: Arc<RdmaMemory>,
+    credential: kvx_io::FabricCredential,
 ) -> Result<FabricConn, FabricError> {
     let ours = staging.geometry();
     match staging.keys() {
@@ -60,6 +61,7 @@ pub(crate) async fn connect<V: Verbs>(
             mtu: port.mtu,
             gid: port.gid,
         },
+        credential,
     };
     let io = |e: std::io::Error| FabricError::Io(format!("rdma side channel to {endpoint}: {e}"));
     link::write_frame(&mut side, &hello.encode(), timeout)
@@ -70,7 +72,7 @@ pub(crate) async fn connect<V: Verbs>(
         .map_err(io)?;
     let welcome = Welcome::decode(&welcome)
         .map_err(|_| FabricError::Io(format!("{endpoint} is not a kvx RDMA endpoint")))?;
-    let remote = check_welcome(&welcome, endpoint)?;
+    let remote = check_welcome(&welcome, endpoint, ours)?;
     let mtu = path_mtu(port.mtu, welcome.qp.mtu, device.config.mtu)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
     qp.modify(Transition::Rtr(RtrParams {
@@ -103,13 +105,31 @@ pub(crate) async fn connect<V: Verbs>(
     Ok(FabricConn::new(ops_tx, done_rx))
 }
 
-fn check_welcome(w: &Welcome, endpoint: &str) -> Result<RemoteBuffer, FabricError> {
+fn check_welcome(w: &Welcome, endpoint: &str, ours: Geometry) -> Result<RemoteBuffer, FabricError> {
     let refused = |why: &str| FabricError::Io(format!("{endpoint} refused the connection: {why}"));
+    let incompatible = |why: String| FabricError::Incompatible {
+        endpoint: endpoint.to_owned(),
+        why,
+    };
     match w.status {
         WelcomeStatus::Ok => {}
-        WelcomeStatus::VersionMismatch => return Err(refused("another protocol version")),
-        WelcomeStatus::StagingTooLarge => {
-            return Err(refused("staging slots larger than its buffer's"))
+        WelcomeStatus::VersionMismatch => {
+            return Err(incompatible(format!(
+                "the receiver speaks another side-channel version (we speak {})",
+                crate::wire::VERSION
+            )))
+        }
+        WelcomeStatus::StagingMismatch => {
+            return Err(incompatible(kvx_io::fabric::slot_size_mismatch(
+                ours.slot_bytes as usize,
+                w.buffer.slot_bytes as usize,
+            )))
+        }
+        WelcomeStatus::Unauthorized => {
+            return Err(FabricError::Unauthorized(
+                endpoint.to_owned(),
+                "not issued by this receiver (it may have restarted)".into(),
+            ))
         }
         WelcomeStatus::NoResources => return Err(refused("it could not set up a queue pair")),
         WelcomeStatus::Unknown(c) => return Err(refused(&format!("unknown status {c}"))),

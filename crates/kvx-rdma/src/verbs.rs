@@ -83,8 +83,9 @@ pub fn wc_status_name(code: u32) -> &'static str {
 pub enum WcKind {
     /// A local RDMA write finished.
     Write,
-    /// A write with immediate consumed a posted receive; here is the immediate.
-    RecvImm(u32),
+    /// A write with immediate consumed a posted receive: its immediate, and how many bytes
+    /// the write carried.
+    RecvImm { imm: u32, byte_len: u32 },
     /// Anything else (a failed completion, an opcode kvx does not post).
     Other,
 }

@@ -2,20 +2,24 @@
 //! queue pair numbers, GIDs and the remote key that sets up a reliable connection, then the
 //! fence. All integers little-endian, every frame fixed-size, reserved bytes zero.
 //!
-//! - `Hello` (sender → receiver, 64 bytes): magic `KVXR`, version, the sender's staging shape
-//!   and its queue pair's address.
+//! - `Hello` (sender → receiver, 96 bytes): magic `KVXR`, version, the sender's staging shape,
+//!   its queue pair's address, and (from version 2, bytes 64..88) the fabric credential that
+//!   ties the queue pair to a control peer (`kvx_io::access`).
 //! - `Welcome` (receiver → sender, 64 bytes): a status, the exposed buffer's shape, the
 //!   receiver's queue pair address, and the buffer's address and remote key.
 //! - `Control` (8 bytes, either way, after the welcome): `Fence` asks the receiver to move its
 //!   queue pair to the error state; `Fenced` says it did (nothing of this connection lands any
 //!   more).
 
-use kvx_io::FabricError;
+use kvx_io::{FabricCredential, FabricError};
 use kvx_proto::WriteTag;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVXR";
-pub(crate) const VERSION: u16 = 1;
-pub(crate) const HELLO_LEN: usize = 64;
+/// Version 2 added the credential to the hello and the `Unauthorized` refusal.
+pub(crate) const VERSION: u16 = 2;
+/// The hello's version-independent part, which a receiver reads first to answer any sender.
+pub(crate) const HELLO_BASE_LEN: usize = 64;
+pub(crate) const HELLO_LEN: usize = 96;
 pub(crate) const WELCOME_LEN: usize = 64;
 pub(crate) const CONTROL_LEN: usize = 8;
 
@@ -107,16 +111,19 @@ pub(crate) struct Hello {
     pub version: u16,
     pub staging: Geometry,
     pub qp: QpAddr,
+    pub credential: FabricCredential,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WelcomeStatus {
     Ok,
     VersionMismatch,
-    /// The sender's staging slots are larger than the receiver's.
-    StagingTooLarge,
+    /// The sender's staging slots are not as large as the receiver's.
+    StagingMismatch,
     /// The receiver could not create or connect a queue pair.
     NoResources,
+    /// The hello's credential was not issued by this buffer.
+    Unauthorized,
     Unknown(u16),
 }
 
@@ -125,8 +132,9 @@ impl WelcomeStatus {
         match self {
             WelcomeStatus::Ok => 0,
             WelcomeStatus::VersionMismatch => 1,
-            WelcomeStatus::StagingTooLarge => 2,
+            WelcomeStatus::StagingMismatch => 2,
             WelcomeStatus::NoResources => 3,
+            WelcomeStatus::Unauthorized => 4,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -135,8 +143,9 @@ impl WelcomeStatus {
         match c {
             0 => WelcomeStatus::Ok,
             1 => WelcomeStatus::VersionMismatch,
-            2 => WelcomeStatus::StagingTooLarge,
+            2 => WelcomeStatus::StagingMismatch,
             3 => WelcomeStatus::NoResources,
+            4 => WelcomeStatus::Unauthorized,
             c => WelcomeStatus::Unknown(c),
         }
     }
@@ -195,11 +204,13 @@ impl Hello {
         b[8..12].copy_from_slice(&self.staging.slots.to_le_bytes());
         b[16..24].copy_from_slice(&self.staging.slot_bytes.to_le_bytes());
         self.qp.put(&mut b);
+        b[64..88].copy_from_slice(&self.credential.to_bytes());
         b
     }
 
-    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, BadMagic> {
-        if b[0..4] != MAGIC {
+    /// The version-independent first `HELLO_BASE_LEN` bytes (the credential left zero).
+    pub fn decode_base(b: &[u8]) -> Result<Self, BadMagic> {
+        if b.len() < HELLO_BASE_LEN || b[0..4] != MAGIC {
             return Err(BadMagic);
         }
         Ok(Hello {
@@ -209,6 +220,19 @@ impl Hello {
                 slot_bytes: u64_at(b, 16),
             },
             qp: QpAddr::get(b),
+            credential: FabricCredential {
+                peer: kvx_proto::PeerId(0),
+                tag: [0; 16],
+            },
+        })
+    }
+
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, BadMagic> {
+        let mut credential = [0u8; FabricCredential::LEN];
+        credential.copy_from_slice(&b[64..88]);
+        Ok(Hello {
+            credential: FabricCredential::from_bytes(&credential),
+            ..Self::decode_base(b)?
         })
     }
 }
@@ -296,16 +320,22 @@ mod tests {
                 slot_bytes: 1 << 20,
             },
             qp: addr(),
+            credential: FabricCredential {
+                peer: kvx_proto::PeerId(5),
+                tag: [3; 16],
+            },
         };
         let b = h.encode();
         assert_eq!(&b[0..4], b"KVXR");
-        assert_eq!(&b[4..6], &1u16.to_le_bytes());
+        assert_eq!(&b[4..6], &2u16.to_le_bytes());
         assert_eq!(&b[8..12], &16u32.to_le_bytes());
         assert_eq!(&b[12..16], &0x00AB_CDEFu32.to_le_bytes());
         assert_eq!(&b[16..24], &(1u64 << 20).to_le_bytes());
         assert_eq!(&b[24..28], &0x12_3456u32.to_le_bytes());
         assert_eq!(b[30], 5);
-        assert!(b[48..].iter().all(|&x| x == 0), "reserved bytes are zero");
+        assert!(b[48..64].iter().all(|&x| x == 0), "reserved bytes are zero");
+        assert_eq!(&b[64..72], &5u64.to_le_bytes());
+        assert!(b[88..].iter().all(|&x| x == 0), "reserved bytes are zero");
         assert_eq!(Hello::decode(&b), Ok(h));
     }
 
@@ -324,10 +354,10 @@ mod tests {
         let b = w.encode();
         assert_eq!(&b[48..56], &0x7F00_DEAD_0000u64.to_le_bytes());
         assert_eq!(Welcome::decode(&b), Ok(w));
-        let refused = Welcome::refusal(WelcomeStatus::StagingTooLarge).encode();
+        let refused = Welcome::refusal(WelcomeStatus::StagingMismatch).encode();
         assert_eq!(
             Welcome::decode(&refused).map(|w| w.status),
-            Ok(WelcomeStatus::StagingTooLarge)
+            Ok(WelcomeStatus::StagingMismatch)
         );
         let mut odd = refused;
         odd[6] = 9;
@@ -342,7 +372,9 @@ mod tests {
         let mut b = [0u8; HELLO_LEN];
         b[0..4].copy_from_slice(b"KVXT");
         assert_eq!(Hello::decode(&b), Err(BadMagic));
-        assert_eq!(Welcome::decode(&b), Err(BadMagic));
+        let mut w = [0u8; WELCOME_LEN];
+        w[0..4].copy_from_slice(b"KVXT");
+        assert_eq!(Welcome::decode(&w), Err(BadMagic));
     }
 
     #[test]

@@ -151,11 +151,22 @@ async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -
         .await
         .expect("expose");
     let staging = f.allocate_staging(window, chunk).expect("staging");
+    let mut checksums = Vec::new();
     for k in 0..window {
-        staging.write_slot(k, &vec![k as u8 ^ 0x5A; chunk]);
+        let bytes = vec![k as u8 ^ 0x5A; chunk];
+        staging.write_slot(k, &bytes);
+        checksums.push(kvx_io::chunk_checksum(&bytes));
     }
+    // As a receiver's ledger would: this sender is peer 1, and each write's slot is granted
+    // to it (a new generation per round) before the write goes out.
+    let peer = kvx_proto::PeerId(1);
+    let access = listener.access.clone();
     let mut conn: FabricConn = f
-        .connect(&listener.local_endpoint, staging.clone())
+        .connect(
+            &listener.local_endpoint,
+            staging.clone(),
+            access.credential_for(peer),
+        )
         .await
         .expect("connect");
     let n = total / chunk;
@@ -175,12 +186,19 @@ async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -
             done += 1;
         }
         let k = (i % window as usize) as u32;
+        let generation = (i / window as usize) as u32 + 1;
+        access.grant(k, peer, generation);
+        let tag = kvx_proto::WriteTag {
+            slot: SlotIndex(k),
+            generation,
+        };
         conn.post(PostWrite {
             id: WriteId(i as u64),
             local: StagingSlot(k),
             remote: SlotIndex(k),
             len: chunk,
-            imm: Some(i as u32),
+            imm: Some(tag.to_imm()),
+            checksum: Some(checksums[k as usize]),
         })
         .expect("post");
     }

@@ -55,8 +55,8 @@ async fn shm_dropped_listener_stops_serving() {
 }
 
 #[tokio::test]
-async fn shm_refuses_larger_staging() {
-    fabric_common::refuses_larger_staging(&ShmFabric::new(), EP).await;
+async fn shm_refuses_other_chunk_sizes() {
+    fabric_common::refuses_other_chunk_sizes(&ShmFabric::new(), EP).await;
 }
 
 #[tokio::test]
@@ -102,8 +102,9 @@ async fn shm_file_is_removed_with_the_listener() {
     );
     // A connected sender does not keep the name alive.
     let staging = f.allocate_staging(2, 4096).expect("staging");
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
     let _conn = f
-        .connect(&listener.local_endpoint, staging.clone())
+        .connect(&listener.local_endpoint, staging.clone(), credential)
         .await
         .expect("connect");
     assert!(staging.path().is_none(), "staging is anonymous");
@@ -118,8 +119,9 @@ async fn shm_and_tcp_senders_do_not_mix() {
         .await
         .expect("expose shm");
     let tcp_staging = TcpFabric::new().allocate_staging(2, 4096).expect("staging");
+    let credential = shm.access.credential_for(kvx_proto::PeerId(1));
     let r = TcpFabric::new()
-        .connect(&shm.local_endpoint, tcp_staging)
+        .connect(&shm.local_endpoint, tcp_staging, credential)
         .await;
     assert!(matches!(r, Err(FabricError::Endpoint { .. })), "{r:?}");
 
@@ -128,8 +130,9 @@ async fn shm_and_tcp_senders_do_not_mix() {
         .await
         .expect("expose tcp");
     let shm_staging = ShmFabric::new().allocate_staging(2, 4096).expect("staging");
+    let credential = tcp.access.credential_for(kvx_proto::PeerId(1));
     let r = ShmFabric::new()
-        .connect(&tcp.local_endpoint, shm_staging)
+        .connect(&tcp.local_endpoint, shm_staging, credential)
         .await;
     assert!(matches!(r, Err(FabricError::Endpoint { .. })), "{r:?}");
 }
@@ -152,7 +155,7 @@ async fn shm_sender_maps_only_kvx_files() {
         let server = tokio::spawn(async move {
             let named = sent;
             let (mut s, _) = fake.accept().await.expect("accept");
-            let mut hello = [0u8; 32];
+            let mut hello = [0u8; 64];
             s.read_exact(&mut hello).await.expect("hello");
             let w = fabric_common::raw::welcome_bytes(b"KVXS", 2, 4096, 1, named.as_bytes());
             s.write_all(&w).await.expect("welcome");
@@ -162,7 +165,8 @@ async fn shm_sender_maps_only_kvx_files() {
         });
         let f = ShmFabric::new();
         let staging = f.allocate_staging(2, 4096).expect("staging");
-        let r = fabric_common::step("connect", f.connect(&ep, staging)).await;
+        let credential = kvx_io::FabricAccess::new(1, [0; 16]).credential_for(kvx_proto::PeerId(1));
+        let r = fabric_common::step("connect", f.connect(&ep, staging, credential)).await;
         assert!(
             matches!(r, Err(FabricError::Endpoint { .. })),
             "a receiver naming {named:?}: {r:?}"
@@ -192,4 +196,19 @@ async fn shm_staging_memory_round_trips() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_restart_at_the_same_endpoint() {
     fabric_common::restart_at_the_same_endpoint(&ShmFabric::new()).await;
+}
+
+#[tokio::test]
+async fn shm_fabric_refuses_writes_outside_grants() {
+    conformance::fabric_refuses_writes_outside_grants(&ShmFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn shm_fabric_checks_checksums() {
+    conformance::fabric_checks_checksums(&ShmFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn shm_receiver_checks_grants() {
+    fabric_common::receiver_checks_grants(&ShmFabric::new(), EP, b"KVXS", false).await;
 }

@@ -50,8 +50,8 @@ async fn tcp_dropped_listener_stops_serving() {
 }
 
 #[tokio::test]
-async fn tcp_refuses_larger_staging() {
-    fabric_common::refuses_larger_staging(&TcpFabric::new(), EP).await;
+async fn tcp_refuses_other_chunk_sizes() {
+    fabric_common::refuses_other_chunk_sizes(&TcpFabric::new(), EP).await;
 }
 
 #[tokio::test]
@@ -107,26 +107,31 @@ fn zero_copy() -> TcpFabric {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_staging_rewritten_right_after_completion_never_changes_landed_bytes() {
     use kvx_io::{Fabric, PostWrite, SlotMemory};
-    use kvx_proto::{SlotIndex, StagingSlot, WriteId};
+    use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId};
     const MIB: usize = 1 << 20;
     const ROUNDS: u32 = 32;
     let f = zero_copy();
     let listener = f.expose(EP, ROUNDS, MIB).await.expect("expose");
     let staging = f.allocate_staging(1, MIB).expect("staging");
+    let peer = PeerId(1);
+    let credential = listener.access.credential_for(peer);
     let mut conn = fabric_common::step(
         "connect",
-        f.connect(&listener.local_endpoint, staging.clone()),
+        f.connect(&listener.local_endpoint, staging.clone(), credential),
     )
     .await
     .expect("connect");
     for r in 0..ROUNDS {
-        staging.write_slot(0, &fabric_common::pattern(r, MIB));
+        let bytes = fabric_common::pattern(r, MIB);
+        staging.write_slot(0, &bytes);
+        listener.access.grant(r, peer, 1);
         conn.post(PostWrite {
             id: WriteId(u64::from(r)),
             local: StagingSlot(0),
             remote: SlotIndex(r),
             len: MIB,
-            imm: None,
+            imm: fabric_common::imm(r, 1),
+            checksum: Some(kvx_io::chunk_checksum(&bytes)),
         })
         .expect("post");
         let c = fabric_common::completion(&mut conn, "completion").await;
@@ -142,4 +147,19 @@ async fn tcp_staging_rewritten_right_after_completion_never_changes_landed_bytes
             "remote slot {r} holds its own round"
         );
     }
+}
+
+#[tokio::test]
+async fn tcp_fabric_refuses_writes_outside_grants() {
+    conformance::fabric_refuses_writes_outside_grants(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn tcp_fabric_checks_checksums() {
+    conformance::fabric_checks_checksums(&TcpFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn tcp_receiver_checks_grants() {
+    fabric_common::receiver_checks_grants(&TcpFabric::new(), EP, b"KVXT", true).await;
 }

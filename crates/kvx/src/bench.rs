@@ -86,11 +86,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     .await
     .context("the exposing side did not start within 20 s")??;
     let mut parts = line.split_whitespace();
-    let (Some("ENDPOINTS"), Some(endpoint), Some(baseline_port)) =
-        (parts.next(), parts.next(), parts.next())
+    let (Some("ENDPOINTS"), Some(endpoint), Some(baseline_port), Some(credential)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         bail!("unexpected line from kvx bench-serve: {line:?}");
     };
+    let credential = kvx_io::FabricCredential::from_text(credential)
+        .with_context(|| format!("bad credential from kvx bench-serve: {line:?}"))?;
     let (baseline, baseline_rate) = match args.fabric {
         FabricKind::Tcp | FabricKind::Rdma => (
             "single-stream loopback TCP".to_owned(),
@@ -103,14 +105,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     };
     let (seconds, rate) = match args.fabric {
         FabricKind::Tcp => {
-            fabric_rate(TcpFabric::new(), endpoint, chunk, args.window, writes).await?
+            fabric_rate(
+                TcpFabric::new(),
+                endpoint,
+                credential,
+                chunk,
+                args.window,
+                writes,
+            )
+            .await?
         }
         #[cfg(feature = "rdma")]
         FabricKind::Rdma => {
             let fabric = rdma.context("invariant: the RDMA device was opened above")?;
-            fabric_rate(fabric, endpoint, chunk, args.window, writes).await?
+            fabric_rate(fabric, endpoint, credential, chunk, args.window, writes).await?
         }
-        _ => fabric_rate(ShmFabric::new(), endpoint, chunk, args.window, writes).await?,
+        _ => {
+            let fabric = ShmFabric::new();
+            fabric_rate(fabric, endpoint, credential, chunk, args.window, writes).await?
+        }
     };
     drop(child.stdin.take()); // tells the child to exit
     let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
@@ -144,20 +157,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Writes `writes` chunks, at most `window` in flight, and returns (seconds, bytes/s).
+/// Writes `writes` chunks, at most `window` in flight, each with its checksum (as a kvx
+/// sender sends them), and returns (seconds, bytes/s).
 async fn fabric_rate<F: Fabric>(
     fabric: F,
     endpoint: &str,
+    credential: kvx_io::FabricCredential,
     chunk: usize,
     window: u32,
     writes: u64,
 ) -> anyhow::Result<(f64, f64)> {
     let staging = fabric.allocate_staging(window, chunk)?;
+    let mut checksums = Vec::new();
     for s in 0..window {
         staging.fill_slot(s, chunk, &mut |b| b.fill(s as u8));
+        checksums.push(kvx_io::chunk_checksum(&vec![s as u8; chunk]));
     }
     let mut conn = fabric
-        .connect(endpoint, staging.clone())
+        .connect(endpoint, staging.clone(), credential)
         .await
         .context("connecting to the exposed buffer")?;
     let started = Instant::now();
@@ -165,12 +182,18 @@ async fn fabric_rate<F: Fabric>(
     while done < writes {
         while posted < writes && posted - done < u64::from(window) {
             let slot = (posted % u64::from(window)) as u32;
+            // The bench's buffer holds standing grants: any generation is admitted.
+            let tag = kvx_proto::WriteTag {
+                slot: SlotIndex(slot),
+                generation: 0,
+            };
             conn.post(PostWrite {
                 id: WriteId(posted),
                 local: StagingSlot(slot),
                 remote: SlotIndex(slot),
                 len: chunk,
-                imm: None,
+                imm: Some(tag.to_imm()),
+                checksum: Some(checksums[slot as usize]),
             })?;
             posted += 1;
         }
@@ -219,12 +242,12 @@ fn memcpy_baseline(chunk: usize, window: u32, writes: u64) -> f64 {
 /// The hidden child: exposes a buffer, serves the TCP baseline, and exits when stdin closes.
 pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
     let chunk = usize::try_from(args.chunk_bytes)?;
-    let endpoint = match args.fabric {
+    let (endpoint, credential) = match args.fabric {
         FabricKind::Shm => {
             let l = ShmFabric::new()
                 .expose("127.0.0.1:0", args.slots, chunk)
                 .await?;
-            let e = l.local_endpoint.clone();
+            let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
             e
         }
@@ -233,7 +256,7 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
             let l = crate::envs::rdma(&args.rdma)?
                 .expose("127.0.0.1:0", args.slots, chunk)
                 .await?;
-            let e = l.local_endpoint.clone();
+            let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
             e
         }
@@ -243,7 +266,7 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
             let l = TcpFabric::new()
                 .expose("127.0.0.1:0", args.slots, chunk)
                 .await?;
-            let e = l.local_endpoint.clone();
+            let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
             e
         }
@@ -268,11 +291,24 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
             });
         }
     });
-    println!("ENDPOINTS {endpoint} {port}");
+    println!("ENDPOINTS {endpoint} {port} {credential}");
     let mut stdin = tokio::io::stdin();
     let mut sink = [0u8; 64];
     while matches!(stdin.read(&mut sink).await, Ok(n) if n > 0) {}
     Ok(ExitCode::SUCCESS)
+}
+
+/// Gives the bench's sender (peer 1) standing grants on every slot: it streams writes with
+/// no ledger to re-grant each one. Returns the endpoint and the sender's credential.
+fn open_to_the_bench<M>(l: &kvx_io::FabricListener<M>) -> (String, String) {
+    let peer = kvx_proto::PeerId(1);
+    for slot in 0..l.access.slots() {
+        l.access.grant_standing(slot, peer);
+    }
+    (
+        l.local_endpoint.clone(),
+        l.access.credential_for(peer).to_text(),
+    )
 }
 
 /// Keeps an exposed buffer alive, draining landed notices.

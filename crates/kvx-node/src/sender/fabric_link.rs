@@ -1,20 +1,27 @@
-//! The sender's fabric connections, one per receiver: attaching a new one, posting writes,
-//! and replacing a connection that broke or stalled. A write posted while its receiver's
-//! connection is being replaced waits for the new one (so a request begun right after a
-//! receiver restart does not fail for want of a connection), bounded by the core's write
-//! timeout; a reconnect that gives up fails the writes that waited.
+//! The sender's fabric connections, one per receiver: attaching one with the credential the
+//! receiver's replies carry, posting writes, and replacing a connection that broke, stalled,
+//! or whose credential changed (the receiver restarted). A write posted while its receiver's
+//! connection is being made waits for it (so a request's first write does not fail for
+//! want of a connection), bounded by the core's write timeout; a connect that gives up fails
+//! the writes that waited, with its reason.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvx_io::{Env, Fabric, FabricConn, PostWrite};
+use kvx_io::{Env, Fabric, FabricConn, FabricCredential, FabricError, PostWrite};
 use kvx_proto::sender::WriteOp;
 use kvx_proto::{PeerId, WriteId};
 
 use super::{Cmd, Driver, Input};
 
 impl<E: Env> Driver<E> {
-    pub(super) fn attach_conn(&mut self, peer: PeerId, conn: FabricConn) {
+    pub(super) fn attach_conn(
+        &mut self,
+        peer: PeerId,
+        conn: FabricConn,
+        credential: FabricCredential,
+    ) {
+        self.connecting.remove(&peer);
         let (poster, mut completions) = conn.split();
         self.conn_generation += 1;
         let generation = self.conn_generation;
@@ -23,7 +30,7 @@ impl<E: Env> Driver<E> {
                 self.fail_write(write.id, "the new fabric connection closed at once");
             }
         }
-        self.conns.insert(peer, (generation, poster));
+        self.conns.insert(peer, (generation, poster, credential));
         self.reconnecting.remove(&peer);
         let inbox = self.inbox_tx.clone();
         self.env.spawn(async move {
@@ -34,10 +41,40 @@ impl<E: Env> Driver<E> {
             }
             let _ = inbox.send(Input::ConnGone(peer, generation));
         });
+        // A newer credential arrived while this connection was being made.
+        if self
+            .credentials
+            .get(&peer)
+            .is_some_and(|c| *c != credential)
+        {
+            self.reset_fabric(peer);
+        }
+    }
+
+    /// A reply carried the receiver's fabric credential: attach with it if no connection
+    /// exists yet, or re-attach if the connection uses another (an earlier incarnation's).
+    pub(super) fn on_credential(&mut self, peer: PeerId, text: &str) {
+        let Some(credential) = FabricCredential::from_text(text) else {
+            tracing::warn!(%peer, len = text.len(), "the receiver sent a malformed fabric credential; ignored");
+            return;
+        };
+        if self.credentials.insert(peer, credential) == Some(credential) {
+            return;
+        }
+        match self.conns.get(&peer) {
+            Some((_, _, attached)) if *attached == credential => {}
+            Some(_) => self.reset_fabric(peer),
+            None if self.reconnecting.contains(&peer) => self.start_connect(peer),
+            None => {}
+        }
     }
 
     pub(super) fn replace_if_current(&mut self, peer: PeerId, generation: u64) {
-        if self.conns.get(&peer).is_some_and(|(g, _)| *g == generation) {
+        if self
+            .conns
+            .get(&peer)
+            .is_some_and(|(g, _, _)| *g == generation)
+        {
             self.reset_fabric(peer);
         }
     }
@@ -45,31 +82,28 @@ impl<E: Env> Driver<E> {
     /// Posts a write the core asked for. With no live connection to its receiver, the write
     /// waits (parked, in order) for the one being made; a write still parked when its
     /// deadline passes is flushed by `flush_parked` (the core's stall), as a reset would flush
-    /// it; one whose receiver has no connection coming fails at once.
+    /// it.
     pub(super) fn post(&mut self, w: WriteOp) {
-        let len = self.shared.lens[w.staging.0 as usize].load(Ordering::Acquire);
+        let slot = w.staging.0 as usize;
+        let len = self.shared.lens[slot].load(Ordering::Acquire);
         let write = PostWrite {
             id: w.id,
             local: w.staging,
             remote: w.remote,
             len,
             imm: w.tag.map(|t| t.to_imm()),
+            checksum: self.shared.checksum(w.staging.0),
         };
         let peer = w.receiver;
         if !self.parked.contains_key(&peer) {
-            match self.conns.get(&peer).map(|(_, c)| c.post(write)) {
+            match self.conns.get(&peer).map(|(_, c, _)| c.post(write)) {
                 Some(Ok(())) => return,
-                // The connection's task has ended: replace it.
-                Some(Err(_)) => self.reset_fabric(peer),
-                // None connected: make one (a no-op when one is under way).
-                None => self.reset_fabric(peer),
+                // The connection's task has ended: replace it. None connected: make one (a
+                // no-op when one is under way).
+                Some(Err(_)) | None => self.reset_fabric(peer),
             }
         }
-        if self.reconnecting.contains(&peer) {
-            self.parked.entry(peer).or_default().push(write);
-        } else {
-            self.fail_write(write.id, "no fabric connection to the receiver");
-        }
+        self.parked.entry(peer).or_default().push(write);
     }
 
     fn fail_write(&self, id: WriteId, why: &str) {
@@ -80,7 +114,7 @@ impl<E: Env> Driver<E> {
             .handle_write_done(now, id, Err(why.to_owned()));
     }
 
-    /// Fails every write parked for `peer` (its reconnect gave up, or a parked write became
+    /// Fails every write parked for `peer` (its connect gave up, or a parked write became
     /// overdue: nothing may stay parked past the core's write timeout).
     pub(super) fn flush_parked(&mut self, peer: PeerId, why: &str) {
         for write in self.parked.remove(&peer).unwrap_or_default() {
@@ -88,15 +122,26 @@ impl<E: Env> Driver<E> {
         }
     }
 
-    /// A write is overdue, or the receiver came back after a disconnect: reset the connection
-    /// (flushing every outstanding write with an error) and connect afresh in the background.
+    /// The connection broke, stalled, or its credential is stale: reset it (flushing every
+    /// outstanding write with an error) and connect afresh in the background, as soon as a
+    /// credential is known.
     pub(super) fn reset_fabric(&mut self, peer: PeerId) {
-        if let Some((_, poster)) = self.conns.remove(&peer) {
+        if let Some((_, poster, _)) = self.conns.remove(&peer) {
             tracing::warn!(%peer, "resetting the fabric connection");
             poster.reset();
         }
-        if !self.reconnecting.insert(peer) {
-            return; // a reconnect is already under way
+        self.reconnecting.insert(peer);
+        self.start_connect(peer);
+    }
+
+    /// Starts connecting to `peer`'s fabric unless an attempt is under way or no credential
+    /// has arrived yet (the next reply's starts it).
+    fn start_connect(&mut self, peer: PeerId) {
+        let Some(&credential) = self.credentials.get(&peer) else {
+            return;
+        };
+        if !self.connecting.insert(peer) {
+            return;
         }
         let addr = self
             .shared
@@ -108,22 +153,32 @@ impl<E: Env> Driver<E> {
         let Some(addr) = addr else { return };
         let (env, memory, cmd_tx) = (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
         self.env.spawn(async move {
-            // Bounded: about five minutes of attempts, backing off to 5 s between them.
+            // Bounded: about five minutes of attempts, backing off to 5 s between them. An
+            // incompatible or unauthorised answer ends them at once: retrying cannot help.
+            let mut last = String::new();
             for attempt in 0..64u32 {
-                match env.fabric().connect(&addr.fabric, memory.clone()).await {
+                match env.fabric().connect(&addr.fabric, memory.clone(), credential).await {
                     Ok(conn) => {
-                        let _ = cmd_tx.send(Cmd::FabricBack(peer, conn));
+                        let _ = cmd_tx.send(Cmd::FabricBack(peer, conn, credential));
                         return;
                     }
-                    Err(e) => tracing::warn!(%peer, error = %e, attempt, "fabric reconnect failed"),
+                    Err(e @ (FabricError::Incompatible { .. } | FabricError::Unauthorized(..))) => {
+                        tracing::error!(%peer, error = %e, "cannot attach to the receiver's fabric");
+                        let _ = cmd_tx.send(Cmd::FabricGaveUp(peer, e));
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%peer, error = %e, attempt, "fabric connect failed");
+                        last = e.to_string();
+                    }
                 }
                 if cmd_tx.is_closed() {
                     return;
                 }
                 tokio::time::sleep(Duration::from_millis((100u64 << attempt.min(6)).min(5_000))).await;
             }
-            tracing::error!(%peer, "giving up reconnecting the fabric; writes to this receiver fail");
-            let _ = cmd_tx.send(Cmd::FabricGaveUp(peer));
+            tracing::error!(%peer, "giving up connecting the fabric; writes to this receiver fail");
+            let _ = cmd_tx.send(Cmd::FabricGaveUp(peer, FabricError::Io(format!("gave up connecting the fabric: {last}"))));
         });
     }
 }

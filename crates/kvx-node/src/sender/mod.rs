@@ -10,13 +10,13 @@
 //! `allocate_blocking` with an error.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use kvx_io::{
-    ClientEvent, Completion, ControlClient, Env, Fabric, FabricConn, NotifySink, PostWrite,
-    SlotMemory, Transport,
+    ClientEvent, Completion, ControlClient, Env, Fabric, FabricConn, FabricCredential, NotifySink,
+    PostWrite, SlotMemory, Transport,
 };
 use kvx_proto::sender::{
     ChunkSpec, Destination, RequestSpec, SendError, SendFailure, SenderEvent, SenderFlow, Transmit,
@@ -73,6 +73,35 @@ struct Shared {
     cv: Condvar,
     /// Bytes staged in each staging slot (a partial last chunk writes fewer).
     lens: Vec<AtomicUsize>,
+    /// The checksum of what each staging slot holds, with `CHECKSUM_SET` or-ed in once one
+    /// is computed (`SenderConfig::checksums`).
+    checksums: Vec<AtomicU64>,
+    compute_checksums: bool,
+}
+
+/// Marks a `Shared::checksums` entry as computed.
+const CHECKSUM_SET: u64 = 1 << 32;
+
+impl Shared {
+    /// Records what `slot` now holds: its length and, when enabled, its checksum (computed
+    /// here, while the bytes just written are still in the CPU's caches).
+    fn staged(&self, slot: u32, len: usize, memory: &dyn SlotMemory) {
+        self.lens[slot as usize].store(len, Ordering::Release);
+        let checksum = if self.compute_checksums {
+            let mut sum = 0;
+            memory.inspect_slot(slot, len, &mut |bytes| sum = kvx_io::chunk_checksum(bytes));
+            CHECKSUM_SET | u64::from(sum)
+        } else {
+            0
+        };
+        self.checksums[slot as usize].store(checksum, Ordering::Release);
+    }
+
+    /// The checksum of what `slot` holds, if one was computed.
+    fn checksum(&self, slot: u32) -> Option<u32> {
+        let v = self.checksums[slot as usize].load(Ordering::Acquire);
+        (v & CHECKSUM_SET != 0).then_some(v as u32)
+    }
 }
 
 impl Shared {
@@ -112,11 +141,13 @@ enum Cmd {
     Connected(
         ReceiverAddr,
         PeerId,
-        Result<(ControlClient, FabricConn), StartError>,
+        Result<ControlClient, StartError>,
         tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
     ),
-    FabricBack(PeerId, FabricConn),
-    FabricGaveUp(PeerId),
+    /// A fabric connection attached with this credential.
+    FabricBack(PeerId, FabricConn, FabricCredential),
+    /// Connecting the fabric failed for good: writes waiting for it fail with the reason.
+    FabricGaveUp(PeerId, kvx_io::FabricError),
 }
 
 /// Starts senders.
@@ -158,6 +189,8 @@ impl SenderNode {
             lens: (0..cfg.staging_slots)
                 .map(|_| AtomicUsize::new(chunk_bytes))
                 .collect(),
+            checksums: (0..cfg.staging_slots).map(|_| AtomicU64::new(0)).collect(),
+            compute_checksums: cfg.checksums,
         });
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (in_tx, in_rx) = mpsc::unbounded_channel();
@@ -180,6 +213,8 @@ impl SenderNode {
             parked: BTreeMap::new(),
             conn_generation: 0,
             reconnecting: std::collections::BTreeSet::new(),
+            connecting: std::collections::BTreeSet::new(),
+            credentials: BTreeMap::new(),
             inbox_tx: in_tx,
             inbox: in_rx,
             cmds: cmd_rx,
@@ -319,17 +354,18 @@ impl<E: Env> SenderHandle<E> {
         // `turn` leaves the queue here if the call timed out while waiting.
     }
 
-    /// Copies a chunk's bytes into a staging slot the caller holds.
+    /// Copies a chunk's bytes into a staging slot the caller holds (and computes its
+    /// checksum, when enabled).
     pub fn stage(&self, slot: StagingSlot, bytes: &[u8]) {
         self.memory.write_slot(slot.0, bytes);
-        self.shared.lens[slot.0 as usize].store(bytes.len(), Ordering::Release);
+        self.shared.staged(slot.0, bytes.len(), &*self.memory);
     }
 
     /// Lets `fill` write a chunk of `len` bytes straight into a staging slot the caller holds
-    /// (no intermediate copy where the memory allows it).
+    /// (no intermediate copy where the memory allows it), then computes its checksum.
     pub fn stage_with(&self, slot: StagingSlot, len: usize, fill: &mut dyn FnMut(&mut [u8])) {
         self.memory.fill_slot(slot.0, len, fill);
-        self.shared.lens[slot.0 as usize].store(len, Ordering::Release);
+        self.shared.staged(slot.0, len, &*self.memory);
     }
 
     /// Submits staged chunks as one batch.
@@ -399,11 +435,17 @@ struct Driver<E: Env> {
     /// to them until then.
     acks_due: Vec<PeerId>,
     /// The live fabric connection to each receiver, with its generation (so that errors of
-    /// a connection already replaced do not reset its successor).
-    conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster)>,
+    /// a connection already replaced do not reset its successor) and the credential it
+    /// attached with.
+    conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster, FabricCredential)>,
     conn_generation: u64,
-    /// Receivers whose fabric connection is being replaced.
+    /// Receivers whose fabric connection is wanted but not up: writes to them wait.
     reconnecting: std::collections::BTreeSet<PeerId>,
+    /// Receivers with a connect attempt under way.
+    connecting: std::collections::BTreeSet<PeerId>,
+    /// The credential each receiver last sent (`AllocResponse::fabric_credential`): a fabric
+    /// connection is attached only with one, and again whenever it changes.
+    credentials: BTreeMap<PeerId, FabricCredential>,
     /// Writes waiting for a receiver's new fabric connection, in posting order
     /// (`fabric_link`); at most one per staging slot.
     parked: BTreeMap<PeerId, Vec<PostWrite>>,
@@ -442,7 +484,17 @@ impl<E: Env> Driver<E> {
         let mut core = self.shared.lock();
         match input {
             Input::Client(peer, ClientEvent::Message(bytes)) => match wire::decode(&bytes) {
-                Ok(msg) => core.flow.handle_message(now, peer, msg),
+                Ok(msg) => {
+                    let credential = match &msg {
+                        wire::Message::AllocResponse(r) => r.fabric_credential.clone(),
+                        _ => None,
+                    };
+                    core.flow.handle_message(now, peer, msg);
+                    if let Some(text) = credential {
+                        drop(core);
+                        self.on_credential(peer, &text);
+                    }
+                }
                 Err(e) => {
                     metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
                     tracing::warn!(%peer, error = %e, "undecodable reply; the reply timeout will catch what it answered");
@@ -454,10 +506,12 @@ impl<E: Env> Driver<E> {
                 self.acks_due.push(peer);
             }
             // The receiver may have restarted: its fabric endpoint is a new listener, so the
-            // old fabric connection is dead too. Replace it (in the background).
+            // old fabric connection is dead too, and its credential may be void. Replace the
+            // connection once the receiver's next reply brings a credential.
             Input::Client(peer, ClientEvent::Reconnected) => {
                 self.control_down.remove(&peer);
                 drop(core);
+                self.credentials.remove(&peer);
                 self.reset_fabric(peer);
             }
             Input::Done(peer, generation, c) => {
@@ -505,25 +559,23 @@ impl<E: Env> Driver<E> {
                 let peer = PeerId(core.next_peer);
                 core.receivers.insert(addr.clone(), peer);
                 drop(core);
-                let (env, memory, cmd_tx) =
-                    (self.env.clone(), self.memory.clone(), self.cmd_tx.clone());
+                let (env, cmd_tx) = (self.env.clone(), self.cmd_tx.clone());
                 let identity = format!("{}-to-{}", self.local_id, addr.alloc);
-                // Connecting is bounded by the transport's and fabric's own timeouts; it runs
-                // beside the loop so replies and completions keep flowing meanwhile.
+                // Connecting is bounded by the transport's own timeouts; it runs beside the
+                // loop so replies and completions keep flowing meanwhile. The fabric attaches
+                // later, with the credential the receiver's first reply brings.
                 self.env.spawn(async move {
-                    let result = async {
-                        let client = env.transport().connect(&addr.alloc, &identity).await?;
-                        let conn = env.fabric().connect(&addr.fabric, memory).await?;
-                        Ok((client, conn))
-                    }
-                    .await;
+                    let result = env
+                        .transport()
+                        .connect(&addr.alloc, &identity)
+                        .await
+                        .map_err(StartError::from);
                     let _ = cmd_tx.send(Cmd::Connected(addr, peer, result, reply));
                 });
             }
             Cmd::Connected(addr, peer, result, reply) => match result {
-                Ok((client, conn)) => {
+                Ok(client) => {
                     self.attach_client(peer, client);
-                    self.attach_conn(peer, conn);
                     let _ = reply.send(Ok(peer));
                 }
                 Err(e) => {
@@ -531,10 +583,15 @@ impl<E: Env> Driver<E> {
                     let _ = reply.send(Err(e));
                 }
             },
-            Cmd::FabricBack(peer, conn) => self.attach_conn(peer, conn),
-            Cmd::FabricGaveUp(peer) => {
+            Cmd::FabricBack(peer, conn, credential) => self.attach_conn(peer, conn, credential),
+            Cmd::FabricGaveUp(peer, error) => {
+                self.connecting.remove(&peer);
                 self.reconnecting.remove(&peer);
-                self.flush_parked(peer, "the fabric reconnect gave up");
+                // A refused credential is void: wait for the receiver's next one.
+                if matches!(error, kvx_io::FabricError::Unauthorized(..)) {
+                    self.credentials.remove(&peer);
+                }
+                self.flush_parked(peer, &error.to_string());
             }
         }
     }

@@ -111,7 +111,7 @@ impl ReceiverLedger {
             // held slots are counted against capacity), so this cannot fail.
             let tag = self
                 .slots
-                .grant(ticket)
+                .grant(ticket, key.peer)
                 .expect("invariant: a reserved chunk always finds a free slot");
             indexes.push(i64::from(tag.slot.0));
             generations.push(tag.generation);

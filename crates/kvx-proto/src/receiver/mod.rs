@@ -3,6 +3,8 @@
 //!
 //! - `mod.rs`: `ReceiverLedger`, its inputs (`handle_*`), outputs (`poll_*`) and timers.
 //! - `batch.rs`: what one `AllocRequest` does to a request.
+//! - `landing.rs`: what a landed write must prove before it counts (grant holder, slot,
+//!   bytes, checksum).
 //! - `outcome.rs`: `Failure` / `Outcome` and the reasons a sender reads.
 //! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
@@ -10,6 +12,7 @@
 mod batch;
 #[cfg(feature = "testing")]
 mod canon;
+mod landing;
 mod outcome;
 mod tombstones;
 
@@ -19,10 +22,11 @@ use std::time::Duration;
 use crate::admission::Admission;
 use crate::config::{ConfigError, ReceiverConfig};
 use crate::ids::{PeerId, ReqKey, SlotIndex, Ticket, WriteTag};
-use crate::slots::{Landing, SlotTable};
+use crate::slots::{GrantChange, SlotTable};
 use crate::time::{earliest, Instant};
 use crate::wire::{AllocRequest, AllocResponse, CancelNotif, Message};
 
+pub use landing::{ChecksumCheck, LandedWrite, LandingVerdict};
 pub use outcome::{Failure, Outcome};
 use tombstones::Tombstones;
 
@@ -64,6 +68,10 @@ pub struct ReceiverStats {
     pub rolled_back: u64,
     pub consumed: u64,
     pub stale_landings: u64,
+    /// Landed writes refused: not the grant holder's, or not the slot their immediate names.
+    pub refused_landings: u64,
+    /// Chunks that landed empty or failed their checksum (each failed its request).
+    pub corrupt_chunks: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -159,32 +167,6 @@ impl ReceiverLedger {
         }
     }
 
-    /// A write into `tag` landed (the fabric's immediate value).
-    pub fn handle_chunk_landed(&mut self, now: Instant, tag: WriteTag) {
-        match self.slots.land(tag) {
-            Landing::Current { owner } => {
-                let key = self
-                    .tickets
-                    .get(&owner)
-                    .cloned()
-                    .expect("invariant: a granted slot's owner is tracked");
-                let req = self
-                    .requests
-                    .get_mut(&key)
-                    .expect("invariant: ticket maps to a request");
-                req.landed += 1;
-                self.touch(&key, now);
-                self.maybe_ready(now, &key);
-            }
-            Landing::QuarantineCleared => {
-                // A slot came back: the head of the admission queue may fit now.
-                self.admission.unpin(1);
-                self.drain_admitted(now);
-            }
-            Landing::Stale => self.stats.stale_landings += 1,
-        }
-    }
-
     /// The decoder starts reading ready request `key`: until `handle_consume`, its slots stay
     /// put even if the request is cancelled meanwhile (a read is a lease; freeing the slots
     /// under it would hand the decoder another request's bytes). Returns the slots in chunk
@@ -273,6 +255,13 @@ impl ReceiverLedger {
             earliest(t, self.slots.next_deadline()),
             self.tombstones.next_deadline(),
         )
+    }
+
+    /// The next change to the buffer's grants, for the fabric's mirror of them. Drain these
+    /// before sending the replies from `poll_transmit`: a reply hands out the grants, and a
+    /// write may follow at once.
+    pub fn poll_grant_change(&mut self) -> Option<GrantChange> {
+        self.slots.poll_grant_change()
     }
 
     /// The next reply to send.

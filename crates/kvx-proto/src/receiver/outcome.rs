@@ -31,6 +31,8 @@ pub enum Failure {
     Unconsumed,
     /// The request already ended; a late batch is refused, never admitted afresh.
     AlreadyEnded(Box<Outcome>),
+    /// A chunk landed empty or failed its checksum: the decoder must never read it.
+    Integrity(String),
 }
 
 /// The end of a request on the receiver: exactly one per request.
@@ -84,6 +86,7 @@ impl fmt::Display for Failure {
             ),
             Failure::Unconsumed => f.write_str("the decoder did not consume the request within unconsumed_ttl"),
             Failure::AlreadyEnded(outcome) => write!(f, "request already ended ({outcome}); late batch refused"),
+            Failure::Integrity(why) => write!(f, "chunk integrity: {why}; the request was rolled back"),
         }
     }
 }

@@ -16,7 +16,7 @@ use super::checker::Checker;
 use super::Canon;
 use crate::config::{ReceiverConfig, SenderConfig};
 use crate::ids::{PeerId, ReqId, ReqKey};
-use crate::receiver::{ReceiverEvent, ReceiverLedger};
+use crate::receiver::{ChecksumCheck, LandedWrite, ReceiverEvent, ReceiverLedger};
 use crate::sender::{ChunkSpec, Destination, RequestSpec, SenderEvent, SenderFlow, WriteOp};
 use crate::time::Instant;
 use crate::wire::{self, Message};
@@ -402,7 +402,16 @@ impl OpWorld {
             };
             self.checker.on_write(&self.receiver, &key, &op);
             if let Some(tag) = op.tag {
-                self.receiver.handle_chunk_landed(self.now, tag);
+                self.receiver.handle_chunk_landed(
+                    self.now,
+                    LandedWrite {
+                        peer: PeerId(s as u64),
+                        slot: op.remote,
+                        tag,
+                        bytes: 1,
+                        checksum: ChecksumCheck::Match,
+                    },
+                );
             }
         }
         let result = if fail {
@@ -479,6 +488,8 @@ impl OpWorld {
                 while side.flow.poll_event().is_some() {}
             }
         }
+        // The fabric's mirror of the grants is not modelled here (the cluster harness does).
+        while self.receiver.poll_grant_change().is_some() {}
         while let Some((peer, reply)) = self.receiver.poll_transmit() {
             let side = &mut self.sides[peer.0 as usize];
             side.to_sender

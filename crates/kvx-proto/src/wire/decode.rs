@@ -37,6 +37,19 @@ pub fn decode_with_limit(
     decode_frame(bytes).map_err(|e| *e)
 }
 
+/// The longest piece of a peer's string an error message repeats.
+const ECHO_MAX_CHARS: usize = 64;
+
+/// At most `ECHO_MAX_CHARS` characters of a peer's string, for an error message: errors are
+/// logged and sent back, and echoing a 1 MiB type name would amplify whoever sent it.
+fn quoted_prefix(s: &str) -> String {
+    let mut prefix: String = s.chars().take(ECHO_MAX_CHARS).collect();
+    if prefix.len() < s.len() {
+        prefix.push_str(&format!("… ({} bytes)", s.len()));
+    }
+    prefix
+}
+
 fn decode_frame(bytes: &[u8]) -> Result<Message> {
     let mut r = Reader { buf: bytes, pos: 0 };
     let entries = r.top_level_map_len()?;
@@ -49,7 +62,7 @@ fn decode_frame(bytes: &[u8]) -> Result<Message> {
         "ProxyNotif" => Message::ProxyNotif(decode_proxy_notif(&mut r, entries)?),
         "CancelNotif" => Message::CancelNotif(decode_cancel_notif(&mut r, entries)?),
         "FailNotif" => Message::FailNotif(decode_fail_notif(&mut r, entries)?),
-        other => return Err(DecodeError::UnknownType(other.to_owned()).into()),
+        other => return Err(DecodeError::UnknownType(quoted_prefix(other)).into()),
     };
     if r.pos != bytes.len() {
         let trailing = DecodeError::TrailingBytes {
@@ -126,6 +139,10 @@ fn decode_alloc_response(r: &mut Reader<'_>, entries: usize) -> Result<AllocResp
             b"error" => m.error = r.optional("AllocResponse.error", Reader::string)?,
             b"generations" => {
                 m.generations = r.optional("AllocResponse.generations", Reader::u32_list)?;
+            }
+            b"fabric_credential" => {
+                m.fabric_credential =
+                    r.optional("AllocResponse.fabric_credential", Reader::string)?;
             }
             unknown => r.skip_unknown(M, unknown)?,
         }
@@ -289,7 +306,10 @@ impl<'a> Reader<'a> {
         if found == expected {
             return Ok(());
         }
-        let what = format!("conflicting \"type\" entries {expected:?} and {found:?}");
+        let what = format!(
+            "conflicting \"type\" entries {expected:?} and {}",
+            quoted_prefix(found)
+        );
         Err(Box::new(DecodeError::Malformed(what)))
     }
 

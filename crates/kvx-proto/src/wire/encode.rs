@@ -58,7 +58,12 @@ fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
 }
 
 fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
-    let extensions = [m.seq.is_some(), m.error.is_some(), m.generations.is_some()];
+    let extensions = [
+        m.seq.is_some(),
+        m.error.is_some(),
+        m.generations.is_some(),
+        m.fabric_credential.is_some(),
+    ];
     header(out, 2 + count_some(&extensions), "AllocResponse");
     field_list(out, "remote_indexes", &m.remote_indexes, |out, &i| {
         write_sint(out, i)
@@ -80,6 +85,9 @@ fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
             write_uint(out, u64::from(g))
         });
     }
+    if let Some(credential) = &m.fabric_credential {
+        field_str(out, "fabric_credential", credential);
+    }
 }
 
 /// A capacity guess that avoids regrowing the buffer for typical messages.
@@ -93,6 +101,7 @@ fn encoded_len_hint(msg: &Message) -> usize {
             96 + (m.remote_indexes.len() + m.already_sent_indexes.len()) * 9
                 + m.error.as_ref().map_or(0, String::len)
                 + m.generations.as_ref().map_or(0, |g| g.len() * 5)
+                + m.fabric_credential.as_ref().map_or(0, |c| c.len() + 20)
         }
         Message::ProxyNotif(m) => 32 + m.req_id.len(),
         Message::CancelNotif(m) => 64 + m.req_id.len() + strs(&m.keys),

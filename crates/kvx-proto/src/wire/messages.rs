@@ -54,7 +54,16 @@ pub struct AllocResponse {
     /// the sender puts it into the write's immediate so a late write is recognisable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generations: Option<Vec<u32>>,
+    /// kvx extension: the credential the sender presents when it attaches its fabric
+    /// connection, which ties that connection to this control peer so that its writes land
+    /// only in slots granted to this peer (`docs/spec/fabrics.md` §Access). Opaque to the
+    /// sender; at most `FABRIC_CREDENTIAL_MAX` bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric_credential: Option<String>,
 }
+
+/// The longest `AllocResponse::fabric_credential` a sender accepts.
+pub const FABRIC_CREDENTIAL_MAX: usize = 128;
 
 /// Sender → proxy (PUSH → PULL): every chunk of `req_id` is written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +117,7 @@ impl AllocResponse {
             seq,
             error: None,
             generations,
+            fabric_credential: None,
         }
     }
 
@@ -121,6 +131,7 @@ impl AllocResponse {
             seq,
             error: seq.map(|_| reason),
             generations: None,
+            fabric_credential: None,
         }
     }
 

@@ -6,9 +6,11 @@
 //! channel. A sender connects, handshakes as over `TcpFabric` (its own magic), learns the file
 //! name and geometry from the `Welcome`, and maps the same file. For each posted write its
 //! task copies the payload into the mapped slot, then sends the 32-byte write header (id,
-//! remote slot, len, immediate) as the notification; the receiver checks it, emits
-//! `Landed{imm}` when the write carries one, and acks. The completion follows the ack, so it
-//! means the bytes are in the receiver's memory and the receiver has heard of the write.
+//! remote slot, len, immediate, checksum) as the notification; the receiver checks it against
+//! the sender's grants, computes the checksum over the mapped slot, announces the landing
+//! and acks. The completion follows the ack, so it means the bytes are in the receiver's
+//! memory and the receiver has heard of the write. Only an authenticated sender learns the
+//! file's name (the welcome carries it only after the credential verified).
 //!
 //! Reset and broken connections flush exactly as over TCP (`tcp_fabric::sender`): the sender
 //! stops copying at once, fences the receiver, then flushes. The file is removed when the
@@ -23,13 +25,16 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, PostWrite, SlotMemory};
+use kvx_io::{
+    Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener, LogLimiter,
+    PostWrite, SlotMemory,
+};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use crate::tcp_fabric::check_bounds;
 use crate::tcp_fabric::link::{self, Geometry, LinkConfig};
-use crate::tcp_fabric::receiver::{self, Greeting, Landing};
+use crate::tcp_fabric::receiver::{self, Greeting, Landing, Rules};
 use crate::tcp_fabric::sender::{Pending, SenderLink, Transmit};
 use crate::tcp_fabric::wire::{WriteHeader, HEADER_LEN, SHM_MAGIC};
 pub use map::ShmMemory;
@@ -112,24 +117,32 @@ impl Fabric for ShmFabric {
         // On error `memory` drops here and takes its file with it.
         let listener = link::bind(endpoint, &self.config.link).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
-        let (landed_tx, landed) = mpsc::unbounded_channel();
+        let (landed_tx, landed) = kvx_io::landing_channel(slots);
         let greeting = Greeting {
             magic: SHM_MAGIC,
             extra: Arc::from(path),
             config: self.config.link.clone(),
         };
-        // The control tasks never hold `memory`: dropping the listener removes the file.
+        let access = Arc::new(FabricAccess::with_random_key(slots)?);
+        let rules = Rules {
+            access: access.clone(),
+            refusals_logged: Arc::new(LogLimiter::default()),
+        };
+        // The control tasks hold `memory` only weakly: dropping the listener removes the file.
+        let weak: std::sync::Weak<dyn SlotMemory> = Arc::downgrade(&memory) as _;
         tokio::spawn(receiver::accept_loop(
             listener,
-            Landing::Shared(geometry),
+            Landing::Shared(weak, geometry),
             landed_tx,
             greeting,
+            rules,
         ));
         tracing::debug!(%local_endpoint, ?memory, "shm fabric buffer exposed");
         Ok(FabricListener {
             local_endpoint,
             memory,
             landed,
+            access,
         })
     }
 
@@ -137,14 +150,22 @@ impl Fabric for ShmFabric {
         &self,
         endpoint: &str,
         staging: Arc<ShmMemory>,
+        credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
         let mut stream = link::connect(endpoint, &self.config.link).await?;
         let peer = stream
             .peer_addr()
             .map_err(|e| FabricError::Io(e.to_string()))?;
-        let welcomed =
-            link::open_handshake(&mut stream, endpoint, SHM_MAGIC, ours, &self.config.link).await?;
+        let welcomed = link::open_handshake(
+            &mut stream,
+            endpoint,
+            SHM_MAGIC,
+            ours,
+            credential,
+            &self.config.link,
+        )
+        .await?;
         let refuse = |why: String| FabricError::Endpoint {
             endpoint: endpoint.to_owned(),
             why,
@@ -181,6 +202,7 @@ impl Fabric for ShmFabric {
             peer,
             conn: welcomed.conn,
             magic: SHM_MAGIC,
+            credential,
         };
         tokio::spawn(link.run());
         Ok(FabricConn::new(ops_tx, done_rx))

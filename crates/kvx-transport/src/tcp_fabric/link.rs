@@ -8,14 +8,16 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvx_io::FabricError;
+use kvx_io::{FabricAccess, FabricCredential, FabricError};
+use kvx_proto::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::sockets::{self, bad_endpoint};
 
 use super::wire::{
-    Hello, HelloKind, Welcome, WelcomeStatus, HELLO_LEN, VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
+    Hello, HelloKind, Welcome, WelcomeStatus, HELLO_BASE_LEN, HELLO_LEN, VERSION,
+    WELCOME_EXTRA_MAX, WELCOME_LEN,
 };
 
 /// Settings of the TCP connections a fabric makes.
@@ -37,6 +39,11 @@ pub struct LinkConfig {
     /// it measured no faster in `kvx demo` and 25–30 % slower in `kvx bench` while another job
     /// held a core (`docs/spec/fabrics.md` §3); measure on the target host before enabling.
     pub zero_copy: bool,
+    /// Connections one exposed buffer serves at once, handshaking ones included; more are
+    /// closed as they arrive. A sender holds one (plus one for a moment while it fences), so
+    /// the default of 256 serves 255 senders per TP rank and bounds what a flood of sockets
+    /// can hold (each connection buffers at most one header and 64 KiB of acks).
+    pub connections_max: usize,
 }
 
 impl Default for LinkConfig {
@@ -46,6 +53,7 @@ impl Default for LinkConfig {
             fence_timeout: Duration::from_secs(5),
             socket_buffer: None,
             zero_copy: false,
+            connections_max: 256,
         }
     }
 }
@@ -113,6 +121,7 @@ pub(crate) async fn open_handshake(
     endpoint: &str,
     magic: [u8; 4],
     staging: Geometry,
+    credential: FabricCredential,
     config: &LinkConfig,
 ) -> Result<Welcomed, FabricError> {
     let exchange = async {
@@ -123,6 +132,7 @@ pub(crate) async fn open_handshake(
             staging_slots: staging.slots,
             staging_slot_bytes: staging.slot_bytes,
             conn: 0,
+            credential,
         };
         stream.write_all(&hello.encode()).await?;
         let mut b = [0u8; WELCOME_LEN];
@@ -140,8 +150,14 @@ pub(crate) async fn open_handshake(
     };
     let (welcome, extra) = match tokio::time::timeout(config.connect_timeout, exchange).await {
         Ok(Ok(v)) => v,
-        // A receiver that hangs up on our Hello is not one of ours (or refused the magic).
-        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+        // A receiver that hangs up on our Hello is not one of ours (or refused the magic);
+        // hanging up before reading all of it resets the connection instead.
+        Ok(Err(e))
+            if matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+            ) =>
+        {
             return Err(bad_endpoint(
                 endpoint,
                 "the peer closed during the handshake",
@@ -162,24 +178,28 @@ pub(crate) async fn open_handshake(
         slots: welcome.slots,
         slot_bytes: welcome.slot_bytes,
     };
+    let incompatible = |why: String| FabricError::Incompatible {
+        endpoint: endpoint.to_owned(),
+        why,
+    };
     match welcome.status {
         WelcomeStatus::Ok => {}
         WelcomeStatus::Version => {
-            return Err(bad_endpoint(
-                endpoint,
-                format!(
-                    "the receiver speaks fabric version {}, we speak {VERSION}",
-                    welcome.version
-                ),
-            ))
+            return Err(incompatible(format!(
+                "the receiver speaks fabric version {}, we speak {VERSION}",
+                welcome.version
+            )))
         }
         WelcomeStatus::Geometry => {
-            return Err(bad_endpoint(
-                endpoint,
-                format!(
-                    "staging slots of {} bytes do not fit the receiver's {}-byte slots",
-                    staging.slot_bytes, geometry.slot_bytes
-                ),
+            return Err(incompatible(kvx_io::fabric::slot_size_mismatch(
+                staging.slot_bytes as usize,
+                geometry.slot_bytes as usize,
+            )))
+        }
+        WelcomeStatus::Unauthorized => {
+            return Err(FabricError::Unauthorized(
+                endpoint.to_owned(),
+                "not issued by this receiver (it may have restarted)".into(),
             ))
         }
         WelcomeStatus::FenceTimeout | WelcomeStatus::Unknown(_) => {
@@ -202,42 +222,56 @@ pub(crate) async fn open_handshake(
 /// What a receiver learnt from a `Hello`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Greeted {
-    /// A sender attached (and was welcomed): writes follow.
-    Attached,
-    /// A sender asks to fence its connection `conn`; answer with `answer_fence`.
-    Fence(u64),
+    /// A sender of `PeerId` attached (and was welcomed): writes follow.
+    Attached(PeerId),
+    /// `PeerId` asks to fence its connection `conn`; answer with `answer_fence`.
+    Fence(u64, PeerId),
 }
 
 /// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
-/// another fabric, another version, or with staging slots larger than ours (every full-slot
-/// write would fail); `extra` follows an accepting `Welcome`, which names the connection
-/// `conn`. A fence request is returned unanswered.
+/// another fabric, another version, a credential this buffer did not issue, or staging slots
+/// of another size than ours (a smaller chunk would leave each slot's tail stale, a larger
+/// one could not land); `extra` (the shm file's path) follows only an accepting `Welcome`,
+/// which names the connection `conn`. A fence request is returned unanswered.
 pub(crate) async fn accept_handshake(
     stream: &mut TcpStream,
     magic: [u8; 4],
     ours: Geometry,
     extra: &[u8],
     conn: u64,
+    access: &FabricAccess,
     config: &LinkConfig,
 ) -> Result<Greeted, String> {
     let exchange = async {
         let mut b = [0u8; HELLO_LEN];
-        stream.read_exact(&mut b).await.map_err(|e| e.to_string())?;
-        let hello = Hello::decode(&b);
-        if hello.magic != magic {
+        stream
+            .read_exact(&mut b[..HELLO_BASE_LEN])
+            .await
+            .map_err(|e| e.to_string())?;
+        let base = Hello::decode_base(&b);
+        if base.magic != magic {
             // Not one of ours: hang up without answering.
-            return Err(format!("unknown magic {:?}", hello.magic));
+            return Err(format!("unknown magic {:?}", base.magic));
         }
-        let status = if hello.version != VERSION {
+        let mut peer = None;
+        let status = if base.version != VERSION {
+            // Answered from the version-independent part: an older sender reads why.
             WelcomeStatus::Version
         } else {
-            match hello.kind {
-                HelloKind::Fence => return Ok(Greeted::Fence(hello.conn)),
-                HelloKind::Unknown(k) => return Err(format!("unknown hello kind {k}")),
-                HelloKind::Attach if hello.staging_slot_bytes > ours.slot_bytes => {
+            stream
+                .read_exact(&mut b[HELLO_BASE_LEN..])
+                .await
+                .map_err(|e| e.to_string())?;
+            let hello = Hello::decode(&b);
+            peer = access.authenticate(&hello.credential);
+            match (hello.kind, peer) {
+                (HelloKind::Unknown(k), _) => return Err(format!("unknown hello kind {k}")),
+                (_, None) => WelcomeStatus::Unauthorized,
+                (HelloKind::Fence, Some(p)) => return Ok(Greeted::Fence(hello.conn, p)),
+                (HelloKind::Attach, _) if hello.staging_slot_bytes != ours.slot_bytes => {
                     WelcomeStatus::Geometry
                 }
-                HelloKind::Attach => WelcomeStatus::Ok,
+                (HelloKind::Attach, _) => WelcomeStatus::Ok,
             }
         };
         let accepted = status == WelcomeStatus::Ok;
@@ -254,11 +288,11 @@ pub(crate) async fn accept_handshake(
             .write_all(&welcome.encode())
             .await
             .map_err(|e| e.to_string())?;
-        if !accepted {
-            return Err(format!("refused: {status:?} ({hello:?})"));
-        }
+        let Some(peer) = peer.filter(|_| accepted) else {
+            return Err(format!("refused: {status:?} (version {})", base.version));
+        };
         stream.write_all(extra).await.map_err(|e| e.to_string())?;
-        Ok(Greeted::Attached)
+        Ok(Greeted::Attached(peer))
     };
     match tokio::time::timeout(config.connect_timeout, exchange).await {
         Ok(r) => r,
@@ -266,22 +300,18 @@ pub(crate) async fn accept_handshake(
     }
 }
 
-/// The receiver's answer to a fence request: `stopped` says the connection `conn` applies
-/// nothing any more.
+/// The receiver's answer to a fence request: `status` says whether the connection `conn`
+/// applies nothing any more (`Ok`), did not stop in time, or is not the asker's to fence.
 pub(crate) async fn answer_fence(
     stream: &mut TcpStream,
     magic: [u8; 4],
     conn: u64,
-    stopped: bool,
+    status: WelcomeStatus,
 ) -> io::Result<()> {
     let welcome = Welcome {
         magic,
         version: VERSION,
-        status: if stopped {
-            WelcomeStatus::Ok
-        } else {
-            WelcomeStatus::FenceTimeout
-        },
+        status,
         slots: 0,
         extra_len: 0,
         slot_bytes: 0,
@@ -297,6 +327,7 @@ pub(crate) async fn fence_remote(
     addr: SocketAddr,
     magic: [u8; 4],
     conn: u64,
+    credential: FabricCredential,
     limit: Duration,
 ) -> Result<(), String> {
     let exchange = async {
@@ -312,6 +343,7 @@ pub(crate) async fn fence_remote(
             staging_slots: 0,
             staging_slot_bytes: 0,
             conn,
+            credential,
         };
         stream
             .write_all(&hello.encode())

@@ -26,13 +26,16 @@ pub(crate) mod wire;
 use std::io::{self, IoSlice};
 use std::sync::Arc;
 
-use kvx_io::{Fabric, FabricConn, FabricError, FabricListener, HeapMemory, PostWrite, SlotMemory};
+use kvx_io::{
+    Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener, HeapMemory,
+    LogLimiter, PostWrite, SlotMemory,
+};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use link::Geometry;
 pub use link::LinkConfig as TcpFabricConfig;
-use receiver::{Greeting, Landing};
+use receiver::{Greeting, Landing, Rules};
 use sender::{Pending, SenderLink, Transmit};
 use wire::{WriteHeader, HEADER_LEN, TCP_MAGIC};
 
@@ -75,23 +78,30 @@ impl Fabric for TcpFabric {
         let listener = link::bind(endpoint, &self.config).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
         let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
-        let (landed_tx, landed) = mpsc::unbounded_channel();
+        let (landed_tx, landed) = kvx_io::landing_channel(slots);
         let greeting = Greeting {
             magic: TCP_MAGIC,
             extra: Arc::from(&[][..]),
             config: self.config.clone(),
+        };
+        let access = Arc::new(FabricAccess::with_random_key(slots)?);
+        let rules = Rules {
+            access: access.clone(),
+            refusals_logged: Arc::new(LogLimiter::default()),
         };
         tokio::spawn(receiver::accept_loop(
             listener,
             Landing::Inline(memory.clone()),
             landed_tx,
             greeting,
+            rules,
         ));
         tracing::debug!(%local_endpoint, slots, slot_bytes, "tcp fabric buffer exposed");
         Ok(FabricListener {
             local_endpoint,
             memory,
             landed,
+            access,
         })
     }
 
@@ -99,14 +109,22 @@ impl Fabric for TcpFabric {
         &self,
         endpoint: &str,
         staging: Arc<HeapMemory>,
+        credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
         let mut stream = link::connect(endpoint, &self.config).await?;
         let peer = stream
             .peer_addr()
             .map_err(|e| FabricError::Io(e.to_string()))?;
-        let welcomed =
-            link::open_handshake(&mut stream, endpoint, TCP_MAGIC, ours, &self.config).await?;
+        let welcomed = link::open_handshake(
+            &mut stream,
+            endpoint,
+            TCP_MAGIC,
+            ours,
+            credential,
+            &self.config,
+        )
+        .await?;
         let (ops_tx, ops) = mpsc::unbounded_channel();
         let (done, done_rx) = mpsc::unbounded_channel();
         let link = SenderLink {
@@ -118,6 +136,7 @@ impl Fabric for TcpFabric {
             peer,
             conn: welcomed.conn,
             magic: TCP_MAGIC,
+            credential,
         };
         tokio::spawn(link.run());
         Ok(FabricConn::new(ops_tx, done_rx))

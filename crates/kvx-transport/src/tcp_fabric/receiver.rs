@@ -6,14 +6,24 @@
 //! A connection task is the only thing that applies its sender's writes, so once it has
 //! ended (end of stream, an error, a protocol violation, the listener dropped, or aborted by
 //! a fence), nothing from that connection lands any more. A fence is a sender's request, over
-//! a fresh connection, to abort one of its earlier connections and confirm once it has ended.
+//! a fresh connection, to abort one of its earlier connections and confirm once it has ended;
+//! only the peer that owns a connection may fence it.
+//!
+//! Every connection authenticates as a control peer in its hello (`FabricAccess`), and every
+//! write is checked against that peer's grants before a byte of it touches the slot: a write
+//! outside them is read past (at most one slot's worth), acked as refused, counted, and
+//! never announced. A write's checksum is computed over its bytes as they arrive and
+//! compared once the last one is in.
 
 use std::collections::HashMap;
 use std::io::{self, IoSliceMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvx_io::{HeapMemory, Landed};
+use kvx_io::{
+    ChecksumCheck, ChecksumState, FabricAccess, HeapMemory, LandedWrite, LogLimiter, SlotMemory,
+};
+use kvx_proto::{PeerId, SlotIndex};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -21,27 +31,37 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::link::{accept_handshake, answer_fence, tune, Geometry, Greeted, LinkConfig};
-use super::wire::{Ack, AckStatus, WriteHeader, ACK_LEN, FLAG_IMM, HEADER_LEN};
+use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNOWN, HEADER_LEN};
 
 /// Where a connection's writes land.
 #[derive(Debug, Clone)]
 pub(crate) enum Landing {
     /// The payload follows its header on the socket and is read into this memory.
     Inline(Arc<HeapMemory>),
-    /// The sender already copied the payload into a shared mapping of this shape.
-    Shared(Geometry),
+    /// The sender already copied the payload into this shared mapping of this shape (read
+    /// here only to compute checksums). Weak, so that dropping the listener's memory removes
+    /// the file at once, whatever the connection tasks are doing.
+    Shared(std::sync::Weak<dyn SlotMemory>, Geometry),
 }
 
 impl Landing {
     fn geometry(&self) -> Geometry {
         match self {
             Landing::Inline(m) => Geometry {
-                slots: kvx_io::SlotMemory::slots(&**m),
-                slot_bytes: kvx_io::SlotMemory::slot_bytes(&**m) as u64,
+                slots: m.slots(),
+                slot_bytes: m.slot_bytes() as u64,
             },
-            Landing::Shared(g) => *g,
+            Landing::Shared(_, g) => *g,
         }
     }
+}
+
+/// What every connection task of one exposed buffer shares.
+#[derive(Debug, Clone)]
+pub(crate) struct Rules {
+    pub access: Arc<FabricAccess>,
+    /// Refused writes and connections, logged at most once a second for the whole buffer.
+    pub refusals_logged: Arc<LogLimiter>,
 }
 
 /// What the accept loop needs to greet senders.
@@ -53,19 +73,23 @@ pub(crate) struct Greeting {
     pub config: LinkConfig,
 }
 
-/// The connection tasks of one exposed buffer, by connection id, for fences.
-type Registry = Arc<Mutex<HashMap<u64, JoinHandle<()>>>>;
+/// The connection tasks of one exposed buffer, by connection id, with the peer each one
+/// authenticated as, for fences and the connection cap.
+type Registry = Arc<Mutex<HashMap<u64, (Option<PeerId>, JoinHandle<()>)>>>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-/// Accepts senders until the listener's owner drops its `landed` receiver.
+/// Accepts senders until the listener's owner drops its `landed` receiver. At most
+/// `connections_max` connections are served at once (handshaking ones included); more are
+/// closed as they arrive, so a flood of idle sockets costs a descriptor each only briefly.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     landing: Landing,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
     greeting: Greeting,
+    rules: Rules,
 ) {
     let registry: Registry = Arc::default();
     // Ids start at a random base: a receiver restarted at the same address must not take a
@@ -79,6 +103,18 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let live = {
+                    let mut reg = lock(&registry);
+                    reg.retain(|_, (_, t)| !t.is_finished());
+                    reg.len()
+                };
+                if live >= greeting.config.connections_max {
+                    if let Some(left_out) = rules.refusals_logged.allow() {
+                        warn!(%peer, live, left_out, "fabric connection refused: connections_max reached");
+                    }
+                    drop(stream);
+                    continue;
+                }
                 // 0 is what an attaching hello carries; never an id.
                 if next_conn == 0 {
                     next_conn = 1;
@@ -89,18 +125,22 @@ pub(crate) async fn accept_loop(
                 let landed = landed.clone();
                 let greeting = greeting.clone();
                 let reg = registry.clone();
+                let rules = rules.clone();
                 let task = tokio::spawn(async move {
-                    let peer = peer.to_string();
-                    match serve_sender(stream, landing, landed, &greeting, conn, reg).await {
-                        Ok(()) => debug!(%peer, conn, "fabric sender left"),
-                        Err(why) => warn!(%peer, conn, %why, "fabric sender dropped"),
+                    let addr = peer.to_string();
+                    let logged = rules.refusals_logged.clone();
+                    match serve_sender(stream, landing, landed, &greeting, conn, reg, rules).await {
+                        Ok(()) => debug!(%addr, conn, "fabric sender left"),
+                        Err(why) => {
+                            if let Some(left_out) = logged.allow() {
+                                warn!(%addr, conn, %why, left_out, "fabric sender dropped");
+                            }
+                        }
                     }
                 });
                 // No await between spawn and insert: a fence naming `conn` is accepted by this
                 // loop, so it always finds the entry (or the task already ended).
-                let mut reg = lock(&registry);
-                reg.retain(|_, t| !t.is_finished());
-                reg.insert(conn, task);
+                lock(&registry).insert(conn, (None, task));
             }
             Err(e) => {
                 // Out of descriptors or similar: wait instead of spinning on the error.
@@ -123,10 +163,11 @@ fn random_u64() -> u64 {
 async fn serve_sender(
     mut stream: TcpStream,
     landing: Landing,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
     greeting: &Greeting,
     conn: u64,
     registry: Registry,
+    rules: Rules,
 ) -> Result<(), String> {
     tune(&stream).map_err(|e| e.to_string())?;
     let ours = landing.geometry();
@@ -136,39 +177,65 @@ async fn serve_sender(
         ours,
         &greeting.extra,
         conn,
+        &rules.access,
         &greeting.config,
     )
     .await?;
-    if let Greeted::Fence(target) = greeted {
-        let task = lock(&registry).remove(&target);
-        let stopped = match task {
-            // Never existed or already ended: it applies nothing.
-            None => true,
-            Some(task) => {
-                // Abort takes effect at the task's next await; it never stops mid-syscall,
-                // and once the handle resolves its future is gone.
-                task.abort();
-                tokio::time::timeout(greeting.config.fence_timeout, task)
-                    .await
-                    .is_ok()
-            }
-        };
-        debug!(conn, target, stopped, "fabric fence");
-        return answer_fence(&mut stream, greeting.magic, target, stopped)
-            .await
-            .map_err(|e| e.to_string());
+    let peer = match greeted {
+        Greeted::Attached(peer) => peer,
+        Greeted::Fence(target, asker) => {
+            let status = fence(&registry, target, asker, greeting.config.fence_timeout).await;
+            debug!(conn, target, %asker, ?status, "fabric fence");
+            return answer_fence(&mut stream, greeting.magic, target, status)
+                .await
+                .map_err(|e| e.to_string());
+        }
+    };
+    if let Some((owner, _)) = lock(&registry).get_mut(&conn) {
+        *owner = Some(peer);
     }
     let mut conn = Conn {
         stream,
         landing,
         geometry: ours,
         landed,
+        peer,
+        rules,
         header: [0; HEADER_LEN],
         state: RecvState::Header { filled: 0 },
+        payload_checksum: None,
         acks: AckWriter::new(),
         scratch: Vec::new(),
     };
     conn.run().await
+}
+
+/// Stops connection `target` on behalf of `asker`, which must own it. A connection that never
+/// existed or already ended applies nothing: that is confirmed at once.
+async fn fence(
+    registry: &Registry,
+    target: u64,
+    asker: PeerId,
+    fence_timeout: Duration,
+) -> WelcomeStatus {
+    let task = {
+        let mut reg = lock(registry);
+        match reg.get(&target) {
+            Some((owner, _)) if *owner != Some(asker) => return WelcomeStatus::Unauthorized,
+            Some(_) => reg.remove(&target).map(|(_, task)| task),
+            None => None,
+        }
+    };
+    let Some(task) = task else {
+        return WelcomeStatus::Ok;
+    };
+    // Abort takes effect at the task's next await; it never stops mid-syscall, and once the
+    // handle resolves its future is gone.
+    task.abort();
+    match tokio::time::timeout(fence_timeout, task).await {
+        Ok(_) => WelcomeStatus::Ok,
+        Err(_) => WelcomeStatus::FenceTimeout,
+    }
 }
 
 /// Acks waiting for the socket; past this many bytes the connection stops reading, so a
@@ -183,16 +250,22 @@ const READ_BUDGET: usize = 16 << 20;
 enum RecvState {
     /// Reading a header; `filled` bytes of it are in `Conn::header`.
     Header { filled: usize },
-    /// Reading a payload straight into its slot.
+    /// Reading a payload straight into its slot (its running checksum is
+    /// `Conn::payload_checksum`).
     Payload {
         id: u64,
         slot: u32,
         len: usize,
         got: usize,
-        imm: Option<u32>,
+        imm: u32,
+        carried: Option<u32>,
     },
-    /// Skipping the payload of a write refused as out of bounds.
-    Discard { id: u64, left: u64 },
+    /// Skipping the payload of a refused write; `status` is its ack.
+    Discard {
+        id: u64,
+        left: u64,
+        status: AckStatus,
+    },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -205,9 +278,14 @@ struct Conn {
     stream: TcpStream,
     landing: Landing,
     geometry: Geometry,
-    landed: mpsc::UnboundedSender<Landed>,
+    landed: mpsc::Sender<LandedWrite>,
+    /// The control peer this connection authenticated as.
+    peer: PeerId,
+    rules: Rules,
     header: [u8; HEADER_LEN],
     state: RecvState,
+    /// The checksum of the current payload's bytes so far, when its header carries one.
+    payload_checksum: Option<ChecksumState>,
     acks: AckWriter,
     /// Only for discarding refused payloads; allocated the first time one comes.
     scratch: Vec<u8>,
@@ -273,11 +351,17 @@ impl Conn {
                     unreachable!("invariant: shared landings never stream payloads")
                 };
                 let (stream, header) = (&self.stream, &mut self.header);
+                let checksum = &mut self.payload_checksum;
                 // Read the rest of the payload and, in the same call, the next header, which
-                // halves the syscalls for small writes.
+                // halves the syscalls for small writes. The checksum takes the new bytes
+                // while they are still in the CPU's caches.
                 memory.with_slot(slot, |s| {
                     let mut bufs = [IoSliceMut::new(&mut s[got..len]), IoSliceMut::new(header)];
-                    stream.try_read_vectored(&mut bufs)
+                    let n = stream.try_read_vectored(&mut bufs)?;
+                    if let Some(c) = checksum {
+                        c.update(&s[got..got + n.min(len - got)]);
+                    }
+                    Ok::<_, io::Error>(n)
                 })?
             }
             RecvState::Discard { left, .. } => {
@@ -322,6 +406,7 @@ impl Conn {
                 len,
                 got,
                 imm,
+                carried,
             } => {
                 let got = got + n;
                 if got < len {
@@ -331,26 +416,26 @@ impl Conn {
                         len,
                         got,
                         imm,
+                        carried,
                     };
                 } else {
                     // Whatever went past the payload is the start of the next header.
                     self.state = RecvState::Header { filled: got - len };
-                    self.landed_ok(id, imm)?;
+                    let computed = self.payload_checksum.take().map(ChecksumState::value);
+                    let check = compare(carried, computed);
+                    self.landed(id, slot, len as u64, imm, check)?;
                     if got - len == HEADER_LEN {
                         self.start_write()?;
                     }
                 }
             }
-            RecvState::Discard { id, left } => {
+            RecvState::Discard { id, left, status } => {
                 let left = left - n as u64;
                 if left > 0 {
-                    self.state = RecvState::Discard { id, left };
+                    self.state = RecvState::Discard { id, left, status };
                 } else {
                     self.state = RecvState::Header { filled: 0 };
-                    self.acks.push(Ack {
-                        id,
-                        status: AckStatus::OutOfBounds,
-                    });
+                    self.acks.push(Ack { id, status });
                 }
             }
         }
@@ -360,61 +445,135 @@ impl Conn {
     /// A whole header is in: validate it and decide what to do with the write.
     fn start_write(&mut self) -> Result<(), String> {
         let h = WriteHeader::decode(&self.header);
-        if h.flags & !FLAG_IMM != 0 {
+        self.state = RecvState::Header { filled: 0 };
+        if h.flags & !FLAGS_KNOWN != 0 {
             return Err(format!("unknown write flags {:#x}", h.flags));
         }
-        let fits = self.geometry.holds(h.remote, h.len);
-        self.state = RecvState::Header { filled: 0 };
-        match &self.landing {
-            Landing::Shared(_) if fits => self.landed_ok(h.id, h.imm())?,
-            Landing::Shared(_) => self.acks.push(Ack {
-                id: h.id,
-                status: AckStatus::OutOfBounds,
-            }),
-            // A length beyond any slot means the stream is not what it claims to be; skipping
-            // that many bytes would only prolong the damage.
-            Landing::Inline(_) if h.len > self.geometry.slot_bytes => {
-                return Err(format!("write {} of {} bytes exceeds a slot", h.id, h.len))
+        let inline = matches!(self.landing, Landing::Inline(_));
+        // A payload beyond any slot means the stream is not what it claims to be; skipping
+        // that many bytes would only prolong the damage. (Over shm nothing follows a header,
+        // so such a write is merely out of bounds.)
+        if inline && h.len > self.geometry.slot_bytes {
+            return Err(format!("write {} of {} bytes exceeds a slot", h.id, h.len));
+        }
+        let refuse = |status| {
+            if inline && h.len > 0 {
+                // Read past the payload (at most one slot's worth), then ack.
+                RecvState::Discard {
+                    id: h.id,
+                    left: h.len,
+                    status,
+                }
+            } else {
+                RecvState::Header { filled: 0 }
             }
-            Landing::Inline(_) if !fits => {
-                if h.len == 0 {
+        };
+        if !self.geometry.holds(h.remote, h.len) {
+            self.state = refuse(AckStatus::OutOfBounds);
+            if matches!(self.state, RecvState::Header { .. }) {
+                self.acks.push(Ack {
+                    id: h.id,
+                    status: AckStatus::OutOfBounds,
+                });
+            }
+            return Ok(());
+        }
+        let tag = match self.rules.access.admit(self.peer, h.remote, h.len, h.imm()) {
+            Ok(tag) => tag,
+            Err(refusal) => {
+                if let Some(left_out) = self.rules.refusals_logged.allow() {
+                    warn!(%refusal, left_out, "fabric write refused");
+                }
+                self.state = refuse(AckStatus::Refused);
+                if matches!(self.state, RecvState::Header { .. }) {
                     self.acks.push(Ack {
                         id: h.id,
-                        status: AckStatus::OutOfBounds,
+                        status: AckStatus::Refused,
                     });
-                } else {
-                    self.state = RecvState::Discard {
-                        id: h.id,
-                        left: h.len,
-                    };
                 }
+                return Ok(());
             }
-            Landing::Inline(_) if h.len == 0 => self.landed_ok(h.id, h.imm())?,
+        };
+        let imm = tag.to_imm();
+        match &self.landing {
+            Landing::Shared(memory, _) => {
+                // The sender copied the bytes into the mapping before it sent this header.
+                let memory = memory.upgrade().ok_or("the listener is gone")?;
+                let computed = h.checksum().map(|_| {
+                    let mut sum = 0;
+                    memory.inspect_slot(h.remote, h.len as usize, &mut |b| {
+                        sum = kvx_io::chunk_checksum(b)
+                    });
+                    sum
+                });
+                let check = compare(h.checksum(), computed);
+                self.landed(h.id, h.remote, h.len, imm, check)?;
+            }
             Landing::Inline(_) => {
+                self.payload_checksum = h.checksum().map(|_| ChecksumState::default());
                 self.state = RecvState::Payload {
                     id: h.id,
                     slot: h.remote,
                     len: h.len as usize,
                     got: 0,
-                    imm: h.imm(),
+                    imm,
+                    carried: h.checksum(),
                 };
             }
         }
         Ok(())
     }
 
-    /// The write's bytes are in memory: announce its immediate, then ack it.
-    fn landed_ok(&mut self, id: u64, imm: Option<u32>) -> Result<(), String> {
-        if let Some(imm) = imm {
-            self.landed
-                .send(Landed { imm })
-                .map_err(|_| "the listener is gone".to_owned())?;
+    /// An admitted write's bytes are all in memory: announce it, then ack it (as corrupt
+    /// when its checksum did not match; the receiver fails its request).
+    fn landed(
+        &mut self,
+        id: u64,
+        slot: u32,
+        bytes: u64,
+        imm: u32,
+        checksum: ChecksumCheck,
+    ) -> Result<(), String> {
+        let notice = LandedWrite {
+            peer: self.peer,
+            slot: SlotIndex(slot),
+            tag: kvx_proto::WriteTag::from_imm(imm),
+            bytes,
+            checksum,
+        };
+        match self.landed.try_send(notice) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                return Err("the listener is gone".to_owned())
+            }
+            // Cannot happen within the access rules' bound (`kvx_io::landing_channel`); if it
+            // does, the request times out rather than anything landing unannounced as read.
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                if let Some(left_out) = self.rules.refusals_logged.allow() {
+                    warn!(
+                        slot,
+                        left_out, "landing notice dropped: the notice channel is full"
+                    );
+                }
+            }
         }
-        self.acks.push(Ack {
-            id,
-            status: AckStatus::Ok,
-        });
+        let status = match checksum {
+            ChecksumCheck::Mismatch { .. } => AckStatus::Corrupt,
+            ChecksumCheck::Absent | ChecksumCheck::Match => AckStatus::Ok,
+        };
+        self.acks.push(Ack { id, status });
         Ok(())
+    }
+}
+
+/// How a carried checksum compares with the one computed over the landed bytes.
+fn compare(carried: Option<u32>, computed: Option<u32>) -> ChecksumCheck {
+    match (carried, computed) {
+        (Some(carried), Some(computed)) if carried != computed => {
+            ChecksumCheck::Mismatch { carried, computed }
+        }
+        (Some(_), Some(_)) => ChecksumCheck::Match,
+        _ => ChecksumCheck::Absent,
     }
 }
 

@@ -125,6 +125,14 @@ impl Pending {
                 ack.id,
                 format!("refused by the receiver: {:?}", entry.write),
             )),
+            AckStatus::Refused => Err(FabricError::Refused(format!(
+                "no current grant of this sender's for slot {} (write {})",
+                entry.write.remote.0, ack.id
+            ))),
+            AckStatus::Corrupt => Err(FabricError::Corrupt(format!(
+                "the bytes that landed in slot {} do not match the checksum sent (write {})",
+                entry.write.remote.0, ack.id
+            ))),
             AckStatus::Unknown(code) => return Err(format!("unknown ack status {code}")),
         });
         Ok(())
@@ -231,6 +239,8 @@ pub(crate) struct SenderLink<T> {
     pub conn: u64,
     /// The fabric's magic, for the fence's handshake.
     pub magic: [u8; 4],
+    /// The credential this connection attached with; a fence must present it too.
+    pub credential: kvx_io::FabricCredential,
 }
 
 impl<T: Transmit> SenderLink<T> {
@@ -244,6 +254,7 @@ impl<T: Transmit> SenderLink<T> {
             peer,
             conn,
             magic,
+            credential,
         } = self;
         let mut pending = Pending::default();
         let stop = serve(&stream, &mut transmit, &mut pending, &mut ops, &done).await;
@@ -260,7 +271,7 @@ impl<T: Transmit> SenderLink<T> {
         // The shm transmitter copies nothing once dropped; nobody waits on a dropped owner.
         drop(transmit);
         if !matches!(stop, Stop::Dropped) {
-            if let Err(why) = fence_remote(peer, magic, conn, fence_timeout).await {
+            if let Err(why) = fence_remote(peer, magic, conn, credential, fence_timeout).await {
                 warn!(
                     %peer,
                     conn,
@@ -374,6 +385,7 @@ mod tests {
             remote: SlotIndex(0),
             len: 1,
             imm: None,
+            checksum: None,
         }
     }
 

@@ -5,16 +5,20 @@
 //! integer is little-endian; every frame has a fixed size, so a reader never allocates and
 //! never trusts a length it has not bounded.
 
-use kvx_io::PostWrite;
+use kvx_io::{FabricCredential, PostWrite};
 
-/// The protocol version both sides must speak.
-pub(crate) const VERSION: u16 = 1;
+/// The protocol version both sides must speak. Version 2 added the credential to the hello,
+/// the checksum to the write header and the refusal statuses.
+pub(crate) const VERSION: u16 = 2;
 /// First bytes of a `TcpFabric` connection.
 pub(crate) const TCP_MAGIC: [u8; 4] = *b"KVXT";
 /// First bytes of a `ShmFabric` control connection (so a TCP sender cannot talk to it).
 pub(crate) const SHM_MAGIC: [u8; 4] = *b"KVXS";
 
-pub(crate) const HELLO_LEN: usize = 32;
+/// A hello's fixed first part, the same in every version (so a receiver can read the
+/// version of any sender and answer it), then the version-2 rest.
+pub(crate) const HELLO_BASE_LEN: usize = 32;
+pub(crate) const HELLO_LEN: usize = 64;
 pub(crate) const WELCOME_LEN: usize = 32;
 pub(crate) const HEADER_LEN: usize = 32;
 pub(crate) const ACK_LEN: usize = 16;
@@ -23,6 +27,10 @@ pub(crate) const WELCOME_EXTRA_MAX: u32 = 4096;
 
 /// Header flag: the write carries an immediate value.
 pub(crate) const FLAG_IMM: u32 = 1;
+/// Header flag: the write carries its chunk's checksum (CRC32C) at offset 28.
+pub(crate) const FLAG_CHECKSUM: u32 = 2;
+/// Every flag this version knows; a header with another bit set ends the connection.
+pub(crate) const FLAGS_KNOWN: u32 = FLAG_IMM | FLAG_CHECKSUM;
 
 /// Why a receiver refused a connection (`Welcome::status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,10 +38,13 @@ pub(crate) enum WelcomeStatus {
     Ok,
     /// The sender speaks another protocol version.
     Version,
-    /// The sender's staging slots are larger than the receiver's slots.
+    /// The sender's staging slots are not as large as the receiver's slots.
     Geometry,
     /// A fence: the named connection did not stop within the receiver's fence timeout.
     FenceTimeout,
+    /// The hello's credential was not issued by this buffer, or a fence names a connection
+    /// of another peer.
+    Unauthorized,
     /// A status this version does not know.
     Unknown(u16),
 }
@@ -45,6 +56,7 @@ impl WelcomeStatus {
             WelcomeStatus::Version => 1,
             WelcomeStatus::Geometry => 2,
             WelcomeStatus::FenceTimeout => 3,
+            WelcomeStatus::Unauthorized => 4,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -55,6 +67,7 @@ impl WelcomeStatus {
             1 => WelcomeStatus::Version,
             2 => WelcomeStatus::Geometry,
             3 => WelcomeStatus::FenceTimeout,
+            4 => WelcomeStatus::Unauthorized,
             c => WelcomeStatus::Unknown(c),
         }
     }
@@ -101,11 +114,15 @@ pub(crate) struct Hello {
     pub staging_slot_bytes: u64,
     /// `Fence`: the connection to stop (its `Welcome::conn`); `Attach`: zero.
     pub conn: u64,
+    /// Whose connection this is (the control peer the receiver issued it to).
+    pub credential: FabricCredential,
 }
 
 impl Hello {
     pub(crate) fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
+        b[32..56].copy_from_slice(&self.credential.to_bytes());
+        // 56..64 reserved, zero.
         b[0..4].copy_from_slice(&self.magic);
         b[4..6].copy_from_slice(&self.version.to_le_bytes());
         b[6..8].copy_from_slice(&self.kind.code().to_le_bytes());
@@ -117,6 +134,16 @@ impl Hello {
     }
 
     pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Self {
+        let mut credential = [0u8; FabricCredential::LEN];
+        credential.copy_from_slice(&b[32..56]);
+        Hello {
+            credential: FabricCredential::from_bytes(&credential),
+            ..Self::decode_base(b)
+        }
+    }
+
+    /// The version-independent first `HELLO_BASE_LEN` bytes (no credential).
+    pub(crate) fn decode_base(b: &[u8]) -> Self {
         Hello {
             magic: [b[0], b[1], b[2], b[3]],
             version: u16::from_le_bytes([b[4], b[5]]),
@@ -124,6 +151,10 @@ impl Hello {
             staging_slots: u32_at(b, 8),
             staging_slot_bytes: u64_at(b, 16),
             conn: u64_at(b, 24),
+            credential: FabricCredential {
+                peer: kvx_proto::PeerId(0),
+                tag: [0; 16],
+            },
         }
     }
 }
@@ -176,21 +207,33 @@ pub(crate) struct WriteHeader {
     pub flags: u32,
     pub len: u64,
     pub imm: u32,
+    pub checksum: u32,
 }
 
 impl WriteHeader {
     pub(crate) fn of(w: &PostWrite) -> Self {
+        let flags = if w.imm.is_some() { FLAG_IMM } else { 0 }
+            | if w.checksum.is_some() {
+                FLAG_CHECKSUM
+            } else {
+                0
+            };
         WriteHeader {
             id: w.id.0,
             remote: w.remote.0,
-            flags: if w.imm.is_some() { FLAG_IMM } else { 0 },
+            flags,
             len: w.len as u64,
             imm: w.imm.unwrap_or(0),
+            checksum: w.checksum.unwrap_or(0),
         }
     }
 
     pub(crate) fn imm(&self) -> Option<u32> {
         (self.flags & FLAG_IMM != 0).then_some(self.imm)
+    }
+
+    pub(crate) fn checksum(&self) -> Option<u32> {
+        (self.flags & FLAG_CHECKSUM != 0).then_some(self.checksum)
     }
 
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
@@ -200,7 +243,7 @@ impl WriteHeader {
         b[12..16].copy_from_slice(&self.flags.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
         b[24..28].copy_from_slice(&self.imm.to_le_bytes());
-        // 28..32 reserved, zero.
+        b[28..32].copy_from_slice(&self.checksum.to_le_bytes());
         b
     }
 
@@ -211,6 +254,7 @@ impl WriteHeader {
             flags: u32_at(b, 12),
             len: u64_at(b, 16),
             imm: u32_at(b, 24),
+            checksum: u32_at(b, 28),
         }
     }
 }
@@ -228,6 +272,12 @@ pub(crate) enum AckStatus {
     Ok,
     /// The write fell outside the registered memory; nothing was written.
     OutOfBounds,
+    /// The connection's peer holds no current grant for the write (or it names none, or
+    /// has no bytes, or its grant was written already); nothing was written.
+    Refused,
+    /// The bytes landed but do not match the write's checksum; the receiver fails the
+    /// request (its notice says so).
+    Corrupt,
     /// A status this version does not know.
     Unknown(u32),
 }
@@ -239,6 +289,8 @@ impl Ack {
         let status = match self.status {
             AckStatus::Ok => 0,
             AckStatus::OutOfBounds => 1,
+            AckStatus::Refused => 2,
+            AckStatus::Corrupt => 3,
             AckStatus::Unknown(c) => c,
         };
         b[8..12].copy_from_slice(&status.to_le_bytes());
@@ -251,6 +303,8 @@ impl Ack {
         let status = match u32_at(b, 8) {
             0 => AckStatus::Ok,
             1 => AckStatus::OutOfBounds,
+            2 => AckStatus::Refused,
+            3 => AckStatus::Corrupt,
             c => AckStatus::Unknown(c),
         };
         Ack {
@@ -285,6 +339,10 @@ mod tests {
             staging_slots: 7,
             staging_slot_bytes: 1 << 20,
             conn: 42,
+            credential: FabricCredential {
+                peer: kvx_proto::PeerId(77),
+                tag: [9; 16],
+            },
         };
         assert_eq!(Hello::decode(&h.encode()), h);
         let w = Welcome {
@@ -300,13 +358,21 @@ mod tests {
         let hd = WriteHeader {
             id: u64::MAX - 3,
             remote: 12,
-            flags: FLAG_IMM,
+            flags: FLAG_IMM | FLAG_CHECKSUM,
             len: 65536,
             imm: 0xdead_beef,
+            checksum: 0x1234_5678,
         };
         assert_eq!(WriteHeader::decode(&hd.encode()), hd);
         assert_eq!(hd.imm(), Some(0xdead_beef));
-        for status in [AckStatus::Ok, AckStatus::OutOfBounds, AckStatus::Unknown(9)] {
+        assert_eq!(hd.checksum(), Some(0x1234_5678));
+        for status in [
+            AckStatus::Ok,
+            AckStatus::OutOfBounds,
+            AckStatus::Refused,
+            AckStatus::Corrupt,
+            AckStatus::Unknown(9),
+        ] {
             let a = Ack { id: 5, status };
             assert_eq!(Ack::decode(&a.encode()), a);
         }
@@ -318,16 +384,17 @@ mod tests {
         let hd = WriteHeader {
             id: 0x0102_0304_0506_0708,
             remote: 3,
-            flags: FLAG_IMM,
+            flags: FLAG_IMM | FLAG_CHECKSUM,
             len: 0x100,
             imm: 0xAABB_CCDD,
+            checksum: 0x1122_3344,
         };
         let b = hd.encode();
         assert_eq!(&b[0..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
         assert_eq!(&b[8..12], &[3, 0, 0, 0]);
-        assert_eq!(&b[12..16], &[1, 0, 0, 0]);
+        assert_eq!(&b[12..16], &[3, 0, 0, 0]);
         assert_eq!(&b[16..24], &[0, 1, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&b[24..28], &[0xDD, 0xCC, 0xBB, 0xAA]);
-        assert_eq!(&b[28..32], &[0, 0, 0, 0]);
+        assert_eq!(&b[28..32], &[0x44, 0x33, 0x22, 0x11]);
     }
 }

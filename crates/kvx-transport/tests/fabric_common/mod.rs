@@ -7,8 +7,13 @@
 
 use std::time::Duration;
 
-use kvx_io::{Completion, Fabric, FabricConn, FabricError, FabricListener, PostWrite, SlotMemory};
-use kvx_proto::{SlotIndex, StagingSlot, WriteId};
+use std::sync::Arc;
+
+use kvx_io::{
+    Completion, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener,
+    PostWrite, SlotMemory,
+};
+use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -49,22 +54,74 @@ fn write(id: u64, local: u32, remote: u32, len: usize, imm: Option<u32>) -> Post
         remote: SlotIndex(remote),
         len,
         imm,
+        checksum: None,
     }
 }
 
+/// The immediate of slot `slot`'s grant `generation`.
+pub fn imm(slot: u32, generation: u32) -> Option<u32> {
+    Some(
+        WriteTag {
+            slot: SlotIndex(slot),
+            generation,
+        }
+        .to_imm(),
+    )
+}
+
+/// Grants `slot` to `peer` under `generation` (as a receiver's ledger would before its reply
+/// goes out) and returns the write that uses the grant, with the checksum of `bytes`.
+fn granted(
+    access: &FabricAccess,
+    peer: PeerId,
+    id: u64,
+    local: u32,
+    slot: u32,
+    generation: u32,
+    bytes: &[u8],
+) -> PostWrite {
+    access.grant(slot, peer, generation);
+    PostWrite {
+        checksum: Some(kvx_io::chunk_checksum(bytes)),
+        ..write(id, local, slot, bytes.len(), imm(slot, generation))
+    }
+}
+
+/// Notices collected so far, per peer (`collect_landed` counts, `stream_writes` waits).
+pub type Seen = Arc<[std::sync::atomic::AtomicU32; 4]>;
+
+/// Waits (bounded) until `seen[tag]` reached `n`.
+async fn wait_seen(seen: &Seen, tag: u32, n: u32) {
+    use std::sync::atomic::Ordering;
+    step("the collector to catch up", async {
+        while seen[tag as usize].load(Ordering::Acquire) < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+}
+
 /// One sender's stream of `rounds` writes through a window of `window` staging slots into
-/// remote slots `base..base+window`, each tagged `tag << 16 | round`; checks its completions.
+/// remote slots `base..base+window`, as peer `tag`, each round `r` under generation `r + 1`
+/// of its slot (granted just before its write, once the slot's previous write completed
+/// and, with `seen`, its notice was taken, as a receiver's ledger re-grants a slot only
+/// after its landing); checks its completions.
+#[allow(clippy::too_many_arguments)]
 async fn stream_writes<F: Fabric>(
     f: &F,
     endpoint: &str,
+    access: &Arc<FabricAccess>,
+    seen: Option<&Seen>,
     tag: u32,
     base: u32,
     window: u32,
     rounds: u32,
     slot_bytes: usize,
 ) {
+    let peer = PeerId(u64::from(tag));
     let staging = f.allocate_staging(window, slot_bytes).expect("staging");
-    let mut conn = step("connect", f.connect(endpoint, staging.clone()))
+    let credential = access.credential_for(peer);
+    let mut conn = step("connect", f.connect(endpoint, staging.clone(), credential))
         .await
         .expect("connect");
     let mut next_done = 0u32;
@@ -76,13 +133,19 @@ async fn stream_writes<F: Fabric>(
             next_done += 1;
         }
         let k = r % window;
-        staging.write_slot(k, &pattern(tag << 16 | r, slot_bytes));
-        conn.post(write(
+        if let (Some(seen), true) = (seen, r >= window) {
+            wait_seen(seen, tag, r - window + 1).await;
+        }
+        let bytes = pattern(tag << 16 | r, slot_bytes);
+        staging.write_slot(k, &bytes);
+        conn.post(granted(
+            access,
+            peer,
             u64::from(r),
             k,
             base + k,
-            slot_bytes,
-            Some(tag << 16 | r),
+            r + 1,
+            &bytes,
         ))
         .expect("post");
     }
@@ -118,14 +181,21 @@ fn check_last_rounds<M: SlotMemory>(
     }
 }
 
-/// Drains landed notices into per-sender lists of rounds, until `want` arrived.
-async fn collect_landed<M>(listener: &mut FabricListener<M>, want: usize) -> Vec<Vec<u32>> {
+/// Drains landed notices into per-sender (per-peer) lists of rounds (generation − 1), until
+/// `want` arrived; every one must have matched its checksum.
+async fn collect_landed<M>(
+    listener: &mut FabricListener<M>,
+    want: usize,
+    seen: &Seen,
+) -> Vec<Vec<u32>> {
     let mut by_tag: Vec<Vec<u32>> = vec![Vec::new(); 4];
-    for _ in 0..want {
-        let l = step("landed", listener.landed.recv())
+    for i in 0..want {
+        let l = step(&format!("landed {i} of {want}"), listener.landed.recv())
             .await
             .expect("listener open");
-        by_tag[(l.imm >> 16) as usize].push(l.imm & 0xFFFF);
+        assert_eq!(l.checksum, kvx_io::ChecksumCheck::Match, "{l:?}");
+        by_tag[l.peer.0 as usize].push(l.tag.generation - 1);
+        seen[l.peer.0 as usize].fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
     by_tag
 }
@@ -137,11 +207,15 @@ pub async fn two_senders_concurrently<F: Fabric>(f: &F, endpoint: &str) {
     const ROUNDS: u32 = 64;
     let mut listener = f.expose(endpoint, 8, SLOT).await.expect("expose");
     let ep = listener.local_endpoint.clone();
-    tokio::join!(
-        stream_writes(f, &ep, 1, 0, 4, ROUNDS, SLOT),
-        stream_writes(f, &ep, 2, 4, 4, ROUNDS, SLOT),
+    let access = listener.access.clone();
+    // Notices are drained while the writes go on, as a receiver's driver does (the notice
+    // channel holds about two per slot).
+    let seen = Seen::default();
+    let ((), (), by_tag) = tokio::join!(
+        stream_writes(f, &ep, &access, Some(&seen), 1, 0, 4, ROUNDS, SLOT),
+        stream_writes(f, &ep, &access, Some(&seen), 2, 4, 4, ROUNDS, SLOT),
+        collect_landed(&mut listener, 2 * ROUNDS as usize, &seen),
     );
-    let by_tag = collect_landed(&mut listener, 2 * ROUNDS as usize).await;
     for tag in [1, 2] {
         let want: Vec<u32> = (0..ROUNDS).collect();
         assert_eq!(by_tag[tag], want, "sender {tag}'s notices, in order");
@@ -156,8 +230,12 @@ pub async fn one_mib_slots<F: Fabric>(f: &F, endpoint: &str) {
     kvx_io::conformance::fabric_writes_land_in_order(f, endpoint, 4, MIB).await;
     let mut listener = f.expose(endpoint, 4, MIB).await.expect("expose");
     let ep = listener.local_endpoint.clone();
-    stream_writes(f, &ep, 3, 0, 4, 48, MIB).await;
-    let by_tag = collect_landed(&mut listener, 48).await;
+    let access = listener.access.clone();
+    let seen = Seen::default();
+    let ((), by_tag) = tokio::join!(
+        stream_writes(f, &ep, &access, Some(&seen), 3, 0, 4, 48, MIB),
+        collect_landed(&mut listener, 48, &seen),
+    );
     assert_eq!(by_tag[3].len(), 48);
     check_last_rounds(&*listener.memory, 3, 0, 4, 48, MIB);
 }
@@ -220,23 +298,26 @@ async fn forward(down: TcpStream, up: TcpStream, limit: usize) {
 /// fourth write).
 pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize, cut_after: usize) {
     const A_WRITES: u32 = 12;
-    // Slots 0..4 are A's, 4..8 B's.
-    let mut listener = f.expose(endpoint, 8, slot_bytes).await.expect("expose");
+    // Slots 0..12 are A's (one write each), 12..16 B's.
+    let mut listener = f.expose(endpoint, 16, slot_bytes).await.expect("expose");
     let ep = listener.local_endpoint.clone();
+    let access = listener.access.clone();
+    let (pa, pc) = (PeerId(1), PeerId(3));
 
     let via = cutting_proxy(ep.clone(), cut_after).await;
     let a_staging = f.allocate_staging(A_WRITES, slot_bytes).expect("staging a");
-    let mut a = step("connect a", f.connect(&via, a_staging.clone()))
-        .await
-        .expect("connect a");
+    let a_conn = f.connect(&via, a_staging.clone(), access.credential_for(pa));
+    let mut a = step("connect a", a_conn).await.expect("connect a");
     for i in 0..A_WRITES {
-        a_staging.write_slot(i, &pattern(1 << 16 | i, slot_bytes));
-        a.post(write(u64::from(i), i, i % 4, slot_bytes, Some(1 << 16 | i)))
+        let bytes = pattern(1 << 16 | i, slot_bytes);
+        a_staging.write_slot(i, &bytes);
+        a.post(granted(&access, pa, u64::from(i), i, i, 1, &bytes))
             .expect("post a");
     }
 
     // B streams while A's connection is being cut.
-    let b = stream_writes(f, &ep, 2, 4, 4, 64, slot_bytes);
+    // Its 64 notices (and A's 12, C's 1) fit the notice channel of 16 slots (96) untaken.
+    let b = stream_writes(f, &ep, &access, None, 2, 12, 4, 64, slot_bytes);
     let a_checks = async {
         let mut oks = 0u32;
         let mut failed = false;
@@ -266,13 +347,15 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
     };
     let ((), a_oks) = tokio::join!(b, a_checks);
 
-    // The receiver still serves: C connects after the cut and lands a write, into A's slot 0.
+    // The receiver still serves: C connects after the cut and lands a write into A's last
+    // slot (A's write there never went out: the grant passes to C).
     let c_staging = f.allocate_staging(1, slot_bytes).expect("staging c");
-    c_staging.write_slot(0, &pattern(3 << 16, slot_bytes));
-    let mut c = step("connect c", f.connect(&ep, c_staging))
-        .await
-        .expect("connect c");
-    c.post(write(0, 0, 0, slot_bytes, Some(3 << 16)))
+    let c_bytes = pattern(3 << 16, slot_bytes);
+    c_staging.write_slot(0, &c_bytes);
+    let c_conn = f.connect(&ep, c_staging, access.credential_for(pc));
+    let mut c = step("connect c", c_conn).await.expect("connect c");
+    let last = A_WRITES - 1;
+    c.post(granted(&access, pc, 0, 0, last, 2, &c_bytes))
         .expect("post c");
     assert_eq!(completion(&mut c, "c completion").await.result, Ok(()));
 
@@ -284,11 +367,11 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
     for _ in 0..(A_WRITES + 64 + 1) {
         let got = tokio::time::timeout(Duration::from_millis(500), listener.landed.recv()).await;
         let Ok(Some(l)) = got else { break };
-        let tag = (l.imm >> 16) as usize;
-        seen[tag] += 1;
-        match tag {
-            1 => a_seen.push(l.imm & 0xFFFF),
-            2 => b_rounds.push(l.imm & 0xFFFF),
+        let who = l.peer.0 as usize;
+        seen[who] += 1;
+        match who {
+            1 => a_seen.push(l.slot.0),
+            2 => b_rounds.push(l.tag.generation - 1),
             _ => {}
         }
         if seen[2] == 64 && seen[3] == 1 && seen[1] >= a_oks {
@@ -309,13 +392,13 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
         a_seen.iter().enumerate().all(|(i, r)| *r == i as u32),
         "a: notices in order, none skipped ({a_seen:?})"
     );
-    check_last_rounds(&*listener.memory, 2, 4, 4, 64, slot_bytes);
+    check_last_rounds(&*listener.memory, 2, 12, 4, 64, slot_bytes);
     let mut got = vec![0u8; slot_bytes];
     // Let anything of A's that could still land do so; then C's bytes must be intact.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    listener.memory.read_slot(0, &mut got);
+    listener.memory.read_slot(last, &mut got);
     assert!(
-        got == pattern(3 << 16, slot_bytes),
+        got == c_bytes,
         "c's write landed, and nothing of A's landed after A's flush"
     );
 }
@@ -326,13 +409,16 @@ pub async fn dropped_listener_stops_serving<F: Fabric>(f: &F, endpoint: &str) {
     let listener = f.expose(endpoint, 2, 4096).await.expect("expose");
     let ep = listener.local_endpoint.clone();
     let staging = f.allocate_staging(2, 4096).expect("staging");
-    let mut conn = step("connect", f.connect(&ep, staging.clone()))
+    let credential = listener.access.credential_for(PeerId(1));
+    let access = listener.access.clone();
+    let mut conn = step("connect", f.connect(&ep, staging.clone(), credential))
         .await
         .expect("connect");
     drop(listener);
     for i in 0..2u32 {
         // A post may be refused outright once the connection task has seen the close.
-        let _ = conn.post(write(u64::from(i), i, i, 4096, Some(i)));
+        let w = granted(&access, PeerId(1), u64::from(i), i, i, 1, &pattern(0, 4096));
+        let _ = conn.post(w);
     }
     let mut completions = 0;
     while let Some(c) = step("completion after drop", conn.next_completion()).await {
@@ -345,7 +431,7 @@ pub async fn dropped_listener_stops_serving<F: Fabric>(f: &F, endpoint: &str) {
             break;
         }
     }
-    let again = step("reconnect", f.connect(&ep, staging)).await;
+    let again = step("reconnect", f.connect(&ep, staging, credential)).await;
     assert!(
         again.is_err(),
         "no buffer is served after the listener dropped"
@@ -359,15 +445,25 @@ pub async fn restart_at_the_same_endpoint<F: Fabric>(f: &F) {
     let first = f.expose("127.0.0.1:0", 2, 4096).await.expect("expose");
     let ep = first.local_endpoint.clone();
     let old_staging = f.allocate_staging(2, 4096).expect("staging");
-    let mut old = step("connect old", f.connect(&ep, old_staging))
+    let old_credential = first.access.credential_for(PeerId(1));
+    let mut old = step("connect old", f.connect(&ep, old_staging, old_credential))
         .await
         .expect("connect old");
     drop(first);
     let mut second = step("re-expose", f.expose(&ep, 2, 4096))
         .await
         .expect("re-expose at the same endpoint");
+    // The old incarnation's credential is void at the new one.
+    let stale = f.allocate_staging(2, 4096).expect("staging");
+    let refused = step("stale credential", f.connect(&ep, stale, old_credential)).await;
+    assert!(
+        matches!(refused, Err(FabricError::Unauthorized(..))),
+        "a credential of the previous incarnation is refused: {refused:?}"
+    );
     let staging = f.allocate_staging(2, 4096).expect("staging");
-    let mut new = step("connect new", f.connect(&ep, staging.clone()))
+    let access = second.access.clone();
+    let credential = access.credential_for(PeerId(2));
+    let mut new = step("connect new", f.connect(&ep, staging.clone(), credential))
         .await
         .expect("connect new");
     // The old connection is dead: its write fails (after its fence, which reaches the new
@@ -376,25 +472,45 @@ pub async fn restart_at_the_same_endpoint<F: Fabric>(f: &F) {
     let c = completion(&mut old, "old completion").await;
     assert!(c.result.is_err(), "{c:?}");
     for i in 0..8u32 {
-        staging.write_slot(i % 2, &pattern(i, 4096));
-        new.post(write(u64::from(i), i % 2, i % 2, 4096, Some(i)))
-            .expect("post new");
+        let bytes = pattern(i, 4096);
+        staging.write_slot(i % 2, &bytes);
+        let w = granted(
+            &access,
+            PeerId(2),
+            u64::from(i),
+            i % 2,
+            i % 2,
+            i + 1,
+            &bytes,
+        );
+        new.post(w).expect("post new");
         let c = completion(&mut new, "new completion").await;
         assert_eq!(c.result, Ok(()), "the new connection is unharmed");
         let l = step("landed", second.landed.recv()).await.expect("open");
-        assert_eq!(l.imm, i);
+        assert_eq!(l.tag.generation, i + 1);
     }
 }
 
-/// Connecting staging with larger slots than the receiver's is refused at the handshake.
-pub async fn refuses_larger_staging<F: Fabric>(f: &F, endpoint: &str) {
+/// Connecting staging whose slots are larger or smaller than the receiver's is refused at
+/// the handshake, with both sizes in the message.
+pub async fn refuses_other_chunk_sizes<F: Fabric>(f: &F, endpoint: &str) {
     let listener = f.expose(endpoint, 2, 4096).await.expect("expose");
-    let staging = f.allocate_staging(2, 8192).expect("staging");
-    let r = step("connect", f.connect(&listener.local_endpoint, staging)).await;
-    assert!(
-        matches!(r, Err(FabricError::Endpoint { .. })),
-        "larger staging refused: {r:?}"
-    );
+    let credential = listener.access.credential_for(PeerId(1));
+    for bytes in [8192, 2048] {
+        let staging = f.allocate_staging(2, bytes).expect("staging");
+        let r = step(
+            "connect",
+            f.connect(&listener.local_endpoint, staging, credential),
+        )
+        .await;
+        let Err(FabricError::Incompatible { why, .. }) = r else {
+            panic!("{bytes}-byte staging refused: {r:?}");
+        };
+        assert!(
+            why.contains(&bytes.to_string()) && why.contains("4096"),
+            "the message names both sizes: {why}"
+        );
+    }
 }
 
 /// A receiver that stops reading (and never answers a fence): a reset still flushes every
@@ -413,7 +529,7 @@ pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
             let Ok(Ok((mut s, _))) = tokio::time::timeout(STEP, fake.accept()).await else {
                 return;
             };
-            let mut hello = [0u8; 32];
+            let mut hello = [0u8; 64];
             if s.read_exact(&mut hello).await.is_err() {
                 return;
             }
@@ -428,11 +544,12 @@ pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
         tokio::time::sleep(STEP).await;
     });
     let staging = f.allocate_staging(2, 4096).expect("staging");
-    let mut conn = step("connect", f.connect(&ep, staging))
+    let credential = FabricAccess::new(2, [0; 16]).credential_for(PeerId(1));
+    let mut conn = step("connect", f.connect(&ep, staging, credential))
         .await
         .expect("connect");
     for i in 0..2u32 {
-        conn.post(write(u64::from(i), i, i, 4096, None))
+        conn.post(write(u64::from(i), i, i, 4096, imm(i, 1)))
             .expect("post");
     }
     let start = std::time::Instant::now();
@@ -455,7 +572,12 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
         l.local_addr().expect("addr").port()
     };
     let staging = f.allocate_staging(1, 64).expect("staging");
-    let r = step("connect", f.connect(&format!("127.0.0.1:{port}"), staging)).await;
+    let credential = FabricAccess::new(1, [0; 16]).credential_for(PeerId(1));
+    let r = step(
+        "connect",
+        f.connect(&format!("127.0.0.1:{port}"), staging, credential),
+    )
+    .await;
     assert!(
         matches!(r, Err(FabricError::NotExposed(_))),
         "connect to nothing: {r:?}"
@@ -466,8 +588,22 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
 pub mod raw {
     use super::*;
 
-    /// An attaching hello.
-    pub fn hello(magic: &[u8; 4], slots: u32, slot_bytes: u64) -> Vec<u8> {
+    /// An attaching hello (version 2), with `credential`.
+    pub fn hello(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        credential: &FabricCredential,
+    ) -> Vec<u8> {
+        let mut b = hello_v1(magic, slots, slot_bytes);
+        b[4..6].copy_from_slice(&2u16.to_le_bytes());
+        b.extend_from_slice(&credential.to_bytes());
+        b.extend_from_slice(&[0u8; 8]);
+        b
+    }
+
+    /// A version-1 hello (32 bytes, no credential), as kvx spoke before credentials.
+    pub fn hello_v1(magic: &[u8; 4], slots: u32, slot_bytes: u64) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(magic);
         b.extend_from_slice(&1u16.to_le_bytes()); // version
@@ -489,7 +625,7 @@ pub mod raw {
     ) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(magic);
-        b.extend_from_slice(&1u16.to_le_bytes()); // version
+        b.extend_from_slice(&2u16.to_le_bytes()); // version
         b.extend_from_slice(&0u16.to_le_bytes()); // status: ok
         b.extend_from_slice(&slots.to_le_bytes());
         b.extend_from_slice(&(extra.len() as u32).to_le_bytes());
@@ -500,13 +636,24 @@ pub mod raw {
     }
 
     pub fn header(id: u64, remote: u32, len: u64, imm: Option<u32>) -> Vec<u8> {
+        header_with_checksum(id, remote, len, imm, None)
+    }
+
+    pub fn header_with_checksum(
+        id: u64,
+        remote: u32,
+        len: u64,
+        imm: Option<u32>,
+        checksum: Option<u32>,
+    ) -> Vec<u8> {
+        let flags = u32::from(imm.is_some()) | (u32::from(checksum.is_some()) << 1);
         let mut b = Vec::new();
         b.extend_from_slice(&id.to_le_bytes());
         b.extend_from_slice(&remote.to_le_bytes());
-        b.extend_from_slice(&u32::from(imm.is_some()).to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
         b.extend_from_slice(&len.to_le_bytes());
         b.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&checksum.unwrap_or(0).to_le_bytes());
         b
     }
 
@@ -550,19 +697,22 @@ pub async fn receiver_checks_bounds<F: Fabric>(
 ) {
     let mut listener = f.expose(endpoint, 2, 1024).await.expect("expose");
     let ep = listener.local_endpoint.clone();
+    let me = PeerId(9);
+    listener.access.grant(1, me, 3);
     let mut s = TcpStream::connect(&ep).await.expect("raw connect");
-    s.write_all(&raw::hello(magic, 1, 1024))
+    let credential = listener.access.credential_for(me);
+    s.write_all(&raw::hello(magic, 1, 1024, &credential))
         .await
         .expect("hello");
     let (status, slots, slot_bytes, _) = raw::welcome(&mut s).await;
     assert_eq!((status, slots, slot_bytes), (0, 2, 1024));
 
     let payload = pattern(7, 1024);
-    let mut out = raw::header(1, 2, 1024, Some(11));
+    let mut out = raw::header(1, 2, 1024, imm(2, 3));
     if inline {
         out.extend_from_slice(&payload);
     }
-    out.extend_from_slice(&raw::header(2, 1, 1024, Some(12)));
+    out.extend_from_slice(&raw::header(2, 1, 1024, imm(1, 3)));
     if inline {
         out.extend_from_slice(&payload);
     }
@@ -570,7 +720,11 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     assert_eq!(raw::ack(&mut s).await, (1, 1), "out of bounds: refused");
     assert_eq!(raw::ack(&mut s).await, (2, 0), "in bounds: landed");
     let l = step("landed", listener.landed.recv()).await.expect("open");
-    assert_eq!(l.imm, 12, "only the landed write is announced");
+    assert_eq!(
+        (l.peer, l.slot),
+        (me, SlotIndex(1)),
+        "only the landed write is announced"
+    );
     if inline {
         let mut got = vec![0u8; 1024];
         listener.memory.read_slot(1, &mut got);
@@ -579,7 +733,7 @@ pub async fn receiver_checks_bounds<F: Fabric>(
 
     // A length no slot can hold: the receiver hangs up on this sender (inline) or refuses
     // the write (shm, where nothing follows the header).
-    s.write_all(&raw::header(3, 0, 1 << 40, Some(13)))
+    s.write_all(&raw::header(3, 0, 1 << 40, imm(0, 1)))
         .await
         .expect("bad header");
     let mut b = [0u8; 16];
@@ -598,15 +752,178 @@ pub async fn receiver_checks_bounds<F: Fabric>(
 
     // The buffer still serves fabric senders.
     let staging = f.allocate_staging(1, 1024).expect("staging");
-    staging.write_slot(0, &pattern(8, 1024));
-    let mut conn = step("connect", f.connect(&ep, staging))
+    let bytes = pattern(8, 1024);
+    staging.write_slot(0, &bytes);
+    let mut conn = step("connect", f.connect(&ep, staging, credential))
         .await
         .expect("connect");
-    conn.post(write(5, 0, 0, 1024, Some(14))).expect("post");
+    conn.post(granted(&listener.access, me, 5, 0, 0, 4, &bytes))
+        .expect("post");
     assert_eq!(completion(&mut conn, "completion").await.result, Ok(()));
     let l = step("landed", listener.landed.recv()).await.expect("open");
-    assert_eq!(l.imm, 14);
+    assert_eq!(l.slot, SlotIndex(0));
     let mut got = vec![0u8; 1024];
     listener.memory.read_slot(0, &mut got);
-    assert!(got == pattern(8, 1024));
+    assert!(got == bytes);
+}
+
+/// Hand-written peers attack the grants (the defects a hostile review found: a peer that
+/// merely reached the port could announce another request's chunks as landed with an empty
+/// write, or overwrite another sender's slots with full ones). Each attempt must be refused
+/// (ack status 2), change no byte and announce nothing, while the grant holder's own write
+/// lands; a hello without a credential this buffer issued gets no file path and no writes.
+pub async fn receiver_checks_grants<F: Fabric>(
+    f: &F,
+    endpoint: &str,
+    magic: &[u8; 4],
+    inline: bool,
+) {
+    const BYTES: usize = 1024;
+    let mut listener = f.expose(endpoint, 4, BYTES).await.expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let (victim, attacker) = (PeerId(1), PeerId(2));
+    listener.access.grant(0, victim, 7);
+    listener.access.grant(1, attacker, 7);
+
+    // Unauthenticated: a made-up credential, and the old credential-less hello.
+    for (what, hello) in [
+        (
+            "a credential this buffer did not issue",
+            raw::hello(
+                magic,
+                1,
+                BYTES as u64,
+                &FabricAccess::new(1, [3; 16]).credential_for(victim),
+            ),
+        ),
+        ("a version-1 hello", raw::hello_v1(magic, 1, BYTES as u64)),
+    ] {
+        let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+        s.write_all(&hello).await.expect("hello");
+        let mut b = [0u8; 32];
+        step("welcome", s.read_exact(&mut b)).await.expect(what);
+        let status = u16::from_le_bytes([b[6], b[7]]);
+        let extra_len = u32::from_le_bytes(b[12..16].try_into().expect("4"));
+        assert!(
+            status == 4 || status == 1,
+            "{what}: refused (status {status})"
+        );
+        assert_eq!(extra_len, 0, "{what}: no file path for a refused sender");
+        let r = step("close", s.read(&mut b)).await;
+        assert!(matches!(r, Ok(0) | Err(_)), "{what}: then closed: {r:?}");
+    }
+
+    // Authenticated as itself, the attacker names the victim's grant.
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    let credential = listener.access.credential_for(attacker);
+    s.write_all(&raw::hello(magic, 1, BYTES as u64, &credential))
+        .await
+        .expect("hello");
+    assert_eq!(raw::welcome(&mut s).await.0, 0);
+    let junk = vec![0xEEu8; BYTES];
+    let attempts: Vec<(&str, Vec<u8>, bool)> = vec![
+        // Defect 1: an empty write naming the victim's slot and generation.
+        (
+            "a forged empty landing",
+            raw::header(1, 0, 0, imm(0, 7)),
+            false,
+        ),
+        // Defect 2: a full write into the victim's slot under the victim's grant.
+        (
+            "an overwrite of another peer's slot",
+            raw::header(2, 0, BYTES as u64, imm(0, 7)),
+            true,
+        ),
+        // Its own slot, but naming the victim's.
+        (
+            "an immediate naming another slot",
+            raw::header(3, 1, BYTES as u64, imm(0, 7)),
+            true,
+        ),
+        // Its own slot under a generation it does not hold.
+        (
+            "a stale generation",
+            raw::header(4, 1, BYTES as u64, imm(1, 6)),
+            true,
+        ),
+        // No immediate at all.
+        (
+            "a write naming no grant",
+            raw::header(5, 1, BYTES as u64, None),
+            true,
+        ),
+    ];
+    for (i, (what, header, payload)) in attempts.iter().enumerate() {
+        let mut out = header.clone();
+        if inline && *payload {
+            out.extend_from_slice(&junk);
+        }
+        s.write_all(&out).await.expect(what);
+        assert_eq!(raw::ack(&mut s).await, (i as u64 + 1, 2), "{what}: refused");
+    }
+    // The attacker's own grant works once (its write carries a checksum; it matches).
+    let own = pattern(5, BYTES);
+    let mut out = raw::header_with_checksum(
+        6,
+        1,
+        BYTES as u64,
+        imm(1, 7),
+        Some(kvx_io::chunk_checksum(&own)),
+    );
+    if inline {
+        out.extend_from_slice(&own);
+    } else {
+        // Over shm the bytes go in through the mapping; a raw peer has none, so the slot
+        // holds zeros and the checksum must disagree: the ack says corrupt (3).
+    }
+    s.write_all(&out).await.expect("own write");
+    let (id, status) = raw::ack(&mut s).await;
+    assert_eq!(id, 6);
+    assert_eq!(status, if inline { 0 } else { 3 }, "its own grant");
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!(
+        (l.peer, l.slot),
+        (attacker, SlotIndex(1)),
+        "the only notice is the attacker's write into its own slot"
+    );
+    // A second write under the same grant is refused.
+    let mut out = raw::header(7, 1, BYTES as u64, imm(1, 7));
+    if inline {
+        out.extend_from_slice(&own);
+    }
+    s.write_all(&out).await.expect("second write");
+    assert_eq!(raw::ack(&mut s).await, (7, 2), "a grant admits one write");
+
+    // The victim's slot is untouched, nothing else was announced, and the victim's own
+    // write lands.
+    let mut got = vec![0u8; BYTES];
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "no byte of the victim's slot changed"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), listener.landed.recv())
+            .await
+            .is_err(),
+        "no refused write is announced"
+    );
+    assert!(listener.access.refused() >= 6, "refusals are counted");
+    let staging = f.allocate_staging(1, BYTES).expect("staging");
+    let mine = pattern(1, BYTES);
+    staging.write_slot(0, &mine);
+    let mut conn = step(
+        "connect",
+        f.connect(&ep, staging, listener.access.credential_for(victim)),
+    )
+    .await
+    .expect("connect");
+    conn.post(granted(&listener.access, victim, 1, 0, 0, 7, &mine))
+        .expect("post");
+    assert_eq!(completion(&mut conn, "victim's write").await.result, Ok(()));
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!((l.peer, l.slot), (victim, SlotIndex(0)));
+    assert_eq!(l.checksum, kvx_io::ChecksumCheck::Match);
+    listener.memory.read_slot(0, &mut got);
+    assert!(got == mine);
 }

@@ -12,12 +12,13 @@ use std::time::Duration;
 
 use super::checker::{content_of, Checker, Violation};
 use super::workload::ClusterSpec;
-use crate::ids::{PeerId, ReqId, ReqKey, SlotIndex, WriteId};
+use crate::ids::{PeerId, ReqId, ReqKey, SlotIndex, WriteId, WriteTag};
 use crate::proxy::{ProxyEvent, ProxyTracker};
-use crate::receiver::{Outcome, ReceiverEvent, ReceiverLedger};
+use crate::receiver::{ChecksumCheck, LandedWrite, Outcome, ReceiverEvent, ReceiverLedger};
 use crate::sender::{
     ChunkSpec, Destination, RequestSpec, SendError, SenderEvent, SenderFlow, WriteOp,
 };
+use crate::slots::SlotGrant;
 use crate::time::Instant;
 use crate::wire::{self, Message};
 
@@ -52,6 +53,8 @@ pub struct Report {
     pub raw_replies: Vec<(PeerId, Message)>,
     /// ProxyNotif messages the proxy received, per request id.
     pub proxy_notifs: BTreeMap<String, u32>,
+    /// Writes the fabric refused because their sender held no current grant for the slot.
+    pub refused_writes: u64,
 }
 
 impl Report {
@@ -143,6 +146,9 @@ struct SenderNode {
 #[derive(Debug)]
 struct ReceiverNode {
     ledger: ReceiverLedger,
+    /// The fabric's mirror of the ledger's grants (`poll_grant_change`): a write lands only
+    /// where its sender holds the current grant, as the TCP and shared-memory fabrics check.
+    grants: Vec<Option<SlotGrant>>,
     mem: Vec<u64>,
     ready: BTreeMap<ReqKey, Vec<SlotIndex>>,
 }
@@ -209,6 +215,7 @@ impl Cluster {
             .iter()
             .map(|cfg| ReceiverNode {
                 ledger: ReceiverLedger::new(cfg.clone()).expect("harness: valid receiver config"),
+                grants: vec![None; cfg.buffer_slots as usize],
                 mem: vec![0; cfg.buffer_slots as usize],
                 ready: BTreeMap::new(),
             })
@@ -438,22 +445,45 @@ impl Cluster {
     fn land(&mut self, s: usize, op: WriteOp, fail: bool) {
         let now = self.now;
         let r = op.receiver.0 as usize;
-        if !fail {
+        let peer = PeerId(s as u64);
+        let granted = op.tag.is_none_or(|tag| {
+            self.receivers[r].grants[op.remote.0 as usize].is_some_and(|g| {
+                g.peer == peer
+                    && tag.same_grant(WriteTag {
+                        slot: op.remote,
+                        generation: g.generation,
+                    })
+            })
+        });
+        let refused = !fail && !granted;
+        if refused {
+            self.report.refused_writes += 1;
+        }
+        if !fail && granted {
             let bytes = self.senders[s].staging_mem[op.staging.0 as usize];
             let key = ReqKey {
-                peer: PeerId(s as u64),
+                peer,
                 req_id: op.req_id.clone(),
             };
             self.checker.on_write(&self.receivers[r].ledger, &key, &op);
             self.receivers[r].mem[op.remote.0 as usize] = bytes;
             if let Some(tag) = op.tag {
-                self.receivers[r].ledger.handle_chunk_landed(now, tag);
+                let landed = LandedWrite {
+                    peer,
+                    slot: op.remote,
+                    tag,
+                    bytes: 1,
+                    checksum: ChecksumCheck::Match,
+                };
+                self.receivers[r].ledger.handle_chunk_landed(now, landed);
                 self.drain_receiver(r);
             }
         }
         if self.senders[s].alive {
             let result = if fail {
                 Err("injected fabric error".to_owned())
+            } else if refused {
+                Err("refused: the receiver's fabric holds no grant for this write".to_owned())
             } else {
                 Ok(())
             };
@@ -562,6 +592,10 @@ impl Cluster {
     }
 
     fn drain_receiver(&mut self, r: usize) {
+        // Grants first: a reply hands them out, and the fabric must know them by then.
+        while let Some(change) = self.receivers[r].ledger.poll_grant_change() {
+            self.receivers[r].grants[change.slot.0 as usize] = change.grant;
+        }
         while let Some((peer, reply)) = self.receivers[r].ledger.poll_transmit() {
             let bytes = wire::encode(&Message::AllocResponse(reply));
             let at = self.link_time(3, r as u64, peer.0, self.spec.timing.net_latency);
