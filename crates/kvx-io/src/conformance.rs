@@ -286,9 +286,16 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
 
 /// A write lands only under its connection's peer's current grant, once: another peer's
 /// write into a granted slot, a write naming another slot or an old generation, and a second
-/// write of one grant are refused, change no byte and are never announced; a credential the
-/// buffer did not issue cannot attach, nor can staging of another chunk size.
-pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(f: &F, endpoint: &str) {
+/// write of one grant are refused and never announced; a credential the buffer did not issue
+/// cannot attach, nor can staging of another chunk size. `checked_before_writing`: the
+/// fabric checks before a byte reaches the slot (TCP, memory), so refused writes also change
+/// no byte; a fabric whose sender writes the receiver's memory itself (shared memory, RDMA)
+/// can only refuse to announce.
+pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(
+    f: &F,
+    endpoint: &str,
+    checked_before_writing: bool,
+) {
     const BYTES: usize = 1024;
     let mut listener = f
         .expose(endpoint, 4, BYTES)
@@ -378,7 +385,7 @@ pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(f: &F, endpoint: &s
     assert!(got == mine, "conformance: slot 0 holds the owner's bytes");
     listener.memory.read_slot(1, &mut got);
     assert!(
-        got.iter().all(|&b| b == 0),
+        !checked_before_writing || got.iter().all(|&b| b == 0),
         "conformance: refused writes changed no byte"
     );
     assert!(

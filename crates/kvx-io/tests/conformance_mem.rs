@@ -30,7 +30,7 @@ async fn mem_fabric_rejects_out_of_bounds() {
 
 #[tokio::test]
 async fn mem_fabric_refuses_writes_outside_grants() {
-    conformance::fabric_refuses_writes_outside_grants(&MemFabric::new(), "buffer").await;
+    conformance::fabric_refuses_writes_outside_grants(&MemFabric::new(), "buffer", true).await;
 }
 
 #[tokio::test]

@@ -200,7 +200,7 @@ async fn shm_restart_at_the_same_endpoint() {
 
 #[tokio::test]
 async fn shm_fabric_refuses_writes_outside_grants() {
-    conformance::fabric_refuses_writes_outside_grants(&ShmFabric::new(), EP).await;
+    conformance::fabric_refuses_writes_outside_grants(&ShmFabric::new(), EP, false).await;
 }
 
 #[tokio::test]

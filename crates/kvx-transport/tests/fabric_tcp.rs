@@ -151,7 +151,7 @@ async fn tcp_staging_rewritten_right_after_completion_never_changes_landed_bytes
 
 #[tokio::test]
 async fn tcp_fabric_refuses_writes_outside_grants() {
-    conformance::fabric_refuses_writes_outside_grants(&TcpFabric::new(), EP).await;
+    conformance::fabric_refuses_writes_outside_grants(&TcpFabric::new(), EP, true).await;
 }
 
 #[tokio::test]

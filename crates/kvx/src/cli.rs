@@ -95,6 +95,10 @@ pub struct ReceiverArgs {
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// them on fails a kvx sender's chunk that carries none.
+    #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
+    pub checksums: ChecksumMode,
     #[command(flatten)]
     pub rdma: RdmaArgs,
     /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9400).
@@ -133,6 +137,10 @@ pub struct SenderArgs {
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// them on fails a kvx sender's chunk that carries none.
+    #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
+    pub checksums: ChecksumMode,
     #[command(flatten)]
     pub rdma: RdmaArgs,
     /// This sender's number, used in request ids so several senders never collide.
@@ -159,6 +167,31 @@ pub struct ProxyArgs {
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
+}
+
+/// Whether chunks carry an end-to-end checksum (CRC32C) that the receiver checks before a
+/// request is ready (docs/spec/fabrics.md §5b).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ChecksumMode {
+    /// On, except with `--fabric rdma`, which cannot carry them (the NIC's CRC covers the
+    /// link).
+    #[default]
+    Auto,
+    /// Senders compute them and receivers require them.
+    On,
+    /// Senders send none and receivers require none.
+    Off,
+}
+
+impl ChecksumMode {
+    /// Whether checksums are on for `fabric`.
+    pub fn enabled(self, fabric: FabricKind) -> bool {
+        match self {
+            ChecksumMode::Auto => fabric != FabricKind::Rdma,
+            ChecksumMode::On => true,
+            ChecksumMode::Off => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -245,6 +278,10 @@ pub struct DemoArgs {
     pub chunk_bytes: u64,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
+    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// them on fails a kvx sender's chunk that carries none.
+    #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
+    pub checksums: ChecksumMode,
     #[command(flatten)]
     pub rdma: RdmaArgs,
     #[arg(long, value_enum, default_value_t = TransportKind::Zmq)]

@@ -64,8 +64,10 @@ pub async fn run_on<E: Env>(
     let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), &endpoints.proxy)
         .await
         .context("starting the proxy")?;
+    let checksums = args.checksums.enabled(args.fabric);
     let receiver_cfg = ReceiverConfig {
         buffer_slots: args.buffer_chunks,
+        require_checksums: checksums,
         ..ReceiverConfig::default()
     };
     let mut receiver = ReceiverNode::start(
@@ -122,6 +124,7 @@ pub async fn run_on<E: Env>(
         let cfg = SenderConfig {
             staging_slots: args.staging_chunks,
             notify_proxy_on_failure: true,
+            checksums,
             ..SenderConfig::default()
         };
         let sender = SenderNode::start(

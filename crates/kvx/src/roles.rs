@@ -88,6 +88,7 @@ pub async fn receiver<E: Env>(
     }
     let cfg = ReceiverConfig {
         buffer_slots,
+        require_checksums: args.checksums.enabled(args.fabric),
         ..ReceiverConfig::default()
     };
     let tally = Arc::new(DecodeTally::default());
@@ -168,6 +169,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     let cfg = SenderConfig {
         staging_slots,
         notify_proxy_on_failure: true,
+        checksums: args.checksums.enabled(args.fabric),
         ..SenderConfig::default()
     };
     let mut handles = Vec::new();
