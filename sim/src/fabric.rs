@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvx_io::{
-    ChecksumCheck, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError,
-    FabricListener, LandedWrite, PostWrite, SlotMemory,
+    ChecksumCheck, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener,
+    LandedWrite, PostWrite, SlotMemory,
 };
 use kvx_proto::PeerId;
 use tokio::sync::{mpsc, watch};
@@ -149,11 +149,11 @@ impl Fabric for SimFabric {
         let memory = Arc::new(SimMemory::new(slots, slot_bytes));
         let (tx, rx) = kvx_io::landing_channel(slots);
         let mut w = self.world.lock();
-        // Deterministic per seed, and different for every incarnation of a buffer.
-        let mut key = [0u8; 16];
-        key[..8].copy_from_slice(&w.rng.next_u64().to_le_bytes());
-        key[8..].copy_from_slice(&w.rng.next_u64().to_le_bytes());
-        let access = Arc::new(FabricAccess::new(slots, key));
+        // Different for every buffer and every incarnation of its node (so a restarted
+        // receiver voids its predecessor's credentials), and drawn from neither the world's
+        // random numbers (so adding it changed no seed's run) nor the OS.
+        let incarnation = w.nodes.get(&self.node).map_or(0, |n| n.incarnation);
+        let access = Arc::new(FabricAccess::new(slots, sim_key(endpoint, incarnation)));
         if w.fabric.exposed.contains_key(endpoint) {
             let why = "already exposed".to_owned();
             return Err(FabricError::Endpoint {
@@ -234,6 +234,19 @@ impl Fabric for SimFabric {
         self.world.spawn_infra(qp.run(ops_rx, signal_rx));
         Ok(FabricConn::new(ops_tx, done_rx))
     }
+}
+
+/// A buffer's credential key in the simulation: a fixed function of its endpoint and its
+/// node's incarnation (the simulation forges no credentials; it needs them distinct).
+fn sim_key(endpoint: &str, incarnation: u32) -> [u8; 16] {
+    use std::hash::{Hash, Hasher};
+    let mut key = [0u8; 16];
+    for (half, salt) in [(0usize, 0x5EED_u64), (8, 0xC0DE)] {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (endpoint, incarnation, salt).hash(&mut h);
+        key[half..half + 8].copy_from_slice(&h.finish().to_le_bytes());
+    }
+    key
 }
 
 /// Where a write posted now on connection `id` lands, or why it cannot; the bool says the

@@ -52,6 +52,20 @@ fn fabric_rejects_out_of_bounds() {
     });
 }
 
+#[test]
+fn fabric_refuses_writes_outside_grants() {
+    with_world(7, |w| async move {
+        c::fabric_refuses_writes_outside_grants(&fabric(&w), "buffer", true).await
+    });
+}
+
+#[test]
+fn fabric_checks_checksums() {
+    with_world(8, |w| async move {
+        c::fabric_checks_checksums(&fabric(&w), "buffer").await
+    });
+}
+
 /// FIFO per connection holds with a wide latency spread (the jitter never reorders).
 #[test]
 fn transport_stays_fifo_under_jitter() {
