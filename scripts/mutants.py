@@ -46,6 +46,18 @@ MUTANTS = {
         "if head.need > self.available() {\n                break;\n            }",
         "if head.need > self.available() {\n                let mut q = std::mem::take(&mut self.waiting); let h = q.pop_front(); q.extend(h); self.waiting = q; if self.waiting.front().map(|w| w.need > self.available()).unwrap_or(true) { break; } else { continue; }\n            }",
         "let a smaller waiter overtake the head of the admission queue"),
+    "landing-from-any-peer": (SRC + "slots.rs",
+        "if state != SlotState::Free && self.holder(tag.slot) != Some(peer) {",
+        "if false {",
+        "count a landing whatever peer's connection it came through (the forged-landing defect)"),
+    "ignore-checksum-mismatch": (SRC + "receiver/landing.rs",
+        "ChecksumCheck::Mismatch { .. } => Some(format!(",
+        "ChecksumCheck::Mismatch { .. } if false => Some(format!(",
+        "make a request ready although a chunk failed its checksum"),
+    "legacy-ready-on-allocation": (SRC + "receiver/mod.rs",
+        "let ready = matches!(req.phase, Phase::Complete) && all_landed && req.notices;",
+        "let ready = matches!(req.phase, Phase::Complete) && (all_landed || !req.notices);",
+        "make an LMCache sender's request ready as soon as it is allocated (defect 6)"),
 }
 
 def run(name):
@@ -58,7 +70,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr

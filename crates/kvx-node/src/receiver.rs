@@ -41,6 +41,7 @@ enum Cmd {
         oneshot::Sender<Result<Vec<SlotIndex>, ConsumeError>>,
     ),
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
+    ExternalReady(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     Snapshot(oneshot::Sender<BufferSnapshot>),
 }
 
@@ -183,6 +184,18 @@ impl<M: SlotMemory> ChunkReader<M> {
         rx.await.ok()
     }
 
+    /// Marks a legacy (LMCache) sender's allocated request ready, because the proxy reported
+    /// it written (`LegacySenders::AfterProxy`); its `Ready` notice follows.
+    pub async fn legacy_ready(&self, key: &ReqKey) -> Result<(), ConsumeError> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || ConsumeError::Unknown(key.clone());
+        self.cmds
+            .send(Cmd::ExternalReady(key.clone(), tx))
+            .await
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// Releases a ready request's slots and reservation after the decoder read it.
     pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
         let (tx, rx) = oneshot::channel();
@@ -231,6 +244,10 @@ impl<E: Env> Driver<E> {
                     Some(Cmd::Consume(key, reply)) => {
                         let now = self.env.now();
                         let _ = reply.send(self.ledger.handle_consume(now, &key));
+                    }
+                    Some(Cmd::ExternalReady(key, reply)) => {
+                        let now = self.env.now();
+                        let _ = reply.send(self.ledger.handle_external_ready(now, &key));
                     }
                     Some(Cmd::Snapshot(reply)) => {
                         let l = &self.ledger;

@@ -19,6 +19,21 @@ fn require(ok: bool, why: impl FnOnce() -> String) -> Result<(), ConfigError> {
     }
 }
 
+/// What a receiver does with a sender that sends no `seq` (LMCache's own sender): its
+/// writes travel on a channel kvx cannot see, so nothing tells the receiver when its bytes
+/// are in (`docs/spec/protocol.md` §Legacy senders).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LegacySenders {
+    /// Refuse its first batch, with the reason: a request kvx cannot see written must never
+    /// be handed to a decoder.
+    #[default]
+    Refuse,
+    /// Admit and allocate as usual, but never make the request ready by itself: it becomes
+    /// ready only when the application says the proxy reported it complete
+    /// (`ReceiverLedger::handle_external_ready`); until then its slots stay its own.
+    AfterProxy,
+}
+
 /// The decode side: one receive buffer, its admission queue and request table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceiverConfig {
@@ -46,6 +61,8 @@ pub struct ReceiverConfig {
     /// request is ready; one without fails its request. Turn off only where the fabric cannot
     /// carry checksums and its own CRC is trusted (RDMA: the NIC's ICRC covers the wire).
     pub require_checksums: bool,
+    /// Senders without `seq` (LMCache's).
+    pub legacy_senders: LegacySenders,
 }
 
 impl Default for ReceiverConfig {
@@ -61,6 +78,7 @@ impl Default for ReceiverConfig {
             tombstone_ttl: Duration::from_secs(600),
             tombstones_max: 65_536,
             require_checksums: true,
+            legacy_senders: LegacySenders::Refuse,
         }
     }
 }

@@ -36,7 +36,7 @@ pub mod slots;
 pub mod time;
 pub mod wire;
 
-pub use config::{ConfigError, ProxyConfig, ReceiverConfig, SenderConfig};
+pub use config::{ConfigError, LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
 pub use ids::{PeerId, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag};
 pub use time::Instant;
 

@@ -4,7 +4,7 @@
 
 use kvx_proto::receiver::{Failure, Outcome, ReceiverEvent, ReceiverLedger};
 use kvx_proto::wire::{AllocRequest, CancelNotif, Message};
-use kvx_proto::{Instant, PeerId, ReceiverConfig, ReqId, ReqKey};
+use kvx_proto::{Instant, LegacySenders, PeerId, ReceiverConfig, ReqId, ReqKey};
 
 const PEER: PeerId = PeerId(7);
 
@@ -18,7 +18,7 @@ fn ready_request(ledger: &mut ReceiverLedger, id: &str) -> ReqKey {
         req_id: id.into(),
         is_last_batch: true,
         total_chunks: 2,
-        seq: None, // an LMCache-style sender: ready once allocated
+        seq: None, // an LMCache-style sender: ready when the proxy says so
     };
     ledger.handle_message(Instant::ZERO, PEER, Message::AllocRequest(batch));
     while ledger.poll_transmit().is_some() {}
@@ -26,6 +26,9 @@ fn ready_request(ledger: &mut ReceiverLedger, id: &str) -> ReqKey {
         peer: PEER,
         req_id: ReqId(id.into()),
     };
+    ledger
+        .handle_external_ready(Instant::ZERO, &key)
+        .expect("allocated");
     let mut ready = false;
     while let Some(ev) = ledger.poll_event() {
         ready |= matches!(ev, ReceiverEvent::Ready { .. });
@@ -59,6 +62,7 @@ fn ended(ledger: &mut ReceiverLedger) -> Option<Outcome> {
 fn a_cancel_during_a_read_waits_for_the_consume() {
     let mut ledger = ReceiverLedger::new(ReceiverConfig {
         buffer_slots: 4,
+        legacy_senders: LegacySenders::AfterProxy,
         ..ReceiverConfig::default()
     })
     .expect("config");
@@ -86,6 +90,7 @@ fn a_cancel_during_a_read_waits_for_the_consume() {
 fn a_cancel_before_the_lease_frees_at_once_and_the_lease_is_refused() {
     let mut ledger = ReceiverLedger::new(ReceiverConfig {
         buffer_slots: 4,
+        legacy_senders: LegacySenders::AfterProxy,
         ..ReceiverConfig::default()
     })
     .expect("config");

@@ -107,6 +107,11 @@ pub struct ReceiverArgs {
     /// Do not check the synthetic workload's bytes (for real KV data).
     #[arg(long)]
     pub no_verify: bool,
+    /// Senders without kvx's `seq` (LMCache's own sender): refuse them (the default: nothing
+    /// tells this receiver when their bytes are in), or allocate for them and never hand
+    /// them to the decoder until an application marks them ready (`after-proxy`).
+    #[arg(long, value_enum, default_value_t = LegacyMode::Refuse)]
+    pub legacy_senders: LegacyMode,
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
@@ -167,6 +172,22 @@ pub struct ProxyArgs {
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
+}
+
+/// What a receiver does with senders that send no `seq` (docs/spec/protocol.md §Legacy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LegacyMode {
+    Refuse,
+    AfterProxy,
+}
+
+impl From<LegacyMode> for kvx_proto::LegacySenders {
+    fn from(m: LegacyMode) -> Self {
+        match m {
+            LegacyMode::Refuse => kvx_proto::LegacySenders::Refuse,
+            LegacyMode::AfterProxy => kvx_proto::LegacySenders::AfterProxy,
+        }
+    }
 }
 
 /// Whether chunks carry an end-to-end checksum (CRC32C) that the receiver checks before a

@@ -89,6 +89,7 @@ pub async fn receiver<E: Env>(
     let cfg = ReceiverConfig {
         buffer_slots,
         require_checksums: args.checksums.enabled(args.fabric),
+        legacy_senders: args.legacy_senders.into(),
         ..ReceiverConfig::default()
     };
     let tally = Arc::new(DecodeTally::default());

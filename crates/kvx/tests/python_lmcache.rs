@@ -24,6 +24,17 @@ fn python_ready() -> bool {
 
 #[test]
 fn an_lmcache_sender_talks_to_kvx_receiver() {
+    lmcache_sender_against_kvx_receiver(&["--legacy-senders", "after-proxy"], None);
+}
+
+/// By default a receiver refuses senders without `seq`: nothing would tell it when their
+/// bytes are in (before, their requests were read the moment they were allocated).
+#[test]
+fn an_lmcache_sender_is_refused_by_default() {
+    lmcache_sender_against_kvx_receiver(&[], Some("expect-refusal"));
+}
+
+fn lmcache_sender_against_kvx_receiver(receiver_args: &[&str], mode: Option<&str>) {
     if !python_ready() {
         assert!(
             std::env::var_os("KVX_REQUIRE_PYTHON").is_none(),
@@ -46,6 +57,7 @@ fn an_lmcache_sender_talks_to_kvx_receiver() {
             "--exit-after-s",
             "60",
         ])
+        .args(receiver_args)
         .args([
             "--alloc-ports",
             &alloc.to_string(),
@@ -72,6 +84,7 @@ fn an_lmcache_sender_talks_to_kvx_receiver() {
     let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/golden");
     let out = Command::new("python3")
         .args([script, &format!("tcp://127.0.0.1:{alloc}"), golden])
+        .args(mode)
         .output()
         .expect("python3 runs");
     let _ = receiver.kill();

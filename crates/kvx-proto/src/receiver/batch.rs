@@ -8,6 +8,7 @@
 
 use super::{Failure, Outcome, Phase, ReceiverLedger, Request};
 use crate::admission::Decision;
+use crate::config::LegacySenders;
 use crate::ids::{PeerId, ReqKey};
 use crate::time::Instant;
 use crate::wire::{AllocRequest, AllocResponse};
@@ -49,6 +50,9 @@ impl ReceiverLedger {
     }
 
     fn first_batch(&mut self, now: Instant, key: ReqKey, msg: AllocRequest) {
+        if msg.seq.is_none() && self.cfg.legacy_senders == LegacySenders::Refuse {
+            return self.refuse_and_remember(now, key, &msg, Failure::LegacySender);
+        }
         if self.requests.len() >= self.cfg.requests_max {
             let failure = Failure::TooManyRequests {
                 max: self.cfg.requests_max,

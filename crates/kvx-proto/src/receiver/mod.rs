@@ -98,7 +98,7 @@ pub(crate) struct Request {
     pub keys: Vec<String>,
     pub landed: u32,
     /// A kvx sender tells of each landed write; an LMCache sender does not, so its
-    /// requests are ready as soon as the last batch is allocated.
+    /// requests are ready only when the application says so (`handle_external_ready`).
     pub notices: bool,
     pub arrived: Instant,
     /// When this request's current timer fires (admission, idle, or unconsumed).
@@ -181,6 +181,28 @@ impl ReceiverLedger {
         }
         req.reading = true;
         Ok(req.slots.iter().map(|t| t.slot).collect())
+    }
+
+    /// The application learnt from the proxy that a legacy (LMCache) sender's request `key`
+    /// is written (`LegacySenders::AfterProxy`): once its last batch is allocated it is ready.
+    /// Refused for a kvx sender's request (its landings say when it is ready) and before the
+    /// last batch.
+    pub fn handle_external_ready(
+        &mut self,
+        now: Instant,
+        key: &ReqKey,
+    ) -> Result<(), ConsumeError> {
+        let req = self
+            .requests
+            .get(key)
+            .ok_or_else(|| ConsumeError::Unknown(key.clone()))?;
+        if req.notices || !matches!(req.phase, Phase::Complete | Phase::Ready) {
+            return Err(ConsumeError::NotReady(key.clone()));
+        }
+        if matches!(req.phase, Phase::Complete) {
+            self.make_ready(now, key);
+        }
+        Ok(())
     }
 
     /// The decoder has read request `key`: its slots and reservation are released. The
@@ -383,11 +405,20 @@ impl ReceiverLedger {
             .get_mut(key)
             .expect("invariant: ready check on a tracked request");
         let all_landed = req.landed as usize == req.slots.len();
-        // An LMCache sender sends no landing notices: its request is ready once allocated.
-        let ready = matches!(req.phase, Phase::Complete) && (all_landed || !req.notices);
+        // An LMCache sender sends no landing notices: nothing here says its bytes are in, so
+        // it waits for `handle_external_ready`.
+        let ready = matches!(req.phase, Phase::Complete) && all_landed && req.notices;
         if !ready {
             return;
         }
+        self.make_ready(now, key);
+    }
+
+    fn make_ready(&mut self, now: Instant, key: &ReqKey) {
+        let req = self
+            .requests
+            .get_mut(key)
+            .expect("invariant: ready check on a tracked request");
         req.phase = Phase::Ready;
         let event = ReceiverEvent::Ready {
             key: key.clone(),

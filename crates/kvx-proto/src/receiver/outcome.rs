@@ -33,6 +33,8 @@ pub enum Failure {
     AlreadyEnded(Box<Outcome>),
     /// A chunk landed empty or failed its checksum: the decoder must never read it.
     Integrity(String),
+    /// The sender sends no `seq` (LMCache's own), and this receiver refuses such senders.
+    LegacySender,
 }
 
 /// The end of a request on the receiver: exactly one per request.
@@ -87,6 +89,12 @@ impl fmt::Display for Failure {
             Failure::Unconsumed => f.write_str("the decoder did not consume the request within unconsumed_ttl"),
             Failure::AlreadyEnded(outcome) => write!(f, "request already ended ({outcome}); late batch refused"),
             Failure::Integrity(why) => write!(f, "chunk integrity: {why}; the request was rolled back"),
+            Failure::LegacySender => f.write_str(
+                "this receiver takes kvx senders only: a sender without seq writes its KV on a \
+                 channel the receiver cannot see, so nothing would say when the bytes are in; \
+                 start the receiver with legacy_senders = \"after-proxy\" if the application \
+                 marks requests ready when the proxy reports them",
+            ),
         }
     }
 }

@@ -77,8 +77,22 @@ def main() -> int:
         return AllocRequest(keys=keys, fmt=1, shape=[2, 2, 256, 64], dtype="bfloat16",
                             last_chunk_toks=toks, req_id=req, is_last_batch=last, total_chunks=total)
 
-    # R1: 5 chunks in batches of 2 + 2 + 1, as in the golden capture.
     keys = [f"pdsim@1@0@{100000 + i}@bfloat16" for i in range(5)]
+    if len(sys.argv) > 3 and sys.argv[3] == "expect-refusal":
+        # A receiver that refuses legacy senders (the default) answers LMCache-shaped, with
+        # LMCache's exact bytes, and grants nothing.
+        r, raw = rpc(batch("s0-r001-n5-t100", keys[0:2], 5))
+        check(r.remote_indexes == [-1, -1], f"legacy sender refused: {r}")
+        golden = bytes.fromhex(open(f"{golden_dir}/alloc_response_minus1.hex").read().strip())
+        check(raw == golden, f"refusal bytes are LMCache's exactly: {raw.hex()}")
+        sock.close()
+        ctx.term()
+        for f in failures:
+            print("FAIL:", f)
+        print(f"lmcache_sender: {2 - len(failures)} passed, {len(failures)} failed")
+        return 1 if failures else 0
+
+    # R1: 5 chunks in batches of 2 + 2 + 1, as in the golden capture.
     r, _ = rpc(batch("s0-r001-n5-t100", keys[0:2], 5))
     check(len(r.remote_indexes) == 2 and min(r.remote_indexes) >= 0, f"first batch: {r}")
     got = list(r.remote_indexes)
