@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvx_proto::admission::{Admission, Decision};
+use kvx_proto::admission::{Admission, Decision, Limits};
 use kvx_proto::receiver::ReceiverLedger;
 use kvx_proto::wire::{AllocRequest, CancelNotif, Message};
 use kvx_proto::{Instant, PeerId, ReceiverConfig, Ticket};
@@ -15,28 +15,35 @@ fn admission(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     let deadline = Instant::ZERO + Duration::from_secs(30);
 
-    // A buffer half full of other reservations: the decision is made against a non-trivial state.
-    let mut adm = Admission::new(1024, 4096);
-    assert_eq!(adm.request(Ticket(0), 512, deadline), Decision::Admitted);
+    // A buffer half full of other reservations: the decision is made against a non-trivial
+    // state, with per-peer shares on (the default's 75 %).
+    let limits = |capacity: u32| Limits {
+        peer_cap: capacity * 3 / 4,
+        peer_queue_max: 256,
+        ..Limits::fifo(capacity, 4096)
+    };
+    let (me, other) = (PeerId(1), PeerId(2));
+    let mut adm = Admission::new(limits(1024));
+    assert_eq!(adm.request(Ticket(0), other, 512, deadline), Decision::Admitted);
     let mut t = 1u64;
     group.bench_function("decide_and_release", |b| {
         b.iter(|| {
             t += 1;
-            let d = adm.request(Ticket(t), black_box(16), deadline);
+            let d = adm.request(Ticket(t), me, black_box(16), deadline);
             debug_assert_eq!(d, Decision::Admitted);
-            adm.release(16);
+            adm.release(me, 16);
             black_box(d)
         })
     });
 
     // With a waiter queued, every release re-examines the queue head.
-    let mut adm = Admission::new(64, 4096);
-    assert_eq!(adm.request(Ticket(0), 60, deadline), Decision::Admitted);
-    assert_eq!(adm.request(Ticket(1), 64, deadline), Decision::Queued);
+    let mut adm = Admission::new(Limits::fifo(64, 4096));
+    assert_eq!(adm.request(Ticket(0), other, 60, deadline), Decision::Admitted);
+    assert_eq!(adm.request(Ticket(1), other, 64, deadline), Decision::Queued);
     group.bench_function("decide_and_release_with_waiter", |b| {
         b.iter(|| {
             t += 1;
-            let d = adm.request(Ticket(t), black_box(2), deadline);
+            let d = adm.request(Ticket(t), me, black_box(2), deadline);
             if d == Decision::Queued {
                 adm.withdraw(Ticket(t));
             }

@@ -6,12 +6,20 @@
 //! first, W2). Deadlines are `arrival + admission_timeout`, so they are non-decreasing in
 //! queue order and expiry only ever looks at the head.
 //!
-//! `Admission` counts; it does not know which request holds which reservation. The receiver
-//! ledger keeps per-request amounts and checks that they add up to `reserved()`.
+//! **Per-peer shares** (`docs/spec/protocol.md` §Fair shares). One peer's footprint — the slots
+//! its requests reserve plus its rolled-back slots still in quarantine — may not exceed
+//! `peer_cap`, and at most `peer_queue_max` of its requests may wait. A waiter whose peer is
+//! at its share is *not eligible*: it is passed over, so that a peer holding the buffer cannot
+//! also block everyone behind its own waiting request; FIFO holds among eligible waiters (the
+//! first eligible waiter that does not fit blocks those behind it). With `peer_cap` equal to
+//! the capacity, every waiter is eligible and this is plain FIFO.
+//!
+//! `Admission` counts per peer; it does not know which request holds which reservation. The
+//! receiver ledger keeps per-request amounts and checks that they add up.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
-use crate::ids::Ticket;
+use crate::ids::{PeerId, Ticket};
 use crate::time::Instant;
 
 /// Why a request is refused at once, without waiting.
@@ -23,6 +31,10 @@ pub enum Refusal {
     LargerThanBuffer { need: u32, capacity: u32 },
     /// The admission queue is full.
     QueueFull { max: usize },
+    /// The request needs more slots than one peer may hold: it could never be admitted.
+    LargerThanPeerShare { need: u32, cap: u32 },
+    /// This peer already has `max` requests waiting.
+    PeerQueueFull { max: usize },
 }
 
 /// The outcome of asking for a reservation.
@@ -36,34 +48,90 @@ pub enum Decision {
 #[derive(Debug, Clone, Copy)]
 struct Waiter {
     ticket: Ticket,
+    peer: PeerId,
     need: u32,
     deadline: Instant,
 }
 
+/// The limits of one receiver's admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub capacity: u32,
+    /// Requests waiting at most.
+    pub queue_max: usize,
+    /// Slots one peer may hold (reserved + quarantined); `capacity` for no cap.
+    pub peer_cap: u32,
+    /// Requests of one peer waiting at most.
+    pub peer_queue_max: usize,
+}
+
+impl Limits {
+    /// The plain FIFO of one buffer: no per-peer limits beyond the queue's.
+    pub fn fifo(capacity: u32, queue_max: usize) -> Self {
+        Self {
+            capacity,
+            queue_max,
+            peer_cap: capacity,
+            peer_queue_max: queue_max,
+        }
+    }
+}
+
+/// One peer's share in use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Share {
+    /// Reserved + pinned slots of the peer.
+    footprint: u32,
+    waiting: usize,
+}
+
 #[derive(Debug, Clone)]
 pub struct Admission {
-    capacity: u32,
+    limits: Limits,
     reserved: u32,
     pinned: u32,
     waiting: VecDeque<Waiter>,
-    queue_max: usize,
     admitted: VecDeque<Ticket>,
+    shares: BTreeMap<PeerId, Share>,
 }
 
 impl Admission {
-    pub fn new(capacity: u32, queue_max: usize) -> Self {
+    pub fn new(limits: Limits) -> Self {
         Self {
-            capacity,
+            limits,
             reserved: 0,
             pinned: 0,
             waiting: VecDeque::new(),
-            queue_max,
             admitted: VecDeque::new(),
+            shares: BTreeMap::new(),
         }
     }
 
     pub fn capacity(&self) -> u32 {
-        self.capacity
+        self.limits.capacity
+    }
+
+    /// Slots `peer` holds: reserved by its requests, or quarantined after its rollbacks.
+    pub fn footprint(&self, peer: PeerId) -> u32 {
+        self.shares.get(&peer).map_or(0, |s| s.footprint)
+    }
+
+    fn share(&mut self, peer: PeerId) -> &mut Share {
+        self.shares.entry(peer).or_default()
+    }
+
+    /// Forgets peers that hold and wait for nothing (the map stays as small as the set of
+    /// active peers).
+    fn tidy(&mut self, peer: PeerId) {
+        if self.shares.get(&peer) == Some(&Share::default()) {
+            self.shares.remove(&peer);
+        }
+    }
+
+    /// Whether a waiter of `peer` needing `need` is within its peer's share.
+    fn eligible(&self, peer: PeerId, need: u32) -> bool {
+        self.limits.peer_cap >= self.limits.capacity
+            || self.footprint(peer) + need <= self.limits.peer_cap
     }
 
     /// Slots promised to admitted requests (allocated or not yet).
@@ -78,7 +146,7 @@ impl Admission {
 
     /// Slots a new reservation may take.
     pub fn available(&self) -> u32 {
-        self.capacity - self.reserved - self.pinned
+        self.limits.capacity - self.reserved - self.pinned
     }
 
     pub fn queue_len(&self) -> usize {
@@ -89,53 +157,89 @@ impl Admission {
         self.waiting.iter().any(|w| w.ticket == ticket)
     }
 
-    /// Reserves `need` slots for `ticket` now, queues it until `deadline`, or refuses it.
-    pub fn request(&mut self, ticket: Ticket, need: u32, deadline: Instant) -> Decision {
+    /// Reserves `need` slots for `ticket` of `peer` now, queues it until `deadline`, or
+    /// refuses it.
+    pub fn request(
+        &mut self,
+        ticket: Ticket,
+        peer: PeerId,
+        need: u32,
+        deadline: Instant,
+    ) -> Decision {
+        let limits = self.limits;
         if need == 0 {
             return Decision::Refused(Refusal::ZeroChunks);
         }
-        if need > self.capacity {
+        if need > limits.capacity {
             return Decision::Refused(Refusal::LargerThanBuffer {
                 need,
-                capacity: self.capacity,
+                capacity: limits.capacity,
+            });
+        }
+        if need > limits.peer_cap {
+            return Decision::Refused(Refusal::LargerThanPeerShare {
+                need,
+                cap: limits.peer_cap,
             });
         }
         if broken_variant!(NoReservation) {
-            self.reserved += need;
+            self.reserve(peer, need);
             return Decision::Admitted;
         }
-        if self.waiting.is_empty() && need <= self.available() {
-            self.reserved += need;
+        // Admitted at once only if no waiter would be admitted first: none eligible waits,
+        // and none of this peer's own (a peer's requests keep their order among themselves).
+        let nobody_ahead = self
+            .waiting
+            .iter()
+            .all(|w| w.peer != peer && !self.eligible(w.peer, w.need));
+        if nobody_ahead && self.eligible(peer, need) && need <= self.available() {
+            self.reserve(peer, need);
             return Decision::Admitted;
         }
-        if self.waiting.len() >= self.queue_max {
+        if self.waiting.len() >= limits.queue_max {
             return Decision::Refused(Refusal::QueueFull {
-                max: self.queue_max,
+                max: limits.queue_max,
+            });
+        }
+        if self.shares.get(&peer).map_or(0, |s| s.waiting) >= limits.peer_queue_max {
+            return Decision::Refused(Refusal::PeerQueueFull {
+                max: limits.peer_queue_max,
             });
         }
         // Keep deadlines non-decreasing so that expiry can look at the head alone.
         let floor = self.waiting.back().map_or(deadline, |w| w.deadline);
         self.waiting.push_back(Waiter {
             ticket,
+            peer,
             need,
             deadline: deadline.max(floor),
         });
+        self.share(peer).waiting += 1;
         Decision::Queued
     }
 
-    /// Gives back `amount` reserved slots and admits whoever now fits at the head.
-    pub fn release(&mut self, amount: u32) {
-        assert!(
-            amount <= self.reserved,
-            "invariant: release {amount} of {} reserved",
-            self.reserved
-        );
-        self.reserved -= amount;
-        self.admit_from_head();
+    fn reserve(&mut self, peer: PeerId, need: u32) {
+        self.reserved += need;
+        self.share(peer).footprint += need;
     }
 
-    /// Moves `amount` slots from a reservation to the pinned set (a rollback quarantines
-    /// slots that a late write may still hit; they stay out of use but leave the request).
+    /// Gives back `amount` slots `peer` reserved and admits whoever now fits.
+    pub fn release(&mut self, peer: PeerId, amount: u32) {
+        assert!(
+            amount <= self.reserved && amount <= self.footprint(peer),
+            "invariant: release {amount} of {} reserved ({} by {peer})",
+            self.reserved,
+            self.footprint(peer)
+        );
+        self.reserved -= amount;
+        self.share(peer).footprint -= amount;
+        self.tidy(peer);
+        self.admit_eligible();
+    }
+
+    /// Moves `amount` of `peer`'s reserved slots to the pinned set (a rollback quarantines
+    /// slots that a late write may still hit; they stay out of use, and count against the
+    /// peer's share, but leave the request).
     pub fn pin_from_reservation(&mut self, amount: u32) {
         assert!(
             amount <= self.reserved,
@@ -146,15 +250,18 @@ impl Admission {
         self.pinned += amount;
     }
 
-    /// Returns pinned slots to use.
-    pub fn unpin(&mut self, amount: u32) {
+    /// Returns `amount` of `peer`'s pinned slots to use.
+    pub fn unpin(&mut self, peer: PeerId, amount: u32) {
         assert!(
-            amount <= self.pinned,
-            "invariant: unpin {amount} of {} pinned",
-            self.pinned
+            amount <= self.pinned && amount <= self.footprint(peer),
+            "invariant: unpin {amount} of {} pinned ({} held by {peer})",
+            self.pinned,
+            self.footprint(peer)
         );
         self.pinned -= amount;
-        self.admit_from_head();
+        self.share(peer).footprint -= amount;
+        self.tidy(peer);
+        self.admit_eligible();
     }
 
     /// Takes `ticket` out of the queue (cancelled while waiting). False if it was not there.
@@ -162,18 +269,26 @@ impl Admission {
         let Some(pos) = self.waiting.iter().position(|w| w.ticket == ticket) else {
             return false;
         };
-        self.waiting.remove(pos);
-        // The head may have changed: a smaller request behind a withdrawn large one may fit.
-        self.admit_from_head();
+        if let Some(w) = self.waiting.remove(pos) {
+            self.unqueue(w.peer);
+        }
+        // A smaller request behind a withdrawn large one may fit now.
+        self.admit_eligible();
         true
+    }
+
+    fn unqueue(&mut self, peer: PeerId) {
+        self.share(peer).waiting -= 1;
+        self.tidy(peer);
     }
 
     /// The next waiter whose deadline has passed, removed from the queue.
     pub fn poll_expired(&mut self, now: Instant) -> Option<Ticket> {
         if self.waiting.front().is_some_and(|w| w.deadline <= now) {
-            let expired = self.waiting.pop_front().map(|w| w.ticket);
-            self.admit_from_head();
-            return expired;
+            let expired = self.waiting.pop_front()?;
+            self.unqueue(expired.peer);
+            self.admit_eligible();
+            return Some(expired.ticket);
         }
         None
     }
@@ -188,15 +303,39 @@ impl Admission {
         self.waiting.front().map(|w| w.deadline)
     }
 
-    fn admit_from_head(&mut self) {
-        while let Some(head) = self.waiting.front() {
-            if head.need > self.available() {
+    /// Admits waiters in FIFO order, passing over those beyond their peer's share (and every
+    /// later waiter of that peer, whose requests keep their order), until the first eligible
+    /// one that does not fit.
+    fn admit_eligible(&mut self) {
+        let mut passed_over = std::collections::BTreeSet::new();
+        let mut i = 0;
+        while let Some(&w) = self.waiting.get(i) {
+            if passed_over.contains(&w.peer) || !self.eligible(w.peer, w.need) {
+                passed_over.insert(w.peer);
+                i += 1;
+                continue;
+            }
+            if w.need > self.available() {
                 break;
             }
-            self.reserved += head.need;
-            self.admitted.push_back(head.ticket);
-            self.waiting.pop_front();
+            self.waiting.remove(i);
+            self.unqueue(w.peer);
+            self.reserve(w.peer, w.need);
+            self.admitted.push_back(w.ticket);
         }
+    }
+
+    /// The first waiter that would be admitted if it fitted, if any (for invariants).
+    fn first_eligible(&self) -> Option<&Waiter> {
+        let mut passed_over = std::collections::BTreeSet::new();
+        for w in &self.waiting {
+            if passed_over.contains(&w.peer) || !self.eligible(w.peer, w.need) {
+                passed_over.insert(w.peer);
+                continue;
+            }
+            return Some(w);
+        }
+        None
     }
 
     /// The explorer's canonical encoding (feature `testing`); capacity and queue bound are
@@ -208,35 +347,62 @@ impl Admission {
         enc.len(self.waiting.len());
         for w in &self.waiting {
             enc.ticket(w.ticket);
+            enc.u(w.peer.0);
             enc.u(u64::from(w.need));
             enc.time(w.deadline);
         }
+        // Per-peer shares follow from the requests and the quarantine, which are encoded.
         enc.len(self.admitted.len());
         self.admitted.iter().for_each(|&t| enc.ticket(t));
     }
 
     pub fn check_invariants(&self) {
         assert!(
-            self.reserved + self.pinned <= self.capacity,
+            self.reserved + self.pinned <= self.limits.capacity,
             "invariant: reserved {} + pinned {} exceed capacity {}",
             self.reserved,
             self.pinned,
-            self.capacity
+            self.limits.capacity
         );
         assert!(
-            self.waiting.len() <= self.queue_max,
+            self.waiting.len() <= self.limits.queue_max,
             "invariant: admission queue over its bound"
         );
+        let footprints: u32 = self.shares.values().map(|s| s.footprint).sum();
+        assert_eq!(
+            footprints,
+            self.reserved + self.pinned,
+            "invariant: the peers' footprints add up to reserved + pinned"
+        );
+        for (peer, share) in &self.shares {
+            let waiting = self.waiting.iter().filter(|w| w.peer == *peer).count();
+            assert_eq!(
+                share.waiting, waiting,
+                "invariant: {peer}'s waiters are counted"
+            );
+            assert!(
+                share.waiting <= self.limits.peer_queue_max,
+                "invariant: {peer} has more waiters than its bound"
+            );
+            if self.limits.peer_cap < self.limits.capacity && !broken_variant!(NoReservation) {
+                assert!(
+                    share.footprint <= self.limits.peer_cap,
+                    "invariant: {peer} holds {} slots, over its share {}",
+                    share.footprint,
+                    self.limits.peer_cap
+                );
+            }
+        }
         for pair in self.waiting.iter().zip(self.waiting.iter().skip(1)) {
             assert!(
                 pair.0.deadline <= pair.1.deadline,
                 "invariant: queue deadlines are FIFO"
             );
         }
-        if let Some(head) = self.waiting.front() {
+        if let Some(first) = self.first_eligible() {
             assert!(
-                head.need > self.available(),
-                "invariant: the queue head waits only when it does not fit"
+                first.need > self.available(),
+                "invariant: the first eligible waiter waits only when it does not fit"
             );
         }
     }
@@ -248,6 +414,7 @@ mod tests {
     use std::time::Duration;
 
     const T0: Instant = Instant::ZERO;
+    const P: PeerId = PeerId(1);
 
     fn later(ms: u64) -> Instant {
         T0 + Duration::from_millis(ms)
@@ -255,11 +422,11 @@ mod tests {
 
     #[test]
     fn seed_example_b_waits_until_a_releases() {
-        let mut adm = Admission::new(10, 8);
-        assert_eq!(adm.request(Ticket(1), 8, later(100)), Decision::Admitted);
-        assert_eq!(adm.request(Ticket(2), 8, later(100)), Decision::Queued);
+        let mut adm = Admission::new(Limits::fifo(10, 8));
+        assert_eq!(adm.request(Ticket(1), P, 8, later(100)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(2), P, 8, later(100)), Decision::Queued);
         assert_eq!(adm.poll_admitted(), None);
-        adm.release(8);
+        adm.release(P, 8);
         assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
         assert_eq!(adm.reserved(), 8);
         adm.check_invariants();
@@ -267,12 +434,12 @@ mod tests {
 
     #[test]
     fn fifo_holds_small_requests_behind_a_large_head() {
-        let mut adm = Admission::new(10, 8);
-        assert_eq!(adm.request(Ticket(1), 6, later(100)), Decision::Admitted);
-        assert_eq!(adm.request(Ticket(2), 8, later(100)), Decision::Queued);
+        let mut adm = Admission::new(Limits::fifo(10, 8));
+        assert_eq!(adm.request(Ticket(1), P, 6, later(100)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(2), P, 8, later(100)), Decision::Queued);
         // 4 slots are free, but the 8-chunk head came first.
-        assert_eq!(adm.request(Ticket(3), 2, later(100)), Decision::Queued);
-        adm.release(6);
+        assert_eq!(adm.request(Ticket(3), P, 2, later(100)), Decision::Queued);
+        adm.release(P, 6);
         assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
         assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
         adm.check_invariants();
@@ -280,36 +447,36 @@ mod tests {
 
     #[test]
     fn refusals_are_immediate() {
-        let mut adm = Admission::new(10, 1);
+        let mut adm = Admission::new(Limits::fifo(10, 1));
         assert_eq!(
-            adm.request(Ticket(1), 0, later(1)),
+            adm.request(Ticket(1), P, 0, later(1)),
             Decision::Refused(Refusal::ZeroChunks)
         );
         assert_eq!(
-            adm.request(Ticket(2), 11, later(1)),
+            adm.request(Ticket(2), P, 11, later(1)),
             Decision::Refused(Refusal::LargerThanBuffer {
                 need: 11,
                 capacity: 10
             })
         );
-        assert_eq!(adm.request(Ticket(3), 10, later(1)), Decision::Admitted);
-        assert_eq!(adm.request(Ticket(4), 1, later(1)), Decision::Queued);
+        assert_eq!(adm.request(Ticket(3), P, 10, later(1)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(4), P, 1, later(1)), Decision::Queued);
         assert_eq!(
-            adm.request(Ticket(5), 1, later(1)),
+            adm.request(Ticket(5), P, 1, later(1)),
             Decision::Refused(Refusal::QueueFull { max: 1 })
         );
     }
 
     #[test]
     fn expiry_and_withdraw_unblock_the_queue() {
-        let mut adm = Admission::new(10, 8);
-        adm.request(Ticket(1), 5, later(10));
-        adm.request(Ticket(2), 9, later(10));
-        adm.request(Ticket(3), 4, later(20));
+        let mut adm = Admission::new(Limits::fifo(10, 8));
+        adm.request(Ticket(1), P, 5, later(10));
+        adm.request(Ticket(2), P, 9, later(10));
+        adm.request(Ticket(3), P, 4, later(20));
         assert_eq!(adm.poll_expired(later(5)), None);
         assert_eq!(adm.poll_expired(later(10)), Some(Ticket(2)));
         assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
-        adm.request(Ticket(4), 9, later(30));
+        adm.request(Ticket(4), P, 9, later(30));
         assert!(adm.withdraw(Ticket(4)));
         assert!(!adm.withdraw(Ticket(4)));
         adm.check_invariants();
@@ -317,13 +484,68 @@ mod tests {
 
     #[test]
     fn pinned_slots_are_not_available() {
-        let mut adm = Admission::new(4, 8);
-        adm.request(Ticket(1), 4, later(10));
+        let mut adm = Admission::new(Limits::fifo(4, 8));
+        adm.request(Ticket(1), P, 4, later(10));
         adm.pin_from_reservation(2);
-        adm.release(2);
+        adm.release(P, 2);
         assert_eq!(adm.available(), 2);
-        assert_eq!(adm.request(Ticket(2), 3, later(10)), Decision::Queued);
-        adm.unpin(2);
+        assert_eq!(adm.request(Ticket(2), P, 3, later(10)), Decision::Queued);
+        adm.unpin(P, 2);
         assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
+    }
+
+    #[test]
+    fn a_peer_at_its_share_waits_without_blocking_others() {
+        let limits = Limits {
+            capacity: 8,
+            queue_max: 8,
+            peer_cap: 6,
+            peer_queue_max: 2,
+        };
+        let (a, b) = (PeerId(1), PeerId(2));
+        let mut adm = Admission::new(limits);
+        assert_eq!(
+            adm.request(Ticket(1), a, 7, later(100)),
+            Decision::Refused(Refusal::LargerThanPeerShare { need: 7, cap: 6 })
+        );
+        assert_eq!(adm.request(Ticket(2), a, 6, later(100)), Decision::Admitted);
+        // A's next request waits at the head: A is at its share.
+        assert_eq!(adm.request(Ticket(3), a, 1, later(100)), Decision::Queued);
+        // B is not held up by it: the 2 slots left are B's to take, at once.
+        assert_eq!(adm.request(Ticket(4), b, 2, later(100)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(5), a, 1, later(100)), Decision::Queued);
+        assert_eq!(
+            adm.request(Ticket(6), a, 1, later(100)),
+            Decision::Refused(Refusal::PeerQueueFull { max: 2 })
+        );
+        adm.check_invariants();
+        // B's release leaves A at its share: its waiters still wait.
+        adm.release(b, 2);
+        assert_eq!(adm.poll_admitted(), None);
+        adm.release(a, 6);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
+        assert_eq!(adm.poll_admitted(), Some(Ticket(5)));
+        adm.check_invariants();
+    }
+
+    #[test]
+    fn quarantined_slots_count_against_the_peer_that_rolled_back() {
+        let limits = Limits {
+            capacity: 8,
+            queue_max: 8,
+            peer_cap: 4,
+            peer_queue_max: 8,
+        };
+        let (a, b) = (PeerId(1), PeerId(2));
+        let mut adm = Admission::new(limits);
+        assert_eq!(adm.request(Ticket(1), a, 4, later(100)), Decision::Admitted);
+        // A rolls back: its 4 slots are quarantined, still A's.
+        adm.pin_from_reservation(4);
+        assert_eq!(adm.footprint(a), 4);
+        assert_eq!(adm.request(Ticket(2), a, 1, later(100)), Decision::Queued);
+        assert_eq!(adm.request(Ticket(3), b, 4, later(100)), Decision::Admitted);
+        adm.unpin(a, 4);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
+        adm.check_invariants();
     }
 }

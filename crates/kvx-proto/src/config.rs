@@ -63,6 +63,12 @@ pub struct ReceiverConfig {
     pub require_checksums: bool,
     /// Senders without `seq` (LMCache's).
     pub legacy_senders: LegacySenders,
+    /// The share of the buffer one sender may hold (its reservations plus its rolled-back
+    /// slots in quarantine), in percent, rounded up: 1..=100. 100 lets one sender take the
+    /// whole buffer; the default 75 keeps a quarter for others whatever one sender does.
+    pub peer_share_percent: u32,
+    /// Requests of one sender waiting for admission at most.
+    pub peer_queue_max: usize,
 }
 
 impl Default for ReceiverConfig {
@@ -79,11 +85,29 @@ impl Default for ReceiverConfig {
             tombstones_max: 65_536,
             require_checksums: true,
             legacy_senders: LegacySenders::Refuse,
+            peer_share_percent: 75,
+            peer_queue_max: 256,
         }
     }
 }
 
 impl ReceiverConfig {
+    /// Slots one sender may hold: `peer_share_percent` of the buffer, rounded up.
+    pub fn peer_slots_max(&self) -> u32 {
+        let share = u64::from(self.buffer_slots) * u64::from(self.peer_share_percent.min(100));
+        (share.div_ceil(100) as u32).max(1)
+    }
+
+    /// What admission enforces.
+    pub fn admission_limits(&self) -> crate::admission::Limits {
+        crate::admission::Limits {
+            capacity: self.buffer_slots,
+            queue_max: self.admission_queue_max,
+            peer_cap: self.peer_slots_max(),
+            peer_queue_max: self.peer_queue_max,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.buffer_slots > 0, || {
             "buffer_slots must be at least 1".into()
@@ -106,6 +130,15 @@ impl ReceiverConfig {
         })?;
         require(!self.admission_timeout.is_zero(), || {
             "admission_timeout must be positive".into()
+        })?;
+        require((1..=100).contains(&self.peer_share_percent), || {
+            format!(
+                "peer_share_percent must be 1..=100 (percent of the buffer one sender may hold), got {}",
+                self.peer_share_percent
+            )
+        })?;
+        require(self.peer_queue_max > 0, || {
+            "peer_queue_max must be at least 1".into()
         })?;
         Ok(())
     }

@@ -217,9 +217,9 @@ impl SlotTable {
         }
     }
 
-    /// Frees the next quarantined slot whose time is up. Entries whose slot was already
-    /// cleared by a late landing are skipped.
-    pub fn poll_quarantine_expired(&mut self, now: Instant) -> Option<SlotIndex> {
+    /// Frees the next quarantined slot whose time is up, and says whose grant it was under.
+    /// Entries whose slot was already cleared by a late landing are skipped.
+    pub fn poll_quarantine_expired(&mut self, now: Instant) -> Option<(SlotIndex, PeerId)> {
         while let Some(&(until, slot, generation)) = self.quarantine.front() {
             let live = self.generation[slot.0 as usize] == generation
                 && matches!(self.state(slot), SlotState::Quarantined { .. });
@@ -228,9 +228,12 @@ impl SlotTable {
             }
             self.quarantine.pop_front();
             if live {
+                let holder = self
+                    .holder(slot)
+                    .expect("invariant: a quarantined slot has a holder");
                 self.set_free(slot);
                 self.quarantined -= 1;
-                return Some(slot);
+                return Some((slot, holder));
             }
         }
         None
@@ -349,7 +352,7 @@ mod tests {
         t.quarantine(b.slot, Instant::ZERO + Duration::from_secs(2));
         assert_eq!(
             t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),
-            Some(a.slot)
+            Some((a.slot, PeerId(1)))
         );
         assert_eq!(
             t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),

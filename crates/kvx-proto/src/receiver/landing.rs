@@ -98,7 +98,7 @@ impl ReceiverLedger {
             }
             Landing::QuarantineCleared => {
                 // A slot came back: the head of the admission queue may fit now.
-                self.admission.unpin(1);
+                self.admission.unpin(w.peer, 1);
                 self.drain_admitted(now);
                 LandingVerdict::QuarantineCleared
             }

@@ -128,7 +128,7 @@ impl ReceiverLedger {
     pub fn new(cfg: ReceiverConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
-            admission: Admission::new(cfg.buffer_slots, cfg.admission_queue_max),
+            admission: Admission::new(cfg.admission_limits()),
             slots: SlotTable::new(cfg.buffer_slots),
             tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.tombstones_max),
             cfg,
@@ -256,12 +256,12 @@ impl ReceiverLedger {
             };
             self.fail(now, &key, failure, false);
         }
-        let mut unpinned = 0;
-        while self.slots.poll_quarantine_expired(now).is_some() {
-            unpinned += 1;
+        let mut unpinned = false;
+        while let Some((_, holder)) = self.slots.poll_quarantine_expired(now) {
+            self.admission.unpin(holder, 1);
+            unpinned = true;
         }
-        if unpinned > 0 {
-            self.admission.unpin(unpinned);
+        if unpinned {
             self.drain_admitted(now);
         }
         self.tombstones.expire(now);
@@ -474,7 +474,8 @@ impl ReceiverLedger {
             }
         }
         self.admission.pin_from_reservation(quarantined);
-        self.admission.release(req.reservation - quarantined);
+        self.admission
+            .release(key.peer, req.reservation - quarantined);
         self.tombstones.insert(now, key.clone(), outcome.clone());
         self.events.push_back(ReceiverEvent::Ended {
             key: key.clone(),

@@ -17,6 +17,10 @@ pub enum Failure {
     LargerThanBuffer { need: u32, capacity: u32 },
     /// Too many requests wait for admission.
     AdmissionQueueFull { max: usize },
+    /// The request needs more slots than one sender may hold.
+    LargerThanPeerShare { need: u32, cap: u32 },
+    /// This sender already has too many requests waiting.
+    PeerQueueFull { max: usize },
     /// Too many requests are tracked.
     TooManyRequests { max: usize },
     /// Waited `admission_timeout` without a reservation.
@@ -52,6 +56,10 @@ impl From<Refusal> for Failure {
                 Failure::LargerThanBuffer { need, capacity }
             }
             Refusal::QueueFull { max } => Failure::AdmissionQueueFull { max },
+            Refusal::LargerThanPeerShare { need, cap } => {
+                Failure::LargerThanPeerShare { need, cap }
+            }
+            Refusal::PeerQueueFull { max } => Failure::PeerQueueFull { max },
         }
     }
 }
@@ -69,6 +77,16 @@ impl fmt::Display for Failure {
                 f,
                 "request needs {need} chunks but the receiver buffer has only {capacity} slots: \
                  raise the receiver's buffer size or lower the prompt length"
+            ),
+            Failure::LargerThanPeerShare { need, cap } => write!(
+                f,
+                "request needs {need} chunks but one sender may hold at most {cap} slots of this \
+                 receiver (peer_share_percent): raise it, or the buffer, or lower the prompt length"
+            ),
+            Failure::PeerQueueFull { max } => write!(
+                f,
+                "this sender already has {max} requests waiting for admission (peer_queue_max): \
+                 retry later"
             ),
             Failure::AdmissionQueueFull { max } => {
                 write!(f, "admission queue is full ({max} requests wait): retry later or add receivers")

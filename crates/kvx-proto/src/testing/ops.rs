@@ -89,6 +89,9 @@ impl OpWorld {
             write_quarantine: Duration::from_secs(10),
             admission_timeout: Duration::from_secs(5),
             unconsumed_ttl: Duration::from_secs(20),
+            // One sender may use the whole buffer: admission is plain FIFO, which A2 checks
+            // (per-sender shares are checked by `admission`'s tests and the cluster's).
+            peer_share_percent: 100,
             ..ReceiverConfig::default()
         };
         let sender_cfg = SenderConfig {

@@ -103,8 +103,11 @@ impl ClusterSpec {
             notify_proxy_on_failure: true,
             ..SenderConfig::default()
         };
+        // One sender may use the whole buffer (the scenarios size requests against it);
+        // `with_peer_share` sets a share.
         let receiver = ReceiverConfig {
             buffer_slots,
+            peer_share_percent: 100,
             ..ReceiverConfig::default()
         };
         Self {
@@ -122,6 +125,14 @@ impl ClusterSpec {
 
     pub fn with(mut self, plan: RequestPlan) -> Self {
         self.requests.push(plan);
+        self
+    }
+
+    /// Every receiver lets one sender hold at most `percent` of its buffer.
+    pub fn with_peer_share(mut self, percent: u32) -> Self {
+        for r in &mut self.receivers {
+            r.peer_share_percent = percent;
+        }
         self
     }
 }

@@ -1,0 +1,126 @@
+//! Per-sender shares (`admission.rs`, `docs/spec/protocol.md` §Fair shares): the starvation
+//! cases a hostile review found, each run twice on the harness — with the default share,
+//! where the legitimate sender completes, and with shares off (one sender may hold the whole
+//! buffer and queue without limit), where it does not. The second run is what shows each test
+//! can fail.
+
+use std::time::Duration;
+
+use kvx_proto::receiver::Outcome;
+use kvx_proto::testing::{Cluster, ClusterSpec, End, Report, RequestPlan};
+use kvx_proto::wire::{AllocRequest, Message};
+
+const STEPS: u64 = 5_000_000;
+const TIME: Duration = Duration::from_secs(3_600);
+/// A 10-slot buffer; at the default 75 % one sender holds at most 8 slots.
+const BUFFER: u32 = 10;
+const DEFAULT_SHARE: u32 = 75;
+
+fn batch(req: &str, keys: usize, total: u32, last: bool, seq: u64) -> Message {
+    Message::AllocRequest(AllocRequest {
+        keys: (0..keys).map(|k| format!("{req}@{k}")).collect(),
+        fmt: 1,
+        shape: vec![2, 2, 256, 64],
+        dtype: "bfloat16".into(),
+        last_chunk_toks: 256,
+        req_id: req.into(),
+        is_last_batch: last,
+        total_chunks: total,
+        seq: Some(seq),
+    })
+}
+
+/// One legitimate sender with a 2-chunk request that begins after the hog has struck.
+fn spec(share: u32) -> ClusterSpec {
+    ClusterSpec::new(1, 1, BUFFER, 2)
+        .with_peer_share(share)
+        .with(RequestPlan {
+            start_after: Duration::from_secs(1),
+            ..RequestPlan::new(0, 0, "legit", 2, 2)
+        })
+}
+
+fn legit_delivered(report: &Report) -> bool {
+    let p = &report.plans[0];
+    p.sender_end == Some(End::Delivered) && p.receiver_end == Some(Outcome::Consumed)
+}
+
+fn run(cluster: Cluster) -> Report {
+    cluster.run(STEPS, TIME).unwrap_or_else(|s| panic!("{s}"))
+}
+
+/// A hog reserves all it may, then keeps its request alive with a one-key batch every 20 s
+/// (under the 30 s idle timeout), never finishing.
+fn hog_renewing(share: u32) -> Report {
+    let mut cluster = Cluster::new(spec(share));
+    let hold = (u64::from(BUFFER) * u64::from(share)).div_ceil(100) as u32;
+    cluster.inject(Duration::ZERO, 0, 0, &batch("hog", 0, hold, false, 1));
+    // Seven one-key batches, 20 s apart: it holds its reservation for 140 s.
+    for i in 0..7u64 {
+        let at = Duration::from_secs(1 + 20 * i);
+        cluster.inject(at, 0, 0, &batch("hog", 1, hold, false, 2 + i));
+    }
+    run(cluster)
+}
+
+#[test]
+fn a_sender_renewing_a_whole_buffer_reservation_does_not_starve_others() {
+    assert!(
+        legit_delivered(&hog_renewing(DEFAULT_SHARE)),
+        "with shares the legitimate sender completes"
+    );
+    assert!(
+        !legit_delivered(&hog_renewing(100)),
+        "without shares it is starved (this test can fail)"
+    );
+}
+
+/// A hog takes grants for all it may, writes nothing, then over-declares: the rollback
+/// quarantines every slot it held for `write_quarantine` (60 s).
+fn hog_quarantining(share: u32) -> Report {
+    let mut cluster = Cluster::new(spec(share));
+    let hold = (u64::from(BUFFER) * u64::from(share)).div_ceil(100) as u32;
+    cluster.inject(Duration::ZERO, 0, 0, &batch("hog", 0, hold, false, 1));
+    let at = Duration::from_millis(10);
+    cluster.inject(at, 0, 0, &batch("hog", hold as usize, hold, false, 2));
+    let at = Duration::from_millis(20);
+    cluster.inject(at, 0, 0, &batch("hog", 1, hold, false, 3));
+    run(cluster)
+}
+
+#[test]
+fn a_sender_quarantining_what_it_held_does_not_starve_others() {
+    assert!(legit_delivered(&hog_quarantining(DEFAULT_SHARE)));
+    assert!(
+        !legit_delivered(&hog_quarantining(100)),
+        "without shares the whole buffer is quarantined past the legitimate sender's \
+         admission timeout (this test can fail)"
+    );
+}
+
+/// A hog holds its share and floods the admission queue with probes that can only wait.
+fn hog_flooding_the_queue(share: u32, peer_queue_max: usize) -> Report {
+    let mut s = spec(share);
+    for r in &mut s.receivers {
+        r.admission_queue_max = 1024;
+        r.peer_queue_max = peer_queue_max;
+    }
+    let mut cluster = Cluster::new(s);
+    let hold = (u64::from(BUFFER) * u64::from(share)).div_ceil(100) as u32;
+    cluster.inject(Duration::ZERO, 0, 0, &batch("hog", 0, hold, false, 1));
+    for i in 0..1024u64 {
+        let at = Duration::from_millis(10);
+        let req = format!("probe{i}");
+        cluster.inject(at, 0, 0, &batch(&req, 0, hold, false, 2 + i));
+    }
+    run(cluster)
+}
+
+#[test]
+fn a_sender_flooding_the_admission_queue_does_not_lock_others_out() {
+    assert!(legit_delivered(&hog_flooding_the_queue(DEFAULT_SHARE, 256)));
+    assert!(
+        !legit_delivered(&hog_flooding_the_queue(100, 1024)),
+        "without per-sender limits the queue is full (this test can fail)"
+    );
+}
