@@ -24,7 +24,10 @@ fn admission(c: &mut Criterion) {
     };
     let (me, other) = (PeerId(1), PeerId(2));
     let mut adm = Admission::new(limits(1024));
-    assert_eq!(adm.request(Ticket(0), other, 512, deadline), Decision::Admitted);
+    assert_eq!(
+        adm.request(Ticket(0), other, 512, deadline),
+        Decision::Admitted
+    );
     let mut t = 1u64;
     group.bench_function("decide_and_release", |b| {
         b.iter(|| {
@@ -38,8 +41,14 @@ fn admission(c: &mut Criterion) {
 
     // With a waiter queued, every release re-examines the queue head.
     let mut adm = Admission::new(Limits::fifo(64, 4096));
-    assert_eq!(adm.request(Ticket(0), other, 60, deadline), Decision::Admitted);
-    assert_eq!(adm.request(Ticket(1), other, 64, deadline), Decision::Queued);
+    assert_eq!(
+        adm.request(Ticket(0), other, 60, deadline),
+        Decision::Admitted
+    );
+    assert_eq!(
+        adm.request(Ticket(1), other, 64, deadline),
+        Decision::Queued
+    );
     group.bench_function("decide_and_release_with_waiter", |b| {
         b.iter(|| {
             t += 1;

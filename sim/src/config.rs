@@ -143,6 +143,9 @@ impl SimConfig {
             unconsumed_ttl: Duration::from_secs(15),
             write_quarantine: Duration::from_secs(5),
             tombstone_ttl: Duration::from_secs(60),
+            // One sender may use the whole buffer unless a test says otherwise (the swarm
+            // draws shares: `plan::random`).
+            peer_share_percent: 100,
             ..ReceiverConfig::default()
         };
         let proxy = ProxyConfig {

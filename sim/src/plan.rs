@@ -19,8 +19,14 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     let mut cfg = SimConfig::new(rng.range(1, 3) as usize, rng.range(1, 3) as usize, 1, 1);
     cfg.seed = seed;
     cfg.tp = if rng.chance(0.25) { 2 } else { 1 };
+    // Per-sender shares half the time, from half of the buffer to all of it, drawn from a
+    // generator of their own so that every other draw of a seed stays what it was.
+    let mut shares = SimRng::new(seed ^ 0x5AA2_E5EE_D000);
     for d in &mut cfg.decode {
         d.receiver.buffer_slots = rng.range_u32(4, 40);
+        if shares.chance(0.5) {
+            d.receiver.peer_share_percent = shares.range_u32(50, 100);
+        }
     }
     for p in &mut cfg.prefill {
         p.sender.staging_slots = rng.range_u32(1, 24);
@@ -89,18 +95,21 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
 fn request(rng: &mut SimRng, cfg: &SimConfig, id: String, start_at: Duration) -> RequestPlan {
     let prefill = rng.range(0, cfg.prefill.len() as u64 - 1) as usize;
     let decode = rng.range(0, cfg.decode.len() as u64 - 1) as usize;
-    let buffer = cfg.decode[decode].receiver.buffer_slots;
+    let receiver = &cfg.decode[decode].receiver;
+    let buffer = receiver.buffer_slots;
+    // The most one sender may hold: a larger request is refused, by design.
+    let share = receiver.peer_slots_max();
     // Large requests half the time: contention is where admission bugs live.
     let chunks = if rng.chance(0.5) {
-        rng.range_u32(buffer.div_ceil(2), buffer)
+        rng.range_u32(share.div_ceil(2), share)
     } else {
-        rng.range_u32(1, buffer.min(8))
+        rng.range_u32(1, share.min(8))
     };
     let mut plan = RequestPlan::new(&id, prefill, decode, chunks, rng.range_u32(1, 6));
     plan.start_at = start_at;
     if rng.chance(0.05) {
         // LMCache W13: fewer chunks sent than declared.
-        plan.declared = (chunks + rng.range_u32(1, 3)).min(buffer);
+        plan.declared = (chunks + rng.range_u32(1, 3)).min(share);
     }
     if rng.chance(0.03) {
         plan.declared = buffer + rng.range_u32(1, 4);

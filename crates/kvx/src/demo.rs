@@ -61,6 +61,20 @@ pub async fn run_on<E: Env>(
     args: DemoArgs,
 ) -> anyhow::Result<(Summary, ExitCode)> {
     let chunk_bytes = usize::try_from(args.chunk_bytes).context("chunk size")?;
+    crate::memory_check::check(&[
+        crate::memory_check::Need {
+            what: "the receive buffer",
+            slots: u64::from(args.buffer_chunks),
+            slot_bytes: args.chunk_bytes,
+            count: 1,
+        },
+        crate::memory_check::Need {
+            what: "the staging pools",
+            slots: u64::from(args.staging_chunks),
+            slot_bytes: args.chunk_bytes,
+            count: u64::from(args.senders),
+        },
+    ])?;
     let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), &endpoints.proxy)
         .await
         .context("starting the proxy")?;

@@ -21,6 +21,7 @@ mod decoder;
 mod demo;
 mod envs;
 mod loadgen;
+mod memory_check;
 mod roles;
 mod wire_cmd;
 mod workload;

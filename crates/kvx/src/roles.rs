@@ -76,6 +76,12 @@ pub async fn receiver<E: Env>(
     )?;
     let buffer_slots = args.buffer_chunks.or(file.buffer_chunks).unwrap_or(64);
     let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
+    crate::memory_check::check(&[crate::memory_check::Need {
+        what: "the receive buffers",
+        slots: u64::from(buffer_slots),
+        slot_bytes: chunk_bytes as u64,
+        count: ranks.len() as u64,
+    }])?;
     if let Some(addr) = args.metrics.or(file.metrics) {
         let addr: std::net::SocketAddr = addr
             .parse()
@@ -167,6 +173,12 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     let proxy = (style.control)(&proxy_host, proxy_port);
     let staging_slots = args.staging_chunks.or(file.staging_chunks).unwrap_or(64);
     let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
+    crate::memory_check::check(&[crate::memory_check::Need {
+        what: "the staging pools",
+        slots: u64::from(staging_slots),
+        slot_bytes: chunk_bytes as u64,
+        count: ranks.len() as u64,
+    }])?;
     let cfg = SenderConfig {
         staging_slots,
         notify_proxy_on_failure: true,

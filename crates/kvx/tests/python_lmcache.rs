@@ -50,8 +50,10 @@ fn lmcache_sender_against_kvx_receiver(receiver_args: &[&str], mode: Option<&str
         .args([
             "receiver",
             "--no-verify",
+            // Legacy requests hold their slots until marked ready (never, here): room for
+            // R1's 5 and R2's 4 within one sender's share (75 %).
             "--buffer-chunks",
-            "10",
+            "16",
             "--chunk-bytes",
             "4096",
             "--exit-after-s",
