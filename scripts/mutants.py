@@ -58,6 +58,18 @@ MUTANTS = {
         "let ready = matches!(req.phase, Phase::Complete) && all_landed && req.notices;",
         "let ready = matches!(req.phase, Phase::Complete) && (all_landed || !req.notices);",
         "make an LMCache sender's request ready as soon as it is allocated (defect 6)"),
+    "no-peer-share": (SRC + "admission.rs",
+        "        self.limits.peer_cap >= self.limits.capacity\n            || self.footprint(peer) + need <= self.limits.peer_cap",
+        "        true",
+        "let one sender take the whole buffer whatever the share"),
+    "unbounded-queued-bytes": (SRC + "receiver/batch.rs",
+        "if self.queued_bytes + bytes > self.cfg.queued_bytes_max {",
+        "if false {",
+        "keep every waiting first batch, whatever it holds"),
+    "duplicate-grant-accepted": (SRC + "sender/reply.rs",
+        "if let Some(dup) = reply.remote_indexes.iter().find(|&&i| !seen.insert(i)) {",
+        "if let Some(dup) = reply.remote_indexes.iter().find(|&&i| !seen.insert(i) && false) {",
+        "write two chunks of a batch into one slot a receiver granted twice"),
 }
 
 def run(name):
@@ -70,7 +82,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr

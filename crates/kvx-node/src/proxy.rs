@@ -54,6 +54,7 @@ impl ProxyNode {
                 source,
                 cmds: rx,
                 waiting: HashMap::new(),
+                undecodable_logged: kvx_io::LogLimiter::default(),
             }
             .run(),
         );
@@ -93,6 +94,8 @@ struct Driver<E: Env> {
     source: NotifySource,
     cmds: mpsc::Receiver<Cmd>,
     waiting: HashMap<ReqId, oneshot::Sender<ProxyOutcome>>,
+    /// Undecodable notices are logged at most once a second: a peer can send them at will.
+    undecodable_logged: kvx_io::LogLimiter,
 }
 
 impl<E: Env> Driver<E> {
@@ -117,7 +120,12 @@ impl<E: Env> Driver<E> {
                             let now = self.env.now();
                             self.tracker.handle_message(now, msg);
                         }
-                        Err(e) => tracing::warn!(error = %e, "undecodable notice"),
+                        Err(e) => {
+                            metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
+                            if let Some(left_out) = self.undecodable_logged.allow() {
+                                tracing::warn!(error = %e, left_out, "undecodable notice");
+                            }
+                        }
                     }
                 }
                 cmd = self.cmds.recv() => {

@@ -69,6 +69,15 @@ pub struct ReceiverConfig {
     pub peer_share_percent: u32,
     /// Requests of one sender waiting for admission at most.
     pub peer_queue_max: usize,
+    /// The longest `req_id` accepted, in bytes; a longer one is refused and not remembered.
+    pub req_id_bytes_max: usize,
+    /// The longest cache key accepted, in bytes.
+    pub key_bytes_max: usize,
+    /// Bytes all first batches waiting for admission may hold together (their keys and
+    /// descriptions); a first batch that would go past it is refused.
+    pub queued_bytes_max: usize,
+    /// Bytes the remembered ids of ended requests may hold; the oldest are forgotten first.
+    pub tombstones_bytes_max: usize,
 }
 
 impl Default for ReceiverConfig {
@@ -87,6 +96,10 @@ impl Default for ReceiverConfig {
             legacy_senders: LegacySenders::Refuse,
             peer_share_percent: 75,
             peer_queue_max: 256,
+            req_id_bytes_max: 512,
+            key_bytes_max: 1024,
+            queued_bytes_max: 16 << 20,
+            tombstones_bytes_max: 16 << 20,
         }
     }
 }
@@ -139,6 +152,9 @@ impl ReceiverConfig {
         })?;
         require(self.peer_queue_max > 0, || {
             "peer_queue_max must be at least 1".into()
+        })?;
+        require(self.req_id_bytes_max > 0 && self.key_bytes_max > 0, || {
+            "req_id_bytes_max and key_bytes_max must be at least 1".into()
         })?;
         Ok(())
     }
@@ -287,6 +303,12 @@ pub struct ProxyConfig {
     pub early_notices_max: usize,
     /// How long an early notice is kept.
     pub early_notice_ttl: Duration,
+    /// Bytes the kept early notices may hold together (ids and failure reasons).
+    pub early_notices_bytes_max: usize,
+    /// The longest request id a notice may carry; longer ones are dropped and counted.
+    pub req_id_bytes_max: usize,
+    /// A failure's reason is cut to this many bytes.
+    pub reason_bytes_max: usize,
 }
 
 impl Default for ProxyConfig {
@@ -296,6 +318,9 @@ impl Default for ProxyConfig {
             requests_max: 65_536,
             early_notices_max: 65_536,
             early_notice_ttl: Duration::from_secs(60),
+            early_notices_bytes_max: 16 << 20,
+            req_id_bytes_max: 512,
+            reason_bytes_max: 1024,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! `tp_ranks` notices, or fails on a `FailNotif` or after `kv_ready_timeout`. Notices
 //! that arrive before `handle_expect` are kept (bounded, with a TTL) and counted then.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::{ConfigError, ProxyConfig};
 use crate::ids::ReqId;
@@ -51,11 +51,23 @@ struct Early {
 pub struct ProxyTracker {
     cfg: ProxyConfig,
     awaited: BTreeMap<ReqId, Awaited>,
+    /// `awaited`'s deadlines in order, so a notice or a timer costs O(log n), not a scan of
+    /// every pending request.
+    deadlines: BTreeSet<(Instant, ReqId)>,
     early: BTreeMap<ReqId, (Early, Option<String>)>,
     early_order: VecDeque<(Instant, ReqId)>,
+    /// What `early` holds, about (`early_bytes`).
+    early_bytes: usize,
     events: VecDeque<ProxyEvent>,
-    /// Notices or failures for ids neither awaited nor kept (counted for metrics).
+    /// Notices or failures for ids neither awaited nor kept, or too large to keep (counted
+    /// for metrics).
     pub dropped_notices: u64,
+}
+
+/// What one kept early notice holds, about: its id twice (map and order), its failure reason,
+/// and the overhead of both entries.
+fn early_bytes(req_id: &ReqId, reason: Option<&String>) -> usize {
+    2 * req_id.0.len() + reason.map_or(0, String::len) + 128
 }
 
 impl ProxyTracker {
@@ -64,8 +76,10 @@ impl ProxyTracker {
         Ok(Self {
             cfg,
             awaited: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
             early: BTreeMap::new(),
             early_order: VecDeque::new(),
+            early_bytes: 0,
             events: VecDeque::new(),
             dropped_notices: 0,
         })
@@ -88,7 +102,7 @@ impl ProxyTracker {
             return Err(ExpectError::TooMany(self.cfg.requests_max));
         }
         let deadline = now + self.cfg.kv_ready_timeout;
-        let (early, reason) = self.early.remove(&req_id).unwrap_or_default();
+        let (early, reason) = self.take_early(&req_id);
         if early.failed {
             let reason = reason.unwrap_or_default();
             self.events.push_back(ProxyEvent::Failed { req_id, reason });
@@ -102,16 +116,19 @@ impl ProxyTracker {
                 deadline,
             },
         );
+        self.deadlines.insert((deadline, req_id.clone()));
         for _ in 0..early.notices {
             self.count_notice(&req_id);
         }
         Ok(())
     }
 
-    /// A message from the PULL socket (`ProxyNotif`, or kvx's `FailNotif`).
+    /// A message from the PULL socket (`ProxyNotif`, or kvx's `FailNotif`). An id longer
+    /// than `req_id_bytes_max` can name no awaited request and is dropped (counted); a
+    /// failure's reason is cut to `reason_bytes_max`.
     pub fn handle_message(&mut self, now: Instant, msg: Message) {
         match msg {
-            Message::ProxyNotif(n) => {
+            Message::ProxyNotif(n) if n.req_id.len() <= self.cfg.req_id_bytes_max => {
                 let req_id = ReqId(n.req_id);
                 if self.awaited.contains_key(&req_id) {
                     self.count_notice(&req_id);
@@ -119,15 +136,14 @@ impl ProxyTracker {
                     self.keep_early(now, req_id, None);
                 }
             }
-            Message::FailNotif(f) => {
+            Message::FailNotif(f) if f.req_id.len() <= self.cfg.req_id_bytes_max => {
                 let req_id = ReqId(f.req_id);
-                if self.awaited.remove(&req_id).is_some() {
-                    self.events.push_back(ProxyEvent::Failed {
-                        req_id,
-                        reason: f.reason,
-                    });
+                let reason = cut(f.reason, self.cfg.reason_bytes_max);
+                if let Some(a) = self.awaited.remove(&req_id) {
+                    self.deadlines.remove(&(a.deadline, req_id.clone()));
+                    self.events.push_back(ProxyEvent::Failed { req_id, reason });
                 } else {
-                    self.keep_early(now, req_id, Some(f.reason));
+                    self.keep_early(now, req_id, Some(reason));
                 }
             }
             _ => self.dropped_notices += 1,
@@ -135,13 +151,13 @@ impl ProxyTracker {
     }
 
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<ReqId> = self
-            .awaited
-            .iter()
-            .filter(|(_, a)| a.deadline <= now)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for req_id in expired {
+        while let Some((deadline, _)) = self.deadlines.first() {
+            if *deadline > now {
+                break;
+            }
+            let Some((_, req_id)) = self.deadlines.pop_first() else {
+                break;
+            };
             self.awaited.remove(&req_id);
             let reason = "kv_ready_timeout passed before every TP rank reported".to_owned();
             self.events.push_back(ProxyEvent::Failed { req_id, reason });
@@ -155,7 +171,7 @@ impl ProxyTracker {
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let awaited = self.awaited.values().map(|a| a.deadline).min();
+        let awaited = self.deadlines.first().map(|(at, _)| *at);
         earliest(
             awaited,
             self.early_order
@@ -179,45 +195,59 @@ impl ProxyTracker {
             .expect("invariant: counting an awaited request");
         a.seen += 1;
         if a.seen >= a.ranks {
+            let deadline = a.deadline;
             self.awaited.remove(req_id);
+            self.deadlines.remove(&(deadline, req_id.clone()));
             self.events.push_back(ProxyEvent::Ready {
                 req_id: req_id.clone(),
             });
         }
     }
 
+    /// Keeps a notice (`failure`: None) or a failure for an id not awaited yet. An id kept
+    /// already is taken out and kept afresh with what it had, so the bounds are enforced the
+    /// same way for both.
     fn keep_early(&mut self, now: Instant, req_id: ReqId, failure: Option<String>) {
-        if self.cfg.early_notices_max == 0 {
+        let (prior, prior_reason) = self.take_early(&req_id);
+        let is_failure = failure.is_some();
+        let reason = failure.or(prior_reason);
+        let size = early_bytes(&req_id, reason.as_ref());
+        if self.cfg.early_notices_max == 0 || size > self.cfg.early_notices_bytes_max {
             self.dropped_notices += 1;
             return;
         }
-        if !self.early.contains_key(&req_id) {
-            while self.early.len() >= self.cfg.early_notices_max {
-                self.pop_early();
-                self.dropped_notices += 1;
-            }
-            self.early_order.push_back((now, req_id.clone()));
+        while !self.early_order.is_empty()
+            && (self.early.len() >= self.cfg.early_notices_max
+                || self.early_bytes + size > self.cfg.early_notices_bytes_max)
+        {
+            self.pop_early();
+            self.dropped_notices += 1;
         }
-        let entry = self.early.entry(req_id).or_insert((
-            Early {
-                at: now,
-                ..Early::default()
-            },
-            None,
-        ));
-        match failure {
-            Some(reason) => {
-                entry.0.failed = true;
-                entry.1 = Some(reason);
+        let early = Early {
+            notices: prior.notices + u32::from(!is_failure),
+            failed: prior.failed || is_failure,
+            at: now,
+        };
+        self.early_order.push_back((now, req_id.clone()));
+        self.early.insert(req_id, (early, reason));
+        self.early_bytes += size;
+    }
+
+    /// Removes `req_id`'s early notices (it is awaited now).
+    fn take_early(&mut self, req_id: &ReqId) -> (Early, Option<String>) {
+        match self.early.remove(req_id) {
+            Some((early, reason)) => {
+                self.early_bytes -= early_bytes(req_id, reason.as_ref());
+                (early, reason)
             }
-            None => entry.0.notices += 1,
+            None => Default::default(),
         }
     }
 
     fn pop_early(&mut self) {
         if let Some((at, id)) = self.early_order.pop_front() {
             if self.early.get(&id).is_some_and(|(e, _)| e.at == at) {
-                self.early.remove(&id);
+                self.take_early(&id);
             }
         }
     }
@@ -231,6 +261,21 @@ impl ProxyTracker {
             self.early.len() <= self.cfg.early_notices_max,
             "invariant: early table bound"
         );
+        let bytes: usize = self
+            .early
+            .iter()
+            .map(|(id, (_, reason))| early_bytes(id, reason.as_ref()))
+            .sum();
+        assert_eq!(bytes, self.early_bytes, "invariant: early bytes counted");
+        assert!(
+            self.early_bytes <= self.cfg.early_notices_bytes_max,
+            "invariant: early bytes bound"
+        );
+        assert_eq!(
+            self.deadlines.len(),
+            self.awaited.len(),
+            "invariant: one deadline per awaited request"
+        );
         for (id, a) in &self.awaited {
             assert!(
                 a.seen < a.ranks,
@@ -238,6 +283,19 @@ impl ProxyTracker {
             );
         }
     }
+}
+
+/// At most `max` bytes of `s` (on a character boundary), with a mark when cut.
+fn cut(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
 }
 
 #[cfg(test)]
@@ -301,5 +359,36 @@ mod tests {
             }
         }
         assert!(matches!(event, Some(ProxyEvent::Failed { req_id, .. }) if req_id.0 == "slow"));
+    }
+
+    /// A flood of notices for ids nobody awaits (huge ids, huge reasons) keeps the early
+    /// table within its bounds, and a real request is still reported.
+    #[test]
+    fn a_flood_of_unknown_notices_stays_bounded() {
+        let cfg = ProxyConfig {
+            early_notices_bytes_max: 1 << 20,
+            ..ProxyConfig::default()
+        };
+        let mut p = ProxyTracker::new(cfg).expect("valid config");
+        p.handle_message(Instant::ZERO, notif(&"x".repeat(1 << 20)));
+        assert_eq!(p.dropped_notices, 1, "an id longer than req_id_bytes_max");
+        for i in 0..10_000 {
+            let fail = FailNotif {
+                req_id: format!("{i:0>400}"),
+                reason: "r".repeat(1 << 20),
+            };
+            p.handle_message(Instant::ZERO, Message::FailNotif(fail));
+        }
+        p.check_invariants();
+        assert!(p.early_bytes <= 1 << 20);
+        p.handle_expect(Instant::ZERO, "real".into(), 1)
+            .expect("fresh id");
+        p.handle_message(Instant::ZERO, notif("real"));
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Ready {
+                req_id: "real".into()
+            })
+        );
     }
 }

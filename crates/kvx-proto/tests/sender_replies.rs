@@ -1,4 +1,7 @@
-//! The sender's handling of replies that come too late.
+//! The sender's handling of replies that come too late, or that no correct receiver sends
+//! (W22): a reply that grants one slot to two chunks of a batch would have the second write
+//! overwrite the first, so it fails the request as a bad reply (a hostile review found it
+//! accepted).
 
 use std::time::Duration;
 
@@ -81,4 +84,67 @@ fn a_grant_processed_after_its_deadline_is_not_written() {
     );
     assert_eq!(s.staging_free(), s.staging_capacity(), "staging released");
     s.check_invariants();
+}
+
+fn reply_to_last(flow: &mut SenderFlow, slots: Vec<i64>) {
+    let t = flow.poll_transmit().expect("a message went out");
+    let Message::AllocRequest(req) = t.msg else {
+        panic!("an AllocRequest: {t:?}");
+    };
+    let generations = Some(vec![1; slots.len()]);
+    let reply = AllocResponse::granted(slots, generations, req.seq);
+    flow.handle_message(Instant::ZERO, R, Message::AllocResponse(reply));
+}
+
+fn begin_and_stage(flow: &mut SenderFlow, id: &ReqId) -> Vec<ChunkSpec> {
+    flow.handle_begin(
+        Instant::ZERO,
+        RequestSpec {
+            req_id: id.clone(),
+            receiver: R,
+            total_chunks: 2,
+            fmt: 1,
+            shape: vec![1],
+            dtype: "bfloat16".into(),
+        },
+    )
+    .expect("begin");
+    reply_to_last(flow, vec![]);
+    (0..2)
+        .map(|i| ChunkSpec {
+            key: format!("k{i}"),
+            staging: flow.try_allocate(id).expect("staging"),
+            tokens: 1,
+        })
+        .collect()
+}
+
+#[test]
+fn a_reply_granting_one_slot_twice_fails_the_request() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    let chunks = begin_and_stage(&mut flow, &id);
+    flow.handle_submit(Instant::ZERO, &id, chunks, true)
+        .expect("submit");
+    reply_to_last(&mut flow, vec![3, 3]);
+    assert_eq!(flow.poll_write(), None, "nothing is written");
+    let failure = std::iter::from_fn(|| flow.poll_event()).find_map(|e| match e {
+        SenderEvent::Failed { failure, .. } => Some(failure),
+        _ => None,
+    });
+    assert!(
+        matches!(&failure, Some(SendFailure::BadReply(why)) if why.contains("granted twice")),
+        "{failure:?}"
+    );
+}
+
+#[test]
+fn a_reply_granting_distinct_slots_is_written() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    let chunks = begin_and_stage(&mut flow, &id);
+    flow.handle_submit(Instant::ZERO, &id, chunks, true)
+        .expect("submit");
+    reply_to_last(&mut flow, vec![3, 4]);
+    assert_eq!(std::iter::from_fn(|| flow.poll_write()).count(), 2);
 }

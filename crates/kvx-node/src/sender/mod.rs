@@ -215,6 +215,7 @@ impl SenderNode {
             reconnecting: std::collections::BTreeSet::new(),
             connecting: std::collections::BTreeSet::new(),
             credentials: BTreeMap::new(),
+            undecodable_logged: kvx_io::LogLimiter::default(),
             inbox_tx: in_tx,
             inbox: in_rx,
             cmds: cmd_rx,
@@ -446,6 +447,8 @@ struct Driver<E: Env> {
     /// The credential each receiver last sent (`AllocResponse::fabric_credential`): a fabric
     /// connection is attached only with one, and again whenever it changes.
     credentials: BTreeMap<PeerId, FabricCredential>,
+    /// Undecodable replies are logged at most once a second.
+    undecodable_logged: kvx_io::LogLimiter,
     /// Writes waiting for a receiver's new fabric connection, in posting order
     /// (`fabric_link`); at most one per staging slot.
     parked: BTreeMap<PeerId, Vec<PostWrite>>,
@@ -497,7 +500,9 @@ impl<E: Env> Driver<E> {
                 }
                 Err(e) => {
                     metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
-                    tracing::warn!(%peer, error = %e, "undecodable reply; the reply timeout will catch what it answered");
+                    if let Some(left_out) = self.undecodable_logged.allow() {
+                        tracing::warn!(%peer, error = %e, left_out, "undecodable reply; the reply timeout will catch what it answered");
+                    }
                 }
             },
             Input::Client(peer, ClientEvent::Disconnected) => {

@@ -7,6 +7,19 @@
 //! that rolls back everything the request holds.
 
 use super::{Failure, Outcome, Phase, ReceiverLedger, Request};
+
+/// A chunk's shape has a handful of dimensions (LMCache: `[2, layers, tokens, dim]`).
+const SHAPE_DIMS_MAX: usize = 16;
+/// Torch dtype names are short (`"bfloat16"`).
+const DTYPE_BYTES_MAX: usize = 64;
+
+/// What a waiting first batch holds in memory, about: its strings and lists, and the
+/// overhead of each.
+pub(super) fn queued_bytes(msg: &AllocRequest) -> usize {
+    const OVERHEAD: usize = 24;
+    let keys: usize = msg.keys.iter().map(|k| k.len() + OVERHEAD).sum();
+    128 + msg.req_id.len() + msg.dtype.len() + msg.shape.len() * 8 + keys
+}
 use crate::admission::Decision;
 use crate::config::LegacySenders;
 use crate::ids::{PeerId, ReqKey};
@@ -18,10 +31,27 @@ impl ReceiverLedger {
         if msg.req_id.is_empty() {
             return self.refuse(peer, &msg, Failure::NoReqId);
         }
+        if msg.req_id.len() > self.cfg.req_id_bytes_max {
+            // Not remembered: an id this long is what a tombstone must not keep.
+            let failure = Failure::TooLarge(format!(
+                "req_id of {} bytes exceeds req_id_bytes_max {}",
+                msg.req_id.len(),
+                self.cfg.req_id_bytes_max
+            ));
+            return self.refuse(peer, &msg, failure);
+        }
         let key = ReqKey {
             peer,
             req_id: msg.req_id.as_str().into(),
         };
+        if let Some(why) = self.oversize(&msg) {
+            return match self.requests.get(&key).map(|r| &r.phase) {
+                Some(Phase::Waiting { .. } | Phase::Receiving | Phase::Complete | Phase::Ready) => {
+                    self.violation(now, &key, &msg, why)
+                }
+                None => self.refuse_and_remember(now, key, &msg, Failure::TooLarge(why)),
+            };
+        }
         if let Some(prior) = self.tombstones.get(&key) {
             let failure = Failure::AlreadyEnded(Box::new(prior.clone()));
             return self.refuse(peer, &msg, failure);
@@ -53,6 +83,16 @@ impl ReceiverLedger {
         if msg.seq.is_none() && self.cfg.legacy_senders == LegacySenders::Refuse {
             return self.refuse_and_remember(now, key, &msg, Failure::LegacySender);
         }
+        // Checked before anything is queued, so a waiting first batch holds no more keys than
+        // it may ever use.
+        if msg.keys.len() > msg.total_chunks as usize {
+            let why = format!(
+                "the first batch brings {} keys but declares total_chunks={}",
+                msg.keys.len(),
+                msg.total_chunks
+            );
+            return self.refuse_and_remember(now, key, &msg, Failure::ProtocolViolation(why));
+        }
         if self.requests.len() >= self.cfg.requests_max {
             let failure = Failure::TooManyRequests {
                 max: self.cfg.requests_max,
@@ -69,7 +109,20 @@ impl ReceiverLedger {
                 return self.refuse_and_remember(now, key, &msg, refusal.into())
             }
             Decision::Admitted => (Phase::Receiving, msg.total_chunks),
-            Decision::Queued => (Phase::Waiting { first: msg.clone() }, 0),
+            Decision::Queued => {
+                let bytes = queued_bytes(&msg);
+                if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
+                    self.admission.withdraw(ticket);
+                    let failure = Failure::TooLarge(format!(
+                        "the first batches waiting for admission hold {} bytes; this one's {} \
+                         would exceed queued_bytes_max {}",
+                        self.queued_bytes, bytes, self.cfg.queued_bytes_max
+                    ));
+                    return self.refuse_and_remember(now, key, &msg, failure);
+                }
+                self.queued_bytes += bytes;
+                (Phase::Waiting { first: msg.clone() }, 0)
+            }
         };
         let request = Request {
             ticket,
@@ -91,6 +144,28 @@ impl ReceiverLedger {
             self.on_admitted(now, &key, std::time::Duration::ZERO);
             self.apply_batch(now, &key, msg);
         }
+    }
+
+    /// Why a batch's fields are larger than this receiver accepts, if they are: every string
+    /// and list a sender controls is bounded before anything of it is kept.
+    fn oversize(&self, msg: &AllocRequest) -> Option<String> {
+        let cfg = &self.cfg;
+        if let Some(k) = msg.keys.iter().find(|k| k.len() > cfg.key_bytes_max) {
+            return Some(format!(
+                "a key of {} bytes exceeds key_bytes_max {}",
+                k.len(),
+                cfg.key_bytes_max
+            ));
+        }
+        if msg.shape.len() > SHAPE_DIMS_MAX || msg.dtype.len() > DTYPE_BYTES_MAX {
+            return Some(format!(
+                "shape of {} dimensions or dtype of {} bytes (at most {SHAPE_DIMS_MAX} and \
+                 {DTYPE_BYTES_MAX})",
+                msg.shape.len(),
+                msg.dtype.len()
+            ));
+        }
+        None
     }
 
     /// Allocates one batch of an admitted request and answers it.
@@ -175,12 +250,14 @@ impl ReceiverLedger {
 
     fn refuse(&mut self, peer: PeerId, msg: &AllocRequest, failure: Failure) {
         self.stats.refused += 1;
+        let id: String = msg.req_id.chars().take(64).collect();
         let reason = format!(
-            "request {}: {failure}",
-            if msg.req_id.is_empty() {
-                "\"\""
+            "request {}{}: {failure}",
+            if id.is_empty() { "\"\"" } else { &id },
+            if id.len() < msg.req_id.len() {
+                "…"
             } else {
-                &msg.req_id
+                ""
             }
         );
         self.transmits.push_back((

@@ -119,6 +119,8 @@ pub struct ReceiverLedger {
     timers: BTreeSet<(Instant, Ticket)>,
     next_ticket: u64,
     tombstones: Tombstones,
+    /// What the first batches waiting for admission hold (`batch::queued_bytes`).
+    queued_bytes: usize,
     transmits: VecDeque<(PeerId, AllocResponse)>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
@@ -130,7 +132,12 @@ impl ReceiverLedger {
         Ok(Self {
             admission: Admission::new(cfg.admission_limits()),
             slots: SlotTable::new(cfg.buffer_slots),
-            tombstones: Tombstones::new(cfg.tombstone_ttl, cfg.tombstones_max),
+            tombstones: Tombstones::new(
+                cfg.tombstone_ttl,
+                cfg.tombstones_max,
+                cfg.tombstones_bytes_max,
+            ),
+            queued_bytes: 0,
             cfg,
             requests: BTreeMap::new(),
             tickets: BTreeMap::new(),
@@ -333,6 +340,18 @@ impl ReceiverLedger {
         self.admission.queue_len()
     }
 
+    /// What the first batches waiting for admission hold, about (bounded by
+    /// `queued_bytes_max`).
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
+    /// What the remembered ids of ended requests hold, about (bounded by
+    /// `tombstones_bytes_max`).
+    pub fn tombstone_bytes(&self) -> usize {
+        self.tombstones.bytes()
+    }
+
     pub fn tracked_requests(&self) -> usize {
         self.requests.len()
     }
@@ -353,6 +372,12 @@ impl ReceiverLedger {
     }
 
     fn on_cancel(&mut self, now: Instant, peer: PeerId, cancel: CancelNotif) {
+        if cancel.req_id.len() > self.cfg.req_id_bytes_max {
+            // No request can have such an id; and it is not worth remembering.
+            return self
+                .transmits
+                .push_back((peer, AllocResponse::cancel_ack(cancel.seq)));
+        }
         let key = ReqKey {
             peer,
             req_id: cancel.req_id.as_str().into(),
@@ -447,6 +472,7 @@ impl ReceiverLedger {
         }) = self.requests.get(key)
         {
             let reply = AllocResponse::refused(first.keys.len(), failure.to_string(), first.seq);
+            self.queued_bytes -= batch::queued_bytes(first);
             self.admission.withdraw(*ticket);
             self.transmits.push_back((key.peer, reply));
         }
@@ -500,6 +526,7 @@ impl ReceiverLedger {
             else {
                 panic!("invariant: only waiting requests are admitted from the queue");
             };
+            self.queued_bytes -= batch::queued_bytes(&first);
             req.reservation = req.total;
             let waited = now - req.arrived;
             self.on_admitted(now, &key, waited);
@@ -550,6 +577,22 @@ impl ReceiverLedger {
         assert!(
             self.requests.len() <= self.cfg.requests_max,
             "invariant: request table bound"
+        );
+        let queued: usize = self
+            .requests
+            .values()
+            .filter_map(|r| match &r.phase {
+                Phase::Waiting { first } => Some(batch::queued_bytes(first)),
+                _ => None,
+            })
+            .sum();
+        assert_eq!(
+            queued, self.queued_bytes,
+            "invariant: waiting first batches' bytes are counted"
+        );
+        assert!(
+            self.queued_bytes <= self.cfg.queued_bytes_max,
+            "invariant: waiting first batches within queued_bytes_max"
         );
         let mut owners = BTreeMap::new();
         for (key, req) in &self.requests {

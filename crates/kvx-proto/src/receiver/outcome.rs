@@ -39,6 +39,8 @@ pub enum Failure {
     Integrity(String),
     /// The sender sends no `seq` (LMCache's own), and this receiver refuses such senders.
     LegacySender,
+    /// A field of the request is larger than this receiver accepts (the text says which).
+    TooLarge(String),
 }
 
 /// The end of a request on the receiver: exactly one per request.
@@ -107,6 +109,7 @@ impl fmt::Display for Failure {
             Failure::Unconsumed => f.write_str("the decoder did not consume the request within unconsumed_ttl"),
             Failure::AlreadyEnded(outcome) => write!(f, "request already ended ({outcome}); late batch refused"),
             Failure::Integrity(why) => write!(f, "chunk integrity: {why}; the request was rolled back"),
+            Failure::TooLarge(why) => write!(f, "too large: {why}"),
             Failure::LegacySender => f.write_str(
                 "this receiver takes kvx senders only: a sender without seq writes its KV on a \
                  channel the receiver cannot see, so nothing would say when the bytes are in; \

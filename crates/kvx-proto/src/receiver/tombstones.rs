@@ -13,28 +13,49 @@ use crate::time::Instant;
 pub(super) struct Tombstones {
     ttl: Duration,
     max: usize,
+    bytes_max: usize,
+    /// What the remembered entries hold, about (`entry_bytes`).
+    bytes: usize,
     ended: BTreeMap<ReqKey, (Instant, Outcome)>,
     order: VecDeque<(Instant, ReqKey)>,
 }
 
+/// What one remembered id holds in memory, about: the id twice (map and order), its outcome's
+/// text, and the overhead of both entries.
+fn entry_bytes(key: &ReqKey, outcome: &Outcome) -> usize {
+    let text = match outcome {
+        Outcome::Consumed => 0,
+        Outcome::Failed(f) => f.to_string().len(),
+    };
+    2 * key.req_id.0.len() + text + 128
+}
+
 impl Tombstones {
-    pub fn new(ttl: Duration, max: usize) -> Self {
+    pub fn new(ttl: Duration, max: usize, bytes_max: usize) -> Self {
         Self {
             ttl,
             max,
+            bytes_max,
+            bytes: 0,
             ended: BTreeMap::new(),
             order: VecDeque::new(),
         }
     }
 
     pub fn insert(&mut self, now: Instant, key: ReqKey, outcome: Outcome) {
-        if self.max == 0 {
+        let size = entry_bytes(&key, &outcome);
+        if self.max == 0 || size > self.bytes_max {
             return;
         }
-        while self.ended.len() >= self.max {
+        while !self.order.is_empty()
+            && (self.ended.len() >= self.max || self.bytes + size > self.bytes_max)
+        {
             self.pop_oldest();
         }
-        self.ended.insert(key.clone(), (now, outcome));
+        if let Some((_, old)) = self.ended.insert(key.clone(), (now, outcome)) {
+            self.bytes -= entry_bytes(&key, &old);
+        }
+        self.bytes += size;
         self.order.push_back((now, key));
     }
 
@@ -54,6 +75,11 @@ impl Tombstones {
         {
             self.pop_oldest();
         }
+    }
+
+    /// What the remembered ids hold, about.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
@@ -85,7 +111,9 @@ impl Tombstones {
         };
         // A key ended twice has two queue entries; only the newest owns the map entry.
         if self.ended.get(&key).is_some_and(|(t, _)| *t == at) {
-            self.ended.remove(&key);
+            if let Some((_, outcome)) = self.ended.remove(&key) {
+                self.bytes -= entry_bytes(&key, &outcome);
+            }
         }
     }
 }

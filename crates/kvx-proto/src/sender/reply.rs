@@ -233,6 +233,12 @@ fn plan_writes(chunks: &[ChunkSpec], reply: &AllocResponse) -> Result<WritePlan,
             ));
         }
     }
+    // Two chunks of one batch in one slot would overwrite each other: a receiver that grants
+    // that is broken or lying, and the request must not be delivered.
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = reply.remote_indexes.iter().find(|&&i| !seen.insert(i)) {
+        return Err(format!("remote index {dup} granted twice in one batch"));
+    }
     let mut remote = reply.remote_indexes.iter().enumerate();
     let mut plan = Vec::with_capacity(n);
     for &skipped in &skip {
