@@ -27,8 +27,10 @@ async fn cluster(
     let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
         .await
         .expect("proxy starts");
+    // These tests size requests against the whole buffer, from one sender.
     let cfg = ReceiverConfig {
         buffer_slots,
+        peer_share_percent: 100,
         ..ReceiverConfig::default()
     };
     let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
