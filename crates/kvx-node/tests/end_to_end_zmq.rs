@@ -47,8 +47,10 @@ async fn receiver<E: Env>(
     Arc<AtomicU64>,
     tokio::sync::oneshot::Sender<()>,
 ) {
+    // These tests size requests against the whole buffer, from one sender.
     let cfg = ReceiverConfig {
         buffer_slots: buffer,
+        peer_share_percent: 100,
         ..ReceiverConfig::default()
     };
     // A restarted receiver may find its port still held for a moment by the old one's
