@@ -112,6 +112,11 @@ pub struct ReceiverArgs {
     /// them to the decoder until an application marks them ready (`after-proxy`).
     #[arg(long, value_enum, default_value_t = LegacyMode::Refuse)]
     pub legacy_senders: LegacyMode,
+    /// The share of each rank's buffer one sender may hold, in percent (1-100): its
+    /// reservations plus its rolled-back slots in quarantine. Keeps one misbehaving sender
+    /// from starving the others; with one sender per receiver (1P1D), 100 lets it use all.
+    #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub peer_share_percent: u32,
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,

@@ -96,6 +96,7 @@ pub async fn receiver<E: Env>(
         buffer_slots,
         require_checksums: args.checksums.enabled(args.fabric),
         legacy_senders: args.legacy_senders.into(),
+        peer_share_percent: args.peer_share_percent,
         ..ReceiverConfig::default()
     };
     let tally = Arc::new(DecodeTally::default());
