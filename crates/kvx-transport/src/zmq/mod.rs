@@ -69,6 +69,12 @@ pub struct ZmqConfig {
     /// Routing identities remembered at most (`PeerId` stability); the least recently
     /// heard is forgotten first.
     pub peers_max: usize,
+    /// How long an incoming message may take from its first byte to its last, on every
+    /// socket: a peer that trickles a frame is disconnected then
+    /// (`ZmqStats::messages_timed_out`), so it holds its buffer no longer. Waiting between
+    /// messages is not bounded by it. Default 5 s, the `send_timeout` within which a kvx
+    /// sender writes a whole batch of messages.
+    pub message_timeout: Duration,
 }
 
 impl Default for ZmqConfig {
@@ -82,6 +88,7 @@ impl Default for ZmqConfig {
             frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
             frame_refuse_bytes: 16 * DEFAULT_FRAME_MAX_BYTES,
             peers_max: 65_536,
+            message_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -101,6 +108,7 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_min", self.reconnect_backoff_min),
+            ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
             return Err(ZmqConfigError(format!("{name} must be positive")));
@@ -112,6 +120,7 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_max", self.reconnect_backoff_max),
+            ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = longest.iter().find(|(_, d)| *d > SETTING_MAX) {
             return Err(ZmqConfigError(format!(
@@ -156,6 +165,11 @@ pub struct ZmqStats {
     pub disconnects: u64,
     /// Connections of DEALERs and PUSHes re-established after a break.
     pub reconnects: u64,
+    /// Connections closed because a message took longer than `message_timeout` to arrive.
+    pub messages_timed_out: u64,
+    /// Connections closed because their stream broke the framing rules: reserved flags, a
+    /// frame announced over `frame_refuse_bytes`, a command inside a message.
+    pub protocol_violations: u64,
 }
 
 #[derive(Debug, Default)]
@@ -167,6 +181,8 @@ struct Counters {
     dropped_while_down: AtomicU64,
     disconnects: AtomicU64,
     reconnects: AtomicU64,
+    messages_timed_out: AtomicU64,
+    protocol_violations: AtomicU64,
 }
 
 /// Adds one; returns the new count.
@@ -178,6 +194,24 @@ fn bump(counter: &AtomicU64) -> u64 {
 /// frames must not flood the log too, but the first few and then a sparse sample are kept.
 fn worth_logging(n: u64) -> bool {
     n <= 8 || n.is_power_of_two()
+}
+
+/// Bytes a peer chose, as they may appear in a log: escaped, and cut to `LOGGED_BYTES_MAX`
+/// with the full length said, so a hostile identity or command name cannot flood or forge
+/// log lines.
+struct PeerBytes<'a>(&'a [u8]);
+
+const LOGGED_BYTES_MAX: usize = 64;
+
+impl std::fmt::Display for PeerBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = &self.0[..self.0.len().min(LOGGED_BYTES_MAX)];
+        write!(f, "\"{}\"", shown.escape_ascii())?;
+        if shown.len() < self.0.len() {
+            write!(f, "… ({} bytes)", self.0.len())?;
+        }
+        Ok(())
+    }
 }
 
 /// What every socket task of one transport shares.
@@ -192,6 +226,21 @@ impl Shared {
     fn peers(&self) -> MutexGuard<'_, PeerTable> {
         // The table has no invariant a panicking holder could break halfway.
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a connection refused or cut off (`counter`), and logs it sparsely
+    /// (`worth_logging`): a hostile peer that repeats itself must not flood the log.
+    fn refused(
+        &self,
+        counter: &AtomicU64,
+        socket: &'static str,
+        what: &'static str,
+        why: &dyn std::fmt::Display,
+    ) {
+        let n = bump(counter);
+        if worth_logging(n) {
+            tracing::warn!(socket, so_far = n, %why, "{what}");
+        }
     }
 
     /// Counts and (sparsely) logs an incoming message that was not passed on.
@@ -256,6 +305,8 @@ impl ZmqTransport {
             dropped_while_down: get(&c.dropped_while_down),
             disconnects: get(&c.disconnects),
             reconnects: get(&c.reconnects),
+            messages_timed_out: get(&c.messages_timed_out),
+            protocol_violations: get(&c.protocol_violations),
         }
     }
 

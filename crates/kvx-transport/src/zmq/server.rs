@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
 use super::framing;
-use super::zmtp::{self, FrameReader};
+use super::zmtp::{self, FrameReader, ReadLimits};
 use super::{bump, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
@@ -107,11 +107,7 @@ fn reader_for(
     stream: TcpStream,
 ) -> (FrameReader<tokio::net::tcp::OwnedReadHalf>, OwnedWriteHalf) {
     let (rd, wr) = stream.into_split();
-    let c = &shared.config;
-    (
-        FrameReader::new(rd, c.frame_max_bytes, c.frame_refuse_bytes),
-        wr,
-    )
+    (FrameReader::new(rd, ReadLimits::of(&shared.config)), wr)
 }
 
 // ---------------------------------------------------------------------------------------
