@@ -69,6 +69,17 @@ pub struct ZmqConfig {
     /// Routing identities remembered at most (`PeerId` stability); the least recently
     /// heard is forgotten first.
     pub peers_max: usize,
+    /// Connections a bound socket (ROUTER or PULL) holds at once, handshaking or not; one
+    /// accepted past it is closed at once, counted in `ZmqStats::connections_refused`.
+    /// Default 1024: one connection per sending process and TP rank, so a receiver rank
+    /// or a proxy serving a few hundred prefill ranks has room to spare, while a flood holds
+    /// at most 1024 × (`frame_max_bytes` + 8 KiB) of buffers (`docs/spec/zmq.md` §5).
+    pub connections_max: usize,
+    /// How long an accepted connection has to complete the ZMTP handshake (greeting and
+    /// READY); a peer that connects and says nothing, or trickles its greeting, is closed
+    /// then (`ZmqStats::handshakes_failed`). Default 5 s. (A connecting socket's handshake
+    /// is bounded by `connect_timeout`.)
+    pub handshake_timeout: Duration,
     /// How long an incoming message may take from its first byte to its last, on every
     /// socket: a peer that trickles a frame is disconnected then
     /// (`ZmqStats::messages_timed_out`), so it holds its buffer no longer. Waiting between
@@ -88,6 +99,8 @@ impl Default for ZmqConfig {
             frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
             frame_refuse_bytes: 16 * DEFAULT_FRAME_MAX_BYTES,
             peers_max: 65_536,
+            connections_max: 1024,
+            handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(5),
         }
     }
@@ -95,6 +108,9 @@ impl Default for ZmqConfig {
 
 /// The longest any `ZmqConfig` duration may be.
 pub const SETTING_MAX: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The most `ZmqConfig::connections_max` may be (far past any file descriptor limit).
+pub const CONNECTIONS_MAX_LIMIT: usize = 1 << 20;
 
 /// A `ZmqConfig` that cannot work, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -108,6 +124,7 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_min", self.reconnect_backoff_min),
+            ("handshake_timeout", self.handshake_timeout),
             ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
@@ -120,6 +137,7 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_max", self.reconnect_backoff_max),
+            ("handshake_timeout", self.handshake_timeout),
             ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = longest.iter().find(|(_, d)| *d > SETTING_MAX) {
@@ -136,6 +154,11 @@ impl ZmqConfig {
             return Err(ZmqConfigError(
                 "frame_max_bytes and peers_max must be at least 1".into(),
             ));
+        }
+        if !(1..=CONNECTIONS_MAX_LIMIT).contains(&self.connections_max) {
+            return Err(ZmqConfigError(format!(
+                "connections_max must be 1 to {CONNECTIONS_MAX_LIMIT}"
+            )));
         }
         if self.frame_refuse_bytes < self.frame_max_bytes {
             return Err(ZmqConfigError(
@@ -165,6 +188,17 @@ pub struct ZmqStats {
     pub disconnects: u64,
     /// Connections of DEALERs and PUSHes re-established after a break.
     pub reconnects: u64,
+    /// Connections a ROUTER or PULL closed as soon as it accepted them: it already held
+    /// `connections_max`.
+    pub connections_refused: u64,
+    /// Accepted connections closed because their handshake failed (not ZMTP 3, not NULL, a
+    /// socket type that cannot talk to this one, a READY over its limit) or took longer
+    /// than `handshake_timeout`.
+    pub handshakes_failed: u64,
+    /// ROUTER connections closed after the handshake for their identity: one already
+    /// connected (the connection holding it keeps it), one beginning with a zero byte, or
+    /// one longer than 255 bytes (`docs/spec/zmq.md` §3).
+    pub identities_refused: u64,
     /// Connections closed because a message took longer than `message_timeout` to arrive.
     pub messages_timed_out: u64,
     /// Connections closed because their stream broke the framing rules: reserved flags, a
@@ -181,6 +215,9 @@ struct Counters {
     dropped_while_down: AtomicU64,
     disconnects: AtomicU64,
     reconnects: AtomicU64,
+    connections_refused: AtomicU64,
+    handshakes_failed: AtomicU64,
+    identities_refused: AtomicU64,
     messages_timed_out: AtomicU64,
     protocol_violations: AtomicU64,
 }
@@ -305,6 +342,9 @@ impl ZmqTransport {
             dropped_while_down: get(&c.dropped_while_down),
             disconnects: get(&c.disconnects),
             reconnects: get(&c.reconnects),
+            connections_refused: get(&c.connections_refused),
+            handshakes_failed: get(&c.handshakes_failed),
+            identities_refused: get(&c.identities_refused),
             messages_timed_out: get(&c.messages_timed_out),
             protocol_violations: get(&c.protocol_violations),
         }

@@ -9,11 +9,48 @@
 //! every connection, so anonymous peers that come and go would otherwise grow it forever.
 //! When full, the identity heard from least recently is forgotten; replies to its id are then
 //! dropped as unroutable, as replies to any departed peer are.
+//!
+//! Which identities a ROUTER takes from the wire is decided here too (`announced_identity`,
+//! `docs/spec/zmq.md` §3): libzmq's rules for an identity (1 to 255 bytes, not beginning with
+//! a zero byte), held to a peer's READY as well as to kvx's own DEALER.
 
 use std::collections::HashMap;
 
 use bytes::Bytes;
 use kvx_proto::PeerId;
+
+/// The longest routing identity (libzmq's `ZMQ_ROUTING_ID`: 1 to 255 bytes).
+pub(crate) const IDENTITY_MAX_BYTES: usize = 255;
+
+/// Why `identity` cannot be a routing identity, if it cannot: empty, longer than 255 bytes,
+/// or beginning with a zero byte (reserved for the identities a ROUTER makes up for
+/// anonymous peers; one from a peer could claim an anonymous peer's id and act under its
+/// `PeerId`).
+pub(crate) fn check_identity(identity: &[u8]) -> Result<(), &'static str> {
+    match identity.first() {
+        None => Err("an identity must not be empty"),
+        Some(_) if identity.len() > IDENTITY_MAX_BYTES => {
+            Err("an identity must be at most 255 bytes")
+        }
+        Some(0) => Err("an identity must not begin with a zero byte (reserved for the ROUTER)"),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The identity a peer announced in its READY properties: `None` when it announced none or
+/// an empty one (an anonymous peer, which the ROUTER names itself); an error when it is one
+/// `check_identity` refuses.
+pub(crate) fn announced_identity(props: &[(String, Bytes)]) -> Result<Option<Bytes>, &'static str> {
+    let announced = props
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("Identity"))
+        .map(|(_, v)| v);
+    match announced {
+        None => Ok(None),
+        Some(v) if v.is_empty() => Ok(None),
+        Some(v) => check_identity(v).map(|()| Some(v.clone())),
+    }
+}
 
 #[derive(Debug)]
 struct Entry {
@@ -99,6 +136,39 @@ mod tests {
 
     fn b(s: &'static str) -> Bytes {
         Bytes::from_static(s.as_bytes())
+    }
+
+    fn props(identity: Option<&[u8]>) -> Vec<(String, Bytes)> {
+        let mut p = vec![("Socket-Type".to_owned(), Bytes::from_static(b"DEALER"))];
+        if let Some(id) = identity {
+            p.push(("Identity".to_owned(), Bytes::copy_from_slice(id)));
+        }
+        p
+    }
+
+    #[test]
+    fn identities_from_the_wire_follow_libzmq_rules() {
+        assert_eq!(announced_identity(&props(None)), Ok(None));
+        assert_eq!(announced_identity(&props(Some(b""))), Ok(None));
+        assert_eq!(
+            announced_identity(&props(Some(b"s0-to-r0"))),
+            Ok(Some(b("s0-to-r0")))
+        );
+        assert_eq!(
+            announced_identity(&props(Some(&[b'x'; 255])))
+                .ok()
+                .flatten()
+                .map(|i| i.len()),
+            Some(255)
+        );
+        assert!(announced_identity(&props(Some(&[b'x'; 256]))).is_err());
+        assert!(announced_identity(&props(Some(&[0, 0, 0, 0, 1]))).is_err());
+        assert!(announced_identity(&props(Some(b"\0abc"))).is_err());
+        let lower = vec![("identity".to_owned(), Bytes::from_static(b"\0x"))];
+        assert!(
+            announced_identity(&lower).is_err(),
+            "names are case-insensitive"
+        );
     }
 
     #[test]
