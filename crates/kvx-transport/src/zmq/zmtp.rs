@@ -557,7 +557,10 @@ mod tests {
         peer.write_all(&1000u64.to_be_bytes()).await.expect("write");
         peer.write_all(&[1u8; 10]).await.expect("write");
         let began = tokio::time::Instant::now();
-        let err = r.next().await.expect_err("cut off");
+        let err = tokio::time::timeout(Duration::from_secs(5), r.next())
+            .await
+            .expect("cut off within 5 s, not waiting for the rest forever")
+            .expect_err("cut off");
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         assert!(began.elapsed() >= Duration::from_millis(150));
     }
