@@ -13,9 +13,10 @@
 //!
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
-//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
-//! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered) and
-//! `frame_refuse_bytes`.
+//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, incoming messages by
+//! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered), `frame_refuse_bytes`
+//! and `message_timeout`, and a bound socket's connections by `connections_max` and
+//! `handshake_timeout`. What a hostile peer meets is `docs/spec/zmq.md` §8.
 
 mod conn;
 mod dealer;
@@ -505,6 +506,42 @@ mod tests {
             ..ZmqConfig::default()
         };
         assert!(forever.validate().is_err());
+    }
+
+    #[test]
+    fn hostile_peer_limits_are_validated() {
+        for bad in [
+            ZmqConfig {
+                connections_max: 0,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                connections_max: CONNECTIONS_MAX_LIMIT + 1,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                handshake_timeout: Duration::ZERO,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                message_timeout: SETTING_MAX + Duration::from_secs(1),
+                ..ZmqConfig::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn peer_bytes_are_escaped_and_cut_in_logs() {
+        assert_eq!(PeerBytes(b"s0-to-r0").to_string(), "\"s0-to-r0\"");
+        assert_eq!(
+            PeerBytes(b"\0\n\x1b[31m").to_string(),
+            "\"\\x00\\n\\x1b[31m\""
+        );
+        let long = PeerBytes(&[b'x'; 1 << 20]).to_string();
+        assert!(long.len() < 100, "{long}");
+        assert!(long.ends_with("… (1048576 bytes)"), "{long}");
     }
 
     #[test]

@@ -5,9 +5,11 @@
 //! reserves a frame's announced length before reading it and has no maximum message size, so
 //! nine bytes announcing a 1 TiB frame abort the process, and nothing in its API reaches in
 //! front of the codec. Here every frame length is checked before a byte of the body is
-//! buffered: a frame over `frame_max_bytes` is skipped as it streams past (the message is
-//! dropped and counted), and one announced over `frame_refuse_bytes` ends the connection.
-//! That holds for bound sockets (ROUTER, PULL: any peer can reach them) and connecting ones
+//! buffered: a message whose frames add up to more than `frame_max_bytes` is skipped as it
+//! streams past (the message is dropped and counted), a frame announced over
+//! `frame_refuse_bytes` ends the connection, and so does a message that takes longer than
+//! `message_timeout` once its first byte arrived, or a READY over `READY_MAX_BYTES`. That
+//! holds for bound sockets (ROUTER, PULL: any peer can reach them) and connecting ones
 //! (DEALER, PUSH: a restarted or impostor peer on the configured port) alike.
 
 use std::io;
