@@ -216,3 +216,50 @@ async fn slow_handshakes_and_slow_messages_are_cut_off() {
     assert!(closed_after(&mut slow, STEP).await.is_some());
     assert_eq!(t.stats().messages_timed_out, 1);
 }
+
+/// A peer cycling through new identities fills the identity table (`peers_max`); a sender
+/// whose connection holds its identity keeps its `PeerId` however long it was quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_senders_peer_id_outlives_identities_cycling_through_the_table() {
+    let t = ZmqTransport::new(ZmqConfig {
+        peers_max: 4,
+        ..small()
+    })
+    .expect("valid");
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let endpoint = server.local_endpoint().to_owned();
+    let sender = t.connect(&endpoint, "quiet-sender").await.expect("connect");
+    sender
+        .send(Bytes::from_static(b"first"))
+        .await
+        .expect("send");
+    let (first, _) = tokio::time::timeout(STEP, server.recv())
+        .await
+        .expect("within 5 s")
+        .expect("open");
+    for i in 0..12u8 {
+        let mut cycling = raw(&endpoint, &hello(b"DEALER", Some(&[b'c', i]))).await;
+        cycling
+            .write_all(&[0x01, 0x00, 0x00, 0x01, i])
+            .await
+            .expect("write");
+        let (_, payload) = tokio::time::timeout(STEP, server.recv())
+            .await
+            .expect("within 5 s")
+            .expect("open");
+        assert_eq!(payload, Bytes::copy_from_slice(&[i]));
+    }
+    sender
+        .send(Bytes::from_static(b"again"))
+        .await
+        .expect("send");
+    let (again, _) = tokio::time::timeout(STEP, server.recv())
+        .await
+        .expect("within 5 s")
+        .expect("open");
+    assert_eq!(again, first, "the same PeerId");
+    assert_eq!(
+        t.peer_identity(first),
+        Some(Bytes::from_static(b"quiet-sender"))
+    );
+}

@@ -279,6 +279,8 @@ async fn router_conn(
         );
         return;
     };
+    // While this connection holds the identity, its `PeerId` is not forgotten (`peers`).
+    shared.peers().held(&identity);
     let mut writing = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
@@ -302,6 +304,7 @@ async fn router_conn(
         }
     }
     lock(&routes).release(&identity, conn);
+    shared.peers().released(&identity);
 }
 
 /// Writes one connection's replies as `["", payload]`, as many as are queued per write. A
