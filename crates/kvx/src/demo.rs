@@ -145,7 +145,7 @@ pub async fn run_on<E: Env>(
             env.clone(),
             cfg,
             chunk_bytes,
-            format!("demo-sender-{s}"),
+            crate::roles::sender_id(&format!("demo-sender-{s}"))?,
             Some(proxy.endpoint().to_owned()),
         )
         .await

@@ -31,6 +31,17 @@ pub struct Style {
     pub fabric: fn(&str, u16) -> String,
 }
 
+/// A sender's id, the start of its ZMQ routing identity (`{id}-to-{alloc endpoint}`):
+/// `prefix` for whoever reads the logs, then 128 random bits from the OS. An identity a peer
+/// can guess (a pid, an index) is one it can claim while the sender is reconnecting, and then
+/// act under the sender's `PeerId` (cancel its requests, take its replies) and keep it out
+/// (`docs/spec/zmq.md` §3). 32 hex digits keep the identity far below libzmq's 255 bytes.
+pub fn sender_id(prefix: &str) -> anyhow::Result<String> {
+    let mut bits = [0u8; 16];
+    getrandom::fill(&mut bits).map_err(|e| anyhow::anyhow!("the OS random source failed: {e}"))?;
+    Ok(format!("{prefix}-{}", hex::encode(bits)))
+}
+
 /// Stops at Ctrl-C, or after `exit_after_s` when given.
 async fn until_stopped(exit_after_s: Option<u64>) {
     match exit_after_s {
@@ -188,11 +199,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     };
     let mut handles = Vec::new();
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
-        let id = format!(
-            "kvx-sender-{}-pid{}-rank{rank}",
-            args.sender_index,
-            std::process::id()
-        );
+        let id = sender_id(&format!("kvx-sender-{}-rank{rank}", args.sender_index))?;
         let node = SenderNode::start(
             env.clone(),
             cfg.clone(),
@@ -354,4 +361,21 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
         ended.get("failed").unwrap_or(&0)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sender_ids_are_readable_and_unguessable() {
+        let a = sender_id("kvx-sender-0-rank0").expect("OS randomness");
+        let b = sender_id("kvx-sender-0-rank0").expect("OS randomness");
+        assert_ne!(a, b, "128 random bits each");
+        let random = a
+            .strip_prefix("kvx-sender-0-rank0-")
+            .expect("the prefix first");
+        assert_eq!(random.len(), 32);
+        assert!(random.bytes().all(|c| c.is_ascii_hexdigit()));
+    }
 }

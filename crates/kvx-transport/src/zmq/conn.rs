@@ -47,8 +47,9 @@ impl<T> Drop for AbortOnDrop<T> {
 
 /// Reads the next message, skipping commands (ZMTP 3.0 peers send none after READY; PING
 /// and the like are ignored). `Ok(None)`: a message arrived but was dropped (counted and
-/// logged): a frame over `frame_max_bytes`, or too many frames. `Err` says why the connection
-/// is over: closed, broken, or its stream can no longer be trusted.
+/// logged): over `frame_max_bytes`, or too many frames. `Err` says why the connection is
+/// over: closed, broken, too slow (`message_timeout`) or its stream can no longer be
+/// trusted; the last two are counted and logged sparsely.
 pub(super) async fn next_message(
     shared: &Shared,
     socket: &'static str,
@@ -57,7 +58,7 @@ pub(super) async fn next_message(
     loop {
         match reader.next().await {
             Ok(Incoming::Message(frames)) => return Ok(Some(frames)),
-            Ok(Incoming::Command(_)) => {}
+            Ok(Incoming::Command) => {}
             Ok(Incoming::Oversize(len)) => {
                 let max = shared.config.frame_max_bytes;
                 shared.rejected(
@@ -75,8 +76,19 @@ pub(super) async fn next_message(
             }
             Ok(Incoming::Closed) => return Err("the peer closed the connection".into()),
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                tracing::warn!(socket, error = %e, "peer disconnected: its stream broke the limits");
+                let c = &shared.counters.protocol_violations;
+                shared.refused(
+                    c,
+                    socket,
+                    "peer disconnected: its stream broke the limits",
+                    &e,
+                );
                 return Err(format!("the peer's stream broke the limits: {e}"));
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                let c = &shared.counters.messages_timed_out;
+                shared.refused(c, socket, "peer disconnected: a message took too long", &e);
+                return Err(format!("too slow: {e}"));
             }
             Err(e) => {
                 tracing::debug!(socket, error = %e, "peer connection ended");

@@ -18,20 +18,21 @@ use super::link::{
     discard_queued, next_batch, note_broken, open, reconnect, write_bounded, Backoff, End, Link,
     Outgoing, Role,
 };
+use super::peers::check_identity;
 use super::{bad_endpoint, framing, zmtp, Shared};
 
-/// libzmq's rules for a routing identity: 1 to 255 bytes, not starting with a zero byte
-/// (those are reserved for identities the ROUTER generates). An empty identity would be
-/// replaced by a random one per connection, losing `PeerId` stability.
+/// libzmq's rules for a routing identity (`peers::check_identity`): 1 to 255 bytes, not
+/// starting with a zero byte (those are reserved for identities the ROUTER generates). An
+/// empty identity would be replaced by a random one per connection, losing `PeerId`
+/// stability.
 fn dealer_identity(endpoint: &str, identity: &str) -> Result<Bytes, TransportError> {
-    let bytes = identity.as_bytes();
-    if bytes.is_empty() || bytes.len() > 255 || bytes[0] == 0 {
-        return Err(bad_endpoint(
+    match check_identity(identity.as_bytes()) {
+        Ok(()) => Ok(Bytes::copy_from_slice(identity.as_bytes())),
+        Err(why) => Err(bad_endpoint(
             endpoint,
-            format!("identity {identity:?} must be 1 to 255 bytes and not start with a zero byte"),
-        ));
+            format!("identity {identity:?}: {why}"),
+        )),
     }
-    Ok(Bytes::copy_from_slice(bytes))
 }
 
 pub(super) async fn connect(

@@ -31,7 +31,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::conn::watch_liveness;
-use super::zmtp::{self, FrameReader};
+use super::zmtp::{self, FrameReader, ReadLimits};
 use super::{bad_endpoint, bump, worth_logging, Shared};
 
 /// Which socket a connection is for: its type, its routing identity (DEALER), and the
@@ -177,8 +177,7 @@ async fn open_unbounded(
     // Control messages are small and latency-bound.
     let _ = stream.set_nodelay(true);
     let (rd, mut writer) = stream.into_split();
-    let c = &shared.config;
-    let mut reader = FrameReader::new(rd, c.frame_max_bytes, c.frame_refuse_bytes);
+    let mut reader = FrameReader::new(rd, ReadLimits::of(&shared.config));
     zmtp::handshake(
         &mut reader,
         &mut writer,

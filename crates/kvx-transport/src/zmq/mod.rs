@@ -13,9 +13,10 @@
 //!
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
-//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, and incoming frames by
-//! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered) and
-//! `frame_refuse_bytes`.
+//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, incoming messages by
+//! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered), `frame_refuse_bytes`
+//! and `message_timeout`, and a bound socket's connections by `connections_max` and
+//! `handshake_timeout`. What a hostile peer meets is `docs/spec/zmq.md` §8.
 
 mod conn;
 mod dealer;
@@ -69,6 +70,23 @@ pub struct ZmqConfig {
     /// Routing identities remembered at most (`PeerId` stability); the least recently
     /// heard is forgotten first.
     pub peers_max: usize,
+    /// Connections a bound socket (ROUTER or PULL) holds at once, handshaking or not; one
+    /// accepted past it is closed at once, counted in `ZmqStats::connections_refused`.
+    /// Default 1024: one connection per sending process and TP rank, so a receiver rank
+    /// or a proxy serving a few hundred prefill ranks has room to spare, while a flood holds
+    /// at most 1024 × (`frame_max_bytes` + 8 KiB) of buffers (`docs/spec/zmq.md` §5).
+    pub connections_max: usize,
+    /// How long an accepted connection has to complete the ZMTP handshake (greeting and
+    /// READY); a peer that connects and says nothing, or trickles its greeting, is closed
+    /// then (`ZmqStats::handshakes_failed`). Default 5 s. (A connecting socket's handshake
+    /// is bounded by `connect_timeout`.)
+    pub handshake_timeout: Duration,
+    /// How long an incoming message may take from its first byte to its last, on every
+    /// socket: a peer that trickles a frame is disconnected then
+    /// (`ZmqStats::messages_timed_out`), so it holds its buffer no longer. Waiting between
+    /// messages is not bounded by it. Default 5 s, the `send_timeout` within which a kvx
+    /// sender writes a whole batch of messages.
+    pub message_timeout: Duration,
 }
 
 impl Default for ZmqConfig {
@@ -82,12 +100,18 @@ impl Default for ZmqConfig {
             frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
             frame_refuse_bytes: 16 * DEFAULT_FRAME_MAX_BYTES,
             peers_max: 65_536,
+            connections_max: 1024,
+            handshake_timeout: Duration::from_secs(5),
+            message_timeout: Duration::from_secs(5),
         }
     }
 }
 
 /// The longest any `ZmqConfig` duration may be.
 pub const SETTING_MAX: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The most `ZmqConfig::connections_max` may be (far past any file descriptor limit).
+pub const CONNECTIONS_MAX_LIMIT: usize = 1 << 20;
 
 /// A `ZmqConfig` that cannot work, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,6 +125,8 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_min", self.reconnect_backoff_min),
+            ("handshake_timeout", self.handshake_timeout),
+            ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
             return Err(ZmqConfigError(format!("{name} must be positive")));
@@ -112,6 +138,8 @@ impl ZmqConfig {
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
             ("reconnect_backoff_max", self.reconnect_backoff_max),
+            ("handshake_timeout", self.handshake_timeout),
+            ("message_timeout", self.message_timeout),
         ];
         if let Some((name, _)) = longest.iter().find(|(_, d)| *d > SETTING_MAX) {
             return Err(ZmqConfigError(format!(
@@ -127,6 +155,11 @@ impl ZmqConfig {
             return Err(ZmqConfigError(
                 "frame_max_bytes and peers_max must be at least 1".into(),
             ));
+        }
+        if !(1..=CONNECTIONS_MAX_LIMIT).contains(&self.connections_max) {
+            return Err(ZmqConfigError(format!(
+                "connections_max must be 1 to {CONNECTIONS_MAX_LIMIT}"
+            )));
         }
         if self.frame_refuse_bytes < self.frame_max_bytes {
             return Err(ZmqConfigError(
@@ -156,6 +189,22 @@ pub struct ZmqStats {
     pub disconnects: u64,
     /// Connections of DEALERs and PUSHes re-established after a break.
     pub reconnects: u64,
+    /// Connections a ROUTER or PULL closed as soon as it accepted them: it already held
+    /// `connections_max`.
+    pub connections_refused: u64,
+    /// Accepted connections closed because their handshake failed (not ZMTP 3, not NULL, a
+    /// socket type that cannot talk to this one, a READY over its limit) or took longer
+    /// than `handshake_timeout`.
+    pub handshakes_failed: u64,
+    /// ROUTER connections closed after the handshake for their identity: one already
+    /// connected (the connection holding it keeps it), one beginning with a zero byte, or
+    /// one longer than 255 bytes (`docs/spec/zmq.md` §3).
+    pub identities_refused: u64,
+    /// Connections closed because a message took longer than `message_timeout` to arrive.
+    pub messages_timed_out: u64,
+    /// Connections closed because their stream broke the framing rules: reserved flags, a
+    /// frame announced over `frame_refuse_bytes`, a command inside a message.
+    pub protocol_violations: u64,
 }
 
 #[derive(Debug, Default)]
@@ -167,6 +216,11 @@ struct Counters {
     dropped_while_down: AtomicU64,
     disconnects: AtomicU64,
     reconnects: AtomicU64,
+    connections_refused: AtomicU64,
+    handshakes_failed: AtomicU64,
+    identities_refused: AtomicU64,
+    messages_timed_out: AtomicU64,
+    protocol_violations: AtomicU64,
 }
 
 /// Adds one; returns the new count.
@@ -178,6 +232,24 @@ fn bump(counter: &AtomicU64) -> u64 {
 /// frames must not flood the log too, but the first few and then a sparse sample are kept.
 fn worth_logging(n: u64) -> bool {
     n <= 8 || n.is_power_of_two()
+}
+
+/// Bytes a peer chose, as they may appear in a log: escaped, and cut to `LOGGED_BYTES_MAX`
+/// with the full length said, so a hostile identity or command name cannot flood or forge
+/// log lines.
+struct PeerBytes<'a>(&'a [u8]);
+
+const LOGGED_BYTES_MAX: usize = 64;
+
+impl std::fmt::Display for PeerBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = &self.0[..self.0.len().min(LOGGED_BYTES_MAX)];
+        write!(f, "\"{}\"", shown.escape_ascii())?;
+        if shown.len() < self.0.len() {
+            write!(f, "… ({} bytes)", self.0.len())?;
+        }
+        Ok(())
+    }
 }
 
 /// What every socket task of one transport shares.
@@ -192,6 +264,21 @@ impl Shared {
     fn peers(&self) -> MutexGuard<'_, PeerTable> {
         // The table has no invariant a panicking holder could break halfway.
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a connection refused or cut off (`counter`), and logs it sparsely
+    /// (`worth_logging`): a hostile peer that repeats itself must not flood the log.
+    fn refused(
+        &self,
+        counter: &AtomicU64,
+        socket: &'static str,
+        what: &'static str,
+        why: &dyn std::fmt::Display,
+    ) {
+        let n = bump(counter);
+        if worth_logging(n) {
+            tracing::warn!(socket, so_far = n, %why, "{what}");
+        }
     }
 
     /// Counts and (sparsely) logs an incoming message that was not passed on.
@@ -256,6 +343,11 @@ impl ZmqTransport {
             dropped_while_down: get(&c.dropped_while_down),
             disconnects: get(&c.disconnects),
             reconnects: get(&c.reconnects),
+            connections_refused: get(&c.connections_refused),
+            handshakes_failed: get(&c.handshakes_failed),
+            identities_refused: get(&c.identities_refused),
+            messages_timed_out: get(&c.messages_timed_out),
+            protocol_violations: get(&c.protocol_violations),
         }
     }
 
@@ -414,6 +506,42 @@ mod tests {
             ..ZmqConfig::default()
         };
         assert!(forever.validate().is_err());
+    }
+
+    #[test]
+    fn hostile_peer_limits_are_validated() {
+        for bad in [
+            ZmqConfig {
+                connections_max: 0,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                connections_max: CONNECTIONS_MAX_LIMIT + 1,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                handshake_timeout: Duration::ZERO,
+                ..ZmqConfig::default()
+            },
+            ZmqConfig {
+                message_timeout: SETTING_MAX + Duration::from_secs(1),
+                ..ZmqConfig::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn peer_bytes_are_escaped_and_cut_in_logs() {
+        assert_eq!(PeerBytes(b"s0-to-r0").to_string(), "\"s0-to-r0\"");
+        assert_eq!(
+            PeerBytes(b"\0\n\x1b[31m").to_string(),
+            "\"\\x00\\n\\x1b[31m\""
+        );
+        let long = PeerBytes(&[b'x'; 1 << 20]).to_string();
+        assert!(long.len() < 100, "{long}");
+        assert!(long.ends_with("… (1048576 bytes)"), "{long}");
     }
 
     #[test]

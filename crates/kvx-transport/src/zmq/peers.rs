@@ -7,18 +7,55 @@
 //!
 //! It is bounded: a DEALER without an identity gets a fresh random one from the ROUTER on
 //! every connection, so anonymous peers that come and go would otherwise grow it forever.
-//! When full, the identity heard from least recently is forgotten; replies to its id are then
-//! dropped as unroutable, as replies to any departed peer are.
+//! When full, the identity heard from least recently that no connection holds is forgotten;
+//! replies to its id are then dropped as unroutable, as replies to any departed peer are.
+//!
+//! Which identities a ROUTER takes from the wire is decided here too (`announced_identity`,
+//! `docs/spec/zmq.md` §3): libzmq's rules for an identity (1 to 255 bytes, not beginning with
+//! a zero byte), held to a peer's READY as well as to kvx's own DEALER.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use kvx_proto::PeerId;
 
+/// The longest routing identity (libzmq's `ZMQ_ROUTING_ID`: 1 to 255 bytes).
+pub(crate) const IDENTITY_MAX_BYTES: usize = 255;
+
+/// Why `identity` cannot be a routing identity, if it cannot: empty, longer than 255 bytes,
+/// or beginning with a zero byte (reserved for the identities a ROUTER makes up for
+/// anonymous peers; one from a peer could claim an anonymous peer's id and act under its
+/// `PeerId`).
+pub(crate) fn check_identity(identity: &[u8]) -> Result<(), &'static str> {
+    match identity.first() {
+        None => Err("an identity must not be empty"),
+        Some(_) if identity.len() > IDENTITY_MAX_BYTES => {
+            Err("an identity must be at most 255 bytes")
+        }
+        Some(0) => Err("an identity must not begin with a zero byte (reserved for the ROUTER)"),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The identity a peer announced in its READY properties: `None` when it announced none or
+/// an empty one (an anonymous peer, which the ROUTER names itself); an error when it is one
+/// `check_identity` refuses.
+pub(crate) fn announced_identity(props: &[(String, Bytes)]) -> Result<Option<Bytes>, &'static str> {
+    let announced = props
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("Identity"))
+        .map(|(_, v)| v);
+    match announced {
+        None => Ok(None),
+        Some(v) if v.is_empty() => Ok(None),
+        Some(v) => check_identity(v).map(|()| Some(v.clone())),
+    }
+}
+
 #[derive(Debug)]
 struct Entry {
     id: PeerId,
-    /// When the identity was last heard from, in `PeerTable::clock` ticks.
+    /// When the identity was last heard from, in `PeerTable::clock` ticks (unique).
     last_seen: u64,
 }
 
@@ -26,6 +63,14 @@ struct Entry {
 pub(crate) struct PeerTable {
     by_identity: HashMap<Bytes, Entry>,
     by_id: HashMap<PeerId, Bytes>,
+    /// Identities by when they were last heard from, oldest first: eviction takes the
+    /// oldest without scanning the table (a peer cycling through new identities at a full
+    /// table must not cost a scan of `max` entries per message, under the table's lock).
+    by_age: BTreeMap<u64, Bytes>,
+    /// Identities a connection holds now, with how many (a ROUTER holds each once; servers
+    /// of one transport share the table). Never forgotten while held: a peer cycling through
+    /// new identities must not make a connected sender lose its `PeerId` mid-request.
+    held: HashMap<Bytes, u32>,
     next_id: u64,
     /// A logical clock: one tick per lookup, so eviction order needs no system time.
     clock: u64,
@@ -38,6 +83,8 @@ impl PeerTable {
         Self {
             by_identity: HashMap::new(),
             by_id: HashMap::new(),
+            by_age: BTreeMap::new(),
+            held: HashMap::new(),
             next_id: 1,
             clock: 0,
             max: max.max(1),
@@ -48,7 +95,9 @@ impl PeerTable {
     pub(crate) fn peer_for(&mut self, identity: &Bytes) -> PeerId {
         self.clock += 1;
         if let Some(entry) = self.by_identity.get_mut(identity) {
+            self.by_age.remove(&entry.last_seen);
             entry.last_seen = self.clock;
+            self.by_age.insert(self.clock, identity.clone());
             return entry.id;
         }
         if self.by_identity.len() >= self.max {
@@ -64,6 +113,7 @@ impl PeerTable {
             },
         );
         self.by_id.insert(id, identity.clone());
+        self.by_age.insert(self.clock, identity.clone());
         id
     }
 
@@ -72,18 +122,37 @@ impl PeerTable {
         self.by_id.get(&id).cloned()
     }
 
-    /// A linear scan: it runs only when a new identity arrives at a full table, which a
-    /// well-sized `peers_max` makes rare, and it keeps the per-message path a single lookup.
+    /// A connection now holds `identity` (a ROUTER claimed it): it is not forgotten until
+    /// `released`.
+    pub(crate) fn held(&mut self, identity: &Bytes) {
+        *self.held.entry(identity.clone()).or_insert(0) += 1;
+    }
+
+    /// The connection holding `identity` ended.
+    pub(crate) fn released(&mut self, identity: &Bytes) {
+        if let Some(n) = self.held.get_mut(identity) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(identity);
+            }
+        }
+    }
+
+    /// Forgets the identity heard from least recently that no connection holds; skips at
+    /// most as many as are held (bounded by the servers' `connections_max`). Should every
+    /// remembered identity be held (`peers_max` below the connections), the oldest goes.
     fn evict_oldest(&mut self) {
         let oldest = self
-            .by_identity
-            .iter()
-            .min_by_key(|(_, e)| e.last_seen)
-            .map(|(identity, e)| (identity.clone(), e.id));
-        if let Some((identity, id)) = oldest {
-            self.by_identity.remove(&identity);
-            self.by_id.remove(&id);
-            tracing::debug!(peer = %id, "peer table full; forgot the least recently heard identity");
+            .by_age
+            .values()
+            .find(|identity| !self.held.contains_key(*identity))
+            .or_else(|| self.by_age.values().next())
+            .cloned();
+        let Some(identity) = oldest else { return };
+        if let Some(entry) = self.by_identity.remove(&identity) {
+            self.by_age.remove(&entry.last_seen);
+            self.by_id.remove(&entry.id);
+            tracing::debug!(peer = %entry.id, "peer table full; forgot the least recently heard identity");
         }
     }
 
@@ -99,6 +168,39 @@ mod tests {
 
     fn b(s: &'static str) -> Bytes {
         Bytes::from_static(s.as_bytes())
+    }
+
+    fn props(identity: Option<&[u8]>) -> Vec<(String, Bytes)> {
+        let mut p = vec![("Socket-Type".to_owned(), Bytes::from_static(b"DEALER"))];
+        if let Some(id) = identity {
+            p.push(("Identity".to_owned(), Bytes::copy_from_slice(id)));
+        }
+        p
+    }
+
+    #[test]
+    fn identities_from_the_wire_follow_libzmq_rules() {
+        assert_eq!(announced_identity(&props(None)), Ok(None));
+        assert_eq!(announced_identity(&props(Some(b""))), Ok(None));
+        assert_eq!(
+            announced_identity(&props(Some(b"s0-to-r0"))),
+            Ok(Some(b("s0-to-r0")))
+        );
+        assert_eq!(
+            announced_identity(&props(Some(&[b'x'; 255])))
+                .ok()
+                .flatten()
+                .map(|i| i.len()),
+            Some(255)
+        );
+        assert!(announced_identity(&props(Some(&[b'x'; 256]))).is_err());
+        assert!(announced_identity(&props(Some(&[0, 0, 0, 0, 1]))).is_err());
+        assert!(announced_identity(&props(Some(b"\0abc"))).is_err());
+        let lower = vec![("identity".to_owned(), Bytes::from_static(b"\0x"))];
+        assert!(
+            announced_identity(&lower).is_err(),
+            "names are case-insensitive"
+        );
     }
 
     #[test]
@@ -126,5 +228,40 @@ mod tests {
         // A forgotten identity that returns gets a new id: ids are never reused.
         let c2 = t.peer_for(&b("c"));
         assert!(c2 != c && c2 != a && c2 != d);
+    }
+
+    /// A peer cycling through new identities cannot push out one a connection holds, however
+    /// long ago it was heard from; once released, it ages out as any other.
+    #[test]
+    fn identities_held_by_a_connection_are_never_forgotten() {
+        let mut t = PeerTable::new(3);
+        t.held(&b("sender"));
+        let sender = t.peer_for(&b("sender"));
+        for i in 0..1000 {
+            t.peer_for(&Bytes::from(format!("cycling-{i}")));
+        }
+        assert_eq!(t.len(), 3);
+        assert_eq!(t.peer_for(&b("sender")), sender, "kept its PeerId");
+        t.released(&b("sender"));
+        for i in 0..3 {
+            t.peer_for(&Bytes::from(format!("later-{i}")));
+        }
+        assert_eq!(t.identity_of(sender), None, "forgotten once released");
+    }
+
+    /// Cycling identities through a full table costs a lookup each, not a scan of the table:
+    /// 200,000 new identities through 65,536 entries (a scan each would be 10^10 steps).
+    #[test]
+    fn eviction_does_not_scan_the_table() {
+        let mut t = PeerTable::new(65_536);
+        let began = std::time::Instant::now();
+        for i in 0..200_000u32 {
+            t.peer_for(&Bytes::copy_from_slice(&i.to_be_bytes()));
+            if i % 1024 == 0 {
+                let spent = began.elapsed();
+                assert!(spent.as_secs() < 20, "{i} identities took {spent:?}");
+            }
+        }
+        assert_eq!(t.len(), 65_536);
     }
 }

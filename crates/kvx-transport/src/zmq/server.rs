@@ -2,9 +2,10 @@
 //! (`notify_source`), speaking ZMTP through `zmtp` (which holds every frame to the limits
 //! before buffering it; see there for why kvx does not use the `zeromq` crate).
 //!
-//! One task accepts connections; each connection gets a task that handshakes (bounded by
-//! `connect_timeout`) and reads messages, and a ROUTER connection also a writer task fed by a
-//! bounded queue. Everything ends when the handle is dropped: the accept task and every
+//! One task accepts connections, at most `connections_max` at once; each connection gets a
+//! task that handshakes (bounded by `handshake_timeout`) and reads messages (each bounded by
+//! `message_timeout` once begun), and a ROUTER connection also a writer task fed by a
+//! bounded queue. A ROUTER refuses identities as libzmq does (`Routes`, `peers`). Everything ends when the handle is dropped: the accept task and every
 //! connection task watch the incoming channel and stop when its receiver is gone, which
 //! closes the listener and every accepted connection.
 
@@ -18,12 +19,11 @@ use kvx_io::transport::{ControlServer, NotifySource, TransportError, CHANNEL_DEP
 use kvx_proto::PeerId;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
-use super::framing;
-use super::zmtp::{self, FrameReader};
-use super::{bump, worth_logging, Shared};
+use super::zmtp::{self, FrameReader, ReadLimits};
+use super::{bump, framing, peers, worth_logging, PeerBytes, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
 /// for errors.
@@ -49,10 +49,14 @@ fn local_endpoint(listener: &TcpListener) -> Result<String, TransportError> {
     Ok(format!("tcp://{addr}"))
 }
 
-/// Accepts connections until `closed` resolves, handing each to `serve_conn`.
+/// Accepts connections until `closed` resolves, handing each to `serve_conn`, at most
+/// `connections_max` at once: a connection accepted past that is closed at once (counted,
+/// logged sparsely), so a flood of connections cannot grow the process without bound. A
+/// slot is freed when its connection's task ends.
 async fn accept_loop<F, Fut>(
+    shared: Arc<Shared>,
+    socket: &'static str,
     listener: TcpListener,
-    send_timeout: Duration,
     closed: impl std::future::Future<Output = ()>,
     serve_conn: F,
 ) where
@@ -60,6 +64,8 @@ async fn accept_loop<F, Fut>(
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     tokio::pin!(closed);
+    let slots = Arc::new(Semaphore::new(shared.config.connections_max));
+    let mut accept_errors = 0u64;
     loop {
         let accepted = tokio::select! {
             () = &mut closed => return,
@@ -67,39 +73,60 @@ async fn accept_loop<F, Fut>(
         };
         match accepted {
             Ok((stream, _)) => {
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    // Dropping the stream closes it before anything is read or written.
+                    shared.refused(
+                        &shared.counters.connections_refused,
+                        socket,
+                        "connection refused: the socket holds connections_max connections",
+                        &shared.config.connections_max,
+                    );
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
-                watch_liveness(&stream, send_timeout);
-                tokio::spawn(serve_conn(stream));
+                watch_liveness(&stream, shared.config.send_timeout);
+                let conn = serve_conn(stream);
+                tokio::spawn(async move {
+                    conn.await;
+                    drop(slot);
+                });
             }
             Err(e) => {
-                // Out of descriptors, say: back off instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
+                // Out of descriptors, say: back off instead of spinning, and say so sparsely.
+                accept_errors += 1;
+                if worth_logging(accept_errors) {
+                    tracing::warn!(socket, error = %e, so_far = accept_errors, "accept failed");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     }
 }
 
-/// Handshakes within `connect_timeout`; `None` (logged) when the peer fails it.
+/// Handshakes within `handshake_timeout`; `None` (counted, logged sparsely) when the peer
+/// fails it.
 async fn handshake(
     shared: &Shared,
     reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
     writer: &mut OwnedWriteHalf,
-    ours: &str,
+    ours: &'static str,
     peers: &[&str],
 ) -> Option<Vec<(String, Bytes)>> {
-    let bound = shared.config.connect_timeout;
-    match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, None, peers)).await {
-        Ok(Ok(props)) => Some(props),
-        Ok(Err(why)) => {
-            tracing::debug!(socket = ours, %why, "ZMTP handshake refused");
-            None
-        }
-        Err(_) => {
-            tracing::debug!(socket = ours, after = ?bound, "ZMTP handshake timed out");
-            None
-        }
-    }
+    let bound = shared.config.handshake_timeout;
+    let why = match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, None, peers))
+        .await
+    {
+        Ok(Ok(props)) => return Some(props),
+        Ok(Err(why)) => why,
+        Err(_) => format!("not done within {bound:?}"),
+    };
+    shared.refused(
+        &shared.counters.handshakes_failed,
+        ours,
+        "ZMTP handshake failed; connection closed",
+        &why,
+    );
+    None
 }
 
 fn reader_for(
@@ -107,23 +134,64 @@ fn reader_for(
     stream: TcpStream,
 ) -> (FrameReader<tokio::net::tcp::OwnedReadHalf>, OwnedWriteHalf) {
     let (rd, wr) = stream.into_split();
-    let c = &shared.config;
-    (
-        FrameReader::new(rd, c.frame_max_bytes, c.frame_refuse_bytes),
-        wr,
-    )
+    (FrameReader::new(rd, ReadLimits::of(&shared.config)), wr)
 }
 
 // ---------------------------------------------------------------------------------------
 // ROUTER
 
-/// The connected peers' reply queues, by routing identity. A newer connection with an
-/// identity takes it over (a DEALER that reconnected while its old connection lingers).
+/// The connected peers' reply queues, by routing identity: one connection per identity.
+/// A second connection announcing an identity already connected is refused, as libzmq's
+/// ROUTER refuses it (`ZMQ_ROUTER_HANDOVER` off, its default): the connection holding the
+/// identity keeps it, so a peer that knows or guesses a sender's identity cannot take the
+/// sender's replies or act under its `PeerId` (`docs/spec/zmq.md` §3).
 #[derive(Debug, Default)]
 struct Routes {
     next_conn: u64,
     next_anonymous: u32,
     by_identity: HashMap<Bytes, (u64, mpsc::Sender<Bytes>)>,
+}
+
+impl Routes {
+    /// Registers a connection under `announced` (or, for an anonymous peer, an identity made
+    /// up here); its id, identity and reply queue, or `None` when the identity is taken.
+    fn claim(&mut self, announced: Option<Bytes>) -> Option<(u64, Bytes, mpsc::Receiver<Bytes>)> {
+        let identity = match announced {
+            Some(identity) if self.by_identity.contains_key(&identity) => return None,
+            Some(identity) => identity,
+            None => self.anonymous(),
+        };
+        self.next_conn += 1;
+        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+        self.by_identity
+            .insert(identity.clone(), (self.next_conn, tx));
+        Some((self.next_conn, identity, rx))
+    }
+
+    /// An identity for a peer that announced none, as libzmq names one: a zero byte (which
+    /// no identity from the wire may begin with) and a counter, skipping any in use.
+    fn anonymous(&mut self) -> Bytes {
+        loop {
+            self.next_anonymous = self.next_anonymous.wrapping_add(1);
+            let mut id = vec![0u8];
+            id.extend_from_slice(&self.next_anonymous.to_be_bytes());
+            let id = Bytes::from(id);
+            if !self.by_identity.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Forgets connection `conn`'s route, unless the identity belongs to another by now.
+    fn release(&mut self, identity: &Bytes, conn: u64) {
+        if self
+            .by_identity
+            .get(identity)
+            .is_some_and(|(c, _)| *c == conn)
+        {
+            self.by_identity.remove(identity);
+        }
+    }
 }
 
 type SharedRoutes = Arc<Mutex<Routes>>;
@@ -159,8 +227,9 @@ pub(super) async fn serve(
         }
     };
     tokio::spawn(accept_loop(
+        shared.clone(),
+        "ROUTER",
         listener,
-        shared.config.send_timeout,
         closed,
         move |stream| router_conn(shared.clone(), routes.clone(), in_tx.clone(), stream),
     ));
@@ -187,32 +256,38 @@ async fn router_conn(
     else {
         return;
     };
-    let (conn, identity, queue) = {
-        let mut r = lock(&routes);
-        let identity = props
-            .into_iter()
-            .find(|(k, v)| k.eq_ignore_ascii_case("Identity") && !v.is_empty())
-            .map(|(_, v)| v)
-            .unwrap_or_else(|| {
-                // As libzmq names an anonymous peer: a zero byte and a counter.
-                r.next_anonymous = r.next_anonymous.wrapping_add(1);
-                let mut id = vec![0u8];
-                id.extend_from_slice(&r.next_anonymous.to_be_bytes());
-                Bytes::from(id)
-            });
-        r.next_conn += 1;
-        let conn = r.next_conn;
-        let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
-        r.by_identity.insert(identity.clone(), (conn, tx));
-        (conn, identity, rx)
+    let announced = match peers::announced_identity(&props) {
+        Ok(announced) => announced,
+        Err(why) => {
+            shared.refused(
+                &shared.counters.identities_refused,
+                "ROUTER",
+                "identity refused; connection closed",
+                &why,
+            );
+            return;
+        }
     };
+    let claimed = lock(&routes).claim(announced.clone());
+    let Some((conn, identity, queue)) = claimed else {
+        let taken = announced.unwrap_or_default();
+        shared.refused(
+            &shared.counters.identities_refused,
+            "ROUTER",
+            "identity refused: another connection holds it; connection closed",
+            &PeerBytes(&taken),
+        );
+        return;
+    };
+    // While this connection holds the identity, its `PeerId` is not forgotten (`peers`).
+    shared.peers().held(&identity);
     let mut writing = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
-            // The replies' side is over (a write timed out, or a newer connection took the
-            // identity): stop taking requests that could never be answered here.
+            // The replies' side is over (a write timed out): stop taking requests that
+            // could never be answered here.
             _ = &mut writing.0 => break,
             next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
@@ -228,13 +303,8 @@ async fn router_conn(
             Err(reject) => shared.rejected("ROUTER", &reject),
         }
     }
-    let mut r = lock(&routes);
-    if r.by_identity
-        .get(&identity)
-        .is_some_and(|(c, _)| *c == conn)
-    {
-        r.by_identity.remove(&identity);
-    }
+    lock(&routes).release(&identity, conn);
+    shared.peers().released(&identity);
 }
 
 /// Writes one connection's replies as `["", payload]`, as many as are queued per write. A
@@ -336,8 +406,9 @@ pub(super) async fn notify_source(
         }
     };
     tokio::spawn(accept_loop(
+        shared.clone(),
+        "PULL",
         listener,
-        shared.config.send_timeout,
         closed,
         move |stream| pull_conn(shared.clone(), tx.clone(), stream),
     ));

@@ -5,15 +5,21 @@
 //! reserves a frame's announced length before reading it and has no maximum message size, so
 //! nine bytes announcing a 1 TiB frame abort the process, and nothing in its API reaches in
 //! front of the codec. Here every frame length is checked before a byte of the body is
-//! buffered: a frame over `frame_max_bytes` is skipped as it streams past (the message is
-//! dropped and counted), and one announced over `frame_refuse_bytes` ends the connection.
-//! That holds for bound sockets (ROUTER, PULL: any peer can reach them) and connecting ones
+//! buffered: a message whose frames add up to more than `frame_max_bytes` is skipped as it
+//! streams past (the message is dropped and counted), a frame announced over
+//! `frame_refuse_bytes` ends the connection, and so does a message that takes longer than
+//! `message_timeout` once its first byte arrived, or a READY over `READY_MAX_BYTES`. That
+//! holds for bound sockets (ROUTER, PULL: any peer can reach them) and connecting ones
 //! (DEALER, PUSH: a restarted or impostor peer on the configured port) alike.
 
 use std::io;
 
-use bytes::{Buf, Bytes, BytesMut};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::PeerBytes;
 
 const MORE: u8 = 0x01;
 const LONG: u8 = 0x02;
@@ -89,8 +95,8 @@ pub(super) fn parse_ready(body: &[u8]) -> Result<Vec<(String, Bytes)>, String> {
     let name = rest.get(..usize::from(name_len)).ok_or_else(bad)?;
     if name != b"READY" {
         return Err(format!(
-            "expected READY, got the command {:?}",
-            String::from_utf8_lossy(name)
+            "expected READY, got the command {}",
+            PeerBytes(name)
         ));
     }
     let mut rest = &rest[usize::from(name_len)..];
@@ -110,14 +116,26 @@ pub(super) fn parse_ready(body: &[u8]) -> Result<Vec<(String, Bytes)>, String> {
     Ok(props)
 }
 
+/// The longest READY command accepted, checked against its frame header before any of the
+/// body is buffered. libzmq's READY with the longest identity (255 bytes) is 296 bytes; the
+/// rest leaves room for `ZMQ_METADATA` properties. A longer one ends the handshake, so no
+/// identity or property longer than this ever reaches the peer table or the log.
+pub(super) const READY_MAX_BYTES: u64 = 4096;
+
+/// The read buffer of a connection: greetings, frame headers and whatever a read brings in
+/// beyond them. A frame body that is not already in it gets an allocation of its own, of
+/// exactly its length, so the buffer never grows.
+const READ_CHUNK: usize = 8 << 10;
+
 /// What reading one message found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Incoming {
     /// A complete message's frames.
     Message(Vec<Bytes>),
-    /// A command frame (after the handshake: PING and the like), body included.
-    Command(Bytes),
-    /// A message with a frame over `frame_max_bytes`, skipped without buffering it.
+    /// A command frame (after the handshake: PING and the like), skipped without buffering.
+    Command,
+    /// A message whose frames add up to more than `frame_max_bytes` (the count is the total
+    /// when it crossed the limit); what was past the limit was skipped without buffering.
     Oversize(u64),
     /// A message of more than `FRAMES_MAX` frames; the frames past the limit were skipped
     /// without buffering them. The count is how many it had.
@@ -126,30 +144,67 @@ pub(super) enum Incoming {
     Closed,
 }
 
+/// What one connection's reader holds its peer to (`ZmqConfig`, `docs/spec/zmq.md` §5).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ReadLimits {
+    /// The most bytes of frame bodies one message may have; past it, the message is dropped.
+    pub(super) message_max_bytes: u64,
+    /// A frame announced longer than this ends the connection.
+    pub(super) refuse_above_bytes: u64,
+    /// How long a message may take from its first byte to its last.
+    pub(super) message_timeout: Duration,
+}
+
+impl ReadLimits {
+    pub(super) fn of(config: &super::ZmqConfig) -> Self {
+        Self {
+            message_max_bytes: config.frame_max_bytes as u64,
+            refuse_above_bytes: config.frame_refuse_bytes as u64,
+            message_timeout: config.message_timeout,
+        }
+    }
+}
+
 /// Reads frames from one connection, holding each frame to the limits before buffering it.
+///
+/// What a connection holds at any time is bounded: the read buffer (`READ_CHUNK`) plus the
+/// bodies of the message being read, at most `message_max_bytes` together, for at most
+/// `message_timeout`.
 #[derive(Debug)]
 pub(super) struct FrameReader<R> {
     io: R,
     buf: BytesMut,
-    max: u64,
-    refuse_above: u64,
+    limits: ReadLimits,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
-    pub(super) fn new(io: R, max: usize, refuse_above: usize) -> Self {
+    pub(super) fn new(io: R, limits: ReadLimits) -> Self {
         Self {
             io,
-            buf: BytesMut::with_capacity(8 << 10),
-            max: max as u64,
-            refuse_above: refuse_above as u64,
+            buf: BytesMut::with_capacity(READ_CHUNK),
+            limits,
         }
     }
 
-    /// Reads until `buf` holds `n` bytes; false on a clean end of stream before any byte of
-    /// this step when `eof_ok`.
+    /// One read into the buffer (at most its free room); the byte count, 0 at end of stream.
+    async fn read_some(&mut self) -> io::Result<usize> {
+        // Callers read only when what is left is a partial greeting or header.
+        debug_assert!(self.buf.len() < 64);
+        if self.buf.capacity() - self.buf.len() < READ_CHUNK / 2 {
+            // Moves the partial header to the front of the allocation instead of growing it
+            // (`BytesMut::reserve` reuses the consumed front when it is larger than what is
+            // kept), so the buffer stays `READ_CHUNK`.
+            self.buf.reserve(READ_CHUNK - self.buf.len());
+        }
+        self.io.read_buf(&mut self.buf).await
+    }
+
+    /// Reads until `buf` holds `n` bytes (`n` at most a greeting); false on a clean end of
+    /// stream before any byte of this step when `eof_ok`.
     async fn fill(&mut self, n: usize, eof_ok: bool) -> io::Result<bool> {
+        debug_assert!(n <= 64);
         while self.buf.len() < n {
-            if self.io.read_buf(&mut self.buf).await? == 0 {
+            if self.read_some().await? == 0 {
                 if eof_ok && self.buf.is_empty() {
                     return Ok(false);
                 }
@@ -175,68 +230,126 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if left == 0 {
                 return Ok(());
             }
-            self.buf.clear();
-            if self.io.read_buf(&mut self.buf).await? == 0 {
+            if self.read_some().await? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
     }
 
-    /// Reads one message (or one command). An `InvalidData` error means the stream cannot be
-    /// trusted any further (reserved flags, a frame announced over `frame_refuse_bytes`).
+    /// A frame body of `len` bytes (already held to the limits). Copied out of the read
+    /// buffer when it is all there (so a small payload never pins the buffer); otherwise read
+    /// into an allocation of exactly `len`.
+    async fn body(&mut self, len: usize) -> io::Result<Bytes> {
+        if self.buf.len() >= len {
+            let body = Bytes::copy_from_slice(&self.buf[..len]);
+            self.buf.advance(len);
+            return Ok(body);
+        }
+        let mut body = BytesMut::with_capacity(len);
+        body.extend_from_slice(&self.buf);
+        self.buf.clear();
+        while body.len() < len {
+            let room = len - body.len();
+            if self.io.read_buf(&mut (&mut body).limit(room)).await? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+        Ok(body.freeze())
+    }
+
+    /// The next frame's flags and length, checked: no reserved flags, no command inside a
+    /// message (frame `index` > 0, or MORE on a command), no length over the refusal limit.
+    async fn header(&mut self, index: u64) -> io::Result<(u8, u64)> {
+        self.fill(1, false).await?;
+        let flags = self.buf[0];
+        if flags & !(MORE | LONG | COMMAND) != 0 {
+            return Err(invalid(format!("reserved ZMTP frame flags {flags:#04x}")));
+        }
+        // A command is one frame on its own, never inside a message: anything else would
+        // put message boundaries out of step.
+        if flags & COMMAND != 0 && (index > 0 || flags & MORE != 0) {
+            return Err(invalid("a command frame inside a multipart message".into()));
+        }
+        let header = if flags & LONG != 0 { 9 } else { 2 };
+        self.fill(header, false).await?;
+        let len = if flags & LONG != 0 {
+            u64::from_be_bytes(self.buf[1..9].try_into().expect("invariant: 8 bytes"))
+        } else {
+            u64::from(self.buf[1])
+        };
+        self.buf.advance(header);
+        if len > self.limits.refuse_above_bytes {
+            return Err(invalid(format!(
+                "a frame of {len} bytes announced (limit {})",
+                self.limits.refuse_above_bytes
+            )));
+        }
+        Ok((flags, len))
+    }
+
+    /// The peer's READY (or other) command during the handshake: one command frame of at
+    /// most `READY_MAX_BYTES`, refused from its header when longer.
+    pub(super) async fn handshake_command(&mut self) -> io::Result<Bytes> {
+        let (flags, len) = self.header(0).await?;
+        if flags & COMMAND == 0 {
+            return Err(invalid("a message before the READY command".into()));
+        }
+        if len > READY_MAX_BYTES {
+            return Err(invalid(format!(
+                "a command of {len} bytes in the handshake (limit {READY_MAX_BYTES})"
+            )));
+        }
+        self.body(len as usize).await
+    }
+
+    /// Reads one message (or skips one command). Waiting for a message's first byte is not
+    /// bounded (a connection may be idle), but from then on the whole message must arrive
+    /// within `message_timeout`: a peer that trickles a frame cannot hold its buffer for
+    /// long (`ErrorKind::TimedOut`). An `InvalidData` error means the stream cannot be
+    /// trusted any further (reserved flags, a frame announced over `frame_refuse_bytes`, a
+    /// command inside a message). Not cancel-safe once a message has begun: a caller that
+    /// drops it mid-message must drop the connection.
     pub(super) async fn next(&mut self) -> io::Result<Incoming> {
+        if !self.fill(1, true).await? {
+            return Ok(Incoming::Closed);
+        }
+        let bound = self.limits.message_timeout;
+        match tokio::time::timeout(bound, self.message()).await {
+            Ok(incoming) => incoming,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("a message took longer than {bound:?} to arrive"),
+            )),
+        }
+    }
+
+    async fn message(&mut self) -> io::Result<Incoming> {
         let mut frames = Vec::new();
         let mut count = 0u64;
+        let mut total = 0u64;
         let mut oversize = None;
         loop {
-            if !self.fill(1, count == 0).await? {
-                return Ok(Incoming::Closed);
-            }
-            let flags = self.buf[0];
-            if flags & !(MORE | LONG | COMMAND) != 0 {
-                return Err(invalid(format!("reserved ZMTP frame flags {flags:#04x}")));
-            }
-            // A command is one frame on its own, never inside a message: anything else would
-            // put message boundaries out of step.
-            if flags & COMMAND != 0 && (count > 0 || flags & MORE != 0) {
-                return Err(invalid("a command frame inside a multipart message".into()));
-            }
-            let header = if flags & LONG != 0 { 9 } else { 2 };
-            self.fill(header, false).await?;
-            let len = if flags & LONG != 0 {
-                u64::from_be_bytes(self.buf[1..9].try_into().expect("invariant: 8 bytes"))
-            } else {
-                u64::from(self.buf[1])
-            };
-            self.buf.advance(header);
-            if len > self.refuse_above {
-                return Err(invalid(format!(
-                    "a frame of {len} bytes announced (limit {})",
-                    self.refuse_above
-                )));
-            }
+            let (flags, len) = self.header(count).await?;
             count += 1;
-            if len > self.max || count > FRAMES_MAX {
+            if flags & COMMAND != 0 {
+                // Commands after the handshake (ZMTP 3.1's PING, say) are ignored: never
+                // buffered, whatever their size.
                 self.skip(len).await?;
-                if flags & COMMAND != 0 {
-                    // An oversize command is still a command (ignored), not a message.
-                    return Ok(Incoming::Command(Bytes::new()));
-                }
-                if len > self.max {
-                    oversize.get_or_insert(len);
-                }
+                return Ok(Incoming::Command);
+            }
+            total = total.saturating_add(len);
+            if total > self.limits.message_max_bytes {
+                oversize.get_or_insert(total);
+            }
+            if oversize.is_some() || count > FRAMES_MAX {
+                // The message is dropped: the rest of it streams past unbuffered.
+                self.skip(len).await?;
             } else {
-                let len = len as usize;
-                self.fill(len, false).await?;
-                let body = self.buf.split_to(len).freeze();
-                if flags & COMMAND != 0 {
-                    return Ok(Incoming::Command(body));
-                }
-                frames.push(body);
+                frames.push(self.body(len as usize).await?);
             }
             if flags & MORE == 0 {
                 return Ok(match oversize {
-                    Some(len) => Incoming::Oversize(len),
+                    Some(total) => Incoming::Oversize(total),
                     None if count > FRAMES_MAX => Incoming::TooManyFrames(count),
                     None => Incoming::Message(frames),
                 });
@@ -282,17 +395,21 @@ where
     hello.extend_from_slice(&ready(ours, identity));
     writer.write_all(&hello).await.map_err(|e| e.to_string())?;
     check_greeting(&reader.greeting().await.map_err(|e| e.to_string())?)?;
-    let Incoming::Command(body) = reader.next().await.map_err(|e| e.to_string())? else {
-        return Err("the peer sent no READY command".into());
-    };
+    let body = reader
+        .handshake_command()
+        .await
+        .map_err(|e| e.to_string())?;
     let props = parse_ready(&body)?;
     let kind = props
         .iter()
         .find(|(k, _)| k.eq_ignore_ascii_case("Socket-Type"))
-        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        .map(|(_, v)| v.clone())
         .unwrap_or_default();
-    if !peers.iter().any(|p| *p == kind) {
-        return Err(format!("a {kind:?} socket cannot talk to a {ours}"));
+    if !peers.iter().any(|p| p.as_bytes() == kind) {
+        return Err(format!(
+            "a {} socket cannot talk to a {ours}",
+            PeerBytes(&kind)
+        ));
     }
     Ok(props)
 }
@@ -301,8 +418,16 @@ where
 mod tests {
     use super::*;
 
+    fn limits(max: usize, refuse: usize) -> ReadLimits {
+        ReadLimits {
+            message_max_bytes: max as u64,
+            refuse_above_bytes: refuse as u64,
+            message_timeout: Duration::from_secs(5),
+        }
+    }
+
     async fn read_all(stream: &[u8], max: usize, refuse: usize) -> Vec<io::Result<Incoming>> {
-        let mut r = FrameReader::new(stream, max, refuse);
+        let mut r = FrameReader::new(stream, limits(max, refuse));
         let mut out = Vec::new();
         loop {
             let next = r.next().await;
@@ -330,10 +455,10 @@ mod tests {
             got,
             [
                 Incoming::Message(vec![Bytes::new(), Bytes::from_static(b"hello")]),
-                Incoming::Command(Bytes::from_static(b"PING")),
+                Incoming::Command,
                 Incoming::Oversize(300),
                 Incoming::Message(vec![Bytes::from(vec![9u8; 256])]),
-                Incoming::Command(Bytes::new()),
+                Incoming::Command,
                 Incoming::Closed,
             ]
         );
@@ -354,7 +479,8 @@ mod tests {
         let many: Vec<&[u8]> = vec![b"frame"; 10_000];
         encode_message(&many, &mut s);
         encode_message(&[b"", b"after"], &mut s);
-        let got = read_all(&s, 64, 1024).await;
+        // 50,000 bytes in all, under the limit: it is the frame count that refuses them.
+        let got = read_all(&s, 1 << 20, 1 << 20).await;
         let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
         assert_eq!(
             got,
@@ -364,11 +490,104 @@ mod tests {
                 Incoming::Closed,
             ]
         );
-        let mut r = FrameReader::new(&s[..], 64, 1024);
+        let mut r = FrameReader::new(&s[..], limits(1 << 20, 1 << 20));
         assert!(matches!(r.next().await, Ok(Incoming::TooManyFrames(_))));
         assert!(
-            r.buf.capacity() < 64 << 10,
+            r.buf.capacity() <= READ_CHUNK,
             "the skipped frames were not buffered"
+        );
+    }
+
+    /// What one connection holds is bounded by the message, not per frame: four frames of
+    /// the limit each used to be buffered (4 MiB with the default limit, about 7 MiB with
+    /// the buffer's growth); now the bytes past the limit stream past.
+    #[tokio::test]
+    async fn a_message_is_held_to_the_limit_in_total() {
+        let max = 1 << 20;
+        let full = vec![7u8; max];
+        let mut s = Vec::new();
+        encode_message(&[&full, &full, &full, &full], &mut s);
+        encode_message(&[b"", &full], &mut s); // exactly the limit in total
+        let mut r = FrameReader::new(&s[..], limits(max, 16 << 20));
+        assert_eq!(
+            r.next().await.expect("read"),
+            Incoming::Oversize(2 * max as u64)
+        );
+        assert!(r.buf.capacity() <= READ_CHUNK, "{}", r.buf.capacity());
+        let Incoming::Message(frames) = r.next().await.expect("read") else {
+            panic!("the next message arrives");
+        };
+        assert_eq!(frames[1].len(), max);
+        assert!(r.buf.capacity() <= READ_CHUNK, "{}", r.buf.capacity());
+        assert_eq!(r.next().await.expect("read"), Incoming::Closed);
+    }
+
+    /// Many small messages in a row: the read buffer never grows past one chunk.
+    #[tokio::test]
+    async fn the_read_buffer_stays_one_chunk() {
+        let mut s = Vec::new();
+        for i in 0..10_000u32 {
+            encode_message(&[b"", &i.to_be_bytes()[..(i % 5) as usize]], &mut s);
+        }
+        let mut r = FrameReader::new(&s[..], limits(64, 1024));
+        for _ in 0..10_000 {
+            assert!(matches!(r.next().await, Ok(Incoming::Message(_))));
+            assert!(r.buf.capacity() <= READ_CHUNK, "{}", r.buf.capacity());
+        }
+    }
+
+    /// A message that has begun must end within `message_timeout`; a connection may idle
+    /// between messages for as long as it likes.
+    #[tokio::test]
+    async fn a_message_trickled_past_its_timeout_is_cut_off() {
+        let (mut peer, ours) = tokio::io::duplex(1 << 16);
+        let mut r = FrameReader::new(
+            ours,
+            ReadLimits {
+                message_timeout: Duration::from_millis(200),
+                ..limits(1 << 20, 16 << 20)
+            },
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut s = Vec::new();
+        encode_message(&[b"", b"after an idle while"], &mut s);
+        peer.write_all(&s).await.expect("write");
+        assert!(matches!(r.next().await, Ok(Incoming::Message(_))));
+
+        // A long frame of 1000 bytes, of which 10 ever arrive.
+        peer.write_all(&[MORE, 0, LONG]).await.expect("write");
+        peer.write_all(&1000u64.to_be_bytes()).await.expect("write");
+        peer.write_all(&[1u8; 10]).await.expect("write");
+        let began = tokio::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(5), r.next())
+            .await
+            .expect("cut off within 5 s, not waiting for the rest forever")
+            .expect_err("cut off");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(began.elapsed() >= Duration::from_millis(150));
+    }
+
+    /// The READY command is held to `READY_MAX_BYTES` from its header: a peer announcing a
+    /// longer one is refused before any of it is buffered.
+    #[tokio::test]
+    async fn a_ready_over_its_limit_is_refused_from_its_header() {
+        let mut s = vec![COMMAND | LONG];
+        s.extend_from_slice(&(1u64 << 20).to_be_bytes());
+        let mut r = FrameReader::new(&s[..], limits(1 << 20, 16 << 20));
+        let err = r.handshake_command().await.expect_err("refused");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+
+        let body = vec![b'x'; READY_MAX_BYTES as usize];
+        let mut s = vec![COMMAND | LONG];
+        s.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        s.extend_from_slice(&body);
+        let mut r = FrameReader::new(&s[..], limits(1 << 20, 16 << 20));
+        assert_eq!(r.handshake_command().await.expect("at the limit"), body);
+
+        let mut r = FrameReader::new(&[0u8, 0][..], limits(1 << 20, 16 << 20));
+        assert!(
+            r.handshake_command().await.is_err(),
+            "a message is no READY"
         );
     }
 

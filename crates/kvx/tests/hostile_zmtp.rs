@@ -1,0 +1,450 @@
+//! Hostile peers against real `kvx receiver` and `kvx proxy` processes, at the ZMTP layer
+//! (`docs/spec/zmq.md` §3, §5, §8): identity takeover, identities a ROUTER must refuse,
+//! connection floods, slow trickles, and malformed streams. Every test ends by checking that
+//! the process is alive and still serves a legitimate peer.
+//!
+//! Everything runs on 127.0.0.1; every wait is bounded (`zmtp::WAIT` and the bounds below),
+//! every loop bounded in count.
+
+mod hostile;
+
+use std::time::{Duration, Instant};
+
+use hostile::lmcache::{alloc_request, alloc_response, cancel, granted};
+use hostile::zmtp::{self, Heard, Peer, COMMAND, MORE};
+use hostile::{legit_notice, legit_round_trip, legit_round_trip_on, Kvx};
+
+/// The ZMQ limits `kvx receiver` and `kvx proxy` run with (their defaults).
+fn defaults() -> kvx_transport::zmq::ZmqConfig {
+    kvx_transport::zmq::ZmqConfig::default()
+}
+
+/// How long a refused connection may take to be closed: "at once", with room for a debug
+/// build on a loaded host.
+const AT_ONCE: Duration = Duration::from_secs(2);
+
+/// Log lines a burst of refusals may cause: the first eight, then powers of two.
+const LOG_LINES_PER_BURST: usize = 16;
+
+// ---------------------------------------------------------------------------------------
+// Identities (§3)
+
+/// A peer that knows (or guesses) a sender's identity connects with it again and again and
+/// tries to cancel the sender's request. Each impostor is refused; the sender keeps its
+/// connection and its request.
+#[test]
+fn an_impostor_with_a_senders_identity_is_refused_and_the_sender_keeps_working() {
+    let mut rx = Kvx::receiver();
+    // What kvx senders' identities used to be: guessable from a pid.
+    let identity = b"kvx-sender-0-pid4242-rank0-to-tcp://127.0.0.1:8400";
+    let mut sender = Peer::dealer(rx.addr(), Some(identity)).expect("the sender connects");
+    let reply = sender
+        .request(&alloc_request("victim", 0..2, 4))
+        .expect("first batch answered");
+    assert!(granted(&reply, 2), "{:?}", alloc_response(&reply));
+
+    for attempt in 0..20 {
+        let mut impostor = Peer::dealer(rx.addr(), Some(identity)).expect("TCP and ZMTP");
+        // Sent at once, before the impostor could know it is refused.
+        let _ = impostor.send_request(&cancel("victim", 0..2));
+        assert_eq!(
+            impostor.recv_within(AT_ONCE),
+            Heard::Closed,
+            "impostor {attempt} is closed without a reply"
+        );
+        if attempt % 5 == 0 {
+            legit_round_trip_on(&mut sender, &mut rx);
+        }
+    }
+    // The sender's request was never cancelled: its last batch is granted.
+    let reply = sender
+        .request(&alloc_request("victim", 2..4, 4))
+        .expect("last batch answered on the sender's own connection");
+    assert!(granted(&reply, 2), "{:?}", alloc_response(&reply));
+    assert!(
+        rx.log_count("identity") <= LOG_LINES_PER_BURST,
+        "refusals are logged sparsely: {:?}",
+        rx.lines()
+    );
+    legit_round_trip(&mut rx);
+}
+
+/// Identities beginning with a zero byte are the ones a ROUTER makes up for anonymous peers
+/// (libzmq: 0x00 and a counter). One from the wire is refused, so nobody can claim an
+/// anonymous peer's id, connected or gone, and act under its `PeerId`.
+#[test]
+fn an_identity_beginning_with_a_zero_byte_is_refused() {
+    let mut rx = Kvx::receiver();
+    let mut anonymous = Peer::dealer(rx.addr(), None).expect("an anonymous peer connects");
+    let reply = anonymous
+        .request(&alloc_request("anonymous", 0..2, 4))
+        .expect("answered");
+    assert!(granted(&reply, 2));
+    for guess in [
+        &[0u8, 0, 0, 0, 1][..],
+        &[0, 0, 0, 0, 2],
+        &[0, 0, 0, 0, 3],
+        &[0, b'x'],
+    ] {
+        let mut attacker = Peer::dealer(rx.addr(), Some(guess)).expect("TCP and ZMTP");
+        let _ = attacker.send_request(&cancel("anonymous", 0..2));
+        assert_eq!(
+            attacker.recv_within(AT_ONCE),
+            Heard::Closed,
+            "identity {guess:02x?} is refused without a reply"
+        );
+    }
+    let reply = anonymous
+        .request(&alloc_request("anonymous", 2..4, 4))
+        .expect("the anonymous peer is still served");
+    assert!(granted(&reply, 2), "its request was not cancelled");
+    legit_round_trip(&mut rx);
+}
+
+/// libzmq's identities are 1 to 255 bytes. A longer one is refused, and a READY too long to
+/// hold any legitimate identity is refused from its header, before its body is buffered (a
+/// 1 MiB identity used to stay in the peer table after its connection closed).
+#[test]
+fn identities_longer_than_255_bytes_are_refused() {
+    let mut rx = Kvx::receiver();
+    let mut longest = Peer::dealer(rx.addr(), Some(&[b'i'; 255])).expect("connects");
+    legit_round_trip_on(&mut longest, &mut rx);
+
+    let mut too_long = Peer::dealer(rx.addr(), Some(&[b'i'; 256])).expect("TCP and ZMTP");
+    let _ = too_long.send_request(&alloc_request("too-long", 0..1, 1));
+    assert_eq!(too_long.recv_within(AT_ONCE), Heard::Closed);
+
+    // A READY announcing 1 MiB, of which only the start is sent: refused from the header.
+    let mut huge = Peer::tcp(rx.addr()).expect("connects");
+    let mut hello = zmtp::greeting().to_vec();
+    hello.extend_from_slice(&zmtp::long_header(COMMAND, 1 << 20));
+    hello.extend_from_slice(&zmtp::ready_body(b"DEALER", None));
+    huge.send(&hello).expect("sent");
+    let began = Instant::now();
+    assert!(
+        huge.closed_within(AT_ONCE),
+        "a 1 MiB READY is refused before it arrives"
+    );
+    assert!(began.elapsed() < defaults().handshake_timeout);
+    legit_round_trip(&mut rx);
+}
+
+// ---------------------------------------------------------------------------------------
+// Floods and trickles (§5)
+
+/// More connections than `connections_max`, each a complete DEALER handshake: the excess is
+/// closed at once, memory stays bounded, and once the flood ebbs a legitimate sender is
+/// served.
+#[test]
+fn a_connection_flood_is_capped_and_memory_stays_bounded() {
+    let cap = defaults().connections_max;
+    let extra = 256;
+    hostile::raise_open_files_limit(2 * (cap + extra) as u64 + 256);
+    let mut rx = Kvx::receiver();
+    legit_round_trip(&mut rx);
+    // Let the legitimate connection's end reach the receiver before counting slots.
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rx.rss_kib();
+    let mut flood = Vec::with_capacity(cap + extra);
+    for i in 0..cap + extra {
+        let mut peer = Peer::tcp(rx.addr()).expect("TCP connects (the backlog takes it)");
+        let identity = format!("flood-{i}");
+        let _ = peer.send(&zmtp::hello(b"DEALER", Some(identity.as_bytes())));
+        flood.push(peer);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut closed = vec![false; flood.len()];
+    // Bounded: at most one pass per 50 ms until the deadline.
+    while Instant::now() < deadline {
+        for (peer, closed) in flood.iter_mut().zip(closed.iter_mut()) {
+            *closed = *closed || peer.is_closed_now();
+        }
+        if closed.iter().filter(|c| **c).count() >= extra {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let refused = closed.iter().filter(|c| **c).count();
+    let during = rx.rss_kib();
+    eprintln!(
+        "connection flood of {}: {refused} refused; receiver RSS {before} KiB before, \
+         {during} KiB during (+{} KiB)",
+        cap + extra,
+        during.saturating_sub(before)
+    );
+    assert_eq!(
+        refused, extra,
+        "exactly the connections past {cap} are closed"
+    );
+    assert!(
+        during < before + 64 * 1024,
+        "RSS grew by {} KiB (bound: 64 MiB)",
+        during - before
+    );
+    assert!(
+        rx.log_count("connection") <= LOG_LINES_PER_BURST,
+        "refusals are logged sparsely: {} lines",
+        rx.log_count("connection")
+    );
+    // The flood ebbs; a legitimate sender gets a slot within a few tries.
+    flood.truncate(cap / 2);
+    let mut served = false;
+    for _ in 0..20 {
+        if let Ok(mut peer) = Peer::dealer(rx.addr(), Some(b"after-the-flood")) {
+            let req = alloc_request(&hostile::fresh_req_id("after"), 0..1, 1);
+            if matches!(peer.request(&req), Ok(r) if granted(&r, 1)) {
+                served = true;
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(served, "a legitimate sender is served once the flood ebbs");
+    drop(flood);
+    rx.assert_alive();
+}
+
+/// Connections that each leave a message of four frames of `frame_max_bytes` unfinished (the
+/// last frame one byte short): each holds at most `frame_max_bytes` of it, not four times that
+/// (about 7 MiB each with the buffer's growth, before the bound was per message).
+#[test]
+fn unfinished_messages_hold_at_most_frame_max_bytes_per_connection() {
+    let mut rx = Kvx::receiver();
+    legit_round_trip(&mut rx);
+    let max = defaults().frame_max_bytes;
+    let conns = 32;
+    let full = vec![0x42u8; max];
+    let mut unfinished = zmtp::frame(MORE, &full).repeat(3);
+    unfinished.extend_from_slice(&zmtp::frame(0, &full));
+    unfinished.pop();
+    let before = rx.rss_kib();
+    let mut peers = Vec::with_capacity(conns);
+    for i in 0..conns {
+        let identity = format!("unfinished-{i}");
+        let mut peer = Peer::dealer(rx.addr(), Some(identity.as_bytes())).expect("connects");
+        peer.send(&unfinished).expect("sent");
+        peers.push(peer);
+    }
+    // Give the receiver a moment to read what was sent (well within `message_timeout`).
+    std::thread::sleep(Duration::from_millis(500));
+    let during = rx.rss_kib();
+    let bound_kib = (conns * (max + (64 << 10)) / 1024) as u64 + 16 * 1024;
+    eprintln!(
+        "{conns} connections with unfinished 4 x {max}-byte messages: receiver RSS {before} \
+         KiB before, {during} KiB during (+{} KiB; bound +{bound_kib} KiB)",
+        during.saturating_sub(before)
+    );
+    assert!(
+        during < before + bound_kib,
+        "RSS grew by {} KiB (bound: {bound_kib} KiB)",
+        during - before
+    );
+    drop(peers);
+    legit_round_trip(&mut rx);
+}
+
+/// The proxy's PULL caps its connections the same way.
+#[test]
+fn a_connection_flood_against_the_proxy_is_capped() {
+    let cap = defaults().connections_max;
+    let extra = 64;
+    hostile::raise_open_files_limit(2 * (cap + extra) as u64 + 256);
+    let mut proxy = Kvx::proxy();
+    let mut flood = Vec::with_capacity(cap + extra);
+    for _ in 0..cap + extra {
+        let mut peer = Peer::tcp(proxy.addr()).expect("TCP connects");
+        let _ = peer.send(&zmtp::hello(b"PUSH", None));
+        flood.push(peer);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = 0;
+    let mut closed = vec![false; flood.len()];
+    while Instant::now() < deadline && refused < extra {
+        for (peer, closed) in flood.iter_mut().zip(closed.iter_mut()) {
+            *closed = *closed || peer.is_closed_now();
+        }
+        refused = closed.iter().filter(|c| **c).count();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        refused, extra,
+        "exactly the connections past {cap} are closed"
+    );
+    drop(flood);
+    // Slots free up as the proxy sees the flood go; a legitimate notice then gets through.
+    std::thread::sleep(Duration::from_millis(300));
+    legit_notice(&mut proxy);
+}
+
+/// A peer that starts a large frame and trickles it a byte at a time is cut off once the
+/// message has taken `message_timeout`, instead of holding its buffer forever.
+#[test]
+fn a_frame_trickled_slowly_is_cut_off() {
+    let mut rx = Kvx::receiver();
+    let bound = defaults().message_timeout;
+    let mut slow = Peer::dealer(rx.addr(), Some(b"slowloris")).expect("connects");
+    let mut start = zmtp::frame(MORE, b"");
+    start.extend_from_slice(&zmtp::long_header(0, 512 << 10));
+    slow.send(&start).expect("sent");
+    let began = Instant::now();
+    let give_up = bound + Duration::from_secs(4);
+    let mut cut_off = None;
+    // Bounded: one byte per 100 ms until the cut-off or `give_up`.
+    while began.elapsed() < give_up {
+        if slow.send(&[0x55]).is_err() || slow.is_closed_now() {
+            cut_off = Some(began.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cut_off = cut_off.unwrap_or_else(|| panic!("still open after {give_up:?}"));
+    eprintln!("slow trickle cut off after {cut_off:?} (bound {bound:?})");
+    assert!(
+        cut_off + Duration::from_millis(500) >= bound,
+        "cut off by the bound, not before it: {cut_off:?}"
+    );
+    legit_round_trip(&mut rx);
+}
+
+/// A peer that trickles its greeting is closed once the handshake has taken
+/// `handshake_timeout`; so is one that connects and says nothing.
+#[test]
+fn a_slow_or_silent_handshake_is_cut_off() {
+    let mut rx = Kvx::receiver();
+    let bound = defaults().handshake_timeout;
+    let mut silent = Peer::tcp(rx.addr()).expect("connects");
+    let mut slow = Peer::tcp(rx.addr()).expect("connects");
+    let greeting = zmtp::greeting();
+    let began = Instant::now();
+    let give_up = bound + Duration::from_secs(4);
+    let mut cut_off = None;
+    for byte in greeting.iter().cycle().take(1000) {
+        if began.elapsed() > give_up {
+            break;
+        }
+        if slow.send(&[*byte]).is_err() || slow.is_closed_now() {
+            cut_off = Some(began.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cut_off = cut_off.unwrap_or_else(|| panic!("still open after {give_up:?}"));
+    assert!(cut_off + Duration::from_millis(500) >= bound, "{cut_off:?}");
+    assert!(
+        silent.closed_within(Duration::from_secs(2)),
+        "the silent one too"
+    );
+    legit_round_trip(&mut rx);
+}
+
+// ---------------------------------------------------------------------------------------
+// Malformed streams: each is refused, and the receiver serves on.
+
+/// Sends `attack` on a fresh connection and expects the receiver to close it at once; then
+/// the receiver must be alive and serve a legitimate sender.
+fn closed_at_once(attack: &[u8]) {
+    let mut rx = Kvx::receiver();
+    let mut attacker = Peer::tcp(rx.addr()).expect("connects");
+    let _ = attacker.send(attack);
+    assert!(attacker.closed_within(AT_ONCE), "the attacker is closed");
+    legit_round_trip(&mut rx);
+}
+
+/// The greeting and READY of a DEALER, then `rest`.
+fn after_handshake(rest: &[u8]) -> Vec<u8> {
+    let mut out = zmtp::hello(b"DEALER", Some(b"attacker"));
+    out.extend_from_slice(rest);
+    out
+}
+
+#[test]
+fn a_greeting_without_the_zmtp_signature_is_refused() {
+    let mut http = b"GET / HTTP/1.1\r\nHost: kvx\r\n\r\n".to_vec();
+    http.resize(64, b' ');
+    closed_at_once(&http);
+}
+
+#[test]
+fn a_greeting_of_an_older_zmtp_version_is_refused() {
+    let mut g = zmtp::greeting();
+    g[10] = 2;
+    closed_at_once(&g);
+}
+
+#[test]
+fn a_greeting_with_an_unknown_mechanism_is_refused() {
+    let mut g = zmtp::greeting();
+    g[12..17].copy_from_slice(b"CURVE");
+    closed_at_once(&g);
+}
+
+#[test]
+fn a_frame_header_announcing_a_terabyte_is_refused() {
+    closed_at_once(&after_handshake(&zmtp::long_header(0, 1 << 40)));
+}
+
+#[test]
+fn a_command_inside_a_message_is_refused() {
+    let mut rest = zmtp::frame(MORE, b"");
+    rest.extend_from_slice(&zmtp::frame(COMMAND, b"\x04PING"));
+    closed_at_once(&after_handshake(&rest));
+}
+
+#[test]
+fn garbage_after_the_handshake_is_refused() {
+    closed_at_once(&after_handshake(&[0xf8; 64]));
+}
+
+/// A message of more frames than any shape has is dropped without being buffered; the
+/// connection is kept, and a request after it is answered.
+#[test]
+fn a_message_of_too_many_frames_is_dropped_and_the_connection_kept() {
+    let mut rx = Kvx::receiver();
+    let mut peer = Peer::dealer(rx.addr(), Some(b"many-frames")).expect("connects");
+    let frames: Vec<&[u8]> = vec![b"frame"; 1000];
+    peer.send(&zmtp::message(&frames)).expect("sent");
+    legit_round_trip_on(&mut peer, &mut rx);
+}
+
+/// A frame over `frame_max_bytes` (but under the refusal limit) is skipped as it streams past;
+/// the connection is kept.
+#[test]
+fn an_oversize_frame_is_skipped_and_the_connection_kept() {
+    let mut rx = Kvx::receiver();
+    let mut peer = Peer::dealer(rx.addr(), Some(b"oversize")).expect("connects");
+    let big = vec![0x42u8; defaults().frame_max_bytes + 1];
+    peer.send(&zmtp::message(&[b"", &big])).expect("sent");
+    legit_round_trip_on(&mut peer, &mut rx);
+}
+
+/// The same malformed streams against the proxy's PULL.
+#[test]
+fn the_proxy_refuses_malformed_streams_and_serves_on() {
+    let mut proxy = Kvx::proxy();
+    let push = |rest: &[u8]| {
+        let mut out = zmtp::hello(b"PUSH", None);
+        out.extend_from_slice(rest);
+        out
+    };
+    let mut http = b"GET / HTTP/1.1\r\n\r\n".to_vec();
+    http.resize(64, b' ');
+    let mut command_inside = zmtp::frame(MORE, b"x");
+    command_inside.extend_from_slice(&zmtp::frame(COMMAND, b"\x04PING"));
+    for attack in [
+        http,
+        push(&zmtp::long_header(0, 1 << 40)),
+        push(&command_inside),
+        push(&[0xf8; 16]),
+        zmtp::hello(b"DEALER", None), // a DEALER cannot talk to a PULL
+    ] {
+        let mut attacker = Peer::tcp(proxy.addr()).expect("connects");
+        let _ = attacker.send(&attack);
+        assert!(
+            attacker.closed_within(AT_ONCE),
+            "closed: {:02x?}",
+            &attack[..16]
+        );
+        proxy.assert_alive();
+    }
+    legit_notice(&mut proxy);
+}
