@@ -1,5 +1,6 @@
 //! LMCache's PD messages as msgpack, through kvx's own codec (`kvx_proto::wire`, byte for
-//! byte what LMCache's msgspec writes), for hostile and legitimate peers alike.
+//! byte what LMCache's msgspec writes), for hostile and legitimate peers alike. Requests carry
+//! `seq`, as a kvx sender's do: a kvx receiver refuses senders without it by default.
 
 use kvx_proto::wire::{self, AllocRequest, AllocResponse, CancelNotif, Message, ProxyNotif};
 
@@ -20,7 +21,7 @@ pub fn alloc_request(req_id: &str, range: std::ops::Range<u32>, total_chunks: u3
         req_id: req_id.into(),
         is_last_batch: last,
         total_chunks,
-        seq: None,
+        seq: Some(1),
     }))
 }
 
@@ -29,7 +30,7 @@ pub fn cancel(req_id: &str, range: std::ops::Range<u32>) -> Vec<u8> {
     wire::encode(&Message::CancelNotif(CancelNotif {
         req_id: req_id.into(),
         keys: keys(req_id, range),
-        seq: None,
+        seq: Some(2),
         drained: Some(true),
     }))
 }
