@@ -30,6 +30,24 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// Raises the soft limit on open files to the hard one. Services hold a socket per peer (the
+/// ZMQ sockets and fabric listeners cap their connections at 1024 and 256); with the common
+/// soft limit of 1024, a flood of connections could exhaust descriptors before those caps
+/// apply, and starve the fabric of sockets.
+fn raise_open_files_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        let raised = Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::debug!(error = %e, "cannot raise the open-files limit");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     // One-shot runs (demo, bench) tear their own connections down at the end, which the
@@ -45,6 +63,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    raise_open_files_limit();
     let result = match cli.command {
         cli::Command::Wire(args) => wire_cmd::run(args),
         cli::Command::Demo(args) => runtime().and_then(|rt| rt.block_on(envs::demo(args))),

@@ -565,7 +565,7 @@ impl<E: Env> Driver<E> {
                 core.receivers.insert(addr.clone(), peer);
                 drop(core);
                 let (env, cmd_tx) = (self.env.clone(), self.cmd_tx.clone());
-                let identity = format!("{}-to-{}", self.local_id, addr.alloc);
+                let identity = routing_identity(&self.local_id, &addr.alloc);
                 // Connecting is bounded by the transport's own timeouts; it runs beside the
                 // loop so replies and completions keep flowing meanwhile. The fabric attaches
                 // later, with the credential the receiver's first reply brings.
@@ -705,6 +705,41 @@ impl<E: Env> Driver<E> {
         }
         self.shared.version.send_modify(|v| *v += 1);
         self.shared.cv.notify_all();
+    }
+}
+
+/// The routing identity of this sender's control connection to `alloc`: LMCache's
+/// `"{local_id}-to-{receiver}"`, cut to ZMTP's 255 bytes when a long host name would make it
+/// longer (the cut keeps the identity unique: a hash of the whole replaces the tail).
+fn routing_identity(local_id: &str, alloc: &str) -> String {
+    const IDENTITY_MAX: usize = 255;
+    let full = format!("{local_id}-to-{alloc}");
+    if full.len() <= IDENTITY_MAX {
+        return full;
+    }
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    full.hash(&mut h);
+    let tail = format!("-{:016x}", h.finish());
+    let mut cut = IDENTITY_MAX - tail.len();
+    while !full.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{tail}", &full[..cut])
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::routing_identity;
+
+    #[test]
+    fn identities_fit_zmtp_and_stay_distinct() {
+        assert_eq!(routing_identity("s", "tcp://h:1"), "s-to-tcp://h:1");
+        let long_host = "h".repeat(300);
+        let a = routing_identity("s", &format!("tcp://{long_host}:1"));
+        let b = routing_identity("s", &format!("tcp://{long_host}:2"));
+        assert!(a.len() <= 255 && b.len() <= 255);
+        assert_ne!(a, b);
     }
 }
 
