@@ -728,6 +728,20 @@ fn routing_identity(local_id: &str, alloc: &str) -> String {
     format!("{}{tail}", &full[..cut])
 }
 
+fn end(core: &mut Core, req_id: ReqId, outcome: Result<(), SendFailure>) {
+    if let Some(s) = core.status.get_mut(&req_id) {
+        s.outcome = Some(outcome);
+        core.ended.push_back(req_id);
+        while core.ended.len() > OUTCOMES_KEPT {
+            if let Some(old) = core.ended.pop_front() {
+                if core.status.get(&old).is_some_and(|s| s.outcome.is_some()) {
+                    core.status.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod identity_tests {
     use super::routing_identity;
@@ -740,19 +754,5 @@ mod identity_tests {
         let b = routing_identity("s", &format!("tcp://{long_host}:2"));
         assert!(a.len() <= 255 && b.len() <= 255);
         assert_ne!(a, b);
-    }
-}
-
-fn end(core: &mut Core, req_id: ReqId, outcome: Result<(), SendFailure>) {
-    if let Some(s) = core.status.get_mut(&req_id) {
-        s.outcome = Some(outcome);
-        core.ended.push_back(req_id);
-        while core.ended.len() > OUTCOMES_KEPT {
-            if let Some(old) = core.ended.pop_front() {
-                if core.status.get(&old).is_some_and(|s| s.outcome.is_some()) {
-                    core.status.remove(&old);
-                }
-            }
-        }
     }
 }
