@@ -307,6 +307,8 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
     );
     let mut tracker = ProxyTracker::new(ProxyConfig::default())?;
     let mut ended: BTreeMap<&'static str, u64> = BTreeMap::new();
+    // A peer can send undecodable notices at will: one log line a second at most.
+    let undecodable_logged = kvx_io::LogLimiter::default();
     let stop = until_stopped(args.exit_after_s);
     tokio::pin!(stop);
     loop {
@@ -337,7 +339,11 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
                         }
                         tracker.handle_message(now, msg);
                     }
-                    Err(e) => tracing::warn!(error = %e, "undecodable notice"),
+                    Err(e) => {
+                        if let Some(left_out) = undecodable_logged.allow() {
+                            tracing::warn!(error = %e, left_out, "undecodable notice");
+                        }
+                    }
                 }
             }
             _ = sleep => tracker.handle_timeout(env.now()),

@@ -37,6 +37,10 @@ pub fn decode_with_limit(
     decode_frame(bytes).map_err(|e| *e)
 }
 
+/// The most entries any list of a message may have (keys of a batch, slots of a reply, a
+/// chunk's shape). A batch of 65 536 chunks of 256 tokens is a 16-million-token prompt.
+pub const LIST_ENTRIES_MAX: usize = 65_536;
+
 /// The longest piece of a peer's string an error message repeats.
 const ECHO_MAX_CHARS: usize = 64;
 
@@ -425,6 +429,13 @@ impl<'a> Reader<'a> {
         // Every element takes at least one byte: this bounds the allocation by the frame.
         if len > self.remaining() {
             return Err(self.truncated(start));
+        }
+        // And no list of the protocol is long: a message of a million one-byte keys would
+        // cost about 40 bytes of heap per key, 24 MiB for one 1 MiB frame (wire.md §3.2).
+        if len > LIST_ENTRIES_MAX {
+            let what =
+                format!("`{path}` has {len} entries; at most {LIST_ENTRIES_MAX} are accepted");
+            return Err(Box::new(DecodeError::Malformed(what)));
         }
         let mut items = Vec::with_capacity(len);
         for i in 0..len {

@@ -26,7 +26,7 @@ mod encode;
 mod error;
 mod messages;
 
-pub use decode::{decode, decode_with_limit, DEFAULT_FRAME_MAX_BYTES};
+pub use decode::{decode, decode_with_limit, DEFAULT_FRAME_MAX_BYTES, LIST_ENTRIES_MAX};
 pub use encode::{encode, encode_into};
 pub use error::DecodeError;
 pub use messages::*;

@@ -5,11 +5,13 @@
 //!
 //! Everything runs on 127.0.0.1 with ports the OS picks; every wait is bounded.
 //!
-//! Map: `zmtp` (the raw ZMTP 3 peer), `lmcache` (messages through `kvx_proto::wire`).
+//! Map: `zmtp` (the raw ZMTP 3 peer), `lmcache` (messages through `kvx_proto::wire`),
+//! `fabric` (the raw TCP fabric peer: hellos, write headers, acks).
 
 // Each test binary that includes this module uses a part of it.
 #![allow(dead_code)]
 
+pub mod fabric;
 pub mod lmcache;
 pub mod zmtp;
 
@@ -50,24 +52,40 @@ impl Kvx {
     /// 4 KiB (room for every request a test makes), the TCP fabric, no verification.
     /// `addr()` is its alloc channel (the ROUTER).
     pub fn receiver() -> Kvx {
-        Kvx::start(
-            &[
-                "receiver",
-                "--alloc-ports",
-                "0",
-                "--fabric-ports",
-                "0",
-                "--buffer-chunks",
-                "1024",
-                "--chunk-bytes",
-                "4096",
-                "--no-verify",
-                "--exit-after-s",
-                "120",
-            ],
-            "warn",
-            " alloc tcp://",
-        )
+        Kvx::receiver_with(1024, 4096, &["--no-verify"])
+    }
+
+    /// `kvx receiver` as `receiver()` with `buffer_chunks` chunks of `chunk_bytes` and the
+    /// flags `extra` (its decoder verifies the synthetic workload unless `--no-verify` is
+    /// among them, and logs every corrupt chunk it reads).
+    pub fn receiver_with(buffer_chunks: u32, chunk_bytes: u64, extra: &[&str]) -> Kvx {
+        let (buffer, chunk) = (buffer_chunks.to_string(), chunk_bytes.to_string());
+        let mut args = vec![
+            "receiver",
+            "--alloc-ports",
+            "0",
+            "--fabric-ports",
+            "0",
+            "--buffer-chunks",
+            &buffer,
+            "--chunk-bytes",
+            &chunk,
+            "--exit-after-s",
+            "120",
+        ];
+        args.extend_from_slice(extra);
+        Kvx::start(&args, "warn", " alloc tcp://")
+    }
+
+    /// A receiver's fabric endpoint (its log's `fabric host:port`).
+    pub fn fabric_addr(&self) -> SocketAddr {
+        self.lines()
+            .iter()
+            .find_map(|l| {
+                let rest = &l[l.find(" fabric ")? + " fabric ".len()..];
+                rest.split_whitespace().next()?.parse().ok()
+            })
+            .expect("the receiver logged its fabric endpoint")
     }
 
     /// `kvx proxy` on 127.0.0.1 with a port the OS picks, logging each request that becomes

@@ -1,0 +1,316 @@
+//! Hostile peers against real `kvx receiver`, `kvx proxy` and `kvx sender` processes, at the
+//! fabric and the protocol (the ZMTP layer is `hostile_zmtp.rs`). The defects a hostile review
+//! found, each as an attack that must now fail while a legitimate sender keeps working:
+//!
+//! - forged landings and cross-sender overwrites through the fabric port, during a real
+//!   transfer whose every byte the receiver's decoder verifies;
+//! - first batches that amplify into a gigabyte of memory while they wait for admission;
+//! - a sender whose chunk size differs from the receiver's;
+//! - fabric hellos of the old version, with a credential the receiver never issued, or junk.
+//!
+//! Everything runs on 127.0.0.1 with ports the OS picks; every wait is bounded.
+
+mod hostile;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hostile::fabric::{self, FabricPeer};
+use hostile::zmtp::Peer;
+use hostile::{fresh_identity, legit_round_trip, Kvx};
+use kvx_io::FabricCredential;
+use kvx_proto::wire::{self, AllocRequest, CancelNotif, Message};
+use kvx_proto::PeerId;
+
+const CHUNK: u64 = 64 << 10;
+const BUFFER: u32 = 64;
+
+/// A kvx-style (with `seq`) first batch: `keys`, of a request of `total` chunks.
+fn first_batch(req: &str, keys: Vec<String>, total: u32, seq: u64) -> Vec<u8> {
+    wire::encode(&Message::AllocRequest(AllocRequest {
+        keys,
+        fmt: 1,
+        shape: vec![2, 2, 16, 32],
+        dtype: "bfloat16".into(),
+        last_chunk_toks: 16,
+        req_id: req.into(),
+        is_last_batch: false,
+        total_chunks: total,
+        seq: Some(seq),
+    }))
+}
+
+fn reply(bytes: &[u8]) -> kvx_proto::wire::AllocResponse {
+    hostile::lmcache::alloc_response(bytes)
+}
+
+/// Connects as a control peer of its own and reads the fabric credential the receiver
+/// issues it (as any kvx sender does): an attacker can always be *somebody*.
+fn own_credential(receiver: &Kvx) -> (Peer, FabricCredential) {
+    let mut peer = Peer::dealer(receiver.addr(), Some(&fresh_identity("attacker")))
+        .expect("the attacker connects");
+    let r = reply(
+        &peer
+            .request(&first_batch("attacker-probe", vec![], 1, 1))
+            .expect("its probe is answered"),
+    );
+    assert!(!r.is_refusal(), "{r:?}");
+    let text = r
+        .fabric_credential
+        .expect("a kvx sender is given a credential");
+    (
+        peer,
+        FabricCredential::from_text(&text).expect("a well-formed credential"),
+    )
+}
+
+/// Runs `kvx sender` with `args` to completion (bounded) and returns its JSON summary and
+/// its stderr.
+fn run_sender(receiver: &Kvx, proxy: &Kvx, args: &[&str]) -> (serde_json::Value, String) {
+    let alloc = receiver.addr().port().to_string();
+    let fabric = receiver.fabric_addr().port().to_string();
+    let proxy = proxy.addr().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args(["sender", "--alloc-ports", &alloc, "--fabric-ports", &fabric])
+        .args(["--proxy", &proxy, "--json", "--timeout-s", "60"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("kvx sender runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let summary = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("kvx sender's JSON: {e}; stderr: {stderr}"));
+    (summary, stderr)
+}
+
+/// Forged landings (defect 1) and overwrites of another sender's slots (defect 2), aimed at
+/// every slot under the generations a short run uses, while a real sender transfers 200
+/// requests whose every byte the receiver's decoder checks. Before the fix the same attack
+/// made 31 (forged landings) and 104 (overwrites) chunks of a 300-request run corrupt, with
+/// every request reported fine. Now every attempt is refused, no chunk is corrupt, every
+/// request is delivered, and the refusals cost a log line a second, not one each.
+#[test]
+fn forged_landings_and_overwrites_are_refused_during_a_real_transfer() {
+    let chunk = CHUNK.to_string();
+    let mut receiver = Kvx::receiver_with(BUFFER, CHUNK, &[]);
+    let proxy = Kvx::proxy();
+    let fabric_addr = receiver.fabric_addr();
+    let (_control, credential) = own_credential(&receiver);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let attack = {
+        let stop = stop.clone();
+        std::thread::spawn(move || attack_the_fabric(fabric_addr, credential, &stop))
+    };
+    let started = Instant::now();
+    let (summary, stderr) = run_sender(
+        &receiver,
+        &proxy,
+        &[
+            "--chunk-bytes",
+            &chunk,
+            "--requests",
+            "200",
+            "--chunks",
+            "1..4",
+        ],
+    );
+    stop.store(true, Ordering::Relaxed);
+    let (refused, other) = attack.join().expect("the attack ran");
+    let elapsed = started.elapsed();
+
+    assert_eq!(
+        summary["requests_completed"], summary["requests_total"],
+        "every request delivered: {summary} {stderr}"
+    );
+    assert!(refused > 1_000, "the attack ran: {refused} writes refused");
+    assert_eq!(other, 0, "no attacking write was accepted");
+    receiver.assert_alive();
+    // The decoder verified what it read; give it a moment to finish the last requests.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        receiver.log_count("decoder read corrupt bytes"),
+        0,
+        "{:?}",
+        receiver.lines()
+    );
+    let refusal_lines = receiver.log_count("fabric write refused");
+    assert!(refusal_lines >= 1, "refusals are logged");
+    assert!(
+        refusal_lines as u64 <= elapsed.as_secs() + 2,
+        "{refusal_lines} log lines in {elapsed:?}: refusals are logged at most once a second"
+    );
+    legit_round_trip(&mut receiver);
+}
+
+/// The attacker's fabric connection, authenticated as itself: empty writes naming every
+/// slot under generations 1..=32 (a forged landing each), and full chunks into every slot
+/// (an overwrite each), in rounds until `stop`. Returns (writes refused, writes answered
+/// otherwise).
+fn attack_the_fabric(
+    addr: SocketAddr,
+    credential: FabricCredential,
+    stop: &AtomicBool,
+) -> (u64, u64) {
+    let mut peer = FabricPeer::connect(addr).expect("the attacker reaches the fabric port");
+    peer.send(&fabric::hello(1, CHUNK, &credential))
+        .expect("hello");
+    assert_eq!(
+        peer.welcome().expect("welcome").status,
+        0,
+        "it attaches as itself"
+    );
+    let junk = vec![0xEEu8; CHUNK as usize];
+    let (mut refused, mut other, mut id) = (0u64, 0u64, 0u64);
+    // Bounded: at most 20 rounds, each of 64 × 32 forged landings and 64 overwrites.
+    for _ in 0..20 {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        for slot in 0..BUFFER {
+            let mut burst = Vec::new();
+            for generation in 1..=32 {
+                id += 1;
+                burst.extend(fabric::header(
+                    id,
+                    slot,
+                    0,
+                    Some(fabric::imm(slot, generation)),
+                    None,
+                ));
+            }
+            id += 1;
+            burst.extend(fabric::header(
+                id,
+                slot,
+                CHUNK,
+                Some(fabric::imm(slot, 1 + (id % 8) as u32)),
+                None,
+            ));
+            burst.extend_from_slice(&junk);
+            peer.send(&burst).expect("the attack is read");
+            for _ in 0..33 {
+                match peer.ack().expect("every write is acked").1 {
+                    2 => refused += 1,
+                    _ => other += 1,
+                }
+            }
+        }
+    }
+    (refused, other)
+}
+
+/// Memory amplification (defect 3): 40 first batches of about 1 MiB of keys for a request of
+/// 768 chunks, sent while the buffer is held so that each would wait. They used to be kept
+/// whole until admission, and 40 took a receiver from 7 MB to 1.05 GB. Now a list longer than
+/// `LIST_ENTRIES_MAX` is refused by the decoder (half the frames: 500 000 one-byte keys), and
+/// keys beyond the declared total are refused before anything is kept (the other half: 60 000
+/// keys of 15 bytes). The receiver's RSS stays within 64 MiB of where it started, and it
+/// still serves.
+#[test]
+fn first_batches_cannot_amplify_into_memory() {
+    let mut receiver = Kvx::receiver();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = receiver.rss_kib();
+    // A hog holds 768 of the 1024 slots (its share), so the flood's requests would wait.
+    let mut hog = Peer::dealer(receiver.addr(), Some(&fresh_identity("hog"))).expect("hog");
+    let r = reply(
+        &hog.request(&first_batch("hold", vec![], 768, 1))
+            .expect("held"),
+    );
+    assert!(!r.is_refusal(), "{r:?}");
+    let tiny: Vec<String> = (0..500_000)
+        .map(|i| ((b'a' + (i % 26) as u8) as char).to_string())
+        .collect();
+    let many: Vec<String> = (0..60_000).map(|i| format!("{i:0>15}")).collect();
+    for p in 0..8 {
+        let mut peer =
+            Peer::dealer(receiver.addr(), Some(&fresh_identity("flood"))).expect("flood");
+        for i in 0..5u64 {
+            let keys = if (p + i) % 2 == 0 { &tiny } else { &many };
+            let frame = first_batch(&format!("flood-{p}-{i}"), keys.clone(), 768, i + 1);
+            assert!(frame.len() <= 1 << 20, "{} bytes fit a frame", frame.len());
+            let r = reply(&peer.request(&frame).expect("answered"));
+            assert!(r.is_refusal(), "refused at once: {r:?}");
+        }
+    }
+    receiver.assert_alive();
+    let after = receiver.rss_kib();
+    eprintln!("receiver RSS: {before} KiB before, {after} KiB after the flood");
+    assert!(
+        after < before + 64 * 1024,
+        "RSS {before} KiB before, {after} KiB after 40 MiB of first batches"
+    );
+    // The hog lets go; a legitimate sender is served.
+    let cancel = wire::encode(&Message::CancelNotif(CancelNotif {
+        req_id: "hold".into(),
+        keys: vec![],
+        seq: Some(2),
+        drained: Some(true),
+    }));
+    hog.request(&cancel).expect("cancel acknowledged");
+    legit_round_trip(&mut receiver);
+}
+
+/// A sender whose chunks are smaller than the receiver's slots (defect 7) was accepted and
+/// its chunks arrived corrupt. It is refused at the fabric handshake, with both sizes named,
+/// and every request fails instead of arriving short.
+#[test]
+fn a_sender_with_another_chunk_size_is_refused_naming_both() {
+    let receiver = Kvx::receiver_with(BUFFER, 4096, &[]);
+    let proxy = Kvx::proxy();
+    let (summary, stderr) = run_sender(
+        &receiver,
+        &proxy,
+        &[
+            "--chunk-bytes",
+            "2048",
+            "--requests",
+            "3",
+            "--chunks",
+            "1..2",
+        ],
+    );
+    assert_eq!(summary["requests_completed"], 0, "{summary} {stderr}");
+    assert!(
+        stderr.contains("2048") && stderr.contains("4096"),
+        "the refusal names both sizes: {stderr}"
+    );
+    assert_eq!(receiver.log_count("decoder read corrupt bytes"), 0);
+}
+
+/// Fabric hellos that must not attach: the old version (no credential), a credential the
+/// receiver never issued (for each of the first few peer ids, which are guessable), and junk.
+/// Each is answered with a refusal carrying no file path, or dropped; the receiver serves on.
+#[test]
+fn unauthenticated_fabric_hellos_are_refused() {
+    let mut receiver = Kvx::receiver();
+    let fabric_addr = receiver.fabric_addr();
+    let mut old = FabricPeer::connect(fabric_addr).expect("connect");
+    old.send(&fabric::hello_v1(1, 4096)).expect("hello");
+    let w = old.welcome().expect("an answer");
+    assert_eq!((w.status, w.extra_len), (1, 0), "version refused: {w:?}");
+    for peer in 1..=8 {
+        let forged = FabricCredential {
+            peer: PeerId(peer),
+            tag: [peer as u8; 16],
+        };
+        let mut p = FabricPeer::connect(fabric_addr).expect("connect");
+        p.send(&fabric::hello(1, 4096, &forged)).expect("hello");
+        let w = p.welcome().expect("an answer");
+        assert_eq!(
+            (w.status, w.extra_len),
+            (4, 0),
+            "forged credential refused: {w:?}"
+        );
+        assert!(p.closed(), "and the connection closed");
+    }
+    let mut junk = FabricPeer::connect(fabric_addr).expect("connect");
+    junk.send(&[0xFF; 64]).expect("junk");
+    assert!(junk.closed(), "junk is dropped");
+    receiver.assert_alive();
+    legit_round_trip(&mut receiver);
+}
