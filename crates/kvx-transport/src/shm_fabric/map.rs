@@ -143,6 +143,17 @@ impl SlotMemory for ShmMemory {
     fn read_slot(&self, slot: u32, out: &mut [u8]) {
         self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
     }
+
+    // In place, as `HeapMemory` does: the trait's defaults go through a buffer the size of
+    // the chunk, an allocation and a copy per call (a prefill filling staging, the receiver
+    // computing a landed chunk's checksum, a decoder reading).
+    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
+        self.with_slot(slot, |s| f(&mut s[..len]));
+    }
+
+    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
+        self.with_slot(slot, |s| f(&s[..len]));
+    }
 }
 
 impl Drop for ShmMemory {

@@ -421,7 +421,7 @@ impl Conn {
                 } else {
                     // Whatever went past the payload is the start of the next header.
                     self.state = RecvState::Header { filled: got - len };
-                    let computed = self.payload_checksum.take().map(ChecksumState::value);
+                    let computed = self.payload_checksum.take().map(|c| c.value());
                     let check = compare(carried, computed);
                     self.landed(id, slot, len as u64, imm, check)?;
                     if got - len == HEADER_LEN {
