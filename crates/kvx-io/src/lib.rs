@@ -17,7 +17,7 @@
 //!   completions, landed notices, `FabricError`.
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
-//! - `checksum`: the end-to-end chunk checksum (CRC32C).
+//! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
 //! - `mem`: `MemTransport` and `MemFabric`, in-process.

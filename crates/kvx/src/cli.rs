@@ -195,7 +195,7 @@ impl From<LegacyMode> for kvx_proto::LegacySenders {
     }
 }
 
-/// Whether chunks carry an end-to-end checksum (CRC32C) that the receiver checks before a
+/// Whether chunks carry an end-to-end checksum (XXH3, 32 bits) that the receiver checks before a
 /// request is ready (docs/spec/fabrics.md §5b).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum ChecksumMode {

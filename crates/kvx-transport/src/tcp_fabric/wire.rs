@@ -27,7 +27,7 @@ pub(crate) const WELCOME_EXTRA_MAX: u32 = 4096;
 
 /// Header flag: the write carries an immediate value.
 pub(crate) const FLAG_IMM: u32 = 1;
-/// Header flag: the write carries its chunk's checksum (CRC32C) at offset 28.
+/// Header flag: the write carries its chunk's checksum (`kvx_io::chunk_checksum`) at offset 28.
 pub(crate) const FLAG_CHECKSUM: u32 = 2;
 /// Every flag this version knows; a header with another bit set ends the connection.
 pub(crate) const FLAGS_KNOWN: u32 = FLAG_IMM | FLAG_CHECKSUM;
