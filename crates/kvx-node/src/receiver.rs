@@ -231,12 +231,17 @@ impl<E: Env> Driver<E> {
             self.carry_out(&replies).await;
             let deadline = self.ledger.poll_timeout();
             let sleep = crate::sleep_until_deadline(&self.env, deadline);
+            // Landing notices first: a notice already in the channel happened before any
+            // message its write's completion caused (a sender's CancelNotif after a write it
+            // was told was corrupt), so the ledger sees them in that order and reports the
+            // real reason. The access rules bound the notices, so they cannot starve the rest.
             tokio::select! {
+                biased;
+                Some(landed) = self.listener.landed.recv() => self.on_landed(landed),
                 msg = self.server.recv() => {
                     let Some((peer, bytes)) = msg else { return };
                     self.on_message(peer, bytes, &replies).await;
                 }
-                Some(landed) = self.listener.landed.recv() => self.on_landed(landed),
                 cmd = self.cmds.recv() => match cmd {
                     Some(Cmd::Acquire(key, reply)) => {
                         let _ = reply.send(self.ledger.handle_acquire(&key));

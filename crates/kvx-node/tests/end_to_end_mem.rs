@@ -230,3 +230,105 @@ async fn a_request_larger_than_staging_completes_promptly() {
     .await
     .expect("every byte verified");
 }
+
+/// A chunk whose staging slot changes after it was staged (a caller rewrote it, memory went
+/// bad) arrives with a checksum that no longer matches: the request fails at the sender (its
+/// write is reported corrupt), at the receiver (it never becomes ready; the ledger says why)
+/// and at the proxy, each with the reason; the next request goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
+    use kvx_io::SlotMemory;
+    use kvx_proto::receiver::{Failure, Outcome};
+    use kvx_proto::sender::ChunkSpec;
+    let env = env();
+    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
+        .await
+        .expect("proxy starts");
+    let cfg = ReceiverConfig {
+        buffer_slots: 8,
+        ..ReceiverConfig::default()
+    };
+    let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
+        .await
+        .expect("receiver starts");
+    let addr = ReceiverAddr {
+        alloc: receiver.alloc_endpoint().to_owned(),
+        fabric: receiver.fabric_endpoint().to_owned(),
+    };
+    let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(notice) = receiver.next_notice().await {
+            match notice {
+                ReceiverNotice::Ready(ready) => {
+                    let d = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
+                    assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
+                }
+                ReceiverNotice::Ended { key, outcome } => {
+                    let _ = ended_tx.send((key.req_id.0, outcome));
+                }
+            }
+        }
+    });
+    let (sender, peer) = start_sender(&env, &proxy, addr, sender_cfg()).await;
+    let id = ReqId("bad".into());
+    let ready = proxy.expect(id.clone(), 1).await.expect("fresh id");
+    sender
+        .begin(RequestSpec {
+            req_id: id.clone(),
+            receiver: peer,
+            total_chunks: 1,
+            fmt: 1,
+            shape: vec![1],
+            dtype: "bfloat16".into(),
+        })
+        .expect("begins");
+    sender.admitted(&id).await.expect("admitted");
+    let slot = sender.allocate(&id).await.expect("staging");
+    sender.stage(slot, &vec![7u8; CHUNK]);
+    // Changed after staging, without staging it again.
+    sender.staging().write_slot(slot.0, &[8u8; 16]);
+    let chunk = ChunkSpec {
+        key: "k".into(),
+        staging: slot,
+        tokens: 1,
+    };
+    sender.submit(&id, vec![chunk], true).expect("submitted");
+    let at_sender = tokio::time::timeout(Duration::from_secs(10), sender.outcome(&id))
+        .await
+        .expect("bounded");
+    assert!(
+        matches!(&at_sender, Err(SendFailure::WriteFailed(why)) if why.contains("corrupt")),
+        "{at_sender:?}"
+    );
+    let at_proxy = tokio::time::timeout(Duration::from_secs(10), ready)
+        .await
+        .expect("bounded")
+        .expect("answered");
+    assert!(
+        matches!(&at_proxy, Err(why) if why.contains("corrupt")),
+        "{at_proxy:?}"
+    );
+    let (req, outcome) = tokio::time::timeout(Duration::from_secs(10), ended.recv())
+        .await
+        .expect("bounded")
+        .expect("an end");
+    assert_eq!(req, "bad");
+    assert!(
+        matches!(&outcome, Outcome::Failed(Failure::Integrity(why)) if why.contains("checksum")),
+        "{outcome:?}"
+    );
+    // The next request, staged properly, is delivered and verified.
+    let good = SyntheticRequest {
+        req_id: ReqId("good".into()),
+        receiver: peer,
+        chunks: 2,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    };
+    let ready = proxy
+        .expect(good.req_id.clone(), 1)
+        .await
+        .expect("fresh id");
+    synthetic::prefill(&sender, &good).await.expect("delivered");
+    ready.await.expect("answered").expect("ready");
+}

@@ -180,3 +180,33 @@ fn rdma_without_a_device_or_the_feature_is_a_clear_error() {
         assert_eq!(out.status.code(), Some(2), "kvx {args:?}: {err}");
     }
 }
+
+/// A buffer larger than the machine can hold is refused at start, naming every figure (it
+/// used to be allocated and touched page by page until the OOM killer ended the process).
+#[test]
+fn a_buffer_larger_than_memory_is_refused_at_start() {
+    let out = kvx()
+        .args(["receiver", "--alloc-ports", "0", "--fabric-ports", "0"])
+        .args(["--buffer-chunks", "1000000", "--chunk-bytes", "1073741824"])
+        .args(["--exit-after-s", "5"])
+        .output()
+        .expect("kvx runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not enough memory") && err.contains("1000000") && err.contains("1073741824"),
+        "{err}"
+    );
+    let out = kvx()
+        .args([
+            "demo",
+            "--buffer-chunks",
+            "1000000",
+            "--chunk-bytes",
+            "1073741824",
+        ])
+        .output()
+        .expect("kvx runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not enough memory"));
+}

@@ -369,6 +369,13 @@ impl<E: Env> SenderHandle<E> {
         self.shared.staged(slot.0, len, &*self.memory);
     }
 
+    /// The staging memory, for callers that fill slots in place themselves. A slot written
+    /// after `stage`/`stage_with` without staging it again keeps its old checksum, and the
+    /// receiver refuses the chunk as corrupt: stage again after every change.
+    pub fn staging(&self) -> &Arc<<E::Fabric as Fabric>::Memory> {
+        &self.memory
+    }
+
     /// Submits staged chunks as one batch.
     pub fn submit(
         &self,
