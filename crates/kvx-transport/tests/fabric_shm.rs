@@ -1,19 +1,19 @@
 //! `ShmFabric` with its control channel on loopback: kvx-io's fabric conformance bodies, then
-//! concurrency, a cut control connection, 1 MiB slots, a dropped listener (and its file),
-//! handshake refusals, the receiver's checks on notices, and a sender that refuses to map a
-//! file a receiver should not name.
+//! concurrency, a cut control connection, 1 MiB slots, a dropped listener, staging files and
+//! their lifetime, handshake refusals, the receiver's checks on headers, and a receiver that
+//! refuses to map a file a sender should not name.
 
 mod fabric_common;
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kvx_io::conformance;
 use kvx_io::{Fabric, FabricError, SlotMemory};
-use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig};
+use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig, ShmMemory};
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::io::AsyncWriteExt;
 
 const EP: &str = "127.0.0.1:0";
 
@@ -64,22 +64,25 @@ async fn shm_nothing_exposed() {
     fabric_common::nothing_exposed(&ShmFabric::new()).await;
 }
 
+/// A raw peer's staging: a file of one slot of `slot_bytes` that the receiver may map.
+fn raw_staging(slot_bytes: usize) -> std::sync::Arc<ShmMemory> {
+    ShmFabric::new()
+        .allocate_staging(1, slot_bytes)
+        .expect("staging")
+}
+
 #[tokio::test]
 async fn shm_receiver_checks_bounds() {
-    fabric_common::receiver_checks_bounds(&ShmFabric::new(), EP, b"KVXS", false).await;
+    let staging = raw_staging(1024);
+    let raw = fabric_common::Raw::Staged {
+        path: staging.path().expect("a file").as_os_str().as_bytes(),
+        memory: &*staging,
+    };
+    fabric_common::receiver_checks_bounds(&ShmFabric::new(), EP, b"KVXS", raw).await;
 }
 
 #[tokio::test]
 async fn shm_reset_is_bounded_when_the_receiver_stalls() {
-    // A stalled receiver that names a real buffer file, so the sender can map it.
-    let listener = ShmFabric::new().expose(EP, 2, 4096).await.expect("expose");
-    let path = listener
-        .memory
-        .path()
-        .expect("file")
-        .to_str()
-        .expect("utf-8");
-    let path: &'static str = Box::leak(path.to_owned().into_boxed_str());
     let f = ShmFabric::with_config(ShmFabricConfig {
         link: TcpFabricConfig {
             fence_timeout: Duration::from_millis(300),
@@ -87,29 +90,32 @@ async fn shm_reset_is_bounded_when_the_receiver_stalls() {
         },
         ..ShmFabricConfig::default()
     });
-    fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXS", path.as_bytes()).await;
+    fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXS", b"").await;
 }
 
+/// A sender's staging is a file in the fabric's directory, mode 0600, removed when the
+/// staging is dropped (a connection does not keep the name alive); the exposed buffer is
+/// private memory with no file at all.
 #[tokio::test]
-async fn shm_file_is_removed_with_the_listener() {
+async fn shm_staging_files_live_as_long_as_the_staging() {
+    use std::os::unix::fs::PermissionsExt;
     let f = ShmFabric::new();
     let listener = f.expose(EP, 2, 4096).await.expect("expose");
-    let path: PathBuf = listener.memory.path().expect("a file").to_owned();
-    assert!(path.starts_with("/dev/shm"), "{path:?}");
-    assert_eq!(
-        std::fs::metadata(&path).expect("the file exists").len(),
-        2 * 4096
-    );
-    // A connected sender does not keep the name alive.
+    assert!(listener.memory.path().is_none(), "the buffer is anonymous");
     let staging = f.allocate_staging(2, 4096).expect("staging");
+    let path: PathBuf = staging.path().expect("a staging file").to_owned();
+    assert!(path.starts_with("/dev/shm"), "{path:?}");
+    let meta = std::fs::metadata(&path).expect("the file exists");
+    assert_eq!(meta.len(), 2 * 4096);
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     let credential = listener.access.credential_for(kvx_proto::PeerId(1));
-    let _conn = f
+    let conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
         .await
         .expect("connect");
-    assert!(staging.path().is_none(), "staging is anonymous");
-    drop(listener);
-    assert!(!path.exists(), "{path:?} removed when the listener dropped");
+    drop(conn);
+    drop(staging);
+    assert!(!path.exists(), "{path:?} removed with the staging");
 }
 
 #[tokio::test]
@@ -137,41 +143,39 @@ async fn shm_and_tcp_senders_do_not_mix() {
     assert!(matches!(r, Err(FabricError::Endpoint { .. })), "{r:?}");
 }
 
-/// A receiver that names a file of its choosing: the sender maps only kvx files in its own
-/// shm directory, so it cannot be made to write into anything else.
+/// A sender that names a staging file of its choosing: the receiver maps only kvx files in
+/// its own shm directory, of the declared size, so it cannot be made to read anything else;
+/// it refuses the others (welcome status 5) and leaves them untouched.
 #[tokio::test]
-async fn shm_sender_maps_only_kvx_files() {
-    // A real file in /dev/shm without the kvx prefix, the right size.
+async fn shm_receiver_maps_only_kvx_staging_files() {
     let foreign = PathBuf::from(format!("/dev/shm/not-kvx-{}", std::process::id()));
-    std::fs::write(&foreign, vec![0u8; 2 * 4096]).expect("foreign file");
+    std::fs::write(&foreign, vec![0u8; 4096]).expect("foreign file");
+    let f = ShmFabric::new();
+    let listener = f.expose(EP, 2, 4096).await.expect("expose");
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let short = f
+        .allocate_staging(1, 2048)
+        .expect("a kvx staging of another size");
+    let short_path = short
+        .path()
+        .expect("file")
+        .to_str()
+        .expect("utf-8")
+        .to_owned();
     for named in [
         "/etc/passwd",
         foreign.to_str().expect("utf-8"),
         "/dev/shm/kvx-shm-../../etc/passwd",
+        // A real kvx staging file, but not of the geometry the hello declares.
+        short_path.as_str(),
     ] {
-        let fake = TcpListener::bind(EP).await.expect("bind");
-        let ep = fake.local_addr().expect("addr").to_string();
-        let sent = named.to_owned();
-        let server = tokio::spawn(async move {
-            let named = sent;
-            let (mut s, _) = fake.accept().await.expect("accept");
-            let mut hello = [0u8; 64];
-            s.read_exact(&mut hello).await.expect("hello");
-            let w = fabric_common::raw::welcome_bytes(b"KVXS", 2, 4096, 1, named.as_bytes());
-            s.write_all(&w).await.expect("welcome");
-            // Hold the connection until the sender gives up.
-            let mut b = [0u8; 64];
-            let _ = tokio::time::timeout(fabric_common::STEP, s.read(&mut b)).await;
-        });
-        let f = ShmFabric::new();
-        let staging = f.allocate_staging(2, 4096).expect("staging");
-        let credential = kvx_io::FabricAccess::new(1, [0; 16]).credential_for(kvx_proto::PeerId(1));
-        let r = fabric_common::step("connect", f.connect(&ep, staging, credential)).await;
-        assert!(
-            matches!(r, Err(FabricError::Endpoint { .. })),
-            "a receiver naming {named:?}: {r:?}"
-        );
-        server.await.expect("fake receiver");
+        let mut s = tokio::net::TcpStream::connect(&listener.local_endpoint)
+            .await
+            .expect("connect");
+        let hello = fabric_common::raw::hello_with(b"KVXS", 1, 4096, &credential, named.as_bytes());
+        s.write_all(&hello).await.expect("hello");
+        let (status, ..) = fabric_common::raw::welcome(&mut s).await;
+        assert_eq!(status, 5, "a sender naming {named:?} is refused");
     }
     let untouched = std::fs::read(&foreign).expect("read back");
     std::fs::remove_file(&foreign).expect("cleanup");
@@ -200,7 +204,7 @@ async fn shm_restart_at_the_same_endpoint() {
 
 #[tokio::test]
 async fn shm_fabric_refuses_writes_outside_grants() {
-    conformance::fabric_refuses_writes_outside_grants(&ShmFabric::new(), EP, false).await;
+    conformance::fabric_refuses_writes_outside_grants(&ShmFabric::new(), EP, true).await;
 }
 
 #[tokio::test]
@@ -210,5 +214,10 @@ async fn shm_fabric_checks_checksums() {
 
 #[tokio::test]
 async fn shm_receiver_checks_grants() {
-    fabric_common::receiver_checks_grants(&ShmFabric::new(), EP, b"KVXS", false).await;
+    let staging = raw_staging(1024);
+    let raw = fabric_common::Raw::Staged {
+        path: staging.path().expect("a file").as_os_str().as_bytes(),
+        memory: &*staging,
+    };
+    fabric_common::receiver_checks_grants(&ShmFabric::new(), EP, b"KVXS", raw).await;
 }

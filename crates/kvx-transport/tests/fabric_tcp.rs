@@ -61,7 +61,13 @@ async fn tcp_nothing_exposed() {
 
 #[tokio::test]
 async fn tcp_receiver_checks_bounds() {
-    fabric_common::receiver_checks_bounds(&TcpFabric::new(), EP, b"KVXT", true).await;
+    fabric_common::receiver_checks_bounds(
+        &TcpFabric::new(),
+        EP,
+        b"KVXT",
+        fabric_common::Raw::Inline,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -161,5 +167,11 @@ async fn tcp_fabric_checks_checksums() {
 
 #[tokio::test]
 async fn tcp_receiver_checks_grants() {
-    fabric_common::receiver_checks_grants(&TcpFabric::new(), EP, b"KVXT", true).await;
+    fabric_common::receiver_checks_grants(
+        &TcpFabric::new(),
+        EP,
+        b"KVXT",
+        fabric_common::Raw::Inline,
+    )
+    .await;
 }

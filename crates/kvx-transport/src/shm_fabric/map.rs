@@ -1,20 +1,21 @@
-//! Shared mappings: the only `unsafe` code in kvx-transport, kept to three pointer
-//! operations (`ShmMemory::with_slot`, `SharedSlots::copy_into`), each behind a bounds
-//! check and with its reasoning beside it.
+//! Shared mappings: the only `unsafe` code in kvx-transport, kept to two pointer operations
+//! (`ShmMemory::with_slot`, `StagingView::copy_out`), each behind a bounds check and with its
+//! reasoning beside it.
 //!
 //! Two kinds of mapping:
-//! - `ShmMemory`, a `SlotMemory`: an exposed buffer (a file under the fabric's directory,
-//!   removed when the memory is dropped) or staging (anonymous). In-process access goes
-//!   through one lock per slot, like `HeapMemory`, so two threads of this process never
+//! - `ShmMemory`, a `SlotMemory`: a sender's staging (a file under the fabric's directory,
+//!   removed when the memory is dropped) or an exposed buffer (anonymous). In-process access
+//!   goes through one lock per slot, like `HeapMemory`, so two threads of this process never
 //!   touch one slot at once.
-//! - `SharedSlots`: a sender's mapping of a receiver's file, written only by that sender's
-//!   connection task.
+//! - `StagingView`: a receiver's read-only mapping of a sender's staging file, from which
+//!   the receiver copies each admitted write into its own buffer.
 //!
-//! What no lock can cover is the other side of the mapping: a sender writes a receiver's
-//! slot through its own mapping. That is sound only under the protocol's ownership rule —
-//! a slot is written by the one sender it is granted to, and read by the receiver only after
-//! that write's `Landed` notice, which travels through a socket and a channel (both
-//! synchronise) after the copy. This is the same contract as RDMA into registered memory.
+//! What no lock can cover is the other side of the mapping: the receiver reads a staging slot
+//! the sender's process wrote. That is sound under the staging discipline every fabric keeps
+//! — a sender rewrites a staging slot only after the write from it completed, and a completion
+//! follows the receiver's copy — and the ack, the socket and the channel between them
+//! synchronise. A sender that breaks the discipline changes only its own chunk's bytes (and
+//! its checksum catches that); it never reaches the receiver's buffer.
 #![allow(unsafe_code)]
 
 use std::fmt;
@@ -212,34 +213,34 @@ fn reserve(file: &File, len: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// A sender's mapping of a receiver's buffer file.
-pub(crate) struct SharedSlots {
+/// A receiver's read-only mapping of a sender's staging file.
+pub(crate) struct StagingView {
     map: MmapRaw,
     slots: u32,
     slot_bytes: usize,
 }
 
-impl fmt::Debug for SharedSlots {
+impl fmt::Debug for StagingView {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SharedSlots")
+        f.debug_struct("StagingView")
             .field("slots", &self.slots)
             .field("slot_bytes", &self.slot_bytes)
             .finish()
     }
 }
 
-impl SharedSlots {
-    /// Maps `path`, which must name a regular file (not a symlink) of exactly
+impl StagingView {
+    /// Maps `path` read-only. It must name a regular file (not a symlink) of exactly
     /// `slots * slot_bytes` bytes, so that every in-bounds copy stays inside the mapping.
     pub(crate) fn open(path: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = (slots as usize)
             .checked_mul(slot_bytes)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "geometry overflows"))?;
+            .filter(|&l| l > 0)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad geometry"))?;
         // The name must be a regular file itself, and the file opened must be that one: a
-        // symlink swapped in between the two looks shows up as another inode. (Opening
-        // without truncation changes nothing in a file we then refuse.)
+        // symlink swapped in between the two looks shows up as another inode.
         let named = std::fs::symlink_metadata(path)?;
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let file = OpenOptions::new().read(true).open(path)?;
         let meta = file.metadata()?;
         let same =
             named.file_type().is_file() && named.dev() == meta.dev() && named.ino() == meta.ino();
@@ -247,40 +248,47 @@ impl SharedSlots {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
-                    "{} is not a {len}-byte buffer file ({} bytes)",
+                    "{} is not a {len}-byte staging file ({} bytes)",
                     path.display(),
                     meta.len()
                 ),
             ));
         }
-        let map = MmapOptions::new().len(len).populate().map_raw(&file)?;
-        Ok(SharedSlots {
+        let map = MmapOptions::new().len(len).map_raw_read_only(&file)?;
+        Ok(StagingView {
             map,
             slots,
             slot_bytes,
         })
     }
 
-    /// Copies `src` to the start of `slot` in the receiver's buffer. Panics when out of bounds:
-    /// the sender checks every write first.
-    pub(crate) fn copy_into(&self, slot: u32, src: &[u8]) {
+    pub(crate) fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`. Panics when out
+    /// of bounds: the receiver checks every write first.
+    pub(crate) fn copy_out(&self, slot: u32, dst: &mut [u8]) {
         assert!(
-            slot < self.slots && src.len() <= self.slot_bytes,
-            "invariant: the sender bounds-checked write into slot {slot} of {} bytes",
-            src.len()
+            slot < self.slots && dst.len() <= self.slot_bytes,
+            "invariant: the receiver bounds-checked a copy of {} bytes from slot {slot}",
+            dst.len()
         );
         let offset = slot as usize * self.slot_bytes;
-        // SAFETY: the bounds check above keeps `offset + src.len()` within the mapping, which
-        // `open` made exactly `slots * slot_bytes` long and `&self` keeps alive. `src` is in
-        // other memory: staging is a private anonymous mapping, and `connect` refuses staging
-        // that is this very file, so the ranges cannot overlap. The destination slot is
-        // granted to this sender (module doc); nothing in this process holds a reference
-        // into this mapping.
+        // SAFETY: the bounds check above keeps `offset + dst.len()` within the mapping, which
+        // `open` made exactly `slots * slot_bytes` long and `&self` keeps alive. `dst` is the
+        // receiver's own buffer (anonymous memory of this process), never this mapping, so the
+        // ranges cannot overlap. The source slot is one the sender does not rewrite until this
+        // copy is acked (module doc).
         unsafe {
             std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                self.map.as_mut_ptr().add(offset),
-                src.len(),
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
             );
         }
     }

@@ -1,21 +1,21 @@
-//! `ShmFabric`: sender and receiver on one host; a write is one `memcpy` from the staging
-//! slot straight into the receiver's slot through a shared mapping.
+//! `ShmFabric`: sender and receiver on one host; a write is one `memcpy`, done by the
+//! receiver, from the sender's staging straight into the receiver's slot.
 //!
-//! `expose` creates a file under the fabric's directory (`/dev/shm` by default) holding the
-//! whole buffer, maps it, and listens on the endpoint (loopback TCP) for senders: the control
-//! channel. A sender connects, handshakes as over `TcpFabric` (its own magic), learns the file
-//! name and geometry from the `Welcome`, and maps the same file. For each posted write its
-//! task copies the payload into the mapped slot, then sends the 32-byte write header (id,
-//! remote slot, len, immediate, checksum) as the notification; the receiver checks it against
-//! the sender's grants, computes the checksum over the mapped slot, announces the landing
-//! and acks. The completion follows the ack, so it means the bytes are in the receiver's
-//! memory and the receiver has heard of the write. Only an authenticated sender learns the
-//! file's name (the welcome carries it only after the credential verified).
+//! A sender's staging is a file under the fabric's directory (`/dev/shm` by default, mode
+//! 0600, removed when the staging is dropped). `connect` handshakes as over `TcpFabric` (its
+//! own magic, the credential) and names that file after its hello; the receiver maps it
+//! read-only, checking that it is a kvx file of the declared size in its own directory. For
+//! each posted write the sender sends the 40-byte write header (id, remote slot, len,
+//! immediate, checksum, staging slot) and nothing else; the receiver checks it against the
+//! sender's grants, then copies the staging slot into its own buffer (which is private memory:
+//! no other process maps it), computes the checksum over the copy while it is in the caches,
+//! announces the landing and acks. The completion follows the ack, so it means the bytes are in
+//! the receiver's memory and the receiver has heard of the write.
 //!
-//! Reset and broken connections flush exactly as over TCP (`tcp_fabric::sender`): the sender
-//! stops copying at once, fences the receiver, then flushes. The file is removed when the
-//! exposing side's memory is dropped; senders' mappings stay valid until they let go.
-//! Layout and notification format: `docs/spec/fabrics.md`.
+//! Because the receiver does the copy, a write lands only where its sender holds the grant,
+//! exactly as over TCP, and a fence stops the copies: the connection's task is what makes
+//! them. Reset and broken connections flush as over TCP (`tcp_fabric::sender`). Layout and
+//! notification format: `docs/spec/fabrics.md`.
 
 mod map;
 
@@ -34,11 +34,11 @@ use tokio::sync::mpsc;
 
 use crate::tcp_fabric::check_bounds;
 use crate::tcp_fabric::link::{self, Geometry, LinkConfig};
-use crate::tcp_fabric::receiver::{self, Greeting, Landing, Rules};
+use crate::tcp_fabric::receiver::{self, Greeting, Landing, PullSource, Rules, Source};
 use crate::tcp_fabric::sender::{Pending, SenderLink, Transmit};
-use crate::tcp_fabric::wire::{WriteHeader, HEADER_LEN, SHM_MAGIC};
+use crate::tcp_fabric::wire::{Hello, WriteHeader, HEADER_LEN, SHM_MAGIC};
 pub use map::ShmMemory;
-use map::{SharedSlots, FILE_PREFIX};
+use map::{StagingView, FILE_PREFIX};
 
 /// Settings of a `ShmFabric`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,9 +87,10 @@ impl Fabric for ShmFabric {
         slot_bytes: usize,
     ) -> Result<Arc<ShmMemory>, FabricError> {
         Geometry::checked(slots, slot_bytes)?;
-        ShmMemory::anonymous(slots, slot_bytes)
+        // A file the receiver maps read-only: it copies each admitted write out of it.
+        ShmMemory::create_shared(&self.config.dir, slots, slot_bytes)
             .map(Arc::new)
-            .map_err(|e| alloc_error("staging mapping", e))
+            .map_err(|e| alloc_error(&format!("staging in {}", self.config.dir.display()), e))
     }
 
     async fn expose(
@@ -99,40 +100,30 @@ impl Fabric for ShmFabric {
         slot_bytes: usize,
     ) -> Result<FabricListener<ShmMemory>, FabricError> {
         let geometry = Geometry::checked(slots, slot_bytes)?;
-        // Creating and filling the file writes the whole buffer: keep it off the IO threads.
-        let dir = self.config.dir.clone();
-        let created =
-            tokio::task::spawn_blocking(move || ShmMemory::create_shared(&dir, slots, slot_bytes))
-                .await
-                .map_err(|e| alloc_error("shm buffer", e))?;
-        let memory = Arc::new(created.map_err(|e| {
-            alloc_error(&format!("shm buffer in {}", self.config.dir.display()), e)
-        })?);
-        let path = memory
-            .path()
-            .expect("invariant: an exposed ShmMemory has a file")
-            .as_os_str()
-            .as_bytes()
-            .to_vec();
-        // On error `memory` drops here and takes its file with it.
+        // Private memory: only this process writes it, copying out of senders' staging.
+        let memory = Arc::new(
+            ShmMemory::anonymous(slots, slot_bytes).map_err(|e| alloc_error("shm buffer", e))?,
+        );
         let listener = link::bind(endpoint, &self.config.link).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
         let (landed_tx, landed) = kvx_io::landing_channel(slots);
+        let dir = self.config.dir.clone();
         let greeting = Greeting {
             magic: SHM_MAGIC,
-            extra: Arc::from(path),
+            extra: Arc::from(&[][..]),
             config: self.config.link.clone(),
+            accept: Arc::new(move |hello, named| open_staging(&dir, hello, named)),
         };
         let access = Arc::new(FabricAccess::with_random_key(slots)?);
         let rules = Rules {
             access: access.clone(),
             refusals_logged: Arc::new(LogLimiter::default()),
         };
-        // The control tasks hold `memory` only weakly: dropping the listener removes the file.
+        // The connection tasks hold `memory` only weakly: it goes with the listener.
         let weak: std::sync::Weak<dyn SlotMemory> = Arc::downgrade(&memory) as _;
         tokio::spawn(receiver::accept_loop(
             listener,
-            Landing::Shared(weak, geometry),
+            Landing::Pulled(weak, geometry),
             landed_tx,
             greeting,
             rules,
@@ -153,6 +144,12 @@ impl Fabric for ShmFabric {
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
+        let Some(path) = staging.path() else {
+            return Err(FabricError::Io(
+                "shm: the staging memory was not allocated by a ShmFabric".into(),
+            ));
+        };
+        let named = path.as_os_str().as_bytes().to_vec();
         let mut stream = link::connect(endpoint, &self.config.link).await?;
         let peer = stream
             .peer_addr()
@@ -163,35 +160,17 @@ impl Fabric for ShmFabric {
             SHM_MAGIC,
             ours,
             credential,
+            &named,
             &self.config.link,
         )
         .await?;
-        let refuse = |why: String| FabricError::Endpoint {
-            endpoint: endpoint.to_owned(),
-            why,
-        };
-        let path = buffer_path(&self.config.dir, &welcomed.extra).map_err(&refuse)?;
-        if staging.path() == Some(path.as_path()) {
-            return Err(refuse("staging is the receiver's own buffer".into()));
-        }
-        let remote_geometry = welcomed.geometry;
-        let slot_bytes = usize::try_from(remote_geometry.slot_bytes)
-            .map_err(|_| refuse("remote slots exceed the address space".into()))?;
-        let remote = SharedSlots::open(&path, remote_geometry.slots, slot_bytes).map_err(|e| {
-            refuse(format!(
-                "cannot map {} (is the receiver on this host?): {e}",
-                path.display()
-            ))
-        })?;
         let (ops_tx, ops) = mpsc::unbounded_channel();
         let (done, done_rx) = mpsc::unbounded_channel();
         let link = SenderLink {
             stream,
-            transmit: SharedTransmit {
-                staging,
+            transmit: HeaderTransmit {
                 staging_geometry: ours,
-                remote,
-                remote_geometry,
+                remote_geometry: welcomed.geometry,
                 outbox: [0; OUTBOX_LEN],
                 filled: 0,
                 sent: 0,
@@ -209,9 +188,19 @@ impl Fabric for ShmFabric {
     }
 }
 
-/// The file a receiver named, if it is one this fabric could have created: directly in our
-/// directory, with our prefix. A receiver cannot make a sender write anywhere else.
-fn buffer_path(dir: &Path, named: &[u8]) -> Result<PathBuf, String> {
+/// The receiver's side of a sender's attach: maps the staging file the hello names, if it is
+/// one a `ShmFabric` could have created — directly in our directory, with our prefix, a
+/// regular file of the declared geometry. A sender cannot make the receiver read anything else.
+fn open_staging(dir: &Path, hello: &Hello, named: &[u8]) -> Result<Source, String> {
+    let path = staging_path(dir, named)?;
+    let slot_bytes = usize::try_from(hello.staging_slot_bytes)
+        .map_err(|_| "staging slots exceed the address space".to_owned())?;
+    let view = StagingView::open(&path, hello.staging_slots, slot_bytes)
+        .map_err(|e| format!("cannot map the staging {}: {e}", path.display()))?;
+    Ok(Some(Box::new(view)))
+}
+
+fn staging_path(dir: &Path, named: &[u8]) -> Result<PathBuf, String> {
     let path = PathBuf::from(OsStr::from_bytes(named));
     let ours = path.parent() == Some(dir)
         && path
@@ -221,31 +210,40 @@ fn buffer_path(dir: &Path, named: &[u8]) -> Result<PathBuf, String> {
         Ok(path)
     } else {
         Err(format!(
-            "the receiver's buffer {} is not a kvx file in {}",
+            "the sender's staging {} is not a kvx file in {}",
             path.display(),
             dir.display()
         ))
     }
 }
 
+impl PullSource for StagingView {
+    fn geometry(&self) -> Geometry {
+        Geometry {
+            slots: self.slots(),
+            slot_bytes: self.slot_bytes() as u64,
+        }
+    }
+
+    fn copy_out(&self, slot: u32, dst: &mut [u8]) {
+        StagingView::copy_out(self, slot, dst);
+    }
+}
+
 /// Headers waiting for the socket, at most.
 const OUTBOX_LEN: usize = HEADER_LEN * 64;
-/// Payload bytes one `transmit` call copies before the task looks at acks and resets.
-const COPY_BUDGET: usize = 8 << 20;
 
-/// Copies each write into the receiver's mapping, then queues its header as the notice.
+/// Sends each write's header: the receiver copies the bytes out of the staging itself.
 #[derive(Debug)]
-struct SharedTransmit {
-    staging: Arc<ShmMemory>,
+struct HeaderTransmit {
     staging_geometry: Geometry,
-    remote: SharedSlots,
     remote_geometry: Geometry,
     outbox: [u8; OUTBOX_LEN],
     filled: usize,
     sent: usize,
 }
 
-impl Transmit for SharedTransmit {
+impl Transmit for HeaderTransmit {
     fn check(&self, w: &PostWrite) -> Result<(), FabricError> {
         check_bounds(w, self.staging_geometry, self.remote_geometry)
     }
@@ -255,9 +253,8 @@ impl Transmit for SharedTransmit {
     }
 
     fn transmit(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
-        let mut budget = COPY_BUDGET;
         loop {
-            // Notices of writes already copied go first, in order.
+            // Headers already queued go first, in order.
             while self.sent < self.filled {
                 match stream.try_write(&self.outbox[self.sent..self.filled]) {
                     Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -268,19 +265,14 @@ impl Transmit for SharedTransmit {
             }
             self.filled = 0;
             self.sent = 0;
-            while budget > 0 && self.filled + HEADER_LEN <= OUTBOX_LEN {
+            while self.filled + HEADER_LEN <= OUTBOX_LEN {
                 let Some(w) = pending.next_unsent() else {
                     break;
                 };
-                let remote = &self.remote;
-                self.staging.with_slot(w.local.0, |src| {
-                    remote.copy_into(w.remote.0, &src[..w.len]);
-                });
                 let header = WriteHeader::of(&w).encode();
                 self.outbox[self.filled..self.filled + HEADER_LEN].copy_from_slice(&header);
                 self.filled += HEADER_LEN;
                 pending.mark_sent();
-                budget = budget.saturating_sub(w.len.max(HEADER_LEN));
             }
             if self.filled == 0 {
                 return Ok(());

@@ -109,19 +109,20 @@ pub(crate) async fn connect(endpoint: &str, config: &LinkConfig) -> Result<TcpSt
 #[derive(Debug)]
 pub(crate) struct Welcomed {
     pub geometry: Geometry,
-    /// The `Welcome`'s trailing bytes (the shm file's path; empty over TCP).
-    pub extra: Vec<u8>,
     /// The receiver's id for this connection, to name it in a fence.
     pub conn: u64,
 }
 
-/// The sender's half of the handshake, bounded by `connect_timeout`.
+/// The sender's half of the handshake, bounded by `connect_timeout`. `extra` follows the hello
+/// (`ShmFabric`: the path of the staging file the receiver copies from).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn open_handshake(
     stream: &mut TcpStream,
     endpoint: &str,
     magic: [u8; 4],
     staging: Geometry,
     credential: FabricCredential,
+    extra: &[u8],
     config: &LinkConfig,
 ) -> Result<Welcomed, FabricError> {
     let exchange = async {
@@ -133,8 +134,11 @@ pub(crate) async fn open_handshake(
             staging_slot_bytes: staging.slot_bytes,
             conn: 0,
             credential,
+            extra_len: extra.len() as u32,
         };
-        stream.write_all(&hello.encode()).await?;
+        let mut out = hello.encode().to_vec();
+        out.extend_from_slice(extra);
+        stream.write_all(&out).await?;
         let mut b = [0u8; WELCOME_LEN];
         stream.read_exact(&mut b).await?;
         let welcome = Welcome::decode(&b);
@@ -202,6 +206,13 @@ pub(crate) async fn open_handshake(
                 "not issued by this receiver (it may have restarted)".into(),
             ))
         }
+        WelcomeStatus::Staging => {
+            return Err(incompatible(
+                "the receiver cannot map this sender's staging (is it on this host, with the \
+                 same shm directory?)"
+                    .into(),
+            ))
+        }
         WelcomeStatus::FenceTimeout | WelcomeStatus::Unknown(_) => {
             return Err(bad_endpoint(
                 endpoint,
@@ -212,36 +223,45 @@ pub(crate) async fn open_handshake(
     if welcome.extra_len > WELCOME_EXTRA_MAX || geometry.slots == 0 || geometry.slot_bytes == 0 {
         return Err(bad_endpoint(endpoint, "malformed welcome"));
     }
+    // Trailing bytes of the welcome carry nothing this version reads.
+    drop(extra);
     Ok(Welcomed {
         geometry,
-        extra,
         conn: welcome.conn,
     })
 }
 
 /// What a receiver learnt from a `Hello`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Greeted {
-    /// A sender of `PeerId` attached (and was welcomed): writes follow.
-    Attached(PeerId),
+#[derive(Debug)]
+pub(crate) enum Greeted<S> {
+    /// A sender of `PeerId` attached (and was welcomed), with what `accept` made of its
+    /// hello: writes follow.
+    Attached(PeerId, S),
     /// `PeerId` asks to fence its connection `conn`; answer with `answer_fence`.
     Fence(u64, PeerId),
 }
+
+/// What a receiver's fabric makes of an attaching sender's hello and the bytes that follow
+/// it, before welcoming it (`ShmFabric` maps the named staging); `Err` refuses it with
+/// `WelcomeStatus::Staging`.
+pub(crate) type Accept<S> = dyn Fn(&Hello, &[u8]) -> Result<S, String> + Send + Sync;
 
 /// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
 /// another fabric, another version, a credential this buffer did not issue, or staging slots
 /// of another size than ours (a smaller chunk would leave each slot's tail stale, a larger
 /// one could not land); `extra` (the shm file's path) follows only an accepting `Welcome`,
 /// which names the connection `conn`. A fence request is returned unanswered.
-pub(crate) async fn accept_handshake(
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn accept_handshake<S>(
     stream: &mut TcpStream,
     magic: [u8; 4],
     ours: Geometry,
     extra: &[u8],
     conn: u64,
     access: &FabricAccess,
+    accept: &Accept<S>,
     config: &LinkConfig,
-) -> Result<Greeted, String> {
+) -> Result<Greeted<S>, String> {
     let exchange = async {
         let mut b = [0u8; HELLO_LEN];
         stream
@@ -254,6 +274,7 @@ pub(crate) async fn accept_handshake(
             return Err(format!("unknown magic {:?}", base.magic));
         }
         let mut peer = None;
+        let mut accepted_as = None;
         let status = if base.version != VERSION {
             // Answered from the version-independent part: an older sender reads why.
             WelcomeStatus::Version
@@ -263,6 +284,14 @@ pub(crate) async fn accept_handshake(
                 .await
                 .map_err(|e| e.to_string())?;
             let hello = Hello::decode(&b);
+            if hello.extra_len > WELCOME_EXTRA_MAX {
+                return Err(format!("a hello announcing {} more bytes", hello.extra_len));
+            }
+            let mut more = vec![0u8; hello.extra_len as usize];
+            stream
+                .read_exact(&mut more)
+                .await
+                .map_err(|e| e.to_string())?;
             peer = access.authenticate(&hello.credential);
             match (hello.kind, peer) {
                 (HelloKind::Unknown(k), _) => return Err(format!("unknown hello kind {k}")),
@@ -271,7 +300,16 @@ pub(crate) async fn accept_handshake(
                 (HelloKind::Attach, _) if hello.staging_slot_bytes != ours.slot_bytes => {
                     WelcomeStatus::Geometry
                 }
-                (HelloKind::Attach, _) => WelcomeStatus::Ok,
+                (HelloKind::Attach, _) => match accept(&hello, &more) {
+                    Ok(s) => {
+                        accepted_as = Some(s);
+                        WelcomeStatus::Ok
+                    }
+                    Err(why) => {
+                        tracing::debug!(%why, "fabric sender's staging refused");
+                        WelcomeStatus::Staging
+                    }
+                },
             }
         };
         let accepted = status == WelcomeStatus::Ok;
@@ -288,11 +326,11 @@ pub(crate) async fn accept_handshake(
             .write_all(&welcome.encode())
             .await
             .map_err(|e| e.to_string())?;
-        let Some(peer) = peer.filter(|_| accepted) else {
+        let (Some(peer), Some(s)) = (peer.filter(|_| accepted), accepted_as) else {
             return Err(format!("refused: {status:?} (version {})", base.version));
         };
         stream.write_all(extra).await.map_err(|e| e.to_string())?;
-        Ok(Greeted::Attached(peer))
+        Ok(Greeted::Attached(peer, s))
     };
     match tokio::time::timeout(config.connect_timeout, exchange).await {
         Ok(r) => r,
@@ -344,6 +382,7 @@ pub(crate) async fn fence_remote(
             staging_slot_bytes: 0,
             conn,
             credential,
+            extra_len: 0,
         };
         stream
             .write_all(&hello.encode())

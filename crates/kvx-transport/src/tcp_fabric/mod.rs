@@ -83,6 +83,8 @@ impl Fabric for TcpFabric {
             magic: TCP_MAGIC,
             extra: Arc::from(&[][..]),
             config: self.config.clone(),
+            // Payloads follow their headers: nothing to pull from.
+            accept: Arc::new(|_, _| Ok(None)),
         };
         let access = Arc::new(FabricAccess::with_random_key(slots)?);
         let rules = Rules {
@@ -122,6 +124,7 @@ impl Fabric for TcpFabric {
             TCP_MAGIC,
             ours,
             credential,
+            &[],
             &self.config,
         )
         .await?;

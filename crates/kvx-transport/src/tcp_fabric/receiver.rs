@@ -1,7 +1,8 @@
 //! The receiving side, shared by both fabrics: an accept loop per exposed buffer and a task
 //! per sender connection that reads write headers, lands payloads (`Landing::Inline`: read
-//! from the socket straight into the slot; `Landing::Shared`: already in the mapping),
-//! announces immediates, and acks each write after its bytes are in memory.
+//! from the socket straight into the slot; `Landing::Pulled`: copied out of the sender's
+//! staging, mapped read-only), announces them, and acks each write after its bytes are in
+//! memory.
 //!
 //! A connection task is the only thing that applies its sender's writes, so once it has
 //! ended (end of stream, an error, a protocol violation, the listener dropped, or aborted by
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::link::{accept_handshake, answer_fence, tune, Geometry, Greeted, LinkConfig};
+use super::link::{accept_handshake, answer_fence, tune, Accept, Geometry, Greeted, LinkConfig};
 use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNOWN, HEADER_LEN};
 
 /// Where a connection's writes land.
@@ -38,10 +39,10 @@ use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNO
 pub(crate) enum Landing {
     /// The payload follows its header on the socket and is read into this memory.
     Inline(Arc<HeapMemory>),
-    /// The sender already copied the payload into this shared mapping of this shape (read
-    /// here only to compute checksums). Weak, so that dropping the listener's memory removes
-    /// the file at once, whatever the connection tasks are doing.
-    Shared(std::sync::Weak<dyn SlotMemory>, Geometry),
+    /// The payload is in the sender's staging (`PullSource`, per connection); the receiver
+    /// copies it into this memory once the write is admitted, so nothing reaches a slot the
+    /// sender holds no grant for. Weak: the connection tasks do not keep the buffer alive.
+    Pulled(std::sync::Weak<dyn SlotMemory>, Geometry),
 }
 
 impl Landing {
@@ -51,10 +52,23 @@ impl Landing {
                 slots: m.slots(),
                 slot_bytes: m.slot_bytes() as u64,
             },
-            Landing::Shared(_, g) => *g,
+            Landing::Pulled(_, g) => *g,
         }
     }
 }
+
+/// Where an attached sender's payloads come from under `Landing::Pulled`: its staging, mapped
+/// read-only by this process (`shm_fabric::map::StagingView`).
+pub(crate) trait PullSource: Send + Sync {
+    fn geometry(&self) -> Geometry;
+    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`; the caller has
+    /// checked the bounds against `geometry`.
+    fn copy_out(&self, slot: u32, dst: &mut [u8]);
+}
+
+/// What a fabric makes of an attaching sender's hello: a staging to pull from (shared
+/// memory), or nothing (TCP, where payloads follow their headers).
+pub(crate) type Source = Option<Box<dyn PullSource>>;
 
 /// What every connection task of one exposed buffer shares.
 #[derive(Debug, Clone)]
@@ -65,12 +79,23 @@ pub(crate) struct Rules {
 }
 
 /// What the accept loop needs to greet senders.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Greeting {
     pub magic: [u8; 4],
-    /// Trailing bytes of the `Welcome` (the shm file's path).
+    /// Trailing bytes of the `Welcome` (none today).
     pub extra: Arc<[u8]>,
     pub config: LinkConfig,
+    /// Makes the `Source` of an attaching sender, or refuses it.
+    pub accept: Arc<Accept<Source>>,
+}
+
+impl std::fmt::Debug for Greeting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Greeting")
+            .field("magic", &self.magic)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The connection tasks of one exposed buffer, by connection id, with the peer each one
@@ -178,11 +203,12 @@ async fn serve_sender(
         &greeting.extra,
         conn,
         &rules.access,
+        &*greeting.accept,
         &greeting.config,
     )
     .await?;
-    let peer = match greeted {
-        Greeted::Attached(peer) => peer,
+    let (peer, source) = match greeted {
+        Greeted::Attached(peer, source) => (peer, source),
         Greeted::Fence(target, asker) => {
             let status = fence(&registry, target, asker, greeting.config.fence_timeout).await;
             debug!(conn, target, %asker, ?status, "fabric fence");
@@ -200,6 +226,7 @@ async fn serve_sender(
         geometry: ours,
         landed,
         peer,
+        source,
         rules,
         header: [0; HEADER_LEN],
         state: RecvState::Header { filled: 0 },
@@ -281,6 +308,8 @@ struct Conn {
     landed: mpsc::Sender<LandedWrite>,
     /// The control peer this connection authenticated as.
     peer: PeerId,
+    /// Its staging, under `Landing::Pulled`.
+    source: Source,
     rules: Rules,
     header: [u8; HEADER_LEN],
     state: RecvState,
@@ -451,31 +480,17 @@ impl Conn {
         }
         let inline = matches!(self.landing, Landing::Inline(_));
         // A payload beyond any slot means the stream is not what it claims to be; skipping
-        // that many bytes would only prolong the damage. (Over shm nothing follows a header,
-        // so such a write is merely out of bounds.)
+        // that many bytes would only prolong the damage. (When payloads are pulled nothing
+        // follows a header, so such a write is merely out of bounds.)
         if inline && h.len > self.geometry.slot_bytes {
             return Err(format!("write {} of {} bytes exceeds a slot", h.id, h.len));
         }
-        let refuse = |status| {
-            if inline && h.len > 0 {
-                // Read past the payload (at most one slot's worth), then ack.
-                RecvState::Discard {
-                    id: h.id,
-                    left: h.len,
-                    status,
-                }
-            } else {
-                RecvState::Header { filled: 0 }
-            }
-        };
-        if !self.geometry.holds(h.remote, h.len) {
-            self.state = refuse(AckStatus::OutOfBounds);
-            if matches!(self.state, RecvState::Header { .. }) {
-                self.acks.push(Ack {
-                    id: h.id,
-                    status: AckStatus::OutOfBounds,
-                });
-            }
+        let staged = self
+            .source
+            .as_ref()
+            .is_none_or(|s| s.geometry().holds(h.local, h.len));
+        if !self.geometry.holds(h.remote, h.len) || !staged {
+            self.refuse(&h, inline, AckStatus::OutOfBounds);
             return Ok(());
         }
         let tag = match self.rules.access.admit(self.peer, h.remote, h.len, h.imm()) {
@@ -484,27 +499,26 @@ impl Conn {
                 if let Some(left_out) = self.rules.refusals_logged.allow() {
                     warn!(%refusal, left_out, "fabric write refused");
                 }
-                self.state = refuse(AckStatus::Refused);
-                if matches!(self.state, RecvState::Header { .. }) {
-                    self.acks.push(Ack {
-                        id: h.id,
-                        status: AckStatus::Refused,
-                    });
-                }
+                self.refuse(&h, inline, AckStatus::Refused);
                 return Ok(());
             }
         };
         let imm = tag.to_imm();
         match &self.landing {
-            Landing::Shared(memory, _) => {
-                // The sender copied the bytes into the mapping before it sent this header.
+            Landing::Pulled(memory, _) => {
                 let memory = memory.upgrade().ok_or("the listener is gone")?;
-                let computed = h.checksum().map(|_| {
-                    let mut sum = 0;
-                    memory.inspect_slot(h.remote, h.len as usize, &mut |b| {
-                        sum = kvx_io::chunk_checksum(b)
-                    });
-                    sum
+                let source = self
+                    .source
+                    .as_ref()
+                    .ok_or("a pulled landing without a staging")?;
+                // Admitted: copy the bytes out of the sender's staging into the slot, and
+                // take the checksum while they are in the CPU's caches.
+                let mut computed = None;
+                memory.fill_slot(h.remote, h.len as usize, &mut |dst| {
+                    source.copy_out(h.local, dst);
+                    if h.checksum().is_some() {
+                        computed = Some(kvx_io::chunk_checksum(dst));
+                    }
                 });
                 let check = compare(h.checksum(), computed);
                 self.landed(h.id, h.remote, h.len, imm, check)?;
@@ -522,6 +536,20 @@ impl Conn {
             }
         }
         Ok(())
+    }
+
+    /// Acks a refused write with `status`, after reading past its payload if one follows (at
+    /// most one slot's worth).
+    fn refuse(&mut self, h: &WriteHeader, inline: bool, status: AckStatus) {
+        if inline && h.len > 0 {
+            self.state = RecvState::Discard {
+                id: h.id,
+                left: h.len,
+                status,
+            };
+        } else {
+            self.acks.push(Ack { id: h.id, status });
+        }
     }
 
     /// An admitted write's bytes are all in memory: announce it, then ack it (as corrupt

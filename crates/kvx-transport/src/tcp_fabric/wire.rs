@@ -20,7 +20,7 @@ pub(crate) const SHM_MAGIC: [u8; 4] = *b"KVXS";
 pub(crate) const HELLO_BASE_LEN: usize = 32;
 pub(crate) const HELLO_LEN: usize = 64;
 pub(crate) const WELCOME_LEN: usize = 32;
-pub(crate) const HEADER_LEN: usize = 32;
+pub(crate) const HEADER_LEN: usize = 40;
 pub(crate) const ACK_LEN: usize = 16;
 /// The most trailing bytes a `Welcome` may announce (the shm file's path).
 pub(crate) const WELCOME_EXTRA_MAX: u32 = 4096;
@@ -40,6 +40,9 @@ pub(crate) enum WelcomeStatus {
     Version,
     /// The sender's staging slots are not as large as the receiver's slots.
     Geometry,
+    /// `ShmFabric`: the staging the hello names is not a kvx staging file this receiver can
+    /// map (not in its directory, not a regular file of the declared size).
+    Staging,
     /// A fence: the named connection did not stop within the receiver's fence timeout.
     FenceTimeout,
     /// The hello's credential was not issued by this buffer, or a fence names a connection
@@ -57,6 +60,7 @@ impl WelcomeStatus {
             WelcomeStatus::Geometry => 2,
             WelcomeStatus::FenceTimeout => 3,
             WelcomeStatus::Unauthorized => 4,
+            WelcomeStatus::Staging => 5,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -68,6 +72,7 @@ impl WelcomeStatus {
             2 => WelcomeStatus::Geometry,
             3 => WelcomeStatus::FenceTimeout,
             4 => WelcomeStatus::Unauthorized,
+            5 => WelcomeStatus::Staging,
             c => WelcomeStatus::Unknown(c),
         }
     }
@@ -116,6 +121,9 @@ pub(crate) struct Hello {
     pub conn: u64,
     /// Whose connection this is (the control peer the receiver issued it to).
     pub credential: FabricCredential,
+    /// Bytes that follow the hello (`ShmFabric`: the path of the sender's staging file;
+    /// at most `WELCOME_EXTRA_MAX`).
+    pub extra_len: u32,
 }
 
 impl Hello {
@@ -127,7 +135,7 @@ impl Hello {
         b[4..6].copy_from_slice(&self.version.to_le_bytes());
         b[6..8].copy_from_slice(&self.kind.code().to_le_bytes());
         b[8..12].copy_from_slice(&self.staging_slots.to_le_bytes());
-        // 12..16 reserved, zero.
+        b[12..16].copy_from_slice(&self.extra_len.to_le_bytes());
         b[16..24].copy_from_slice(&self.staging_slot_bytes.to_le_bytes());
         b[24..32].copy_from_slice(&self.conn.to_le_bytes());
         b
@@ -155,6 +163,7 @@ impl Hello {
                 peer: kvx_proto::PeerId(0),
                 tag: [0; 16],
             },
+            extra_len: u32_at(b, 12),
         }
     }
 }
@@ -208,6 +217,9 @@ pub(crate) struct WriteHeader {
     pub len: u64,
     pub imm: u32,
     pub checksum: u32,
+    /// The staging slot the bytes come from (`ShmFabric`, where the receiver copies them
+    /// out of the sender's staging; ignored over TCP, where they follow the header).
+    pub local: u32,
 }
 
 impl WriteHeader {
@@ -225,6 +237,7 @@ impl WriteHeader {
             len: w.len as u64,
             imm: w.imm.unwrap_or(0),
             checksum: w.checksum.unwrap_or(0),
+            local: w.local.0,
         }
     }
 
@@ -244,6 +257,8 @@ impl WriteHeader {
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
         b[24..28].copy_from_slice(&self.imm.to_le_bytes());
         b[28..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b[32..36].copy_from_slice(&self.local.to_le_bytes());
+        // 36..40 reserved, zero.
         b
     }
 
@@ -255,6 +270,7 @@ impl WriteHeader {
             len: u64_at(b, 16),
             imm: u32_at(b, 24),
             checksum: u32_at(b, 28),
+            local: u32_at(b, 32),
         }
     }
 }
@@ -343,6 +359,7 @@ mod tests {
                 peer: kvx_proto::PeerId(77),
                 tag: [9; 16],
             },
+            extra_len: 12,
         };
         assert_eq!(Hello::decode(&h.encode()), h);
         let w = Welcome {
@@ -362,6 +379,7 @@ mod tests {
             len: 65536,
             imm: 0xdead_beef,
             checksum: 0x1234_5678,
+            local: 3,
         };
         assert_eq!(WriteHeader::decode(&hd.encode()), hd);
         assert_eq!(hd.imm(), Some(0xdead_beef));
@@ -388,6 +406,7 @@ mod tests {
             len: 0x100,
             imm: 0xAABB_CCDD,
             checksum: 0x1122_3344,
+            local: 0x0506_0708,
         };
         let b = hd.encode();
         assert_eq!(&b[0..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
@@ -396,5 +415,7 @@ mod tests {
         assert_eq!(&b[16..24], &[0, 1, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&b[24..28], &[0xDD, 0xCC, 0xBB, 0xAA]);
         assert_eq!(&b[28..32], &[0x44, 0x33, 0x22, 0x11]);
+        assert_eq!(&b[32..36], &[8, 7, 6, 5]);
+        assert_eq!(&b[36..40], &[0, 0, 0, 0]);
     }
 }

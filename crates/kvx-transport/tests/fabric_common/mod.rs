@@ -639,6 +639,7 @@ pub mod raw {
         header_with_checksum(id, remote, len, imm, None)
     }
 
+    /// A 40-byte write header, from staging slot 0 (which only `ShmFabric` reads).
     pub fn header_with_checksum(
         id: u64,
         remote: u32,
@@ -654,6 +655,22 @@ pub mod raw {
         b.extend_from_slice(&len.to_le_bytes());
         b.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
         b.extend_from_slice(&checksum.unwrap_or(0).to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes()); // staging slot 0
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b
+    }
+
+    /// An attaching hello followed by `extra` (`ShmFabric`: the staging file's path).
+    pub fn hello_with(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        credential: &FabricCredential,
+        extra: &[u8],
+    ) -> Vec<u8> {
+        let mut b = hello(magic, slots, slot_bytes, credential);
+        b[12..16].copy_from_slice(&(extra.len() as u32).to_le_bytes());
+        b.extend_from_slice(extra);
         b
     }
 
@@ -685,15 +702,52 @@ pub mod raw {
     }
 }
 
+/// How a hand-written peer delivers a write's bytes.
+pub enum Raw<'a> {
+    /// TCP: they follow the header on the socket.
+    Inline,
+    /// Shared memory: they are in the peer's staging (slot 0), whose file the hello names.
+    Staged {
+        path: &'a [u8],
+        memory: &'a dyn SlotMemory,
+    },
+}
+
+impl Raw<'_> {
+    fn inline(&self) -> bool {
+        matches!(self, Raw::Inline)
+    }
+
+    fn hello(&self, magic: &[u8; 4], slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
+        match self {
+            Raw::Inline => raw::hello(magic, 1, slot_bytes, credential),
+            Raw::Staged { path, memory } => {
+                raw::hello_with(magic, memory.slots(), slot_bytes, credential, path)
+            }
+        }
+    }
+
+    /// `header`, with `bytes` after it (inline) or put in staging slot 0 first (staged).
+    fn write(&self, header: Vec<u8>, bytes: &[u8]) -> Vec<u8> {
+        let mut out = header;
+        match self {
+            Raw::Inline => out.extend_from_slice(bytes),
+            Raw::Staged { memory, .. } if !bytes.is_empty() => memory.write_slot(0, bytes),
+            Raw::Staged { .. } => {}
+        }
+        out
+    }
+}
+
 /// A hand-written sender checks the receiver's own bounds (a fabric sender checks first and
 /// never sends such writes): an out-of-bounds write is acked as refused and announces
-/// nothing, the next write lands, and an absurd length drops only that connection.
-/// `inline`: payloads follow headers (TCP) or not (shm).
+/// nothing, the next write lands, and an absurd length drops only that connection (inline)
+/// or is refused (staged).
 pub async fn receiver_checks_bounds<F: Fabric>(
     f: &F,
     endpoint: &str,
     magic: &[u8; 4],
-    inline: bool,
+    raw: Raw<'_>,
 ) {
     let mut listener = f.expose(endpoint, 2, 1024).await.expect("expose");
     let ep = listener.local_endpoint.clone();
@@ -701,21 +755,15 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     listener.access.grant(1, me, 3);
     let mut s = TcpStream::connect(&ep).await.expect("raw connect");
     let credential = listener.access.credential_for(me);
-    s.write_all(&raw::hello(magic, 1, 1024, &credential))
+    s.write_all(&raw.hello(magic, 1024, &credential))
         .await
         .expect("hello");
     let (status, slots, slot_bytes, _) = raw::welcome(&mut s).await;
     assert_eq!((status, slots, slot_bytes), (0, 2, 1024));
 
     let payload = pattern(7, 1024);
-    let mut out = raw::header(1, 2, 1024, imm(2, 3));
-    if inline {
-        out.extend_from_slice(&payload);
-    }
-    out.extend_from_slice(&raw::header(2, 1, 1024, imm(1, 3)));
-    if inline {
-        out.extend_from_slice(&payload);
-    }
+    let mut out = raw.write(raw::header(1, 2, 1024, imm(2, 3)), &payload);
+    out.extend(raw.write(raw::header(2, 1, 1024, imm(1, 3)), &payload));
     s.write_all(&out).await.expect("writes");
     assert_eq!(raw::ack(&mut s).await, (1, 1), "out of bounds: refused");
     assert_eq!(raw::ack(&mut s).await, (2, 0), "in bounds: landed");
@@ -725,20 +773,18 @@ pub async fn receiver_checks_bounds<F: Fabric>(
         (me, SlotIndex(1)),
         "only the landed write is announced"
     );
-    if inline {
-        let mut got = vec![0u8; 1024];
-        listener.memory.read_slot(1, &mut got);
-        assert!(got == payload, "the payload landed whole");
-    }
+    let mut got = vec![0u8; 1024];
+    listener.memory.read_slot(1, &mut got);
+    assert!(got == payload, "the payload landed whole");
 
     // A length no slot can hold: the receiver hangs up on this sender (inline) or refuses
-    // the write (shm, where nothing follows the header).
+    // the write (staged, where nothing follows the header).
     s.write_all(&raw::header(3, 0, 1 << 40, imm(0, 1)))
         .await
         .expect("bad header");
     let mut b = [0u8; 16];
     let r = step("answer to an absurd write", s.read(&mut b)).await;
-    if inline {
+    if raw.inline() {
         assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
     } else {
         assert_eq!(r.expect("ack"), 16);
@@ -762,7 +808,6 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     assert_eq!(completion(&mut conn, "completion").await.result, Ok(()));
     let l = step("landed", listener.landed.recv()).await.expect("open");
     assert_eq!(l.slot, SlotIndex(0));
-    let mut got = vec![0u8; 1024];
     listener.memory.read_slot(0, &mut got);
     assert!(got == bytes);
 }
@@ -771,12 +816,12 @@ pub async fn receiver_checks_bounds<F: Fabric>(
 /// merely reached the port could announce another request's chunks as landed with an empty
 /// write, or overwrite another sender's slots with full ones). Each attempt must be refused
 /// (ack status 2), change no byte and announce nothing, while the grant holder's own write
-/// lands; a hello without a credential this buffer issued gets no file path and no writes.
+/// lands; a hello without a credential this buffer issued gets no welcome and no writes.
 pub async fn receiver_checks_grants<F: Fabric>(
     f: &F,
     endpoint: &str,
     magic: &[u8; 4],
-    inline: bool,
+    raw: Raw<'_>,
 ) {
     const BYTES: usize = 1024;
     let mut listener = f.expose(endpoint, 4, BYTES).await.expect("expose");
@@ -789,9 +834,8 @@ pub async fn receiver_checks_grants<F: Fabric>(
     for (what, hello) in [
         (
             "a credential this buffer did not issue",
-            raw::hello(
+            raw.hello(
                 magic,
-                1,
                 BYTES as u64,
                 &FabricAccess::new(1, [3; 16]).credential_for(victim),
             ),
@@ -808,7 +852,7 @@ pub async fn receiver_checks_grants<F: Fabric>(
             status == 4 || status == 1,
             "{what}: refused (status {status})"
         );
-        assert_eq!(extra_len, 0, "{what}: no file path for a refused sender");
+        assert_eq!(extra_len, 0, "{what}: nothing more for a refused sender");
         let r = step("close", s.read(&mut b)).await;
         assert!(matches!(r, Ok(0) | Err(_)), "{what}: then closed: {r:?}");
     }
@@ -816,7 +860,7 @@ pub async fn receiver_checks_grants<F: Fabric>(
     // Authenticated as itself, the attacker names the victim's grant.
     let mut s = TcpStream::connect(&ep).await.expect("raw connect");
     let credential = listener.access.credential_for(attacker);
-    s.write_all(&raw::hello(magic, 1, BYTES as u64, &credential))
+    s.write_all(&raw.hello(magic, BYTES as u64, &credential))
         .await
         .expect("hello");
     assert_eq!(raw::welcome(&mut s).await.0, 0);
@@ -853,33 +897,24 @@ pub async fn receiver_checks_grants<F: Fabric>(
             true,
         ),
     ];
-    for (i, (what, header, payload)) in attempts.iter().enumerate() {
-        let mut out = header.clone();
-        if inline && *payload {
-            out.extend_from_slice(&junk);
-        }
+    for (i, (what, header, payload)) in attempts.into_iter().enumerate() {
+        let out = raw.write(header, if payload { &junk } else { &[] });
         s.write_all(&out).await.expect(what);
         assert_eq!(raw::ack(&mut s).await, (i as u64 + 1, 2), "{what}: refused");
     }
     // The attacker's own grant works once (its write carries a checksum; it matches).
     let own = pattern(5, BYTES);
-    let mut out = raw::header_with_checksum(
+    let header = raw::header_with_checksum(
         6,
         1,
         BYTES as u64,
         imm(1, 7),
         Some(kvx_io::chunk_checksum(&own)),
     );
-    if inline {
-        out.extend_from_slice(&own);
-    } else {
-        // Over shm the bytes go in through the mapping; a raw peer has none, so the slot
-        // holds zeros and the checksum must disagree: the ack says corrupt (3).
-    }
-    s.write_all(&out).await.expect("own write");
-    let (id, status) = raw::ack(&mut s).await;
-    assert_eq!(id, 6);
-    assert_eq!(status, if inline { 0 } else { 3 }, "its own grant");
+    s.write_all(&raw.write(header, &own))
+        .await
+        .expect("own write");
+    assert_eq!(raw::ack(&mut s).await, (6, 0), "its own grant");
     let l = step("landed", listener.landed.recv()).await.expect("open");
     assert_eq!(
         (l.peer, l.slot),
@@ -887,10 +922,7 @@ pub async fn receiver_checks_grants<F: Fabric>(
         "the only notice is the attacker's write into its own slot"
     );
     // A second write under the same grant is refused.
-    let mut out = raw::header(7, 1, BYTES as u64, imm(1, 7));
-    if inline {
-        out.extend_from_slice(&own);
-    }
+    let out = raw.write(raw::header(7, 1, BYTES as u64, imm(1, 7)), &own);
     s.write_all(&out).await.expect("second write");
     assert_eq!(raw::ack(&mut s).await, (7, 2), "a grant admits one write");
 

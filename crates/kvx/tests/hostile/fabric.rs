@@ -33,7 +33,7 @@ pub fn hello_v1(slots: u32, slot_bytes: u64) -> Vec<u8> {
     b
 }
 
-/// A write header; `checksum` sets flag bit 1.
+/// A write header (40 bytes, from staging slot 0); `checksum` sets flag bit 1.
 pub fn header(id: u64, slot: u32, len: u64, imm: Option<u32>, checksum: Option<u32>) -> Vec<u8> {
     let flags = u32::from(imm.is_some()) | (u32::from(checksum.is_some()) << 1);
     let mut b = Vec::new();
@@ -43,6 +43,7 @@ pub fn header(id: u64, slot: u32, len: u64, imm: Option<u32>, checksum: Option<u
     b.extend_from_slice(&len.to_le_bytes());
     b.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
     b.extend_from_slice(&checksum.unwrap_or(0).to_le_bytes());
+    b.extend_from_slice(&[0u8; 8]); // staging slot 0, reserved
     b
 }
 
