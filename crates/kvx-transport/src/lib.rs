@@ -11,8 +11,8 @@
 //!   crate's other `unsafe` file beside `shm_fabric/map.rs`).
 //! - `sockets`: the TCP sockets beside every fabric's data path (bind with a rebind grace,
 //!   bounded connect), shared with `kvx-rdma`'s side channel.
-//! - `shm_fabric`: `ShmFabric`, sender and receiver on one host: the sender writes straight
-//!   into the receiver's buffer through a shared memory mapping.
+//! - `shm_fabric`: `ShmFabric`, sender and receiver on one host: the receiver maps the
+//!   sender's staging read-only and copies each write it admits into its own buffer.
 
 pub mod shm_fabric;
 pub mod sockets;

@@ -224,7 +224,8 @@ impl ChecksumMode {
 pub enum FabricKind {
     /// One-sided writes carried over TCP.
     Tcp,
-    /// Writes straight into the receiver's buffer through shared memory (one host).
+    /// Writes through shared memory (one host): the receiver copies each admitted write out
+    /// of the sender's staging.
     Shm,
     /// In-process copies (no sockets at all).
     Mem,

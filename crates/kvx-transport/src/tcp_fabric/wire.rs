@@ -1,7 +1,8 @@
 //! The byte layout of the fabric connections (`docs/spec/fabrics.md` §Wire format).
 //!
 //! Both fabrics speak it: `TcpFabric` streams each write's payload right behind its header,
-//! `ShmFabric` sends the header alone (the payload is already in the shared mapping). Every
+//! `ShmFabric` sends the header alone (the receiver copies the payload out of the sender's
+//! shared staging). Every
 //! integer is little-endian; every frame has a fixed size, so a reader never allocates and
 //! never trusts a length it has not bounded.
 
