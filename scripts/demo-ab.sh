@@ -3,6 +3,8 @@
 # configurations share the machine's conditions), printing throughput, latency and CPU per GB.
 #   bash scripts/demo-ab.sh ROUNDS "ARGS1" "ARGS2" ...
 #   e.g. bash scripts/demo-ab.sh 3 "--staging-chunks 64" "--staging-chunks 8"
+# A configuration written "BINARY|ARGS" runs another kvx binary (a baseline build), e.g.
+#   bash scripts/demo-ab.sh 3 "/tmp/base/kvx|--fabric shm" "--fabric shm"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p kvx
@@ -13,8 +15,14 @@ times=$(mktemp)
 trap 'rm -f "$out" "$times"' EXIT
 for _ in $(seq 1 "$rounds"); do
   for args in "$@"; do
-    # shellcheck disable=SC2086 # ARGS are meant to split into flags
-    /usr/bin/time -f "%U %S" -o "$times" ./target/release/kvx demo --json $args >"$out" 2>/dev/null
+    bin=./target/release/kvx
+    flags=$args
+    if [[ $args == *"|"* ]]; then
+      bin=${args%%|*}
+      flags=${args#*|}
+    fi
+    # shellcheck disable=SC2086 # FLAGS are meant to split into flags
+    /usr/bin/time -f "%U %S" -o "$times" "$bin" demo --json $flags >"$out" 2>/dev/null
     python3 - "$args" "$out" "$times" <<'PY'
 import json, sys
 args, out, times = sys.argv[1:]
