@@ -124,3 +124,35 @@ fn a_sender_flooding_the_admission_queue_does_not_lock_others_out() {
         "without per-sender limits the queue is full (this test can fail)"
     );
 }
+
+/// A hog holds 8 of the 10 slots, then asks for 8 more: a waiter over its sender's share.
+/// The legitimate request (2 chunks, which fit in what is free) arrives behind it.
+fn hog_waiting_over_its_share(share: u32) -> Report {
+    let mut cluster = Cluster::new(spec(share));
+    cluster.inject(Duration::ZERO, 0, 0, &batch("hog", 0, 8, false, 1));
+    let at = Duration::from_millis(10);
+    cluster.inject(at, 0, 0, &batch("over", 0, 8, false, 2));
+    run(cluster)
+}
+
+fn legit_admission_wait(report: &Report) -> Duration {
+    let p = &report.plans[0];
+    p.admitted_at.expect("admitted") - p.begun_at.expect("begun")
+}
+
+#[test]
+fn a_waiter_over_its_senders_share_does_not_hold_others_behind_it() {
+    let with_shares = hog_waiting_over_its_share(DEFAULT_SHARE);
+    assert!(legit_delivered(&with_shares));
+    assert!(
+        legit_admission_wait(&with_shares) < Duration::from_millis(100),
+        "with shares the over-share waiter is passed over: {:?}",
+        legit_admission_wait(&with_shares)
+    );
+    let without = hog_waiting_over_its_share(100);
+    assert!(
+        !legit_delivered(&without) || legit_admission_wait(&without) >= Duration::from_secs(1),
+        "without shares the waiter at the head of the queue holds it until it expires \
+         (this test can fail)"
+    );
+}

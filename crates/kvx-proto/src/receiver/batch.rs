@@ -83,6 +83,9 @@ impl ReceiverLedger {
         if msg.seq.is_none() && self.cfg.legacy_senders == LegacySenders::Refuse {
             return self.refuse_and_remember(now, key, &msg, Failure::LegacySender);
         }
+        if msg.total_chunks == 0 {
+            return self.refuse_and_remember(now, key, &msg, Failure::ZeroChunks);
+        }
         // Checked before anything is queued, so a waiting first batch holds no more keys than
         // it may ever use.
         if msg.keys.len() > msg.total_chunks as usize {
