@@ -15,7 +15,7 @@ SRC = "crates/kvx-proto/src/"
 # name: (file, old, new, what it breaks)
 MUTANTS = {
     "no-reservation": (SRC + "admission.rs",
-        "if self.waiting.is_empty() && need <= self.available() {",
+        "if nobody_ahead && self.eligible(peer, need) && need <= self.available() {",
         "if true {",
         "admit every request without checking capacity"),
     "release-before-complete": (SRC + "receiver/batch.rs",

@@ -31,6 +31,8 @@ pub enum ExpectError {
     TooMany(usize),
     #[error("tp_ranks must be at least 1")]
     ZeroRanks,
+    #[error("a request id of {len} bytes exceeds req_id_bytes_max {max}")]
+    IdTooLong { len: usize, max: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -94,6 +96,14 @@ impl ProxyTracker {
     ) -> Result<(), ExpectError> {
         if tp_ranks == 0 {
             return Err(ExpectError::ZeroRanks);
+        }
+        // No notice can name a longer id, so awaiting one would only hold its bytes until
+        // `kv_ready_timeout`.
+        if req_id.0.len() > self.cfg.req_id_bytes_max {
+            return Err(ExpectError::IdTooLong {
+                len: req_id.0.len(),
+                max: self.cfg.req_id_bytes_max,
+            });
         }
         if self.awaited.contains_key(&req_id) {
             return Err(ExpectError::Duplicate(req_id));
@@ -372,6 +382,16 @@ mod tests {
         let mut p = ProxyTracker::new(cfg).expect("valid config");
         p.handle_message(Instant::ZERO, notif(&"x".repeat(1 << 20)));
         assert_eq!(p.dropped_notices, 1, "an id longer than req_id_bytes_max");
+        // Nor is such an id awaited (a standalone proxy awaits each id it hears of).
+        let long = ReqId("x".repeat(1 << 20));
+        assert!(matches!(
+            p.handle_expect(Instant::ZERO, long, 1),
+            Err(ExpectError::IdTooLong {
+                len: 1_048_576,
+                max: 512
+            })
+        ));
+        assert_eq!(p.awaited(), 0);
         for i in 0..10_000 {
             let fail = FailNotif {
                 req_id: format!("{i:0>400}"),

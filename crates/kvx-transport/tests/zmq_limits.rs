@@ -263,3 +263,80 @@ async fn a_connected_senders_peer_id_outlives_identities_cycling_through_the_tab
         Some(Bytes::from_static(b"quiet-sender"))
     );
 }
+
+/// Messages a ROUTER's handle has not taken yet hold at most `inbound_bytes_max` (here
+/// 4 MiB): four DEALERs each send 64 messages of 1 MiB to a handle that reads nothing, and
+/// their writes stall once the budget, one message per connection and the kernel's socket
+/// buffers are full, instead of the queue taking `CHANNEL_DEPTH` (1024) messages. Once the
+/// handle reads, every message arrives, in order per connection: nothing is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn received_messages_wait_within_the_inbound_budget_and_none_is_lost() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    const CONNECTIONS: u64 = 4;
+    const MESSAGES: u64 = 64;
+    const MIB: usize = 1 << 20;
+    let t = ZmqTransport::new(ZmqConfig {
+        inbound_bytes_max: 4 * MIB,
+        message_timeout: Duration::from_secs(30),
+        ..ZmqConfig::default()
+    })
+    .expect("valid");
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let endpoint = server.local_endpoint().to_owned();
+    let written = Arc::new(AtomicU64::new(0));
+    let mut writers = Vec::new();
+    for c in 0..CONNECTIONS {
+        let identity = format!("flood-{c}");
+        let mut tcp = raw(&endpoint, &hello(b"DEALER", Some(identity.as_bytes()))).await;
+        let written = written.clone();
+        writers.push(tokio::spawn(async move {
+            for m in 0..MESSAGES {
+                // ["", payload]: the payload's first bytes say whose and which it is.
+                let mut message = vec![0x01, 0x00, 0x02];
+                message.extend_from_slice(&(MIB as u64).to_be_bytes());
+                let mut payload = vec![0u8; MIB];
+                payload[..16].copy_from_slice(&[c.to_le_bytes(), m.to_le_bytes()].concat());
+                message.extend_from_slice(&payload);
+                tcp.write_all(&message).await.expect("write");
+                written.fetch_add(1, Ordering::Relaxed);
+            }
+            tcp
+        }));
+    }
+    // Wait until the writers stall: no progress for a second (bounded: 30 s).
+    let began = Instant::now();
+    let mut last = u64::MAX;
+    while began.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = written.load(Ordering::Relaxed);
+        if now == last || now == CONNECTIONS * MESSAGES {
+            break;
+        }
+        last = now;
+    }
+    let stalled_at = written.load(Ordering::Relaxed);
+    eprintln!("writers stalled after {stalled_at} MiB");
+    assert!(
+        stalled_at < CONNECTIONS * MESSAGES / 2,
+        "{stalled_at} of {} MiB were taken while the handle read nothing",
+        CONNECTIONS * MESSAGES
+    );
+    let mut next = [0u64; CONNECTIONS as usize];
+    for _ in 0..CONNECTIONS * MESSAGES {
+        let (_, payload) = tokio::time::timeout(STEP, server.recv())
+            .await
+            .expect("a message within 5 s")
+            .expect("server open");
+        let c = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")) as usize;
+        let m = u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes"));
+        assert_eq!(m, next[c], "connection {c}'s messages in order");
+        next[c] += 1;
+    }
+    for w in writers {
+        tokio::time::timeout(STEP, w)
+            .await
+            .expect("writer done")
+            .expect("writer ok");
+    }
+}

@@ -10,10 +10,13 @@
 //!   `Disconnected` and `Reconnected`.
 //! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice.
 //! - `conn`: reading messages and task lifetimes, shared by every connection.
+//! - `inbound`: the byte budget of received messages a bound socket's handle has not
+//!   finished with.
 //!
 //! Every socket is owned by a background task that serves a channel-backed handle from
 //! `kvx_io`; the task ends when its handle is dropped. Every wait is bounded by a `ZmqConfig`
-//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH`, incoming messages by
+//! timeout, every queue by `kvx_io::transport::CHANNEL_DEPTH` (and a bound socket's incoming
+//! one by `inbound_bytes_max` too), incoming messages by
 //! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered), `frame_refuse_bytes`
 //! and `message_timeout`, and a bound socket's connections by `connections_max` and
 //! `handshake_timeout`. What a hostile peer meets is `docs/spec/zmq.md` §8.
@@ -21,6 +24,7 @@
 mod conn;
 mod dealer;
 mod framing;
+mod inbound;
 mod link;
 mod peers;
 mod push;
@@ -87,6 +91,11 @@ pub struct ZmqConfig {
     /// messages is not bounded by it. Default 5 s, the `send_timeout` within which a kvx
     /// sender writes a whole batch of messages.
     pub message_timeout: Duration,
+    /// Bytes of received messages a bound socket (ROUTER or PULL) holds before its handle
+    /// has finished with them (`inbound`): past it, connections wait to read more, and their
+    /// peers meet TCP backpressure. Default 64 MiB: 64 messages of `frame_max_bytes`, against
+    /// `CHANNEL_DEPTH` (1024) of them without it. At most 4 GiB.
+    pub inbound_bytes_max: usize,
 }
 
 impl Default for ZmqConfig {
@@ -103,6 +112,7 @@ impl Default for ZmqConfig {
             connections_max: 1024,
             handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(5),
+            inbound_bytes_max: 64 << 20,
         }
     }
 }
@@ -160,6 +170,11 @@ impl ZmqConfig {
             return Err(ZmqConfigError(format!(
                 "connections_max must be 1 to {CONNECTIONS_MAX_LIMIT}"
             )));
+        }
+        if self.inbound_bytes_max == 0 || u32::try_from(self.inbound_bytes_max).is_err() {
+            return Err(ZmqConfigError(
+                "inbound_bytes_max must be 1 byte to 4 GiB".into(),
+            ));
         }
         if self.frame_refuse_bytes < self.frame_max_bytes {
             return Err(ZmqConfigError(

@@ -21,6 +21,8 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 
+use super::inbound::InboundBudget;
+
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
 use super::zmtp::{self, FrameReader, ReadLimits};
 use super::{bump, framing, peers, worth_logging, PeerBytes, Shared};
@@ -209,6 +211,7 @@ pub(super) async fn serve(
     let local = local_endpoint(&listener)?;
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
+    let budget = InboundBudget::new(shared.config.inbound_bytes_max);
     let routes = SharedRoutes::default();
     // Replies run in their own task, so a reply stuck behind one slow peer (up to
     // `send_timeout`) never stops requests from everyone else.
@@ -231,7 +234,10 @@ pub(super) async fn serve(
         "ROUTER",
         listener,
         closed,
-        move |stream| router_conn(shared.clone(), routes.clone(), in_tx.clone(), stream),
+        move |stream| {
+            let incoming = (in_tx.clone(), budget.clone());
+            router_conn(shared.clone(), routes.clone(), incoming, stream)
+        },
     ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
     Ok(ControlServer::new(local, in_rx, out_tx))
@@ -241,7 +247,7 @@ pub(super) async fn serve(
 async fn router_conn(
     shared: Arc<Shared>,
     routes: SharedRoutes,
-    incoming: mpsc::Sender<(PeerId, Bytes)>,
+    (incoming, budget): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget),
     stream: TcpStream,
 ) {
     let (mut reader, mut writer) = reader_for(&shared, stream);
@@ -296,6 +302,10 @@ async fn router_conn(
         match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
                 let peer = shared.peers().peer_for(&identity);
+                let payload = tokio::select! {
+                    () = incoming.closed() => break,
+                    payload = budget.admit(payload) => payload,
+                };
                 if incoming.send((peer, payload)).await.is_err() {
                     break;
                 }
@@ -398,6 +408,7 @@ pub(super) async fn notify_source(
     let listener = listen(endpoint, zmq_endpoint).await?;
     let local = local_endpoint(&listener)?;
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
+    let budget = InboundBudget::new(shared.config.inbound_bytes_max);
     let closed = {
         let tx = tx.clone();
         async move {
@@ -410,14 +421,18 @@ pub(super) async fn notify_source(
         "PULL",
         listener,
         closed,
-        move |stream| pull_conn(shared.clone(), tx.clone(), stream),
+        move |stream| pull_conn(shared.clone(), (tx.clone(), budget.clone()), stream),
     ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
 }
 
 /// One PUSH's connection: handshake, then one notice per message.
-async fn pull_conn(shared: Arc<Shared>, incoming: mpsc::Sender<Bytes>, stream: TcpStream) {
+async fn pull_conn(
+    shared: Arc<Shared>,
+    (incoming, budget): (mpsc::Sender<Bytes>, InboundBudget),
+    stream: TcpStream,
+) {
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
     let (mut reader, mut writer) = reader_for(&shared, stream);
@@ -437,6 +452,10 @@ async fn pull_conn(shared: Arc<Shared>, incoming: mpsc::Sender<Bytes>, stream: T
         let Some(frames) = next else { continue }; // dropped, counted
         match framing::notice_in(&frames, max) {
             Ok(payload) => {
+                let payload = tokio::select! {
+                    () = incoming.closed() => break,
+                    payload = budget.admit(payload) => payload,
+                };
                 if incoming.send(payload).await.is_err() {
                     break;
                 }
