@@ -43,8 +43,22 @@ pub(crate) async fn sleep_until_deadline<E: kvx_io::Env>(
 pub enum StartError {
     #[error(transparent)]
     Config(#[from] kvx_proto::ConfigError),
+    // Not `#[from]`: that would make the inner error a `source` as well, and error chains
+    // (`{:#}`) would print it twice.
     #[error("transport: {0}")]
-    Transport(#[from] kvx_io::TransportError),
+    Transport(kvx_io::TransportError),
     #[error("fabric: {0}")]
-    Fabric(#[from] kvx_io::FabricError),
+    Fabric(kvx_io::FabricError),
+}
+
+impl From<kvx_io::TransportError> for StartError {
+    fn from(e: kvx_io::TransportError) -> Self {
+        Self::Transport(e)
+    }
+}
+
+impl From<kvx_io::FabricError> for StartError {
+    fn from(e: kvx_io::FabricError) -> Self {
+        Self::Fabric(e)
+    }
 }

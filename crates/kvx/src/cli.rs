@@ -88,10 +88,10 @@ pub struct ReceiverArgs {
     #[arg(long, value_delimiter = ',')]
     pub fabric_ports: Option<Vec<u16>>,
     /// Buffer size per rank, in chunks [default: 64].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub buffer_chunks: Option<u32>,
     /// Bytes per chunk [default: 1048576].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
@@ -140,10 +140,10 @@ pub struct SenderArgs {
     #[arg(long)]
     pub proxy: Option<String>,
     /// Staging pool per rank, in chunks [default: 64].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub staging_chunks: Option<u32>,
     /// Bytes per chunk; must match the receiver's [default: 1048576].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: Option<u64>,
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,

@@ -210,3 +210,41 @@ fn a_buffer_larger_than_memory_is_refused_at_start() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not enough memory"));
 }
+
+/// Flags an operator can get wrong are refused before anything starts, naming the flag and
+/// what it accepts, or, for what only the combination makes wrong, with a sentence naming
+/// both values; the exit status is 2 either way.
+#[test]
+fn operator_flags_out_of_range_are_refused_naming_the_flag() {
+    let refused = [
+        (&["receiver", "--buffer-chunks", "0"][..], "--buffer-chunks"),
+        (&["receiver", "--chunk-bytes", "0"][..], "--chunk-bytes"),
+        (
+            &["receiver", "--peer-share-percent", "101"][..],
+            "--peer-share-percent",
+        ),
+        (
+            &["receiver", "--legacy-senders", "maybe"][..],
+            "--legacy-senders",
+        ),
+        (&["receiver", "--alloc-ports", "abc"][..], "--alloc-ports"),
+        (&["sender", "--chunk-bytes", "0"][..], "--chunk-bytes"),
+        (&["sender", "--staging-chunks", "0"][..], "--staging-chunks"),
+        (&["sender", "--checksums", "maybe"][..], "--checksums"),
+        (&["proxy", "--port", "99999"][..], "--port"),
+        (&["demo", "--requests", "0"][..], "--requests"),
+    ];
+    for (args, flag) in refused {
+        let out = kvx().args(args).output().expect("kvx runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?} names {flag}: {err}");
+    }
+    let out = kvx()
+        .args(["sender", "--alloc-ports", "1,2", "--fabric-ports", "3"])
+        .output()
+        .expect("kvx runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("got 2 alloc and 1 fabric ports"), "{err}");
+}
