@@ -1,6 +1,6 @@
 //! `Env`: what a driver needs from the world — a transport, a fabric, a clock and `spawn` —
-//! in one type parameter, so drivers are `Sender<E: Env>` and production picks concrete
-//! implementations at runtime with an enum, not `dyn`.
+//! in one type parameter, so drivers are `SenderNode<E: Env>` and monomorphised for each
+//! environment (production's, the simulation's), with no `dyn` on the data path.
 
 use std::future::Future;
 

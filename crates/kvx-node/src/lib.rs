@@ -1,5 +1,8 @@
-//! kvx-node: the async drivers. Each one owns a kvx-proto state machine in one task, feeds
-//! it the `Env`'s messages, completions and timers, and carries out what it asks for. They
+//! kvx-node: the async drivers. Each one runs a kvx-proto state machine in a task of its
+//! own, feeds it the `Env`'s messages, completions and timers, and carries out what it asks
+//! for. The receiver's and the proxy's machines belong to their task alone (handles talk to
+//! it over channels); the sender's sits behind a mutex shared with its handles, so prefill
+//! threads stage and submit without a round trip through the task (`sender/mod.rs`). They
 //! contain no protocol logic and no simulation switches: the same code runs in production and in
 //! the simulation.
 //!

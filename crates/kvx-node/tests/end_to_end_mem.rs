@@ -87,7 +87,7 @@ async fn start_sender(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seed_example_one_sender_interleaved() {
+async fn worked_example_one_sender_interleaved() {
     let env = env();
     let (addr, verified, proxy) = cluster(&env, 10).await;
     let (sender, peer) = start_sender(&env, &proxy, addr, sender_cfg()).await;

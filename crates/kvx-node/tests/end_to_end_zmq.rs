@@ -160,7 +160,7 @@ async fn request<E: Env>(
     told
 }
 
-async fn seed_example_one_sender_interleaved<F: Fabric>(fabric: F) {
+async fn worked_example_one_sender_interleaved<F: Fabric>(fabric: F) {
     let c = cluster(TokioEnv::new(zmq(), fabric), 10).await;
     let (s, peer) = sender(&c, "s0", 8).await;
     let (a, b) = tokio::join!(
@@ -184,15 +184,15 @@ async fn wait_verified(verified: &AtomicU64, bytes: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seed_example_over_zmq_and_tcp() {
-    tokio::time::timeout(BOUND, seed_example_one_sender_interleaved(TcpFabric::new()))
+async fn worked_example_over_zmq_and_tcp() {
+    tokio::time::timeout(BOUND, worked_example_one_sender_interleaved(TcpFabric::new()))
         .await
         .expect("bounded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seed_example_over_zmq_and_shm() {
-    tokio::time::timeout(BOUND, seed_example_one_sender_interleaved(ShmFabric::new()))
+async fn worked_example_over_zmq_and_shm() {
+    tokio::time::timeout(BOUND, worked_example_one_sender_interleaved(ShmFabric::new()))
         .await
         .expect("bounded");
 }

@@ -421,7 +421,7 @@ mod tests {
     }
 
     #[test]
-    fn seed_example_b_waits_until_a_releases() {
+    fn worked_example_b_waits_until_a_releases() {
         let mut adm = Admission::new(Limits::fifo(10, 8));
         assert_eq!(adm.request(Ticket(1), P, 8, later(100)), Decision::Admitted);
         assert_eq!(adm.request(Ticket(2), P, 8, later(100)), Decision::Queued);

@@ -36,7 +36,7 @@ fn failed(report: &Report, i: usize) -> String {
 
 /// The design note's example: a 10-chunk buffer, A and B need 8 each. B waits, both finish.
 #[test]
-fn seed_example_two_senders() {
+fn worked_example_two_senders() {
     let spec = ClusterSpec::new(2, 1, 10, 8)
         .with(RequestPlan::new(0, 0, "A", 8, 2))
         .with(RequestPlan {
@@ -56,7 +56,7 @@ fn seed_example_two_senders() {
 /// B's first batch holds the per-receiver lock while it waits for capacity that only A's
 /// remaining batches can free (W1).
 #[test]
-fn seed_example_one_sender_interleaved() {
+fn worked_example_one_sender_interleaved() {
     let mut spec = ClusterSpec::new(1, 1, 10, 8)
         .with(RequestPlan::new(0, 0, "A", 8, 2))
         .with(RequestPlan::new(0, 0, "B", 8, 2));
@@ -67,7 +67,7 @@ fn seed_example_one_sender_interleaved() {
 /// The same against a receiver treated as LMCache (one message in flight, no `seq`
 /// pipelining): the probe for B is held back while A still has batches to send.
 #[test]
-fn seed_example_one_sender_serial_channel() {
+fn worked_example_one_sender_serial_channel() {
     let mut spec = ClusterSpec::new(1, 1, 10, 8)
         .with(RequestPlan::new(0, 0, "A", 8, 2))
         .with(RequestPlan::new(0, 0, "B", 8, 2));

@@ -1,4 +1,4 @@
-//! Scenarios on the real drivers: the design's seed examples, every LMCache failure the
+//! Scenarios on the real drivers: the design's worked examples, every LMCache failure the
 //! reference describes (`../shared/reference/lmcache-pd.md` §7), 2P1D and xPyD. Each run
 //! is also checked in full by the global checker and the end-to-end verdicts; these tests
 //! add what each scenario is about.
@@ -55,7 +55,7 @@ fn at(id: &str, p: usize, chunks: u32, batch: u32, start_at: Duration) -> Reques
 /// The design note's example: a 10-chunk buffer, A and B need 8 each, from two senders.
 /// B waits in the admission queue until the decoder consumed A; both finish.
 #[test]
-fn seed_example_two_senders() {
+fn worked_example_two_senders() {
     let cfg = SimConfig::new(2, 1, 10, 8)
         .with(plan("A", 0, 8, 2))
         .with(at("B", 1, 8, 2, 20 * MS + 10 * US));
@@ -72,7 +72,7 @@ fn seed_example_two_senders() {
 /// first batch holds the per-receiver lock while it waits for what only A can free, W1),
 /// on a pipelined and on a serial (LMCache-style) channel.
 #[test]
-fn seed_example_one_sender_interleaved() {
+fn worked_example_one_sender_interleaved() {
     for pipelining in [Pipelining::Auto, Pipelining::Off] {
         let mut cfg = SimConfig::new(1, 1, 10, 8)
             .with(plan("A", 0, 8, 2))

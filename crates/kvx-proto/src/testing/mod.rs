@@ -2,8 +2,10 @@
 //! with virtual time and in-memory delivery, after quinn's `Pair` and raft-rs's `Network`.
 //!
 //! - `workload.rs`: `ClusterSpec`, `RequestPlan`, `Timing`.
-//! - `cluster.rs`: `Cluster`, the event loop; every message goes through the wire codec,
-//!   every link is FIFO, every write is a model of a one-sided write into receiver memory.
+//! - `cluster/`: `Cluster`, the event loop (`mod.rs`), the applications on its nodes
+//!   (`apps.rs`) and the end-of-run settling (`settle.rs`); every message goes through the
+//!   wire codec, every link is FIFO, every write is a model of a one-sided write into
+//!   receiver memory.
 //! - `checker.rs`: the global checks run after every step and at the end.
 //! - `ops.rs`: `OpWorld`, a byte-driven event sequence over the core (fuzzing, properties).
 //! - `explore/`: exhaustive exploration of every interleaving for small configurations.
