@@ -46,6 +46,14 @@ MUTANTS = {
         "if w.need > self.available() {\n                break;\n            }",
         "if w.need > self.available() {\n                i += 1;\n                continue;\n            }",
         "let a smaller waiter overtake the head of the admission queue"),
+    "staging-order-ignored": (SRC + "sender/mod.rs",
+        "if older_waits && self.staging.free_count() > 0 {",
+        "if false && older_waits && self.staging.free_count() > 0 {",
+        "hand a freed staging slot to a younger request while an older one waits for it"),
+    "waiter-blocks-its-own-holder": (SRC + "sender/mod.rs",
+        "        let Some(slot) = self.staging.take(req_id) else {",
+        "        if older_waits {\n            return Err(SendError::WouldBlock);\n        }\n        let Some(slot) = self.staging.take(req_id) else {",
+        "queue a request that holds unsubmitted staging behind an older waiter (a deadlock)"),
     "landing-from-any-peer": (SRC + "slots.rs",
         "if state != SlotState::Free && self.holder(tag.slot) != Some(peer) {",
         "if false {",
@@ -82,7 +90,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr

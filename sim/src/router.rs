@@ -83,6 +83,7 @@ async fn run_one(world: &World, cfg: &SimConfig, proxy: &ProxyHandle, plan: &Req
     let now = world.now();
     let ready = outcome.is_ok();
     world.record(format_args!("proxy: {} {outcome:?}", plan.id));
+    let outcome = outcome.map_err(|failure| failure.to_string());
     if !world.lock().outcomes.on_proxy(&plan.id, outcome, now) {
         flag(world, format!("G2: {} ended twice at the proxy", plan.id));
     }

@@ -12,8 +12,8 @@
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
 //!   requests; its clonable `ChunkReader` reads their chunks and consumes them.
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
-//!   Inside: `sender/staging_order` (a freed staging slot goes to the oldest request waiting
-//!   for one) and `sender/fabric_link` (fabric connections, writes parked across a reconnect).
+//!   Inside: `sender/staging_turn` (an allocate call's wait for staging; the order is the
+//!   core's) and `sender/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 
 pub mod metrics;

@@ -21,3 +21,5 @@ pub const ADMISSION_WAIT_SECONDS: &str = "kvx_receiver_admission_wait_seconds";
 pub const DECODE_ERRORS: &str = "kvx_decode_errors_total";
 pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";
 pub const SENDER_FAILED: &str = "kvx_sender_failed_total";
+/// Proxy outcomes no `expect` awaited that found `ProxyEvents` full (its reader behind).
+pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";

@@ -1,10 +1,12 @@
 //! The proxy driver: binds the notice channel, aggregates notices per request across TP
-//! ranks (`ProxyTracker`), and answers `ProxyHandle::wait_ready`.
+//! ranks (`ProxyTracker`), and answers `ProxyHandle::expect`. Outcomes nobody awaits through
+//! `expect` (a proxy with `ProxyConfig::await_on_first_notice`, as `kvx proxy` runs) go to
+//! `ProxyEvents`, when the caller asked for them.
 
 use std::collections::HashMap;
 
 use kvx_io::{Env, NotifySource, Transport};
-use kvx_proto::proxy::{ExpectError, ProxyEvent, ProxyTracker};
+use kvx_proto::proxy::{ExpectError, ProxyEvent, ProxyFailure, ProxyTracker};
 use kvx_proto::wire;
 use kvx_proto::{ProxyConfig, ReqId};
 use tokio::sync::{mpsc, oneshot};
@@ -12,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::StartError;
 
 /// How an awaited request ended at the proxy.
-pub type ProxyOutcome = Result<(), String>;
+pub type ProxyOutcome = Result<(), ProxyFailure>;
 
 #[derive(Debug)]
 enum Cmd {
@@ -31,18 +33,42 @@ pub struct ProxyHandle {
     endpoint: String,
 }
 
+/// The outcomes of requests that no `ProxyHandle::expect` awaits, in the order they ended.
+/// Outcomes that find it full (`CHANNEL_DEPTH` unread) are dropped and counted.
+#[derive(Debug)]
+pub struct ProxyEvents(mpsc::Receiver<ProxyEvent>);
+
+impl ProxyEvents {
+    /// The next outcome; `None` once the proxy is gone.
+    pub async fn next(&mut self) -> Option<ProxyEvent> {
+        self.0.recv().await
+    }
+}
+
 #[derive(Debug)]
 pub struct ProxyNode;
 
 impl ProxyNode {
+    /// Starts a proxy on `endpoint`; outcomes are delivered through `ProxyHandle::expect`
+    /// alone.
     pub async fn start<E: Env>(
         env: E,
         cfg: ProxyConfig,
         endpoint: &str,
     ) -> Result<ProxyHandle, StartError> {
+        Ok(Self::start_with_events(env, cfg, endpoint).await?.0)
+    }
+
+    /// Starts a proxy on `endpoint`, and returns the outcomes no `expect` awaits as well.
+    pub async fn start_with_events<E: Env>(
+        env: E,
+        cfg: ProxyConfig,
+        endpoint: &str,
+    ) -> Result<(ProxyHandle, ProxyEvents), StartError> {
         let tracker = ProxyTracker::new(cfg)?;
         let source = env.transport().notify_source(endpoint).await?;
         let (tx, rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
+        let (events_tx, events_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let handle = ProxyHandle {
             cmds: tx,
             endpoint: source.local_endpoint().to_owned(),
@@ -54,11 +80,12 @@ impl ProxyNode {
                 source,
                 cmds: rx,
                 waiting: HashMap::new(),
+                unclaimed: events_tx,
                 undecodable_logged: kvx_io::LogLimiter::default(),
             }
             .run(),
         );
-        Ok(handle)
+        Ok((handle, ProxyEvents(events_rx)))
     }
 }
 
@@ -70,7 +97,8 @@ impl ProxyHandle {
 
     /// Starts awaiting `req_id` from `tp_ranks` senders; the returned receiver resolves when
     /// every rank reported, a sender reported failure, or `kv_ready_timeout` passed. Call it
-    /// before dispatching the prefill, as LMCache's proxy does.
+    /// before dispatching the prefill, as LMCache's proxy does. `ExpectError::ProxyGone`
+    /// when the proxy's driver has stopped.
     pub async fn expect(
         &self,
         req_id: ReqId,
@@ -78,12 +106,11 @@ impl ProxyHandle {
     ) -> Result<oneshot::Receiver<ProxyOutcome>, ExpectError> {
         let (done_tx, done_rx) = oneshot::channel();
         let (ack_tx, ack_rx) = oneshot::channel();
-        let gone = || ExpectError::TooMany(0);
         self.cmds
             .send(Cmd::Expect(req_id, tp_ranks, done_tx, ack_tx))
             .await
-            .map_err(|_| gone())?;
-        ack_rx.await.map_err(|_| gone())??;
+            .map_err(|_| ExpectError::ProxyGone)?;
+        ack_rx.await.map_err(|_| ExpectError::ProxyGone)??;
         Ok(done_rx)
     }
 }
@@ -94,6 +121,8 @@ struct Driver<E: Env> {
     source: NotifySource,
     cmds: mpsc::Receiver<Cmd>,
     waiting: HashMap<ReqId, oneshot::Sender<ProxyOutcome>>,
+    /// Outcomes no `expect` awaits (`ProxyEvents`; closed when the caller did not ask).
+    unclaimed: mpsc::Sender<ProxyEvent>,
     /// Undecodable notices are logged at most once a second: a peer can send them at will.
     undecodable_logged: kvx_io::LogLimiter,
 }
@@ -101,35 +130,16 @@ struct Driver<E: Env> {
 impl<E: Env> Driver<E> {
     async fn run(mut self) {
         loop {
-            while let Some(ev) = self.tracker.poll_event() {
-                let (req_id, outcome) = match ev {
-                    ProxyEvent::Ready { req_id } => (req_id, Ok(())),
-                    ProxyEvent::Failed { req_id, reason } => (req_id, Err(reason)),
-                };
-                if let Some(tx) = self.waiting.remove(&req_id) {
-                    let _ = tx.send(outcome);
-                }
-            }
+            self.deliver();
             let deadline = self.tracker.poll_timeout();
             let sleep = crate::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 payload = self.source.recv() => {
-                    let Some(payload) = payload else { return };
-                    match wire::decode(&payload) {
-                        Ok(msg) => {
-                            let now = self.env.now();
-                            self.tracker.handle_message(now, msg);
-                        }
-                        Err(e) => {
-                            metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
-                            if let Some(left_out) = self.undecodable_logged.allow() {
-                                tracing::warn!(error = %e, left_out, "undecodable notice");
-                            }
-                        }
-                    }
+                    let Some(payload) = payload else { break };
+                    self.on_notice(&payload);
                 }
                 cmd = self.cmds.recv() => {
-                    let Some(Cmd::Expect(req_id, ranks, done, ack)) = cmd else { return };
+                    let Some(Cmd::Expect(req_id, ranks, done, ack)) = cmd else { break };
                     let now = self.env.now();
                     let result = self.tracker.handle_expect(now, req_id.clone(), ranks);
                     if result.is_ok() {
@@ -141,6 +151,41 @@ impl<E: Env> Driver<E> {
                     let now = self.env.now();
                     self.tracker.handle_timeout(now);
                 }
+            }
+        }
+        self.deliver();
+        // Whoever still waits learns why no outcome will come.
+        for (_, done) in self.waiting.drain() {
+            let _ = done.send(Err(ProxyFailure::ProxyGone));
+        }
+    }
+
+    fn on_notice(&mut self, payload: &[u8]) {
+        match wire::decode(payload) {
+            Ok(msg) => {
+                let now = self.env.now();
+                self.tracker.handle_message(now, msg);
+            }
+            Err(e) => {
+                metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
+                if let Some(left_out) = self.undecodable_logged.allow() {
+                    tracing::warn!(error = %e, left_out, "undecodable notice");
+                }
+            }
+        }
+    }
+
+    /// Hands each outcome to whoever awaits it.
+    fn deliver(&mut self) {
+        while let Some(ev) = self.tracker.poll_event() {
+            let (req_id, outcome) = match &ev {
+                ProxyEvent::Ready { req_id } => (req_id, Ok(())),
+                ProxyEvent::Failed { req_id, failure } => (req_id, Err(failure.clone())),
+            };
+            if let Some(tx) = self.waiting.remove(req_id) {
+                let _ = tx.send(outcome);
+            } else if let Err(mpsc::error::TrySendError::Full(_)) = self.unclaimed.try_send(ev) {
+                metrics::counter!(crate::metrics::PROXY_EVENTS_DROPPED).increment(1);
             }
         }
     }

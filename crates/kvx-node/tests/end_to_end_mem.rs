@@ -305,7 +305,7 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
         .expect("bounded")
         .expect("answered");
     assert!(
-        matches!(&at_proxy, Err(why) if why.contains("corrupt")),
+        matches!(&at_proxy, Err(kvx_proto::proxy::ProxyFailure::Reported(why)) if why.contains("corrupt")),
         "{at_proxy:?}"
     );
     let (req, outcome) = tokio::time::timeout(Duration::from_secs(10), ended.recv())
@@ -331,4 +331,64 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
         .expect("fresh id");
     synthetic::prefill(&sender, &good).await.expect("delivered");
     ready.await.expect("answered").expect("ready");
+}
+
+/// A younger request holding the only staging slot, unsubmitted, while an older one waits
+/// for staging: the younger one's next allocate must be told to submit what it holds
+/// (`StagingHeldByCaller`), not queued behind the older one, which waits for exactly that
+/// slot. (The oldest-first staging order once queued it: both waited until
+/// `staging_timeout`, and `kvx demo --staging-chunks 1 --interleave 4` lost requests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_younger_request_holding_staging_is_told_to_submit_while_an_older_one_waits() {
+    let env = env();
+    let (addr, _, proxy) = cluster(&env, 10).await;
+    let cfg = SenderConfig {
+        staging_slots: 1,
+        staging_timeout: Duration::from_secs(5),
+        ..sender_cfg()
+    };
+    let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
+    let spec = |id: &str| RequestSpec {
+        req_id: ReqId(id.into()),
+        receiver: peer,
+        total_chunks: 2,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    };
+    let (older, younger) = (ReqId("older".into()), ReqId("younger".into()));
+    sender.begin(spec("older")).expect("begins");
+    sender.begin(spec("younger")).expect("begins");
+    sender.admitted(&older).await.expect("admitted");
+    sender.admitted(&younger).await.expect("admitted");
+    let held = sender.allocate(&younger).await.expect("the only slot");
+    let (s, id) = (sender.clone(), older.clone());
+    let older_waits = tokio::spawn(async move { s.allocate(&id).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !older_waits.is_finished(),
+        "the older request waits for staging"
+    );
+    let told = tokio::time::timeout(Duration::from_secs(2), sender.allocate(&younger))
+        .await
+        .expect("answered at once, not after staging_timeout");
+    assert!(
+        matches!(told, Err(SendError::StagingHeldByCaller(1))),
+        "{told:?}"
+    );
+    // Submitting it frees the slot once written, and the older request gets it.
+    let chunk = kvx_proto::sender::ChunkSpec {
+        key: "younger@0".into(),
+        staging: held,
+        tokens: 1,
+    };
+    sender.stage(held, &[7u8; CHUNK]);
+    sender
+        .submit(&younger, vec![chunk], false)
+        .expect("submitted");
+    let got = tokio::time::timeout(Duration::from_secs(5), older_waits)
+        .await
+        .expect("bounded")
+        .expect("join");
+    assert!(got.is_ok(), "{got:?}");
 }

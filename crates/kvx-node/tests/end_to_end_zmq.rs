@@ -157,7 +157,7 @@ async fn request<E: Env>(
         .map_err(|_| "proxy silent".to_owned())?
         .map_err(|_| "proxy gone".to_owned())?;
     sent?;
-    told
+    told.map_err(|failure| failure.to_string())
 }
 
 async fn worked_example_one_sender_interleaved<F: Fabric>(fabric: F) {
@@ -185,16 +185,22 @@ async fn wait_verified(verified: &AtomicU64, bytes: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worked_example_over_zmq_and_tcp() {
-    tokio::time::timeout(BOUND, worked_example_one_sender_interleaved(TcpFabric::new()))
-        .await
-        .expect("bounded");
+    tokio::time::timeout(
+        BOUND,
+        worked_example_one_sender_interleaved(TcpFabric::new()),
+    )
+    .await
+    .expect("bounded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worked_example_over_zmq_and_shm() {
-    tokio::time::timeout(BOUND, worked_example_one_sender_interleaved(ShmFabric::new()))
-        .await
-        .expect("bounded");
+    tokio::time::timeout(
+        BOUND,
+        worked_example_one_sender_interleaved(ShmFabric::new()),
+    )
+    .await
+    .expect("bounded");
 }
 
 /// 2 senders each prefilling 4 requests at once (4–16 chunks, batches of 4) into a 64-chunk

@@ -242,6 +242,9 @@ pub struct SenderConfig {
     pub inflight_max: usize,
     /// Requests tracked at once; more are refused.
     pub requests_max: usize,
+    /// Outcomes of ended requests remembered (`SenderFlow::outcome`); the oldest is
+    /// forgotten first.
+    pub outcomes_kept: usize,
     /// Messages queued on one channel at most; more are refused.
     pub channel_queue_max: usize,
     pub pipelining: Pipelining,
@@ -263,6 +266,7 @@ impl Default for SenderConfig {
             staging_timeout: Duration::from_secs(30),
             inflight_max: 64,
             requests_max: 8192,
+            outcomes_kept: 65_536,
             channel_queue_max: 65_536,
             pipelining: Pipelining::Auto,
             notify_proxy_on_failure: false,
@@ -281,6 +285,9 @@ impl SenderConfig {
         })?;
         require(self.requests_max > 0, || {
             "requests_max must be at least 1".into()
+        })?;
+        require(self.outcomes_kept > 0, || {
+            "outcomes_kept must be at least 1".into()
         })?;
         require(!self.reply_timeout.is_zero(), || {
             "reply_timeout must be positive".into()
@@ -309,6 +316,10 @@ pub struct ProxyConfig {
     pub req_id_bytes_max: usize,
     /// A failure's reason is cut to this many bytes.
     pub reason_bytes_max: usize,
+    /// `Some(tp_ranks)`: a proxy nobody tells of requests (`kvx proxy` on its own) awaits
+    /// each id from its first notice, from `tp_ranks` senders. `None` (the default): only
+    /// ids given to `handle_expect` are awaited.
+    pub await_on_first_notice: Option<u32>,
 }
 
 impl Default for ProxyConfig {
@@ -321,6 +332,7 @@ impl Default for ProxyConfig {
             early_notices_bytes_max: 16 << 20,
             req_id_bytes_max: 512,
             reason_bytes_max: 1024,
+            await_on_first_notice: None,
         }
     }
 }
@@ -329,6 +341,9 @@ impl ProxyConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.requests_max > 0, || {
             "requests_max must be at least 1".into()
+        })?;
+        require(self.await_on_first_notice != Some(0), || {
+            "await_on_first_notice must be at least 1 TP rank".into()
         })?;
         require(!self.kv_ready_timeout.is_zero(), || {
             "kv_ready_timeout must be positive".into()

@@ -4,7 +4,13 @@
 //!
 //! A request is awaited with `handle_expect(req_id, tp_ranks)`; it becomes ready after
 //! `tp_ranks` notices, or fails on a `FailNotif` or after `kv_ready_timeout`. Notices
-//! that arrive before `handle_expect` are kept (bounded, with a TTL) and counted then.
+//! that arrive before `handle_expect` are kept (bounded, with a TTL) and counted then. A
+//! proxy that nobody tells of requests (`kvx proxy` on its own) sets
+//! `ProxyConfig::await_on_first_notice`: each id is then awaited from its first notice.
+//!
+//! Contract: a driver feeds `handle_expect`, `handle_message` (every decoded notice) and
+//! `handle_timeout` (at `poll_timeout`), and after each call drains `poll_event`; each awaited
+//! request ends in exactly one event.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -19,7 +25,25 @@ pub enum ProxyEvent {
     /// Every TP rank's KV is in the decoder's buffer: dispatch the decode.
     Ready { req_id: ReqId },
     /// A sender reported failure, or `kv_ready_timeout` passed.
-    Failed { req_id: ReqId, reason: String },
+    Failed {
+        req_id: ReqId,
+        failure: ProxyFailure,
+    },
+}
+
+/// Why an awaited request failed at the proxy.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProxyFailure {
+    /// A sender's `FailNotif`, with its reason (cut to `reason_bytes_max`).
+    #[error("a sender reported failure: {0}")]
+    Reported(String),
+    /// Not every TP rank reported within `kv_ready_timeout`.
+    #[error("kv_ready_timeout passed before every TP rank reported ({seen} of {ranks})")]
+    TimedOut { seen: u32, ranks: u32 },
+    /// The proxy's driver is gone (shut down, or its notice channel closed).
+    #[error("the proxy is gone")]
+    ProxyGone,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,6 +57,9 @@ pub enum ExpectError {
     ZeroRanks,
     #[error("a request id of {len} bytes exceeds req_id_bytes_max {max}")]
     IdTooLong { len: usize, max: usize },
+    /// The proxy's driver is gone (shut down, or its notice channel closed).
+    #[error("the proxy is gone")]
+    ProxyGone,
 }
 
 #[derive(Debug, Clone)]
@@ -114,8 +141,9 @@ impl ProxyTracker {
         let deadline = now + self.cfg.kv_ready_timeout;
         let (early, reason) = self.take_early(&req_id);
         if early.failed {
-            let reason = reason.unwrap_or_default();
-            self.events.push_back(ProxyEvent::Failed { req_id, reason });
+            let failure = ProxyFailure::Reported(reason.unwrap_or_default());
+            self.events
+                .push_back(ProxyEvent::Failed { req_id, failure });
             return Ok(());
         }
         self.awaited.insert(
@@ -137,6 +165,20 @@ impl ProxyTracker {
     /// than `req_id_bytes_max` can name no awaited request and is dropped (counted); a
     /// failure's reason is cut to `reason_bytes_max`.
     pub fn handle_message(&mut self, now: Instant, msg: Message) {
+        if let Some(ranks) = self.cfg.await_on_first_notice {
+            let id = match &msg {
+                Message::ProxyNotif(n) => Some(&n.req_id),
+                Message::FailNotif(f) => Some(&f.req_id),
+                _ => None,
+            };
+            if let Some(id) = id.map(|id| ReqId(id.clone())) {
+                if !self.awaited.contains_key(&id) {
+                    // Refused (too long, too many awaited): the notice is dropped or kept
+                    // early below, as for any unawaited id.
+                    let _ = self.handle_expect(now, id, ranks);
+                }
+            }
+        }
         match msg {
             Message::ProxyNotif(n) if n.req_id.len() <= self.cfg.req_id_bytes_max => {
                 let req_id = ReqId(n.req_id);
@@ -151,7 +193,9 @@ impl ProxyTracker {
                 let reason = cut(f.reason, self.cfg.reason_bytes_max);
                 if let Some(a) = self.awaited.remove(&req_id) {
                     self.deadlines.remove(&(a.deadline, req_id.clone()));
-                    self.events.push_back(ProxyEvent::Failed { req_id, reason });
+                    let failure = ProxyFailure::Reported(reason);
+                    self.events
+                        .push_back(ProxyEvent::Failed { req_id, failure });
                 } else {
                     self.keep_early(now, req_id, Some(reason));
                 }
@@ -168,9 +212,15 @@ impl ProxyTracker {
             let Some((_, req_id)) = self.deadlines.pop_first() else {
                 break;
             };
-            self.awaited.remove(&req_id);
-            let reason = "kv_ready_timeout passed before every TP rank reported".to_owned();
-            self.events.push_back(ProxyEvent::Failed { req_id, reason });
+            let Some(a) = self.awaited.remove(&req_id) else {
+                continue;
+            };
+            let failure = ProxyFailure::TimedOut {
+                seen: a.seen,
+                ranks: a.ranks,
+            };
+            self.events
+                .push_back(ProxyEvent::Failed { req_id, failure });
         }
         while let Some((at, _)) = self.early_order.front() {
             if *at + self.cfg.early_notice_ttl > now {
@@ -410,5 +460,51 @@ mod tests {
                 req_id: "real".into()
             })
         );
+    }
+
+    /// A standalone proxy (`await_on_first_notice`) awaits an id from its first notice:
+    /// ready after every rank, failed on a `FailNotif`, timed out naming how many reported.
+    #[test]
+    fn a_standalone_proxy_awaits_each_id_from_its_first_notice() {
+        let cfg = ProxyConfig {
+            await_on_first_notice: Some(2),
+            ..ProxyConfig::default()
+        };
+        let mut p = ProxyTracker::new(cfg).expect("valid config");
+        p.handle_message(Instant::ZERO, notif("a"));
+        assert_eq!((p.awaited(), p.poll_event()), (1, None), "one of two ranks");
+        p.handle_message(Instant::ZERO, notif("a"));
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Ready { req_id: "a".into() })
+        );
+        let fail = FailNotif {
+            req_id: "b".into(),
+            reason: "receiver refused".into(),
+        };
+        p.handle_message(Instant::ZERO, Message::FailNotif(fail));
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Failed {
+                req_id: "b".into(),
+                failure: ProxyFailure::Reported("receiver refused".into()),
+            })
+        );
+        p.handle_message(Instant::ZERO, notif("c"));
+        let at = p.poll_timeout().expect("c's deadline");
+        p.handle_timeout(at);
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Failed {
+                req_id: "c".into(),
+                failure: ProxyFailure::TimedOut { seen: 1, ranks: 2 },
+            })
+        );
+        p.check_invariants();
+        let zero = ProxyConfig {
+            await_on_first_notice: Some(0),
+            ..ProxyConfig::default()
+        };
+        assert!(ProxyTracker::new(zero).is_err(), "zero ranks is refused");
     }
 }

@@ -68,6 +68,20 @@ fn three_requests_contending_for_a_two_slot_buffer() {
     assert!(r.states > 100, "{r:?}");
 }
 
+/// Two requests of one sender and one staging slot: whichever order their chunks are staged
+/// in (the younger's through `SubmitYoungest`), a freed slot never goes to the younger while
+/// the older waits for staging (S9), and a younger request holding the slot never waits
+/// behind the older one.
+#[test]
+fn staging_goes_to_the_oldest_waiting_request() {
+    let r = complete(
+        "6 slots, 1 staging,",
+        OpWorld::with_slots(6, 1),
+        &[(0, 1), (0, 2)],
+    );
+    assert!(r.states > 1_000, "{r:?}");
+}
+
 /// The explorer's abstraction against the whole state, on a plan small enough for both.
 #[test]
 fn the_abstraction_loses_no_state_of_one_request() {

@@ -164,7 +164,9 @@ async fn one<E: Env>(w: &Worker<E>, p: &Planned, tally: &SharedTally) {
         }
     }
     let proxy_result = match at_proxy {
-        Some(rx) => rx.await.unwrap_or_else(|_| Err("proxy gone".into())),
+        Some(rx) => rx
+            .await
+            .unwrap_or(Err(kvx_proto::proxy::ProxyFailure::ProxyGone)),
         None => Ok(()),
     };
     let ended = Instant::now();

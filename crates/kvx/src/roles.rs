@@ -1,7 +1,6 @@
 //! `kvx receiver`, `kvx sender` and `kvx proxy`: the parts of a cluster as separate
 //! processes, generic over the `Env` that `envs` picks.
 
-use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,10 +8,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
-use kvx_io::{Env, Transport};
-use kvx_node::{ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
-use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
-use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+use kvx_io::Env;
+use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_proto::proxy::ProxyEvent;
+use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -296,76 +295,39 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
         .unwrap_or_else(|| "127.0.0.1".into());
     let port = args.port.or(file.port).unwrap_or(8500);
     let tp_ranks = args.tp_ranks.or(file.tp_ranks).unwrap_or(1);
-    let mut source = env
-        .transport()
-        .notify_source(&(style.control)(&host, port))
+    // A standalone proxy learns of requests from their first notice.
+    let cfg = ProxyConfig {
+        await_on_first_notice: Some(tp_ranks),
+        ..ProxyConfig::default()
+    };
+    let (proxy, mut events) = ProxyNode::start_with_events(env, cfg, &(style.control)(&host, port))
         .await
         .context("binding the notice channel")?;
     eprintln!(
         "kvx proxy: notices at {} ({tp_ranks} TP rank(s) per request)",
-        source.local_endpoint()
+        proxy.endpoint()
     );
-    let mut tracker = ProxyTracker::new(ProxyConfig::default())?;
-    let mut ended: BTreeMap<&'static str, u64> = BTreeMap::new();
-    // A peer can send undecodable notices at will: one log line a second at most.
-    let undecodable_logged = kvx_io::LogLimiter::default();
+    let (mut ready, mut failed) = (0u64, 0u64);
     let stop = until_stopped(args.exit_after_s);
     tokio::pin!(stop);
     loop {
-        let deadline = tracker.poll_timeout();
-        let env2 = env.clone();
-        let sleep = async move {
-            match deadline {
-                Some(at) => env2.sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
+        let ev = tokio::select! {
             _ = &mut stop => break,
-            payload = source.recv() => {
-                let Some(payload) = payload else { break };
-                let now = env.now();
-                match kvx_proto::wire::decode(&payload) {
-                    Ok(msg) => {
-                        // A standalone proxy learns of requests from their first notice.
-                        let id = match &msg {
-                            kvx_proto::wire::Message::ProxyNotif(n) => Some(n.req_id.clone()),
-                            kvx_proto::wire::Message::FailNotif(f) => Some(f.req_id.clone()),
-                            _ => None,
-                        };
-                        if let Some(id) = id {
-                            // Already awaited is fine: this notice counts towards it.
-                            let _ = tracker.handle_expect(now, ReqId(id), tp_ranks);
-                        }
-                        tracker.handle_message(now, msg);
-                    }
-                    Err(e) => {
-                        if let Some(left_out) = undecodable_logged.allow() {
-                            tracing::warn!(error = %e, left_out, "undecodable notice");
-                        }
-                    }
-                }
+            ev = events.next() => ev,
+        };
+        match ev {
+            Some(ProxyEvent::Ready { req_id }) => {
+                tracing::info!(%req_id, "ready: every TP rank reported");
+                ready += 1;
             }
-            _ = sleep => tracker.handle_timeout(env.now()),
-        }
-        while let Some(ev) = tracker.poll_event() {
-            match ev {
-                ProxyEvent::Ready { req_id } => {
-                    tracing::info!(%req_id, "ready: every TP rank reported");
-                    *ended.entry("ready").or_default() += 1;
-                }
-                ProxyEvent::Failed { req_id, reason } => {
-                    tracing::warn!(%req_id, %reason, "failed");
-                    *ended.entry("failed").or_default() += 1;
-                }
+            Some(ProxyEvent::Failed { req_id, failure }) => {
+                tracing::warn!(%req_id, %failure, "failed");
+                failed += 1;
             }
+            None => break,
         }
     }
-    println!(
-        "kvx proxy: {} ready, {} failed",
-        ended.get("ready").unwrap_or(&0),
-        ended.get("failed").unwrap_or(&0)
-    );
+    println!("kvx proxy: {ready} ready, {failed} failed");
     Ok(ExitCode::SUCCESS)
 }
 

@@ -9,7 +9,7 @@
 //! waiters) and a `Condvar` (blocking prefill threads), so a cancel wakes a thread blocked in
 //! `allocate_blocking` with an error.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -26,10 +26,10 @@ use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::{mpsc, watch, Notify};
 
 use crate::StartError;
-use staging_order::{Age, StagingQueue, StagingTurn};
+use staging_turn::StagingTurn;
 
 mod fabric_link;
-mod staging_order;
+mod staging_turn;
 
 /// Where a receiver (one TP rank of a decode worker) listens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,26 +40,14 @@ pub struct ReceiverAddr {
     pub fabric: String,
 }
 
-/// Outcomes of ended requests kept for `outcome()` at most; the oldest is dropped first.
-const OUTCOMES_KEPT: usize = 65_536;
-
-#[derive(Debug, Default)]
-struct Status {
-    /// Its place in the staging queue (`staging_order`).
-    age: Age,
-    admitted: bool,
-    outcome: Option<Result<(), SendFailure>>,
-}
-
+/// What the driver task and the handles share under one lock: the core (which also
+/// remembers each request's outcome and the staging order) and the receivers connected.
 #[derive(Debug)]
 struct Core {
     flow: SenderFlow,
-    status: HashMap<ReqId, Status>,
-    ended: VecDeque<ReqId>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
     next_peer: u64,
     shutdown: bool,
-    staging: StagingQueue,
 }
 
 #[derive(Debug)]
@@ -176,12 +164,9 @@ impl SenderNode {
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 flow,
-                status: HashMap::new(),
-                ended: VecDeque::new(),
                 receivers: BTreeMap::new(),
                 next_peer: 0,
                 shutdown: false,
-                staging: StagingQueue::default(),
             }),
             poke: Notify::new(),
             version,
@@ -246,57 +231,44 @@ impl<E: Env> SenderHandle<E> {
     /// Begins a request: its admission probe goes out; await `admitted` before staging.
     pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
         let now = self.now();
-        let mut core = self.shared.lock();
-        core.flow.handle_begin(now, spec.clone())?;
-        let age = core.staging.next_age();
-        core.status.insert(
-            spec.req_id,
-            Status {
-                age,
-                ..Status::default()
-            },
-        );
-        drop(core);
+        self.shared.lock().flow.handle_begin(now, spec)?;
         self.shared.poke.notify_one();
         Ok(())
     }
 
-    /// Waits until the receiver admitted `req_id` (or it failed).
+    /// Waits until the receiver admitted `req_id` (or it ended: delivered counts as
+    /// admitted).
     pub async fn admitted(&self, req_id: &ReqId) -> Result<(), SendFailure> {
-        self.wait_for(req_id, |s| s.admitted).await
+        self.wait_for(req_id, |flow| flow.is_admitted(req_id)).await
     }
 
-    /// Waits until `req_id` was delivered (its ProxyNotif sent) or failed.
+    /// Waits until `req_id` was delivered (its ProxyNotif sent) or failed. The outcome stays
+    /// readable for `SenderConfig::outcomes_kept` ended requests.
     pub async fn outcome(&self, req_id: &ReqId) -> Result<(), SendFailure> {
-        let result = self.wait_for(req_id, |s| s.outcome.is_some()).await;
-        let mut core = self.shared.lock();
-        if let Some(status) = core.status.remove(req_id) {
-            return status.outcome.unwrap_or(result);
-        }
-        result
+        self.wait_for(req_id, |_| false).await
     }
 
+    /// Waits until `done` holds or the request has an outcome (the outcome wins when it is
+    /// a failure).
     async fn wait_for(
         &self,
         req_id: &ReqId,
-        done: impl Fn(&Status) -> bool,
+        done: impl Fn(&SenderFlow) -> bool,
     ) -> Result<(), SendFailure> {
         let mut version = self.shared.version.subscribe();
         loop {
             {
                 let core = self.shared.lock();
-                match core.status.get(req_id) {
-                    None => {
-                        return Err(SendFailure::Misuse(format!(
-                            "request {req_id} is not known"
-                        )))
-                    }
-                    Some(Status {
-                        outcome: Some(Err(f)),
-                        ..
-                    }) => return Err(f.clone()),
-                    Some(s) if done(s) => return Ok(()),
-                    Some(_) => {}
+                if let Some(outcome) = core.flow.outcome(req_id) {
+                    return outcome;
+                }
+                if done(&core.flow) {
+                    return Ok(());
+                }
+                if !core.flow.knows(req_id) {
+                    return Err(SendFailure::Misuse(format!(
+                        "request {req_id} is not known"
+                    )));
                 }
                 if core.shutdown {
                     return Err(SendFailure::ChannelLost);
@@ -313,14 +285,15 @@ impl<E: Env> SenderHandle<E> {
     /// wakes it with an error. Never call it from an async task.
     pub fn allocate_blocking(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let timeout = self.shared.lock().flow.config().staging_timeout;
-        let deadline = std::time::Instant::now() + timeout;
-        let mut turn = StagingTurn::new(&self.shared, req_id);
+        // The Env's clock, as everywhere in the drivers (a simulated one in the simulation).
+        let deadline = self.now() + timeout;
+        let mut turn = StagingTurn::new(&self.shared);
         let mut core = self.shared.lock();
         loop {
             if let Some(result) = turn.attempt(&mut core, req_id) {
                 return result;
             }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_since(self.now());
             if left.is_zero() {
                 turn.leave(&mut core);
                 return Err(SendError::WouldBlock);
@@ -338,7 +311,7 @@ impl<E: Env> SenderHandle<E> {
     pub async fn allocate(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let timeout = self.shared.lock().flow.config().staging_timeout;
         let mut version = self.shared.version.subscribe();
-        let mut turn = StagingTurn::new(&self.shared, req_id);
+        let mut turn = StagingTurn::new(&self.shared);
         let attempt = async {
             loop {
                 if let Some(result) = turn.attempt(&mut self.shared.lock(), req_id) {
@@ -682,22 +655,16 @@ impl<E: Env> Driver<E> {
 
     fn on_events(&mut self, events: Vec<SenderEvent>) {
         let mut stalled = Vec::new();
-        let mut core = self.shared.lock();
         for ev in events {
             match ev {
-                SenderEvent::Admitted { req_id } => {
-                    if let Some(s) = core.status.get_mut(&req_id) {
-                        s.admitted = true;
-                    }
-                }
-                SenderEvent::Delivered { req_id } => {
+                // Waiters read admission and outcomes from the core, woken below.
+                SenderEvent::Admitted { .. } => {}
+                SenderEvent::Delivered { .. } => {
                     metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
-                    end(&mut core, req_id, Ok(()));
                 }
                 SenderEvent::Failed { req_id, failure } => {
                     metrics::counter!(crate::metrics::SENDER_FAILED).increment(1);
                     tracing::info!(%req_id, %failure, "request failed");
-                    end(&mut core, req_id, Err(failure));
                 }
                 SenderEvent::ChannelReset { receiver } => {
                     tracing::warn!(%receiver, "control channel reset; the transport reconnects");
@@ -705,7 +672,6 @@ impl<E: Env> Driver<E> {
                 SenderEvent::FabricStalled { receiver } => stalled.push(receiver),
             }
         }
-        drop(core);
         for receiver in stalled {
             self.flush_parked(receiver, "write overdue while the fabric reconnects");
             self.reset_fabric(receiver);
@@ -733,20 +699,6 @@ fn routing_identity(local_id: &str, alloc: &str) -> String {
         cut -= 1;
     }
     format!("{}{tail}", &full[..cut])
-}
-
-fn end(core: &mut Core, req_id: ReqId, outcome: Result<(), SendFailure>) {
-    if let Some(s) = core.status.get_mut(&req_id) {
-        s.outcome = Some(outcome);
-        core.ended.push_back(req_id);
-        while core.ended.len() > OUTCOMES_KEPT {
-            if let Some(old) = core.ended.pop_front() {
-                if core.status.get(&old).is_some_and(|s| s.outcome.is_some()) {
-                    core.status.remove(&old);
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

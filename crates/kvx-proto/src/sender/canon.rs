@@ -3,8 +3,8 @@
 //!
 //! Left out, because no later step reads them: `cfg` (fixed), `stats`, `next_write` and
 //! `next_seq` (they only hand out fresh values; the encoder renames the live ones by rank),
-//! a failing request's `failure` and `recent_failures` (they only word the errors `admitted()`
-//! returns to a caller, which nothing acts on), and a reported stall's deadline (a write whose
+//! a failing request's `failure` and `outcomes` (they only word the errors `admitted()`
+//! returns to a caller and the outcomes it reads, which nothing in the core acts on), and a reported stall's deadline (a write whose
 //! stall was reported has no timer any more). The output queues are drained after every
 //! step; their lengths are written all the same.
 
@@ -44,6 +44,17 @@ impl SenderFlow {
             enc.flag(r.last_acked);
             enc.strs(&r.keys_sent);
             enc.flag(r.sent_any);
+        }
+        // The staging order: requests by age (only their relative order matters), then the
+        // waiting calls, oldest first.
+        let mut by_age: Vec<(u64, &ReqId)> =
+            self.requests.iter().map(|(id, r)| (r.age, id)).collect();
+        by_age.sort();
+        by_age.iter().for_each(|(_, id)| enc.str(&id.0));
+        enc.len(self.waiters.iter().count());
+        for (_, id, calls) in self.waiters.iter() {
+            enc.str(&id.0);
+            enc.u(u64::from(calls));
         }
         enc.len(self.channels.len());
         for (peer, ch) in &self.channels {

@@ -67,6 +67,18 @@ impl SenderFlow {
             orphan, 0,
             "invariant: every held staging slot belongs to a tracked request"
         );
+        // Only admitted requests wait for staging (S8), under their own age.
+        for (age, id, calls) in self.waiters.iter() {
+            let req = self.requests.get(id);
+            assert!(
+                req.is_some_and(|r| r.state == State::Admitted && r.age == age) && calls > 0,
+                "invariant: {id} waits for staging while not admitted"
+            );
+        }
+        assert!(
+            self.outcomes.len() <= self.cfg.outcomes_kept,
+            "invariant: outcomes kept beyond outcomes_kept"
+        );
         for ch in self.channels.values() {
             assert!(
                 ch.in_flight.len() <= ch.window(self.cfg.inflight_max),

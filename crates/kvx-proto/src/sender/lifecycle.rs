@@ -112,6 +112,8 @@ impl SenderFlow {
         req.state = State::Failing;
         req.failure = Some(failure.clone());
         let receiver = req.spec.receiver;
+        // It takes no more staging: its waiting calls stop holding back younger requests.
+        self.waiters.remove_all(req.age);
         for slot in std::mem::take(&mut req.staged) {
             self.staging.give_back(slot);
         }
@@ -158,22 +160,24 @@ impl SenderFlow {
         self.pump(now, receiver);
     }
 
-    /// A failing request with no write outstanding cancels at the receiver and goes.
-    pub(super) fn remember_failure(&mut self, req_id: &ReqId, failure: SendFailure) {
-        if self
-            .recent_failures
-            .insert(req_id.clone(), failure)
-            .is_none()
-        {
-            self.recent_order.push_back(req_id.clone());
-        }
-        while self.recent_order.len() > self.cfg.requests_max {
-            if let Some(old) = self.recent_order.pop_front() {
-                self.recent_failures.remove(&old);
+    /// Remembers how a request that leaves ended, forgetting the oldest beyond
+    /// `outcomes_kept`.
+    pub(super) fn remember_outcome(&mut self, req_id: &ReqId, outcome: Result<(), SendFailure>) {
+        let n = self.next_outcome;
+        self.next_outcome += 1;
+        self.outcomes.insert(req_id.clone(), (n, outcome));
+        self.outcome_order.push_back((n, req_id.clone()));
+        while self.outcome_order.len() > self.cfg.outcomes_kept {
+            if let Some((n, old)) = self.outcome_order.pop_front() {
+                // A later outcome of a reused id is not this entry's to forget.
+                if self.outcomes.get(&old).is_some_and(|(m, _)| *m == n) {
+                    self.outcomes.remove(&old);
+                }
             }
         }
     }
 
+    /// A failing request with no write outstanding cancels at the receiver and goes.
     pub(super) fn maybe_finish_failing(&mut self, now: Instant, req_id: &ReqId) {
         let req = &self.requests[req_id];
         if req.state != State::Failing || req.writes_in_flight > 0 {
@@ -183,9 +187,9 @@ impl SenderFlow {
             .requests
             .remove(req_id)
             .expect("invariant: checked above");
-        if let Some(failure) = &req.failure {
-            self.remember_failure(req_id, failure.clone());
-        }
+        self.waiters.remove_all(req.age);
+        let failure = req.failure.clone().unwrap_or(SendFailure::Cancelled);
+        self.remember_outcome(req_id, Err(failure));
         if req.sent_any {
             let msg = Message::CancelNotif(CancelNotif {
                 req_id: req_id.0.clone(),
@@ -210,7 +214,10 @@ impl SenderFlow {
             return;
         }
         let receiver = req.spec.receiver;
+        let age = req.age;
         self.requests.remove(req_id);
+        self.waiters.remove_all(age);
+        self.remember_outcome(req_id, Ok(()));
         self.stats.delivered += 1;
         let msg = Message::ProxyNotif(ProxyNotif {
             req_id: req_id.0.clone(),

@@ -6,12 +6,21 @@
 //! - `invariants.rs`: `check_invariants`.
 //! - `channel.rs`: one control channel to one receiver (pipelined or serial).
 //! - `reply.rs`: what a receiver's reply does.
-//! - `staging.rs`: the staging pool.
+//! - `staging.rs`: the staging pool, and the order in which waiting requests get a freed slot.
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
 //!
 //! A request goes Admitting → Admitted → (Delivered | Failed). A failed request sends one
 //! `CancelNotif` once its posted writes have completed (so it can say `drained`), then
-//! leaves no state behind.
+//! leaves no state behind but its outcome, remembered (`outcomes_kept`) for `outcome`.
+//!
+//! Contract: a driver feeds `handle_begin`, `handle_submit`, `handle_cancel` (its caller's
+//! calls), `handle_message` (every decoded reply), `handle_write_done` (every posted write's
+//! completion, exactly once), `handle_receiver_lost` and `handle_timeout` (at
+//! `poll_timeout`); after each it drains `poll_transmit` (messages to send, in order),
+//! `poll_write` (writes to post, in order) and `poll_event`. Staging: `try_allocate` takes a
+//! slot or says why not; a caller that will wait for one (`WouldBlock`) registers with
+//! `wait_for_staging` and leaves with `stop_waiting_for_staging`, and retries on every event
+//! (a completed write frees staging without one, so a driver retries after completions too).
 
 #[cfg(feature = "testing")]
 mod canon;
@@ -31,7 +40,7 @@ use crate::wire::{AllocRequest, Message};
 
 use channel::{Channel, Kind};
 pub use channel::{ChunkSpec, Mode};
-pub use staging::StagingPool;
+pub use staging::{Age, StagingPool, StagingWaiters};
 
 /// Where a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,6 +188,8 @@ enum State {
 #[derive(Debug, Clone)]
 struct SendRequest {
     spec: RequestSpec,
+    /// Its place in the staging order (`StagingWaiters`).
+    age: Age,
     state: State,
     /// Staging slots handed to the caller and not yet submitted.
     staged: BTreeSet<StagingSlot>,
@@ -227,10 +238,15 @@ pub struct SenderFlow {
     write_ops: VecDeque<WriteOp>,
     events: VecDeque<SenderEvent>,
     stats: SenderStats,
-    /// Why recently failed requests failed (at most `requests_max`, oldest forgotten first),
-    /// so a caller that comes back after the request left learns why, not "unknown".
-    recent_failures: BTreeMap<ReqId, SendFailure>,
-    recent_order: VecDeque<ReqId>,
+    next_age: Age,
+    /// Allocate calls waiting for staging, oldest request first.
+    waiters: StagingWaiters,
+    /// How ended requests ended (at most `outcomes_kept`, the oldest forgotten first), with
+    /// the order in which they were remembered, so a caller that comes back after the
+    /// request left learns how, not "unknown".
+    outcomes: BTreeMap<ReqId, (u64, Result<(), SendFailure>)>,
+    outcome_order: VecDeque<(u64, ReqId)>,
+    next_outcome: u64,
 }
 
 impl SenderFlow {
@@ -248,8 +264,11 @@ impl SenderFlow {
             write_ops: VecDeque::new(),
             events: VecDeque::new(),
             stats: SenderStats::default(),
-            recent_failures: BTreeMap::new(),
-            recent_order: VecDeque::new(),
+            next_age: 0,
+            waiters: StagingWaiters::default(),
+            outcomes: BTreeMap::new(),
+            outcome_order: VecDeque::new(),
+            next_outcome: 0,
         })
     }
 
@@ -271,13 +290,16 @@ impl SenderFlow {
         let probe = self.alloc_request(&spec, Vec::new(), 0, false);
         self.check_channel_room(spec.receiver)?;
         self.stats.begun += 1;
-        self.recent_failures.remove(&spec.req_id);
+        self.outcomes.remove(&spec.req_id);
         let req_id = spec.req_id.clone();
         let receiver = spec.receiver;
+        let age = self.next_age;
+        self.next_age += 1;
         self.requests.insert(
             req_id.clone(),
             SendRequest {
                 spec,
+                age,
                 state: State::Admitting,
                 staged: BTreeSet::new(),
                 submitted: 0,
@@ -297,9 +319,11 @@ impl SenderFlow {
     }
 
     /// Takes a staging slot for an admitted request. `WouldBlock` means wait for a write to
-    /// complete (a blocking driver sleeps on it, bounded by `staging_timeout`).
+    /// complete, or for an older request's waiting call to take its turn (a driver waits,
+    /// bounded by `staging_timeout`, registered with `wait_for_staging`).
     pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let req = self.admitted(req_id)?;
+        let age = req.age;
         let needed = req.submitted as usize + req.staged.len();
         if req.last_submitted || needed >= req.spec.total_chunks as usize {
             let why = format!(
@@ -310,6 +334,11 @@ impl SenderFlow {
                 req_id: req_id.clone(),
                 why,
             });
+        }
+        // A free slot goes to the oldest request with a waiting call.
+        let older_waits = self.waiters.oldest().is_some_and(|oldest| oldest < age);
+        if older_waits && self.staging.free_count() > 0 {
+            return Err(SendError::WouldBlock);
         }
         let Some(slot) = self.staging.take(req_id) else {
             // Only unsubmitted chunks hold the pool: no write can free a slot, only a caller
@@ -331,6 +360,50 @@ impl SenderFlow {
             .staged
             .insert(slot);
         Ok(slot)
+    }
+
+    /// Registers one allocate call of `req_id` as waiting for staging (after `WouldBlock`),
+    /// so that a freed slot goes to the oldest request waiting. Returns the request's age,
+    /// for `stop_waiting_for_staging`.
+    pub fn wait_for_staging(&mut self, req_id: &ReqId) -> Result<Age, SendError> {
+        let age = self.admitted(req_id)?.age;
+        self.waiters.add(age, req_id);
+        Ok(age)
+    }
+
+    /// Removes one waiting call registered by `wait_for_staging` (a no-op once its request
+    /// ended). True when its request was the oldest waiting: younger callers may go ahead
+    /// now, so wake them.
+    pub fn stop_waiting_for_staging(&mut self, age: Age) -> bool {
+        self.waiters.remove_one(age)
+    }
+
+    /// How `req_id` ended: `Some(Ok)` delivered, `Some(Err)` failed (from the moment it
+    /// fails, while its writes drain, and for `outcomes_kept` ended requests after), `None`
+    /// while it runs or when it is not known (`knows`).
+    pub fn outcome(&self, req_id: &ReqId) -> Option<Result<(), SendFailure>> {
+        match self.requests.get(req_id) {
+            Some(req) if req.state == State::Failing => {
+                Some(Err(req.failure.clone().unwrap_or(SendFailure::Cancelled)))
+            }
+            Some(_) => None,
+            None => self.outcomes.get(req_id).map(|(_, o)| o.clone()),
+        }
+    }
+
+    /// `req_id`'s place in the staging order (the order requests were begun), while it runs.
+    pub fn age(&self, req_id: &ReqId) -> Option<Age> {
+        self.requests.get(req_id).map(|r| r.age)
+    }
+
+    /// The allocate calls waiting for staging (`wait_for_staging`), oldest request first.
+    pub fn staging_waiters(&self) -> &StagingWaiters {
+        &self.waiters
+    }
+
+    /// Whether `req_id` runs, or ended recently enough that its outcome is remembered.
+    pub fn knows(&self, req_id: &ReqId) -> bool {
+        self.requests.contains_key(req_id) || self.outcomes.contains_key(req_id)
     }
 
     /// Hands back a staging slot the caller took but will not submit.
@@ -536,9 +609,9 @@ impl SenderFlow {
     fn admitted(&self, req_id: &ReqId) -> Result<&SendRequest, SendError> {
         let Some(req) = self.requests.get(req_id) else {
             // A request that failed and left still answers with why, for a while.
-            return Err(match self.recent_failures.get(req_id) {
-                Some(failure) => SendError::Failed(req_id.clone(), failure.clone()),
-                None => SendError::Unknown(req_id.clone()),
+            return Err(match self.outcomes.get(req_id) {
+                Some((_, Err(failure))) => SendError::Failed(req_id.clone(), failure.clone()),
+                _ => SendError::Unknown(req_id.clone()),
             });
         };
         match (&req.state, &req.failure) {

@@ -2,6 +2,16 @@
 //! request. Only admitted requests may take a slot (`docs/spec/protocol.md` §Sender), so
 //! staging is only ever held by requests whose receiver slots are guaranteed, and finite
 //! staging cannot close a wait cycle.
+//!
+//! `StagingWaiters`: who gets a freed slot when several requests wait for one — the oldest
+//! (the first begun). A request is useful to its decoder only once every chunk has landed,
+//! so spreading staging evenly over every request a sender prefills stretches all of them,
+//! while serving the oldest first finishes each sooner at the same throughput (the demo's
+//! latency in `docs/PERFORMANCE.md`). Only calls that found no free slot wait; a request that
+//! holds unsubmitted staging is never made to wait behind an older one, since the older one
+//! may be waiting for exactly that staging (it is told to submit instead).
+
+use std::collections::BTreeMap;
 
 use crate::ids::{ReqId, StagingSlot};
 
@@ -74,5 +84,58 @@ impl StagingPool {
             self.owner.len(),
             "invariant: staging slots are owned or free"
         );
+    }
+}
+
+/// A request's place in the staging order: the order in which the sender began it.
+pub type Age = u64;
+
+/// Allocate calls waiting for a free staging slot, by the age of their request.
+#[derive(Debug, Clone, Default)]
+pub struct StagingWaiters {
+    /// Age → the request and how many of its calls wait.
+    waiting: BTreeMap<Age, (ReqId, u32)>,
+}
+
+impl StagingWaiters {
+    /// The age of the oldest request with a waiting call.
+    pub fn oldest(&self) -> Option<Age> {
+        self.waiting.keys().next().copied()
+    }
+
+    pub fn add(&mut self, age: Age, req: &ReqId) {
+        self.waiting
+            .entry(age)
+            .or_insert_with(|| (req.clone(), 0))
+            .1 += 1;
+    }
+
+    /// Removes one waiting call of `age`; true when its request was the oldest waiting
+    /// (younger ones may go ahead now).
+    pub fn remove_one(&mut self, age: Age) -> bool {
+        let was_oldest = self.oldest() == Some(age);
+        if let Some((_, n)) = self.waiting.get_mut(&age) {
+            *n -= 1;
+            if *n == 0 {
+                self.waiting.remove(&age);
+            }
+            return was_oldest;
+        }
+        false
+    }
+
+    /// Forgets every waiting call of `age` (its request ended); true when it was the oldest.
+    pub fn remove_all(&mut self, age: Age) -> bool {
+        let was_oldest = self.oldest() == Some(age);
+        self.waiting.remove(&age).is_some() && was_oldest
+    }
+
+    /// The waiting requests with their ages and call counts (invariants, canon).
+    pub fn iter(&self) -> impl Iterator<Item = (Age, &ReqId, u32)> {
+        self.waiting.iter().map(|(&age, (req, n))| (age, req, *n))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
     }
 }

@@ -15,9 +15,12 @@ use std::time::Duration;
 use super::checker::Checker;
 use super::Canon;
 use crate::config::{ReceiverConfig, SenderConfig};
+use crate::ids::StagingSlot;
 use crate::ids::{PeerId, ReqId, ReqKey};
 use crate::receiver::{ChecksumCheck, LandedWrite, ReceiverEvent, ReceiverLedger};
-use crate::sender::{ChunkSpec, Destination, RequestSpec, SenderEvent, SenderFlow, WriteOp};
+use crate::sender::{
+    ChunkSpec, Destination, RequestSpec, SendError, SenderEvent, SenderFlow, WriteOp,
+};
 use crate::time::Instant;
 use crate::wire::{self, Message};
 
@@ -28,12 +31,30 @@ const OPS_MAX: usize = 4_000;
 /// One thing that can happen next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Event {
-    Begin { sender: usize, total: u32 },
-    Submit { sender: usize, chunks: u32 },
+    Begin {
+        sender: usize,
+        total: u32,
+    },
+    Submit {
+        sender: usize,
+        chunks: u32,
+    },
+    /// One chunk of the youngest admitted request with chunks left, staged and submitted
+    /// at once: a caller that does not follow the oldest-first order, which the core must
+    /// hold to it while an older request waits for staging (S9).
+    SubmitYoungest {
+        sender: usize,
+    },
     ToReceiver(usize),
     ToSender(usize),
-    Write { sender: usize, fail: bool },
-    Cancel { sender: usize, pick: usize },
+    Write {
+        sender: usize,
+        fail: bool,
+    },
+    Cancel {
+        sender: usize,
+        pick: usize,
+    },
     Advance(Duration),
     Consume(usize),
     LoseConnection(usize),
@@ -156,6 +177,7 @@ impl OpWorld {
             6 => Event::Advance(Duration::from_millis(100 * u64::from(arg))),
             7 => Event::Consume(usize::from(arg)),
             8 if arg > 240 => Event::LoseConnection(sender),
+            9 => Event::SubmitYoungest { sender },
             _ => Event::ToReceiver(sender),
         };
         self.apply(event);
@@ -166,6 +188,7 @@ impl OpWorld {
         match event {
             Event::Begin { sender, total } => self.begin(sender, total),
             Event::Submit { sender, chunks } => self.submit(sender, chunks),
+            Event::SubmitYoungest { sender } => self.submit_youngest(sender),
             Event::ToReceiver(s) => self.deliver_to_receiver(s),
             Event::ToSender(s) => self.deliver_to_sender(s),
             Event::Write { sender, fail } => self.complete_write(sender, fail),
@@ -195,11 +218,26 @@ impl OpWorld {
                 .find(|(id, total, done)| done < total && side.flow.is_admitted(id))
                 .map_or(0, |(_, total, done)| total - done);
             let free = side.flow.staging_free();
-            if left > 0 && free > 0 {
+            // With no staging free, `submit` registers the request as waiting for it (once).
+            let oldest = side
+                .requests
+                .iter()
+                .find(|(id, total, done)| done < total && side.flow.is_admitted(id));
+            let waits = oldest.is_some_and(|(id, _, _)| {
+                side.flow.staging_waiters().iter().any(|(_, w, _)| w == id)
+            });
+            if left > 0 && (free > 0 || !waits) {
                 events.push(Event::Submit {
                     sender: s,
                     chunks: 1,
                 });
+            }
+            let youngest = side
+                .requests
+                .iter()
+                .rfind(|(id, total, done)| done < total && side.flow.is_admitted(id));
+            if free > 0 && youngest.map(|y| &y.0) != oldest.map(|o| &o.0) {
+                events.push(Event::SubmitYoungest { sender: s });
             }
             if left > 1 && free > 1 {
                 events.push(Event::Submit {
@@ -339,12 +377,27 @@ impl OpWorld {
         let (req_id, total, done) = side.requests[i].clone();
         let mut chunks = Vec::new();
         for k in 0..n.min(total - done) {
-            match side.flow.try_allocate(&req_id) {
+            match allocate_in_order(&mut side.flow, &req_id) {
                 Ok(slot) => chunks.push(ChunkSpec {
                     key: format!("{req_id}@{}", done + k),
                     staging: slot,
                     tokens: 1,
                 }),
+                // Out of staging with nothing staged: wait for it, as a driver's allocate
+                // call does, so that a freed slot comes here first.
+                Err(SendError::WouldBlock) if chunks.is_empty() => {
+                    let waits = side
+                        .flow
+                        .staging_waiters()
+                        .iter()
+                        .any(|(_, id, _)| *id == req_id);
+                    if !waits {
+                        side.flow
+                            .wait_for_staging(&req_id)
+                            .expect("invariant: an admitted request may wait for staging");
+                    }
+                    break;
+                }
                 Err(_) => break,
             }
         }
@@ -359,6 +412,35 @@ impl OpWorld {
             .is_ok()
         {
             side.requests[i].2 += count;
+        }
+    }
+
+    /// Stages and submits one chunk of the youngest admitted request with chunks left.
+    fn submit_youngest(&mut self, s: usize) {
+        let side = &mut self.sides[s];
+        let Some(i) = side
+            .requests
+            .iter()
+            .rposition(|(id, total, done)| done < total && side.flow.is_admitted(id))
+        else {
+            return;
+        };
+        let (req_id, total, done) = side.requests[i].clone();
+        let Ok(slot) = allocate_in_order(&mut side.flow, &req_id) else {
+            return;
+        };
+        let chunk = ChunkSpec {
+            key: format!("{req_id}@{done}"),
+            staging: slot,
+            tokens: 1,
+        };
+        let last = done + 1 == total;
+        if side
+            .flow
+            .handle_submit(self.now, &req_id, vec![chunk], last)
+            .is_ok()
+        {
+            side.requests[i].2 += 1;
         }
     }
 
@@ -556,4 +638,27 @@ impl OpWorld {
             assert!(round < 9_999, "healed world did not settle: {self:?}");
         }
     }
+}
+
+/// `try_allocate`, checking the staging order (S9): a slot never goes to a request while an
+/// older one waits for staging. A request that gets one stops waiting.
+fn allocate_in_order(flow: &mut SenderFlow, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+    let age = flow.age(req_id);
+    let older_waits = match (flow.staging_waiters().oldest(), age) {
+        (Some(oldest), Some(age)) => oldest < age,
+        _ => false,
+    };
+    let result = flow.try_allocate(req_id);
+    if result.is_ok() {
+        assert!(
+            !older_waits,
+            "S9: a staging slot went to {req_id} while an older request waited for one"
+        );
+        if let Some(age) = age {
+            while flow.staging_waiters().iter().any(|(a, _, _)| a == age) {
+                flow.stop_waiting_for_staging(age);
+            }
+        }
+    }
+    result
 }

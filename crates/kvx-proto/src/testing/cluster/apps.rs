@@ -57,8 +57,15 @@ impl Cluster {
             while self.runs[i].batch.len() < plan.batch_chunks as usize
                 && self.runs[i].next_chunk < plan.chunks
             {
-                match self.senders[s].flow.try_allocate(&req_id) {
+                let flow = &mut self.senders[s].flow;
+                match flow.try_allocate(&req_id) {
                     Ok(slot) => {
+                        // It waited for staging (below) and got it: it waits no more.
+                        if let Some(age) = flow.age(&req_id) {
+                            while flow.staging_waiters().iter().any(|(a, _, _)| a == age) {
+                                flow.stop_waiting_for_staging(age);
+                            }
+                        }
                         let chunk = self.runs[i].next_chunk;
                         self.senders[s].staging_mem[slot.0 as usize] = content_of(i, chunk);
                         let key = format!("{}@{chunk}", plan.req_id);
@@ -71,8 +78,17 @@ impl Cluster {
                         produced += 1;
                     }
                     // Out of staging: submit what is staged (a partial batch) so that
-                    // its writes free staging; holding it would wait on itself.
+                    // its writes free staging; holding it would wait on itself. With
+                    // nothing staged, wait for a slot as a driver's allocate call does
+                    // (the core hands freed slots to the oldest request waiting).
                     Err(SendError::WouldBlock | SendError::StagingHeldByCaller(_)) => {
+                        let waits = flow
+                            .staging_waiters()
+                            .iter()
+                            .any(|(_, id, _)| *id == req_id);
+                        if self.runs[i].batch.is_empty() && !waits {
+                            let _ = flow.wait_for_staging(&req_id);
+                        }
                         blocked = true;
                         break;
                     }

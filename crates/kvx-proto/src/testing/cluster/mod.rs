@@ -634,7 +634,7 @@ impl Cluster {
         while let Some(ev) = self.proxy.poll_event() {
             let (req_id, end) = match ev {
                 ProxyEvent::Ready { req_id } => (req_id, Ok(self.now)),
-                ProxyEvent::Failed { req_id, reason } => (req_id, Err(reason)),
+                ProxyEvent::Failed { req_id, failure } => (req_id, Err(failure.to_string())),
             };
             let Some(&i) = self.by_req_id.get(&req_id.0) else {
                 continue;
