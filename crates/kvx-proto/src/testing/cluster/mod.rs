@@ -164,13 +164,28 @@ struct PlanRun {
 /// Peer ids of raw (injected) senders start here, above every real sender.
 pub const RAW_PEER_BASE: u64 = 1_000;
 
+/// One FIFO link of the harness's network: what is sent on a link arrives in the order it was
+/// sent (as on one TCP connection or ZMQ pipe), and links do not wait for each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Link {
+    /// Sender `s`'s alloc channel to a receiver: requests and cancels.
+    Control { s: usize, receiver: PeerId },
+    /// Sender `s`'s notice channel to the proxy.
+    Notify { s: usize },
+    /// Sender `s`'s fabric connection to a receiver: one write at a time, each taking its
+    /// write time; a fabric reset forgets the link's backlog.
+    Fabric { s: usize, receiver: PeerId },
+    /// Receiver `r`'s replies to one peer (a sender or a raw peer).
+    Reply { r: usize, peer: PeerId },
+}
+
 #[derive(Debug)]
 pub struct Cluster {
     spec: ClusterSpec,
     now: Instant,
     queue: BTreeMap<(Instant, u64), Ev>,
     seq: u64,
-    link_free_at: BTreeMap<(u8, u64, u64), Instant>,
+    link_free_at: BTreeMap<Link, Instant>,
     rng: u64,
     senders: Vec<SenderNode>,
     receivers: Vec<ReceiverNode>,
@@ -516,7 +531,10 @@ impl Cluster {
                 );
             }
         }
-        self.link_free_at.remove(&(2, s as u64, receiver));
+        self.link_free_at.remove(&Link::Fabric {
+            s,
+            receiver: PeerId(receiver),
+        });
     }
 
     fn drain_sender(&mut self, s: usize) {
@@ -525,7 +543,8 @@ impl Cluster {
             let bytes = wire::encode(&t.msg);
             match t.to {
                 Destination::Receiver(r) => {
-                    let at = self.link_time(0, s as u64, r.0, self.spec.timing.net_latency);
+                    let link = Link::Control { s, receiver: r };
+                    let at = self.link_time(link, self.spec.timing.net_latency);
                     self.schedule(
                         at,
                         Ev::ToReceiver {
@@ -536,7 +555,7 @@ impl Cluster {
                     );
                 }
                 Destination::Proxy => {
-                    let at = self.link_time(1, s as u64, 0, self.spec.timing.net_latency);
+                    let at = self.link_time(Link::Notify { s }, self.spec.timing.net_latency);
                     self.schedule(at, Ev::ToProxy { bytes });
                 }
             }
@@ -547,7 +566,10 @@ impl Cluster {
             let write_time = self.spec.requests[i]
                 .write_time
                 .unwrap_or(self.spec.timing.write_time);
-            let link = (2, s as u64, op.receiver.0);
+            let link = Link::Fabric {
+                s,
+                receiver: op.receiver,
+            };
             let start = self
                 .link_free_at
                 .get(&link)
@@ -598,7 +620,7 @@ impl Cluster {
         }
         while let Some((peer, reply)) = self.receivers[r].ledger.poll_transmit() {
             let bytes = wire::encode(&Message::AllocResponse(reply));
-            let at = self.link_time(3, r as u64, peer.0, self.spec.timing.net_latency);
+            let at = self.link_time(Link::Reply { r, peer }, self.spec.timing.net_latency);
             let ev = if peer.0 >= RAW_PEER_BASE {
                 Ev::ToRaw { peer, bytes }
             } else {
@@ -655,9 +677,9 @@ impl Cluster {
         }
     }
 
-    /// When a message sent now on link (kind, a, b) arrives: latency plus jitter, never
-    /// before an earlier message of the same link (links are FIFO, as TCP and ZMQ are).
-    fn link_time(&mut self, kind: u8, a: u64, b: u64, latency: Duration) -> Instant {
+    /// When a message sent now on `link` arrives: latency plus jitter, never before an
+    /// earlier message of the same link (links are FIFO, as TCP and ZMQ are).
+    fn link_time(&mut self, link: Link, latency: Duration) -> Instant {
         let jitter = self.spec.timing.jitter;
         let extra = if jitter.is_zero() {
             Duration::ZERO
@@ -665,7 +687,6 @@ impl Cluster {
             jitter.mul_f64(self.next_unit())
         };
         let at = self.now + latency + extra;
-        let link = (kind, a, b);
         let at = self
             .link_free_at
             .get(&link)
