@@ -1,0 +1,397 @@
+//! The sender's driver task: it feeds the core what the transport and the fabric report
+//! (replies, disconnects, write completions) and timers, and carries out what the core asks
+//! for (messages, writes, events). Fabric connections and parked writes: `fabric_link`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvx_io::{
+    ClientEvent, Completion, ControlClient, Env, Fabric, FabricConn, FabricCredential, NotifySink,
+    PostWrite, Transport,
+};
+use kvx_proto::sender::{Destination, SenderEvent, Transmit};
+use kvx_proto::wire;
+use kvx_proto::PeerId;
+use tokio::sync::mpsc;
+
+use super::{ReceiverAddr, Shared};
+use crate::StartError;
+
+mod fabric_link;
+
+#[derive(Debug)]
+pub(super) enum Cmd {
+    AddReceiver(
+        ReceiverAddr,
+        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
+    ),
+    Connected(
+        ReceiverAddr,
+        PeerId,
+        Result<ControlClient, StartError>,
+        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
+    ),
+    /// A fabric connection attached with this credential.
+    FabricBack(PeerId, FabricConn, FabricCredential),
+    /// Connecting the fabric failed for good: writes waiting for it fail with the reason.
+    FabricGaveUp(PeerId, kvx_io::FabricError),
+}
+
+#[derive(Debug)]
+enum Input {
+    Client(PeerId, ClientEvent),
+    /// A completion from connection generation `u64` to the peer.
+    Done(PeerId, u64, Completion),
+    /// That connection's completion stream ended: it is gone.
+    ConnGone(PeerId, u64),
+}
+
+pub(super) struct Driver<E: Env> {
+    env: E,
+    shared: Arc<Shared>,
+    memory: Arc<<E::Fabric as Fabric>::Memory>,
+    local_id: String,
+    sink: Option<NotifySink>,
+    clients: BTreeMap<PeerId, mpsc::Sender<Bytes>>,
+    /// Receivers whose control channel is down (between the transport's `Disconnected` and
+    /// `Reconnected`): what would be sent to them is lost, so requests fail at once instead
+    /// of waiting out the reply timeout.
+    control_down: std::collections::BTreeSet<PeerId>,
+    /// Receivers whose `Disconnected` has been processed (their requests failed) and not yet
+    /// acknowledged to the transport (`kvx_io::DISCONNECT_ACK`), which drops everything sent
+    /// to them until then.
+    acks_due: Vec<PeerId>,
+    /// The live fabric connection to each receiver, with its generation (so that errors of
+    /// a connection already replaced do not reset its successor) and the credential it
+    /// attached with.
+    conns: BTreeMap<PeerId, (u64, kvx_io::fabric::ConnPoster, FabricCredential)>,
+    conn_generation: u64,
+    /// Receivers whose fabric connection is wanted but not up: writes to them wait.
+    reconnecting: std::collections::BTreeSet<PeerId>,
+    /// Receivers with a connect attempt under way.
+    connecting: std::collections::BTreeSet<PeerId>,
+    /// The credential each receiver last sent (`AllocResponse::fabric_credential`): a fabric
+    /// connection is attached only with one, and again whenever it changes.
+    credentials: BTreeMap<PeerId, FabricCredential>,
+    /// Undecodable replies are logged at most once a second.
+    undecodable_logged: kvx_io::LogLimiter,
+    /// Writes waiting for a receiver's new fabric connection, in posting order
+    /// (`fabric_link`); at most one per staging slot.
+    parked: BTreeMap<PeerId, Vec<PostWrite>>,
+    inbox_tx: mpsc::UnboundedSender<Input>,
+    inbox: mpsc::UnboundedReceiver<Input>,
+    cmds: mpsc::UnboundedReceiver<Cmd>,
+    cmd_tx: mpsc::UnboundedSender<Cmd>,
+}
+
+impl<E: Env> Driver<E> {
+    pub(super) fn new(
+        env: E,
+        shared: Arc<Shared>,
+        memory: Arc<<E::Fabric as Fabric>::Memory>,
+        local_id: String,
+        sink: Option<NotifySink>,
+        cmds: mpsc::UnboundedReceiver<Cmd>,
+        cmd_tx: mpsc::UnboundedSender<Cmd>,
+    ) -> Self {
+        let (inbox_tx, inbox) = mpsc::unbounded_channel();
+        Self {
+            env,
+            shared,
+            memory,
+            local_id,
+            sink,
+            clients: BTreeMap::new(),
+            control_down: Default::default(),
+            acks_due: Vec::new(),
+            conns: BTreeMap::new(),
+            parked: BTreeMap::new(),
+            conn_generation: 0,
+            reconnecting: std::collections::BTreeSet::new(),
+            connecting: std::collections::BTreeSet::new(),
+            credentials: BTreeMap::new(),
+            undecodable_logged: kvx_io::LogLimiter::default(),
+            inbox_tx,
+            inbox,
+            cmds,
+            cmd_tx,
+        }
+    }
+
+    pub(super) async fn run(mut self) {
+        loop {
+            self.carry_out().await;
+            let (deadline, shutdown) = {
+                let core = self.shared.lock();
+                (core.flow.poll_timeout(), core.shutdown)
+            };
+            if shutdown {
+                return;
+            }
+            let sleep = crate::sleep_until_deadline(&self.env, deadline);
+            tokio::select! {
+                _ = self.shared.poke.notified() => {}
+                Some(input) = self.inbox.recv() => self.on_input(input),
+                Some(cmd) = self.cmds.recv() => self.on_cmd(cmd),
+                _ = sleep => {
+                    let now = self.env.now();
+                    self.shared.lock().flow.handle_timeout(now);
+                }
+            }
+        }
+    }
+
+    fn on_input(&mut self, input: Input) {
+        let now = self.env.now();
+        let mut core = self.shared.lock();
+        match input {
+            Input::Client(peer, ClientEvent::Message(bytes)) => match wire::decode(&bytes) {
+                Ok(msg) => {
+                    let credential = match &msg {
+                        wire::Message::AllocResponse(r) => r.fabric_credential.clone(),
+                        _ => None,
+                    };
+                    core.flow.handle_message(now, peer, msg);
+                    if let Some(text) = credential {
+                        drop(core);
+                        self.on_credential(peer, &text);
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);
+                    if let Some(left_out) = self.undecodable_logged.allow() {
+                        tracing::warn!(%peer, error = %e, left_out, "undecodable reply; the reply timeout will catch what it answered");
+                    }
+                }
+            },
+            Input::Client(peer, ClientEvent::Disconnected) => {
+                self.control_down.insert(peer);
+                core.flow.handle_receiver_lost(now, peer);
+                self.acks_due.push(peer);
+            }
+            // The receiver may have restarted: its fabric endpoint is a new listener, so the
+            // old fabric connection is dead too, and its credential may be void. Replace the
+            // connection once the receiver's next reply brings a credential.
+            Input::Client(peer, ClientEvent::Reconnected) => {
+                self.control_down.remove(&peer);
+                drop(core);
+                self.credentials.remove(&peer);
+                self.reset_fabric(peer);
+            }
+            Input::Done(peer, generation, c) => {
+                let broken = matches!(
+                    c.result,
+                    Err(kvx_io::FabricError::Flushed
+                        | kvx_io::FabricError::Closed
+                        | kvx_io::FabricError::Io(_))
+                );
+                core.flow
+                    .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()));
+                // A completed write frees a staging slot without any core event: wake the
+                // allocators waiting for one, async and blocking alike.
+                drop(core);
+                self.wake_waiters();
+                // A connection whose writes fail (a QP in error, a dropped socket) is never
+                // used again: replace it (found by the simulation: it once never was).
+                if broken {
+                    self.replace_if_current(peer, generation);
+                }
+            }
+            Input::ConnGone(peer, generation) => {
+                drop(core);
+                self.replace_if_current(peer, generation);
+            }
+        }
+    }
+
+    fn wake_waiters(&self) {
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
+    }
+
+    fn on_cmd(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::AddReceiver(addr, reply) => {
+                let mut core = self.shared.lock();
+                if let Some(&peer) = core.receivers.get(&addr) {
+                    let _ = reply.send(Ok(peer));
+                    return;
+                }
+                // Ids are never reused, even after a failed connect (found by the
+                // simulation: two receivers once shared an id, and so a channel).
+                core.next_peer += 1;
+                let peer = PeerId(core.next_peer);
+                core.receivers.insert(addr.clone(), peer);
+                drop(core);
+                let (env, cmd_tx) = (self.env.clone(), self.cmd_tx.clone());
+                let identity = routing_identity(&self.local_id, &addr.alloc);
+                // Connecting is bounded by the transport's own timeouts; it runs beside the
+                // loop so replies and completions keep flowing meanwhile. The fabric attaches
+                // later, with the credential the receiver's first reply brings.
+                self.env.spawn(async move {
+                    let result = env
+                        .transport()
+                        .connect(&addr.alloc, &identity)
+                        .await
+                        .map_err(StartError::from);
+                    let _ = cmd_tx.send(Cmd::Connected(addr, peer, result, reply));
+                });
+            }
+            Cmd::Connected(addr, peer, result, reply) => match result {
+                Ok(client) => {
+                    self.attach_client(peer, client);
+                    let _ = reply.send(Ok(peer));
+                }
+                Err(e) => {
+                    self.shared.lock().receivers.remove(&addr);
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Cmd::FabricBack(peer, conn, credential) => self.attach_conn(peer, conn, credential),
+            Cmd::FabricGaveUp(peer, error) => {
+                self.connecting.remove(&peer);
+                self.reconnecting.remove(&peer);
+                // A refused credential is void: wait for the receiver's next one.
+                if matches!(error, kvx_io::FabricError::Unauthorized(..)) {
+                    self.credentials.remove(&peer);
+                }
+                self.flush_parked(peer, &error.to_string());
+            }
+        }
+    }
+
+    fn attach_client(&mut self, peer: PeerId, mut client: ControlClient) {
+        self.clients.insert(peer, client.sender());
+        let inbox = self.inbox_tx.clone();
+        self.env.spawn(async move {
+            while let Some(ev) = client.recv().await {
+                if inbox.send(Input::Client(peer, ev)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Does what the core asked for: sends, posts, and wakes whoever waits on an event.
+    async fn carry_out(&mut self) {
+        let (transmits, writes, events) = {
+            let mut core = self.shared.lock();
+            let mut t = Vec::new();
+            while let Some(x) = core.flow.poll_transmit() {
+                t.push(x);
+            }
+            let mut w = Vec::new();
+            while let Some(x) = core.flow.poll_write() {
+                w.push(x);
+            }
+            let mut e = Vec::new();
+            while let Some(x) = core.flow.poll_event() {
+                e.push(x);
+            }
+            (t, w, e)
+        };
+        // Acknowledge processed disconnects before anything else reaches those receivers.
+        for peer in std::mem::take(&mut self.acks_due) {
+            if let Some(client) = self.clients.get(&peer) {
+                let _ = client.send(kvx_io::DISCONNECT_ACK).await;
+            }
+        }
+        for t in transmits {
+            self.transmit(t).await;
+        }
+        for w in writes {
+            self.post(w);
+        }
+        if !events.is_empty() {
+            self.on_events(events);
+        }
+    }
+
+    async fn transmit(&mut self, t: Transmit) {
+        let bytes = Bytes::from(wire::encode(&t.msg));
+        match t.to {
+            Destination::Receiver(peer) => {
+                let Some(client) = self.clients.get(&peer) else {
+                    return;
+                };
+                // The transport drops what it is handed while reconnecting (a request held
+                // across the gap could be one already failed); fail it here, at once.
+                if self.control_down.contains(&peer) || client.send(bytes).await.is_err() {
+                    let now = self.env.now();
+                    self.shared.lock().flow.handle_receiver_lost(now, peer);
+                }
+            }
+            Destination::Proxy => match &self.sink {
+                Some(sink) => {
+                    if let Err(e) = sink.send(bytes).await {
+                        tracing::warn!(error = %e, "notice to the proxy not sent");
+                    }
+                }
+                None => tracing::debug!(msg = ?t.msg, "no proxy configured: notice dropped"),
+            },
+        }
+    }
+
+    fn on_events(&mut self, events: Vec<SenderEvent>) {
+        let mut stalled = Vec::new();
+        for ev in events {
+            match ev {
+                // Waiters read admission and outcomes from the core, woken below.
+                SenderEvent::Admitted { .. } => {}
+                SenderEvent::Delivered { .. } => {
+                    metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
+                }
+                SenderEvent::Failed { req_id, failure } => {
+                    metrics::counter!(crate::metrics::SENDER_FAILED).increment(1);
+                    tracing::info!(%req_id, %failure, "request failed");
+                }
+                SenderEvent::ChannelReset { receiver } => {
+                    tracing::warn!(%receiver, "control channel reset; the transport reconnects");
+                }
+                SenderEvent::FabricStalled { receiver } => stalled.push(receiver),
+            }
+        }
+        for receiver in stalled {
+            self.flush_parked(receiver, "write overdue while the fabric reconnects");
+            self.reset_fabric(receiver);
+        }
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
+    }
+}
+
+/// The routing identity of this sender's control connection to `alloc`: LMCache's
+/// `"{local_id}-to-{receiver}"`, cut to ZMTP's 255 bytes when a long host name would make it
+/// longer (the cut keeps the identity unique: a hash of the whole replaces the tail).
+fn routing_identity(local_id: &str, alloc: &str) -> String {
+    const IDENTITY_MAX: usize = 255;
+    let full = format!("{local_id}-to-{alloc}");
+    if full.len() <= IDENTITY_MAX {
+        return full;
+    }
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    full.hash(&mut h);
+    let tail = format!("-{:016x}", h.finish());
+    let mut cut = IDENTITY_MAX - tail.len();
+    while !full.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{tail}", &full[..cut])
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::routing_identity;
+
+    #[test]
+    fn identities_fit_zmtp_and_stay_distinct() {
+        assert_eq!(routing_identity("s", "tcp://h:1"), "s-to-tcp://h:1");
+        let long_host = "h".repeat(300);
+        let a = routing_identity("s", &format!("tcp://{long_host}:1"));
+        let b = routing_identity("s", &format!("tcp://{long_host}:2"));
+        assert!(a.len() <= 255 && b.len() <= 255);
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,231 @@
+//! `SenderHandle`: what a prefill calls — begin, await admission, take staging (blocking or
+//! async), stage bytes, submit, cancel, await the outcome. It works on the shared core
+//! directly and pokes the driver task when the core has something for it to carry out.
+
+use std::sync::Arc;
+
+use kvx_io::{Env, Fabric, SlotMemory};
+use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow};
+use kvx_proto::{PeerId, ReqId, StagingSlot};
+use tokio::sync::mpsc;
+
+use super::driver::Cmd;
+use super::staging_turn::StagingTurn;
+use super::{ReceiverAddr, Shared};
+use crate::StartError;
+
+/// Handle to a running sender; clone it freely, use it from any thread.
+#[derive(Debug)]
+pub struct SenderHandle<E: Env> {
+    env: E,
+    shared: Arc<Shared>,
+    memory: Arc<<E::Fabric as Fabric>::Memory>,
+    cmds: mpsc::UnboundedSender<Cmd>,
+}
+
+impl<E: Env> Clone for SenderHandle<E> {
+    fn clone(&self) -> Self {
+        Self {
+            env: self.env.clone(),
+            shared: self.shared.clone(),
+            memory: self.memory.clone(),
+            cmds: self.cmds.clone(),
+        }
+    }
+}
+
+impl<E: Env> SenderHandle<E> {
+    pub(super) fn new(
+        env: E,
+        shared: Arc<Shared>,
+        memory: Arc<<E::Fabric as Fabric>::Memory>,
+        cmds: mpsc::UnboundedSender<Cmd>,
+    ) -> Self {
+        Self {
+            env,
+            shared,
+            memory,
+            cmds,
+        }
+    }
+}
+
+impl<E: Env> SenderHandle<E> {
+    fn now(&self) -> kvx_proto::Instant {
+        self.env.now()
+    }
+
+    /// Connects to a receiver (once; later calls return the same id).
+    pub async fn add_receiver(&self, addr: ReceiverAddr) -> Result<PeerId, StartError> {
+        if let Some(&peer) = self.shared.lock().receivers.get(&addr) {
+            return Ok(peer);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.cmds
+            .send(Cmd::AddReceiver(addr, tx))
+            .map_err(|_| closed())?;
+        rx.await.map_err(|_| closed())?
+    }
+
+    /// Begins a request: its admission probe goes out; await `admitted` before staging.
+    pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
+        let now = self.now();
+        self.shared.lock().flow.handle_begin(now, spec)?;
+        self.shared.poke.notify_one();
+        Ok(())
+    }
+
+    /// Waits until the receiver admitted `req_id` (or it ended: delivered counts as
+    /// admitted).
+    pub async fn admitted(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.wait_for(req_id, |flow| flow.is_admitted(req_id)).await
+    }
+
+    /// Waits until `req_id` was delivered (its ProxyNotif sent) or failed. The outcome stays
+    /// readable for `SenderConfig::outcomes_kept` ended requests.
+    pub async fn outcome(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.wait_for(req_id, |_| false).await
+    }
+
+    /// Waits until `done` holds or the request has an outcome (the outcome wins when it is
+    /// a failure).
+    async fn wait_for(
+        &self,
+        req_id: &ReqId,
+        done: impl Fn(&SenderFlow) -> bool,
+    ) -> Result<(), SendFailure> {
+        let mut version = self.shared.version.subscribe();
+        loop {
+            {
+                let core = self.shared.lock();
+                if let Some(outcome) = core.flow.outcome(req_id) {
+                    return outcome;
+                }
+                if done(&core.flow) {
+                    return Ok(());
+                }
+                if !core.flow.knows(req_id) {
+                    return Err(SendFailure::Misuse(format!(
+                        "request {req_id} is not known"
+                    )));
+                }
+                if core.shutdown {
+                    return Err(SendFailure::ChannelLost);
+                }
+            }
+            if version.changed().await.is_err() {
+                return Err(SendFailure::ChannelLost);
+            }
+        }
+    }
+
+    /// Takes a staging slot, blocking the calling thread until a write completes, for at most
+    /// the configured `staging_timeout`. For prefill worker threads; a cancel of the request
+    /// wakes it with an error. Never call it from an async task.
+    pub fn allocate_blocking(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+        let timeout = self.shared.lock().flow.config().staging_timeout;
+        // The Env's clock, as everywhere in the drivers (a simulated one in the simulation).
+        let deadline = self.now() + timeout;
+        let mut turn = StagingTurn::new(&self.shared);
+        let mut core = self.shared.lock();
+        loop {
+            if let Some(result) = turn.attempt(&mut core, req_id) {
+                return result;
+            }
+            let left = deadline.saturating_since(self.now());
+            if left.is_zero() {
+                turn.leave(&mut core);
+                return Err(SendError::WouldBlock);
+            }
+            core = self
+                .shared
+                .cv
+                .wait_timeout(core, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The async form of `allocate_blocking`, bounded by `staging_timeout`.
+    pub async fn allocate(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+        let timeout = self.shared.lock().flow.config().staging_timeout;
+        let mut version = self.shared.version.subscribe();
+        let mut turn = StagingTurn::new(&self.shared);
+        let attempt = async {
+            loop {
+                if let Some(result) = turn.attempt(&mut self.shared.lock(), req_id) {
+                    return result;
+                }
+                if version.changed().await.is_err() {
+                    return Err(SendError::WouldBlock);
+                }
+            }
+        };
+        tokio::time::timeout(timeout, attempt)
+            .await
+            .unwrap_or(Err(SendError::WouldBlock))
+        // `turn` leaves the queue here if the call timed out while waiting.
+    }
+
+    /// Copies a chunk's bytes into a staging slot the caller holds (and computes its
+    /// checksum, when enabled).
+    pub fn stage(&self, slot: StagingSlot, bytes: &[u8]) {
+        self.memory.write_slot(slot.0, bytes);
+        self.shared.staged(slot.0, bytes.len(), &*self.memory);
+    }
+
+    /// Lets `fill` write a chunk of `len` bytes straight into a staging slot the caller holds
+    /// (no intermediate copy where the memory allows it), then computes its checksum.
+    pub fn stage_with(&self, slot: StagingSlot, len: usize, fill: &mut dyn FnMut(&mut [u8])) {
+        self.memory.fill_slot(slot.0, len, fill);
+        self.shared.staged(slot.0, len, &*self.memory);
+    }
+
+    /// The staging memory, for callers that fill slots in place themselves. A slot written
+    /// after `stage`/`stage_with` without staging it again keeps its old checksum, and the
+    /// receiver refuses the chunk as corrupt: stage again after every change.
+    pub fn staging(&self) -> &Arc<<E::Fabric as Fabric>::Memory> {
+        &self.memory
+    }
+
+    /// Submits staged chunks as one batch.
+    pub fn submit(
+        &self,
+        req_id: &ReqId,
+        chunks: Vec<ChunkSpec>,
+        is_last: bool,
+    ) -> Result<(), SendError> {
+        let now = self.now();
+        let result = self
+            .shared
+            .lock()
+            .flow
+            .handle_submit(now, req_id, chunks, is_last);
+        self.shared.poke.notify_one();
+        result
+    }
+
+    /// Aborts a request from any state; waiters get an error.
+    pub fn cancel(&self, req_id: &ReqId) -> Result<(), SendError> {
+        let now = self.now();
+        let result = self.shared.lock().flow.handle_cancel(now, req_id);
+        self.shared.poke.notify_one();
+        result
+    }
+
+    pub fn staging_free(&self) -> u32 {
+        self.shared.lock().flow.staging_free()
+    }
+
+    /// Stops the driver task; waiters get `ChannelLost`.
+    pub fn shutdown(&self) {
+        self.shared.lock().shutdown = true;
+        self.shared.poke.notify_one();
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
+    }
+}
+
+fn closed() -> StartError {
+    StartError::Transport(kvx_io::TransportError::Closed)
+}
