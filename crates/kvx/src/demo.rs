@@ -17,9 +17,18 @@ use tokio::time::Instant;
 
 use crate::cli::DemoArgs;
 use crate::decoder::{self, DecodeTally};
-use crate::envs::Endpoints;
 use crate::loadgen::{self, SharedTally, Worker};
 use crate::workload::{self, Rng};
+
+/// Where the demo's parts listen (port 0: the OS picks).
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    pub transport_name: String,
+    pub fabric_name: String,
+    pub alloc: String,
+    pub proxy: String,
+    pub fabric: String,
+}
 
 /// The demo's result; `--json` prints exactly this.
 #[derive(Debug, Default, Serialize)]

@@ -13,18 +13,8 @@ use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
 use crate::cli::{
     DemoArgs, FabricKind, ProxyArgs, RdmaArgs, ReceiverArgs, SenderArgs, TransportKind,
 };
-use crate::demo;
+use crate::demo::{self, Endpoints};
 use crate::roles::{self, Style};
-
-/// Where the demo's parts listen (port 0: the OS picks).
-#[derive(Debug, Clone)]
-pub struct Endpoints {
-    pub transport_name: String,
-    pub fabric_name: String,
-    pub alloc: String,
-    pub proxy: String,
-    pub fabric: String,
-}
 
 fn zmq() -> anyhow::Result<ZmqTransport> {
     ZmqTransport::new(ZmqConfig::default()).context("ZeroMQ transport")
