@@ -7,8 +7,9 @@
 //! that runs the same test bodies against every implementation, so that the simulation
 //! proves things about the real system and not only about itself.
 //!
-//! What it is not: it has no sockets of its own (ZMQ, TCP and shared memory live in
-//! `kvx-transport`, RDMA in `kvx-rdma`) and no protocol logic (`kvx-proto`).
+//! What it is not: no transport or fabric of its own beyond the in-memory ones (ZMQ, TCP and
+//! shared memory live in `kvx-transport`, RDMA in `kvx-rdma`) and no protocol logic
+//! (`kvx-proto`).
 //!
 //! Map:
 //! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
@@ -21,6 +22,9 @@
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
 //! - `mem`: `MemTransport` and `MemFabric`, in-process.
+//! - `sockets` (feature): the TCP sockets beside every fabric's data path (bind with a
+//!   rebind grace, bounded connect), shared by `kvx-transport`'s fabrics and `kvx-rdma`'s
+//!   side channel; never built under madsim.
 //! - `conformance` (feature): test bodies every implementation runs.
 
 pub mod access;
@@ -33,6 +37,8 @@ pub mod transport;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "sockets")]
+pub mod sockets;
 
 pub use access::{FabricAccess, FabricCredential, WriteRefusal};
 pub use checksum::{chunk_checksum, ChecksumState};

@@ -2,13 +2,19 @@
 //! ShmFabric's notices, RdmaFabric's side channel): resolving an endpoint, binding a
 //! receiver's port (retrying briefly while a just-dropped listener lets go of it), and a
 //! bounded connect that tells "nothing listens there" apart from other failures.
+//!
+//! It lives here, beside `FabricError`, because both `kvx-transport` and `kvx-rdma` open these
+//! sockets and neither should depend on the other. It is behind the feature `sockets`: it
+//! needs the real `tokio::net::TcpSocket`, which madsim's `tokio::net` does not have, and
+//! the simulation (which builds this crate under madsim) never opens a real socket.
 
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvx_io::FabricError;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use crate::FabricError;
 
 /// How long `bind` retries an address in use: a listener dropped just before (a receiver
 /// restarting at the same endpoint) lets go of its port only when its task next runs.

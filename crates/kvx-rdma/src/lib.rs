@@ -24,7 +24,8 @@
 //! - `verbs`: the `Verbs` / `VerbsQp` seam, work completions, `Qp` (the RC state machine).
 //! - `memory`: `RdmaMemory`, registered slots — the crate's only `unsafe`.
 //! - `wire`: the side channel's frames (hello, welcome, fence) and `Geometry`.
-//! - `link`: side channel sockets, bounded reads and writes.
+//! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
+//!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
 //! - `device`: an opened device and its completion poller thread.
 //! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).

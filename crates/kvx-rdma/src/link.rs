@@ -4,8 +4,8 @@
 use std::io;
 use std::time::Duration;
 
+use kvx_io::sockets;
 use kvx_io::FabricError;
-use kvx_transport::sockets;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -14,7 +14,7 @@ pub(crate) async fn bind(endpoint: &str) -> Result<TcpListener, FabricError> {
     sockets::bind(endpoint, None).await
 }
 
-pub(crate) use kvx_transport::sockets::local_endpoint;
+pub(crate) use kvx_io::sockets::local_endpoint;
 
 /// Connects a sender's side channel within `timeout`.
 pub(crate) async fn connect(endpoint: &str, timeout: Duration) -> Result<TcpStream, FabricError> {

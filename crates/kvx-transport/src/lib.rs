@@ -9,12 +9,9 @@
 //! - `tcp_fabric`: `TcpFabric`, one-sided writes carried over TCP into the receiver's
 //!   registered buffer, for clusters without RDMA (zero-copy `splice` sends opt-in; the
 //!   crate's other `unsafe` file beside `shm_fabric/map.rs`).
-//! - `sockets`: the TCP sockets beside every fabric's data path (bind with a rebind grace,
-//!   bounded connect), shared with `kvx-rdma`'s side channel.
 //! - `shm_fabric`: `ShmFabric`, sender and receiver on one host: the receiver maps the
 //!   sender's staging read-only and copies each write it admits into its own buffer.
 
 pub mod shm_fabric;
-pub mod sockets;
 pub mod tcp_fabric;
 pub mod zmq;

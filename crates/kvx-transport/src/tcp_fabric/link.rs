@@ -8,12 +8,11 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvx_io::sockets::{self, bad_endpoint};
 use kvx_io::{FabricAccess, FabricCredential, FabricError};
 use kvx_proto::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-use crate::sockets::{self, bad_endpoint};
 
 use super::wire::{
     Hello, HelloKind, Welcome, WelcomeStatus, HELLO_BASE_LEN, HELLO_LEN, VERSION,
@@ -92,7 +91,7 @@ pub(crate) async fn bind(endpoint: &str, config: &LinkConfig) -> Result<TcpListe
     sockets::bind(endpoint, config.socket_buffer).await
 }
 
-pub(crate) use crate::sockets::local_endpoint;
+pub(crate) use kvx_io::sockets::local_endpoint;
 
 /// Options every fabric socket gets. NODELAY because acks and shm notices are small and
 /// latency-bound; bulk payloads go out in large vectored writes, which Nagle would not help.
