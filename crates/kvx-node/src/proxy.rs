@@ -3,7 +3,7 @@
 //! `expect` (a proxy with `ProxyConfig::await_on_first_notice`, as `kvx proxy` runs) go to
 //! `ProxyEvents`, when the caller asked for them.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use kvx_io::{Env, NotifySource, Transport};
 use kvx_proto::proxy::{ExpectError, ProxyEvent, ProxyFailure, ProxyTracker};
@@ -79,7 +79,7 @@ impl ProxyNode {
                 tracker,
                 source,
                 cmds: rx,
-                waiting: HashMap::new(),
+                waiting: BTreeMap::new(),
                 unclaimed: events_tx,
                 undecodable_logged: kvx_io::LogLimiter::default(),
             }
@@ -120,7 +120,7 @@ struct Driver<E: Env> {
     tracker: ProxyTracker,
     source: NotifySource,
     cmds: mpsc::Receiver<Cmd>,
-    waiting: HashMap<ReqId, oneshot::Sender<ProxyOutcome>>,
+    waiting: BTreeMap<ReqId, oneshot::Sender<ProxyOutcome>>,
     /// Outcomes no `expect` awaits (`ProxyEvents`; closed when the caller did not ask).
     unclaimed: mpsc::Sender<ProxyEvent>,
     /// Undecodable notices are logged at most once a second: a peer can send them at will.
@@ -155,7 +155,7 @@ impl<E: Env> Driver<E> {
         }
         self.deliver();
         // Whoever still waits learns why no outcome will come.
-        for (_, done) in self.waiting.drain() {
+        for (_, done) in std::mem::take(&mut self.waiting) {
             let _ = done.send(Err(ProxyFailure::ProxyGone));
         }
     }

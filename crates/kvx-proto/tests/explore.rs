@@ -124,6 +124,7 @@ fn exhaustive_two_two_chunk_requests_from_two_senders() {
 /// The abstraction check where requests wait for admission and slots are quarantined.
 #[test]
 #[ignore]
+#[allow(clippy::disallowed_methods)] // the clock only times the check, for the figures
 fn the_abstraction_loses_no_state_of_contending_requests() {
     let started = std::time::Instant::now();
     let c = check_abstraction(OpWorld::with_slots(2, 1), &[(0, 1), (1, 2)]);
