@@ -22,7 +22,9 @@
 //! - `fabric`: `RdmaFabric`, `RdmaError`.
 //! - `config`: `RdmaConfig`, `PathMtu`.
 //! - `verbs`: the `Verbs` / `VerbsQp` seam, work completions, `Qp` (the RC state machine).
-//! - `memory`: `RdmaMemory`, registered slots — the crate's only `unsafe`.
+//! - `memory`: `RdmaMemory`, registered slots and their keys (`MrKeys`) — the crate's only
+//!   `unsafe`.
+//! - `verbs_error`: `VerbsError`, a failed verbs call (a leaf under `verbs` and `memory`).
 //! - `wire`: the side channel's frames (hello, welcome, fence) and `Geometry`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
 //!   bounded reads and writes of its frames.
@@ -44,6 +46,7 @@ mod receiver;
 mod route;
 mod sender;
 pub mod verbs;
+mod verbs_error;
 mod wire;
 
 #[cfg(feature = "rdma")]

@@ -24,8 +24,19 @@ use std::sync::{Mutex, OnceLock};
 use kvx_io::SlotMemory;
 use memmap2::{MmapOptions, MmapRaw};
 
-use crate::verbs::{MrKeys, VerbsError};
+use crate::verbs_error::VerbsError;
 use crate::wire::Geometry;
+
+/// What a registered region tells a peer and a work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrKeys {
+    pub lkey: u32,
+    pub rkey: u32,
+    /// The region's start, as the NIC addresses it.
+    pub addr: u64,
+    /// The device (`Verbs::device_id`) whose protection domain holds the registration.
+    pub device_id: u64,
+}
 
 struct Registration {
     keys: MrKeys,
@@ -161,8 +172,8 @@ mod ibv {
     use sideway::ibverbs::queue_pair::SetScatterGatherEntry;
     use sideway::ibverbs::AccessFlags;
 
-    use super::RdmaMemory;
-    use crate::verbs::{MrKeys, VerbsError};
+    use super::{MrKeys, RdmaMemory};
+    use crate::verbs_error::VerbsError;
 
     impl RdmaMemory {
         /// Registers the whole mapping with `pd` for local and remote writes.

@@ -15,22 +15,10 @@ use std::sync::Arc;
 use crate::memory::RdmaMemory;
 use crate::wire::QpAddr;
 
-/// A failed verbs call.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{op}: {detail}")]
-pub struct VerbsError {
-    pub op: &'static str,
-    pub detail: String,
-}
-
-impl VerbsError {
-    pub fn new(op: &'static str, detail: impl fmt::Display) -> Self {
-        VerbsError {
-            op,
-            detail: detail.to_string(),
-        }
-    }
-}
+// The seam's vocabulary, defined where `memory` can import it without importing this module
+// (which names `RdmaMemory`): `MrKeys` beside the memory that keeps them, `VerbsError` in a leaf.
+pub use crate::memory::MrKeys;
+pub use crate::verbs_error::VerbsError;
 
 /// How a work request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,17 +84,6 @@ pub struct Wc {
     pub wr_id: u64,
     pub status: WcStatus,
     pub kind: WcKind,
-}
-
-/// What a registered region tells a peer and a work request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MrKeys {
-    pub lkey: u32,
-    pub rkey: u32,
-    /// The region's start, as the NIC addresses it.
-    pub addr: u64,
-    /// The device (`Verbs::device_id`) whose protection domain holds the registration.
-    pub device_id: u64,
 }
 
 /// One RDMA WRITE (with immediate when `imm` is set) of `len` bytes of staging slot
