@@ -7,8 +7,6 @@ use std::time::Duration;
 
 use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 
-use crate::world::LinkModel;
-
 pub const PROXY_ENDPOINT: &str = "proxy/notify";
 
 /// The node of prefill worker `p`'s TP rank `rank`.
@@ -101,6 +99,42 @@ pub enum Fault {
 pub struct FaultEvent {
     pub at: Duration,
     pub fault: Fault,
+}
+
+/// Latency, bandwidth and reconnection of the simulated network.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkModel {
+    /// One-way latency of a control message: uniform in this range (the spread is jitter;
+    /// each connection stays FIFO). madsim's timers sleep at least 1 ms, so latencies below
+    /// that are rounded up; the model works at millisecond scale.
+    pub control_latency_min: Duration,
+    pub control_latency_max: Duration,
+    /// One-way latency of a one-sided write, and of its acknowledgement.
+    pub fabric_latency: Duration,
+    /// Each node's NIC sends this many bytes per second, shared by its connections.
+    pub egress_bytes_per_sec: u64,
+    /// A write in flight this long errors its connection (verbs: the retry count is
+    /// exhausted), flushing everything outstanding. This is what bounds a write whose
+    /// sender hangs (it cannot reset the connection then): keep it at or below the
+    /// senders' `write_timeout`, which the receivers' quarantine is sized against.
+    pub qp_retry_timeout: Duration,
+    /// A broken control connection is retried after this, doubling up to the max.
+    pub reconnect_backoff_min: Duration,
+    pub reconnect_backoff_max: Duration,
+}
+
+impl Default for LinkModel {
+    fn default() -> Self {
+        Self {
+            control_latency_min: Duration::from_millis(1),
+            control_latency_max: Duration::from_micros(1_500),
+            fabric_latency: Duration::from_millis(1),
+            egress_bytes_per_sec: 10_000_000_000,
+            qp_retry_timeout: Duration::from_secs(1),
+            reconnect_backoff_min: Duration::from_millis(20),
+            reconnect_backoff_max: Duration::from_millis(500),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -10,9 +10,10 @@ use kvx_node::{ReadyRequest, ReceiverHandle, ReceiverNotice};
 use kvx_proto::receiver::Outcome;
 use tokio::sync::mpsc;
 
+use crate::app::{content, flag};
+use crate::commands::DecoderCmd;
 use crate::config::{receiver_node, SimConfig};
 use crate::fabric::SimMemory;
-use crate::nodes::{content, flag, DecoderCmd};
 use crate::world::World;
 
 #[derive(Debug)]

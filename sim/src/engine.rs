@@ -11,34 +11,12 @@ use std::time::Duration;
 use kvx_node::{ReceiverAddr, SenderHandle};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError};
 use kvx_proto::{PeerId, ReqId, StagingSlot};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::Semaphore;
 
+use crate::app::{content, flag, SimEnv};
+use crate::commands::{Dispatch, Job};
 use crate::config::SimConfig;
-use crate::nodes::{content, flag, SimEnv};
 use crate::world::World;
-
-/// One rank's share of a request, as the router hands it to a prefill engine.
-#[derive(Debug, Clone)]
-pub struct Job {
-    pub req_id: String,
-    pub rank: usize,
-    pub decode: usize,
-    pub chunks: u32,
-    pub declared: u32,
-    pub batch_chunks: u32,
-}
-
-/// A job and the channels the router follows it on.
-#[derive(Debug)]
-pub struct Dispatch {
-    pub job: Job,
-    /// Admitted (Ok) or failed before admission (Err).
-    pub admitted: oneshot::Sender<Result<(), String>>,
-    /// Transfer now; dropped unsent: abort the request.
-    pub go: oneshot::Receiver<()>,
-    /// Delivered (Ok) or failed (Err), as the sender reports it.
-    pub done: oneshot::Sender<Result<(), String>>,
-}
 
 pub type Peers = Arc<Mutex<BTreeMap<usize, PeerId>>>;
 

@@ -4,20 +4,32 @@
 //! workload and a set of faults from each seed. Built only with `--cfg madsim` in its own
 //! target directory (`sim/run.sh`, `docs/sim.md`); never part of the production build.
 //!
-//! Map:
-//! - `world`: the shared simulated world (nodes, faults, latency model, tables, trace).
-//! - `net`: `SimTransport` — ZMQ-over-TCP ordering: FIFO per connection, loss only on a break.
-//! - `fabric`, `qp`: `SimFabric` — a verbs model: node memory, queue pairs, flush on error.
+//! Map, from the bottom up (a module imports only modules named on lines above its own):
+//! - `config`: what a run is — topology, every node's configuration, the network's
+//!   `LinkModel`, requests, faults; `rng`, `trace`: deterministic randomness and the hashed
+//!   event trace; `known_bugs`: kvx bugs the simulation found, worked around in the
+//!   application until fixed.
 //! - `checker`: the global checker over the wire and the memory; `outcomes`: end-to-end
 //!   verdicts per request (exactly-once ends, bytes read back, liveness).
-//! - `config`, `plan`: what a run is; the swarm generator that draws one from a seed.
-//! - `nodes`: what runs on each node — the drivers, `engine` (the prefill engine) and
-//!   `decoder`; `router`: the front end that issues requests; `faults`: the injector.
+//! - `commands`: what the router and the run hand a node's application (jobs, verdicts,
+//!   queries), and each node's channel.
+//! - `net::state`, `fabric::state` (over `fabric::memory`): the transport's and the fabric's
+//!   tables, and what a break does to them.
+//! - `world`: the shared simulated world (nodes, faults, latency model, those tables, the
+//!   checker, outcomes, channels, trace) and the faults' effect on connections.
+//! - `net`: `SimTransport` — ZMQ-over-TCP ordering: FIFO per connection, loss only on a break.
+//!   `fabric`: `SimFabric` — a verbs model: node memory, queue pairs (`fabric::qp`), flush on
+//!   error.
+//! - `app`: what every node's application shares (its `Env`, a chunk's bytes, flags).
+//! - `engine` (the prefill engine on a sender node), `decoder` (on a receiver node).
+//! - `nodes`: what runs on each node — the drivers, then its engine or decoder; `router`: the
+//!   front end that issues requests; `faults`: the injector; `plan`: the swarm generator
+//!   that draws a run from a seed.
 //! - `run`: one run on its own thread and runtime, with its report.
-//! - `known_bugs`: kvx bugs the simulation found, worked around in the application until fixed.
-//! - `rng`, `trace`: deterministic randomness and the hashed event trace.
 
+pub mod app;
 pub mod checker;
+pub mod commands;
 pub mod config;
 pub mod decoder;
 pub mod engine;
@@ -28,7 +40,6 @@ pub mod net;
 pub mod nodes;
 pub mod outcomes;
 pub mod plan;
-mod qp;
 pub mod rng;
 pub mod router;
 pub mod run;

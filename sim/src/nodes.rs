@@ -6,56 +6,16 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvx_io::TokioEnv;
-use kvx_node::{BufferSnapshot, ReceiverNode, SenderNode};
+use kvx_node::{ReceiverNode, SenderNode};
 use kvx_proto::ReqId;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 
+use crate::app::{env, flag};
+use crate::commands::EngineCmd;
 use crate::config::{receiver_node, sender_node, SimConfig, PROXY_ENDPOINT};
 use crate::decoder::Decoder;
-use crate::engine::{self, Dispatch, Peers};
-use crate::fabric::SimFabric;
-use crate::net::SimTransport;
+use crate::engine::{self, Peers};
 use crate::world::World;
-
-pub type SimEnv = TokioEnv<SimTransport, SimFabric>;
-
-pub fn env(world: &World, node: &str) -> SimEnv {
-    TokioEnv::new(
-        SimTransport::new(world.clone(), node),
-        SimFabric::new(world.clone(), node),
-    )
-}
-
-#[derive(Debug)]
-pub enum EngineCmd {
-    Prefill(Box<Dispatch>),
-    Cancel(String),
-    /// (free, capacity) of the staging pool.
-    Staging(oneshot::Sender<(u32, u32)>),
-}
-
-#[derive(Debug)]
-pub enum DecoderCmd {
-    /// The proxy's word on a request: ready (read and verify it) or failed (discard it).
-    Verdict {
-        req_id: String,
-        ready: bool,
-        chunks: u32,
-    },
-    Consume(String),
-    Snapshot(oneshot::Sender<BufferSnapshot>),
-}
-
-/// The bytes chunk `chunk` of one rank of a request carries.
-pub fn content(req_id: &str, rank: usize, chunk: u32, out: &mut [u8]) {
-    kvx_node::synthetic::chunk_bytes(&format!("{req_id}/r{rank}"), chunk, out);
-}
-
-pub fn flag(world: &World, what: String) {
-    let now = world.now();
-    world.lock().checker.flag(now, what);
-}
 
 /// A sender node's life: start the driver, connect to its rank's receivers, serve the engine.
 pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usize) {
@@ -86,7 +46,7 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
         ));
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
-    world.lock().engines.insert(name.clone(), tx);
+    world.lock().mailboxes.open_engine(&name, tx);
     let interleave = Arc::new(Semaphore::new(worker.interleave));
     while let Some(cmd) = rx.recv().await {
         match cmd {
@@ -137,7 +97,7 @@ pub async fn receiver_main(world: World, cfg: Arc<SimConfig>, d: usize, rank: us
         .checker
         .on_receiver_start(now, &name, rc.buffer_slots, rc.write_quarantine);
     let (tx, rx) = mpsc::unbounded_channel();
-    world.lock().decoders.insert(name.clone(), tx.clone());
+    world.lock().mailboxes.open_decoder(&name, tx.clone());
     let decoder = Decoder {
         world,
         cfg,

@@ -12,10 +12,10 @@ use kvx_node::ProxyHandle;
 use kvx_proto::ReqId;
 use tokio::sync::oneshot;
 
+use crate::app::flag;
+use crate::commands::{DecoderCmd, Dispatch, EngineCmd, Job};
 use crate::config::{receiver_node, sender_node, RequestPlan, SimConfig};
-use crate::engine::{Dispatch, Job};
 use crate::known_bugs::KnownBug;
-use crate::nodes::{flag, DecoderCmd, EngineCmd};
 use crate::world::World;
 
 type Done = oneshot::Receiver<Result<(), String>>;

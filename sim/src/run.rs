@@ -20,10 +20,12 @@ use kvx_node::ProxyNode;
 use kvx_proto::broken_variants::{self, Variant};
 use madsim::runtime::Handle;
 
-use crate::config::{receiver_node, sender_node, SimConfig, PROXY_ENDPOINT};
+use crate::app;
+use crate::commands::{DecoderCmd, EngineCmd};
+use crate::config::{receiver_node, sender_node, LinkModel, SimConfig, PROXY_ENDPOINT};
 use crate::faults::{self, NodeIds};
 use crate::known_bugs::KnownBug;
-use crate::nodes::{self, DecoderCmd, EngineCmd};
+use crate::nodes;
 use crate::outcomes::ReqRecord;
 use crate::router;
 use crate::world::World;
@@ -140,9 +142,7 @@ where
             madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
         sim.set_time_limit(Duration::from_secs(3_600));
         rt.block_on(tokio1::task::unconstrained(async move {
-            sim.block_on(
-                async move { body(World::new(seed, crate::world::LinkModel::default())).await },
-            )
+            sim.block_on(async move { body(World::new(seed, LinkModel::default())).await })
         }))
     })
     .join();
@@ -207,7 +207,7 @@ async fn simulate(
 async fn start_proxy(world: &World, cfg: &Arc<SimConfig>) -> Result<kvx_node::ProxyHandle, String> {
     let node = Handle::current().create_node().name("proxy").build();
     world.node_started("proxy");
-    let (env, pc) = (nodes::env(world, "proxy"), cfg.proxy.clone());
+    let (env, pc) = (app::env(world, "proxy"), cfg.proxy.clone());
     let started = node.spawn(async move {
         ProxyNode::start(env, pc, PROXY_ENDPOINT)
             .await

@@ -1,6 +1,7 @@
 //! The simulated world that every node shares: which nodes are up, the network's faults and
-//! latency model, the transport's and fabric's connection tables, the checker, the request
-//! outcomes and the trace. One lock; nothing awaits while holding it (madsim runs one task
+//! latency model, the transport's and fabric's connection tables (`net::state`,
+//! `fabric::state`), each node's command channel, the checker, the request outcomes and the
+//! trace. One lock; nothing awaits while holding it (madsim runs one task
 //! at a time, so the lock never contends — it only keeps the code safe Rust).
 //!
 //! Connections (transport links and fabric queue pairs) are served by tasks on an `infra`
@@ -14,53 +15,17 @@ use std::time::Duration;
 
 use madsim::runtime::Handle;
 use madsim::task::NodeId;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::checker::Checker;
-use crate::fabric::FabricState;
+use crate::commands::{DecoderCmd, EngineCmd, Mailboxes};
+use crate::config::LinkModel;
+use crate::fabric::state::FabricState;
 use crate::known_bugs::KnownBug;
-use crate::net::NetState;
-use crate::nodes::{DecoderCmd, EngineCmd};
+use crate::net::state::NetState;
 use crate::outcomes::Outcomes;
 use crate::rng::SimRng;
 use crate::trace::Trace;
-
-/// Latency, bandwidth and reconnection of the simulated network.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LinkModel {
-    /// One-way latency of a control message: uniform in this range (the spread is jitter;
-    /// each connection stays FIFO). madsim's timers sleep at least 1 ms, so latencies below
-    /// that are rounded up; the model works at millisecond scale.
-    pub control_latency_min: Duration,
-    pub control_latency_max: Duration,
-    /// One-way latency of a one-sided write, and of its acknowledgement.
-    pub fabric_latency: Duration,
-    /// Each node's NIC sends this many bytes per second, shared by its connections.
-    pub egress_bytes_per_sec: u64,
-    /// A write in flight this long errors its connection (verbs: the retry count is
-    /// exhausted), flushing everything outstanding. This is what bounds a write whose
-    /// sender hangs (it cannot reset the connection then): keep it at or below the
-    /// senders' `write_timeout`, which the receivers' quarantine is sized against.
-    pub qp_retry_timeout: Duration,
-    /// A broken control connection is retried after this, doubling up to the max.
-    pub reconnect_backoff_min: Duration,
-    pub reconnect_backoff_max: Duration,
-}
-
-impl Default for LinkModel {
-    fn default() -> Self {
-        Self {
-            control_latency_min: Duration::from_millis(1),
-            control_latency_max: Duration::from_micros(1_500),
-            fabric_latency: Duration::from_millis(1),
-            egress_bytes_per_sec: 10_000_000_000,
-            qp_retry_timeout: Duration::from_secs(1),
-            reconnect_backoff_min: Duration::from_millis(20),
-            reconnect_backoff_max: Duration::from_millis(500),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NodeState {
@@ -81,8 +46,7 @@ pub struct Inner {
     pub checker: Checker,
     pub outcomes: Outcomes,
     pub trace: Trace,
-    pub engines: BTreeMap<String, mpsc::UnboundedSender<EngineCmd>>,
-    pub decoders: BTreeMap<String, mpsc::UnboundedSender<DecoderCmd>>,
+    pub mailboxes: Mailboxes,
     /// Known bugs whose workaround is off (`--expose`).
     pub exposed: Vec<KnownBug>,
 }
@@ -159,8 +123,7 @@ impl World {
             checker: Checker::default(),
             outcomes: Outcomes::default(),
             trace: Trace::default(),
-            engines: BTreeMap::new(),
-            decoders: BTreeMap::new(),
+            mailboxes: Mailboxes::default(),
             exposed: Vec::new(),
         };
         Self {
@@ -232,10 +195,10 @@ impl World {
             state.up = false;
         }
         w.trace.record(now, format_args!("node {name} CRASHED"));
-        w.engines.remove(name);
-        w.decoders.remove(name);
-        crate::net::on_crash(&mut w, now, name);
-        crate::fabric::on_crash(&mut w, now, name);
+        let w = &mut *w;
+        w.mailboxes.close(name);
+        w.net.on_crash(&mut w.trace, now, name);
+        w.fabric.on_crash(&mut w.trace, now, name);
         w.checker.on_crash(now, name);
     }
 
@@ -243,17 +206,19 @@ impl World {
     pub fn partition(&self, a: &str, b: &str) {
         let now = self.now();
         let mut w = self.lock();
+        let w = &mut *w;
         w.partitions.insert(pair(a, b));
         w.trace.record(now, format_args!("partition {a} | {b}"));
-        crate::net::break_between(&mut w, now, a, b, "partitioned");
-        crate::fabric::break_between(&mut w, now, a, b, "partitioned");
+        w.net.break_between(&mut w.trace, now, a, b, "partitioned");
+        w.fabric
+            .break_between(&mut w.trace, now, a, b, "partitioned");
     }
 
     /// Breaks the control connection(s) from `a` to `b` once (a TCP reset).
     pub fn disconnect(&self, a: &str, b: &str) {
         let now = self.now();
-        let mut w = self.lock();
-        crate::net::break_between(&mut w, now, a, b, "disconnected");
+        let w = &mut *self.lock();
+        w.net.break_between(&mut w.trace, now, a, b, "disconnected");
     }
 
     /// Adds `extra` latency between `a` and `b` (control and fabric) until healed.
@@ -305,12 +270,12 @@ impl World {
 
     /// Hands a command to the prefill engine on `node`; false when the node is down.
     pub fn send_engine(&self, node: &str, cmd: EngineCmd) -> bool {
-        let tx = self.lock().engines.get(node).cloned();
+        let tx = self.lock().mailboxes.engine(node);
         tx.is_some_and(|tx| tx.send(cmd).is_ok())
     }
 
     pub fn send_decoder(&self, node: &str, cmd: DecoderCmd) -> bool {
-        let tx = self.lock().decoders.get(node).cloned();
+        let tx = self.lock().mailboxes.decoder(node);
         tx.is_some_and(|tx| tx.send(cmd).is_ok())
     }
 }

@@ -1,5 +1,6 @@
 //! One control connection's life: sessions (one per successful connect), the pipes that
-//! carry each direction FIFO with latency, the client's reconnect loop, and breaks.
+//! carry each direction FIFO with latency, and the client's reconnect loop (a break is
+//! `state`'s).
 
 use std::time::Duration;
 
@@ -8,7 +9,8 @@ use kvx_io::{ClientEvent, TransportError};
 use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
-use super::{describe, endpoint_error, Session};
+use super::state::Session;
+use super::{describe, endpoint_error};
 use crate::world::{Inner, World};
 
 /// Connects `link` afresh if its server is bound and reachable: a new session with its own
@@ -280,65 +282,6 @@ fn close_link(world: &World, link: u64) {
             if server.routes.get(&s.peer) == Some(&link) {
                 server.routes.remove(&s.peer);
             }
-        }
-    }
-}
-
-/// Breaks one link: its session (and everything in flight on it) is gone; the client hears.
-fn break_link(inner: &mut Inner, now: Duration, link: u64, why: &str) {
-    let Some(l) = inner.net.links.get_mut(&link) else {
-        return;
-    };
-    let Some(s) = l.session.take() else { return };
-    l.epoch += 1;
-    let _ = l.broken.send(l.epoch);
-    let (client, endpoint) = (l.client.clone(), l.endpoint.clone());
-    if let Some(server) = inner.net.servers.get_mut(&endpoint) {
-        if server.routes.get(&s.peer) == Some(&link) {
-            server.routes.remove(&s.peer);
-        }
-    }
-    inner.trace.record(
-        now,
-        format_args!("link {client} -> {endpoint} BROKEN ({why})"),
-    );
-}
-
-/// Breaks every control connection between nodes `a` and `b`.
-pub fn break_between(inner: &mut Inner, now: Duration, a: &str, b: &str, why: &str) {
-    let hit: Vec<u64> = inner
-        .net
-        .links
-        .iter()
-        .filter(|(_, l)| {
-            let server = l.session.as_ref().map(|s| s.server_node.as_str());
-            server.is_some_and(|s| (l.client == a && s == b) || (l.client == b && s == a))
-        })
-        .map(|(id, _)| *id)
-        .collect();
-    for id in hit {
-        break_link(inner, now, id, why);
-    }
-}
-
-/// `node` crashed: its bound endpoints vanish, connections it served break (their clients
-/// reconnect later), connections it owned are gone.
-pub fn on_crash(inner: &mut Inner, now: Duration, node: &str) {
-    inner.net.servers.retain(|_, s| s.node != node);
-    inner.net.sources.retain(|_, s| s.node != node);
-    let hit: Vec<u64> = inner
-        .net
-        .links
-        .iter()
-        .filter(|(_, l)| {
-            l.client == node || l.session.as_ref().is_some_and(|s| s.server_node == node)
-        })
-        .map(|(id, _)| *id)
-        .collect();
-    for id in hit {
-        break_link(inner, now, id, "crash");
-        if inner.net.links.get(&id).is_some_and(|l| l.client == node) {
-            inner.net.links.remove(&id);
         }
     }
 }

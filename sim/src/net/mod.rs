@@ -11,13 +11,14 @@
 //! - notices (PUSH → PULL) are FIFO per sink.
 //!
 //! madsim's own `Endpoint` may reorder datagrams, so it is not used: connections are tables in
-//! the `World` and pipes are tasks on its `infra` node (`link`: sessions, pipes, the
-//! client's reconnect loop, breaks).
+//! the `World` (`state`: the tables and what a break does to them) and pipes are tasks on its
+//! `infra` node (`link`: sessions, pipes, the client's reconnect loop).
 
 mod link;
+pub mod state;
 
-pub use link::{break_between, on_crash};
 use link::{client_task, open_session, route_reply};
+use state::{Link, Server, Source};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -30,50 +31,6 @@ use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
 use crate::world::World;
-
-#[derive(Debug)]
-pub(super) struct Server {
-    pub(super) node: String,
-    pub(super) incoming: mpsc::Sender<(PeerId, Bytes)>,
-    pub(super) peers: BTreeMap<String, PeerId>,
-    pub(super) routes: BTreeMap<PeerId, u64>,
-}
-
-#[derive(Debug)]
-pub(super) struct Source {
-    pub(super) node: String,
-    pub(super) incoming: mpsc::Sender<Bytes>,
-}
-
-#[derive(Debug)]
-pub(super) struct Session {
-    pub(super) peer: PeerId,
-    pub(super) server_node: String,
-    pub(super) up: mpsc::UnboundedSender<(Duration, Bytes)>,
-    pub(super) down: mpsc::UnboundedSender<(Duration, Bytes)>,
-    pub(super) up_last: Duration,
-    pub(super) down_last: Duration,
-}
-
-#[derive(Debug)]
-pub(super) struct Link {
-    pub(super) client: String,
-    pub(super) endpoint: String,
-    pub(super) identity: String,
-    /// Bumped on every break; a pipe delivers only while its session's epoch is current.
-    pub(super) epoch: u64,
-    pub(super) session: Option<Session>,
-    pub(super) broken: watch::Sender<u64>,
-}
-
-/// The transport's tables, inside the `World`.
-#[derive(Debug, Default)]
-pub struct NetState {
-    pub(super) servers: BTreeMap<String, Server>,
-    pub(super) sources: BTreeMap<String, Source>,
-    pub(super) links: BTreeMap<u64, Link>,
-    pub(super) next_link: u64,
-}
 
 /// A node's view of the simulated transport.
 #[derive(Debug, Clone)]

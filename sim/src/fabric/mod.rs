@@ -21,97 +21,28 @@
 //!   connection stays in error (as a QP does) until the sender connects afresh.
 //!
 //! Queue pairs run on the world's `infra` node: a NIC keeps working while its process hangs.
+//!
+//! Inside: `memory` (`SimMemory`), `qp` (one queue pair's task), `state` (the fabric's tables
+//! in the `World` and what a break does to them).
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+mod memory;
+mod qp;
+pub mod state;
+
+pub use memory::SimMemory;
+use qp::QueuePair;
+use state::{Conn, Exposed};
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::{
     ChecksumCheck, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener,
     LandedWrite, PostWrite, SlotMemory,
 };
-use kvx_proto::PeerId;
 use tokio::sync::{mpsc, watch};
 
-use crate::world::{Inner, World};
-
-/// Registered memory of a simulated node.
-#[derive(Debug)]
-pub struct SimMemory {
-    slots: u32,
-    slot_bytes: usize,
-    bytes: Mutex<Vec<u8>>,
-}
-
-impl SimMemory {
-    pub fn new(slots: u32, slot_bytes: usize) -> Self {
-        Self {
-            slots,
-            slot_bytes,
-            bytes: Mutex::new(vec![0; slots as usize * slot_bytes]),
-        }
-    }
-
-    fn range(&self, slot: u32, len: usize) -> std::ops::Range<usize> {
-        assert!(
-            slot < self.slots && len <= self.slot_bytes,
-            "invariant: slot {slot} and {len} bytes fit {} slots of {} bytes",
-            self.slots,
-            self.slot_bytes
-        );
-        let start = slot as usize * self.slot_bytes;
-        start..start + len
-    }
-}
-
-impl SlotMemory for SimMemory {
-    fn slots(&self) -> u32 {
-        self.slots
-    }
-
-    fn slot_bytes(&self) -> usize {
-        self.slot_bytes
-    }
-
-    fn write_slot(&self, slot: u32, data: &[u8]) {
-        let range = self.range(slot, data.len());
-        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range].copy_from_slice(data);
-    }
-
-    fn read_slot(&self, slot: u32, out: &mut [u8]) {
-        let range = self.range(slot, out.len());
-        out.copy_from_slice(&self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range]);
-    }
-}
-
-#[derive(Debug)]
-struct Exposed {
-    node: String,
-    memory: Arc<SimMemory>,
-    landed: mpsc::Sender<LandedWrite>,
-    access: Arc<FabricAccess>,
-}
-
-#[derive(Debug)]
-struct Conn {
-    sender: String,
-    receiver: String,
-    endpoint: String,
-    /// The control peer the connection authenticated as.
-    peer: PeerId,
-    broken: Option<String>,
-    signal: watch::Sender<bool>,
-    last_land: Duration,
-}
-
-/// The fabric's tables, inside the `World`.
-#[derive(Debug, Default)]
-pub struct FabricState {
-    exposed: BTreeMap<String, Exposed>,
-    conns: BTreeMap<u64, Conn>,
-    next_conn: u64,
-    egress_free: BTreeMap<String, Duration>,
-}
+use crate::world::World;
 
 /// A node's view of the simulated fabric.
 #[derive(Debug, Clone)]
@@ -230,7 +161,7 @@ impl Fabric for SimFabric {
         };
         let (ops_tx, ops_rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = mpsc::unbounded_channel();
-        let qp = crate::qp::QueuePair::new(self.world.clone(), id, staging, done_tx);
+        let qp = QueuePair::new(self.world.clone(), id, staging, done_tx);
         self.world.spawn_infra(qp.run(ops_rx, signal_rx));
         Ok(FabricConn::new(ops_tx, done_rx))
     }
@@ -305,7 +236,9 @@ pub(crate) fn land(
         .get(&endpoint)
         .filter(|e| inner.reachable(&sender, &e.node));
     let Some(exposed) = exposed else {
-        break_conn(inner, now, id, "the receiver is gone");
+        inner
+            .fabric
+            .break_conn(&mut inner.trace, now, id, "the receiver is gone");
         return Err(FabricError::Flushed);
     };
     let remote = exposed.memory.clone();
@@ -314,7 +247,9 @@ pub(crate) fn land(
         && w.remote.0 < remote.slots()
         && w.len <= remote.slot_bytes();
     if !fits {
-        break_conn(inner, now, id, "remote access error");
+        inner
+            .fabric
+            .break_conn(&mut inner.trace, now, id, "remote access error");
         return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
     }
     let (receiver, landed, access) = (
@@ -378,7 +313,8 @@ pub(crate) fn is_broken(world: &World, id: u64) -> bool {
 
 pub(crate) fn fail(world: &World, id: u64, why: &str) {
     let now = world.now();
-    break_conn(&mut world.lock(), now, id, why);
+    let w = &mut *world.lock();
+    w.fabric.break_conn(&mut w.trace, now, id, why);
 }
 
 pub(crate) fn close(world: &World, id: u64) {
@@ -387,48 +323,4 @@ pub(crate) fn close(world: &World, id: u64) {
 
 pub(crate) fn ack_latency(world: &World) -> Duration {
     world.lock().model.fabric_latency
-}
-
-fn break_conn(inner: &mut Inner, now: Duration, id: u64, why: &str) {
-    let Some(conn) = inner.fabric.conns.get_mut(&id) else {
-        return;
-    };
-    if conn.broken.is_some() {
-        return;
-    }
-    conn.broken = Some(why.to_owned());
-    let _ = conn.signal.send(true);
-    let (s, e) = (conn.sender.clone(), conn.endpoint.clone());
-    inner
-        .trace
-        .record(now, format_args!("qp {id}: {s} -> {e} ERROR ({why})"));
-}
-
-/// Breaks every queue pair between nodes `a` and `b`.
-pub fn break_between(inner: &mut Inner, now: Duration, a: &str, b: &str, why: &str) {
-    let hit: Vec<u64> = inner
-        .fabric
-        .conns
-        .iter()
-        .filter(|(_, c)| (c.sender == a && c.receiver == b) || (c.sender == b && c.receiver == a))
-        .map(|(id, _)| *id)
-        .collect();
-    for id in hit {
-        break_conn(inner, now, id, why);
-    }
-}
-
-/// `node` crashed: its exposed buffers vanish and every queue pair touching it errors.
-pub fn on_crash(inner: &mut Inner, now: Duration, node: &str) {
-    inner.fabric.exposed.retain(|_, e| e.node != node);
-    let hit: Vec<u64> = inner
-        .fabric
-        .conns
-        .iter()
-        .filter(|(_, c)| c.sender == node || c.receiver == node)
-        .map(|(id, _)| *id)
-        .collect();
-    for id in hit {
-        break_conn(inner, now, id, "crash");
-    }
 }

@@ -1,4 +1,4 @@
-//! One simulated queue pair (see `fabric`): posted writes land in order at their scheduled
+//! One simulated queue pair (see the module `fabric`): posted writes land in order at their scheduled
 //! times, complete in order an acknowledgement later, and are all flushed with an error the
 //! moment the connection errors.
 
@@ -10,7 +10,7 @@ use kvx_io::fabric::ConnOp;
 use kvx_io::{Completion, FabricError, PostWrite};
 use tokio::sync::{mpsc, watch};
 
-use crate::fabric::{self, SimMemory};
+use super::{self as fabric, SimMemory};
 use crate::world::World;
 
 #[derive(Debug)]

@@ -1,0 +1,54 @@
+//! `SimMemory`: a simulated node's registered memory, slots of bytes behind one lock.
+
+use std::sync::Mutex;
+
+use kvx_io::SlotMemory;
+
+/// Registered memory of a simulated node.
+#[derive(Debug)]
+pub struct SimMemory {
+    slots: u32,
+    slot_bytes: usize,
+    bytes: Mutex<Vec<u8>>,
+}
+
+impl SimMemory {
+    pub fn new(slots: u32, slot_bytes: usize) -> Self {
+        Self {
+            slots,
+            slot_bytes,
+            bytes: Mutex::new(vec![0; slots as usize * slot_bytes]),
+        }
+    }
+
+    fn range(&self, slot: u32, len: usize) -> std::ops::Range<usize> {
+        assert!(
+            slot < self.slots && len <= self.slot_bytes,
+            "invariant: slot {slot} and {len} bytes fit {} slots of {} bytes",
+            self.slots,
+            self.slot_bytes
+        );
+        let start = slot as usize * self.slot_bytes;
+        start..start + len
+    }
+}
+
+impl SlotMemory for SimMemory {
+    fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn write_slot(&self, slot: u32, data: &[u8]) {
+        let range = self.range(slot, data.len());
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range].copy_from_slice(data);
+    }
+
+    fn read_slot(&self, slot: u32, out: &mut [u8]) {
+        let range = self.range(slot, out.len());
+        out.copy_from_slice(&self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range]);
+    }
+}
