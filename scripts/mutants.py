@@ -78,6 +78,14 @@ MUTANTS = {
         "if let Some(dup) = reply.remote_indexes.iter().find(|&&i| !seen.insert(i)) {",
         "if let Some(dup) = reply.remote_indexes.iter().find(|&&i| !seen.insert(i) && false) {",
         "write two chunks of a batch into one slot a receiver granted twice"),
+    "no-admission-deadline": (SRC + "admission.rs",
+        "self.waiting.front().map(|w| w.deadline)",
+        "None",
+        "give the ledger no timer for the admission queue's head: a waiting request times out only when another timer fires"),
+    "dropped-notices-counted-down": (SRC + "proxy.rs",
+        "_ => self.dropped_notices += 1,",
+        "_ => self.dropped_notices -= 1,",
+        "count a notice the proxy drops (over-long id, not a notice) down instead of up"),
 }
 
 def run(name):
@@ -90,7 +98,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr
