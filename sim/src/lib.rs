@@ -6,9 +6,10 @@
 //!
 //! Map, from the bottom up (a module imports only modules named on lines above its own):
 //! - `config`: what a run is — topology, every node's configuration, the network's
-//!   `LinkModel`, requests, faults; `rng`, `trace`: deterministic randomness and the hashed
-//!   event trace; `known_bugs`: kvx bugs the simulation found, worked around in the
-//!   application until fixed.
+//!   `LinkModel`, requests, faults; `trace`: the hashed event trace; `known_bugs`: kvx bugs
+//!   the simulation found, worked around in the application until fixed. Everything drawn
+//!   from a seed comes from `kvx_proto::rng::SeededRng`; madsim's own RNG only orders ready
+//!   tasks.
 //! - `checker`: the global checker over the wire and the memory; `outcomes`: end-to-end
 //!   verdicts per request (exactly-once ends, bytes read back, liveness).
 //! - `commands`: what the router and the run hand a node's application (jobs, verdicts,
@@ -40,7 +41,6 @@ pub mod net;
 pub mod nodes;
 pub mod outcomes;
 pub mod plan;
-pub mod rng;
 pub mod router;
 pub mod run;
 pub mod trace;

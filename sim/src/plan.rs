@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use kvx_proto::config::Pipelining;
+use kvx_proto::rng::SeededRng;
 
 use crate::config::{receiver_node, sender_node, Fault, FaultEvent, RequestPlan, SimConfig};
-use crate::rng::SimRng;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -15,13 +15,13 @@ const MS: Duration = Duration::from_millis(1);
 /// oversized ones) must be delivered; with it, faults and aborts hit a first phase, then
 /// everything heals and a second phase must be delivered in full.
 pub fn random(seed: u64, faults: bool) -> SimConfig {
-    let mut rng = SimRng::new(seed);
+    let mut rng = SeededRng::new(seed);
     let mut cfg = SimConfig::new(rng.range(1, 3) as usize, rng.range(1, 3) as usize, 1, 1);
     cfg.seed = seed;
     cfg.tp = if rng.chance(0.25) { 2 } else { 1 };
     // Per-sender shares half the time, from half of the buffer to all of it, drawn from a
     // generator of their own so that every other draw of a seed stays what it was.
-    let mut shares = SimRng::new(seed ^ 0x5AA2_E5EE_D000);
+    let mut shares = SeededRng::new(seed ^ 0x5AA2_E5EE_D000);
     for d in &mut cfg.decode {
         d.receiver.buffer_slots = rng.range_u32(4, 40);
         if shares.chance(0.5) {
@@ -92,7 +92,7 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     cfg
 }
 
-fn request(rng: &mut SimRng, cfg: &SimConfig, id: String, start_at: Duration) -> RequestPlan {
+fn request(rng: &mut SeededRng, cfg: &SimConfig, id: String, start_at: Duration) -> RequestPlan {
     let prefill = rng.range(0, cfg.prefill.len() as u64 - 1) as usize;
     let decode = rng.range(0, cfg.decode.len() as u64 - 1) as usize;
     let receiver = &cfg.decode[decode].receiver;
@@ -127,7 +127,7 @@ fn lasts(f: &Fault) -> Duration {
 }
 
 /// Each kind of fault is on for about half the seeds, with a random count and strength.
-fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEvent> {
+fn faults_for(rng: &mut SeededRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEvent> {
     let senders: Vec<String> = (0..cfg.prefill.len())
         .flat_map(|p| (0..cfg.tp).map(move |r| sender_node(p, r)))
         .collect();
@@ -135,7 +135,7 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
         .flat_map(|d| (0..cfg.tp).map(move |r| receiver_node(d, r)))
         .collect();
     let mut out = Vec::new();
-    let at = |rng: &mut SimRng| rng.duration(10 * MS, end.max(20 * MS));
+    let at = |rng: &mut SeededRng| rng.duration(10 * MS, end.max(20 * MS));
     if rng.chance(0.5) {
         for _ in 0..rng.range(1, 4) {
             let (a, b) = (rng.pick(&senders).clone(), rng.pick(&receivers).clone());
@@ -225,7 +225,7 @@ fn faults_for(rng: &mut SimRng, cfg: &SimConfig, end: Duration) -> Vec<FaultEven
 /// on the request and its quarantine of the slots, and a grant acted on within
 /// `reply_timeout` is written or flushed before lease + quarantine run out. The fabric's own
 /// give-up time (a hung sender cannot reset its connection) is the sender's write timeout.
-fn timeouts(rng: &mut SimRng, cfg: &mut SimConfig) {
+fn timeouts(rng: &mut SeededRng, cfg: &mut SimConfig) {
     let write_timeout = rng.duration(200 * MS, 1_000 * MS);
     let reply_timeout = rng.duration(300 * MS, 1_500 * MS);
     let idle = write_timeout + rng.duration(200 * MS, 2_000 * MS);

@@ -13,6 +13,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvx_proto::rng::SeededRng;
 use madsim::runtime::Handle;
 use madsim::task::NodeId;
 use tokio::time::Instant;
@@ -24,7 +25,6 @@ use crate::fabric::state::FabricState;
 use crate::known_bugs::KnownBug;
 use crate::net::state::NetState;
 use crate::outcomes::Outcomes;
-use crate::rng::SimRng;
 use crate::trace::Trace;
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -35,7 +35,7 @@ pub struct NodeState {
 }
 
 pub struct Inner {
-    pub rng: SimRng,
+    pub rng: SeededRng,
     pub model: LinkModel,
     pub nodes: BTreeMap<String, NodeState>,
     partitions: BTreeSet<(String, String)>,
@@ -113,7 +113,7 @@ impl World {
     pub fn new(seed: u64, model: LinkModel) -> Self {
         let infra = Handle::current().create_node().name("infra").build().id();
         let inner = Inner {
-            rng: SimRng::new(seed ^ 0x05EE_D0F3_011D),
+            rng: SeededRng::new(seed ^ 0x05EE_D0F3_011D),
             model,
             nodes: BTreeMap::new(),
             partitions: BTreeSet::new(),

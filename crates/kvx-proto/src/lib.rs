@@ -11,6 +11,8 @@
 //! - `receiver`: `ReceiverLedger`, the decode side (admission + ledger + leases).
 //! - `sender`: `SenderFlow`, the prefill side (staging, pipelined channels, ProxyNotif).
 //! - `proxy`: `ProxyTracker`, aggregation of ProxyNotif across TP ranks.
+//! - `rng`: `SeededRng`, the deterministic generator of whatever kvx draws from a seed (the
+//!   harness, the simulation, the demo's workload); the core itself draws nothing.
 //! - `testing` (feature): `Cluster`, a synchronous harness with virtual time.
 //! - `broken_variants` (feature, simulation only): deliberately broken behaviours.
 
@@ -31,6 +33,7 @@ pub mod config;
 pub mod ids;
 pub mod proxy;
 pub mod receiver;
+pub mod rng;
 pub mod sender;
 pub mod slots;
 pub mod time;

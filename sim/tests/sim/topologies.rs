@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvx_sim::rng::SimRng;
+use kvx_proto::rng::SeededRng;
 use kvx_sim::{RequestPlan, SimConfig};
 
 use crate::scenarios::{delivered, passes, plan};
@@ -52,7 +52,7 @@ fn two_prefills_transfer_concurrently() {
 #[test]
 fn xpyd_with_random_sizes() {
     for seed in 0..4 {
-        let mut rng = SimRng::new(seed);
+        let mut rng = SeededRng::new(seed);
         let mut cfg = SimConfig::new(3, 2, 24, 12);
         cfg.seed = seed;
         cfg.model.control_latency_max = 5 * MS;
