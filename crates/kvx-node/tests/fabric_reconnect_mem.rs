@@ -469,10 +469,6 @@ async fn parked_writes_fail_with_the_reason_when_the_connect_gives_up() {
 /// the channel are unharmed, and none of the failed writes is posted on the connection made
 /// afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: after a stalled write the sender's driver sends the CancelNotif that \
-            failing the parked writes queued only at its next wake-up, which can be the \
-            cancel's own reply timeout 10 s later; it then fails the other requests on the \
-            channel with ReplyTimeout"]
 async fn parked_writes_fail_when_the_write_timeout_passes_first() {
     let write_timeout = Duration::from_millis(500);
     let mut t = setup(write_timeout).await;

@@ -20,6 +20,9 @@ use crate::StartError;
 
 mod fabric_link;
 
+/// Rounds of `carry_out` in a row before the loop listens for input again.
+const CARRY_OUT_ROUNDS_MAX: usize = 16;
+
 #[derive(Debug)]
 pub(super) enum Cmd {
     AddReceiver(
@@ -121,7 +124,20 @@ impl<E: Env> Driver<E> {
 
     pub(super) async fn run(mut self) {
         loop {
-            self.carry_out().await;
+            // Carrying out one round (a flush of parked writes, a failed send) can give the
+            // core more to send at once: repeat until it has nothing left, rather than leave
+            // it for the next wake-up, which may be a timer seconds away. Bounded, and a
+            // round still busy at the bound wakes the loop again.
+            let mut busy = true;
+            for _ in 0..CARRY_OUT_ROUNDS_MAX {
+                busy = self.carry_out().await;
+                if !busy {
+                    break;
+                }
+            }
+            if busy {
+                self.shared.poke.notify_one();
+            }
             let (deadline, shutdown) = {
                 let core = self.shared.lock();
                 (core.flow.poll_timeout(), core.shutdown)
@@ -273,8 +289,8 @@ impl<E: Env> Driver<E> {
         });
     }
 
-    /// Does what the core asked for: sends, posts, and wakes whoever waits on an event.
-    async fn carry_out(&mut self) {
+    /// Does what the core asked for; false when it had asked for nothing.
+    async fn carry_out(&mut self) -> bool {
         let (transmits, writes, events) = {
             let mut core = self.shared.lock();
             let mut t = Vec::new();
@@ -291,6 +307,7 @@ impl<E: Env> Driver<E> {
             }
             (t, w, e)
         };
+        let asked = !(transmits.is_empty() && writes.is_empty() && events.is_empty());
         // Acknowledge processed disconnects before anything else reaches those receivers.
         for peer in std::mem::take(&mut self.acks_due) {
             if let Some(client) = self.clients.get(&peer) {
@@ -306,6 +323,7 @@ impl<E: Env> Driver<E> {
         if !events.is_empty() {
             self.on_events(events);
         }
+        asked
     }
 
     async fn transmit(&mut self, t: Transmit) {
