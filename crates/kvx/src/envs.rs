@@ -1,14 +1,15 @@
-//! Picking a transport and fabric at runtime. Drivers are generic over `Env`; this module is
-//! the one place that names concrete implementations, with a `match`, not `dyn`.
+//! From the command line's `--transport`/`--fabric` to a concrete environment: the flags
+//! become a `kvx_embed::EnvChoice`, whose `visit` (the one `match` over implementations)
+//! runs the generic demo or role on it.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::process::ExitCode;
 
-use anyhow::Context;
+use kvx_embed::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
 use kvx_io::mem::{MemFabric, MemTransport};
-use kvx_io::TokioEnv;
-use kvx_transport::shm_fabric::ShmFabric;
-use kvx_transport::tcp_fabric::TcpFabric;
-use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
+use kvx_io::Env;
+use kvx_transport::zmq::ZmqConfig;
 
 use crate::cli::{
     DemoArgs, FabricKind, ProxyArgs, RdmaArgs, ReceiverArgs, SenderArgs, TransportKind,
@@ -16,20 +17,44 @@ use crate::cli::{
 use crate::demo::{self, Endpoints};
 use crate::roles::{self, Style};
 
-fn zmq() -> anyhow::Result<ZmqTransport> {
-    ZmqTransport::new(ZmqConfig::default()).context("ZeroMQ transport")
-}
-
 const ZMQ_STYLE: Style = Style {
     control: |h, p| format!("tcp://{h}:{p}"),
     fabric: |h, p| format!("{h}:{p}"),
 };
 
-/// The RDMA fabric on the configured device; without one (or without libibverbs) an error
-/// that says "no RDMA device found".
+/// What a visitor hands back: the run, to await.
+type Run<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
+
+/// The choice the flags make. In-process parts share one `MemTransport`/`MemFabric`.
+fn choice(
+    transport: TransportKind,
+    fabric: FabricKind,
+    rdma: &RdmaArgs,
+) -> anyhow::Result<EnvChoice> {
+    let transport = match transport {
+        TransportKind::Zmq => TransportChoice::Zmq(ZmqConfig::default()),
+        TransportKind::Mem => TransportChoice::Mem(MemTransport::new()),
+    };
+    let fabric = match fabric {
+        FabricKind::Tcp => FabricChoice::Tcp(Default::default()),
+        FabricKind::Shm => FabricChoice::Shm,
+        FabricKind::Mem => FabricChoice::Mem(MemFabric::new()),
+        FabricKind::Rdma => rdma_choice(rdma)?,
+    };
+    Ok(EnvChoice { transport, fabric })
+}
+
+/// The RDMA fabric on the configured device.
 #[cfg(feature = "rdma")]
-pub fn rdma(args: &RdmaArgs) -> anyhow::Result<kvx_rdma::IbvFabric> {
-    let config = kvx_rdma::RdmaConfig {
+fn rdma_choice(args: &RdmaArgs) -> anyhow::Result<FabricChoice> {
+    Ok(FabricChoice::Rdma(rdma_config(args)?))
+}
+
+/// The RDMA settings the flags give (the device is opened when the fabric is made: without
+/// one, or without libibverbs, an error that says "no RDMA device found").
+#[cfg(feature = "rdma")]
+pub fn rdma_config(args: &RdmaArgs) -> anyhow::Result<kvx_rdma::RdmaConfig> {
+    Ok(kvx_rdma::RdmaConfig {
         device: args.rdma_device.clone(),
         port: args.rdma_port,
         gid_index: args.rdma_gid_index,
@@ -38,8 +63,13 @@ pub fn rdma(args: &RdmaArgs) -> anyhow::Result<kvx_rdma::IbvFabric> {
             None => None,
         },
         ..kvx_rdma::RdmaConfig::default()
-    };
-    Ok(kvx_rdma::RdmaFabric::open(config)?)
+    })
+}
+
+/// The RDMA fabric itself, opened now (`kvx bench`, which drives a fabric directly).
+#[cfg(feature = "rdma")]
+pub fn rdma(args: &RdmaArgs) -> anyhow::Result<kvx_rdma::IbvFabric> {
+    Ok(kvx_rdma::RdmaFabric::open(rdma_config(args)?)?)
 }
 
 /// This build has no RDMA backend: say how to get one.
@@ -51,127 +81,9 @@ pub fn rdma(_: &RdmaArgs) -> anyhow::Result<std::convert::Infallible> {
     )
 }
 
-pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    let json = args.workload.json;
-    let loopback = |t: &str, f: &str| Endpoints {
-        transport_name: t.into(),
-        fabric_name: f.into(),
-        alloc: "tcp://127.0.0.1:0".into(),
-        proxy: "tcp://127.0.0.1:0".into(),
-        fabric: "127.0.0.1:0".into(),
-    };
-    let (summary, code) = match (args.transport, args.fabric) {
-        (TransportKind::Zmq, FabricKind::Tcp) => {
-            demo::run_on(
-                TokioEnv::new(zmq()?, TcpFabric::new()),
-                loopback("zmq", "tcp"),
-                args,
-            )
-            .await?
-        }
-        (TransportKind::Zmq, FabricKind::Shm) => {
-            demo::run_on(
-                TokioEnv::new(zmq()?, ShmFabric::new()),
-                loopback("zmq", "shm"),
-                args,
-            )
-            .await?
-        }
-        (TransportKind::Zmq, FabricKind::Mem) => {
-            demo::run_on(
-                TokioEnv::new(zmq()?, MemFabric::new()),
-                loopback("zmq", "mem"),
-                args,
-            )
-            .await?
-        }
-        (TransportKind::Mem, fabric) => {
-            let endpoints = Endpoints {
-                transport_name: "mem".into(),
-                fabric_name: format!("{fabric:?}").to_lowercase(),
-                alloc: "alloc".into(),
-                proxy: "proxy".into(),
-                fabric: if fabric == FabricKind::Mem {
-                    "buffer".into()
-                } else {
-                    "127.0.0.1:0".into()
-                },
-            };
-            match fabric {
-                FabricKind::Mem => {
-                    demo::run_on(
-                        TokioEnv::new(MemTransport::new(), MemFabric::new()),
-                        endpoints,
-                        args,
-                    )
-                    .await?
-                }
-                FabricKind::Tcp => {
-                    demo::run_on(
-                        TokioEnv::new(MemTransport::new(), TcpFabric::new()),
-                        endpoints,
-                        args,
-                    )
-                    .await?
-                }
-                FabricKind::Shm => {
-                    demo::run_on(
-                        TokioEnv::new(MemTransport::new(), ShmFabric::new()),
-                        endpoints,
-                        args,
-                    )
-                    .await?
-                }
-                FabricKind::Rdma => return demo_rdma(args).await,
-            }
-        }
-        (TransportKind::Zmq, FabricKind::Rdma) => return demo_rdma(args).await,
-    };
-    print_summary(json, &summary, code)
-}
-
-fn print_summary(json: bool, summary: &demo::Summary, code: ExitCode) -> anyhow::Result<ExitCode> {
-    if json {
-        println!("{}", serde_json::to_string(summary)?);
-    } else {
-        demo::print_table(summary);
-    }
-    Ok(code)
-}
-
-/// The demo over RDMA: the side channels on loopback, the writes through the NIC.
-#[cfg(feature = "rdma")]
-async fn demo_rdma(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    let fabric = rdma(&args.rdma)?;
-    let json = args.workload.json;
-    let (summary, code) = match args.transport {
-        TransportKind::Zmq => {
-            let endpoints = Endpoints {
-                transport_name: "zmq".into(),
-                fabric_name: "rdma".into(),
-                alloc: "tcp://127.0.0.1:0".into(),
-                proxy: "tcp://127.0.0.1:0".into(),
-                fabric: "127.0.0.1:0".into(),
-            };
-            demo::run_on(TokioEnv::new(zmq()?, fabric), endpoints, args).await?
-        }
-        TransportKind::Mem => {
-            let endpoints = Endpoints {
-                transport_name: "mem".into(),
-                fabric_name: "rdma".into(),
-                alloc: "alloc".into(),
-                proxy: "proxy".into(),
-                fabric: "127.0.0.1:0".into(),
-            };
-            demo::run_on(TokioEnv::new(MemTransport::new(), fabric), endpoints, args).await?
-        }
-    };
-    print_summary(json, &summary, code)
-}
-
 #[cfg(not(feature = "rdma"))]
-async fn demo_rdma(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    match rdma(&args.rdma)? {}
+fn rdma_choice(args: &RdmaArgs) -> anyhow::Result<FabricChoice> {
+    match rdma(args)? {}
 }
 
 /// A fabric for a multi-process role: the in-process one cannot cross processes.
@@ -183,39 +95,98 @@ fn cross_process(kind: FabricKind) -> anyhow::Result<FabricKind> {
     Ok(kind)
 }
 
+struct Demo {
+    endpoints: Endpoints,
+    args: DemoArgs,
+}
+
+impl EnvVisitor for Demo {
+    type Output = Run<(demo::Summary, ExitCode)>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        Box::pin(demo::run_on(env, self.endpoints, self.args))
+    }
+}
+
+pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let json = args.workload.json;
+    let choice = choice(args.transport, args.fabric, &args.rdma)?;
+    let (transport_name, fabric_name) = choice.names();
+    let in_process = matches!(choice.transport, TransportChoice::Mem(_));
+    let endpoints = Endpoints {
+        transport_name: transport_name.into(),
+        fabric_name: fabric_name.into(),
+        alloc: if in_process {
+            "alloc"
+        } else {
+            "tcp://127.0.0.1:0"
+        }
+        .into(),
+        proxy: if in_process {
+            "proxy"
+        } else {
+            "tcp://127.0.0.1:0"
+        }
+        .into(),
+        fabric: if matches!(choice.fabric, FabricChoice::Mem(_)) {
+            "buffer"
+        } else {
+            "127.0.0.1:0"
+        }
+        .into(),
+    };
+    let (summary, code) = choice.visit(Demo { endpoints, args })?.await?;
+    if json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        demo::print_table(&summary);
+    }
+    Ok(code)
+}
+
+struct Receiver(ReceiverArgs);
+
+impl EnvVisitor for Receiver {
+    type Output = Run<ExitCode>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        Box::pin(roles::receiver(env, ZMQ_STYLE, self.0))
+    }
+}
+
 pub async fn receiver(args: ReceiverArgs) -> anyhow::Result<ExitCode> {
-    match cross_process(args.fabric)? {
-        FabricKind::Shm => {
-            roles::receiver(TokioEnv::new(zmq()?, ShmFabric::new()), ZMQ_STYLE, args).await
-        }
-        #[cfg(feature = "rdma")]
-        FabricKind::Rdma => {
-            let fabric = rdma(&args.rdma)?;
-            roles::receiver(TokioEnv::new(zmq()?, fabric), ZMQ_STYLE, args).await
-        }
-        #[cfg(not(feature = "rdma"))]
-        FabricKind::Rdma => match rdma(&args.rdma)? {},
-        _ => roles::receiver(TokioEnv::new(zmq()?, TcpFabric::new()), ZMQ_STYLE, args).await,
+    let fabric = cross_process(args.fabric)?;
+    let choice = choice(TransportKind::Zmq, fabric, &args.rdma)?;
+    choice.visit(Receiver(args))?.await
+}
+
+struct Sender(SenderArgs);
+
+impl EnvVisitor for Sender {
+    type Output = Run<ExitCode>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        Box::pin(roles::sender(env, ZMQ_STYLE, self.0))
     }
 }
 
 pub async fn sender(args: SenderArgs) -> anyhow::Result<ExitCode> {
-    match cross_process(args.fabric)? {
-        FabricKind::Shm => {
-            roles::sender(TokioEnv::new(zmq()?, ShmFabric::new()), ZMQ_STYLE, args).await
-        }
-        #[cfg(feature = "rdma")]
-        FabricKind::Rdma => {
-            let fabric = rdma(&args.rdma)?;
-            roles::sender(TokioEnv::new(zmq()?, fabric), ZMQ_STYLE, args).await
-        }
-        #[cfg(not(feature = "rdma"))]
-        FabricKind::Rdma => match rdma(&args.rdma)? {},
-        _ => roles::sender(TokioEnv::new(zmq()?, TcpFabric::new()), ZMQ_STYLE, args).await,
+    let fabric = cross_process(args.fabric)?;
+    let choice = choice(TransportKind::Zmq, fabric, &args.rdma)?;
+    choice.visit(Sender(args))?.await
+}
+
+struct Proxy(ProxyArgs);
+
+impl EnvVisitor for Proxy {
+    type Output = Run<ExitCode>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        Box::pin(roles::proxy(env, ZMQ_STYLE, self.0))
     }
 }
 
 pub async fn proxy(args: ProxyArgs) -> anyhow::Result<ExitCode> {
-    // The proxy moves no KV bytes; any fabric type will do for its environment.
-    roles::proxy(TokioEnv::new(zmq()?, MemFabric::new()), ZMQ_STYLE, args).await
+    // The proxy moves no KV bytes; the in-process fabric will do for its environment.
+    let choice = EnvChoice {
+        transport: TransportChoice::Zmq(ZmqConfig::default()),
+        fabric: FabricChoice::Mem(MemFabric::new()),
+    };
+    choice.visit(Proxy(args))?.await
 }

@@ -1,0 +1,114 @@
+//! Transport and fabric, chosen at run time. Drivers are generic over `Env` so that each
+//! environment (production's, the simulation's) is monomorphised with no `dyn` on the data
+//! path; `EnvChoice::visit` is the one `match` that turns a run-time choice into a concrete
+//! `Env` and hands it to generic code (an `EnvVisitor`).
+
+use kvx_io::mem::{MemFabric, MemTransport};
+use kvx_io::{Env, TokioEnv};
+use kvx_transport::shm_fabric::ShmFabric;
+use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
+use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
+
+/// How control messages travel.
+#[derive(Debug, Clone)]
+pub enum TransportChoice {
+    /// ZeroMQ, speaking LMCache's socket pattern and framing (ROUTER/DEALER, PUSH/PULL).
+    Zmq(ZmqConfig),
+    /// In-process channels: every part in one process, sharing this instance.
+    Mem(MemTransport),
+}
+
+/// How KV bytes travel.
+#[derive(Debug, Clone)]
+pub enum FabricChoice {
+    /// One-sided writes carried over TCP.
+    Tcp(TcpFabricConfig),
+    /// Shared memory, sender and receiver on one host: the receiver copies each admitted
+    /// write out of the sender's staging (kvx allocates both regions: a shared mapping).
+    Shm,
+    /// In-process copies: every part in one process, sharing this instance.
+    Mem(MemFabric),
+    /// RDMA WRITE with immediate over verbs (RoCE, InfiniBand).
+    #[cfg(feature = "rdma")]
+    Rdma(kvx_rdma::RdmaConfig),
+}
+
+/// A transport and a fabric.
+#[derive(Debug, Clone)]
+pub struct EnvChoice {
+    pub transport: TransportChoice,
+    pub fabric: FabricChoice,
+}
+
+/// Why an environment could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvError {
+    #[error("ZeroMQ transport: {0}")]
+    Zmq(#[source] kvx_transport::zmq::ZmqConfigError),
+    #[cfg(feature = "rdma")]
+    #[error("RDMA fabric: {0}")]
+    Rdma(#[source] kvx_rdma::RdmaError),
+}
+
+/// Generic code run on the environment a choice names.
+pub trait EnvVisitor {
+    type Output;
+    fn visit<E: Env>(self, env: E) -> Self::Output;
+}
+
+impl EnvChoice {
+    /// ZeroMQ with its default settings and the TCP fabric: what separate processes use.
+    pub fn zmq_tcp() -> Self {
+        Self {
+            transport: TransportChoice::Zmq(ZmqConfig::default()),
+            fabric: FabricChoice::Tcp(TcpFabricConfig::default()),
+        }
+    }
+
+    /// Short names for logs and summaries: ("zmq" | "mem", "tcp" | "shm" | "mem" | "rdma").
+    pub fn names(&self) -> (&'static str, &'static str) {
+        let transport = match self.transport {
+            TransportChoice::Zmq(_) => "zmq",
+            TransportChoice::Mem(_) => "mem",
+        };
+        let fabric = match self.fabric {
+            FabricChoice::Tcp(_) => "tcp",
+            FabricChoice::Shm => "shm",
+            FabricChoice::Mem(_) => "mem",
+            #[cfg(feature = "rdma")]
+            FabricChoice::Rdma(_) => "rdma",
+        };
+        (transport, fabric)
+    }
+
+    /// Makes the environment and runs `visitor` on it.
+    pub fn visit<V: EnvVisitor>(self, visitor: V) -> Result<V::Output, EnvError> {
+        match self.transport {
+            TransportChoice::Zmq(cfg) => {
+                let transport = ZmqTransport::new(cfg).map_err(EnvError::Zmq)?;
+                visit_fabric(transport, self.fabric, visitor)
+            }
+            TransportChoice::Mem(transport) => visit_fabric(transport, self.fabric, visitor),
+        }
+    }
+}
+
+fn visit_fabric<T: kvx_io::Transport, V: EnvVisitor>(
+    transport: T,
+    fabric: FabricChoice,
+    visitor: V,
+) -> Result<V::Output, EnvError> {
+    Ok(match fabric {
+        FabricChoice::Tcp(cfg) => {
+            visitor.visit(TokioEnv::new(transport, TcpFabric::with_config(cfg)))
+        }
+        FabricChoice::Shm => visitor.visit(TokioEnv::new(transport, ShmFabric::new())),
+        FabricChoice::Mem(fabric) => visitor.visit(TokioEnv::new(transport, fabric)),
+        #[cfg(feature = "rdma")]
+        FabricChoice::Rdma(cfg) => {
+            let fabric = kvx_rdma::RdmaFabric::open(cfg).map_err(EnvError::Rdma)?;
+            visitor.visit(TokioEnv::new(transport, fabric))
+        }
+    })
+}
