@@ -1,0 +1,114 @@
+//! The proxy, for an embedding program: it awaits each request's notices from every TP rank
+//! (`expect`, as a serving router does before dispatching a prefill), or, started
+//! `standalone`, awaits every id from its first notice and reports outcomes as events.
+
+use std::time::Duration;
+
+use kvx_io::mem::MemFabric;
+use kvx_io::Env;
+use kvx_node::proxy::ProxyEvents;
+use kvx_node::{ProxyHandle, ProxyNode, ProxyOutcome};
+use kvx_proto::proxy::{ExpectError, ProxyEvent};
+use kvx_proto::{ProxyConfig, ReqId};
+use tokio::sync::{oneshot, Mutex};
+
+use crate::choice::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
+use crate::runtime::Runtime;
+use crate::EmbedError;
+
+/// A running proxy: its notice channel is bound at `endpoint()`.
+#[derive(Debug)]
+pub struct Proxy {
+    runtime: Runtime,
+    handle: ProxyHandle,
+    events: Mutex<ProxyEvents>,
+}
+
+/// One awaited request's outcome, to come.
+#[derive(Debug)]
+pub struct ProxyWait {
+    outcome: oneshot::Receiver<ProxyOutcome>,
+}
+
+struct Start {
+    cfg: ProxyConfig,
+    endpoint: String,
+}
+
+impl EnvVisitor for Start {
+    type Output = std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<(ProxyHandle, ProxyEvents), kvx_node::StartError>,
+                > + Send,
+        >,
+    >;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        Box::pin(async move { ProxyNode::start_with_events(env, self.cfg, &self.endpoint).await })
+    }
+}
+
+impl Proxy {
+    /// Binds the notice channel at `endpoint` (`tcp://host:port` for ZeroMQ; port 0 lets
+    /// the OS pick) over `transport`. `cfg.await_on_first_notice` set: a standalone proxy,
+    /// whose outcomes come from `next_event`.
+    pub fn start(
+        runtime: &Runtime,
+        transport: TransportChoice,
+        endpoint: &str,
+        cfg: ProxyConfig,
+    ) -> Result<Self, EmbedError> {
+        // The proxy moves no KV bytes: the in-process fabric will do for its environment.
+        let choice = EnvChoice {
+            transport,
+            fabric: FabricChoice::Mem(MemFabric::new()),
+        };
+        let start = choice.visit(Start {
+            cfg,
+            endpoint: endpoint.to_owned(),
+        })?;
+        let (handle, events) = runtime.block_on(start)?;
+        Ok(Self {
+            runtime: runtime.clone(),
+            handle,
+            events: Mutex::new(events),
+        })
+    }
+
+    /// The bound notice endpoint (the port the OS picked filled in).
+    pub fn endpoint(&self) -> &str {
+        self.handle.endpoint()
+    }
+
+    /// Starts awaiting `req_id` from `tp_ranks` senders. Call it before the prefill starts.
+    pub fn expect(&self, req_id: &str, tp_ranks: u32) -> Result<ProxyWait, ExpectError> {
+        let outcome = self
+            .runtime
+            .block_on(self.handle.expect(ReqId(req_id.to_owned()), tp_ranks))?;
+        Ok(ProxyWait { outcome })
+    }
+
+    /// The next outcome of a request no `expect` awaits (a standalone proxy), waiting at most
+    /// `timeout`; `None` when none came.
+    pub fn next_event(&self, timeout: Duration) -> Option<ProxyEvent> {
+        self.runtime
+            .block_on_for(timeout, async { self.events.lock().await.next().await })
+            .flatten()
+    }
+}
+
+impl ProxyWait {
+    /// The outcome, waiting at most `timeout`: `None` when it has not come yet (call again).
+    pub fn wait(&mut self, runtime: &Runtime, timeout: Duration) -> Option<ProxyOutcome> {
+        runtime
+            .block_on_for(timeout, &mut self.outcome)
+            .map(|r| r.unwrap_or(Err(kvx_proto::proxy::ProxyFailure::ProxyGone)))
+    }
+
+    /// The outcome, awaited.
+    pub async fn outcome(self) -> ProxyOutcome {
+        self.outcome
+            .await
+            .unwrap_or(Err(kvx_proto::proxy::ProxyFailure::ProxyGone))
+    }
+}
