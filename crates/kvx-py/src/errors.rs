@@ -1,0 +1,77 @@
+//! The exceptions a Python caller catches, one per thing it can act on, all under
+//! `kvx.KvxError`; each carries the message of the Rust error it stands for.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(kvx, KvxError, PyException, "Base class of every error kvx raises.");
+create_exception!(
+    kvx,
+    RefusedError,
+    KvxError,
+    "The receiver or the proxy refused the request (its reason is the message)."
+);
+create_exception!(
+    kvx,
+    TimedOutError,
+    KvxError,
+    "A bounded wait ran out (staging, admission, an outcome)."
+);
+create_exception!(kvx, CancelledError, KvxError, "The request was cancelled.");
+create_exception!(
+    kvx,
+    ReceiverLostError,
+    KvxError,
+    "The connection to the receiver (or the proxy) was lost, or it has stopped."
+);
+create_exception!(
+    kvx,
+    MisuseError,
+    KvxError,
+    "A call broke the API's contract (an unknown request, more chunks than declared, …)."
+);
+create_exception!(
+    kvx,
+    StartError,
+    KvxError,
+    "A kvx object could not start (a port in use, an invalid setting, no device)."
+);
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvxError", py.get_type::<KvxError>())?;
+    m.add("RefusedError", py.get_type::<RefusedError>())?;
+    m.add("TimedOutError", py.get_type::<TimedOutError>())?;
+    m.add("CancelledError", py.get_type::<CancelledError>())?;
+    m.add("ReceiverLostError", py.get_type::<ReceiverLostError>())?;
+    m.add("MisuseError", py.get_type::<MisuseError>())?;
+    m.add("StartError", py.get_type::<StartError>())?;
+    Ok(())
+}
+
+/// A failure to start, as `StartError`.
+pub(crate) fn start(e: impl std::fmt::Display) -> PyErr {
+    StartError::new_err(e.to_string())
+}
+
+/// A proxy's failure of an awaited request.
+pub(crate) fn proxy_failure(f: &kvx_proto::proxy::ProxyFailure) -> PyErr {
+    use kvx_proto::proxy::ProxyFailure as F;
+    match f {
+        F::Reported(_) => RefusedError::new_err(f.to_string()),
+        F::TimedOut { .. } => TimedOutError::new_err(f.to_string()),
+        F::ProxyGone => ReceiverLostError::new_err(f.to_string()),
+        _ => KvxError::new_err(f.to_string()),
+    }
+}
+
+/// Why the proxy would not await a request.
+pub(crate) fn expect_error(e: &kvx_proto::proxy::ExpectError) -> PyErr {
+    use kvx_proto::proxy::ExpectError as E;
+    match e {
+        E::ProxyGone => ReceiverLostError::new_err(e.to_string()),
+        E::TooMany(_) => RefusedError::new_err(e.to_string()),
+        _ => MisuseError::new_err(e.to_string()),
+    }
+}

@@ -1,0 +1,135 @@
+//! `kvx.Proxy`: awaits each request's notices from every decoder TP rank, as a serving
+//! router does before it dispatches the decode.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvx_embed::TransportChoice;
+use kvx_proto::proxy::ProxyEvent;
+use kvx_proto::ProxyConfig;
+use kvx_transport::zmq::ZmqConfig;
+use pyo3::prelude::*;
+
+use crate::{errors, runtime, wait};
+
+/// The notice channel of a proxy (a ZeroMQ PULL socket LMCache's and kvx's senders push
+/// ``ProxyNotif`` and ``FailNotif`` to).
+///
+/// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=120.0, standalone_tp_ranks=None)``:
+/// binds ``endpoint`` (port 0: the OS picks; read ``endpoint`` back). With
+/// ``standalone_tp_ranks`` set, every request id is awaited from its first notice, from that
+/// many TP ranks, and outcomes come from ``next_event``; otherwise call ``expect`` for each
+/// request before its prefill starts.
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct Proxy {
+    inner: kvx_embed::Proxy,
+}
+
+/// One awaited request's outcome, to come (from ``Proxy.expect``).
+#[pyclass(module = "kvx")]
+pub(crate) struct ProxyWait {
+    inner: Mutex<Option<kvx_embed::ProxyWait>>,
+    req_id: String,
+}
+
+#[pymethods]
+impl Proxy {
+    #[new]
+    #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = 120.0, standalone_tp_ranks = None))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        kv_ready_timeout: f64,
+        standalone_tp_ranks: Option<u32>,
+    ) -> PyResult<Self> {
+        let kv_ready_timeout = wait::seconds(Some(kv_ready_timeout))?
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("kv_ready_timeout must be positive"))?;
+        let cfg = ProxyConfig {
+            kv_ready_timeout,
+            await_on_first_notice: standalone_tp_ranks,
+            ..ProxyConfig::default()
+        };
+        let rt = runtime::get()?;
+        let transport = TransportChoice::Zmq(ZmqConfig::default());
+        let inner = py
+            .detach(|| kvx_embed::Proxy::start(rt, transport, endpoint, cfg))
+            .map_err(errors::start)?;
+        Ok(Self { inner })
+    }
+
+    /// The bound endpoint, ``tcp://host:port``.
+    #[getter]
+    fn endpoint(&self) -> String {
+        self.inner.endpoint().to_owned()
+    }
+
+    /// Starts awaiting ``req_id`` from ``tp_ranks`` senders; returns its ``ProxyWait``.
+    #[pyo3(signature = (req_id, tp_ranks = 1))]
+    fn expect(&self, py: Python<'_>, req_id: &str, tp_ranks: u32) -> PyResult<ProxyWait> {
+        let wait = py
+            .detach(|| self.inner.expect(req_id, tp_ranks))
+            .map_err(|e| errors::expect_error(&e))?;
+        Ok(ProxyWait {
+            inner: Mutex::new(Some(wait)),
+            req_id: req_id.to_owned(),
+        })
+    }
+
+    /// The next outcome of a request no ``expect`` awaits (a standalone proxy), as
+    /// ``(req_id, None)`` when it is ready or ``(req_id, reason)`` when it failed; ``None``
+    /// when none comes within ``timeout`` seconds (``None``: wait as long as it takes).
+    #[pyo3(signature = (timeout = None))]
+    fn next_event(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(String, Option<String>)>> {
+        let timeout = wait::seconds(timeout)?;
+        let event = wait::interruptibly(py, timeout, |slice: Duration| self.inner.next_event(slice))?;
+        Ok(event.map(|ev| match ev {
+            ProxyEvent::Ready { req_id } => (req_id.0, None),
+            ProxyEvent::Failed { req_id, failure } => (req_id.0, Some(failure.to_string())),
+        }))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvx.Proxy({:?})", self.inner.endpoint())
+    }
+}
+
+#[pymethods]
+impl ProxyWait {
+    /// Waits for the outcome: returns when every TP rank reported; raises ``RefusedError``
+    /// (a sender reported failure), ``TimedOutError`` (``kv_ready_timeout`` passed, or
+    /// ``timeout`` seconds here) or ``ReceiverLostError`` (the proxy stopped).
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = wait::seconds(timeout)?;
+        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(waiting) = guard.as_mut() else {
+            return Err(errors::MisuseError::new_err(format!(
+                "the outcome of {} was already returned",
+                self.req_id
+            )));
+        };
+        let rt = runtime::get()?;
+        let outcome = wait::interruptibly(py, timeout, |slice| waiting.wait(rt, slice))?;
+        match outcome {
+            None => Err(errors::TimedOutError::new_err(format!(
+                "no outcome for {} within the timeout",
+                self.req_id
+            ))),
+            Some(outcome) => {
+                *guard = None;
+                outcome.map_err(|f| errors::proxy_failure(&f))
+            }
+        }
+    }
+
+    /// The request id awaited.
+    #[getter]
+    fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvx.ProxyWait({:?})", self.req_id)
+    }
+}
