@@ -2,12 +2,16 @@
 # The whole test suite, the README's one command (CI runs it too, inside .ci/run):
 #   1. `cargo test --workspace`: unit, golden-wire, scenario, property, conformance,
 #      end-to-end (ZeroMQ + TCP / shared memory) and Python-interop tests;
-#   2. the madsim simulation (sim/, its own cargo project and target directory): its
+#   2. the kvx Python package's tests (scripts/python-tests.sh: built with maturin into
+#      target/pyenv, run with pytest);
+#   3. the madsim simulation (sim/, its own cargo project and target directory): its
 #      scenario test binary, then a 500-seed swarm sweep with faults.
-# Needs only the Rust toolchain (Python interop is skipped with a message without pyzmq).
+# Needs the Rust toolchain; the Python parts are skipped with a message without python3 and
+# PyPI (CI sets KVX_REQUIRE_PYTHON=1, which makes that a failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
+bash scripts/python-tests.sh
 (
   cd sim
   export RUSTFLAGS="--cfg madsim --cfg tokio_unstable"
