@@ -28,20 +28,39 @@ pub enum Refusal {
     /// `total_chunks == 0`: LMCache's legacy senders; nothing can be reserved.
     ZeroChunks,
     /// The request needs more slots than the whole buffer has: it could never be admitted.
-    LargerThanBuffer { need: u32, capacity: u32 },
+    LargerThanBuffer {
+        /// The request's `total_chunks`.
+        need: u32,
+        /// The buffer's slots.
+        capacity: u32,
+    },
     /// The admission queue is full.
-    QueueFull { max: usize },
+    QueueFull {
+        /// `Limits::queue_max`.
+        max: usize,
+    },
     /// The request needs more slots than one peer may hold: it could never be admitted.
-    LargerThanPeerShare { need: u32, cap: u32 },
+    LargerThanPeerShare {
+        /// The request's `total_chunks`.
+        need: u32,
+        /// `Limits::peer_cap`.
+        cap: u32,
+    },
     /// This peer already has `max` requests waiting.
-    PeerQueueFull { max: usize },
+    PeerQueueFull {
+        /// `Limits::peer_queue_max`.
+        max: usize,
+    },
 }
 
 /// The outcome of asking for a reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
+    /// The reservation is held now; `poll_admitted` will not report it.
     Admitted,
+    /// Waiting; `poll_admitted` or `poll_expired` reports it later, unless withdrawn.
     Queued,
+    /// Not queued, nothing reserved.
     Refused(Refusal),
 }
 
@@ -56,6 +75,7 @@ struct Waiter {
 /// The limits of one receiver's admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
+    /// Slots in the buffer.
     pub capacity: u32,
     /// Requests waiting at most.
     pub queue_max: usize,
@@ -85,6 +105,23 @@ struct Share {
     waiting: usize,
 }
 
+/// One receiver's admission: the reservations, the FIFO queue with its per-peer shares, and
+/// the slots pinned by quarantine, counted per peer (never per request).
+///
+/// Contract: the caller (`ReceiverLedger`) asks once per request, with `request` and a
+/// ticket it never reuses. `Admitted` holds the reservation at once; `Queued` puts the ticket
+/// in the queue until `deadline` (raised to the deadline of the ticket before it, so expiry
+/// looks at the head alone). A queued ticket leaves in exactly one way: admitted
+/// (`poll_admitted`), expired (`poll_expired(now)`, which the caller calls until `None`
+/// whenever `now` reaches `next_deadline`; the ticket is already out of the queue), or
+/// withdrawn by the caller (`withdraw`), which it must do when the request ends while it
+/// waits, or the ticket is later reported admitted for a request nobody tracks. Slots come
+/// back through `release(peer, amount)` (the request ended, or its last batch brought fewer
+/// chunks than declared) and, for slots a rollback quarantined, `pin_from_reservation` then
+/// one `unpin(peer, 1)` per slot when its late write lands or its quarantine ends. The caller
+/// keeps each request's amount and never gives back more than the peer holds (asserted).
+/// Waiters are admitted only inside `release`, `unpin`, `withdraw` and `poll_expired`; the
+/// caller drains `poll_admitted` after them and answers the admitted requests' first batches.
 #[derive(Debug, Clone)]
 pub struct Admission {
     limits: Limits,
@@ -96,6 +133,7 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// An empty buffer: nothing reserved, pinned or waiting.
     pub fn new(limits: Limits) -> Self {
         Self {
             limits,
@@ -107,6 +145,7 @@ impl Admission {
         }
     }
 
+    /// Slots in the buffer.
     pub fn capacity(&self) -> u32 {
         self.limits.capacity
     }
@@ -149,10 +188,12 @@ impl Admission {
         self.limits.capacity - self.reserved - self.pinned
     }
 
+    /// Requests waiting.
     pub fn queue_len(&self) -> usize {
         self.waiting.len()
     }
 
+    /// Whether `ticket` is in the queue (linear in the queue's length).
     pub fn is_waiting(&self, ticket: Ticket) -> bool {
         self.waiting.iter().any(|w| w.ticket == ticket)
     }
@@ -237,9 +278,10 @@ impl Admission {
         self.admit_eligible();
     }
 
-    /// Moves `amount` of `peer`'s reserved slots to the pinned set (a rollback quarantines
-    /// slots that a late write may still hit; they stay out of use, and count against the
-    /// peer's share, but leave the request).
+    /// Moves `amount` reserved slots to the pinned set (a rollback quarantines slots that a
+    /// late write may still hit; they stay out of use, and count against the share of the
+    /// peer whose reservation they were, but leave the request). That peer's footprint is
+    /// unchanged, so no peer is named; `unpin` later gives them back to it one by one.
     pub fn pin_from_reservation(&mut self, amount: u32) {
         assert!(
             amount <= self.reserved,
@@ -356,6 +398,8 @@ impl Admission {
         self.admitted.iter().for_each(|&t| enc.ticket(t));
     }
 
+    /// Panics if the counts disagree, a bound or a share is exceeded, deadlines are out of
+    /// order, or the first eligible waiter would fit (it should have been admitted).
     pub fn check_invariants(&self) {
         assert!(
             self.reserved + self.pinned <= self.limits.capacity,

@@ -27,6 +27,7 @@ pub enum Variant {
 }
 
 impl Variant {
+    /// Every variant, in declaration order.
     pub const ALL: [Variant; 6] = [
         Variant::NoReservation,
         Variant::ReleaseBeforeComplete,
@@ -48,6 +49,7 @@ impl Variant {
         }
     }
 
+    /// The variant `name` names (as `name` writes it), if any.
     pub fn from_name(name: &str) -> Option<Variant> {
         Variant::ALL.into_iter().find(|v| v.name() == name)
     }

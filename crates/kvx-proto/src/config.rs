@@ -71,7 +71,7 @@ pub struct ReceiverConfig {
     pub peer_queue_max: usize,
     /// The longest `req_id` accepted, in bytes; a longer one is refused and not remembered.
     pub req_id_bytes_max: usize,
-    /// The longest cache key accepted, in bytes.
+    /// The longest cache key accepted, in bytes; a longer one fails its request.
     pub key_bytes_max: usize,
     /// Bytes all first batches waiting for admission may hold together (their keys and
     /// descriptions); a first batch that would go past it is refused.
@@ -121,6 +121,9 @@ impl ReceiverConfig {
         }
     }
 
+    /// Refuses settings the ledger cannot run with: no slot or more than a write tag can
+    /// name, a zero admission queue, request table, per-sender queue, id or key length, a zero
+    /// admission or idle timeout, a share outside 1..=100. `ReceiverLedger::new` calls it.
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.buffer_slots > 0, || {
             "buffer_slots must be at least 1".into()
@@ -238,7 +241,8 @@ pub struct SenderConfig {
     pub write_timeout: Duration,
     /// Longest time a prefill thread waits in a blocking staging allocate (used by drivers).
     pub staging_timeout: Duration,
-    /// Messages in flight on one pipelined channel at most; more wait in order.
+    /// Messages in flight on one pipelined channel at most, per window: up to this many
+    /// probes and, separately, this many batches and cancels; more wait in order.
     pub inflight_max: usize,
     /// Requests tracked at once; more are refused.
     pub requests_max: usize,
@@ -247,11 +251,12 @@ pub struct SenderConfig {
     pub outcomes_kept: usize,
     /// Messages queued on one channel at most; more are refused.
     pub channel_queue_max: usize,
+    /// Whether replies may be matched by `seq` with several messages in flight.
     pub pipelining: Pipelining,
     /// Send `FailNotif` to the proxy when a request fails (kvx proxies only).
     pub notify_proxy_on_failure: bool,
-    /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with the write,
-    /// so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
+    /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with
+    /// the write, so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
     /// §Checksums). Off only for fabrics that cannot carry one (RDMA).
     pub checksums: bool,
 }
@@ -276,6 +281,9 @@ impl Default for SenderConfig {
 }
 
 impl SenderConfig {
+    /// Refuses settings the flow cannot run with: no staging slot, a zero `inflight_max`,
+    /// `requests_max` or `outcomes_kept`, a zero reply or write timeout. `SenderFlow::new`
+    /// calls it.
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.staging_slots > 0, || {
             "staging_slots must be at least 1".into()
@@ -338,6 +346,8 @@ impl Default for ProxyConfig {
 }
 
 impl ProxyConfig {
+    /// Refuses a zero `requests_max`, a zero `kv_ready_timeout` or `await_on_first_notice` of 0
+    /// ranks. `ProxyTracker::new` calls it.
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.requests_max > 0, || {
             "requests_max must be at least 1".into()

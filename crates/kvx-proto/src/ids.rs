@@ -31,7 +31,9 @@ pub struct Ticket(pub u64);
 /// never merge (`docs/spec/protocol.md` §Identity).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ReqKey {
+    /// The control peer the request's messages came from.
     pub peer: PeerId,
+    /// The id that peer gave the request.
     pub req_id: ReqId,
 }
 
@@ -63,13 +65,16 @@ impl fmt::Display for ReqKey {
 /// receiver learns which grant a landed write belongs to and can tell a late write apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WriteTag {
+    /// The receiver slot written; below `SLOTS_MAX`, or `to_imm` corrupts the generation.
     pub slot: SlotIndex,
+    /// The slot's grant count when it was handed out; only its low 12 bits travel.
     pub generation: u32,
 }
 
 impl WriteTag {
     /// Slots use the low 20 bits of the 32-bit immediate; generations wrap in the high 12.
     pub const SLOT_BITS: u32 = 20;
+    /// Slots an immediate can name; `ReceiverConfig::buffer_slots` may not exceed it.
     pub const SLOTS_MAX: u32 = 1 << Self::SLOT_BITS;
     const GEN_MASK: u32 = (1 << (32 - Self::SLOT_BITS)) - 1;
 

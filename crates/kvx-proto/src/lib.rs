@@ -16,6 +16,8 @@
 //! - `testing` (feature): `Cluster`, a synchronous harness with virtual time.
 //! - `broken_variants` (feature, simulation only): deliberately broken behaviours.
 
+#![warn(missing_docs)]
+
 /// Whether the deliberately broken variant `Variant::$v` is selected: always `false` unless
 /// the `broken-variants` feature (enabled only by `sim/`) is on.
 macro_rules! broken_variant {

@@ -23,10 +23,15 @@ use crate::wire::Message;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProxyEvent {
     /// Every TP rank's KV is in the decoder's buffer: dispatch the decode.
-    Ready { req_id: ReqId },
+    Ready {
+        /// The request.
+        req_id: ReqId,
+    },
     /// A sender reported failure, or `kv_ready_timeout` passed.
     Failed {
+        /// The request.
         req_id: ReqId,
+        /// Why.
         failure: ProxyFailure,
     },
 }
@@ -40,23 +45,41 @@ pub enum ProxyFailure {
     Reported(String),
     /// Not every TP rank reported within `kv_ready_timeout`.
     #[error("kv_ready_timeout passed before every TP rank reported ({seen} of {ranks})")]
-    TimedOut { seen: u32, ranks: u32 },
+    TimedOut {
+        /// Notices counted.
+        seen: u32,
+        /// Notices awaited (the request's TP ranks).
+        ranks: u32,
+    },
     /// The proxy's driver is gone (shut down, or its notice channel closed).
     #[error("the proxy is gone")]
     ProxyGone,
 }
 
+/// Why `handle_expect` did not start a wait; nothing changed, and no event will come for
+/// this call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ExpectError {
+    /// The id is awaited already; that wait goes on. Request ids must be unique among the
+    /// requests in flight.
     #[error("request {0} is already awaited")]
     Duplicate(ReqId),
+    /// `requests_max` requests are awaited; retry once some have ended.
     #[error("{0} requests are awaited already; retry later")]
     TooMany(usize),
+    /// `tp_ranks` was 0.
     #[error("tp_ranks must be at least 1")]
     ZeroRanks,
+    /// No notice can carry an id this long (`req_id_bytes_max`), so it could never be ready:
+    /// shorten the ids or raise the bound.
     #[error("a request id of {len} bytes exceeds req_id_bytes_max {max}")]
-    IdTooLong { len: usize, max: usize },
+    IdTooLong {
+        /// The id's length in bytes.
+        len: usize,
+        /// `req_id_bytes_max`.
+        max: usize,
+    },
     /// The proxy's driver is gone (shut down, or its notice channel closed).
     #[error("the proxy is gone")]
     ProxyGone,
@@ -76,6 +99,10 @@ struct Early {
     at: Instant,
 }
 
+/// The proxy's state machine: the awaited requests with their deadlines, and the notices
+/// kept for ids not awaited yet. Its contract is in the module documentation: feed
+/// `handle_expect`, `handle_message` and `handle_timeout` (at `poll_timeout`), drain
+/// `poll_event` after each; each awaited request ends in exactly one event.
 #[derive(Debug)]
 pub struct ProxyTracker {
     cfg: ProxyConfig,
@@ -100,6 +127,7 @@ fn early_bytes(req_id: &ReqId, reason: Option<&String>) -> usize {
 }
 
 impl ProxyTracker {
+    /// Nothing awaited or kept. Refuses what `ProxyConfig::validate` refuses.
     pub fn new(cfg: ProxyConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
@@ -204,6 +232,8 @@ impl ProxyTracker {
         }
     }
 
+    /// Fails every awaited request whose `kv_ready_timeout` has passed (`TimedOut`), and
+    /// forgets early notices older than `early_notice_ttl`.
     pub fn handle_timeout(&mut self, now: Instant) {
         while let Some((deadline, _)) = self.deadlines.first() {
             if *deadline > now {
@@ -230,6 +260,8 @@ impl ProxyTracker {
         }
     }
 
+    /// When `handle_timeout` next has work. It may come early (an early notice kept afresh
+    /// leaves its older entry behind): the call then reports nothing.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let awaited = self.deadlines.first().map(|(at, _)| *at);
         earliest(
@@ -240,10 +272,12 @@ impl ProxyTracker {
         )
     }
 
+    /// The next request that ended, in the order they ended.
     pub fn poll_event(&mut self) -> Option<ProxyEvent> {
         self.events.pop_front()
     }
 
+    /// Requests awaited now.
     pub fn awaited(&self) -> usize {
         self.awaited.len()
     }
@@ -312,6 +346,8 @@ impl ProxyTracker {
         }
     }
 
+    /// Panics if a table exceeds its bound, the kept bytes are miscounted, or an awaited
+    /// request has every notice but was not reported.
     pub fn check_invariants(&self) {
         assert!(
             self.awaited.len() <= self.cfg.requests_max,

@@ -38,6 +38,7 @@ impl SeededRng {
         SeededRng::new(self.next_u64() ^ purpose.wrapping_mul(0xA24B_AED4_963E_E407))
     }
 
+    /// The next number of the stream (xorshift64*).
     pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;

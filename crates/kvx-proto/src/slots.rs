@@ -21,30 +21,41 @@ use crate::time::Instant;
 /// before it touches the slot (`docs/spec/protocol.md` §Slots, grant-bound writes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotGrant {
+    /// The control peer the grant went to; only its fabric connections may write the slot.
     pub peer: PeerId,
+    /// The grant's generation, as its write's immediate must carry it.
     pub generation: u32,
 }
 
 /// A slot's grant changed: `Some` when it is handed out, `None` once it is free again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GrantChange {
+    /// The slot whose grant changed.
     pub slot: SlotIndex,
+    /// Its grant from now on.
     pub grant: Option<SlotGrant>,
 }
 
+/// Where a slot is in its cycle: `Free` → `Granted` → `Landed` → `Free`. A rolled-back
+/// request's `Granted` slot goes to `Quarantined` (then `Free`), or straight to `Free` when
+/// its sender said it is drained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotState {
+    /// No grant; `grant` may hand it out.
     Free,
     /// Handed to `owner`'s sender; its write has not been seen.
     Granted {
+        /// The request's admission ticket.
         owner: Ticket,
     },
     /// `owner`'s write has landed.
     Landed {
+        /// The request's admission ticket.
         owner: Ticket,
     },
     /// Owner rolled back while a write may still land; unusable until `until`.
     Quarantined {
+        /// When it is freed if no late write clears it first.
         until: Instant,
     },
 }
@@ -53,7 +64,10 @@ pub enum SlotState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Landing {
     /// The write of a current grant landed.
-    Current { owner: Ticket },
+    Current {
+        /// The request's admission ticket.
+        owner: Ticket,
+    },
     /// A late write of a rolled-back grant landed in quarantine; the slot is free now.
     QuarantineCleared,
     /// A notice for a grant that is not current (duplicate, or a slot already reused):
@@ -64,6 +78,24 @@ pub enum Landing {
     Forged,
 }
 
+/// The receiver's buffer slots: each slot's state, the generation of its latest grant, the
+/// peer that grant went to, and the quarantine queue.
+///
+/// Contract: the caller (`ReceiverLedger`) calls `grant` once per chunk of an admitted
+/// request's batch (admission leaves a free slot for every reserved chunk; `None` means it
+/// did not); `land` for every write the fabric reports, whatever its tag and peer claim
+/// (stale, forged or out-of-range notices change nothing); `release` for a slot whose write
+/// can no longer land (it landed, or the sender said it is drained); `quarantine` for each
+/// slot of a request rolled back without that assurance (one already landed is freed),
+/// always with `until = now + write_quarantine`, so the queue stays in deadline order; and
+/// `poll_quarantine_expired(now)` until `None` whenever `now` reaches `next_deadline`.
+/// `release` and `quarantine` take only a slot that is `Granted` or `Landed`, once per
+/// grant (they panic otherwise). It emits every grant and every return to `Free`, in order,
+/// through `poll_grant_change`, and each slot its quarantine freed, with the peer that held
+/// it, through `poll_quarantine_expired`; the caller gives that peer's pinned slot back to
+/// admission (`Admission::unpin`), as it does for a `Landing::QuarantineCleared`. The
+/// driver applies the grant changes to the fabric's mirror before it sends the replies that
+/// hand the grants out.
 #[derive(Debug, Clone)]
 pub struct SlotTable {
     state: Vec<SlotState>,
@@ -83,6 +115,7 @@ pub struct SlotTable {
 }
 
 impl SlotTable {
+    /// `slots` free slots, all at generation 0; slot 0 is granted first.
     pub fn new(slots: u32) -> Self {
         Self {
             state: vec![SlotState::Free; slots as usize],
@@ -98,14 +131,17 @@ impl SlotTable {
         }
     }
 
+    /// Slots in the buffer.
     pub fn capacity(&self) -> u32 {
         self.state.len() as u32
     }
 
+    /// Slots `grant` may hand out.
     pub fn free_count(&self) -> u32 {
         self.free.len() as u32
     }
 
+    /// Slots out of use until a late write lands or their quarantine ends.
     pub fn quarantined_count(&self) -> u32 {
         self.quarantined
     }
@@ -115,10 +151,13 @@ impl SlotTable {
         self.granted + self.landed
     }
 
+    /// The state of `slot`. Panics if `slot` is not below `capacity`.
     pub fn state(&self, slot: SlotIndex) -> SlotState {
         self.state[slot.0 as usize]
     }
 
+    /// `slot` with its current generation (that of its latest grant). Panics if `slot` is not
+    /// below `capacity`.
     pub fn tag(&self, slot: SlotIndex) -> WriteTag {
         WriteTag {
             slot,
@@ -239,6 +278,8 @@ impl SlotTable {
         None
     }
 
+    /// When `poll_quarantine_expired` may next have a slot to free. It may come early (the
+    /// head entry's slot was already cleared by a late write): the poll then skips it.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.quarantine.front().map(|q| q.0)
     }
@@ -292,6 +333,7 @@ impl SlotTable {
         }
     }
 
+    /// Panics if the counters, the free stack or the holders disagree with the states.
     pub fn check_invariants(&self) {
         let (mut free, mut granted, mut landed, mut quarantined) = (0u32, 0u32, 0u32, 0u32);
         for s in &self.state {

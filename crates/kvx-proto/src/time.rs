@@ -4,20 +4,26 @@
 use std::ops::{Add, Sub};
 use std::time::Duration;
 
+/// A point in time as the time since the driver's epoch. Adding saturates, and subtracting a
+/// later instant gives zero, so no arithmetic on deadlines panics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Instant(Duration);
 
 impl Instant {
+    /// The epoch.
     pub const ZERO: Instant = Instant(Duration::ZERO);
 
+    /// The instant `since_epoch` after the epoch.
     pub fn from_duration(since_epoch: Duration) -> Self {
         Instant(since_epoch)
     }
 
+    /// The time since the epoch.
     pub fn since_epoch(self) -> Duration {
         self.0
     }
 
+    /// The time from `earlier` to `self`; zero if `earlier` is later.
     pub fn saturating_since(self, earlier: Instant) -> Duration {
         self.0.saturating_sub(earlier.0)
     }

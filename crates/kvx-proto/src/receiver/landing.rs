@@ -21,17 +21,28 @@ pub enum ChecksumCheck {
     /// The landed bytes match the checksum the sender computed.
     Match,
     /// They do not: the bytes changed between the sender's staging and this buffer.
-    Mismatch { carried: u32, computed: u32 },
+    Mismatch {
+        /// The checksum the write carried.
+        carried: u32,
+        /// The checksum of the bytes that landed.
+        computed: u32,
+    },
 }
 
 /// One write the fabric applied: who wrote (the control peer its connection authenticated
 /// as), where, with which immediate, how many bytes, and how its checksum compared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LandedWrite {
+    /// The control peer the writing connection authenticated as (never what the write
+    /// claims).
     pub peer: PeerId,
+    /// The slot the bytes went into.
     pub slot: SlotIndex,
+    /// The write's immediate, decoded (`WriteTag::from_imm`).
     pub tag: WriteTag,
+    /// Bytes written; 0 fails the grant holder's request.
     pub bytes: u64,
+    /// How the carried checksum compared with the landed bytes.
     pub checksum: ChecksumCheck,
 }
 

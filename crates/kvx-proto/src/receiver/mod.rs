@@ -35,27 +35,42 @@ use tombstones::Tombstones;
 pub enum ReceiverEvent {
     /// The request holds its reservation; `waited` is its time in the admission queue.
     Admitted {
+        /// The request.
         key: ReqKey,
+        /// The slots reserved for it.
         total_chunks: u32,
+        /// Its time in the admission queue (zero when admitted at once).
         waited: Duration,
     },
     /// Every chunk is allocated and written: the decoder may read `slots` (chunk order)
     /// and must then call `handle_consume`.
     Ready {
+        /// The request.
         key: ReqKey,
+        /// Its slots, one per chunk, in chunk order.
         slots: Vec<SlotIndex>,
+        /// The sender's cache key of each chunk, parallel to `slots`.
         keys: Vec<String>,
     },
     /// The request ended; exactly one per request that was ever tracked or refused.
-    Ended { key: ReqKey, outcome: Outcome },
+    Ended {
+        /// The request.
+        key: ReqKey,
+        /// Consumed, or why it failed.
+        outcome: Outcome,
+    },
 }
 
 /// Why `handle_consume` was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumeError {
+    /// The request is not tracked: it ended (its `Ended` event is out or on its way), or
+    /// never existed. A decoder skips it.
     #[error("request {0} is not known to this receiver")]
     Unknown(ReqKey),
+    /// The request is tracked but not ready (for `handle_external_ready`: a kvx sender's
+    /// request, or its last batch is not allocated yet). Wait for its `Ready` event.
     #[error("request {0} is not ready: its chunks are not all written yet")]
     NotReady(ReqKey),
 }
@@ -63,10 +78,16 @@ pub enum ConsumeError {
 /// Counters since start, for metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReceiverStats {
+    /// Requests admitted (at once or from the queue).
     pub admitted: u64,
+    /// Messages refused on arrival.
     pub refused: u64,
+    /// Requests that failed after they were tracked.
     pub rolled_back: u64,
+    /// Requests the decoder consumed.
     pub consumed: u64,
+    /// Landed writes of a grant no longer current (duplicates, late writes into a reused
+    /// slot): ignored.
     pub stale_landings: u64,
     /// Landed writes refused: not the grant holder's, or not the slot their immediate names.
     pub refused_landings: u64,
@@ -109,6 +130,28 @@ pub(crate) struct Request {
     pub doomed: Option<Failure>,
 }
 
+/// The decode side's state machine: admission, the buffer's slots, every tracked request
+/// from its first batch to its end, and the ids of ended ones (`docs/spec/protocol.md`
+/// §Receiver).
+///
+/// Contract: it takes each decoded control message with `handle_message(now, peer, …)`,
+/// each write the fabric applied with `handle_chunk_landed`, the decoder's `handle_acquire`
+/// and `handle_consume` (and `handle_external_ready` for a legacy sender's request), and
+/// `handle_timeout(now)` once `now` reaches `poll_timeout()`. Each call may queue grant
+/// changes (`poll_grant_change`), replies (`poll_transmit`) and events (`poll_event`:
+/// `Admitted`, `Ready`, then exactly one `Ended` per request it tracked or refused; a batch
+/// with an empty or overlong id gets none). After every call the driver drains them in that
+/// order, applying every grant change to the fabric's access mirror before it sends a reply
+/// (a reply hands grants out and the write may follow at once), then asks `poll_timeout`
+/// again.
+///
+/// The driver guarantees that `now` never goes back; that `peer` is the same number for the
+/// same control connection and that a landed write's `peer` is the control peer its fabric
+/// connection authenticated as (the credential sent in the replies to that peer), so a
+/// grant binds the writer; and that the decoder calls `handle_acquire` before it reads a
+/// ready request's slots (which keeps them put through a cancel) and `handle_consume` once
+/// it has read them. The node's driver also feeds landings already waiting before control
+/// messages, so a write is seen before any message its completion caused.
 #[derive(Debug, Clone)]
 pub struct ReceiverLedger {
     cfg: ReceiverConfig,
@@ -127,6 +170,8 @@ pub struct ReceiverLedger {
 }
 
 impl ReceiverLedger {
+    /// An empty buffer of `cfg.buffer_slots` slots. Refuses what `ReceiverConfig::validate`
+    /// refuses.
     pub fn new(cfg: ReceiverConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
@@ -149,6 +194,7 @@ impl ReceiverLedger {
         })
     }
 
+    /// The configuration it was built with.
     pub fn config(&self) -> &ReceiverConfig {
         &self.cfg
     }
@@ -298,14 +344,17 @@ impl ReceiverLedger {
         self.transmits.pop_front()
     }
 
+    /// The next event for the decoder, in the order they happened.
     pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
         self.events.pop_front()
     }
 
+    /// Counters since start.
     pub fn stats(&self) -> &ReceiverStats {
         &self.stats
     }
 
+    /// Slots in the buffer.
     pub fn capacity(&self) -> u32 {
         self.cfg.buffer_slots
     }
@@ -323,10 +372,12 @@ impl ReceiverLedger {
         self.slots.held_count()
     }
 
+    /// Slots of rolled-back requests that a late write may still hit.
     pub fn quarantined_slots(&self) -> u32 {
         self.slots.quarantined_count()
     }
 
+    /// Slots no grant holds.
     pub fn free_slots(&self) -> u32 {
         self.slots.free_count()
     }
@@ -336,6 +387,7 @@ impl ReceiverLedger {
         self.admission.reserved()
     }
 
+    /// First batches waiting for admission.
     pub fn admission_queue_len(&self) -> usize {
         self.admission.queue_len()
     }
@@ -352,6 +404,7 @@ impl ReceiverLedger {
         self.tombstones.bytes()
     }
 
+    /// Requests tracked (waiting, admitted or ready; bounded by `requests_max`).
     pub fn tracked_requests(&self) -> usize {
         self.requests.len()
     }
@@ -545,6 +598,9 @@ impl ReceiverLedger {
         self.set_timer(key, now + self.cfg.request_idle_timeout);
     }
 
+    /// Panics if admission, the slot table and the requests disagree (reservations, owners,
+    /// quarantine, bounds, timers). The harness (`Cluster`, `OpWorld`) calls it after every
+    /// step.
     pub fn check_invariants(&self) {
         self.admission.check_invariants();
         self.slots.check_invariants();

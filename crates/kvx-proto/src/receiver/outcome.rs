@@ -14,15 +14,34 @@ pub enum Failure {
     /// `total_chunks == 0` on the first batch.
     ZeroChunks,
     /// The request declares more chunks than the whole buffer holds.
-    LargerThanBuffer { need: u32, capacity: u32 },
+    LargerThanBuffer {
+        /// The request's `total_chunks`.
+        need: u32,
+        /// The buffer's slots.
+        capacity: u32,
+    },
     /// Too many requests wait for admission.
-    AdmissionQueueFull { max: usize },
+    AdmissionQueueFull {
+        /// `admission_queue_max`.
+        max: usize,
+    },
     /// The request needs more slots than one sender may hold.
-    LargerThanPeerShare { need: u32, cap: u32 },
+    LargerThanPeerShare {
+        /// The request's `total_chunks`.
+        need: u32,
+        /// Slots one sender may hold (`ReceiverConfig::peer_slots_max`).
+        cap: u32,
+    },
     /// This sender already has too many requests waiting.
-    PeerQueueFull { max: usize },
+    PeerQueueFull {
+        /// `peer_queue_max`.
+        max: usize,
+    },
     /// Too many requests are tracked.
-    TooManyRequests { max: usize },
+    TooManyRequests {
+        /// `requests_max`.
+        max: usize,
+    },
     /// Waited `admission_timeout` without a reservation.
     AdmissionTimeout,
     /// The sender broke the protocol (the text says how); the request is rolled back.
@@ -46,7 +65,9 @@ pub enum Failure {
 /// The end of a request on the receiver: exactly one per request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
+    /// The decoder read it (`handle_consume`).
     Consumed,
+    /// Refused, or rolled back before the decoder consumed it.
     Failed(Failure),
 }
 

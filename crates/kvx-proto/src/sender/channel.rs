@@ -28,8 +28,11 @@ pub enum Mode {
 /// One chunk of a batch: its key, where its bytes are staged, its token count.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkSpec {
+    /// The chunk's cache key, sent in the batch's `keys`.
     pub key: String,
+    /// The staging slot holding its bytes (taken with `try_allocate`).
     pub staging: StagingSlot,
+    /// Its token count; the last chunk's becomes the batch's `last_chunk_toks`.
     pub tokens: u64,
 }
 

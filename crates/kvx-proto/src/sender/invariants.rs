@@ -5,6 +5,8 @@ use super::channel::Kind;
 use super::{SenderFlow, State};
 
 impl SenderFlow {
+    /// Panics if staging, writes, channels and requests disagree (`docs/invariants.md`
+    /// S1–S4, S7). The harness calls it after every step.
     pub fn check_invariants(&self) {
         self.staging.check_invariants();
         let mut owned = 0usize;

@@ -45,14 +45,18 @@ pub use staging::{Age, StagingPool, StagingWaiters};
 /// Where a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Destination {
+    /// The control channel to this receiver.
     Receiver(PeerId),
+    /// The notice channel to the proxy.
     Proxy,
 }
 
 /// A message to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transmit {
+    /// Where to send it.
     pub to: Destination,
+    /// What to send, encoded with `wire::encode`.
     pub msg: Message,
 }
 
@@ -60,12 +64,17 @@ pub struct Transmit {
 /// its completion with `handle_write_done(id, …)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteOp {
+    /// Names the write in `handle_write_done`.
     pub id: WriteId,
+    /// The request the chunk belongs to.
     pub req_id: ReqId,
+    /// The receiver whose buffer it goes into (its fabric connection).
     pub receiver: PeerId,
     /// The chunk's position in its request.
     pub chunk: u32,
+    /// Where the bytes are staged; the slot stays the request's until the completion.
     pub staging: StagingSlot,
+    /// The receiver slot granted for the chunk.
     pub remote: SlotIndex,
     /// The immediate value to carry, when the receiver handed out generations (kvx).
     pub tag: Option<WriteTag>,
@@ -74,12 +83,17 @@ pub struct WriteOp {
 /// How a request was described when it began.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestSpec {
+    /// The proxy's request id; unique among the requests this sender runs.
     pub req_id: ReqId,
+    /// The receiver (its control channel) the chunks go to.
     pub receiver: PeerId,
+    /// Chunks the request will send at most; the receiver reserves this many. At least 1.
     pub total_chunks: u32,
+    /// LMCache `MemoryFormat` value, sent as is.
     pub fmt: u32,
     /// Shape of one full chunk.
     pub shape: Vec<u64>,
+    /// torch dtype name, sent as is.
     pub dtype: String,
 }
 
@@ -87,6 +101,7 @@ pub struct RequestSpec {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SendFailure {
+    /// The caller cancelled it (`handle_cancel`).
     Cancelled,
     /// The receiver refused; its reason, when it gave one.
     Refused(String),
@@ -96,6 +111,7 @@ pub enum SendFailure {
     ReplyTimeout,
     /// The control channel to the receiver was lost.
     ChannelLost,
+    /// A write completed with an error (the text is the fabric's).
     WriteFailed(String),
     /// A write did not complete within `write_timeout`.
     WriteTimeout,
@@ -125,24 +141,32 @@ impl fmt::Display for SendFailure {
 pub enum SenderEvent {
     /// The receiver reserved the whole request: its chunks may now take staging.
     Admitted {
+        /// The request.
         req_id: ReqId,
     },
     /// Every chunk is written and `ProxyNotif` was emitted (exactly once).
     Delivered {
+        /// The request.
         req_id: ReqId,
     },
+    /// The request failed; its staging is released as its writes complete, and `outcome`
+    /// says why from now on.
     Failed {
+        /// The request.
         req_id: ReqId,
+        /// Why.
         failure: SendFailure,
     },
     /// The channel to `receiver` was reset (reply timeout or loss): the driver should
     /// reconnect and reset the fabric connection so outstanding writes are flushed.
     ChannelReset {
+        /// The receiver.
         receiver: PeerId,
     },
     /// A write is overdue: the driver should reset the fabric connection to `receiver`,
     /// which flushes the write with an error.
     FabricStalled {
+        /// The receiver.
         receiver: PeerId,
     },
 }
@@ -151,16 +175,25 @@ pub enum SenderEvent {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SendError {
+    /// The request was never begun, or ended and its outcome is no longer remembered (for
+    /// `handle_cancel`: it ended, a harmless race).
     #[error("request {0} is not known (never begun, or already ended)")]
     Unknown(ReqId),
+    /// `handle_begin` with an id that still runs: ids must be unique among running requests.
     #[error("request {0} already exists")]
     Duplicate(ReqId),
+    /// `handle_begin` with `total_chunks == 0`.
     #[error("request {0} declares total_chunks=0: declare how many chunks it will send")]
     ZeroChunks(ReqId),
+    /// `requests_max` requests run; begin it again once some have ended.
     #[error("too many requests in flight ({0}); retry later")]
     TooManyRequests(usize),
+    /// Staging or submit before the request's `Admitted` event: wait for it.
     #[error("request {0} is not admitted yet: wait for its Admitted event")]
     NotAdmitted(ReqId),
+    /// No staging slot for this call now: none is free, or an older request's call waits
+    /// for the next one. Register with `wait_for_staging` and retry after events and write
+    /// completions, for at most `staging_timeout`.
     #[error("no staging slot is free: wait until writes complete")]
     WouldBlock,
     /// Every staging slot is held by chunks not yet submitted, some of them this caller's:
@@ -169,10 +202,22 @@ pub enum SendError {
         "all {0} staging slots hold unsubmitted chunks: submit a batch before allocating more"
     )]
     StagingHeldByCaller(u32),
+    /// The request failed (or is failing while its writes drain), for the reason given:
+    /// stop staging and submitting for it.
     #[error("request {0} failed: {1}")]
     Failed(ReqId, SendFailure),
+    /// The call broke the API's contract (see `handle_submit`, `try_allocate`,
+    /// `release_staging`); the request was cancelled, except for `release_staging`, which
+    /// changes nothing.
     #[error("request {req_id}: {why} (the request was cancelled)")]
-    Misuse { req_id: ReqId, why: String },
+    Misuse {
+        /// The request.
+        req_id: ReqId,
+        /// What was wrong.
+        why: String,
+    },
+    /// `channel_queue_max` messages wait on the channel to that receiver; nothing changed:
+    /// retry later.
     #[error("the channel to {0} has {1} queued messages; retry later")]
     ChannelFull(PeerId, usize),
 }
@@ -219,12 +264,21 @@ struct PendingWrite {
 /// Counters since start.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SenderStats {
+    /// Requests begun.
     pub begun: u64,
+    /// Requests delivered (`ProxyNotif` sent).
     pub delivered: u64,
+    /// Requests failed.
     pub failed: u64,
+    /// Messages dropped: not an `AllocResponse`, from a receiver with no channel, or
+    /// answering nothing in flight.
     pub stale_replies: u64,
 }
 
+/// The prefill side's state machine: the requests, one control channel per receiver, the
+/// staging pool and the posted writes. Its contract is in the module documentation: the
+/// caller's calls, replies, every write's completion exactly once, and timers in;
+/// `poll_transmit`, `poll_write` and `poll_event` drained after each.
 #[derive(Debug, Clone)]
 pub struct SenderFlow {
     cfg: SenderConfig,
@@ -250,6 +304,8 @@ pub struct SenderFlow {
 }
 
 impl SenderFlow {
+    /// No request, channel or write; all staging free. Refuses what
+    /// `SenderConfig::validate` refuses.
     pub fn new(cfg: SenderConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
@@ -272,6 +328,7 @@ impl SenderFlow {
         })
     }
 
+    /// The configuration it was built with.
     pub fn config(&self) -> &SenderConfig {
         &self.cfg
     }
@@ -509,6 +566,9 @@ impl SenderFlow {
         self.reset_channel(now, receiver, SendFailure::ChannelLost);
     }
 
+    /// Resets every channel with a reply overdue (its requests fail with `ReplyTimeout`)
+    /// and reports each overdue write once (`FabricStalled`; its request fails with
+    /// `WriteTimeout`).
     pub fn handle_timeout(&mut self, now: Instant) {
         let overdue: Vec<PeerId> = self
             .channels
@@ -541,6 +601,7 @@ impl SenderFlow {
         }
     }
 
+    /// The earliest reply or write deadline.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let channels = self
             .channels
@@ -556,40 +617,49 @@ impl SenderFlow {
         earliest(channels, writes)
     }
 
+    /// The next message to send; per destination, in the order they must arrive.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         self.transmits.pop_front()
     }
 
+    /// The next write to post. Its deadline runs from when it was queued here.
     pub fn poll_write(&mut self) -> Option<WriteOp> {
         self.write_ops.pop_front()
     }
 
+    /// The next event, in the order they happened.
     pub fn poll_event(&mut self) -> Option<SenderEvent> {
         self.events.pop_front()
     }
 
+    /// Counters since start.
     pub fn stats(&self) -> &SenderStats {
         &self.stats
     }
 
+    /// Staging slots free now.
     pub fn staging_free(&self) -> u32 {
         self.staging.free_count()
     }
 
+    /// Staging slots in the pool.
     pub fn staging_capacity(&self) -> u32 {
         self.staging.capacity()
     }
 
+    /// Whether `req_id` runs and holds its reservation (it may stage and submit).
     pub fn is_admitted(&self, req_id: &ReqId) -> bool {
         self.requests
             .get(req_id)
             .is_some_and(|r| r.state == State::Admitted)
     }
 
+    /// Requests running, failing ones included (bounded by `requests_max`).
     pub fn tracked_requests(&self) -> usize {
         self.requests.len()
     }
 
+    /// What the channel to `receiver` has learnt of it; `None` before its first request.
     pub fn channel_mode(&self, receiver: PeerId) -> Option<Mode> {
         self.channels.get(&receiver).map(|c| c.mode)
     }

@@ -15,6 +15,8 @@ use std::collections::BTreeMap;
 
 use crate::ids::{ReqId, StagingSlot};
 
+/// The staging slots and the request holding each. It checks nothing about admission:
+/// `SenderFlow` hands slots only to admitted requests.
 #[derive(Debug, Clone)]
 pub struct StagingPool {
     owner: Vec<Option<ReqId>>,
@@ -22,6 +24,7 @@ pub struct StagingPool {
 }
 
 impl StagingPool {
+    /// `slots` free slots.
     pub fn new(slots: u32) -> Self {
         // Reversed so that `pop` hands out slot 0 first.
         Self {
@@ -30,24 +33,29 @@ impl StagingPool {
         }
     }
 
+    /// Slots in the pool.
     pub fn capacity(&self) -> u32 {
         self.owner.len() as u32
     }
 
+    /// Slots free now.
     pub fn free_count(&self) -> u32 {
         self.free.len() as u32
     }
 
+    /// A free slot for `req` (the slot freed last); `None` when none is free.
     pub fn take(&mut self, req: &ReqId) -> Option<StagingSlot> {
         let slot = self.free.pop()?;
         self.owner[slot.0 as usize] = Some(req.clone());
         Some(slot)
     }
 
+    /// The request holding `slot`, if any.
     pub fn owner(&self, slot: StagingSlot) -> Option<&ReqId> {
         self.owner.get(slot.0 as usize).and_then(Option::as_ref)
     }
 
+    /// Frees `slot`. Panics if it is out of range or already free.
     pub fn give_back(&mut self, slot: StagingSlot) {
         let owner = self
             .owner
@@ -77,6 +85,7 @@ impl StagingPool {
         self.free.iter().for_each(|&s| enc.staging(s));
     }
 
+    /// Panics unless every slot is either held or on the free stack.
     pub fn check_invariants(&self) {
         let owned = self.owner.iter().filter(|o| o.is_some()).count();
         assert_eq!(
@@ -103,6 +112,7 @@ impl StagingWaiters {
         self.waiting.keys().next().copied()
     }
 
+    /// Registers one more waiting call of `req`, whose age is `age`.
     pub fn add(&mut self, age: Age, req: &ReqId) {
         self.waiting
             .entry(age)
@@ -135,6 +145,7 @@ impl StagingWaiters {
         self.waiting.iter().map(|(&age, (req, n))| (age, req, *n))
     }
 
+    /// Whether no call waits.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()
     }

@@ -18,6 +18,7 @@ use crate::slots::SlotState;
 pub struct Violation(pub String);
 
 impl Violation {
+    /// The rule broken, in words.
     pub fn new(why: String) -> Self {
         Violation(why)
     }

@@ -31,32 +31,52 @@ const OPS_MAX: usize = 4_000;
 /// One thing that can happen next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Event {
+    /// `sender` begins a new request of `total` chunks.
     Begin {
+        /// 0 or 1.
         sender: usize,
+        /// Its `total_chunks`.
         total: u32,
     },
+    /// `sender` stages and submits up to `chunks` chunks of its first admitted request with
+    /// chunks left (its last batch when they are the last), after asking for staging for its
+    /// unadmitted requests too (which the core must refuse).
     Submit {
+        /// 0 or 1.
         sender: usize,
+        /// At most this many chunks.
         chunks: u32,
     },
     /// One chunk of the youngest admitted request with chunks left, staged and submitted
     /// at once: a caller that does not follow the oldest-first order, which the core must
     /// hold to it while an older request waits for staging (S9).
     SubmitYoungest {
+        /// 0 or 1.
         sender: usize,
     },
+    /// The oldest message from this sender to the receiver arrives.
     ToReceiver(usize),
+    /// The oldest message from the receiver to this sender arrives.
     ToSender(usize),
+    /// `sender`'s oldest posted write completes.
     Write {
+        /// 0 or 1.
         sender: usize,
+        /// It fails without landing, instead of landing.
         fail: bool,
     },
+    /// `sender` cancels one of the requests it began (ended ones included).
     Cancel {
+        /// 0 or 1.
         sender: usize,
+        /// Which request, modulo how many it began.
         pick: usize,
     },
+    /// Time passes; every timer due fires.
     Advance(Duration),
+    /// The decoder reads and consumes a ready request (this index modulo how many are).
     Consume(usize),
+    /// This sender's control connection breaks, with its fabric connection.
     LoseConnection(usize),
 }
 

@@ -8,13 +8,17 @@ use crate::config::{ProxyConfig, ReceiverConfig, SenderConfig};
 /// One request of the workload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestPlan {
+    /// Index of the sender in `ClusterSpec::senders`.
     pub sender: usize,
+    /// Index of the receiver in `ClusterSpec::receivers`.
     pub receiver: usize,
+    /// The request's id; unique within the plan.
     pub req_id: String,
     /// Chunks the request really has.
     pub chunks: u32,
     /// Chunks it declares (normally `chunks`); larger than the buffer for the oversized case.
     pub declared: u32,
+    /// Chunks per submitted batch (the last may be smaller).
     pub batch_chunks: u32,
     /// When the prefill engine may start it (it also waits for an `interleave` slot).
     pub start_after: Duration,
@@ -27,6 +31,8 @@ pub struct RequestPlan {
 }
 
 impl RequestPlan {
+    /// `chunks` chunks in batches of `batch_chunks`, from `sender` to `receiver`, declared
+    /// as they are, started at once, with no fault.
     pub fn new(
         sender: usize,
         receiver: usize,
@@ -79,12 +85,17 @@ impl Default for Timing {
 /// The whole harness setup.
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
+    /// One configuration per sender; a sender's index is its `PeerId`.
     pub senders: Vec<SenderConfig>,
+    /// One configuration per receiver; a receiver's index is its `PeerId`.
     pub receivers: Vec<ReceiverConfig>,
+    /// The proxy's configuration.
     pub proxy: ProxyConfig,
     /// Requests each sender's prefill engine works on at once.
     pub interleave: usize,
+    /// Latencies and durations of the simulated world.
     pub timing: Timing,
+    /// The workload.
     pub requests: Vec<RequestPlan>,
     /// Seed of the jitter.
     pub seed: u64,
@@ -123,6 +134,7 @@ impl ClusterSpec {
         }
     }
 
+    /// Adds `plan` to the workload.
     pub fn with(mut self, plan: RequestPlan) -> Self {
         self.requests.push(plan);
         self

@@ -68,13 +68,17 @@ pub const FABRIC_CREDENTIAL_MAX: usize = 128;
 /// Sender → proxy (PUSH → PULL): every chunk of `req_id` is written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProxyNotif {
+    /// The proxy's request id, as the sender's batches carried it.
     pub req_id: String,
 }
 
 /// Sender → receiver: abort `req_id` and release `keys` and its reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CancelNotif {
+    /// The request to abort.
     pub req_id: String,
+    /// The chunk keys sent so far (LMCache's per-key bookkeeping); a kvx receiver releases
+    /// the whole request whatever this names.
     pub keys: Vec<String>,
     /// kvx extension: correlates the (empty) reply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,7 +93,9 @@ pub struct CancelNotif {
 /// An LMCache proxy does not know this message, so senders send it only when configured to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailNotif {
+    /// The request that failed.
     pub req_id: String,
+    /// Why, in words a person can act on; the proxy cuts it to `reason_bytes_max`.
     pub reason: String,
 }
 
@@ -101,10 +107,15 @@ pub struct FailNotif {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type")]
 pub enum Message {
+    /// Sender → receiver: a batch or an admission probe.
     AllocRequest(AllocRequest),
+    /// Receiver → sender: the reply to an `AllocRequest` or a `CancelNotif`.
     AllocResponse(AllocResponse),
+    /// Sender → proxy: the request's chunks are all written.
     ProxyNotif(ProxyNotif),
+    /// Sender → receiver: abort a request.
     CancelNotif(CancelNotif),
+    /// Sender → proxy (kvx only): the request failed.
     FailNotif(FailNotif),
 }
 

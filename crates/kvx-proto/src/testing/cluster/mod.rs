@@ -26,29 +26,41 @@ use crate::wire::{self, Message};
 /// How a request ended at its sender.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {
+    /// `SenderEvent::Delivered`.
     Delivered,
+    /// `SenderEvent::Failed`, with the failure in words.
     Failed(String),
 }
 
 /// What happened to one planned request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PlanReport {
+    /// When its sender began it (`handle_begin`).
     pub begun_at: Option<Instant>,
+    /// When its sender saw it admitted.
     pub admitted_at: Option<Instant>,
+    /// When it ended at its sender.
     pub ended_at: Option<Instant>,
+    /// How it ended at its sender.
     pub sender_end: Option<End>,
     /// `Ok` when the proxy saw every notice, `Err(reason)` on a failure notice or timeout.
     pub proxy_end: Option<Result<Instant, String>>,
+    /// How it ended at its receiver.
     pub receiver_end: Option<Outcome>,
+    /// When the decoder consumed it.
     pub consumed_at: Option<Instant>,
+    /// Chunks the decoder read and checked.
     pub chunks_verified: u32,
 }
 
 /// The result of a run.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    /// One per `ClusterSpec::requests`, in the same order.
     pub plans: Vec<PlanReport>,
+    /// Events handled.
     pub steps: u64,
+    /// Virtual time when the run settled.
     pub finished_at: Instant,
     /// Replies received by raw peers (injected messages).
     pub raw_replies: Vec<(PeerId, Message)>,
@@ -76,6 +88,7 @@ impl Report {
         end - start
     }
 
+    /// Requests delivered at their sender.
     pub fn delivered(&self) -> usize {
         self.plans
             .iter()
@@ -87,8 +100,11 @@ impl Report {
 /// The run did not settle, or a checker fired. `dump` says what was outstanding.
 #[derive(Debug, Clone)]
 pub struct Stuck {
+    /// Why the run stopped: a bound reached, or the checker's violation.
     pub reason: String,
+    /// Every node's outstanding state, for the failure message.
     pub dump: String,
+    /// What happened up to then.
     pub report: Box<Report>,
 }
 
@@ -180,6 +196,9 @@ enum Link {
     Reply { r: usize, peer: PeerId },
 }
 
+/// Senders, receivers and a proxy, driven as the production drivers drive them, over FIFO
+/// links with latency and jitter in virtual time, running a `ClusterSpec`'s workload with a
+/// prefill engine and a decoder of its own (`apps.rs`). Deterministic for a given spec.
 #[derive(Debug)]
 pub struct Cluster {
     spec: ClusterSpec,
@@ -284,14 +303,17 @@ impl Cluster {
         );
     }
 
+    /// Receiver `r`'s ledger.
     pub fn receiver(&self, r: usize) -> &ReceiverLedger {
         &self.receivers[r].ledger
     }
 
+    /// Sender `s`'s flow.
     pub fn sender(&self, s: usize) -> &SenderFlow {
         &self.senders[s].flow
     }
 
+    /// The virtual time of the last step.
     pub fn now(&self) -> Instant {
         self.now
     }
