@@ -31,7 +31,9 @@ use siphasher::sip128::{Hasher128, SipHasher24};
 /// receiver's MAC of that. Not a secret beyond the control channel it was sent on.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FabricCredential {
+    /// The control peer the connection acts for.
     pub peer: PeerId,
+    /// The receiver's MAC of `peer` under its buffer's key.
     pub tag: [u8; 16],
 }
 
@@ -39,6 +41,7 @@ impl FabricCredential {
     /// Bytes on a fabric's wire.
     pub const LEN: usize = 24;
 
+    /// The wire form: `peer` little-endian, then `tag`.
     pub fn to_bytes(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
         b[..8].copy_from_slice(&self.peer.0.to_le_bytes());
@@ -46,6 +49,8 @@ impl FabricCredential {
         b
     }
 
+    /// Reads the wire form; any bytes make a credential (`FabricAccess::authenticate`
+    /// decides whether it is worth anything).
     pub fn from_bytes(b: &[u8; Self::LEN]) -> Self {
         let mut peer = [0u8; 8];
         peer.copy_from_slice(&b[..8]);
@@ -87,21 +92,55 @@ impl fmt::Debug for FabricCredential {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteRefusal {
     /// The write carries no immediate, so it names no grant.
-    NoImmediate { slot: u32 },
+    NoImmediate {
+        /// The slot written.
+        slot: u32,
+    },
     /// The immediate names another slot than the one written.
-    SlotMismatch { slot: u32, named: u32 },
+    SlotMismatch {
+        /// The slot written.
+        slot: u32,
+        /// The slot the immediate names.
+        named: u32,
+    },
     /// No bytes: nothing would land.
-    Empty { slot: u32 },
+    Empty {
+        /// The slot written.
+        slot: u32,
+    },
     /// Outside the buffer.
-    OutOfRange { slot: u32 },
+    OutOfRange {
+        /// The slot written.
+        slot: u32,
+    },
     /// The slot is not granted to anyone now.
-    NotGranted { peer: PeerId, slot: u32 },
+    NotGranted {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+    },
     /// The slot is granted, to another peer.
-    NotHolder { peer: PeerId, slot: u32 },
+    NotHolder {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+    },
     /// The immediate names an older (or a future) grant of the slot.
-    StaleGrant { peer: PeerId, slot: u32 },
+    StaleGrant {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+    },
     /// The grant was already written once.
-    AlreadyWritten { peer: PeerId, slot: u32 },
+    AlreadyWritten {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+    },
 }
 
 impl fmt::Display for WriteRefusal {
@@ -187,6 +226,7 @@ impl FabricAccess {
         Ok(Self::new(slots, key))
     }
 
+    /// Slots in the buffer.
     pub fn slots(&self) -> u32 {
         self.cells.len() as u32
     }

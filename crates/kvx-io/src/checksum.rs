@@ -41,10 +41,12 @@ impl std::fmt::Debug for ChecksumState {
 }
 
 impl ChecksumState {
+    /// Adds the next piece; pieces in order give the whole's checksum however they are cut.
     pub fn update(&mut self, piece: &[u8]) {
         self.0.write(piece);
     }
 
+    /// The checksum of every piece so far, as `chunk_checksum` gives for their concatenation.
     pub fn value(&self) -> u32 {
         fold(self.0.finish())
     }

@@ -7,16 +7,24 @@ use std::future::Future;
 use crate::fabric::Fabric;
 use crate::transport::Transport;
 
+/// Everything a driver touches outside its state machine. Clones share the same transport,
+/// fabric and epoch.
 pub trait Env: Clone + Send + Sync + 'static {
+    /// The control plane.
     type Transport: Transport;
+    /// The data plane.
     type Fabric: Fabric;
 
+    /// The transport drivers bind and connect with.
     fn transport(&self) -> &Self::Transport;
+    /// The fabric drivers expose buffers and write with.
     fn fabric(&self) -> &Self::Fabric;
-    /// Now, as the core counts time: since this environment's epoch.
+    /// Now, as the core counts time: since this environment's epoch. Never goes back (the
+    /// state machines rely on it).
     fn now(&self) -> kvx_proto::Instant;
     /// Sleeps until the core instant `at` (returns at once if it has passed).
     fn sleep_until(&self, at: kvx_proto::Instant) -> impl Future<Output = ()> + Send;
+    /// Runs `fut` as a task of its own, detached: drivers run their loops this way.
     fn spawn<F>(&self, fut: F)
     where
         F: Future<Output = ()> + Send + 'static;
@@ -32,6 +40,8 @@ pub struct TokioEnv<T, F> {
 }
 
 impl<T: Transport, F: Fabric> TokioEnv<T, F> {
+    /// An environment whose epoch is now. `spawn` needs a tokio runtime (it calls
+    /// `tokio::spawn`).
     pub fn new(transport: T, fabric: F) -> Self {
         Self {
             transport,

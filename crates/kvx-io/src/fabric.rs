@@ -22,15 +22,28 @@ use tokio::sync::mpsc;
 
 use crate::access::{FabricAccess, FabricCredential};
 
+/// Why a fabric could not expose, connect or complete a write.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum FabricError {
+    /// The endpoint is not one this fabric takes, or is exposed already: fix the address.
     #[error("invalid endpoint {endpoint:?}: {why}")]
-    Endpoint { endpoint: String, why: String },
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// Nothing is exposed at the endpoint (the connection was refused): the receiver is not
+    /// up yet, or gone. Retrying may help; the sender's driver does, bounded.
     #[error("no buffer is exposed at {0}")]
     NotExposed(String),
+    /// The write (its id) names a slot or a length outside the staging or the remote
+    /// memory (the text says which): a caller bug. Nothing of it landed.
     #[error("write {0} is outside the registered memory ({1})")]
     OutOfBounds(u64, String),
+    /// The connection was reset or broke while the write was outstanding: nothing of it
+    /// lands after this completion, so its staging slot may be reused.
     #[error("the connection was reset; the write was flushed")]
     Flushed,
     /// The receiver's fabric refused the write (nothing of it landed): the connection's
@@ -48,11 +61,20 @@ pub enum FabricError {
     /// The two sides cannot work together as configured (another chunk size, another
     /// protocol version): retrying cannot help.
     #[error("the fabric at {endpoint} is incompatible: {why}")]
-    Incompatible { endpoint: String, why: String },
+    Incompatible {
+        /// The receiver's endpoint.
+        endpoint: String,
+        /// What differs.
+        why: String,
+    },
+    /// The connection's IO task is gone: nothing more can be posted; connect again.
     #[error("the connection is closed")]
     Closed,
+    /// Memory for a buffer or staging could not be had (mapped, registered with the NIC,
+    /// or keyed): too large for the machine or its limits (RDMA: the locked-memory limit).
     #[error("cannot allocate {0}")]
     Allocation(String),
+    /// The operating system or the device refused, in its words.
     #[error("{0}")]
     Io(String),
 }
@@ -60,7 +82,9 @@ pub enum FabricError {
 /// Registered memory, addressed by slot. Implementations choose where it lives (heap,
 /// a shared mapping, pinned memory registered with a NIC).
 pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
+    /// Slots in the memory.
     fn slots(&self) -> u32;
+    /// Bytes in each slot (one chunk).
     fn slot_bytes(&self) -> usize;
     /// Copies `data` to the start of `slot` (a prefill thread filling staging, or a fabric
     /// landing a write). Panics when `slot` or `data` is out of bounds: a caller bug.
@@ -157,9 +181,13 @@ impl SlotMemory for HeapMemory {
 /// One write to post: `len` bytes of staging slot `local` into remote slot `remote`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PostWrite {
+    /// Names the write in its `Completion`.
     pub id: WriteId,
+    /// The staging slot to read; it must not change until the completion.
     pub local: StagingSlot,
+    /// The receiver's slot to write.
     pub remote: SlotIndex,
+    /// Bytes from the start of the slot; at most the slot size.
     pub len: usize,
     /// The immediate value (`WriteTag::to_imm`): which grant the write is for. A kvx
     /// receiver refuses writes without one.
@@ -172,7 +200,11 @@ pub struct PostWrite {
 /// A posted write finished, in posting order per connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {
+    /// The write's `PostWrite::id`.
     pub id: WriteId,
+    /// `Ok`: the bytes are in the receiver's memory (on RDMA, where the NIC writes first, a
+    /// write the receiver ignores completes `Ok` too). An error: the write failed, and
+    /// nothing of it lands after this.
     pub result: Result<(), FabricError>,
 }
 
@@ -199,6 +231,7 @@ pub fn landing_channel(slots: u32) -> (mpsc::Sender<LandedWrite>, mpsc::Receiver
 /// What a connection's IO task is asked to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConnOp {
+    /// Post this write.
     Write(PostWrite),
     /// Tear the connection down: flush every outstanding write with `FabricError::Flushed`.
     Reset,
@@ -254,6 +287,7 @@ pub struct ConnPoster {
 }
 
 impl ConnPoster {
+    /// See `FabricConn::post`.
     pub fn post(&self, write: PostWrite) -> Result<(), FabricError> {
         self.ops
             .send(ConnOp::Write(write))
@@ -270,14 +304,20 @@ impl ConnPoster {
 /// (the driver mirrors the ledger's grants into `access` and hands out its credentials).
 #[derive(Debug)]
 pub struct FabricListener<M> {
+    /// The endpoint actually exposed (a port chosen by the OS is filled in).
     pub local_endpoint: String,
+    /// The receive buffer the decoder reads.
     pub memory: Arc<M>,
+    /// One notice per accepted write (`landing_channel`); the receiver's driver feeds each
+    /// to `ReceiverLedger::handle_chunk_landed`.
     pub landed: mpsc::Receiver<LandedWrite>,
+    /// The grant mirror every write is checked against, and the credentials it issues.
     pub access: Arc<FabricAccess>,
 }
 
 /// Makes memory, exposes receive buffers and connects staging to them.
 pub trait Fabric: Clone + Send + Sync + 'static {
+    /// The memory it exposes and writes from.
     type Memory: SlotMemory;
 
     /// Local staging memory for a sender.

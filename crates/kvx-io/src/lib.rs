@@ -27,6 +27,8 @@
 //!   side channel; never built under madsim.
 //! - `conformance` (feature): test bodies every implementation runs.
 
+#![warn(missing_docs)]
+
 pub mod access;
 pub mod checksum;
 pub mod env;

@@ -20,6 +20,8 @@ pub struct LogLimiter {
 }
 
 impl LogLimiter {
+    /// The first event is allowed at once, then one per `interval` (measured on tokio's
+    /// clock, virtual under madsim).
     pub fn new(interval: Duration) -> Self {
         Self {
             interval,

@@ -48,6 +48,7 @@ pub struct MemTransport {
 }
 
 impl MemTransport {
+    /// An empty registry; clones share it.
     pub fn new() -> Self {
         Self::default()
     }
@@ -162,6 +163,7 @@ pub struct MemFabric {
 }
 
 impl MemFabric {
+    /// No buffer exposed; clones share what is.
     pub fn new() -> Self {
         Self::default()
     }

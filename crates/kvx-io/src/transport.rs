@@ -15,17 +15,41 @@ use tokio::sync::mpsc;
 /// Depth of every handle's channels.
 pub const CHANNEL_DEPTH: usize = 1024;
 
+/// Why a transport could not bind, connect or send.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransportError {
+    /// The endpoint is not one this transport takes (ZMQ: `tcp://host:port`), or the
+    /// in-memory one is bound twice or not bound: fix the address.
     #[error("invalid endpoint {endpoint:?}: {why}")]
-    Endpoint { endpoint: String, why: String },
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// Connecting (TCP and handshake) took longer than the transport's bound: the peer is
+    /// down, unreachable or overloaded; retry later or check the address.
     #[error("{what} timed out after {after:?}")]
-    Timeout { what: &'static str, after: Duration },
+    Timeout {
+        /// What timed out.
+        what: &'static str,
+        /// The bound.
+        after: Duration,
+    },
+    /// The handle's transport task has shut down: nothing more goes through this handle.
     #[error("the connection is closed")]
     Closed,
+    /// A frame over the transport's size limit. No transport in this workspace returns it:
+    /// ZMQ drops such a frame (counted in its stats) instead.
     #[error("frame of {len} bytes exceeds the {max}-byte limit")]
-    FrameTooLarge { len: usize, max: usize },
+    FrameTooLarge {
+        /// The frame's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The operating system refused (a bind, a connect, a handshake), in its words.
     #[error("{0}")]
     Io(String),
 }
@@ -84,6 +108,7 @@ pub const DISCONNECT_ACK: Bytes = Bytes::new();
 /// What a `ControlClient` hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClientEvent {
+    /// A payload from the receiver, in the order it sent them.
     Message(Bytes),
     /// The connection broke: messages in flight may be lost. The transport reconnects by
     /// itself; the sender fails what was in flight (`SenderFlow::handle_receiver_lost`).
@@ -108,6 +133,7 @@ pub struct ControlClient {
 }
 
 impl ControlClient {
+    /// For implementations: wraps the channels their IO task serves.
     pub fn new(incoming: mpsc::Receiver<ClientEvent>, outgoing: mpsc::Sender<Bytes>) -> Self {
         Self { incoming, outgoing }
     }
@@ -117,6 +143,9 @@ impl ControlClient {
         self.incoming.recv().await
     }
 
+    /// Queues a payload for the receiver, waiting while the channel is full. While the
+    /// connection is down, or a `Disconnected` is not yet acknowledged, it is dropped
+    /// (`ClientEvent::Disconnected`). `Closed` once the transport has shut down.
     pub async fn send(&self, payload: Bytes) -> Result<(), TransportError> {
         self.outgoing
             .send(payload)
@@ -124,6 +153,7 @@ impl ControlClient {
             .map_err(|_| TransportError::Closed)
     }
 
+    /// A clonable sender of payloads (and of `DISCONNECT_ACK`), for other tasks.
     pub fn sender(&self) -> mpsc::Sender<Bytes> {
         self.outgoing.clone()
     }
@@ -136,10 +166,13 @@ pub struct NotifySink {
 }
 
 impl NotifySink {
+    /// For implementations: wraps the channel their IO task serves.
     pub fn new(outgoing: mpsc::Sender<Bytes>) -> Self {
         Self { outgoing }
     }
 
+    /// Queues a notice for the proxy, waiting while the channel is full. `Closed` once the
+    /// transport has shut down.
     pub async fn send(&self, payload: Bytes) -> Result<(), TransportError> {
         self.outgoing
             .send(payload)
@@ -156,6 +189,7 @@ pub struct NotifySource {
 }
 
 impl NotifySource {
+    /// For implementations: wraps the channel their IO task serves.
     pub fn new(local_endpoint: String, incoming: mpsc::Receiver<Bytes>) -> Self {
         Self {
             local_endpoint,
@@ -163,11 +197,12 @@ impl NotifySource {
         }
     }
 
+    /// The endpoint actually bound (a port chosen by the OS is filled in).
     pub fn local_endpoint(&self) -> &str {
         &self.local_endpoint
     }
 
-    /// Cancel-safe.
+    /// The next notice; None once the transport has shut down. Cancel-safe.
     pub async fn recv(&mut self) -> Option<Bytes> {
         self.incoming.recv().await
     }
