@@ -8,13 +8,17 @@
 //!
 //! Map:
 //! - `sender`: `SenderNode` / `SenderHandle` — begin, a staging allocate that blocks (for
-//!   prefill threads) or awaits, stage bytes, submit, cancel, await the outcome.
+//!   prefill threads) or awaits, stage bytes, submit, cancel, await the outcome. Inside:
+//!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's)
+//!   and `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
 //!   requests; its clonable `ChunkReader` reads their chunks and consumes them.
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
-//!   Inside: `sender/staging_turn` (an allocate call's wait for staging; the order is the
-//!   core's) and `sender/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
+//! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
+//!   end-to-end tests).
+
+#![warn(missing_docs)]
 
 pub mod metrics;
 pub mod proxy;
@@ -44,12 +48,16 @@ pub(crate) async fn sleep_until_deadline<E: kvx_io::Env>(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
+    /// The configuration cannot work (the state machine's `validate` says why): fix it.
     #[error(transparent)]
     Config(#[from] kvx_proto::ConfigError),
     // Not `#[from]`: that would make the inner error a `source` as well, and error chains
     // (`{:#}`) would print it twice.
+    /// Binding or connecting the control channel failed; `Transport(Closed)` also when the
+    /// sender's driver has stopped (`SenderHandle::add_receiver`).
     #[error("transport: {0}")]
     Transport(kvx_io::TransportError),
+    /// Exposing the receive buffer or allocating staging failed.
     #[error("fabric: {0}")]
     Fabric(kvx_io::FabricError),
 }

@@ -1,14 +1,25 @@
 //! Metric names. The drivers record through the `metrics` facade; whoever runs them installs
 //! an exporter (the `kvx` binary serves Prometheus text). Without one, recording is a no-op.
 
+/// Gauge, per `receiver` (its alloc endpoint): first batches waiting for admission.
 pub const ADMISSION_QUEUE_LEN: &str = "kvx_receiver_admission_queue_len";
+/// Gauge, per `receiver`: slots reserved by admitted requests but not yet allocated to a
+/// chunk.
 pub const SLOTS_RESERVED: &str = "kvx_receiver_slots_reserved";
+/// Gauge, per `receiver`: slots granted to live requests (written or not).
 pub const SLOTS_HELD: &str = "kvx_receiver_slots_held";
+/// Gauge, per `receiver`: slots no grant holds.
 pub const SLOTS_FREE: &str = "kvx_receiver_slots_free";
+/// Gauge, per `receiver`: slots of rolled-back requests a late write may still hit.
 pub const SLOTS_QUARANTINED: &str = "kvx_receiver_slots_quarantined";
+/// Counter, per `receiver`: requests admitted.
 pub const ADMITTED: &str = "kvx_receiver_admitted_total";
+/// Counter, per `receiver`: messages refused on arrival (`ReceiverStats::refused`).
 pub const REFUSED: &str = "kvx_receiver_refused_total";
+/// Counter, per `receiver`: requests that ended failed, first batches refused on arrival
+/// included.
 pub const ROLLED_BACK: &str = "kvx_receiver_rolled_back_total";
+/// Counter, per `receiver`: requests the decoder consumed.
 pub const CONSUMED: &str = "kvx_receiver_consumed_total";
 /// Fabric writes refused before landing (not the grant holder's, a second write of a grant,
 /// no immediate), counted by the fabric's access rules.
@@ -17,9 +28,15 @@ pub const FABRIC_WRITES_REFUSED: &str = "kvx_receiver_fabric_writes_refused_tota
 pub const LANDINGS_REFUSED: &str = "kvx_receiver_landings_refused_total";
 /// Chunks that landed empty or failed their checksum; each failed its request.
 pub const CORRUPT_CHUNKS: &str = "kvx_receiver_corrupt_chunks_total";
+/// Histogram, per `receiver`: each admitted request's wait in the admission queue, in
+/// seconds.
 pub const ADMISSION_WAIT_SECONDS: &str = "kvx_receiver_admission_wait_seconds";
+/// Counter: messages no driver could decode (the receiver's per `receiver`; the senders'
+/// and the proxy's without a label).
 pub const DECODE_ERRORS: &str = "kvx_decode_errors_total";
+/// Counter: requests a sender delivered (`ProxyNotif` sent).
 pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";
+/// Counter: requests that failed at a sender.
 pub const SENDER_FAILED: &str = "kvx_sender_failed_total";
 /// Proxy outcomes no `expect` awaited that found `ProxyEvents` full (its reader behind).
 pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";

@@ -45,6 +45,7 @@ impl ProxyEvents {
     }
 }
 
+/// Starts proxies.
 #[derive(Debug)]
 pub struct ProxyNode;
 

@@ -18,18 +18,24 @@ use crate::StartError;
 /// A request whose chunks are all in the buffer: read `slots` (chunk order), then `consume`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadyRequest {
+    /// The request (its sender and id).
     pub key: ReqKey,
+    /// Its slots, one per chunk, in chunk order (the slots `acquire` returns).
     pub slots: Vec<SlotIndex>,
+    /// The sender's cache key of each chunk, parallel to `slots`.
     pub keys: Vec<String>,
 }
 
 /// What the decoder hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReceiverNotice {
+    /// Every chunk of a request landed: `acquire` it, read it, `consume` it.
     Ready(ReadyRequest),
     /// A request ended (consumed, failed, expired); exactly one per request.
     Ended {
+        /// The request.
         key: ReqKey,
+        /// Consumed, or why it failed.
         outcome: Outcome,
     },
 }
@@ -48,12 +54,19 @@ enum Cmd {
 /// The receive buffer's accounting at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BufferSnapshot {
+    /// Slots in the buffer.
     pub capacity: u32,
+    /// Slots no grant holds.
     pub free: u32,
+    /// Slots granted to live requests (written or not).
     pub held: u32,
+    /// Slots reserved by admitted requests but not yet allocated to a chunk.
     pub reserved_unallocated: u32,
+    /// Slots of rolled-back requests a late write may still hit.
     pub quarantined: u32,
+    /// Requests tracked (waiting, admitted or ready).
     pub tracked_requests: usize,
+    /// First batches waiting for admission.
     pub admission_queue_len: usize,
 }
 
@@ -138,6 +151,7 @@ impl<M: SlotMemory> ReceiverHandle<M> {
         &self.alloc_endpoint
     }
 
+    /// The bound fabric endpoint (a port 0 request is resolved).
     pub fn fabric_endpoint(&self) -> &str {
         &self.fabric_endpoint
     }

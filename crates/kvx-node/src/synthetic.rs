@@ -109,10 +109,15 @@ pub fn chunk_matches(req_id: &str, chunk: u32, got: &[u8]) -> bool {
 /// One request of the synthetic workload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyntheticRequest {
+    /// The request's id; its bytes derive from it.
     pub req_id: ReqId,
+    /// The receiver it goes to (`SenderHandle::add_receiver`'s id).
     pub receiver: PeerId,
+    /// Chunks it sends (and declares).
     pub chunks: u32,
+    /// Chunks per submitted batch (the last may be smaller).
     pub batch_chunks: u32,
+    /// Bytes per chunk; at most a staging slot's size.
     pub chunk_bytes: usize,
 }
 

@@ -213,6 +213,7 @@ impl<E: Env> SenderHandle<E> {
         result
     }
 
+    /// Staging slots free now (a snapshot: other callers may take them first).
     pub fn staging_free(&self) -> u32 {
         self.shared.lock().flow.staging_free()
     }
