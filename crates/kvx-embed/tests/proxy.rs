@@ -24,7 +24,10 @@ fn an_expected_request_is_ready_after_every_rank_and_a_failure_says_why() {
     let proxy = Proxy::start(&rt, zmq, "tcp://127.0.0.1:0", ProxyConfig::default()).expect("proxy");
     let mut ready = proxy.expect("r1", 2).expect("awaited");
     let mut failed = proxy.expect("r2", 1).expect("awaited");
-    assert!(ready.wait(&rt, Duration::from_millis(50)).is_none(), "nothing yet");
+    assert!(
+        ready.wait(&rt, Duration::from_millis(50)).is_none(),
+        "nothing yet"
+    );
     let endpoint = proxy.endpoint().to_owned();
     rt.block_on(async {
         let sink = ZmqTransport::default()
@@ -32,19 +35,27 @@ fn an_expected_request_is_ready_after_every_rank_and_a_failure_says_why() {
             .await
             .expect("push connects");
         for _ in 0..2 {
-            let n = ProxyNotif { req_id: "r1".into() };
-            sink.send(notice(Message::ProxyNotif(n))).await.expect("sent");
+            let n = ProxyNotif {
+                req_id: "r1".into(),
+            };
+            sink.send(notice(Message::ProxyNotif(n)))
+                .await
+                .expect("sent");
         }
         let f = FailNotif {
             req_id: "r2".into(),
             reason: "refused by the receiver".into(),
         };
-        sink.send(notice(Message::FailNotif(f))).await.expect("sent");
+        sink.send(notice(Message::FailNotif(f)))
+            .await
+            .expect("sent");
     });
     assert_eq!(ready.wait(&rt, WAIT), Some(Ok(())));
     assert_eq!(
         failed.wait(&rt, WAIT),
-        Some(Err(ProxyFailure::Reported("refused by the receiver".into())))
+        Some(Err(ProxyFailure::Reported(
+            "refused by the receiver".into()
+        )))
     );
 }
 
@@ -64,8 +75,12 @@ fn a_standalone_proxy_reports_each_request_as_an_event() {
             .notify_sink(&endpoint)
             .await
             .expect("push connects");
-        let n = ProxyNotif { req_id: "s1".into() };
-        sink.send(notice(Message::ProxyNotif(n))).await.expect("sent");
+        let n = ProxyNotif {
+            req_id: "s1".into(),
+        };
+        sink.send(notice(Message::ProxyNotif(n)))
+            .await
+            .expect("sent");
     });
     assert_eq!(
         proxy.next_event(WAIT),

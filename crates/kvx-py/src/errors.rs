@@ -5,7 +5,12 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(kvx, KvxError, PyException, "Base class of every error kvx raises.");
+create_exception!(
+    kvx,
+    KvxError,
+    PyException,
+    "Base class of every error kvx raises."
+);
 create_exception!(
     kvx,
     RefusedError,

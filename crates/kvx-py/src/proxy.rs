@@ -44,7 +44,9 @@ impl Proxy {
     ) -> PyResult<Self> {
         let kv_ready_timeout = wait::seconds(Some(kv_ready_timeout))?
             .filter(|d| !d.is_zero())
-            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("kv_ready_timeout must be positive"))?;
+            .ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err("kv_ready_timeout must be positive")
+            })?;
         let cfg = ProxyConfig {
             kv_ready_timeout,
             await_on_first_notice: standalone_tp_ranks,
@@ -80,9 +82,14 @@ impl Proxy {
     /// ``(req_id, None)`` when it is ready or ``(req_id, reason)`` when it failed; ``None``
     /// when none comes within ``timeout`` seconds (``None``: wait as long as it takes).
     #[pyo3(signature = (timeout = None))]
-    fn next_event(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(String, Option<String>)>> {
+    fn next_event(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(String, Option<String>)>> {
         let timeout = wait::seconds(timeout)?;
-        let event = wait::interruptibly(py, timeout, |slice: Duration| self.inner.next_event(slice))?;
+        let event =
+            wait::interruptibly(py, timeout, |slice: Duration| self.inner.next_event(slice))?;
         Ok(event.map(|ev| match ev {
             ProxyEvent::Ready { req_id } => (req_id.0, None),
             ProxyEvent::Failed { req_id, failure } => (req_id.0, Some(failure.to_string())),
