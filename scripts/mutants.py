@@ -15,7 +15,7 @@ SRC = "crates/kvx-proto/src/"
 # name: (file, old, new, what it breaks)
 MUTANTS = {
     "no-reservation": (SRC + "admission.rs",
-        "if nobody_ahead && self.eligible(peer, need) && need <= self.available() {",
+        "if next.is_some_and(|(i, _)| i == behind) && need <= self.available() {",
         "if true {",
         "admit every request without checking capacity"),
     "release-before-complete": (SRC + "receiver/batch.rs",
@@ -44,7 +44,7 @@ MUTANTS = {
         "acknowledge CancelNotif without releasing anything"),
     "no-fifo": (SRC + "admission.rs",
         "if w.need > self.available() {\n                break;\n            }",
-        "if w.need > self.available() {\n                i += 1;\n                continue;\n            }",
+        "if w.need > self.available() {\n                from = i + 1;\n                continue;\n            }",
         "let a smaller waiter overtake the head of the admission queue"),
     "staging-order-ignored": (SRC + "sender/mod.rs",
         "if older_waits && self.staging.free_count() > 0 {",
@@ -82,6 +82,10 @@ MUTANTS = {
         "self.waiting.front().map(|w| w.deadline)",
         "None",
         "give the ledger no timer for the admission queue's head: a waiting request times out only when another timer fires"),
+    "admit-at-once-by-another-rule": (SRC + "admission.rs",
+        "if next.is_some_and(|(i, _)| i == behind) && need <= self.available() {",
+        "if self.waiting.iter().all(|w| w.peer != peer && !self.eligible(w.peer, w.need))\n            && self.eligible(peer, need)\n            && need <= self.available()\n        {",
+        "decide who is ahead of a new request waiter by waiter, not with the queue's rule: a request that fits waits behind passed-over waiters until something re-runs the queue"),
     "dropped-notices-counted-down": (SRC + "proxy.rs",
         "_ => self.dropped_notices += 1,",
         "_ => self.dropped_notices -= 1,",
@@ -98,7 +102,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr

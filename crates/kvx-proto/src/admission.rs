@@ -17,7 +17,7 @@
 //! `Admission` counts per peer; it does not know which request holds which reservation. The
 //! receiver ledger keeps per-request amounts and checks that they add up.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::ids::{PeerId, Ticket};
 use crate::time::Instant;
@@ -227,13 +227,23 @@ impl Admission {
             self.reserve(peer, need);
             return Decision::Admitted;
         }
-        // Admitted at once only if no waiter would be admitted first: none eligible waits,
-        // and none of this peer's own (a peer's requests keep their order among themselves).
-        let nobody_ahead = self
-            .waiting
-            .iter()
-            .all(|w| w.peer != peer && !self.eligible(w.peer, w.need));
-        if nobody_ahead && self.eligible(peer, need) && need <= self.available() {
+        // Admitted at once exactly when the queue's rule, run with this request at the back,
+        // would pick it next: every waiter ahead is passed over (none of them is this peer's
+        // own, whose requests keep their order) and it is within its share. Any other rule
+        // here either queues a request that fits, which nothing re-runs the queue for until
+        // the next release, unpin, withdrawal or expiry, or lets it overtake a waiter.
+        let candidate = Waiter {
+            ticket,
+            peer,
+            need,
+            deadline,
+        };
+        let behind = self.waiting.len();
+        let next = self.next_in_line(
+            self.waiting.iter().chain([&candidate]).enumerate(),
+            &mut BTreeSet::new(),
+        );
+        if next.is_some_and(|(i, _)| i == behind) && need <= self.available() {
             self.reserve(peer, need);
             return Decision::Admitted;
         }
@@ -345,18 +355,36 @@ impl Admission {
         self.waiting.front().map(|w| w.deadline)
     }
 
-    /// Admits waiters in FIFO order, passing over those beyond their peer's share (and every
-    /// later waiter of that peer, whose requests keep their order), until the first eligible
-    /// one that does not fit.
-    fn admit_eligible(&mut self) {
-        let mut passed_over = std::collections::BTreeSet::new();
-        let mut i = 0;
-        while let Some(&w) = self.waiting.get(i) {
+    /// Who is next in line (§Fair shares): the one rule `request`, `admit_eligible` and
+    /// `check_invariants` all use, so that they cannot disagree about who is ahead. Walking
+    /// `waiters` (index, waiter) in queue order, a waiter is passed over when its peer is
+    /// beyond its share, or when a waiter of its peer was passed over before it (a peer's
+    /// requests keep their order); the first one not passed over is next, whether or not it
+    /// fits. `passed_over` carries the peers passed over so far, so a walk can go on from
+    /// where an admission left it.
+    fn next_in_line<'w>(
+        &self,
+        waiters: impl Iterator<Item = (usize, &'w Waiter)>,
+        passed_over: &mut BTreeSet<PeerId>,
+    ) -> Option<(usize, Waiter)> {
+        for (i, w) in waiters {
             if passed_over.contains(&w.peer) || !self.eligible(w.peer, w.need) {
                 passed_over.insert(w.peer);
-                i += 1;
                 continue;
             }
+            return Some((i, *w));
+        }
+        None
+    }
+
+    /// Admits the waiter next in line while it fits; the first that does not fit blocks
+    /// everyone behind it.
+    fn admit_eligible(&mut self) {
+        let mut passed_over = BTreeSet::new();
+        let mut from = 0;
+        while let Some((i, w)) =
+            self.next_in_line(self.waiting.iter().enumerate().skip(from), &mut passed_over)
+        {
             if w.need > self.available() {
                 break;
             }
@@ -364,20 +392,17 @@ impl Admission {
             self.unqueue(w.peer);
             self.reserve(w.peer, w.need);
             self.admitted.push_back(w.ticket);
+            // The waiter after it now has its index; those before it stay passed over (an
+            // admission raises one peer's footprint, so it never makes a passed-over peer
+            // eligible).
+            from = i;
         }
     }
 
-    /// The first waiter that would be admitted if it fitted, if any (for invariants).
-    fn first_eligible(&self) -> Option<&Waiter> {
-        let mut passed_over = std::collections::BTreeSet::new();
-        for w in &self.waiting {
-            if passed_over.contains(&w.peer) || !self.eligible(w.peer, w.need) {
-                passed_over.insert(w.peer);
-                continue;
-            }
-            return Some(w);
-        }
-        None
+    /// The waiter next in line, if any (for invariants).
+    fn first_eligible(&self) -> Option<Waiter> {
+        self.next_in_line(self.waiting.iter().enumerate(), &mut BTreeSet::new())
+            .map(|(_, w)| w)
     }
 
     /// The explorer's canonical encoding (feature `testing`); capacity and queue bound are
