@@ -86,6 +86,10 @@ MUTANTS = {
         "if next.is_some_and(|(i, _)| i == behind) && need <= self.available() {",
         "if self.waiting.iter().all(|w| w.peer != peer && !self.eligible(w.peer, w.need))\n            && self.eligible(peer, need)\n            && need <= self.available()\n        {",
         "decide who is ahead of a new request waiter by waiter, not with the queue's rule: a request that fits waits behind passed-over waiters until something re-runs the queue"),
+    "early-order-keeps-stale-entries": (SRC + "proxy.rs",
+        "self.early_order.remove(&early.order);",
+        "",
+        "leave a repeated early notice's old order entry behind: the order grows with every repeat and pushes out count stale entries as drops"),
     "dropped-notices-counted-down": (SRC + "proxy.rs",
         "_ => self.dropped_notices += 1,",
         "_ => self.dropped_notices -= 1,",
@@ -102,7 +106,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr

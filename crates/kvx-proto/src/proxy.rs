@@ -96,7 +96,17 @@ struct Awaited {
 struct Early {
     notices: u32,
     failed: bool,
-    at: Instant,
+    /// Its key in `early_order`: when it was last kept, and a sequence number that orders
+    /// entries kept at the same instant.
+    order: (Instant, u64),
+}
+
+impl Early {
+    /// The messages this entry stands for (each notice, and the failure if any): what is
+    /// lost when it is pushed out.
+    fn messages(&self) -> u64 {
+        u64::from(self.notices) + u64::from(self.failed)
+    }
 }
 
 /// The proxy's state machine: the awaited requests with their deadlines, and the notices
@@ -111,7 +121,12 @@ pub struct ProxyTracker {
     /// every pending request.
     deadlines: BTreeSet<(Instant, ReqId)>,
     early: BTreeMap<ReqId, (Early, Option<String>)>,
-    early_order: VecDeque<(Instant, ReqId)>,
+    /// `early`'s entries oldest first, one per id: a repeated notice moves its id's entry to
+    /// the back rather than adding one, so this is bounded by the table, not by how many
+    /// messages arrive within `early_notice_ttl`.
+    early_order: BTreeMap<(Instant, u64), ReqId>,
+    /// The sequence number of the next entry kept (`Early::order`).
+    next_early: u64,
     /// What `early` holds, about (`early_bytes`).
     early_bytes: usize,
     events: VecDeque<ProxyEvent>,
@@ -135,7 +150,8 @@ impl ProxyTracker {
             awaited: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             early: BTreeMap::new(),
-            early_order: VecDeque::new(),
+            early_order: BTreeMap::new(),
+            next_early: 0,
             early_bytes: 0,
             events: VecDeque::new(),
             dropped_notices: 0,
@@ -183,7 +199,8 @@ impl ProxyTracker {
             },
         );
         self.deadlines.insert((deadline, req_id.clone()));
-        for _ in 0..early.notices {
+        // More early notices than ranks (a repeated notice, a reused id): ready once.
+        for _ in 0..early.notices.min(tp_ranks) {
             self.count_notice(&req_id);
         }
         Ok(())
@@ -252,23 +269,23 @@ impl ProxyTracker {
             self.events
                 .push_back(ProxyEvent::Failed { req_id, failure });
         }
-        while let Some((at, _)) = self.early_order.front() {
-            if *at + self.cfg.early_notice_ttl > now {
+        while let Some((&(at, _), _)) = self.early_order.first_key_value() {
+            if at + self.cfg.early_notice_ttl > now {
                 break;
             }
             self.pop_early();
         }
     }
 
-    /// When `handle_timeout` next has work. It may come early (an early notice kept afresh
-    /// leaves its older entry behind): the call then reports nothing.
+    /// When `handle_timeout` next has work: the first awaited request's deadline, or the
+    /// oldest early notice's TTL.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let awaited = self.deadlines.first().map(|(at, _)| *at);
         earliest(
             awaited,
             self.early_order
-                .front()
-                .map(|(at, _)| *at + self.cfg.early_notice_ttl),
+                .first_key_value()
+                .map(|(&(at, _), _)| at + self.cfg.early_notice_ttl),
         )
     }
 
@@ -299,51 +316,53 @@ impl ProxyTracker {
     }
 
     /// Keeps a notice (`failure`: None) or a failure for an id not awaited yet. An id kept
-    /// already is taken out and kept afresh with what it had, so the bounds are enforced the
-    /// same way for both.
+    /// already is taken out and kept afresh with what it had (one entry per id, as of its
+    /// last message), so the bounds are enforced the same way for both. Every message lost
+    /// on the way, this one's or an entry's pushed out, is counted in `dropped_notices` once.
     fn keep_early(&mut self, now: Instant, req_id: ReqId, failure: Option<String>) {
         let (prior, prior_reason) = self.take_early(&req_id);
         let is_failure = failure.is_some();
         let reason = failure.or(prior_reason);
+        let early = Early {
+            notices: prior.notices.saturating_add(u32::from(!is_failure)),
+            failed: prior.failed || is_failure,
+            order: (now, self.next_early),
+        };
         let size = early_bytes(&req_id, reason.as_ref());
         if self.cfg.early_notices_max == 0 || size > self.cfg.early_notices_bytes_max {
-            self.dropped_notices += 1;
+            self.dropped_notices += early.messages();
             return;
         }
-        while !self.early_order.is_empty()
-            && (self.early.len() >= self.cfg.early_notices_max
-                || self.early_bytes + size > self.cfg.early_notices_bytes_max)
+        while self.early.len() >= self.cfg.early_notices_max
+            || self.early_bytes + size > self.cfg.early_notices_bytes_max
         {
-            self.pop_early();
-            self.dropped_notices += 1;
+            let Some(lost) = self.pop_early() else { break };
+            self.dropped_notices += lost;
         }
-        let early = Early {
-            notices: prior.notices + u32::from(!is_failure),
-            failed: prior.failed || is_failure,
-            at: now,
-        };
-        self.early_order.push_back((now, req_id.clone()));
+        self.next_early += 1;
+        self.early_order.insert(early.order, req_id.clone());
         self.early.insert(req_id, (early, reason));
         self.early_bytes += size;
     }
 
-    /// Removes `req_id`'s early notices (it is awaited now).
+    /// Removes `req_id`'s early notices and its order entry (it is awaited now, or kept
+    /// afresh); nothing kept gives an empty entry.
     fn take_early(&mut self, req_id: &ReqId) -> (Early, Option<String>) {
         match self.early.remove(req_id) {
             Some((early, reason)) => {
                 self.early_bytes -= early_bytes(req_id, reason.as_ref());
+                self.early_order.remove(&early.order);
                 (early, reason)
             }
             None => Default::default(),
         }
     }
 
-    fn pop_early(&mut self) {
-        if let Some((at, id)) = self.early_order.pop_front() {
-            if self.early.get(&id).is_some_and(|(e, _)| e.at == at) {
-                self.take_early(&id);
-            }
-        }
+    /// Forgets the oldest early entry; the messages it stood for, or None when none is kept.
+    fn pop_early(&mut self) -> Option<u64> {
+        let (_, id) = self.early_order.first_key_value()?;
+        let id = id.clone();
+        Some(self.take_early(&id).0.messages())
     }
 
     /// Panics if a table exceeds its bound, the kept bytes are miscounted, or an awaited
@@ -357,6 +376,18 @@ impl ProxyTracker {
             self.early.len() <= self.cfg.early_notices_max,
             "invariant: early table bound"
         );
+        assert_eq!(
+            self.early_order.len(),
+            self.early.len(),
+            "invariant: one order entry per early id"
+        );
+        for (id, (e, _)) in &self.early {
+            assert_eq!(
+                self.early_order.get(&e.order),
+                Some(id),
+                "invariant: {id}'s order entry"
+            );
+        }
         let bytes: usize = self
             .early
             .iter()

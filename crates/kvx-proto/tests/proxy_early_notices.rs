@@ -1,0 +1,129 @@
+//! Notices the proxy keeps for ids it does not await yet (`ProxyTracker`, `docs/spec/protocol.md`
+//! §Proxy): one entry per id however often a sender repeats its notice, so what the proxy
+//! holds is bounded by the table (`early_notices_max`, `early_notices_bytes_max`) and not by
+//! how many messages arrive within `early_notice_ttl`; an entry pushed out of the full table
+//! counts the messages it held in `dropped_notices` once, and nothing else does; and an id
+//! with more early notices than ranks is ready once.
+
+use std::time::Duration;
+
+use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
+use kvx_proto::wire::{FailNotif, Message, ProxyNotif};
+use kvx_proto::{Instant, ProxyConfig};
+
+fn notif(id: &str) -> Message {
+    Message::ProxyNotif(ProxyNotif { req_id: id.into() })
+}
+
+fn at(secs: u64) -> Instant {
+    Instant::ZERO + Duration::from_secs(secs)
+}
+
+/// A sender repeats the notice of an id the proxy then awaits and reports: nothing was
+/// lost, so later evictions count only what they push out — not one drop per repeat.
+#[test]
+fn repeats_of_a_notice_count_no_drop_once_their_id_is_used() {
+    let cfg = ProxyConfig {
+        early_notices_max: 2,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for _ in 0..1_000 {
+        p.handle_message(at(0), notif("a"));
+    }
+    p.check_invariants();
+    p.handle_expect(at(0), "a".into(), 1_000).expect("fresh id");
+    assert_eq!(
+        p.poll_event(),
+        Some(ProxyEvent::Ready { req_id: "a".into() })
+    );
+    assert_eq!(p.dropped_notices, 0);
+
+    // Two ids fill the table; a third pushes the oldest (b, one notice) out.
+    p.handle_message(at(0), notif("b"));
+    p.handle_message(at(0), notif("c"));
+    p.handle_message(at(0), notif("d"));
+    assert_eq!(
+        p.dropped_notices, 1,
+        "b's one notice, and nothing of a's repeats"
+    );
+    p.check_invariants();
+}
+
+/// One id repeated keeps one entry, whose time is its last notice's: the proxy's next timer
+/// is then, not at the first repeat's TTL, and the entry is forgotten only then.
+#[test]
+fn a_repeated_notice_is_one_entry_kept_from_its_last_repeat() {
+    let cfg = ProxyConfig {
+        early_notice_ttl: Duration::from_secs(60),
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for s in 0..50 {
+        p.handle_message(at(s), notif("a"));
+        p.check_invariants();
+    }
+    assert_eq!(
+        p.poll_timeout(),
+        Some(at(49 + 60)),
+        "one entry, as of its last notice"
+    );
+    p.handle_timeout(at(49 + 59));
+    p.handle_expect(at(49 + 59), "a".into(), 50)
+        .expect("fresh id");
+    assert_eq!(
+        p.poll_event(),
+        Some(ProxyEvent::Ready { req_id: "a".into() }),
+        "every repeat kept until the last one's TTL"
+    );
+    assert_eq!(p.poll_timeout(), None, "nothing kept, nothing awaited");
+    p.check_invariants();
+}
+
+/// An entry pushed out of the full table counts every message it held, once: 1,000 repeats of
+/// one id lost are 1,000 notices lost, and the stale order entries the repeats once left
+/// behind count nothing more.
+#[test]
+fn an_entry_pushed_out_counts_each_message_it_held_once() {
+    let cfg = ProxyConfig {
+        early_notices_max: 1,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for _ in 0..1_000 {
+        p.handle_message(at(0), notif("a"));
+    }
+    p.handle_message(
+        at(0),
+        Message::FailNotif(FailNotif {
+            req_id: "a".into(),
+            reason: "the receiver refused".into(),
+        }),
+    );
+    p.handle_message(at(0), notif("b"));
+    assert_eq!(
+        p.dropped_notices, 1_001,
+        "a's 1,000 notices and its failure"
+    );
+    p.handle_message(at(0), notif("c"));
+    assert_eq!(p.dropped_notices, 1_002, "b's one notice");
+    p.check_invariants();
+}
+
+/// More early notices than the request's ranks (a sender that repeated one, an id reused)
+/// make it ready once; the tracker does not count notices for a request it has reported.
+#[test]
+fn more_early_notices_than_ranks_make_it_ready_once() {
+    let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
+    p.handle_message(at(0), notif("r"));
+    p.handle_message(at(0), notif("r"));
+    p.handle_message(at(0), notif("r"));
+    p.handle_expect(at(0), "r".into(), 2).expect("fresh id");
+    assert_eq!(
+        p.poll_event(),
+        Some(ProxyEvent::Ready { req_id: "r".into() })
+    );
+    assert_eq!(p.poll_event(), None);
+    assert_eq!(p.awaited(), 0);
+    p.check_invariants();
+}
