@@ -359,10 +359,16 @@ impl ProxyTracker {
     }
 
     /// Forgets the oldest early entry; the messages it stood for, or None when none is kept.
+    /// An order entry that is not its id's (none should be: `check_invariants`) is removed
+    /// and stands for nothing, so no loop over the order can spin on it.
     fn pop_early(&mut self) -> Option<u64> {
-        let (_, id) = self.early_order.first_key_value()?;
-        let id = id.clone();
-        Some(self.take_early(&id).0.messages())
+        let (key, id) = self.early_order.pop_first()?;
+        let current = self.early.get(&id).is_some_and(|(e, _)| e.order == key);
+        Some(if current {
+            self.take_early(&id).0.messages()
+        } else {
+            0
+        })
     }
 
     /// Panics if a table exceeds its bound, the kept bytes are miscounted, or an awaited
