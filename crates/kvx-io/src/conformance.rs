@@ -284,6 +284,138 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
     }
 }
 
+/// Bytes a test lends a fabric, which it reads and writes through the `Arc` it keeps (the
+/// region's owner holds another clone): a caller's own memory.
+struct LentBytes(Vec<std::cell::UnsafeCell<u8>>);
+
+// SAFETY: the bytes are only reached through the region (its locks) and, after the fabric is
+// done with them, by the test thread alone.
+#[allow(unsafe_code)]
+unsafe impl Send for LentBytes {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl Sync for LentBytes {}
+
+impl LentBytes {
+    /// A pointer to byte `i`, which the test may read or write when nothing else does.
+    fn at(&self, i: usize) -> *mut u8 {
+        self.0[i].get()
+    }
+}
+
+/// A region over `slots × slot_bytes` lent bytes, and the test's handle on them.
+#[allow(unsafe_code)] // lending memory is `unsafe` by contract (`ExternalRegion::new`)
+fn lent(slots: u32, slot_bytes: usize) -> (crate::ExternalRegion, std::sync::Arc<LentBytes>) {
+    let bytes = std::sync::Arc::new(LentBytes(
+        (0..slots as usize * slot_bytes)
+            .map(|_| std::cell::UnsafeCell::new(0))
+            .collect(),
+    ));
+    let ptr = std::cell::UnsafeCell::raw_get(bytes.0.as_ptr());
+    // SAFETY: `ptr` is valid for the vector's length while the owner (an `Arc` clone) keeps
+    // the vector alive; the test touches it only through the region until the fabric is done.
+    let region = unsafe {
+        crate::ExternalRegion::new(ptr, bytes.0.len(), slot_bytes, Box::new(bytes.clone()))
+    }
+    .expect("conformance: a valid region");
+    (region, bytes)
+}
+
+/// A caller's own memory as staging and as the receive buffer (`staging_in`, `expose_in`):
+/// writes go from the caller's staging bytes into the caller's buffer bytes, and kvx lets go
+/// of both regions' owners once the fabric is dropped. A fabric that needs memory of its own
+/// kind refuses both with `FabricError::ExternalMemory` (`accepts == false`).
+#[allow(unsafe_code)] // the test is the caller: it writes and reads its own bytes directly
+pub async fn fabric_uses_memory_the_caller_owns<F: Fabric>(f: &F, endpoint: &str, accepts: bool) {
+    const SLOTS: u32 = 4;
+    const BYTES: usize = 4096;
+    let (buffer, buffer_bytes) = lent(SLOTS, BYTES);
+    let (staging_region, staging_bytes) = lent(SLOTS, BYTES);
+    if !accepts {
+        let refused = f.expose_in(endpoint, buffer).await;
+        assert!(
+            matches!(refused, Err(FabricError::ExternalMemory(_))),
+            "conformance: this fabric refuses a caller's buffer: {refused:?}"
+        );
+        let refused = f.staging_in(staging_region);
+        assert!(
+            matches!(refused, Err(FabricError::ExternalMemory(_))),
+            "conformance: this fabric refuses a caller's staging: {refused:?}"
+        );
+        assert_eq!(
+            std::sync::Arc::strong_count(&buffer_bytes),
+            1,
+            "conformance: owner dropped"
+        );
+        return;
+    }
+    let mut listener = f
+        .expose_in(endpoint, buffer)
+        .await
+        .expect("conformance: expose_in");
+    assert_eq!(
+        (listener.memory.slots(), listener.memory.slot_bytes()),
+        (SLOTS, BYTES)
+    );
+    let peer = PeerId(43);
+    let credential = grant_all(&listener, peer);
+    let staging = f
+        .staging_in(staging_region)
+        .expect("conformance: staging_in");
+    // The caller fills its staging through its own pointer, as a framework writes its tensor.
+    for s in 0..SLOTS {
+        let p = pattern(s, BYTES);
+        for (i, b) in p.iter().enumerate() {
+            // SAFETY: no write is posted yet; the test thread alone touches these bytes.
+            unsafe { *staging_bytes.at(s as usize * BYTES + i) = *b };
+        }
+    }
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging.clone(), credential)
+        .await
+        .expect("conformance: connect");
+    for s in 0..SLOTS {
+        conn.post(granted_write(
+            u64::from(s),
+            s,
+            SLOTS - 1 - s,
+            &pattern(s, BYTES),
+        ))
+        .expect("conformance: post");
+    }
+    for _ in 0..SLOTS {
+        let c = next_completion(&mut conn, "write completion").await;
+        assert_eq!(c.result, Ok(()), "conformance: {c:?}");
+        step("landed notice", listener.landed.recv())
+            .await
+            .expect("conformance: listener open");
+    }
+    for s in 0..SLOTS {
+        let remote = (SLOTS - 1 - s) as usize;
+        // SAFETY: every write has landed and been announced; nothing writes the buffer now.
+        let got: Vec<u8> = (0..BYTES)
+            .map(|i| unsafe { *buffer_bytes.at(remote * BYTES + i) })
+            .collect();
+        assert!(
+            got == pattern(s, BYTES),
+            "conformance: the caller's buffer slot {remote} holds its staging slot {s}"
+        );
+    }
+    drop(conn);
+    drop(staging);
+    drop(listener);
+    // The fabric's tasks let go of the memory once they end: give them a moment, bounded.
+    for _ in 0..200 {
+        if std::sync::Arc::strong_count(&staging_bytes) == 1
+            && std::sync::Arc::strong_count(&buffer_bytes) == 1
+        {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("conformance: kvx still holds a region's owner two seconds after the fabric went");
+}
+
 /// A write lands only under its connection's peer's current grant, once: another peer's
 /// write into a granted slot, a write naming another slot or an old generation, and a second
 /// write of one grant are refused and never announced; a credential the buffer did not issue

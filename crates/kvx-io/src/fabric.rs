@@ -14,13 +14,14 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvx_proto::receiver::LandedWrite;
 use kvx_proto::{SlotIndex, StagingSlot, WriteId};
 use tokio::sync::mpsc;
 
 use crate::access::{FabricAccess, FabricCredential};
+use crate::region::{ExternalRegion, SlotRegion};
 
 /// Why a fabric could not expose, connect or complete a write.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,107 +75,117 @@ pub enum FabricError {
     /// or keyed): too large for the machine or its limits (RDMA: the locked-memory limit).
     #[error("cannot allocate {0}")]
     Allocation(String),
+    /// This fabric cannot use memory the caller owns: its memory must be of its own kind
+    /// (a shared mapping); let it allocate the region and use the views it hands out.
+    #[error(
+        "{0} cannot use memory the caller owns: it needs a shared mapping of its own; let it \
+         allocate the region and use the slot views it hands out"
+    )]
+    ExternalMemory(String),
     /// The operating system or the device refused, in its words.
     #[error("{0}")]
     Io(String),
 }
 
-/// Registered memory, addressed by slot. Implementations choose where it lives (heap,
-/// a shared mapping, pinned memory registered with a NIC).
+/// Registered memory, addressed by slot. Implementations choose where it lives (kvx's own
+/// allocation, a caller's region, a shared mapping, memory registered with a NIC); every
+/// access goes through the one in-place primitive, `with_slot`, from which reading,
+/// writing, filling and inspecting follow without a copy or an allocation of their own.
 pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
     /// Slots in the memory.
     fn slots(&self) -> u32;
     /// Bytes in each slot (one chunk).
     fn slot_bytes(&self) -> usize;
+    /// Runs `f` on all of `slot`'s bytes in place, exclusively within this process. Panics
+    /// when `slot` is out of bounds: a caller bug.
+    fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8]));
+
     /// Copies `data` to the start of `slot` (a prefill thread filling staging, or a fabric
     /// landing a write). Panics when `slot` or `data` is out of bounds: a caller bug.
-    fn write_slot(&self, slot: u32, data: &[u8]);
-    /// Copies the first `out.len()` bytes of `slot` into `out`.
-    fn read_slot(&self, slot: u32, out: &mut [u8]);
+    fn write_slot(&self, slot: u32, data: &[u8]) {
+        self.fill_slot(slot, data.len(), &mut |s| s.copy_from_slice(data));
+    }
 
-    /// Lets `f` fill the first `len` bytes of `slot` in place, sparing a copy when the
-    /// memory allows it (a prefill thread writing a chunk straight into staging). The
-    /// default goes through a buffer and `write_slot`.
+    /// Copies the first `out.len()` bytes of `slot` into `out`.
+    fn read_slot(&self, slot: u32, out: &mut [u8]) {
+        let len = out.len();
+        self.inspect_slot(slot, len, &mut |s| out.copy_from_slice(s));
+    }
+
+    /// Lets `f` fill the first `len` bytes of `slot` in place (a prefill thread writing a
+    /// chunk straight into staging).
     fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        let mut buf = vec![0u8; len];
-        f(&mut buf);
-        self.write_slot(slot, &buf);
+        self.with_slot(slot, &mut |s| {
+            assert!(
+                len <= s.len(),
+                "invariant: {len} bytes fit a {}-byte slot",
+                s.len()
+            );
+            f(&mut s[..len]);
+        });
     }
 
     /// Lets `f` read the first `len` bytes of `slot` in place (the decoder reading a chunk).
-    /// The default copies through `read_slot`.
     fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
-        let mut buf = vec![0u8; len];
-        self.read_slot(slot, &mut buf);
-        f(&buf);
+        self.with_slot(slot, &mut |s| {
+            assert!(
+                len <= s.len(),
+                "invariant: {len} bytes fit a {}-byte slot",
+                s.len()
+            );
+            f(&s[..len]);
+        });
     }
 }
 
-/// Memory on the heap, one lock per slot. The protocol hands each slot to one owner at a
-/// time, so the locks never contend; they keep this safe Rust without `unsafe`.
+/// Memory in this process alone, no other process maps it: kvx's own allocation
+/// (`allocate`) or a region a caller lends (`external`). What the TCP and in-memory fabrics
+/// write from and into.
 #[derive(Debug)]
-pub struct HeapMemory {
-    slot_bytes: usize,
-    slots: Vec<Mutex<Box<[u8]>>>,
+pub struct LocalMemory {
+    region: SlotRegion,
 }
 
-impl HeapMemory {
-    /// Allocates the slots and touches every page, as registering memory with a NIC pins
-    /// it: the first write into a slot then costs no page fault on the data path (in the
-    /// demo the faults of 192 MiB of fresh buffers were about a tenth of the run's CPU).
-    pub fn new(slots: u32, slot_bytes: usize) -> Self {
-        let slots = (0..slots)
-            .map(|_| {
-                let mut slot = vec![0u8; slot_bytes].into_boxed_slice();
-                // `black_box`: the allocation is known to be zeroed, so a plain zero store
-                // could be optimised away, and the page would stay unmapped.
-                for byte in slot.iter_mut().step_by(4096) {
-                    *byte = std::hint::black_box(0);
-                }
-                Mutex::new(slot)
-            })
-            .collect();
-        Self { slot_bytes, slots }
+impl LocalMemory {
+    /// `slots × slot_bytes` zeroed bytes of kvx's own, every page touched now
+    /// (`SlotRegion::allocate`).
+    pub fn allocate(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
+        Ok(Self {
+            region: SlotRegion::allocate(slots, slot_bytes)?,
+        })
     }
 
-    /// Runs `f` on the slot's bytes in place.
+    /// The caller's region, split into its slots.
+    pub fn external(region: ExternalRegion) -> Self {
+        Self {
+            region: SlotRegion::external(region),
+        }
+    }
+
+    /// The region's first byte and its length (a zero-copy send hands its pages to the
+    /// kernel).
+    pub fn raw(&self) -> (std::ptr::NonNull<u8>, usize) {
+        self.region.raw()
+    }
+
+    /// `SlotMemory::with_slot` for a closure that returns a value (the TCP fabric's socket
+    /// reads and writes).
     pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        let mut guard = self.slots[slot as usize]
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        f(&mut guard)
+        self.region.with_slot(slot, f)
     }
 }
 
-impl SlotMemory for HeapMemory {
+impl SlotMemory for LocalMemory {
     fn slots(&self) -> u32 {
-        self.slots.len() as u32
+        self.region.slots()
     }
 
     fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.region.slot_bytes()
     }
 
-    fn write_slot(&self, slot: u32, data: &[u8]) {
-        assert!(
-            data.len() <= self.slot_bytes,
-            "invariant: {} bytes fit a {}-byte slot",
-            data.len(),
-            self.slot_bytes
-        );
-        self.with_slot(slot, |s| s[..data.len()].copy_from_slice(data));
-    }
-
-    fn read_slot(&self, slot: u32, out: &mut [u8]) {
-        self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
-    }
-
-    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        self.with_slot(slot, |s| f(&mut s[..len]));
-    }
-
-    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
-        self.with_slot(slot, |s| f(&s[..len]));
+    fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
+        self.region.with_slot(slot, f);
     }
 }
 
@@ -326,6 +337,30 @@ pub trait Fabric: Clone + Send + Sync + 'static {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<Arc<Self::Memory>, FabricError>;
+
+    /// Staging in memory the caller owns (`ExternalRegion`). A fabric that needs memory of
+    /// its own kind (a shared mapping another process can map) refuses it, saying so.
+    fn staging_in(&self, region: ExternalRegion) -> Result<Arc<Self::Memory>, FabricError> {
+        drop(region);
+        Err(FabricError::ExternalMemory(
+            std::any::type_name::<Self>().to_owned(),
+        ))
+    }
+
+    /// `expose`, over a receive buffer in memory the caller owns. Refused as `staging_in`
+    /// is by a fabric that needs memory of its own kind.
+    fn expose_in(
+        &self,
+        endpoint: &str,
+        region: ExternalRegion,
+    ) -> impl Future<Output = Result<FabricListener<Self::Memory>, FabricError>> + Send {
+        let _ = endpoint;
+        drop(region);
+        let refused = Err(FabricError::ExternalMemory(
+            std::any::type_name::<Self>().to_owned(),
+        ));
+        async move { refused }
+    }
 
     /// Creates a receive buffer and accepts writes into it at `endpoint` (port 0: the OS
     /// picks; `local_endpoint` tells).

@@ -14,8 +14,11 @@
 //! Map:
 //! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
 //!   `NotifySink`, `NotifySource`, and `TransportError`.
-//! - `fabric`: `Fabric`, `SlotMemory`, `HeapMemory`, `FabricConn`, `FabricListener`, writes,
+//! - `fabric`: `Fabric`, `SlotMemory`, `LocalMemory`, `FabricConn`, `FabricListener`, writes,
 //!   completions, landed notices, `FabricError`.
+//! - `region`: `SlotRegion` (memory split into slots, reached in place under a lock per
+//!   slot: the one place an address becomes bytes) and `ExternalRegion` (memory a caller
+//!   lends kvx).
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
 //! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
@@ -35,6 +38,7 @@ pub mod env;
 pub mod fabric;
 pub mod log_limit;
 pub mod mem;
+pub mod region;
 pub mod transport;
 
 #[cfg(feature = "conformance")]
@@ -46,11 +50,12 @@ pub use access::{FabricAccess, FabricCredential, WriteRefusal};
 pub use checksum::{chunk_checksum, ChecksumState};
 pub use env::{Env, TokioEnv};
 pub use fabric::{
-    landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, HeapMemory,
+    landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, LocalMemory,
     PostWrite, SlotMemory,
 };
 pub use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
 pub use log_limit::LogLimiter;
+pub use region::{ExternalRegion, SlotRegion};
 pub use transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
     DISCONNECT_ACK,

@@ -13,8 +13,9 @@ use crate::access::{FabricAccess, FabricCredential};
 use crate::checksum::chunk_checksum;
 use crate::fabric::{
     landing_channel, Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener,
-    HeapMemory, SlotMemory,
+    LocalMemory, SlotMemory,
 };
+use crate::region::ExternalRegion;
 use crate::transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
     CHANNEL_DEPTH,
@@ -150,7 +151,9 @@ impl Transport for MemTransport {
 
 #[derive(Debug)]
 struct Exposed {
-    memory: Arc<HeapMemory>,
+    /// Weak: the listener owns the buffer (a caller's region is let go with it), and a
+    /// connection holds it only while it lives.
+    memory: std::sync::Weak<LocalMemory>,
     landed: mpsc::Sender<LandedWrite>,
     access: Arc<FabricAccess>,
 }
@@ -169,28 +172,21 @@ impl MemFabric {
     }
 }
 
-impl Fabric for MemFabric {
-    type Memory = HeapMemory;
-
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<HeapMemory>, FabricError> {
-        Ok(Arc::new(HeapMemory::new(slots, slot_bytes)))
-    }
-
-    async fn expose(
+impl MemFabric {
+    /// Accepts writes into `memory` at `endpoint`.
+    fn expose_memory(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<FabricListener<HeapMemory>, FabricError> {
-        let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
+        memory: Arc<LocalMemory>,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        let slots = memory.slots();
         let access = Arc::new(FabricAccess::with_random_key(slots)?);
         let (tx, rx) = landing_channel(slots);
         let mut exposed = lock(&self.exposed);
-        if exposed.contains_key(endpoint) {
+        if exposed
+            .get(endpoint)
+            .is_some_and(|e| e.memory.strong_count() > 0)
+        {
             let why = "already exposed".to_owned();
             return Err(FabricError::Endpoint {
                 endpoint: endpoint.to_owned(),
@@ -200,7 +196,7 @@ impl Fabric for MemFabric {
         exposed.insert(
             endpoint.to_owned(),
             Exposed {
-                memory: memory.clone(),
+                memory: Arc::downgrade(&memory),
                 landed: tx,
                 access: access.clone(),
             },
@@ -212,19 +208,53 @@ impl Fabric for MemFabric {
             access,
         })
     }
+}
+
+impl Fabric for MemFabric {
+    type Memory = LocalMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<LocalMemory>, FabricError> {
+        Ok(Arc::new(LocalMemory::allocate(slots, slot_bytes)?))
+    }
+
+    fn staging_in(&self, region: ExternalRegion) -> Result<Arc<LocalMemory>, FabricError> {
+        Ok(Arc::new(LocalMemory::external(region)))
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        let memory = LocalMemory::allocate(slots, slot_bytes)?;
+        self.expose_memory(endpoint, Arc::new(memory))
+    }
+
+    async fn expose_in(
+        &self,
+        endpoint: &str,
+        region: ExternalRegion,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        self.expose_memory(endpoint, Arc::new(LocalMemory::external(region)))
+    }
 
     async fn connect(
         &self,
         endpoint: &str,
-        staging: Arc<HeapMemory>,
+        staging: Arc<LocalMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let (remote, landed, access) = {
             let exposed = lock(&self.exposed);
-            let e = exposed
-                .get(endpoint)
-                .ok_or_else(|| FabricError::NotExposed(endpoint.to_owned()))?;
-            (e.memory.clone(), e.landed.clone(), e.access.clone())
+            let gone = || FabricError::NotExposed(endpoint.to_owned());
+            let e = exposed.get(endpoint).ok_or_else(gone)?;
+            let memory = e.memory.upgrade().ok_or_else(gone)?;
+            (memory, e.landed.clone(), e.access.clone())
         };
         let peer = access.authenticate(&credential).ok_or_else(|| {
             FabricError::Unauthorized(endpoint.to_owned(), "not issued by this buffer".into())
@@ -238,7 +268,6 @@ impl Fabric for MemFabric {
         let (ops_tx, mut ops_rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; staging.slot_bytes()];
             let mut flushed = false;
             while let Some(op) = ops_rx.recv().await {
                 let ConnOp::Write(w) = op else {
@@ -248,7 +277,7 @@ impl Fabric for MemFabric {
                 let result = if flushed {
                     Err(FabricError::Flushed)
                 } else {
-                    land(&staging, &remote, &access, peer, &w, &mut buf).map(|notice| {
+                    land(&staging, &remote, &access, peer, &w).map(|notice| {
                         // A receiver that stopped listening lost the notice; the write landed.
                         let _ = landed.try_send(notice);
                         notice.checksum
@@ -272,12 +301,11 @@ impl Fabric for MemFabric {
 
 /// One write, checked against the access rules and both geometries, then copied.
 fn land(
-    staging: &HeapMemory,
-    remote: &HeapMemory,
+    staging: &LocalMemory,
+    remote: &LocalMemory,
     access: &FabricAccess,
     peer: PeerId,
     w: &crate::fabric::PostWrite,
-    buf: &mut [u8],
 ) -> Result<LandedWrite, FabricError> {
     let fits = w.len <= staging.slot_bytes()
         && w.len <= remote.slot_bytes()
@@ -289,12 +317,20 @@ fn land(
     let tag = access
         .admit(peer, w.remote.0, w.len as u64, w.imm)
         .map_err(|r| FabricError::Refused(r.to_string()))?;
-    staging.read_slot(w.local.0, &mut buf[..w.len]);
-    remote.write_slot(w.remote.0, &buf[..w.len]);
+    // Straight from slot to slot, the checksum over the bytes as they landed.
+    let mut landed = 0;
+    staging.inspect_slot(w.local.0, w.len, &mut |src| {
+        remote.fill_slot(w.remote.0, w.len, &mut |dst| {
+            dst.copy_from_slice(src);
+            if w.checksum.is_some() {
+                landed = chunk_checksum(dst);
+            }
+        });
+    });
     let checksum = match w.checksum {
         None => ChecksumCheck::Absent,
         Some(carried) => {
-            let computed = chunk_checksum(&buf[..w.len]);
+            let computed = landed;
             if computed == carried {
                 ChecksumCheck::Match
             } else {

@@ -37,3 +37,8 @@ async fn mem_fabric_refuses_writes_outside_grants() {
 async fn mem_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&MemFabric::new(), "buffer").await;
 }
+
+#[tokio::test]
+async fn mem_fabric_uses_memory_the_caller_owns() {
+    conformance::fabric_uses_memory_the_caller_owns(&MemFabric::new(), "buffer", true).await;
+}

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_io::fabric::{ConnOp, FabricConn, HeapMemory};
+use kvx_io::fabric::{ConnOp, FabricConn, LocalMemory};
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::{Fabric, FabricCredential, FabricError, FabricListener, TokioEnv};
 use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
@@ -57,13 +57,13 @@ struct WiredFabric {
 }
 
 impl Fabric for WiredFabric {
-    type Memory = HeapMemory;
+    type Memory = LocalMemory;
 
     fn allocate_staging(
         &self,
         slots: u32,
         slot_bytes: usize,
-    ) -> Result<Arc<HeapMemory>, FabricError> {
+    ) -> Result<Arc<LocalMemory>, FabricError> {
         self.inner.allocate_staging(slots, slot_bytes)
     }
 
@@ -72,14 +72,14 @@ impl Fabric for WiredFabric {
         endpoint: &str,
         slots: u32,
         slot_bytes: usize,
-    ) -> Result<FabricListener<HeapMemory>, FabricError> {
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
         self.inner.expose(endpoint, slots, slot_bytes).await
     }
 
     async fn connect(
         &self,
         endpoint: &str,
-        staging: Arc<HeapMemory>,
+        staging: Arc<LocalMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         self.wiring.send_modify(|w| w.connects += 1);
@@ -139,7 +139,7 @@ struct Setup {
     peer: PeerId,
     proxy: ProxyHandle,
     /// The receiver's buffer accounting (`snapshot`).
-    reader: ChunkReader<HeapMemory>,
+    reader: ChunkReader<LocalMemory>,
     verified: Arc<AtomicU64>,
     /// Every request the receiver ended, with how.
     ended: mpsc::UnboundedReceiver<(ReqKey, Outcome)>,

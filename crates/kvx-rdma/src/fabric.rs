@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvx_io::{Fabric, FabricConn, FabricError, FabricListener};
+use kvx_io::{ExternalRegion, Fabric, FabricConn, FabricError, FabricListener, SlotMemory};
 
 use crate::config::RdmaConfig;
 use crate::device::Device;
@@ -70,32 +70,34 @@ impl<V: Verbs> RdmaFabric<V> {
         let memory = RdmaMemory::anonymous(slots, slot_bytes).map_err(|e| {
             FabricError::Allocation(format!("{slots} x {slot_bytes} B of memory: {e}"))
         })?;
+        self.register(memory)
+    }
+
+    /// The caller's region, registered with the device.
+    fn registered_external(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
+        Geometry::checked(region.slots(), region.slot_bytes())?;
+        self.register(RdmaMemory::external(region))
+    }
+
+    fn register(&self, memory: RdmaMemory) -> Result<Arc<RdmaMemory>, FabricError> {
         let memory = Arc::new(memory);
         self.device.verbs.register(&memory).map_err(|e| {
-            FabricError::Allocation(format!("registering {slots} x {slot_bytes} B: {e}"))
+            FabricError::Allocation(format!(
+                "registering {} x {} B: {e}",
+                memory.slots(),
+                memory.slot_bytes()
+            ))
         })?;
         Ok(memory)
     }
-}
 
-impl<V: Verbs> Fabric for RdmaFabric<V> {
-    type Memory = RdmaMemory;
-
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<RdmaMemory>, FabricError> {
-        self.registered(slots, slot_bytes)
-    }
-
-    async fn expose(
+    /// Accepts writes into the registered `memory` at `endpoint`.
+    async fn expose_memory(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        memory: Arc<RdmaMemory>,
     ) -> Result<FabricListener<RdmaMemory>, FabricError> {
-        let memory = self.registered(slots, slot_bytes)?;
+        let (slots, slot_bytes) = (memory.slots(), memory.slot_bytes());
         let listener = link::bind(endpoint).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
         let (landed_tx, landed) = kvx_io::landing_channel(slots);
@@ -114,6 +116,43 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
             landed,
             access,
         })
+    }
+}
+
+impl<V: Verbs> Fabric for RdmaFabric<V> {
+    type Memory = RdmaMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.registered(slots, slot_bytes)
+    }
+
+    /// Staging in the caller's region, registered with the device (GPU memory where the
+    /// NIC can reach it: docs/operations.md).
+    fn staging_in(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.registered_external(region)
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<RdmaMemory>, FabricError> {
+        let memory = self.registered(slots, slot_bytes)?;
+        self.expose_memory(endpoint, memory).await
+    }
+
+    async fn expose_in(
+        &self,
+        endpoint: &str,
+        region: ExternalRegion,
+    ) -> Result<FabricListener<RdmaMemory>, FabricError> {
+        let memory = self.registered_external(region)?;
+        self.expose_memory(endpoint, memory).await
     }
 
     async fn connect(

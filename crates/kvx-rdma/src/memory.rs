@@ -1,10 +1,11 @@
-//! Registered memory: the crate's only `unsafe` code. Three operations, each behind a bounds
-//! check with its reasoning beside it: `RdmaMemory::with_slot`'s slice, and (feature `rdma`)
+//! Registered memory: the crate's only `unsafe` code. Three operations, each with its
+//! reasoning beside it: handing a mapping to a `SlotRegion`, and (feature `rdma`)
 //! the two verbs calls that hand the mapping's raw addresses to the NIC — registration
 //! (`ibv_reg_mr`) and a write's scatter/gather entry.
 //!
-//! `RdmaMemory` is an anonymous mapping (page-aligned, never moved) split into slots. In-process
-//! access goes through one lock per slot, like `HeapMemory`. What no lock covers is the NIC:
+//! `RdmaMemory` is a region split into slots (`kvx_io::SlotRegion`): an anonymous mapping
+//! (page-aligned, never moved) or a region the caller lends. In-process access goes through
+//! one lock per slot. What no lock covers is the NIC:
 //! it reads a staging slot while a write is outstanding, and writes a receive slot when a
 //! sender's write lands. That is sound under the protocol's ownership rule — a staging slot is
 //! not refilled before its write completes, a receive slot is written only by the sender it is
@@ -19,9 +20,10 @@
 use std::any::Any;
 use std::fmt;
 use std::io;
-use std::sync::{Mutex, OnceLock};
+use std::ptr::NonNull;
+use std::sync::OnceLock;
 
-use kvx_io::SlotMemory;
+use kvx_io::{ExternalRegion, SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::verbs_error::VerbsError;
@@ -44,13 +46,15 @@ struct Registration {
     _keep: Box<dyn Any + Send + Sync>,
 }
 
-/// Memory registered with an RDMA device: a sender's staging or a receiver's exposed buffer.
+/// Memory registered with an RDMA device: a sender's staging or a receiver's exposed buffer,
+/// in a mapping of its own or in a region the caller lends (`external`: on a host whose NIC
+/// can reach GPU memory — peer memory, `nvidia-peermem` — that region may be a GPU buffer,
+/// which kvx then never reads or writes itself; see docs/operations.md).
 pub struct RdmaMemory {
-    // Declared before `map`: deregistered before it is unmapped.
+    // Declared before `region`: deregistered before the memory goes.
     registration: OnceLock<Registration>,
-    map: MmapRaw,
+    region: SlotRegion,
     geometry: Geometry,
-    locks: Box<[Mutex<()>]>,
 }
 
 impl fmt::Debug for RdmaMemory {
@@ -67,19 +71,32 @@ impl RdmaMemory {
     /// `slots × slot_bytes` zeroed bytes, not yet registered. The caller has checked the
     /// geometry (`Geometry::checked`).
     pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
-        let geometry = Geometry {
-            slots,
-            slot_bytes: slot_bytes as u64,
-        };
         let map = MmapOptions::new()
-            .len(geometry.total_bytes() as usize)
+            .len(slots as usize * slot_bytes)
             .map_anon()?;
-        Ok(RdmaMemory {
+        let map: MmapRaw = map.into();
+        let base = NonNull::new(map.as_mut_ptr()).expect("invariant: a mapping is never at 0");
+        // SAFETY: the mapping is `slots × slot_bytes` bytes, readable and writable, and lives
+        // as long as the region that owns it; the NIC touches it only as the module doc says.
+        let region = unsafe { SlotRegion::over(base, slots, slot_bytes, Box::new(map)) };
+        Ok(Self::over(region))
+    }
+
+    /// The caller's region, not yet registered. The caller has checked the geometry.
+    pub(crate) fn external(region: ExternalRegion) -> Self {
+        Self::over(SlotRegion::external(region))
+    }
+
+    fn over(region: SlotRegion) -> Self {
+        let geometry = Geometry {
+            slots: region.slots(),
+            slot_bytes: region.slot_bytes() as u64,
+        };
+        RdmaMemory {
             registration: OnceLock::new(),
-            map: map.into(),
+            region,
             geometry,
-            locks: (0..slots).map(|_| Mutex::new(())).collect(),
-        })
+        }
     }
 
     pub fn geometry(&self) -> Geometry {
@@ -91,9 +108,10 @@ impl RdmaMemory {
         self.registration.get().map(|r| r.keys)
     }
 
-    /// The mapping's start address and length, for a `Verbs` implementation's registration.
+    /// The memory's start address and length, for a `Verbs` implementation's registration.
     pub fn region(&self) -> (u64, usize) {
-        (self.map.as_ptr() as u64, self.map.len())
+        let (base, len) = self.region.raw();
+        (base.as_ptr() as u64, len)
     }
 
     /// Records the registration (for `Verbs::register`); `keep` is dropped, before the memory
@@ -108,27 +126,9 @@ impl RdmaMemory {
             .map_err(|_| VerbsError::new("reg_mr", "the memory is already registered"))
     }
 
-    /// Runs `f` on the slot's bytes in place, under the slot's lock. Panics when `slot` is out
-    /// of bounds (a caller bug, as for `SlotMemory`).
+    /// `SlotMemory::with_slot` for a closure that returns a value.
     pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        assert!(
-            slot < self.geometry.slots,
-            "invariant: slot {slot} < {} slots",
-            self.geometry.slots
-        );
-        let _guard = self.locks[slot as usize]
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        let offset = self.geometry.offset(slot) as usize;
-        let len = self.geometry.slot_bytes as usize;
-        // SAFETY: `slot < slots`, so `offset + len <= slots × slot_bytes`, the length of the
-        // live mapping `self.map` (kept alive by `&self`): the range is valid and writable.
-        // Within this process the slot's lock, held until `f` returns, makes the `&mut`
-        // exclusive. The NIC touches the slot only while the protocol hands it to a write
-        // (module doc), never while this process reads or fills it.
-        let bytes =
-            unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), len) };
-        f(bytes)
+        self.region.with_slot(slot, f)
     }
 }
 
@@ -141,26 +141,8 @@ impl SlotMemory for RdmaMemory {
         self.geometry.slot_bytes as usize
     }
 
-    fn write_slot(&self, slot: u32, data: &[u8]) {
-        assert!(
-            data.len() as u64 <= self.geometry.slot_bytes,
-            "invariant: {} bytes fit a {}-byte slot",
-            data.len(),
-            self.geometry.slot_bytes
-        );
-        self.with_slot(slot, |s| s[..data.len()].copy_from_slice(data));
-    }
-
-    fn read_slot(&self, slot: u32, out: &mut [u8]) {
-        self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
-    }
-
-    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        self.with_slot(slot, |s| f(&mut s[..len]));
-    }
-
-    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
-        self.with_slot(slot, |s| f(&s[..len]));
+    fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
+        self.region.with_slot(slot, f);
     }
 }
 
@@ -184,10 +166,10 @@ mod ibv {
         ) -> Result<(), VerbsError> {
             let (addr, len) = self.region();
             let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
-            // SAFETY: `addr..addr + len` is exactly the live mapping `self.map`. The returned
-            // `MemoryRegion` is stored in `self.registration`, which is dropped (deregistered)
-            // before the mapping is unmapped (field order), so the NIC's view never outlives
-            // the memory.
+            // SAFETY: `addr..addr + len` is exactly the live memory of `self.region`. The
+            // returned `MemoryRegion` is stored in `self.registration`, which is dropped
+            // (deregistered) before the region lets go of its memory (field order), so the
+            // NIC's view never outlives the memory.
             let mr = unsafe { pd.reg_mr(addr as usize, len, access) }
                 .map_err(|e| VerbsError::new("ibv_reg_mr", format!("{len} bytes: {e:?}")))?;
             let keys = MrKeys {

@@ -37,6 +37,12 @@ async fn conformance_reset_flushes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_uses_memory_the_caller_owns() {
+    let (f, _) = fabric();
+    conformance::fabric_uses_memory_the_caller_owns(&f, "127.0.0.1:0", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_rejects_out_of_bounds() {
     let (f, _) = fabric();
     conformance::fabric_rejects_out_of_bounds(&f, "tcp://127.0.0.1:0").await;

@@ -45,6 +45,12 @@ async fn rdma_reset_flushes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_uses_memory_the_caller_owns() {
+    let Some(f) = open() else { return };
+    conformance::fabric_uses_memory_the_caller_owns(&f, "127.0.0.1:0", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_rejects_out_of_bounds() {
     let Some(f) = open() else { return };
     conformance::fabric_rejects_out_of_bounds(&f, "127.0.0.1:0").await;

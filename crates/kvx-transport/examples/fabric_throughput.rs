@@ -138,7 +138,7 @@ async fn shm_baseline(total: usize, chunk: usize, window: u32) -> Duration {
     let start = Instant::now();
     for i in 0..n {
         let k = (i % window as usize) as u32;
-        staging.with_slot(k, |src| listener.memory.write_slot(k, src));
+        staging.with_slot(k, &mut |src| listener.memory.write_slot(k, src));
     }
     start.elapsed()
 }

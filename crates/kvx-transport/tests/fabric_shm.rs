@@ -221,3 +221,8 @@ async fn shm_receiver_checks_grants() {
     };
     fabric_common::receiver_checks_grants(&ShmFabric::new(), EP, b"KVXS", raw).await;
 }
+
+#[tokio::test]
+async fn shm_fabric_refuses_memory_the_caller_owns() {
+    conformance::fabric_uses_memory_the_caller_owns(&ShmFabric::new(), EP, false).await;
+}

@@ -175,3 +175,8 @@ async fn tcp_receiver_checks_grants() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_fabric_uses_memory_the_caller_owns() {
+    conformance::fabric_uses_memory_the_caller_owns(&TcpFabric::new(), EP, true).await;
+}

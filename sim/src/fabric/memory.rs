@@ -42,13 +42,8 @@ impl SlotMemory for SimMemory {
         self.slot_bytes
     }
 
-    fn write_slot(&self, slot: u32, data: &[u8]) {
-        let range = self.range(slot, data.len());
-        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range].copy_from_slice(data);
-    }
-
-    fn read_slot(&self, slot: u32, out: &mut [u8]) {
-        let range = self.range(slot, out.len());
-        out.copy_from_slice(&self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range]);
+    fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
+        let range = self.range(slot, self.slot_bytes);
+        f(&mut self.bytes.lock().unwrap_or_else(|p| p.into_inner())[range]);
     }
 }

@@ -1,12 +1,12 @@
-//! Shared mappings: the only `unsafe` code in kvx-transport, kept to two pointer operations
-//! (`ShmMemory::with_slot`, `StagingView::copy_out`), each behind a bounds check and with its
+//! Shared mappings: with `splice.rs`, the only `unsafe` code in kvx-transport, kept to two
+//! operations (handing a mapping to a `SlotRegion`, `StagingView::copy_out`), each with its
 //! reasoning beside it.
 //!
 //! Two kinds of mapping:
 //! - `ShmMemory`, a `SlotMemory`: a sender's staging (a file under the fabric's directory,
 //!   removed when the memory is dropped) or an exposed buffer (anonymous). In-process access
-//!   goes through one lock per slot, like `HeapMemory`, so two threads of this process never
-//!   touch one slot at once.
+//!   goes through one lock per slot (`kvx_io::SlotRegion`), so two threads of this process
+//!   never touch one slot at once.
 //! - `StagingView`: a receiver's read-only mapping of a sender's staging file, from which
 //!   the receiver copies each admitted write into its own buffer.
 //!
@@ -24,40 +24,39 @@ use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvx_io::SlotMemory;
+use std::ptr::NonNull;
+
+use kvx_io::{SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
 
 /// Every file this fabric creates starts with this; a sender maps nothing else.
 pub(crate) const FILE_PREFIX: &str = "kvx-shm-";
 
-/// Registered memory in a mapping: an exposed buffer in a shared file, or anonymous staging.
+/// Registered memory in a mapping: a sender's staging in a shared file, or an exposed buffer
+/// (anonymous). The slots are a `SlotRegion` over the mapping, which the region owns.
 pub struct ShmMemory {
-    map: MmapRaw,
-    slots: u32,
-    slot_bytes: usize,
-    locks: Box<[Mutex<()>]>,
-    /// The file an exposed buffer lives in; removed on drop.
+    region: SlotRegion,
+    /// The file the memory lives in; removed on drop.
     file: Option<PathBuf>,
 }
 
 impl fmt::Debug for ShmMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShmMemory")
-            .field("slots", &self.slots)
-            .field("slot_bytes", &self.slot_bytes)
+            .field("slots", &self.region.slots())
+            .field("slot_bytes", &self.region.slot_bytes())
             .field("file", &self.file)
             .finish()
     }
 }
 
 impl ShmMemory {
-    /// Private memory for a sender's staging. The caller has checked the geometry.
+    /// Private memory for a receiver's buffer. The caller has checked the geometry.
     pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
         // `populate`: map every page now, as registering memory pins it, so the data path
-        // takes no page faults (as `HeapMemory` touches its pages).
+        // takes no page faults (as `SlotRegion::allocate` touches its pages).
         let map = MmapOptions::new()
             .len(slots as usize * slot_bytes)
             .populate()
@@ -83,77 +82,31 @@ impl ShmMemory {
     }
 
     fn from_map(map: MmapRaw, slots: u32, slot_bytes: usize, file: Option<PathBuf>) -> Self {
-        let locks = (0..slots).map(|_| Mutex::new(())).collect();
-        ShmMemory {
-            map,
-            slots,
-            slot_bytes,
-            locks,
-            file,
-        }
+        let base = NonNull::new(map.as_mut_ptr()).expect("invariant: a mapping is never at 0");
+        // SAFETY: the mapping is `slots × slot_bytes` bytes long (made so above), readable and
+        // writable, and lives as long as the region that owns it; what touches it outside
+        // this process is the staging discipline of the module doc.
+        let region = unsafe { SlotRegion::over(base, slots, slot_bytes, Box::new(map)) };
+        ShmMemory { region, file }
     }
 
     /// The file an exposed buffer lives in (None for staging).
     pub fn path(&self) -> Option<&Path> {
         self.file.as_deref()
     }
-
-    /// Runs `f` on the slot's bytes in place, under the slot's lock. Panics when `slot` is out
-    /// of bounds (a caller bug, as for `SlotMemory`).
-    pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        assert!(
-            slot < self.slots,
-            "invariant: slot {slot} < {} slots",
-            self.slots
-        );
-        let _guard = self.locks[slot as usize]
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        let offset = slot as usize * self.slot_bytes;
-        // SAFETY: `slot < slots`, so `offset + slot_bytes <= slots * slot_bytes`, the length of
-        // the live mapping `self.map` (kept alive by `&self`): the range is valid and writable.
-        // Within this process the slot's lock, held until `f` returns, makes the `&mut`
-        // exclusive. Writers outside it (a sender's own mapping of the file) touch the slot
-        // only while it is granted to them, never while the receiver reads it (module doc).
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), self.slot_bytes)
-        };
-        f(bytes)
-    }
 }
 
 impl SlotMemory for ShmMemory {
     fn slots(&self) -> u32 {
-        self.slots
+        self.region.slots()
     }
 
     fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.region.slot_bytes()
     }
 
-    fn write_slot(&self, slot: u32, data: &[u8]) {
-        assert!(
-            data.len() <= self.slot_bytes,
-            "invariant: {} bytes fit a {}-byte slot",
-            data.len(),
-            self.slot_bytes
-        );
-        self.with_slot(slot, |s| s[..data.len()].copy_from_slice(data));
-    }
-
-    fn read_slot(&self, slot: u32, out: &mut [u8]) {
-        self.with_slot(slot, |s| out.copy_from_slice(&s[..out.len()]));
-    }
-
-    // In place, as `HeapMemory` does: the trait's defaults go through a buffer the size of
-    // the chunk, an allocation and a copy per call (a prefill filling staging, the receiver
-    // computing a landed chunk's checksum, a decoder reading).
-    fn fill_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&mut [u8])) {
-        self.with_slot(slot, |s| f(&mut s[..len]));
-    }
-
-    fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
-        self.with_slot(slot, |s| f(&s[..len]));
+    fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
+        self.region.with_slot(slot, f);
     }
 }
 

@@ -1,6 +1,6 @@
 //! `TcpFabric`: one-sided writes carried over TCP, for clusters without RDMA.
 //!
-//! The receiver binds a listener at the exposed endpoint and owns the buffer (`HeapMemory`).
+//! The receiver binds a listener at the exposed endpoint; its buffer is a `LocalMemory` (kvx's own allocation, or a region the caller lends).
 //! Each sender opens one connection, handshakes (magic, version, geometry), then streams a
 //! 32-byte header and the payload for every posted write, straight from its staging slot
 //! (a vectored write, no copy). The receiver validates the header, reads the payload straight
@@ -27,8 +27,8 @@ use std::io::{self, IoSlice};
 use std::sync::Arc;
 
 use kvx_io::{
-    Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener, HeapMemory,
-    LogLimiter, PostWrite, SlotMemory,
+    ExternalRegion, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError,
+    FabricListener, LocalMemory, LogLimiter, PostWrite, SlotMemory,
 };
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -54,30 +54,16 @@ impl TcpFabric {
     pub fn with_config(config: TcpFabricConfig) -> Self {
         TcpFabric { config }
     }
-}
 
-impl Fabric for TcpFabric {
-    type Memory = HeapMemory;
-
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<HeapMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
-        Ok(Arc::new(HeapMemory::new(slots, slot_bytes)))
-    }
-
-    async fn expose(
+    /// Accepts writes into `memory` at `endpoint`.
+    async fn expose_memory(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<FabricListener<HeapMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
+        memory: Arc<LocalMemory>,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        let (slots, slot_bytes) = (memory.slots(), memory.slot_bytes());
         let listener = link::bind(endpoint, &self.config).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
-        let memory = Arc::new(HeapMemory::new(slots, slot_bytes));
         let (landed_tx, landed) = kvx_io::landing_channel(slots);
         let greeting = Greeting {
             magic: TCP_MAGIC,
@@ -106,11 +92,50 @@ impl Fabric for TcpFabric {
             access,
         })
     }
+}
+
+impl Fabric for TcpFabric {
+    type Memory = LocalMemory;
+
+    fn allocate_staging(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<Arc<LocalMemory>, FabricError> {
+        Geometry::checked(slots, slot_bytes)?;
+        Ok(Arc::new(LocalMemory::allocate(slots, slot_bytes)?))
+    }
+
+    fn staging_in(&self, region: ExternalRegion) -> Result<Arc<LocalMemory>, FabricError> {
+        Geometry::checked(region.slots(), region.slot_bytes())?;
+        Ok(Arc::new(LocalMemory::external(region)))
+    }
+
+    async fn expose(
+        &self,
+        endpoint: &str,
+        slots: u32,
+        slot_bytes: usize,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        Geometry::checked(slots, slot_bytes)?;
+        let memory = LocalMemory::allocate(slots, slot_bytes)?;
+        self.expose_memory(endpoint, Arc::new(memory)).await
+    }
+
+    async fn expose_in(
+        &self,
+        endpoint: &str,
+        region: ExternalRegion,
+    ) -> Result<FabricListener<LocalMemory>, FabricError> {
+        Geometry::checked(region.slots(), region.slot_bytes())?;
+        self.expose_memory(endpoint, Arc::new(LocalMemory::external(region)))
+            .await
+    }
 
     async fn connect(
         &self,
         endpoint: &str,
-        staging: Arc<HeapMemory>,
+        staging: Arc<LocalMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
@@ -152,7 +177,7 @@ const TRANSMIT_BUDGET: usize = 8 << 20;
 /// Streams each write as header + payload, the payload straight from the staging slot.
 #[derive(Debug)]
 struct InlineTransmit {
-    staging: Arc<HeapMemory>,
+    staging: Arc<LocalMemory>,
     remote: Geometry,
     /// Bytes of the current write (header + payload) already on the wire (or in `pipe`).
     progress: usize,
@@ -162,7 +187,7 @@ struct InlineTransmit {
 }
 
 impl InlineTransmit {
-    fn new(staging: Arc<HeapMemory>, remote: Geometry, zero_copy: bool) -> Self {
+    fn new(staging: Arc<LocalMemory>, remote: Geometry, zero_copy: bool) -> Self {
         Self {
             staging,
             remote,

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{
-    ChecksumCheck, ChecksumState, FabricAccess, HeapMemory, LandedWrite, LogLimiter, SlotMemory,
+    ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory, LogLimiter, SlotMemory,
 };
 use kvx_proto::{PeerId, SlotIndex};
 use tokio::io::Interest;
@@ -38,7 +38,7 @@ use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNO
 #[derive(Debug, Clone)]
 pub(crate) enum Landing {
     /// The payload follows its header on the socket and is read into this memory.
-    Inline(Arc<HeapMemory>),
+    Inline(Arc<LocalMemory>),
     /// The payload is in the sender's staging (`PullSource`, per connection); the receiver
     /// copies it into this memory once the write is admitted, so nothing reaches a slot the
     /// sender holds no grant for. Weak: the connection tasks do not keep the buffer alive.

@@ -1,0 +1,326 @@
+//! Memory split into slots, each reached in place under its own lock: the one place where
+//! kvx turns an address into bytes. Every fabric's memory stands on it — kvx's own
+//! allocation (`LocalMemory`), a caller's region (`ExternalRegion`: a framework's pinned
+//! buffer, a Python object's memory), a shared mapping (`ShmFabric`), memory registered with
+//! a NIC (`RdmaFabric`).
+//!
+//! Soundness. A `SlotRegion` holds its region's owner, so the bytes stay valid as long as it
+//! does; the slots do not overlap; within this process a slot's lock, held while a closure
+//! runs on its bytes, makes that closure's `&mut [u8]` exclusive. What no lock covers is
+//! whoever else may touch the memory: a NIC, another process mapping the same file, a caller
+//! writing through its own view of an external region. The protocol keeps them apart — a
+//! staging slot is written by its holder and then only read (by the fabric) until its write
+//! completes; a receive slot is written only by the sender granted it and read only after
+//! its landing — and a caller that lends memory promises to follow the same rule
+//! (`ExternalRegion::new`).
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use crate::fabric::FabricError;
+
+/// Alignment of the memory kvx allocates itself: a page, as a NIC registration or a
+/// `vmsplice` of whole pages prefers.
+const PAGE: usize = 4096;
+
+/// A region of `slots × slot_bytes` bytes and its owner, reached one slot at a time.
+pub struct SlotRegion {
+    base: NonNull<u8>,
+    slots: u32,
+    slot_bytes: usize,
+    locks: Box<[Mutex<()>]>,
+    /// Keeps the bytes valid (an allocation, a mapping, a caller's object); dropped last.
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the region is plain bytes owned through `_owner` (itself `Send + Sync`); every
+// access from any thread goes through `with_slot`, which takes the slot's lock.
+unsafe impl Send for SlotRegion {}
+// SAFETY: as for `Send`: shared access only ever reaches the bytes under a slot's lock.
+unsafe impl Sync for SlotRegion {}
+
+impl fmt::Debug for SlotRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotRegion")
+            .field("base", &self.base)
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .finish()
+    }
+}
+
+/// The memory kvx allocates: page-aligned, zeroed, freed with the region.
+struct Allocation {
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: an owned allocation, freed once in `drop`; no one else holds its pointer.
+unsafe impl Send for Allocation {}
+// SAFETY: `Allocation` itself never reads or writes the bytes.
+unsafe impl Sync for Allocation {}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `SlotRegion::allocate` with exactly this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl SlotRegion {
+    /// `slots × slot_bytes` zeroed bytes of kvx's own, every page touched now: registering
+    /// memory with a NIC pins it the same way, and the first write into a slot then costs no
+    /// page fault on the data path (in the demo the faults of 192 MiB of fresh buffers were
+    /// about a tenth of the run's CPU).
+    pub fn allocate(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
+        let len = checked_len(slots, slot_bytes)?;
+        let layout = std::alloc::Layout::from_size_align(len, PAGE).map_err(|e| {
+            FabricError::Allocation(format!("{slots} slots of {slot_bytes} bytes: {e}"))
+        })?;
+        // SAFETY: `layout` has a non-zero size (`checked_len` refuses zero).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            FabricError::Allocation(format!(
+                "{slots} slots of {slot_bytes} bytes: out of memory"
+            ))
+        })?;
+        let owner = Allocation { ptr, layout };
+        // SAFETY: `ptr` is a fresh allocation of `len` bytes, owned by `owner`, which the
+        // region keeps; nothing else refers to it.
+        let region = unsafe { Self::over(ptr, slots, slot_bytes, Box::new(owner)) };
+        for slot in 0..slots {
+            region.with_slot(slot, |bytes| {
+                // `black_box`: the allocation is known to be zeroed, so a plain zero store
+                // could be optimised away and the page would stay unmapped.
+                for byte in bytes.iter_mut().step_by(PAGE) {
+                    *byte = std::hint::black_box(0);
+                }
+            });
+        }
+        Ok(region)
+    }
+
+    /// The region of `external`, which keeps its owner.
+    pub fn external(external: ExternalRegion) -> Self {
+        let ExternalRegion {
+            ptr,
+            slots,
+            slot_bytes,
+            owner,
+        } = external;
+        // SAFETY: `ExternalRegion::new`'s caller promised that `ptr` is valid for
+        // `slots × slot_bytes` bytes for as long as `owner` lives, and touched by others
+        // only as the protocol allows (module doc).
+        unsafe { Self::over(ptr, slots, slot_bytes, owner) }
+    }
+
+    /// A region over `base`, kept valid by `owner`.
+    ///
+    /// # Safety
+    /// `base` must be valid for reads and writes of `slots × slot_bytes` bytes for as long
+    /// as `owner` lives, and touched outside this region only as the module doc says.
+    pub unsafe fn over(
+        base: NonNull<u8>,
+        slots: u32,
+        slot_bytes: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            base,
+            slots,
+            slot_bytes,
+            locks: (0..slots).map(|_| Mutex::new(())).collect(),
+            _owner: owner,
+        }
+    }
+
+    /// Slots in the region.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Bytes in each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The region's first byte and its length, for a NIC's registration or a `vmsplice`.
+    pub fn raw(&self) -> (NonNull<u8>, usize) {
+        (self.base, self.slots as usize * self.slot_bytes)
+    }
+
+    /// Runs `f` on the slot's bytes in place, under the slot's lock. Panics when `slot` is
+    /// out of bounds: a caller bug.
+    pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        assert!(
+            slot < self.slots,
+            "invariant: slot {slot} < {} slots",
+            self.slots
+        );
+        let _guard = self.locks[slot as usize]
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let offset = slot as usize * self.slot_bytes;
+        // SAFETY: `slot < slots`, so `offset + slot_bytes <= slots × slot_bytes`, the length
+        // `base` is valid for while `_owner` lives (kept by `&self`). The slot's lock, held
+        // until `f` returns, makes the `&mut` exclusive within this process; outside it, the
+        // module doc's rule applies.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), self.slot_bytes)
+        };
+        f(bytes)
+    }
+}
+
+/// Memory a caller lends kvx — a serving framework's pinned buffer, a Python object's bytes —
+/// with what keeps it valid. kvx reaches it only through `SlotRegion::with_slot` and the
+/// fabric's own data path.
+pub struct ExternalRegion {
+    ptr: NonNull<u8>,
+    slots: u32,
+    slot_bytes: usize,
+    owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: as `SlotRegion`: the caller of `new` promised the memory may be used from any
+// thread under the protocol's rule; the owner is `Send + Sync`.
+unsafe impl Send for ExternalRegion {}
+// SAFETY: `ExternalRegion` gives no access to the bytes by itself.
+unsafe impl Sync for ExternalRegion {}
+
+impl fmt::Debug for ExternalRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExternalRegion")
+            .field("ptr", &self.ptr)
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .finish()
+    }
+}
+
+impl ExternalRegion {
+    /// `len` bytes at `ptr`, split into slots of `slot_bytes` (a shorter tail beyond the
+    /// last whole slot is left alone), kept valid by `owner` (dropped when kvx no longer
+    /// uses the memory: after its fabric's last access).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes for as long as `owner` lives.
+    /// While kvx uses the region, nothing else may write a slot except its current holder as
+    /// the protocol defines it (a sender filling a staging slot it took and has not yet
+    /// submitted; a receiver's fabric landing a granted write), and nothing may read a
+    /// receive slot before its request is ready. Breaking this corrupts KV bytes (a checksum
+    /// catches a changed staging slot) but it is also a data race, which Rust calls undefined
+    /// behaviour.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        slot_bytes: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<Self, FabricError> {
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| FabricError::Allocation("an external region at address 0".into()))?;
+        if slot_bytes == 0 {
+            return Err(FabricError::Allocation(
+                "an external region of 0-byte slots".into(),
+            ));
+        }
+        let slots = u32::try_from(len / slot_bytes).map_err(|_| {
+            FabricError::Allocation(format!(
+                "an external region of {len} bytes holds more than 2^32 slots of {slot_bytes}"
+            ))
+        })?;
+        if slots == 0 {
+            return Err(FabricError::Allocation(format!(
+                "an external region of {len} bytes holds no slot of {slot_bytes} bytes"
+            )));
+        }
+        Ok(Self {
+            ptr,
+            slots,
+            slot_bytes,
+            owner,
+        })
+    }
+
+    /// Whole slots in the region.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Bytes in each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+}
+
+/// `slots × slot_bytes`, refusing zero and overflow.
+fn checked_len(slots: u32, slot_bytes: usize) -> Result<usize, FabricError> {
+    let why = || format!("cannot allocate {slots} slots of {slot_bytes} bytes");
+    let len = (slots as usize)
+        .checked_mul(slot_bytes)
+        .ok_or_else(|| FabricError::Allocation(why()))?;
+    if len == 0 {
+        return Err(FabricError::Allocation(why()));
+    }
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_disjoint_and_zeroed() {
+        let r = SlotRegion::allocate(3, 5000).expect("allocates");
+        for slot in 0..3u32 {
+            r.with_slot(slot, |b| {
+                assert!(b.iter().all(|&x| x == 0));
+                b.fill(slot as u8 + 1);
+            });
+        }
+        for slot in 0..3u32 {
+            r.with_slot(slot, |b| assert!(b.iter().all(|&x| x == slot as u8 + 1)));
+        }
+        assert_eq!(r.raw().0.as_ptr() as usize % PAGE, 0, "page-aligned");
+    }
+
+    #[test]
+    fn an_external_region_is_the_callers_bytes_and_keeps_its_owner() {
+        let mut backing = vec![0u8; 10 * 64 + 7].into_boxed_slice();
+        let ptr = backing.as_mut_ptr();
+        let len = backing.len();
+        let owner = std::sync::Arc::new(());
+        let keep = (owner.clone(), backing);
+        // SAFETY: `ptr` is `keep.1`'s bytes, valid while `keep` lives; only this test uses it.
+        let ext = unsafe { ExternalRegion::new(ptr, len, 64, Box::new(keep)) }.expect("valid");
+        assert_eq!(ext.slots(), 10, "the 7-byte tail is no slot");
+        let region = SlotRegion::external(ext);
+        region.with_slot(9, |b| b[63] = 42);
+        // SAFETY: reading the byte just written, through the region's own pointer.
+        let seen = unsafe { *region.raw().0.as_ptr().add(9 * 64 + 63) };
+        assert_eq!(seen, 42);
+        assert_eq!(
+            std::sync::Arc::strong_count(&owner),
+            2,
+            "the region keeps the owner"
+        );
+        drop(region);
+        assert_eq!(std::sync::Arc::strong_count(&owner), 1, "and lets go of it");
+    }
+
+    #[test]
+    fn bad_regions_are_refused_with_a_reason() {
+        assert!(SlotRegion::allocate(0, 64).is_err());
+        assert!(SlotRegion::allocate(4, 0).is_err());
+        // SAFETY: refused before any use.
+        let null = unsafe { ExternalRegion::new(std::ptr::null_mut(), 64, 64, Box::new(())) };
+        assert!(null.is_err());
+        let mut b = [0u8; 10];
+        // SAFETY: refused before any use.
+        let small = unsafe { ExternalRegion::new(b.as_mut_ptr(), 10, 64, Box::new(())) };
+        assert!(matches!(small, Err(FabricError::Allocation(why)) if why.contains("no slot")));
+    }
+}
