@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvx_node::{ReceiverAddr, SenderHandle};
-use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError};
+use kvx_proto::sender::{ChunkSpec, RequestSpec};
 use kvx_proto::{PeerId, ReqId, StagingSlot};
 use tokio::sync::Semaphore;
 
@@ -187,8 +187,10 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
     }
 }
 
-/// Takes a staging slot for the request, bounded by `staging_timeout`. On any failure the
-/// request is cancelled (a no-op when it already ended) so that it never lingers.
+/// Takes a staging slot for the request, bounded by `staging_timeout`, submitting `batch`
+/// first when our own unsubmitted chunks alone hold staging (`SenderHandle::allocate`). On
+/// any failure the request is cancelled (a no-op when it already ended) so that it never
+/// lingers.
 async fn allocate(
     world: &World,
     h: &SenderHandle<SimEnv>,
@@ -196,26 +198,9 @@ async fn allocate(
     batch: &mut Vec<ChunkSpec>,
     timeout: Duration,
 ) -> Option<StagingSlot> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        match h.allocate(req_id).await {
-            Ok(slot) => return Some(slot),
-            // Our own unsubmitted chunks hold staging: submit them.
-            Err(SendError::StagingHeldByCaller(_)) if !batch.is_empty() => {
-                if h.submit(req_id, std::mem::take(batch), false).is_err() {
-                    break;
-                }
-            }
-            // Other requests' unsubmitted chunks hold it (the core cannot tell callers
-            // apart); their tasks submit them before they wait, so try again shortly.
-            Err(SendError::StagingHeldByCaller(_)) => {
-                tokio::time::sleep(Duration::from_micros(100)).await
-            }
-            Err(e) => {
-                world.record(format_args!("engine: allocate for {req_id}: {e}"));
-                break;
-            }
-        }
+    match h.allocate_within(req_id, batch, timeout).await {
+        Ok(slot) => return Some(slot),
+        Err(e) => world.record(format_args!("engine: allocate for {req_id}: {e}")),
     }
     let _ = h.cancel(req_id);
     None

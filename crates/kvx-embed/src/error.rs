@@ -11,6 +11,12 @@ pub enum EmbedError {
     /// A driver could not start (a port in use, an invalid configuration, …).
     #[error(transparent)]
     Start(#[from] kvx_node::StartError),
+    /// Releasing a read lease failed (the receiver stopped).
+    #[error(transparent)]
+    Consume(kvx_proto::receiver::ConsumeError),
+    /// A blocking call gave up after its timeout.
+    #[error("no answer within {0:?}")]
+    TimedOut(std::time::Duration),
     /// The runtime could not be built.
     #[error("runtime: {0}")]
     Runtime(#[from] std::io::Error),

@@ -8,14 +8,21 @@
 //!   one `match` from a choice to a concrete `Env`.
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
+//! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop).
+//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends) and
+//!   `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
 
 pub mod choice;
 pub mod error;
 pub mod proxy;
+pub mod receiver;
 pub mod runtime;
+pub mod sender;
 
 pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, TransportChoice};
 pub use error::EmbedError;
 pub use proxy::{Proxy, ProxyWait};
+pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
+pub use sender::{Memory, Sender, SenderSettings, StagingGuard};

@@ -30,7 +30,7 @@ pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
 };
-pub use sender::{ReceiverAddr, SenderHandle, SenderNode};
+pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode};
 
 /// Sleeps until the core's next deadline, or forever when it has none (the drivers'
 /// `select!` arm for timers).
@@ -60,6 +60,9 @@ pub enum StartError {
     /// Exposing the receive buffer or allocating staging failed.
     #[error("fabric: {0}")]
     Fabric(kvx_io::FabricError),
+    /// Memory the caller lent does not fit the configuration (its slot count or size).
+    #[error("memory: {0}")]
+    Memory(String),
 }
 
 impl From<kvx_io::TransportError> for StartError {

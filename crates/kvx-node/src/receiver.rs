@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvx_io::{ControlServer, Env, Fabric, FabricListener, LogLimiter, SlotMemory, Transport};
+use kvx_io::{
+    ControlServer, Env, ExternalRegion, Fabric, FabricListener, LogLimiter, SlotMemory, Transport,
+};
 use kvx_proto::receiver::{
     ConsumeError, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
 };
@@ -104,7 +106,7 @@ pub struct ReceiverNode;
 
 impl ReceiverNode {
     /// Binds the alloc channel at `alloc_endpoint` and exposes a buffer of
-    /// `cfg.buffer_slots × chunk_bytes` at `fabric_endpoint`.
+    /// `cfg.buffer_slots × chunk_bytes`, which its fabric allocates, at `fabric_endpoint`.
     pub async fn start<E: Env>(
         env: E,
         cfg: ReceiverConfig,
@@ -118,6 +120,41 @@ impl ReceiverNode {
             .fabric()
             .expose(fabric_endpoint, cfg.buffer_slots, chunk_bytes)
             .await?;
+        Ok(Self::run(env, ledger, server, listener))
+    }
+
+    /// `start`, with the receive buffer in memory the caller owns (a framework's KV buffer,
+    /// a Python object's memory): one buffer slot per whole slot of the region, which must
+    /// be `cfg.buffer_slots`. A fabric that needs memory of its own kind (shared memory)
+    /// refuses it (`FabricError::ExternalMemory`).
+    pub async fn start_in<E: Env>(
+        env: E,
+        cfg: ReceiverConfig,
+        buffer: ExternalRegion,
+        alloc_endpoint: &str,
+        fabric_endpoint: &str,
+    ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
+        if buffer.slots() != cfg.buffer_slots {
+            return Err(StartError::Memory(format!(
+                "the receive region holds {} slots of {} bytes, the configuration {} buffer \
+                 slots",
+                buffer.slots(),
+                buffer.slot_bytes(),
+                cfg.buffer_slots
+            )));
+        }
+        let ledger = ReceiverLedger::new(cfg.clone())?;
+        let server = env.transport().serve(alloc_endpoint).await?;
+        let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;
+        Ok(Self::run(env, ledger, server, listener))
+    }
+
+    fn run<E: Env>(
+        env: E,
+        ledger: ReceiverLedger,
+        server: ControlServer,
+        listener: FabricListener<<E::Fabric as Fabric>::Memory>,
+    ) -> ReceiverHandle<<E::Fabric as Fabric>::Memory> {
         let (notice_tx, notice_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let handle = ReceiverHandle {
@@ -141,7 +178,7 @@ impl ReceiverNode {
             undecodable_logged: LogLimiter::default(),
         };
         env.spawn(driver.run());
-        Ok(handle)
+        handle
     }
 }
 
@@ -165,6 +202,12 @@ impl<M: SlotMemory> ReceiverHandle<M> {
     pub fn reader(&self) -> &ChunkReader<M> {
         &self.reader
     }
+
+    /// The notices and the reader apart, for a decoder that hands them to different
+    /// threads (an embedding program polls notices from one, reads from others).
+    pub fn into_parts(self) -> (mpsc::UnboundedReceiver<ReceiverNotice>, ChunkReader<M>) {
+        (self.notices, self.reader)
+    }
 }
 
 impl<M: SlotMemory> ChunkReader<M> {
@@ -184,6 +227,11 @@ impl<M: SlotMemory> ChunkReader<M> {
             .await
             .map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
+    }
+
+    /// The receive buffer (for its slot count and size, or to reach a slot in place).
+    pub fn memory(&self) -> &Arc<M> {
+        &self.memory
     }
 
     /// Lets `f` read the first `len` bytes of a ready request's slot in place.

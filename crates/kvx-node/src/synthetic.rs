@@ -164,7 +164,8 @@ pub async fn admit<E: Env>(
 }
 
 /// Stages and submits every chunk of an admitted request in batches, and awaits its outcome
-/// (delivered or failed).
+/// (delivered or failed). A call that cannot go on (no staging in time, a refused submit)
+/// cancels the request, so its outcome comes at once rather than at a timeout.
 pub async fn transfer<E: Env>(
     sender: &SenderHandle<E>,
     req: &SyntheticRequest,
@@ -172,29 +173,19 @@ pub async fn transfer<E: Env>(
 ) -> Result<PrefillTiming, SendFailure> {
     let mut first_submit = None;
     let mut batch = Vec::new();
+    let mut stopped = None;
     for chunk in 0..req.chunks {
-        let mut allocated = sender.allocate(&req.req_id).await;
-        if let Err(SendError::StagingHeldByCaller(_)) = allocated {
-            // Every staging slot holds an unsubmitted chunk and some are ours (other
-            // requests prefilled alongside hold the rest): submit ours as a short batch,
-            // which frees staging once written, and try again.
-            if !batch.is_empty() {
-                first_submit.get_or_insert_with(tokio::time::Instant::now);
-                if sender
-                    .submit(&req.req_id, std::mem::take(&mut batch), false)
-                    .is_err()
-                {
-                    break;
-                }
-            }
-            allocated = sender.allocate(&req.req_id).await;
+        // Submits our own staged chunks first when they alone hold staging.
+        let holding = !batch.is_empty();
+        let allocated = sender.allocate(&req.req_id, &mut batch).await;
+        if holding && batch.is_empty() {
+            first_submit.get_or_insert_with(tokio::time::Instant::now);
         }
         let slot = match allocated {
             Ok(slot) => slot,
             Err(e) => {
-                let _ = sender.cancel(&req.req_id);
-                let outcome = sender.outcome(&req.req_id).await;
-                return outcome.and(Err(SendFailure::Misuse(e.to_string())));
+                stopped = Some(e);
+                break;
             }
         };
         // The chunk is produced straight into its staging slot.
@@ -210,12 +201,20 @@ pub async fn transfer<E: Env>(
         let is_last = chunk + 1 == req.chunks;
         if batch.len() as u32 == req.batch_chunks || is_last {
             first_submit.get_or_insert_with(tokio::time::Instant::now);
-            let batch = std::mem::take(&mut batch);
-            // An error means the request ended meanwhile; its outcome says how.
-            if sender.submit(&req.req_id, batch, is_last).is_err() {
+            if let Err(e) = sender.submit(&req.req_id, std::mem::take(&mut batch), is_last) {
+                stopped = Some(e);
                 break;
             }
         }
+    }
+    if let Some(e) = stopped {
+        // A request that failed has its outcome already; any other error (a full channel,
+        // a timeout) leaves it running with nothing more to come: end it.
+        if !matches!(e, SendError::Failed(..)) {
+            let _ = sender.cancel(&req.req_id);
+        }
+        let outcome = sender.outcome(&req.req_id).await;
+        return outcome.and(Err(SendFailure::Misuse(e.to_string())));
     }
     let first_submit = first_submit.unwrap_or_else(tokio::time::Instant::now);
     let outcome = sender.outcome(&req.req_id).await;

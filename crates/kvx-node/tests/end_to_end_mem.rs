@@ -172,12 +172,20 @@ async fn cancel_wakes_a_blocked_allocate_with_an_error() {
     sender.admitted(&whole).await.expect("admitted");
     // Both staging slots held by the caller, unsubmitted: waiting could never end, so the
     // core says so at once instead of blocking.
-    sender.allocate(&whole).await.expect("slot 1");
-    sender.allocate(&whole).await.expect("slot 2");
-    let (s, r) = (sender.clone(), whole.clone());
-    let refused = tokio::task::spawn_blocking(move || s.allocate_blocking(&r))
+    sender
+        .allocate(&whole, &mut Vec::new())
         .await
-        .expect("join");
+        .expect("slot 1");
+    sender
+        .allocate(&whole, &mut Vec::new())
+        .await
+        .expect("slot 2");
+    let (s, r) = (sender.clone(), whole.clone());
+    let refused = tokio::task::spawn_blocking(move || {
+        s.allocate_blocking(&r, &mut Vec::new(), Duration::from_secs(30))
+    })
+    .await
+    .expect("join");
     assert!(
         matches!(refused, Err(SendError::StagingHeldByCaller(2))),
         "{refused:?}"
@@ -185,7 +193,9 @@ async fn cancel_wakes_a_blocked_allocate_with_an_error() {
 
     sender.begin(spec("waits", 1)).expect("begins");
     let (s, r) = (sender.clone(), waits.clone());
-    let blocked = tokio::task::spawn_blocking(move || s.allocate_blocking(&r));
+    let blocked = tokio::task::spawn_blocking(move || {
+        s.allocate_blocking(&r, &mut Vec::new(), Duration::from_secs(30))
+    });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!blocked.is_finished(), "the thread waits for admission");
     sender.cancel(&waits).expect("cancel");
@@ -283,7 +293,10 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
         })
         .expect("begins");
     sender.admitted(&id).await.expect("admitted");
-    let slot = sender.allocate(&id).await.expect("staging");
+    let slot = sender
+        .allocate(&id, &mut Vec::new())
+        .await
+        .expect("staging");
     sender.stage(slot, &vec![7u8; CHUNK]);
     // Changed after staging, without staging it again.
     sender.staging().write_slot(slot.0, &[8u8; 16]);
@@ -361,17 +374,23 @@ async fn a_younger_request_holding_staging_is_told_to_submit_while_an_older_one_
     sender.begin(spec("younger")).expect("begins");
     sender.admitted(&older).await.expect("admitted");
     sender.admitted(&younger).await.expect("admitted");
-    let held = sender.allocate(&younger).await.expect("the only slot");
+    let held = sender
+        .allocate(&younger, &mut Vec::new())
+        .await
+        .expect("the only slot");
     let (s, id) = (sender.clone(), older.clone());
-    let older_waits = tokio::spawn(async move { s.allocate(&id).await });
+    let older_waits = tokio::spawn(async move { s.allocate(&id, &mut Vec::new()).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         !older_waits.is_finished(),
         "the older request waits for staging"
     );
-    let told = tokio::time::timeout(Duration::from_secs(2), sender.allocate(&younger))
-        .await
-        .expect("answered at once, not after staging_timeout");
+    let told = tokio::time::timeout(
+        Duration::from_secs(2),
+        sender.allocate(&younger, &mut Vec::new()),
+    )
+    .await
+    .expect("answered at once, not after staging_timeout");
     assert!(
         matches!(told, Err(SendError::StagingHeldByCaller(1))),
         "{told:?}"

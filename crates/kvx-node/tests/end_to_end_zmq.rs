@@ -318,7 +318,7 @@ async fn cancel_in_flight_fails_everywhere_and_leaks_nothing_over_zmq_and_tcp() 
         .expect("bounded")
         .expect("admitted");
     for chunk in 0..2 {
-        let slot = s.allocate(&victim).await.expect("staging");
+        let slot = s.allocate(&victim, &mut Vec::new()).await.expect("staging");
         s.stage_with(slot, CHUNK, &mut |out| {
             synthetic::chunk_bytes("victim", chunk, out)
         });

@@ -279,9 +279,12 @@ impl Setup {
     async fn stage_and_submit(&self, req: &SyntheticRequest) {
         let mut batch = Vec::new();
         for chunk in 0..req.chunks {
-            let slot = bounded("staging", self.sender.allocate(&req.req_id))
-                .await
-                .expect("staging");
+            let slot = bounded(
+                "staging",
+                self.sender.allocate(&req.req_id, &mut Vec::new()),
+            )
+            .await
+            .expect("staging");
             self.sender.stage_with(slot, CHUNK, &mut |out| {
                 synthetic::chunk_bytes(&req.req_id.0, chunk, out)
             });

@@ -195,3 +195,49 @@ fn outcomes_are_readable_from_when_they_are_known_for_outcomes_kept_requests() {
     );
     s.flow.check_invariants();
 }
+
+/// `allocate_or_submit`: when a request's own unsubmitted chunks hold every staging slot, the
+/// call submits the caller's batch (not as the last) instead of answering
+/// `StagingHeldByCaller`, and the next slot comes once those writes complete; with nothing
+/// held it answers as `try_allocate` does; with slots free it submits nothing.
+#[test]
+fn allocate_or_submit_submits_the_callers_batch_when_it_alone_holds_staging() {
+    let mut s = Sender::with(2, SenderConfig::default(), &[("a", 4)]);
+    let a = ReqId("a".into());
+    let mut held = Vec::new();
+    for chunk in 0..2 {
+        let slot = s
+            .flow
+            .allocate_or_submit(T0, &a, &mut held)
+            .expect("a free slot");
+        held.push(ChunkSpec {
+            key: format!("a@{chunk}"),
+            staging: slot,
+            tokens: 1,
+        });
+    }
+    assert_eq!(held.len(), 2, "nothing submitted while slots were free");
+    assert_eq!(
+        s.flow.allocate_or_submit(T0, &a, &mut Vec::new()),
+        Err(SendError::StagingHeldByCaller(2)),
+        "nothing held by this call: told, as try_allocate tells"
+    );
+    assert_eq!(
+        s.flow.allocate_or_submit(T0, &a, &mut held),
+        Err(SendError::WouldBlock),
+        "the batch went out; its writes free staging"
+    );
+    assert!(held.is_empty(), "the held batch was submitted");
+    s.answer();
+    let written = s.complete_writes();
+    assert_eq!(written.len(), 2, "both held chunks written");
+    s.flow
+        .allocate_or_submit(T0, &a, &mut held)
+        .expect("a slot once the writes completed");
+    assert_eq!(
+        s.flow.outcome(&a),
+        None,
+        "still running: that batch was not the last"
+    );
+    s.flow.check_invariants();
+}

@@ -15,7 +15,7 @@ use kvx_proto::wire;
 use kvx_proto::PeerId;
 use tokio::sync::mpsc;
 
-use super::{ReceiverAddr, Shared};
+use super::{ReceiverAddr, RequestEnd, Shared};
 use crate::StartError;
 
 mod fabric_link;
@@ -357,12 +357,20 @@ impl<E: Env> Driver<E> {
             match ev {
                 // Waiters read admission and outcomes from the core, woken below.
                 SenderEvent::Admitted { .. } => {}
-                SenderEvent::Delivered { .. } => {
+                SenderEvent::Delivered { req_id } => {
                     metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
+                    self.shared.complete(RequestEnd {
+                        req_id,
+                        outcome: Ok(()),
+                    });
                 }
                 SenderEvent::Failed { req_id, failure } => {
                     metrics::counter!(crate::metrics::SENDER_FAILED).increment(1);
                     tracing::info!(%req_id, %failure, "request failed");
+                    self.shared.complete(RequestEnd {
+                        req_id,
+                        outcome: Err(failure),
+                    });
                 }
                 SenderEvent::ChannelReset { receiver } => {
                     tracing::warn!(%receiver, "control channel reset; the transport reconnects");

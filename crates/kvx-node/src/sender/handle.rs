@@ -3,6 +3,7 @@
 //! directly and pokes the driver task when the core has something for it to carry out.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvx_io::{Env, Fabric, SlotMemory};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow};
@@ -11,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::driver::Cmd;
 use super::staging_turn::StagingTurn;
-use super::{ReceiverAddr, Shared};
+use super::{ReceiverAddr, RequestEnd, Shared};
 use crate::StartError;
 
 /// Handle to a running sender; clone it freely, use it from any thread.
@@ -119,23 +120,33 @@ impl<E: Env> SenderHandle<E> {
         }
     }
 
-    /// Takes a staging slot, blocking the calling thread until a write completes, for at most
-    /// the configured `staging_timeout`. For prefill worker threads; a cancel of the request
-    /// wakes it with an error. Never call it from an async task.
-    pub fn allocate_blocking(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
-        let timeout = self.shared.lock().flow.config().staging_timeout;
+    /// Takes a staging slot for `req_id`, blocking the calling thread for at most `timeout`
+    /// (`SendError::StagingTimedOut` then). For prefill worker threads; a cancel of the
+    /// request wakes it with an error. Never call it from an async task.
+    ///
+    /// `held` is the batch the caller is building: chunks it staged and has not submitted.
+    /// When they alone stand between it and a slot (every slot holds an unsubmitted chunk),
+    /// they are submitted as a batch that is not the last and `held` is emptied
+    /// (`SenderFlow::allocate_or_submit`); push the new slot's chunk onto `held` and submit
+    /// it when the batch is full. Pass an empty vector when not batching.
+    pub fn allocate_blocking(
+        &self,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> Result<StagingSlot, SendError> {
         // The Env's clock, as everywhere in the drivers (a simulated one in the simulation).
         let deadline = self.now() + timeout;
         let mut turn = StagingTurn::new(&self.shared);
         let mut core = self.shared.lock();
         loop {
-            if let Some(result) = turn.attempt(&mut core, req_id) {
+            if let Some(result) = turn.attempt(&mut core, self.now(), req_id, held) {
                 return result;
             }
             let left = deadline.saturating_since(self.now());
             if left.is_zero() {
                 turn.leave(&mut core);
-                return Err(SendError::WouldBlock);
+                return Err(SendError::StagingTimedOut(timeout));
             }
             core = self
                 .shared
@@ -146,24 +157,41 @@ impl<E: Env> SenderHandle<E> {
         }
     }
 
-    /// The async form of `allocate_blocking`, bounded by `staging_timeout`.
-    pub async fn allocate(&self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+    /// The async form of `allocate_blocking`, bounded by the configured `staging_timeout`.
+    pub async fn allocate(
+        &self,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+    ) -> Result<StagingSlot, SendError> {
         let timeout = self.shared.lock().flow.config().staging_timeout;
+        self.allocate_within(req_id, held, timeout).await
+    }
+
+    /// `allocate`, bounded by `timeout` instead of the configured `staging_timeout`.
+    pub async fn allocate_within(
+        &self,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> Result<StagingSlot, SendError> {
         let mut version = self.shared.version.subscribe();
         let mut turn = StagingTurn::new(&self.shared);
         let attempt = async {
             loop {
-                if let Some(result) = turn.attempt(&mut self.shared.lock(), req_id) {
+                let now = self.now();
+                if let Some(result) = turn.attempt(&mut self.shared.lock(), now, req_id, held) {
                     return result;
                 }
                 if version.changed().await.is_err() {
-                    return Err(SendError::WouldBlock);
+                    return Err(SendError::Failed(req_id.clone(), SendFailure::ChannelLost));
                 }
             }
         };
-        tokio::time::timeout(timeout, attempt)
-            .await
-            .unwrap_or(Err(SendError::WouldBlock))
+        let deadline = self.now() + timeout;
+        tokio::select! {
+            result = attempt => result,
+            () = self.env.sleep_until(deadline) => Err(SendError::StagingTimedOut(timeout)),
+        }
         // `turn` leaves the queue here if the call timed out while waiting.
     }
 
@@ -202,6 +230,38 @@ impl<E: Env> SenderHandle<E> {
             .flow
             .handle_submit(now, req_id, chunks, is_last);
         self.shared.poke.notify_one();
+        result
+    }
+
+    /// From now on, every request's end (delivered, or failed with its reason) in the order
+    /// they end: one stream that any number of requests share, for callers that poll ends in
+    /// batches rather than await each request's `outcome`. A later call replaces the stream
+    /// (the earlier one hears nothing more). Requests that ended before the call are not in
+    /// it; `outcome` still tells theirs while it is kept.
+    pub fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *self
+            .shared
+            .completions
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner()) = Some(tx);
+        rx
+    }
+
+    /// Marks `len` bytes of `slot` as the chunk it holds, after the caller wrote them in
+    /// place through the staging memory (`staging`): records the length and computes the
+    /// checksum the receiver checks. Call it after the last write to the slot, before
+    /// `submit`.
+    pub fn staged(&self, slot: StagingSlot, len: usize) {
+        self.shared.staged(slot.0, len, &*self.memory);
+    }
+
+    /// Hands back a staging slot the caller took for `req_id` and will not submit (a guard
+    /// dropped unused); waiting allocate calls are woken.
+    pub fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
+        let result = self.shared.lock().flow.release_staging(req_id, slot);
+        self.shared.version.send_modify(|v| *v += 1);
+        self.shared.cv.notify_all();
         result
     }
 

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use kvx_io::{Env, Fabric, SlotMemory, Transport};
+use kvx_io::{Env, ExternalRegion, Fabric, SlotMemory, Transport};
 use kvx_proto::sender::SenderFlow;
 use kvx_proto::{PeerId, SenderConfig};
 use tokio::sync::{mpsc, watch, Notify};
@@ -67,6 +67,19 @@ struct Shared {
     /// is computed (`SenderConfig::checksums`).
     checksums: Vec<AtomicU64>,
     compute_checksums: bool,
+    /// Where the driver sends each request's end, once something subscribed
+    /// (`SenderHandle::completions`).
+    completions: Mutex<Option<mpsc::UnboundedSender<RequestEnd>>>,
+}
+
+/// How one request ended, as `SenderHandle::completions` reports it: exactly one per request
+/// begun after the subscription.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestEnd {
+    /// The request.
+    pub req_id: kvx_proto::ReqId,
+    /// `Ok`: delivered (every chunk written, the proxy notified); `Err`: why it failed.
+    pub outcome: Result<(), kvx_proto::sender::SendFailure>,
 }
 
 /// Marks a `Shared::checksums` entry as computed.
@@ -95,6 +108,18 @@ impl Shared {
 }
 
 impl Shared {
+    /// Reports a request's end to the subscriber, if any.
+    fn complete(&self, completion: RequestEnd) {
+        let subscriber = self
+            .completions
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if let Some(tx) = subscriber.as_ref() {
+            // A subscriber that went away simply hears nothing more.
+            let _ = tx.send(completion);
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Core> {
         self.core
             .lock()
@@ -108,7 +133,8 @@ pub struct SenderNode;
 
 impl SenderNode {
     /// Starts a sender whose identity is `local_id`, with `proxy` as its notice endpoint
-    /// (None: notices are dropped, for tests without a proxy).
+    /// (None: notices are dropped, for tests without a proxy), and staging of
+    /// `cfg.staging_slots × chunk_bytes` that its fabric allocates.
     pub async fn start<E: Env>(
         env: E,
         cfg: SenderConfig,
@@ -116,10 +142,47 @@ impl SenderNode {
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        let flow = SenderFlow::new(cfg.clone())?;
+        SenderFlow::new(cfg.clone())?;
         let memory = env
             .fabric()
             .allocate_staging(cfg.staging_slots, chunk_bytes)?;
+        Self::start_over(env, cfg, memory, local_id, proxy).await
+    }
+
+    /// `start`, with staging in memory the caller owns (a framework's pinned buffer, a
+    /// Python object's memory): one staging slot per whole slot of the region, which must
+    /// be `cfg.staging_slots`. A fabric that needs memory of its own kind (shared memory)
+    /// refuses it (`FabricError::ExternalMemory`).
+    pub async fn start_in<E: Env>(
+        env: E,
+        cfg: SenderConfig,
+        staging: ExternalRegion,
+        local_id: String,
+        proxy: Option<String>,
+    ) -> Result<SenderHandle<E>, StartError> {
+        if staging.slots() != cfg.staging_slots {
+            return Err(StartError::Memory(format!(
+                "the staging region holds {} slots of {} bytes, the configuration {} \
+                 staging slots",
+                staging.slots(),
+                staging.slot_bytes(),
+                cfg.staging_slots
+            )));
+        }
+        SenderFlow::new(cfg.clone())?;
+        let memory = env.fabric().staging_in(staging)?;
+        Self::start_over(env, cfg, memory, local_id, proxy).await
+    }
+
+    async fn start_over<E: Env>(
+        env: E,
+        cfg: SenderConfig,
+        memory: Arc<<E::Fabric as Fabric>::Memory>,
+        local_id: String,
+        proxy: Option<String>,
+    ) -> Result<SenderHandle<E>, StartError> {
+        let flow = SenderFlow::new(cfg.clone())?;
+        let chunk_bytes = memory.slot_bytes();
         let sink = match &proxy {
             Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),
             None => None,
@@ -140,6 +203,7 @@ impl SenderNode {
                 .collect(),
             checksums: (0..cfg.staging_slots).map(|_| AtomicU64::new(0)).collect(),
             compute_checksums: cfg.checksums,
+            completions: Mutex::new(None),
         });
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let handle = SenderHandle::new(env.clone(), shared.clone(), memory.clone(), cmd_tx.clone());

@@ -4,8 +4,8 @@
 //! wake-up, and leaves the queue however it ends (a slot, an error, a timeout, or the future
 //! dropped), waking the calls it held back when it was the oldest.
 
-use kvx_proto::sender::{Age, SendError};
-use kvx_proto::{ReqId, StagingSlot};
+use kvx_proto::sender::{Age, ChunkSpec, SendError};
+use kvx_proto::{Instant, ReqId, StagingSlot};
 
 use super::{Core, Shared};
 
@@ -26,12 +26,22 @@ impl<'a> StagingTurn<'a> {
     }
 
     /// `Some` when the call is over (a slot or an error); `None`: wait for a wake-up.
+    /// `held` is what the caller staged and has not submitted: the core submits it when it
+    /// alone stands between the caller and a slot (`SenderFlow::allocate_or_submit`).
     pub(super) fn attempt(
         &mut self,
         core: &mut Core,
+        now: Instant,
         req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
     ) -> Option<Result<StagingSlot, SendError>> {
-        match core.flow.try_allocate(req_id) {
+        let holding = !held.is_empty();
+        let result = core.flow.allocate_or_submit(now, req_id, held);
+        if holding && held.is_empty() {
+            // Submitted: the driver has writes to post.
+            self.shared.poke.notify_one();
+        }
+        match result {
             Err(SendError::WouldBlock) => {
                 if self.waiting.is_none() {
                     match core.flow.wait_for_staging(req_id) {

@@ -202,6 +202,14 @@ pub enum SendError {
         "all {0} staging slots hold unsubmitted chunks: submit a batch before allocating more"
     )]
     StagingHeldByCaller(u32),
+    /// No staging slot came free within the caller's timeout (a driver's bounded allocate
+    /// call): writes are slow to complete, or other requests hold the pool. The request is
+    /// untouched: retry, or cancel it.
+    #[error(
+        "no staging slot came free within {0:?}: writes are slow to complete or other \
+         requests hold every slot"
+    )]
+    StagingTimedOut(std::time::Duration),
     /// The request failed (or is failing while its writes drain), for the reason given:
     /// stop staging and submitting for it.
     #[error("request {0} failed: {1}")]
@@ -417,6 +425,29 @@ impl SenderFlow {
             .staged
             .insert(slot);
         Ok(slot)
+    }
+
+    /// Takes a staging slot for `req_id` as `try_allocate` does; when every slot holds an
+    /// unsubmitted chunk and some are this request's (`StagingHeldByCaller`), first submits
+    /// `held` — the chunks the caller staged and has not submitted yet — as a batch that is
+    /// not the last, which frees staging once written, and tries again (usually
+    /// `WouldBlock` then: wait as after any other). The one form of the "allocate; when my
+    /// own chunks hold staging, submit them; retry" step every caller of the sender needs:
+    /// a caller that instead waited while holding its chunks would wait on itself. `held`
+    /// is left empty when it was submitted; an error from that submit is returned as is.
+    pub fn allocate_or_submit(
+        &mut self,
+        now: Instant,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+    ) -> Result<StagingSlot, SendError> {
+        match self.try_allocate(req_id) {
+            Err(SendError::StagingHeldByCaller(_)) if !held.is_empty() => {
+                self.handle_submit(now, req_id, std::mem::take(held), false)?;
+                self.try_allocate(req_id)
+            }
+            other => other,
+        }
     }
 
     /// Registers one allocate call of `req_id` as waiting for staging (after `WouldBlock`),

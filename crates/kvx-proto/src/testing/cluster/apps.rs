@@ -57,8 +57,18 @@ impl Cluster {
             while self.runs[i].batch.len() < plan.batch_chunks as usize
                 && self.runs[i].next_chunk < plan.chunks
             {
+                // Our own staged chunks, when they alone hold staging, are submitted by
+                // the call itself (the one form of that step, `allocate_or_submit`).
+                let held = self.runs[i].batch.len();
+                let allocated =
+                    self.senders[s]
+                        .flow
+                        .allocate_or_submit(now, &req_id, &mut self.runs[i].batch);
+                if held > 0 && self.runs[i].batch.is_empty() {
+                    self.drain_sender(s);
+                }
                 let flow = &mut self.senders[s].flow;
-                match flow.try_allocate(&req_id) {
+                match allocated {
                     Ok(slot) => {
                         // It waited for staging (below) and got it: it waits no more.
                         if let Some(age) = flow.age(&req_id) {

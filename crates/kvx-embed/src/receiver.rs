@@ -1,0 +1,315 @@
+//! The receiver, for an embedding program: one type whatever the transport and fabric, on a
+//! receive buffer of kvx's allocation or of memory the caller owns.
+//!
+//! The decoder takes ready requests as `ReadLease`s (`next_ready`): a lease pins the
+//! request's slots until it is consumed, even if the sender cancels meanwhile; the decoder
+//! reads the chunks in place (`with_chunk`, or its own view of its memory) and consumes the
+//! lease, which frees the slots for other requests. A lease dropped unconsumed is consumed
+//! then, so no slot is ever leaked.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvx_io::{Env, SlotMemory};
+use kvx_node::{
+    BufferSnapshot, ChunkReader, ReadyRequest, ReceiverNode, ReceiverNotice, StartError,
+};
+use kvx_proto::receiver::ConsumeError;
+use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
+use tokio::sync::mpsc;
+
+use crate::choice::{EnvChoice, EnvVisitor};
+use crate::runtime::Runtime;
+use crate::sender::Memory;
+use crate::EmbedError;
+
+/// What a receiver is started with.
+#[derive(Debug)]
+pub struct ReceiverSettings {
+    /// Transport and fabric.
+    pub env: EnvChoice,
+    /// The ledger's limits and timers (`buffer_slots` is the buffer's slot count).
+    pub config: ReceiverConfig,
+    /// Its receive buffer.
+    pub buffer: Memory,
+    /// Where its alloc channel binds (`tcp://host:port`; port 0 lets the OS pick).
+    pub alloc_endpoint: String,
+    /// Where its fabric listens.
+    pub fabric_endpoint: String,
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// `ChunkReader<M>` for any memory `M`, as one type.
+trait ReaderApi: Send + Sync {
+    fn acquire<'a>(
+        &'a self,
+        key: &'a ReqKey,
+    ) -> BoxFuture<'a, Result<Vec<SlotIndex>, ConsumeError>>;
+    fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>>;
+    fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>>;
+    fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8]));
+    fn slots(&self) -> u32;
+    fn slot_bytes(&self) -> usize;
+}
+
+impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
+    fn acquire<'a>(
+        &'a self,
+        key: &'a ReqKey,
+    ) -> BoxFuture<'a, Result<Vec<SlotIndex>, ConsumeError>> {
+        Box::pin(ChunkReader::acquire(self, key))
+    }
+    fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>> {
+        Box::pin(ChunkReader::consume(self, key))
+    }
+    fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>> {
+        Box::pin(ChunkReader::snapshot(self))
+    }
+    fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8])) {
+        let memory = self.memory();
+        memory.inspect_slot(slot.0, memory.slot_bytes(), f);
+    }
+    fn slots(&self) -> u32 {
+        self.memory().slots()
+    }
+    fn slot_bytes(&self) -> usize {
+        self.memory().slot_bytes()
+    }
+}
+
+struct Started {
+    reader: Box<dyn ReaderApi>,
+    notices: mpsc::UnboundedReceiver<ReceiverNotice>,
+    alloc_endpoint: String,
+    fabric_endpoint: String,
+}
+
+struct Start {
+    settings: ReceiverSettings,
+}
+
+impl EnvVisitor for Start {
+    type Output = BoxFuture<'static, Result<Started, StartError>>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        let ReceiverSettings {
+            config,
+            buffer,
+            alloc_endpoint,
+            fabric_endpoint,
+            ..
+        } = self.settings;
+        Box::pin(async move {
+            let handle = match buffer {
+                Memory::Allocate { slot_bytes } => {
+                    ReceiverNode::start(env, config, slot_bytes, &alloc_endpoint, &fabric_endpoint)
+                        .await?
+                }
+                Memory::External(region) => {
+                    ReceiverNode::start_in(env, config, region, &alloc_endpoint, &fabric_endpoint)
+                        .await?
+                }
+            };
+            let alloc_endpoint = handle.alloc_endpoint().to_owned();
+            let fabric_endpoint = handle.fabric_endpoint().to_owned();
+            let (notices, reader) = handle.into_parts();
+            Ok(Started {
+                reader: Box::new(reader),
+                notices,
+                alloc_endpoint,
+                fabric_endpoint,
+            })
+        })
+    }
+}
+
+/// A running receiver. Every call may come from any thread; the blocking ones are bounded
+/// and must not be called from a task of its runtime.
+pub struct Receiver {
+    runtime: Runtime,
+    reader: Arc<dyn ReaderApi>,
+    notices: tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    alloc_endpoint: String,
+    fabric_endpoint: String,
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver")
+            .field("alloc_endpoint", &self.alloc_endpoint)
+            .field("fabric_endpoint", &self.fabric_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A ready request the decoder holds: its slots stay put until `consume` (or the lease is
+/// dropped, which consumes it).
+pub struct ReadLease {
+    runtime: Runtime,
+    reader: Arc<dyn ReaderApi>,
+    ready: ReadyRequest,
+    slots: Vec<SlotIndex>,
+    consumed: bool,
+}
+
+impl fmt::Debug for ReadLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadLease")
+            .field("key", &self.ready.key)
+            .field("slots", &self.slots)
+            .field("consumed", &self.consumed)
+            .finish()
+    }
+}
+
+impl ReadLease {
+    /// The request (its sender and id).
+    pub fn key(&self) -> &ReqKey {
+        &self.ready.key
+    }
+
+    /// Its slots, one per chunk in chunk order (slot `i` is bytes
+    /// `i × slot_bytes .. (i + 1) × slot_bytes` of the buffer).
+    pub fn slots(&self) -> &[SlotIndex] {
+        &self.slots
+    }
+
+    /// The sender's cache key of each chunk, parallel to `slots`.
+    pub fn chunk_keys(&self) -> &[String] {
+        &self.ready.keys
+    }
+
+    /// Runs `f` on chunk `chunk`'s slot (all of it) in place. Panics when `chunk` is out of
+    /// range: a caller bug.
+    pub fn with_chunk(&self, chunk: usize, f: &mut dyn FnMut(&[u8])) {
+        self.reader.inspect(self.slots[chunk], f);
+    }
+
+    /// Releases the request's slots and reservation, waiting at most `timeout` for the
+    /// driver's answer. A request the sender cancelled after it was ready is released all
+    /// the same.
+    pub fn consume(mut self, timeout: Duration) -> Result<(), EmbedError> {
+        self.consumed = true;
+        let reader = self.reader.clone();
+        let key = self.ready.key.clone();
+        match self
+            .runtime
+            .block_on_for(timeout, async move { reader.consume(&key).await })
+        {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(EmbedError::Consume(e)),
+            None => Err(EmbedError::TimedOut(timeout)),
+        }
+    }
+}
+
+impl Drop for ReadLease {
+    fn drop(&mut self) {
+        if !self.consumed {
+            // Consumed in the background: a drop must not block (it may run on any thread,
+            // inside the runtime too).
+            let reader = self.reader.clone();
+            let key = self.ready.key.clone();
+            self.runtime.spawn(async move {
+                let _ = reader.consume(&key).await;
+            });
+        }
+    }
+}
+
+impl Receiver {
+    /// Starts a receiver on `runtime`: its alloc channel bound and its buffer exposed.
+    pub fn start(runtime: &Runtime, settings: ReceiverSettings) -> Result<Self, EmbedError> {
+        let start = settings.env.clone().visit(Start { settings })?;
+        let started = runtime.block_on(start)?;
+        Ok(Self {
+            runtime: runtime.clone(),
+            reader: Arc::from(started.reader),
+            notices: tokio::sync::Mutex::new(started.notices),
+            alloc_endpoint: started.alloc_endpoint,
+            fabric_endpoint: started.fabric_endpoint,
+        })
+    }
+
+    /// The bound alloc endpoint (a port 0 request resolved): what senders connect to.
+    pub fn alloc_endpoint(&self) -> &str {
+        &self.alloc_endpoint
+    }
+
+    /// The bound fabric endpoint.
+    pub fn fabric_endpoint(&self) -> &str {
+        &self.fabric_endpoint
+    }
+
+    /// Up to `max` ready requests, leased, waiting at most `timeout` for the first; empty
+    /// when none came. A request that ended between its ready notice and its lease (the
+    /// sender cancelled) is skipped. Shared by every caller.
+    pub fn next_ready(&self, max: usize, timeout: Duration) -> Vec<ReadLease> {
+        if max == 0 {
+            return Vec::new();
+        }
+        // Only the wait for the first notice is bounded by `timeout`: once a request is
+        // taken off the stream it is leased and returned, never dropped by a timeout (a
+        // lease is answered at once by a running driver, and with an error by a stopped one).
+        let deadline = tokio::time::Instant::now() + timeout;
+        let take = async {
+            let first = async {
+                let mut notices = self.notices.lock().await;
+                let first = notices.recv().await;
+                first.map(|n| (n, notices))
+            };
+            let Ok(Some((first, mut notices))) = tokio::time::timeout_at(deadline, first).await
+            else {
+                return Vec::new();
+            };
+            let mut out = Vec::new();
+            let mut next = Some(first);
+            while let Some(notice) = next.take() {
+                if let ReceiverNotice::Ready(ready) = notice {
+                    if let Ok(slots) = self.reader.acquire(&ready.key).await {
+                        out.push(ReadLease {
+                            runtime: self.runtime.clone(),
+                            reader: self.reader.clone(),
+                            ready,
+                            slots,
+                            consumed: false,
+                        });
+                    }
+                }
+                if out.len() < max {
+                    next = notices.try_recv().ok();
+                }
+            }
+            out
+        };
+        self.runtime.block_on(take)
+    }
+
+    /// The buffer's accounting now (for leak checks and monitoring), waiting at most
+    /// `timeout`.
+    pub fn snapshot(&self, timeout: Duration) -> Option<BufferSnapshot> {
+        self.runtime
+            .block_on_for(timeout, self.reader.snapshot())
+            .flatten()
+    }
+
+    /// Slots in the buffer.
+    pub fn slots(&self) -> u32 {
+        self.reader.slots()
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.reader.slot_bytes()
+    }
+}
+
+/// The facade's types cross threads (Python calls from any thread).
+const _: () = {
+    const fn is<T: Send + Sync>() {}
+    is::<Receiver>();
+    is::<ReadLease>();
+};

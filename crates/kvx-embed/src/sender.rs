@@ -1,0 +1,472 @@
+//! The sender, for an embedding program: one type whatever the transport and fabric
+//! (`SenderHandle<E>` behind an object-safe trait, chosen once at start), on its staging of
+//! kvx's allocation or of memory the caller owns.
+//!
+//! A request goes: `begin` → `wait_admitted` → for each chunk, `allocate` a `StagingGuard`,
+//! write the chunk into its slot (`with_slot`, or the caller's own view of its memory),
+//! `add` it to the request's pending batch → `submit` the batch (the last with
+//! `last = true`) → its end comes from `wait_outcome` or, for many requests at once, from
+//! `next_ends`. The pending batch lives here, so `allocate` can submit it itself when the
+//! request's own chunks alone hold staging (`SenderFlow::allocate_or_submit`). A guard
+//! dropped before `add` hands its slot back.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvx_io::{Env, ExternalRegion, SlotMemory};
+use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, StartError};
+use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
+use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
+use tokio::sync::mpsc;
+
+use crate::choice::{EnvChoice, EnvVisitor};
+use crate::runtime::Runtime;
+use crate::EmbedError;
+
+/// Where a sender's staging or a receiver's buffer lives.
+#[derive(Debug)]
+pub enum Memory {
+    /// kvx allocates `slots` slots of `slot_bytes` (the configuration's count): the only
+    /// choice a fabric that needs a shared mapping (shm) accepts.
+    Allocate {
+        /// Bytes per slot: one chunk.
+        slot_bytes: usize,
+    },
+    /// Memory the caller owns (a framework's pinned buffer, a Python object's memory),
+    /// kept alive by the region's owner until kvx lets go of it.
+    External(ExternalRegion),
+}
+
+/// What a sender is started with.
+#[derive(Debug)]
+pub struct SenderSettings {
+    /// Transport and fabric.
+    pub env: EnvChoice,
+    /// The state machine's limits and timers (`staging_slots` is the staging's slot count).
+    pub config: SenderConfig,
+    /// Its staging.
+    pub staging: Memory,
+    /// Its identity on every receiver's alloc channel (unique per sender).
+    pub local_id: String,
+    /// The proxy's notice endpoint; None: notices are dropped (tests without a proxy).
+    pub proxy: Option<String>,
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// `SenderHandle<E>` for any `E`, as one type.
+trait SenderApi: Send + Sync {
+    fn add_receiver(&self, addr: ReceiverAddr) -> BoxFuture<'_, Result<PeerId, StartError>>;
+    fn begin(&self, spec: RequestSpec) -> Result<(), SendError>;
+    fn admitted<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
+    fn outcome<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
+    fn allocate_blocking(
+        &self,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> Result<StagingSlot, SendError>;
+    fn allocate<'a>(
+        &'a self,
+        req_id: &'a ReqId,
+        held: &'a mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StagingSlot, SendError>>;
+    fn with_slot(&self, slot: StagingSlot, f: &mut dyn FnMut(&mut [u8]));
+    fn staged(&self, slot: StagingSlot, len: usize);
+    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError>;
+    fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError>;
+    fn cancel(&self, req_id: &ReqId) -> Result<(), SendError>;
+    fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd>;
+    fn staging_free(&self) -> u32;
+    fn slots(&self) -> u32;
+    fn slot_bytes(&self) -> usize;
+    fn shutdown(&self);
+}
+
+impl<E: Env> SenderApi for SenderHandle<E> {
+    fn add_receiver(&self, addr: ReceiverAddr) -> BoxFuture<'_, Result<PeerId, StartError>> {
+        Box::pin(SenderHandle::add_receiver(self, addr))
+    }
+    fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
+        SenderHandle::begin(self, spec)
+    }
+    fn admitted<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>> {
+        Box::pin(SenderHandle::admitted(self, req_id))
+    }
+    fn outcome<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>> {
+        Box::pin(SenderHandle::outcome(self, req_id))
+    }
+    fn allocate_blocking(
+        &self,
+        req_id: &ReqId,
+        held: &mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> Result<StagingSlot, SendError> {
+        SenderHandle::allocate_blocking(self, req_id, held, timeout)
+    }
+    fn allocate<'a>(
+        &'a self,
+        req_id: &'a ReqId,
+        held: &'a mut Vec<ChunkSpec>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StagingSlot, SendError>> {
+        Box::pin(SenderHandle::allocate_within(self, req_id, held, timeout))
+    }
+    fn with_slot(&self, slot: StagingSlot, f: &mut dyn FnMut(&mut [u8])) {
+        self.staging().with_slot(slot.0, f);
+    }
+    fn staged(&self, slot: StagingSlot, len: usize) {
+        SenderHandle::staged(self, slot, len);
+    }
+    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError> {
+        SenderHandle::submit(self, req_id, chunks, last)
+    }
+    fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
+        SenderHandle::release(self, req_id, slot)
+    }
+    fn cancel(&self, req_id: &ReqId) -> Result<(), SendError> {
+        SenderHandle::cancel(self, req_id)
+    }
+    fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd> {
+        SenderHandle::completions(self)
+    }
+    fn staging_free(&self) -> u32 {
+        SenderHandle::staging_free(self)
+    }
+    fn slots(&self) -> u32 {
+        self.staging().slots()
+    }
+    fn slot_bytes(&self) -> usize {
+        self.staging().slot_bytes()
+    }
+    fn shutdown(&self) {
+        SenderHandle::shutdown(self);
+    }
+}
+
+struct Start {
+    settings: SenderSettings,
+}
+
+impl EnvVisitor for Start {
+    type Output = BoxFuture<'static, Result<Box<dyn SenderApi>, StartError>>;
+    fn visit<E: Env>(self, env: E) -> Self::Output {
+        let SenderSettings {
+            config,
+            staging,
+            local_id,
+            proxy,
+            ..
+        } = self.settings;
+        Box::pin(async move {
+            let handle = match staging {
+                Memory::Allocate { slot_bytes } => {
+                    SenderNode::start(env, config, slot_bytes, local_id, proxy).await?
+                }
+                Memory::External(region) => {
+                    SenderNode::start_in(env, config, region, local_id, proxy).await?
+                }
+            };
+            Ok(Box::new(handle) as Box<dyn SenderApi>)
+        })
+    }
+}
+
+/// A running sender. Every call may come from any thread; the blocking ones are bounded
+/// (by their `timeout`, or the configured one) and must not be called from a task of its
+/// runtime.
+pub struct Sender {
+    runtime: Runtime,
+    api: Arc<dyn SenderApi>,
+    /// Each request's chunks added and not yet submitted (`add`, `submit`).
+    pending: Mutex<BTreeMap<ReqId, Vec<ChunkSpec>>>,
+    ends: tokio::sync::Mutex<mpsc::UnboundedReceiver<RequestEnd>>,
+    staging_timeout: Duration,
+}
+
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender")
+            .field("slots", &self.api.slots())
+            .field("slot_bytes", &self.api.slot_bytes())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A staging slot the caller holds for one request: write its chunk, then `Sender::add`
+/// it. Dropped before that, the slot is handed back.
+pub struct StagingGuard {
+    api: Arc<dyn SenderApi>,
+    req_id: ReqId,
+    slot: StagingSlot,
+    armed: bool,
+}
+
+impl fmt::Debug for StagingGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagingGuard")
+            .field("req_id", &self.req_id)
+            .field("slot", &self.slot)
+            .field("armed", &self.armed)
+            .finish()
+    }
+}
+
+impl StagingGuard {
+    /// The slot's index in the staging region (slot `i` is bytes
+    /// `i × slot_bytes .. (i + 1) × slot_bytes` of it).
+    pub fn index(&self) -> u32 {
+        self.slot.0
+    }
+
+    /// The request it was taken for.
+    pub fn req_id(&self) -> &ReqId {
+        &self.req_id
+    }
+
+    /// Runs `f` on the slot's bytes in place.
+    pub fn with_slot(&self, f: &mut dyn FnMut(&mut [u8])) {
+        self.api.with_slot(self.slot, f);
+    }
+}
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            // A request that ended meanwhile released its staging already.
+            let _ = self.api.release(&self.req_id, self.slot);
+        }
+    }
+}
+
+impl Sender {
+    /// Starts a sender on `runtime`.
+    pub fn start(runtime: &Runtime, settings: SenderSettings) -> Result<Self, EmbedError> {
+        let staging_timeout = settings.config.staging_timeout;
+        let start = settings.env.clone().visit(Start { settings })?;
+        let api: Arc<dyn SenderApi> = Arc::from(runtime.block_on(start)?);
+        let ends = tokio::sync::Mutex::new(api.completions());
+        Ok(Self {
+            runtime: runtime.clone(),
+            api,
+            pending: Mutex::new(BTreeMap::new()),
+            ends,
+            staging_timeout,
+        })
+    }
+
+    /// Connects to a receiver (once per address; later calls return the same id), waiting
+    /// at most `timeout`.
+    pub fn add_receiver(
+        &self,
+        addr: ReceiverAddr,
+        timeout: Duration,
+    ) -> Result<PeerId, EmbedError> {
+        self.runtime
+            .block_on_for(timeout, self.api.add_receiver(addr))
+            .ok_or(EmbedError::TimedOut(timeout))?
+            .map_err(EmbedError::Start)
+    }
+
+    /// Begins a request: its admission probe goes out.
+    pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
+        self.api.begin(spec)
+    }
+
+    /// Waits at most `timeout` for the receiver to admit `req_id` (`Ok(false)`: not yet).
+    pub fn wait_admitted(&self, req_id: &ReqId, timeout: Duration) -> Result<bool, SendFailure> {
+        self.runtime
+            .block_on_for(timeout, self.api.admitted(req_id))
+            .map_or(Ok(false), |r| r.map(|()| true))
+    }
+
+    /// The async form of `wait_admitted`, unbounded (bound it with a timeout of your own).
+    pub async fn admitted(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.api.admitted(req_id).await
+    }
+
+    /// Waits at most `timeout` for `req_id`'s end: `Some(Ok)` delivered, `Some(Err)` failed,
+    /// None not yet.
+    pub fn wait_outcome(
+        &self,
+        req_id: &ReqId,
+        timeout: Duration,
+    ) -> Option<Result<(), SendFailure>> {
+        self.runtime.block_on_for(timeout, self.api.outcome(req_id))
+    }
+
+    /// The async form of `wait_outcome`, unbounded.
+    pub async fn outcome(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.api.outcome(req_id).await
+    }
+
+    /// Takes a staging slot for `req_id`, blocking at most `timeout` (None: the configured
+    /// `staging_timeout`). When the request's own added chunks alone hold staging, they are
+    /// submitted first as a batch that is not the last.
+    pub fn allocate(
+        &self,
+        req_id: &ReqId,
+        timeout: Option<Duration>,
+    ) -> Result<StagingGuard, SendError> {
+        let timeout = timeout.unwrap_or(self.staging_timeout);
+        let mut held = self.take_pending(req_id);
+        let result = self.api.allocate_blocking(req_id, &mut held, timeout);
+        self.put_back_pending(req_id, held);
+        result.map(|slot| self.guard(req_id, slot))
+    }
+
+    /// The async form of `allocate`.
+    pub async fn allocate_async(
+        &self,
+        req_id: &ReqId,
+        timeout: Option<Duration>,
+    ) -> Result<StagingGuard, SendError> {
+        let timeout = timeout.unwrap_or(self.staging_timeout);
+        let mut held = self.take_pending(req_id);
+        let result = self.api.allocate(req_id, &mut held, timeout).await;
+        self.put_back_pending(req_id, held);
+        result.map(|slot| self.guard(req_id, slot))
+    }
+
+    fn guard(&self, req_id: &ReqId, slot: StagingSlot) -> StagingGuard {
+        StagingGuard {
+            api: self.api.clone(),
+            req_id: req_id.clone(),
+            slot,
+            armed: true,
+        }
+    }
+
+    /// The pending batch of `req_id`, taken out while a call works on it (a second call for
+    /// the same request meanwhile sees an empty one: the core then says what to do).
+    fn take_pending(&self, req_id: &ReqId) -> Vec<ChunkSpec> {
+        self.lock_pending().remove(req_id).unwrap_or_default()
+    }
+
+    /// Puts back what is left of a pending batch, ahead of anything added meanwhile.
+    fn put_back_pending(&self, req_id: &ReqId, mut held: Vec<ChunkSpec>) {
+        if held.is_empty() {
+            return;
+        }
+        let mut pending = self.lock_pending();
+        let entry = pending.entry(req_id.clone()).or_default();
+        held.append(entry);
+        *entry = held;
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, BTreeMap<ReqId, Vec<ChunkSpec>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds the chunk written into `guard`'s slot to its request's pending batch: its first
+    /// `len` bytes (at most the slot size) are the chunk, `key` names it to the receiver,
+    /// `tokens` is the number of tokens it covers. The checksum is computed now: do not
+    /// write the slot after this.
+    pub fn add(
+        &self,
+        mut guard: StagingGuard,
+        key: String,
+        len: usize,
+        tokens: u64,
+    ) -> Result<(), SendError> {
+        let slot_bytes = self.api.slot_bytes();
+        if len == 0 || len > slot_bytes {
+            return Err(SendError::Misuse {
+                req_id: guard.req_id.clone(),
+                why: format!("a chunk of {len} bytes: chunks are 1..={slot_bytes} bytes"),
+            });
+        }
+        self.api.staged(guard.slot, len);
+        guard.armed = false;
+        let chunk = ChunkSpec {
+            key,
+            staging: guard.slot,
+            tokens,
+        };
+        self.lock_pending()
+            .entry(guard.req_id.clone())
+            .or_default()
+            .push(chunk);
+        Ok(())
+    }
+
+    /// Submits `req_id`'s pending batch (`last`: it completes the request, whose declared
+    /// chunk count must then be reached). An empty batch that is not the last is a no-op.
+    pub fn submit(&self, req_id: &ReqId, last: bool) -> Result<(), SendError> {
+        let batch = self.take_pending(req_id);
+        if batch.is_empty() && !last {
+            return Ok(());
+        }
+        self.api.submit(req_id, batch, last)
+    }
+
+    /// Aborts a request from any state; its pending batch is dropped (its staging freed by
+    /// the core) and waiters get an error.
+    pub fn cancel(&self, req_id: &ReqId) -> Result<(), SendError> {
+        self.lock_pending().remove(req_id);
+        self.api.cancel(req_id)
+    }
+
+    /// Up to `max` request ends, waiting at most `timeout` for the first; empty when none
+    /// came. Every request's end from the sender's start on, each once, shared by every
+    /// caller (one caller's wait does not take another's timeout: they queue for the
+    /// stream within their own).
+    pub fn next_ends(&self, max: usize, timeout: Duration) -> Vec<RequestEnd> {
+        if max == 0 {
+            return Vec::new();
+        }
+        let take = async {
+            let mut ends = self.ends.lock().await;
+            let mut out = Vec::new();
+            if let Some(end) = ends.recv().await {
+                out.push(end);
+                while out.len() < max {
+                    match ends.try_recv() {
+                        Ok(end) => out.push(end),
+                        Err(_) => break,
+                    }
+                }
+            }
+            out
+        };
+        self.runtime.block_on_for(timeout, take).unwrap_or_default()
+    }
+
+    /// Staging slots free now (a snapshot).
+    pub fn staging_free(&self) -> u32 {
+        self.api.staging_free()
+    }
+
+    /// Staging slots in all.
+    pub fn slots(&self) -> u32 {
+        self.api.slots()
+    }
+
+    /// Bytes per staging slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.api.slot_bytes()
+    }
+
+    /// Stops the driver; waiters get `ChannelLost`. Also done on drop.
+    pub fn shutdown(&self) {
+        self.api.shutdown();
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        self.api.shutdown();
+    }
+}
+
+/// The facade's types cross threads (Python calls from any thread).
+const _: () = {
+    const fn is<T: Send + Sync>() {}
+    is::<Sender>();
+    is::<StagingGuard>();
+};
