@@ -1,7 +1,10 @@
 """kvx: deadlock-free KV-cache transfer from prefill to decode workers.
 
 The native module (``kvx._kvx``, built from ``crates/kvx-py``) does the work; this package
-re-exports it. Every blocking call releases the GIL, can be interrupted with Ctrl-C, and is
+re-exports it. A prefill worker runs a ``Sender``, a decode worker a ``Receiver``, the router
+a ``Proxy``; staging and receive buffers may be the caller's own memory (a ``bytearray``, a
+NumPy array, a CPU ``torch.Tensor``), and slots are reached through zero-copy
+``memoryview``s of it. Every blocking call releases the GIL, can be interrupted with Ctrl-C, and is
 bounded by a ``timeout`` in seconds (``None``: as long as it takes). Errors are the
 exceptions below, all subclasses of ``KvxError``.
 """
@@ -12,8 +15,12 @@ from kvx._kvx import (
     MisuseError,
     Proxy,
     ProxyWait,
+    ReadLease,
+    Receiver,
     ReceiverLostError,
     RefusedError,
+    Sender,
+    StagingSlot,
     StartError,
     TimedOutError,
     __version__,
@@ -26,8 +33,12 @@ __all__ = [
     "MisuseError",
     "Proxy",
     "ProxyWait",
+    "ReadLease",
+    "Receiver",
     "ReceiverLostError",
     "RefusedError",
+    "Sender",
+    "StagingSlot",
     "StartError",
     "TimedOutError",
     "__version__",

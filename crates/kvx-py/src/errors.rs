@@ -80,3 +80,44 @@ pub(crate) fn expect_error(e: &kvx_proto::proxy::ExpectError) -> PyErr {
         _ => MisuseError::new_err(e.to_string()),
     }
 }
+
+/// Why a request failed, as the exception a caller acts on.
+pub(crate) fn send_failure(f: &kvx_proto::sender::SendFailure) -> PyErr {
+    failure_with(f, f.to_string())
+}
+
+/// The exception for failure `f`, saying `msg`.
+fn failure_with(f: &kvx_proto::sender::SendFailure, msg: String) -> PyErr {
+    use kvx_proto::sender::SendFailure as F;
+    match f {
+        F::Cancelled => CancelledError::new_err(msg),
+        F::Refused(_) => RefusedError::new_err(msg),
+        F::ReplyTimeout | F::WriteTimeout => TimedOutError::new_err(msg),
+        F::ChannelLost | F::WriteFailed(_) => ReceiverLostError::new_err(msg),
+        F::Misuse(_) => MisuseError::new_err(msg),
+        _ => KvxError::new_err(msg),
+    }
+}
+
+/// Why a sender call was refused, as the exception a caller acts on.
+pub(crate) fn send_error(e: &kvx_proto::sender::SendError) -> PyErr {
+    use kvx_proto::sender::SendError as E;
+    let msg = e.to_string();
+    match e {
+        E::Failed(_, f) => failure_with(f, msg),
+        E::WouldBlock | E::StagingTimedOut(_) => TimedOutError::new_err(msg),
+        E::TooManyRequests(_) | E::ChannelFull(..) => RefusedError::new_err(msg),
+        _ => MisuseError::new_err(msg),
+    }
+}
+
+/// A kvx-embed error.
+pub(crate) fn embed(e: &kvx_embed::EmbedError) -> PyErr {
+    use kvx_embed::EmbedError as E;
+    let msg = e.to_string();
+    match e {
+        E::TimedOut(_) => TimedOutError::new_err(msg),
+        E::Consume(_) => ReceiverLostError::new_err(msg),
+        _ => StartError::new_err(msg),
+    }
+}

@@ -7,12 +7,19 @@
 //! - `wait`: bounded, interruptible waits with the GIL released.
 //! - `runtime`: the process's shared kvx runtime.
 //! - `proxy`: `Proxy` and `ProxyWait`.
+//! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`.
+//! - `memory`: Python buffers lent to kvx, and zero-copy slot views of them.
+//! - `env`: transport and fabric by name.
 
 use pyo3::prelude::*;
 
+mod env;
 mod errors;
+mod memory;
 mod proxy;
+mod receiver;
 mod runtime;
+mod sender;
 mod wait;
 
 #[pymodule]
@@ -21,6 +28,10 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<proxy::Proxy>()?;
     m.add_class::<proxy::ProxyWait>()?;
+    m.add_class::<sender::Sender>()?;
+    m.add_class::<sender::StagingSlot>()?;
+    m.add_class::<receiver::Receiver>()?;
+    m.add_class::<receiver::ReadLease>()?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     Ok(())
 }

@@ -1,0 +1,286 @@
+//! `kvx.Receiver` and `kvx.ReadLease`: a decode worker's side, over `kvx_embed::Receiver`.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvx_embed::{ReadLease as Lease, ReceiverSettings};
+use kvx_proto::ReceiverConfig;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{env, errors, memory, runtime, wait};
+
+/// A receiver: admits senders' requests into its buffer of ``slots × slot_bytes`` and hands
+/// each complete request to the decoder.
+///
+/// ``Receiver(*, slots, slot_bytes, buffer=None, transport="zmq", fabric="tcp",
+/// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=50,
+/// admission_timeout=30.0, unconsumed_ttl=300.0, require_checksums=False)``
+///
+/// ``buffer``: the memory chunks land in, a writable contiguous buffer the receiver keeps
+/// alive (``None``: a fresh ``bytearray``; the ``shm`` fabric uses its own mapping). Read a
+/// slot only while its request is leased (``next_ready`` → ``ReadLease.consume``).
+/// ``peer_share_percent``: the most of the buffer one sender may hold (100 with a single
+/// sender).
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct Receiver {
+    inner: kvx_embed::Receiver,
+    view: Option<Py<PyAny>>,
+}
+
+/// A ready request, leased: its slots stay put until ``consume`` (or the lease is dropped,
+/// or its ``with`` block ends). Read its chunks through ``views()`` (zero-copy) or ``read``.
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct ReadLease {
+    lease: Mutex<Option<Lease>>,
+    req_id: String,
+    slots: Vec<u32>,
+    keys: Vec<String>,
+    slot_bytes: usize,
+    view: Option<Py<PyAny>>,
+}
+
+fn secs(d: f64, what: &str) -> PyResult<Duration> {
+    wait::seconds(Some(d))?
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{what} must be a positive number of seconds"))
+        })
+}
+
+#[pymethods]
+impl Receiver {
+    #[new]
+    #[pyo3(signature = (*, slots, slot_bytes, buffer = None, transport = "zmq", fabric = "tcp",
+        alloc = "tcp://127.0.0.1:0".to_owned(), fabric_endpoint = "tcp://127.0.0.1:0".to_owned(),
+        peer_share_percent = 50, admission_timeout = 30.0, unconsumed_ttl = 300.0,
+        require_checksums = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        slots: u32,
+        slot_bytes: usize,
+        buffer: Option<&Bound<'_, PyAny>>,
+        transport: &str,
+        fabric: &str,
+        alloc: String,
+        fabric_endpoint: String,
+        peer_share_percent: u32,
+        admission_timeout: f64,
+        unconsumed_ttl: f64,
+        require_checksums: bool,
+    ) -> PyResult<Self> {
+        let choice = env::choice(transport, fabric)?;
+        let own = env::needs_own_mapping(&choice);
+        let (memory, view) = memory::choose(py, buffer, slots, slot_bytes, own)?;
+        let config = ReceiverConfig {
+            buffer_slots: slots,
+            peer_share_percent,
+            admission_timeout: secs(admission_timeout, "admission_timeout")?,
+            unconsumed_ttl: secs(unconsumed_ttl, "unconsumed_ttl")?,
+            require_checksums,
+            ..ReceiverConfig::default()
+        };
+        config
+            .validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let settings = ReceiverSettings {
+            env: choice,
+            config,
+            buffer: memory,
+            alloc_endpoint: alloc,
+            fabric_endpoint,
+        };
+        let rt = runtime::get()?;
+        let inner = py
+            .detach(|| kvx_embed::Receiver::start(rt, settings))
+            .map_err(|e| errors::embed(&e))?;
+        Ok(Self { inner, view })
+    }
+
+    /// The bound alloc endpoint (port 0 resolved): give it to senders' ``add_receiver``.
+    #[getter]
+    fn alloc_endpoint(&self) -> &str {
+        self.inner.alloc_endpoint()
+    }
+
+    /// The bound fabric endpoint (port 0 resolved).
+    #[getter]
+    fn fabric_endpoint(&self) -> &str {
+        self.inner.fabric_endpoint()
+    }
+
+    /// Up to ``max`` ready requests, leased, waiting at most ``timeout`` seconds for the first
+    /// (None: as long as it takes); ``[]`` when none came.
+    #[pyo3(signature = (max = 16, timeout = None))]
+    fn next_ready(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<ReadLease>> {
+        let leases = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
+            let got = self.inner.next_ready(max, slice);
+            (!got.is_empty()).then_some(got)
+        })?
+        .unwrap_or_default();
+        let slot_bytes = self.inner.slot_bytes();
+        Ok(leases
+            .into_iter()
+            .map(|lease| ReadLease {
+                req_id: lease.key().req_id.0.clone(),
+                slots: lease.slots().iter().map(|s| s.0).collect(),
+                keys: lease.chunk_keys().to_vec(),
+                slot_bytes,
+                view: self.view.as_ref().map(|v| v.clone_ref(py)),
+                lease: Mutex::new(Some(lease)),
+            })
+            .collect())
+    }
+
+    /// The buffer's accounting now: ``capacity``, ``free``, ``held``,
+    /// ``reserved_unallocated``, ``quarantined``, ``tracked_requests``,
+    /// ``admission_queue_len``.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn snapshot<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = secs(timeout, "timeout")?;
+        let snap = py
+            .detach(|| self.inner.snapshot(timeout))
+            .ok_or_else(|| errors::ReceiverLostError::new_err("the receiver did not answer"))?;
+        let d = PyDict::new(py);
+        d.set_item("capacity", snap.capacity)?;
+        d.set_item("free", snap.free)?;
+        d.set_item("held", snap.held)?;
+        d.set_item("reserved_unallocated", snap.reserved_unallocated)?;
+        d.set_item("quarantined", snap.quarantined)?;
+        d.set_item("tracked_requests", snap.tracked_requests)?;
+        d.set_item("admission_queue_len", snap.admission_queue_len)?;
+        Ok(d)
+    }
+
+    /// Slots in the buffer.
+    #[getter]
+    fn slots(&self) -> u32 {
+        self.inner.slots()
+    }
+
+    /// Bytes per slot.
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes()
+    }
+
+    /// The whole buffer as a byte ``memoryview`` (None with the shm fabric).
+    #[getter]
+    fn buffer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.view.as_ref().map(|v| v.clone_ref(py))
+    }
+}
+
+impl ReadLease {
+    fn with_lease<T>(&self, f: impl FnOnce(&Lease) -> T) -> PyResult<T> {
+        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner());
+        match lease.as_ref() {
+            Some(l) => Ok(f(l)),
+            None => Err(errors::MisuseError::new_err(format!(
+                "request {} was already consumed",
+                self.req_id
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl ReadLease {
+    /// The request's id.
+    #[getter]
+    fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// Its slots, one per chunk in chunk order.
+    #[getter]
+    fn slots(&self) -> Vec<u32> {
+        self.slots.clone()
+    }
+
+    /// The sender's key of each chunk, parallel to ``slots``.
+    #[getter]
+    fn keys(&self) -> Vec<String> {
+        self.keys.clone()
+    }
+
+    /// Each chunk's slot as a ``memoryview`` into the buffer itself (zero-copy), in chunk
+    /// order. Valid until ``consume``: after it the slot may hold another request's bytes.
+    fn views(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        self.with_lease(|_| ())?;
+        let Some(view) = &self.view else {
+            return Err(errors::MisuseError::new_err(
+                "this receiver's buffer is kvx's own shared mapping (fabric \"shm\"): use read()",
+            ));
+        };
+        self.slots
+            .iter()
+            .map(|&slot| Ok(memory::slot_view(py, view, slot, self.slot_bytes)?.unbind()))
+            .collect()
+    }
+
+    /// A copy of chunk ``chunk``'s first ``nbytes`` bytes (None: the whole slot).
+    #[pyo3(signature = (chunk, nbytes = None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        chunk: usize,
+        nbytes: Option<usize>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        if chunk >= self.slots.len() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "chunk {chunk} of a request of {} chunks",
+                self.slots.len()
+            )));
+        }
+        let len = nbytes.unwrap_or(self.slot_bytes).min(self.slot_bytes);
+        let mut out = Vec::new();
+        self.with_lease(|l| l.with_chunk(chunk, &mut |b| out = b[..len].to_vec()))?;
+        Ok(pyo3::types::PyBytes::new(py, &out))
+    }
+
+    /// Releases the request's slots for other requests. Raises ``MisuseError`` when it was
+    /// consumed already.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn consume(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let timeout = secs(timeout, "timeout")?;
+        let lease = self
+            .lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                errors::MisuseError::new_err(format!(
+                    "request {} was already consumed",
+                    self.req_id
+                ))
+            })?;
+        py.detach(|| lease.consume(timeout))
+            .map_err(|e| errors::embed(&e))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(lease) = lease {
+            py.detach(|| lease.consume(Duration::from_secs(10)))
+                .map_err(|e| errors::embed(&e))?;
+        }
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.slots.len()
+    }
+}

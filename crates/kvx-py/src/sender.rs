@@ -1,0 +1,409 @@
+//! `kvx.Sender` and `kvx.StagingSlot`: a prefill worker's side, over `kvx_embed::Sender`.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvx_embed::{SenderSettings, StagingGuard};
+use kvx_node::ReceiverAddr;
+use kvx_proto::sender::{RequestSpec, SendError};
+use kvx_proto::{PeerId, ReqId, SenderConfig};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::{env, errors, memory, runtime, wait};
+
+/// A sender: moves a prefill's KV chunks from its staging into receivers' buffers.
+///
+/// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
+/// local_id=None, staging_timeout=30.0, reply_timeout=10.0, write_timeout=10.0,
+/// checksums=True)``
+///
+/// ``staging`` is the memory chunks are staged in: a writable, contiguous buffer of
+/// ``slots × slot_bytes`` bytes (``bytearray``, NumPy array, CPU ``torch.Tensor``) that the
+/// sender keeps alive; ``None``: a fresh ``bytearray``. The ``shm`` fabric uses a shared
+/// mapping of its own instead (no ``staging``, no ``view``: use ``StagingSlot.write``).
+/// Write a staging slot only while you hold it (between ``allocate`` and ``add``).
+///
+/// A request: ``begin`` → ``wait_admitted`` → per chunk ``allocate`` a slot, write it,
+/// ``add`` it → ``submit`` batches (the last with ``last=True``) → ``wait_outcome`` or
+/// ``next_ends``.
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct Sender {
+    inner: kvx_embed::Sender,
+    /// The staging's byte view, when the memory is Python's.
+    view: Option<Py<PyAny>>,
+}
+
+/// A staging slot held for one request, from ``Sender.allocate``: write the chunk into
+/// ``view`` (or with ``write``), then ``Sender.add`` it. Dropped (or ``release``d) before
+/// that, the slot goes back to the pool.
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct StagingSlot {
+    guard: Mutex<Option<StagingGuard>>,
+    index: u32,
+    req_id: String,
+    view: Option<Py<PyAny>>,
+}
+
+fn secs(d: f64, what: &str) -> PyResult<Duration> {
+    wait::seconds(Some(d))?
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{what} must be a positive number of seconds"))
+        })
+}
+
+#[pymethods]
+impl Sender {
+    #[new]
+    #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
+        proxy = None, local_id = None, staging_timeout = 30.0, reply_timeout = 10.0,
+        write_timeout = 10.0, checksums = true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        slots: u32,
+        slot_bytes: usize,
+        staging: Option<&Bound<'_, PyAny>>,
+        transport: &str,
+        fabric: &str,
+        proxy: Option<String>,
+        local_id: Option<String>,
+        staging_timeout: f64,
+        reply_timeout: f64,
+        write_timeout: f64,
+        checksums: bool,
+    ) -> PyResult<Self> {
+        let choice = env::choice(transport, fabric)?;
+        let own = env::needs_own_mapping(&choice);
+        let (memory, view) = memory::choose(py, staging, slots, slot_bytes, own)?;
+        let config = SenderConfig {
+            staging_slots: slots,
+            staging_timeout: secs(staging_timeout, "staging_timeout")?,
+            reply_timeout: secs(reply_timeout, "reply_timeout")?,
+            write_timeout: secs(write_timeout, "write_timeout")?,
+            checksums,
+            notify_proxy_on_failure: true,
+            ..SenderConfig::default()
+        };
+        config
+            .validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let local_id = local_id.unwrap_or_else(|| format!("kvx-py-{}", std::process::id()));
+        let settings = SenderSettings {
+            env: choice,
+            config,
+            staging: memory,
+            local_id,
+            proxy,
+        };
+        let rt = runtime::get()?;
+        let inner = py
+            .detach(|| kvx_embed::Sender::start(rt, settings))
+            .map_err(|e| errors::embed(&e))?;
+        Ok(Self { inner, view })
+    }
+
+    /// Connects to a receiver (its alloc and fabric endpoints, as ``Receiver`` reports
+    /// them) and returns its id for ``begin``. Once per address; later calls return the same.
+    #[pyo3(signature = (alloc, fabric, *, timeout = 10.0))]
+    fn add_receiver(
+        &self,
+        py: Python<'_>,
+        alloc: String,
+        fabric: String,
+        timeout: f64,
+    ) -> PyResult<u64> {
+        let timeout = secs(timeout, "timeout")?;
+        let addr = ReceiverAddr { alloc, fabric };
+        let peer = py
+            .detach(|| self.inner.add_receiver(addr, timeout))
+            .map_err(|e| errors::embed(&e))?;
+        Ok(peer.0)
+    }
+
+    /// Begins request ``req_id`` of ``total_chunks`` chunks to receiver ``receiver`` (an id
+    /// from ``add_receiver``); its admission probe goes out at once. ``shape``, ``dtype`` and
+    /// ``fmt`` describe the KV layout to the receiver (LMCache's fields).
+    #[pyo3(signature = (req_id, *, receiver, total_chunks, shape = vec![1], dtype = "bfloat16".to_owned(), fmt = 1))]
+    fn begin(
+        &self,
+        req_id: String,
+        receiver: u64,
+        total_chunks: u32,
+        shape: Vec<u64>,
+        dtype: String,
+        fmt: u32,
+    ) -> PyResult<()> {
+        let spec = RequestSpec {
+            req_id: ReqId(req_id),
+            receiver: PeerId(receiver),
+            total_chunks,
+            fmt,
+            shape,
+            dtype,
+        };
+        self.inner.begin(spec).map_err(|e| errors::send_error(&e))
+    }
+
+    /// Waits until the receiver admitted ``req_id`` (reserved room for all its chunks).
+    /// True once admitted; False when ``timeout`` passed first; raises when it failed.
+    #[pyo3(signature = (req_id, timeout = None))]
+    fn wait_admitted(
+        &self,
+        py: Python<'_>,
+        req_id: String,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let id = ReqId(req_id);
+        let done = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
+            match self.inner.wait_admitted(&id, slice) {
+                Ok(false) => None,
+                other => Some(other),
+            }
+        })?;
+        match done {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(f)) => Err(errors::send_failure(&f)),
+        }
+    }
+
+    /// Takes a staging slot for ``req_id``, waiting at most ``timeout`` seconds (None: the
+    /// sender's ``staging_timeout``); raises ``TimedOutError`` then. When the request's own
+    /// added chunks alone hold every slot, they are submitted first (not as the last batch).
+    #[pyo3(signature = (req_id, timeout = None))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        req_id: String,
+        timeout: Option<f64>,
+    ) -> PyResult<StagingSlot> {
+        let id = ReqId(req_id.clone());
+        let limit = match wait::seconds(timeout)? {
+            Some(t) => t,
+            None => self.inner.staging_timeout(),
+        };
+        let got = wait::interruptibly(py, Some(limit), |slice| {
+            match self
+                .inner
+                .allocate(&id, Some(slice.max(Duration::from_millis(1))))
+            {
+                Err(SendError::StagingTimedOut(_)) => None,
+                other => Some(other),
+            }
+        })?;
+        let guard = match got {
+            Some(Ok(guard)) => guard,
+            Some(Err(e)) => return Err(errors::send_error(&e)),
+            None => return Err(errors::send_error(&SendError::StagingTimedOut(limit))),
+        };
+        Ok(StagingSlot {
+            index: guard.index(),
+            guard: Mutex::new(Some(guard)),
+            req_id,
+            view: self.view.as_ref().map(|v| v.clone_ref(py)),
+        })
+    }
+
+    /// Adds the chunk written into ``slot`` to its request's next batch: ``key`` names it to
+    /// the receiver, ``nbytes`` is its length (None: the whole slot), ``tokens`` the tokens
+    /// it covers. Its checksum is computed now: do not write the slot afterwards.
+    #[pyo3(signature = (slot, key, *, nbytes = None, tokens = 0))]
+    fn add(
+        &self,
+        slot: &StagingSlot,
+        key: String,
+        nbytes: Option<usize>,
+        tokens: u64,
+    ) -> PyResult<()> {
+        let guard = slot.take()?;
+        let len = nbytes.unwrap_or(self.inner.slot_bytes());
+        self.inner
+            .add(guard, key, len, tokens)
+            .map_err(|e| errors::send_error(&e))
+    }
+
+    /// Submits ``req_id``'s added chunks as one batch; ``last=True`` ends the request (its
+    /// declared chunks must all be in by then).
+    #[pyo3(signature = (req_id, *, last = false))]
+    fn submit(&self, req_id: String, last: bool) -> PyResult<()> {
+        self.inner
+            .submit(&ReqId(req_id), last)
+            .map_err(|e| errors::send_error(&e))
+    }
+
+    /// Cancels ``req_id`` wherever it is; its staging and the receiver's slots are freed,
+    /// and its end is ``CancelledError``.
+    fn cancel(&self, req_id: String) -> PyResult<()> {
+        self.inner
+            .cancel(&ReqId(req_id))
+            .map_err(|e| errors::send_error(&e))
+    }
+
+    /// Waits for ``req_id``'s end: returns when it was delivered, raises why it failed, or
+    /// ``TimedOutError`` when ``timeout`` passed first.
+    #[pyo3(signature = (req_id, timeout = None))]
+    fn wait_outcome(&self, py: Python<'_>, req_id: String, timeout: Option<f64>) -> PyResult<()> {
+        let id = ReqId(req_id.clone());
+        let done = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
+            self.inner.wait_outcome(&id, slice)
+        })?;
+        match done {
+            Some(Ok(())) => Ok(()),
+            Some(Err(f)) => Err(errors::send_failure(&f)),
+            None => Err(errors::TimedOutError::new_err(format!(
+                "request {req_id} has not ended yet"
+            ))),
+        }
+    }
+
+    /// Up to ``max`` request ends, as ``(req_id, error)`` pairs (``error`` None: delivered;
+    /// else the exception saying why it failed), waiting at most ``timeout`` for the first;
+    /// ``[]`` when none came. Each request's end comes once, to one caller.
+    #[pyo3(signature = (max = 64, timeout = None))]
+    fn next_ends(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<(String, Option<PyErr>)>> {
+        let ends = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
+            let got = self.inner.next_ends(max, slice);
+            (!got.is_empty()).then_some(got)
+        })?
+        .unwrap_or_default();
+        Ok(ends
+            .into_iter()
+            .map(|end| {
+                (
+                    end.req_id.0,
+                    end.outcome.err().map(|f| errors::send_failure(&f)),
+                )
+            })
+            .collect())
+    }
+
+    /// Staging slots free now (a snapshot).
+    #[getter]
+    fn staging_free(&self) -> u32 {
+        self.inner.staging_free()
+    }
+
+    /// Staging slots in all.
+    #[getter]
+    fn slots(&self) -> u32 {
+        self.inner.slots()
+    }
+
+    /// Bytes per staging slot.
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes()
+    }
+
+    /// The whole staging as a byte ``memoryview`` (None with the shm fabric).
+    #[getter]
+    fn staging(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.view.as_ref().map(|v| v.clone_ref(py))
+    }
+
+    /// Stops the sender; running requests fail with ``ReceiverLostError``.
+    fn close(&self) {
+        self.inner.shutdown();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.inner.shutdown();
+    }
+}
+
+impl StagingSlot {
+    fn take(&self) -> PyResult<StagingGuard> {
+        self.guard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                errors::MisuseError::new_err(format!(
+                    "staging slot {} of request {} was already added or released",
+                    self.index, self.req_id
+                ))
+            })
+    }
+
+    fn with_guard<T>(&self, f: impl FnOnce(&StagingGuard) -> T) -> PyResult<T> {
+        let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(g) => Ok(f(g)),
+            None => Err(errors::MisuseError::new_err(format!(
+                "staging slot {} of request {} was already added or released",
+                self.index, self.req_id
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl StagingSlot {
+    /// The slot's index: bytes ``index × slot_bytes`` on of the staging.
+    #[getter]
+    fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The request it was taken for.
+    #[getter]
+    fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// The slot's bytes as a writable ``memoryview`` into the staging itself (zero-copy:
+    /// ``numpy.frombuffer(slot.view, dtype)`` writes the bytes kvx sends).
+    #[getter]
+    fn view(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Some(view) = &self.view else {
+            return Err(errors::MisuseError::new_err(
+                "this sender's staging is kvx's own shared mapping (fabric \"shm\"): use write()",
+            ));
+        };
+        let slot_bytes = self.with_guard(|g| g.slot_bytes())?;
+        Ok(memory::slot_view(py, view, self.index, slot_bytes)?.unbind())
+    }
+
+    /// Copies ``data`` (any bytes-like object) into the slot at ``offset``.
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&self, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
+        let bytes = data
+            .py()
+            .import("builtins")?
+            .getattr("bytes")?
+            .call1((data,))?;
+        let data = bytes.cast::<pyo3::types::PyBytes>()?.as_bytes();
+        self.with_guard(|g| {
+            let mut fits = false;
+            g.with_slot(&mut |slot| {
+                if let Some(dst) = offset
+                    .checked_add(data.len())
+                    .and_then(|end| slot.get_mut(offset..end))
+                {
+                    dst.copy_from_slice(data);
+                    fits = true;
+                }
+            });
+            fits
+        })?
+        .then_some(())
+        .ok_or_else(|| PyValueError::new_err("the data does not fit the slot at that offset"))
+    }
+
+    /// Hands the slot back unused (as dropping it does).
+    fn release(&self) {
+        self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}

@@ -1,0 +1,205 @@
+"""kvx.Sender and kvx.Receiver from Python: the protocol's scenarios over ZeroMQ and the TCP
+fabric on loopback, with staging and receive buffers in memory the test owns (NumPy arrays),
+read and written through zero-copy slot views."""
+
+import threading
+
+import pytest
+
+import kvx
+
+np = pytest.importorskip("numpy")
+
+SLOT = 4096
+WAIT = 10.0
+
+
+def pattern(req_id: str, chunk: int) -> np.ndarray:
+    seed = (sum(req_id.encode()) * 31 + chunk * 7) % 251
+    return ((np.arange(SLOT, dtype=np.uint32) + seed) % 251).astype(np.uint8)
+
+
+def make_pair(buffer_slots=10, staging_slots=4, share=100, **sender_kw):
+    buffer = np.zeros(buffer_slots * SLOT, dtype=np.uint8)
+    rx = kvx.Receiver(slots=buffer_slots, slot_bytes=SLOT, buffer=buffer, peer_share_percent=share)
+    staging = np.zeros(staging_slots * SLOT, dtype=np.uint8)
+    tx = kvx.Sender(slots=staging_slots, slot_bytes=SLOT, staging=staging, **sender_kw)
+    peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+    return tx, rx, peer, buffer, staging
+
+
+def stage(tx, req_id, chunk):
+    slot = tx.allocate(req_id, timeout=WAIT)
+    np.frombuffer(slot.view, dtype=np.uint8)[:] = pattern(req_id, chunk)
+    tx.add(slot, f"{req_id}@{chunk}", tokens=256)
+
+
+def decode_all(rx, expect, buffer, results):
+    """Reads every ready request, checks each chunk byte for byte in place, consumes it."""
+    seen = 0
+    for _ in range(200):
+        for lease in rx.next_ready(max=8, timeout=0.2):
+            with lease:
+                for chunk, view in enumerate(lease.views()):
+                    got = np.frombuffer(view, dtype=np.uint8)
+                    results[lease.req_id] = results.get(lease.req_id, True) and bool(
+                        np.array_equal(got, pattern(lease.req_id, chunk))
+                    )
+            seen += 1
+        if seen == expect:
+            return
+
+
+def test_two_interleaved_requests_into_a_buffer_smaller_than_both():
+    """The worked example: one sender interleaves two 8-chunk requests into a 10-slot
+    buffer; the second waits for admission until the first is consumed, and both arrive
+    byte-exact."""
+    tx, rx, peer, buffer, _ = make_pair(buffer_slots=10, staging_slots=4)
+    results = {}
+    decoder = threading.Thread(target=decode_all, args=(rx, 2, buffer, results))
+    decoder.start()
+    ids = ["a", "b"]
+    for r in ids:
+        tx.begin(r, receiver=peer, total_chunks=8)
+    nxt = {r: 0 for r in ids}
+    admitted = {r: False for r in ids}
+    for _ in range(10_000):
+        if all(n == 8 for n in nxt.values()):
+            break
+        for r in ids:
+            if nxt[r] == 8:
+                continue
+            if not admitted[r]:
+                admitted[r] = tx.wait_admitted(r, timeout=0.02)
+                if not admitted[r]:
+                    continue
+            stage(tx, r, nxt[r])
+            nxt[r] += 1
+            if nxt[r] % 2 == 0:
+                tx.submit(r, last=nxt[r] == 8)
+    for r in ids:
+        tx.wait_outcome(r, timeout=WAIT)
+    decoder.join(timeout=30)
+    assert results == {"a": True, "b": True}
+    snap = rx.snapshot()
+    assert snap["free"] == 10 and snap["tracked_requests"] == 0, snap
+    assert tx.staging_free == 4
+
+
+def test_four_concurrent_requests_per_sender_from_four_threads():
+    tx, rx, peer, buffer, _ = make_pair(buffer_slots=16, staging_slots=8)
+    results = {}
+    decoder = threading.Thread(target=decode_all, args=(rx, 8, buffer, results))
+    decoder.start()
+    errors = []
+
+    def prefill(worker):
+        try:
+            for i in range(2):
+                r = f"w{worker}-{i}"
+                tx.begin(r, receiver=peer, total_chunks=6)
+                assert tx.wait_admitted(r, timeout=WAIT)
+                for chunk in range(6):
+                    stage(tx, r, chunk)
+                    if chunk % 3 == 2:
+                        tx.submit(r, last=chunk == 5)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=prefill, args=(w,)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert not errors, errors
+    ends = []
+    for _ in range(100):
+        ends += tx.next_ends(max=16, timeout=0.2)
+        if len(ends) == 8:
+            break
+    assert sorted(r for r, err in ends if err is None) == sorted(
+        f"w{w}-{i}" for w in range(4) for i in range(2)
+    )
+    decoder.join(timeout=30)
+    assert len(results) == 8 and all(results.values()), results
+
+
+def test_cancel_in_flight_frees_both_sides():
+    tx, rx, peer, _, _ = make_pair(buffer_slots=8, staging_slots=4)
+    tx.begin("victim", receiver=peer, total_chunks=6)
+    assert tx.wait_admitted("victim", timeout=WAIT)
+    for chunk in range(3):
+        stage(tx, "victim", chunk)
+    tx.submit("victim")
+    tx.cancel("victim")
+    with pytest.raises(kvx.CancelledError):
+        tx.wait_outcome("victim", timeout=WAIT)
+    for _ in range(100):
+        if rx.snapshot()["free"] == 8:
+            break
+        threading.Event().wait(0.05)
+    assert rx.snapshot()["free"] == 8
+    assert tx.staging_free == 4
+
+
+def test_an_oversized_request_is_refused_with_the_reason():
+    tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
+    tx.begin("huge", receiver=peer, total_chunks=5)
+    with pytest.raises(kvx.RefusedError, match="huge|exceeds|capacity|slots"):
+        tx.wait_admitted("huge", timeout=WAIT)
+
+
+def test_a_slot_view_is_the_staging_itself():
+    """Zero-copy: writing through the view changes the caller's own array, and what the
+    receiver gets is what was written through it."""
+    tx, rx, peer, buffer, staging = make_pair(buffer_slots=4, staging_slots=2)
+    tx.begin("z", receiver=peer, total_chunks=1)
+    assert tx.wait_admitted("z", timeout=WAIT)
+    slot = tx.allocate("z", timeout=WAIT)
+    view = np.frombuffer(slot.view, dtype=np.uint8)
+    view[:] = 0x5A
+    start = slot.index * SLOT
+    assert (staging[start : start + SLOT] == 0x5A).all(), "the caller's array changed"
+    staging[start + 7] = 0xA5  # written through the caller's own array, not the view
+    tx.add(slot, "z@0")
+    tx.submit("z", last=True)
+    (lease,) = rx.next_ready(max=1, timeout=WAIT)
+    got = np.frombuffer(lease.views()[0], dtype=np.uint8)
+    assert got[7] == 0xA5 and got[0] == 0x5A
+    s = lease.slots[0] * SLOT
+    assert buffer[s + 7] == 0xA5, "the lease's view is the caller's buffer"
+    assert lease.read(0, 8) == bytes([0x5A] * 7 + [0xA5])
+    lease.consume()
+    with pytest.raises(kvx.MisuseError):
+        lease.consume()
+    tx.wait_outcome("z", timeout=WAIT)
+
+
+def test_misuse_and_bad_input_say_what_is_wrong():
+    with pytest.raises(ValueError, match="slots"):
+        kvx.Sender(slots=4, slot_bytes=SLOT, staging=bytearray(3 * SLOT))
+    with pytest.raises(ValueError, match="read-only"):
+        kvx.Sender(slots=1, slot_bytes=SLOT, staging=bytes(SLOT))
+    with pytest.raises(ValueError, match="fabric"):
+        kvx.Sender(slots=1, slot_bytes=SLOT, fabric="carrier-pigeon")
+    with pytest.raises(ValueError, match="shm"):
+        kvx.Sender(slots=1, slot_bytes=SLOT, fabric="shm", staging=bytearray(SLOT))
+    tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
+    with pytest.raises(kvx.MisuseError):
+        tx.allocate("never-begun", timeout=1.0)
+    tx.begin("m", receiver=peer, total_chunks=1)
+    assert tx.wait_admitted("m", timeout=WAIT)
+    slot = tx.allocate("m", timeout=WAIT)
+    free = tx.staging_free
+    del slot  # dropped unused: the slot goes back
+    assert tx.staging_free == free + 1
+    slot = tx.allocate("m", timeout=WAIT)
+    with pytest.raises(kvx.MisuseError, match="bytes"):
+        tx.add(slot, "m@0", nbytes=SLOT + 1)
+    with pytest.raises(kvx.MisuseError, match="already added or released"):
+        tx.add(slot, "m@0")
+    with pytest.raises(kvx.TimedOutError, match="not ended"):
+        tx.wait_outcome("m", timeout=0.1)
+    slot = tx.allocate("m", timeout=WAIT)
+    with pytest.raises(kvx.MisuseError, match="declared chunks"):
+        tx.allocate("m", timeout=WAIT)
