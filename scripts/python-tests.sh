@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kvx Python package's tests (python/tests, pytest): builds the package into a virtual
 # environment under target/ (maturin develop) and runs them. Needs python3 with venv and
-# network access to PyPI the first time (maturin, pytest, numpy, pyzmq, msgspec); without
+# network access to PyPI the first time (maturin, pytest, numpy, pyzmq, msgspec, mypy); without
 # them it says so and skips, unless KVX_REQUIRE_PYTHON=1 (CI), where that is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +19,8 @@ if [[ ! -x $venv/bin/python ]]; then
   python3 -m venv "$venv" 2>/dev/null || skip "python3 cannot make a virtual environment (apt install python3-venv)"
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "maturin>=1.7,<2" pytest numpy pyzmq msgspec ||
-  skip "cannot install maturin, pytest, numpy, pyzmq, msgspec from PyPI"
+  "maturin>=1.7,<2" pytest numpy pyzmq msgspec mypy ||
+  skip "cannot install maturin, pytest, numpy, pyzmq, msgspec, mypy from PyPI"
 # Release: the package's benchmarks and timing-sensitive tests measure the real thing.
 VIRTUAL_ENV="$PWD/$venv" "$venv/bin/maturin" develop --release --quiet
 "$venv/bin/python" -m pytest -q python/tests

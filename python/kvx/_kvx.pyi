@@ -1,6 +1,30 @@
 """Type stubs of kvx's native module (crates/kvx-py)."""
 
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, final
+
+from typing_extensions import Self
+
+# Anything with the writable buffer protocol: bytearray, a NumPy array, mmap; or a CPU
+# torch.Tensor (through .numpy()).
+_Buffer = Any
+
+__all__ = [
+    "CancelledError",
+    "KvxError",
+    "MisuseError",
+    "Proxy",
+    "ProxyWait",
+    "ReadLease",
+    "Receiver",
+    "ReceiverLostError",
+    "RefusedError",
+    "Sender",
+    "StagingSlot",
+    "StartError",
+    "TimedOutError",
+    "__version__",
+    "configure",
+]
 
 __version__: str
 
@@ -28,6 +52,7 @@ class StartError(KvxError):
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""
 
+@final
 class ProxyWait:
     """One awaited request's outcome, to come (from ``Proxy.expect``)."""
 
@@ -37,17 +62,162 @@ class ProxyWait:
         """Returns when every TP rank reported; raises ``RefusedError``, ``TimedOutError``
         or ``ReceiverLostError``."""
 
+@final
 class Proxy:
     """The notice channel of a proxy (a ZeroMQ PULL socket)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         endpoint: str = "tcp://127.0.0.1:0",
         *,
         kv_ready_timeout: float = 120.0,
         standalone_tp_ranks: Optional[int] = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def endpoint(self) -> str: ...
     def expect(self, req_id: str, tp_ranks: int = 1) -> ProxyWait: ...
     def next_event(self, timeout: Optional[float] = None) -> Optional[Tuple[str, Optional[str]]]: ...
+
+
+@final
+class StagingSlot:
+    """A staging slot held for one request (``Sender.allocate``): write the chunk into
+    ``view`` (or with ``write``), then ``Sender.add`` it. Dropped or released before that,
+    the slot goes back to the pool."""
+
+    @property
+    def index(self) -> int:
+        """The slot's index: bytes ``index * slot_bytes`` on of the staging."""
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def view(self) -> memoryview:
+        """The slot as a writable byte memoryview into the staging itself (zero-copy)."""
+    def write(self, data: _Buffer, offset: int = 0) -> None:
+        """Copies ``data`` into the slot at ``offset`` (the shm fabric's way in)."""
+    def release(self) -> None:
+        """Hands the slot back unused."""
+
+@final
+class Sender:
+    """A prefill worker's sender: moves KV chunks from its staging into receivers' buffers.
+
+    A request: ``begin`` -> ``wait_admitted`` -> per chunk ``allocate``, write, ``add`` ->
+    ``submit`` batches (the last with ``last=True``) -> ``wait_outcome`` or ``next_ends``.
+    Write a staging slot only while you hold it (between ``allocate`` and ``add``)."""
+
+    def __new__(
+        cls,
+        *,
+        slots: int,
+        slot_bytes: int,
+        staging: Optional[_Buffer] = None,
+        transport: str = "zmq",
+        fabric: str = "tcp",
+        proxy: Optional[str] = None,
+        local_id: Optional[str] = None,
+        staging_timeout: float = 30.0,
+        reply_timeout: float = 10.0,
+        write_timeout: float = 10.0,
+        checksums: bool = True,
+    ) -> Self: ...
+    def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
+        """Connects to a receiver; returns its id for ``begin``."""
+    def begin(
+        self,
+        req_id: str,
+        *,
+        receiver: int,
+        total_chunks: int,
+        shape: Sequence[int] = ...,
+        dtype: str = ...,
+        fmt: int = 1,
+    ) -> None:
+        """Begins a request; its admission probe goes out at once."""
+    def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
+        """True once admitted, False when ``timeout`` passed; raises when it failed."""
+    def allocate(self, req_id: str, timeout: Optional[float] = None) -> StagingSlot:
+        """Takes a staging slot (``TimedOutError`` after ``timeout``, default
+        ``staging_timeout``); submits the request's own added chunks first when they alone
+        hold every slot."""
+    def add(self, slot: StagingSlot, key: str, *, nbytes: Optional[int] = None, tokens: int = 0) -> None:
+        """Adds the written slot to its request's next batch (checksummed now)."""
+    def submit(self, req_id: str, *, last: bool = False) -> None:
+        """Submits the request's added chunks as one batch."""
+    def cancel(self, req_id: str) -> None:
+        """Cancels the request wherever it is; its end is ``CancelledError``."""
+    def wait_outcome(self, req_id: str, timeout: Optional[float] = None) -> None:
+        """Returns when delivered; raises why it failed, or ``TimedOutError``."""
+    def next_ends(self, max: int = 64, timeout: Optional[float] = None) -> List[Tuple[str, Optional[KvxError]]]:
+        """Up to ``max`` request ends as ``(req_id, error or None)``; ``[]`` after ``timeout``."""
+    @property
+    def staging_free(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def staging(self) -> Optional[memoryview]:
+        """The whole staging as a byte memoryview (None with the shm fabric)."""
+    def close(self) -> None:
+        """Stops the sender; running requests fail with ``ReceiverLostError``."""
+    def __enter__(self) -> "Sender": ...
+    def __exit__(self, *exc: object) -> None: ...
+
+@final
+class ReadLease:
+    """A ready request, leased: its slots stay put until ``consume`` (or the lease is
+    dropped, or its ``with`` block ends)."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def slots(self) -> List[int]: ...
+    @property
+    def keys(self) -> List[str]: ...
+    def views(self) -> List[memoryview]:
+        """Each chunk's slot as a memoryview into the buffer itself, valid until consume."""
+    def read(self, chunk: int, nbytes: Optional[int] = None) -> bytes:
+        """A copy of a chunk's first ``nbytes`` bytes (the shm fabric's way out)."""
+    def consume(self, timeout: float = 10.0) -> None:
+        """Releases the request's slots; ``MisuseError`` when consumed already."""
+    def __enter__(self) -> "ReadLease": ...
+    def __exit__(self, *exc: object) -> None: ...
+    def __len__(self) -> int: ...
+
+@final
+class Receiver:
+    """A decode worker's receiver: admits requests into its buffer of ``slots *
+    slot_bytes`` and hands each complete one to the decoder (``next_ready``)."""
+
+    def __new__(
+        cls,
+        *,
+        slots: int,
+        slot_bytes: int,
+        buffer: Optional[_Buffer] = None,
+        transport: str = "zmq",
+        fabric: str = "tcp",
+        alloc: str = "tcp://127.0.0.1:0",
+        fabric_endpoint: str = "tcp://127.0.0.1:0",
+        peer_share_percent: int = 50,
+        admission_timeout: float = 30.0,
+        unconsumed_ttl: float = 300.0,
+        require_checksums: bool = False,
+    ) -> Self: ...
+    @property
+    def alloc_endpoint(self) -> str: ...
+    @property
+    def fabric_endpoint(self) -> str: ...
+    def next_ready(self, max: int = 16, timeout: Optional[float] = None) -> List[ReadLease]:
+        """Up to ``max`` ready requests, leased; ``[]`` after ``timeout``."""
+    def snapshot(self, timeout: float = 5.0) -> Dict[str, int]:
+        """The buffer's accounting: capacity, free, held, reserved_unallocated,
+        quarantined, tracked_requests, admission_queue_len."""
+    @property
+    def slots(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def buffer(self) -> Optional[memoryview]:
+        """The whole buffer as a byte memoryview (None with the shm fabric)."""

@@ -53,7 +53,7 @@ fn secs(d: f64, what: &str) -> PyResult<Duration> {
 impl Receiver {
     #[new]
     #[pyo3(signature = (*, slots, slot_bytes, buffer = None, transport = "zmq", fabric = "tcp",
-        alloc = "tcp://127.0.0.1:0".to_owned(), fabric_endpoint = "tcp://127.0.0.1:0".to_owned(),
+        alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
         peer_share_percent = 50, admission_timeout = 30.0, unconsumed_ttl = 300.0,
         require_checksums = false))]
     #[allow(clippy::too_many_arguments)]
@@ -64,8 +64,8 @@ impl Receiver {
         buffer: Option<&Bound<'_, PyAny>>,
         transport: &str,
         fabric: &str,
-        alloc: String,
-        fabric_endpoint: String,
+        alloc: &str,
+        fabric_endpoint: &str,
         peer_share_percent: u32,
         admission_timeout: f64,
         unconsumed_ttl: f64,
@@ -89,8 +89,8 @@ impl Receiver {
             env: choice,
             config,
             buffer: memory,
-            alloc_endpoint: alloc,
-            fabric_endpoint,
+            alloc_endpoint: alloc.to_owned(),
+            fabric_endpoint: fabric_endpoint.to_owned(),
         };
         let rt = runtime::get()?;
         let inner = py

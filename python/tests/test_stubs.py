@@ -1,0 +1,18 @@
+"""The type stubs (python/kvx/_kvx.pyi) describe the native module as built: every class,
+method, parameter and default, checked by mypy's stubtest against the real module."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_the_stubs_match_the_native_module():
+    pytest.importorskip("mypy", reason="mypy is needed to check the stubs (pip install mypy)")
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "kvx._kvx"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
