@@ -23,4 +23,6 @@ fi
   skip "cannot install maturin, pytest, numpy, pyzmq, msgspec, mypy from PyPI"
 # Release: the package's benchmarks and timing-sensitive tests measure the real thing.
 VIRTUAL_ENV="$PWD/$venv" "$venv/bin/maturin" develop --release --quiet
-"$venv/bin/python" -m pytest -q python/tests
+# The `kvx` binary, for the tests that talk to a kvx process.
+cargo build --release --quiet -p kvx
+KVX_BIN="$PWD/target/release/kvx" "$venv/bin/python" -m pytest -q python/tests

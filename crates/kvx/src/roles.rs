@@ -43,10 +43,17 @@ pub fn sender_id(prefix: &str) -> anyhow::Result<String> {
 
 /// Stops at Ctrl-C, or after `exit_after_s` when given.
 async fn until_stopped(exit_after_s: Option<u64>) {
-    match exit_after_s {
-        Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
-        None => {
-            if let Err(e) = tokio::signal::ctrl_c().await {
+    // Ctrl-C stops a run with a time limit too, with its summary.
+    let limit = async {
+        match exit_after_s {
+            Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = limit => {}
+        interrupted = tokio::signal::ctrl_c() => {
+            if let Err(e) = interrupted {
                 tracing::error!(error = %e, "cannot wait for Ctrl-C; stopping");
             }
         }
