@@ -28,13 +28,35 @@ def _chunk_key(req_id: str, chunk: int) -> int:
     return (((h ^ ((chunk * 0x9E3779B97F4A7C15) & M64)) * 0xBF58476D1CE4E5B9) & M64) | 1
 
 
+def _block_keys(req_id: str, chunk: int, blocks: int) -> np.ndarray:
+    key = np.uint64(_chunk_key(req_id, chunk))
+    # uint64 arithmetic wraps in NumPy arrays, as in Rust's wrapping_mul.
+    return key ^ (np.arange(blocks, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93))
+
+
+def _words(buf, nbytes: int) -> np.ndarray:
+    assert nbytes % (BLOCK_WORDS * 8) == 0, "whole 4 KiB blocks only"
+    return np.frombuffer(buf, dtype="<u8", count=nbytes // 8).reshape(-1, BLOCK_WORDS)
+
+
+def fill(req_id: str, chunk: int, out, nbytes: int) -> None:
+    """Writes chunk `chunk` of request `req_id` into the first `nbytes` of the writable
+    buffer `out` (a slot's view), in one pass."""
+    words = _words(out, nbytes)
+    np.bitwise_xor(BASE[None, :], _block_keys(req_id, chunk, words.shape[0])[:, None], out=words)
+
+
+def matches(req_id: str, chunk: int, got, nbytes: int, scratch: np.ndarray) -> bool:
+    """True when the first `nbytes` of `got` hold exactly chunk `chunk` of `req_id`;
+    `scratch` is a uint64 array of at least nbytes / 8 words, reused between calls."""
+    words = _words(got, nbytes)
+    tmp = scratch[: words.size].reshape(words.shape)
+    np.bitwise_xor(words, _block_keys(req_id, chunk, words.shape[0])[:, None], out=tmp)
+    return bool(np.array_equal(tmp, np.broadcast_to(BASE, tmp.shape)))
+
+
 def chunk_bytes(req_id: str, chunk: int, nbytes: int) -> np.ndarray:
     """The bytes of chunk `chunk` of request `req_id` (`nbytes` a multiple of 4 KiB)."""
-    assert nbytes % (BLOCK_WORDS * 8) == 0, "whole 4 KiB blocks only"
-    key = _chunk_key(req_id, chunk)
-    blocks = nbytes // (BLOCK_WORDS * 8)
-    keys = np.array(
-        [key ^ ((b * 0xD6E8FEB86659FD93) & M64) for b in range(blocks)], dtype=np.uint64
-    )
-    words = (BASE[None, :] ^ keys[:, None]).astype("<u8")
-    return words.reshape(-1).view(np.uint8)
+    out = np.empty(nbytes, dtype=np.uint8)
+    fill(req_id, chunk, out, nbytes)
+    return out

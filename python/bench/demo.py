@@ -1,0 +1,178 @@
+"""`kvx demo`'s workload driven from Python through the kvx package, against `kvx demo`
+itself in the same run (docs/PERFORMANCE.md, "Python").
+
+    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3]
+
+Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
+in flight per sender, batches of 4, 4 staging slots per sender, one receiver of 64 slots,
+ZeroMQ + the TCP fabric on loopback, every byte checked by the decoder. The Python side runs
+each sender's in-flight requests on threads of its own and one decoder thread; it writes each
+chunk with NumPy into the slot's view and checks each received chunk the same way.
+
+Also measures the Python-side cost of one staging round (allocate + add, and a submit per
+batch) per chunk, over the in-process transport and fabric with 4 KiB chunks, so that the
+figure is the binding's overhead and not the bytes' movement.
+
+Prints one JSON object: each round's bytes/s for both, their medians and ratio, and the
+per-chunk cost in µs.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import kvx  # noqa: E402
+from synthetic import fill, matches  # noqa: E402
+
+CHUNK = 1 << 20
+
+
+def python_demo(seed: int) -> dict:
+    rng = random.Random(seed)
+    rx = kvx.Receiver(slots=64, slot_bytes=CHUNK, peer_share_percent=75)
+    senders = [kvx.Sender(slots=4, slot_bytes=CHUNK, local_id=f"py-{s}") for s in range(2)]
+    plans = [
+        [(f"s{s}-r{i:03}", rng.randint(4, 16)) for i in range(50)] for s in range(2)
+    ]
+    total = sum(c for plan in plans for _, c in plan)
+    verified = [0]
+    corrupt = [0]
+    seen = [0]
+    want = sum(len(p) for p in plans)
+    tally = threading.Lock()
+
+    def decoder():
+        deadline = time.monotonic() + 300
+        scratch = np.empty(CHUNK // 8, dtype=np.uint64)
+        while seen[0] < want and time.monotonic() < deadline:
+            for lease in rx.next_ready(max=4, timeout=0.1):
+                with lease:
+                    good = sum(
+                        matches(lease.req_id, c, view, CHUNK, scratch)
+                        for c, view in enumerate(lease.views())
+                    )
+                with tally:
+                    verified[0] += good * CHUNK
+                    corrupt[0] += len(lease) - good
+                    seen[0] += 1
+
+    def prefill(tx, peer, work, lock):
+        while True:
+            with lock:
+                if not work:
+                    return
+                req_id, chunks = work.pop(0)
+            tx.begin(req_id, receiver=peer, total_chunks=chunks)
+            if not tx.wait_admitted(req_id, timeout=60):
+                raise RuntimeError(f"{req_id} not admitted")
+            for c in range(chunks):
+                slot = tx.allocate(req_id)
+                fill(req_id, c, slot.view, CHUNK)
+                tx.add(slot, f"{req_id}@{c}", tokens=256)
+                if (c + 1) % 4 == 0 or c + 1 == chunks:
+                    tx.submit(req_id, last=c + 1 == chunks)
+            tx.wait_outcome(req_id, timeout=60)
+
+    # Two decoder threads, as `kvx demo` decodes ready requests concurrently.
+    decoders = [threading.Thread(target=decoder) for _ in range(2)]
+    threads = []
+    start = time.perf_counter()
+    for d in decoders:
+        d.start()
+    for s, tx in enumerate(senders):
+        peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+        work, lock = list(plans[s]), threading.Lock()
+        threads += [threading.Thread(target=prefill, args=(tx, peer, work, lock)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads + decoders:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for tx in senders:
+        tx.close()
+    return {
+        "bytes_verified": verified[0],
+        "chunks_corrupted": corrupt[0],
+        "bytes_expected": total * CHUNK,
+        "bytes_per_sec": verified[0] / elapsed,
+    }
+
+
+def rust_demo(kvx_bin: str, seed: int) -> dict:
+    out = subprocess.run(
+        [kvx_bin, "demo", "--json", "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def staging_round_cost(chunks: int = 20_000) -> float:
+    """µs of Python-side time per chunk for allocate + add (+ a submit per 8 chunks)."""
+    rx = kvx.Receiver(slots=256, slot_bytes=4096, transport="mem", fabric="mem",
+                      alloc="bench-rx", fabric_endpoint="bench-rx-fabric", peer_share_percent=100)
+    tx = kvx.Sender(slots=64, slot_bytes=4096, transport="mem", fabric="mem", checksums=False)
+    peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+    stop = threading.Event()
+
+    def consume():
+        while not stop.is_set():
+            for lease in rx.next_ready(max=64, timeout=0.05):
+                lease.consume()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    spent = 0.0
+    per_request = 128
+    for r in range(chunks // per_request):
+        req_id = f"cost-{r}"
+        tx.begin(req_id, receiver=peer, total_chunks=per_request)
+        tx.wait_admitted(req_id, timeout=30)
+        for c in range(per_request):
+            t0 = time.perf_counter()
+            slot = tx.allocate(req_id)
+            tx.add(slot, "k", tokens=1)
+            if (c + 1) % 8 == 0:
+                tx.submit(req_id, last=c + 1 == per_request)
+            spent += time.perf_counter() - t0
+        tx.wait_outcome(req_id, timeout=30)
+    stop.set()
+    t.join()
+    return spent / ((chunks // per_request) * per_request) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvx", default=str(Path(__file__).resolve().parents[2] / "target/release/kvx"))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rust, py = [], []
+    for r in range(args.rounds):  # alternated, so that both see the same machine
+        rust.append(rust_demo(args.kvx, r)["bytes_per_sec"])
+        p = python_demo(r)
+        if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
+            raise SystemExit(f"python demo lost or corrupted bytes: {p}")
+        py.append(p["bytes_per_sec"])
+    cost = staging_round_cost()
+    result = {
+        "kvx_demo_bytes_per_sec": rust,
+        "python_demo_bytes_per_sec": py,
+        "ratio_of_medians": statistics.median(py) / statistics.median(rust),
+        "python_staging_round_us_per_chunk": cost,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
