@@ -212,6 +212,7 @@ impl Sender {
     #[pyo3(signature = (slot, key, *, nbytes = None, tokens = 0))]
     fn add(
         &self,
+        py: Python<'_>,
         slot: &StagingSlot,
         key: String,
         nbytes: Option<usize>,
@@ -219,17 +220,17 @@ impl Sender {
     ) -> PyResult<()> {
         let guard = slot.take()?;
         let len = nbytes.unwrap_or(self.inner.slot_bytes());
-        self.inner
-            .add(guard, key, len, tokens)
+        // The checksum reads the whole chunk: other Python threads run meanwhile.
+        py.detach(|| self.inner.add(guard, key, len, tokens))
             .map_err(|e| errors::send_error(&e))
     }
 
     /// Submits ``req_id``'s added chunks as one batch; ``last=True`` ends the request (its
     /// declared chunks must all be in by then).
     #[pyo3(signature = (req_id, *, last = false))]
-    fn submit(&self, req_id: String, last: bool) -> PyResult<()> {
-        self.inner
-            .submit(&ReqId(req_id), last)
+    fn submit(&self, py: Python<'_>, req_id: String, last: bool) -> PyResult<()> {
+        let id = ReqId(req_id);
+        py.detach(|| self.inner.submit(&id, last))
             .map_err(|e| errors::send_error(&e))
     }
 
