@@ -40,3 +40,6 @@ pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";
 pub const SENDER_FAILED: &str = "kvx_sender_failed_total";
 /// Proxy outcomes no `expect` awaited that found `ProxyEvents` full (its reader behind).
 pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";
+/// Counter: notices the proxy could not use (an over-long id, a message that is no notice,
+/// an early notice pushed out of its full table or too large to keep), each counted once.
+pub const PROXY_NOTICES_DROPPED: &str = "kvx_proxy_notices_dropped_total";

@@ -166,6 +166,8 @@ impl<E: Env> Driver<E> {
             Ok(msg) => {
                 let now = self.env.now();
                 self.tracker.handle_message(now, msg);
+                metrics::counter!(crate::metrics::PROXY_NOTICES_DROPPED)
+                    .absolute(self.tracker.dropped_notices);
             }
             Err(e) => {
                 metrics::counter!(crate::metrics::DECODE_ERRORS).increment(1);

@@ -116,6 +116,9 @@ impl ReceiverLedger {
                 let bytes = queued_bytes(&msg);
                 if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
                     self.admission.withdraw(ticket);
+                    // A withdrawal re-runs the queue; whatever it admits is answered now, as
+                    // after every other withdrawal (none is expected: this one was last).
+                    self.drain_admitted(now);
                     let failure = Failure::TooLarge(format!(
                         "the first batches waiting for admission hold {} bytes; this one's {} \
                          would exceed queued_bytes_max {}",
