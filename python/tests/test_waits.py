@@ -1,0 +1,41 @@
+"""Blocking calls release the GIL (other Python threads run meanwhile) and Ctrl-C ends them
+with KeyboardInterrupt, even without a timeout."""
+
+import _thread
+import threading
+import time
+
+import pytest
+
+import kvx
+
+
+def test_a_blocking_wait_lets_other_threads_run():
+    rx = kvx.Receiver(slots=2, slot_bytes=4096)
+    ticks = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        before = ticks[0]
+        assert rx.next_ready(max=1, timeout=0.5) == []
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        t.join()
+    # With the GIL held through the wait, the counter would stand still for 0.5 s.
+    assert during > 10_000, during
+
+
+def test_ctrl_c_interrupts_a_wait_without_timeout():
+    rx = kvx.Receiver(slots=2, slot_bytes=4096)
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rx.next_ready(max=1, timeout=None)
+    assert time.monotonic() - started < 3.0
