@@ -248,44 +248,60 @@ impl Receiver {
     /// when none came. A request that ended between its ready notice and its lease (the
     /// sender cancelled) is skipped. Shared by every caller.
     pub fn next_ready(&self, max: usize, timeout: Duration) -> Vec<ReadLease> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        self.runtime.block_on(self.take_ready(max, Some(deadline)))
+    }
+
+    /// The async form of `next_ready`, waiting for the first as long as it takes. Dropped
+    /// while it waits for the first, it loses nothing; dropped after (while leasing the
+    /// batch), the leases it gathered are released unread: bound the wait with `next_ready`
+    /// rather than a timeout around this future.
+    pub async fn ready(&self, max: usize) -> Vec<ReadLease> {
+        self.take_ready(max, None).await
+    }
+
+    /// Only the wait for the first notice is bounded by `deadline`: once a request is taken
+    /// off the stream it is leased and returned, never dropped by a timeout (a lease is
+    /// answered at once by a running driver, and with an error by a stopped one).
+    async fn take_ready(
+        &self,
+        max: usize,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Vec<ReadLease> {
         if max == 0 {
             return Vec::new();
         }
-        // Only the wait for the first notice is bounded by `timeout`: once a request is
-        // taken off the stream it is leased and returned, never dropped by a timeout (a
-        // lease is answered at once by a running driver, and with an error by a stopped one).
-        let deadline = tokio::time::Instant::now() + timeout;
-        let take = async {
-            let first = async {
-                let mut notices = self.notices.lock().await;
-                let first = notices.recv().await;
-                first.map(|n| (n, notices))
-            };
-            let Ok(Some((first, mut notices))) = tokio::time::timeout_at(deadline, first).await
-            else {
-                return Vec::new();
-            };
-            let mut out = Vec::new();
-            let mut next = Some(first);
-            while let Some(notice) = next.take() {
-                if let ReceiverNotice::Ready(ready) = notice {
-                    if let Ok(slots) = self.reader.acquire(&ready.key).await {
-                        out.push(ReadLease {
-                            runtime: self.runtime.clone(),
-                            reader: self.reader.clone(),
-                            ready,
-                            slots,
-                            consumed: false,
-                        });
-                    }
-                }
-                if out.len() < max {
-                    next = notices.try_recv().ok();
+        let first = async {
+            let mut notices = self.notices.lock().await;
+            let first = notices.recv().await;
+            first.map(|n| (n, notices))
+        };
+        let first = match deadline {
+            Some(at) => tokio::time::timeout_at(at, first).await.ok().flatten(),
+            None => first.await,
+        };
+        let Some((first, mut notices)) = first else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut next = Some(first);
+        while let Some(notice) = next.take() {
+            if let ReceiverNotice::Ready(ready) = notice {
+                if let Ok(slots) = self.reader.acquire(&ready.key).await {
+                    out.push(ReadLease {
+                        runtime: self.runtime.clone(),
+                        reader: self.reader.clone(),
+                        ready,
+                        slots,
+                        consumed: false,
+                    });
                 }
             }
-            out
-        };
-        self.runtime.block_on(take)
+            if out.len() < max {
+                next = notices.try_recv().ok();
+            }
+        }
+        out
     }
 
     /// The buffer's accounting now (for leak checks and monitoring), waiting at most
