@@ -56,6 +56,10 @@ pub struct SenderSettings {
     pub proxy: Option<String>,
 }
 
+/// How long `allocate` waits without a slot before it checks whether pending batches hold
+/// the staging (`Sender::submit_pending_if_they_hold_staging`).
+const STALL: Duration = Duration::from_millis(20);
+
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// `SenderHandle<E>` for any `E`, as one type.
@@ -229,6 +233,11 @@ impl StagingGuard {
         &self.req_id
     }
 
+    /// Bytes in the slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.api.slot_bytes()
+    }
+
     /// Runs `f` on the slot's bytes in place.
     pub fn with_slot(&self, f: &mut dyn FnMut(&mut [u8])) {
         self.api.with_slot(self.slot, f);
@@ -314,10 +323,41 @@ impl Sender {
         timeout: Option<Duration>,
     ) -> Result<StagingGuard, SendError> {
         let timeout = timeout.unwrap_or(self.staging_timeout);
-        let mut held = self.take_pending(req_id);
-        let result = self.api.allocate_blocking(req_id, &mut held, timeout);
-        self.put_back_pending(req_id, held);
-        result.map(|slot| self.guard(req_id, slot))
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let mut held = self.lend_pending(req_id);
+            let result = self
+                .api
+                .allocate_blocking(req_id, &mut held.batch, left.min(STALL));
+            drop(held);
+            match result {
+                Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
+                    self.submit_pending_if_they_hold_staging();
+                }
+                Err(SendError::StagingTimedOut(_)) => {
+                    return Err(SendError::StagingTimedOut(timeout))
+                }
+                other => return other.map(|slot| self.guard(req_id, slot)),
+            }
+        }
+    }
+
+    /// When every staging slot is taken and the pending batches hold some of them, submits
+    /// them all (none as the last): a caller that interleaves several requests on one thread
+    /// would otherwise wait for staging that only its own other requests' unsubmitted chunks
+    /// hold — for ever. The core submits a request's own batch when that alone stands in
+    /// the way (`allocate_or_submit`); this does the same across the requests of this
+    /// sender, whose pending batches it alone knows. Costs only batching, after a stall.
+    fn submit_pending_if_they_hold_staging(&self) {
+        if self.api.staging_free() > 0 {
+            return;
+        }
+        let batches = std::mem::take(&mut *self.lock_pending());
+        for (req_id, batch) in batches {
+            // An error means the request ended; its end is reported as usual.
+            let _ = self.api.submit(&req_id, batch, false);
+        }
     }
 
     /// The async form of `allocate`.
@@ -327,10 +367,26 @@ impl Sender {
         timeout: Option<Duration>,
     ) -> Result<StagingGuard, SendError> {
         let timeout = timeout.unwrap_or(self.staging_timeout);
-        let mut held = self.take_pending(req_id);
-        let result = self.api.allocate(req_id, &mut held, timeout).await;
-        self.put_back_pending(req_id, held);
-        result.map(|slot| self.guard(req_id, slot))
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            // Lent, and given back however the await ends (the future may be dropped).
+            let mut held = self.lend_pending(req_id);
+            let result = self
+                .api
+                .allocate(req_id, &mut held.batch, left.min(STALL))
+                .await;
+            drop(held);
+            match result {
+                Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
+                    self.submit_pending_if_they_hold_staging();
+                }
+                Err(SendError::StagingTimedOut(_)) => {
+                    return Err(SendError::StagingTimedOut(timeout))
+                }
+                other => return other.map(|slot| self.guard(req_id, slot)),
+            }
+        }
     }
 
     fn guard(&self, req_id: &ReqId, slot: StagingSlot) -> StagingGuard {
@@ -339,6 +395,15 @@ impl Sender {
             req_id: req_id.clone(),
             slot,
             armed: true,
+        }
+    }
+
+    /// `req_id`'s pending batch, lent to one call and put back when the loan is dropped.
+    fn lend_pending<'a>(&'a self, req_id: &'a ReqId) -> PendingLoan<'a> {
+        PendingLoan {
+            sender: self,
+            req_id,
+            batch: self.take_pending(req_id),
         }
     }
 
@@ -437,6 +502,11 @@ impl Sender {
         self.runtime.block_on_for(timeout, take).unwrap_or_default()
     }
 
+    /// The configured bound of `allocate` when it is given none.
+    pub fn staging_timeout(&self) -> Duration {
+        self.staging_timeout
+    }
+
     /// Staging slots free now (a snapshot).
     pub fn staging_free(&self) -> u32 {
         self.api.staging_free()
@@ -461,6 +531,21 @@ impl Sender {
 impl Drop for Sender {
     fn drop(&mut self) {
         self.api.shutdown();
+    }
+}
+
+/// A pending batch lent to an allocate call: what the core did not submit goes back to the
+/// request's pending batch when the loan ends, even if the call's future is dropped.
+struct PendingLoan<'a> {
+    sender: &'a Sender,
+    req_id: &'a ReqId,
+    batch: Vec<ChunkSpec>,
+}
+
+impl Drop for PendingLoan<'_> {
+    fn drop(&mut self) {
+        let batch = std::mem::take(&mut self.batch);
+        self.sender.put_back_pending(self.req_id, batch);
     }
 }
 

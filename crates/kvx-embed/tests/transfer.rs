@@ -244,3 +244,63 @@ fn a_dropped_guard_hands_its_slot_back_and_a_cancel_ends_the_request() {
         "the receiver released the cancelled request"
     );
 }
+
+/// One thread interleaving five requests chunk by chunk, batches of four, over four staging
+/// slots: the first four requests' first chunks take every slot, unsubmitted, and the fifth,
+/// holding none, asks for one. The sender submits the pending batches itself after
+/// a short stall, rather than letting the call wait for staging only its own caller can
+/// free (it timed out after `staging_timeout` before).
+#[test]
+fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
+    let p = pair(40, 4);
+    let ids = ["v", "w", "x", "y", "z"];
+    for id in ids {
+        p.sender.begin(spec(id, p.peer, 8)).expect("begins");
+    }
+    for id in ids {
+        assert!(p
+            .sender
+            .wait_admitted(&ReqId(id.into()), WAIT)
+            .expect("admitted"));
+    }
+    let started = std::time::Instant::now();
+    for chunk in 0..8 {
+        for id in ids {
+            let req_id = ReqId(id.into());
+            let guard = p
+                .sender
+                .allocate(&req_id, Some(Duration::from_secs(3)))
+                .expect("staging without waiting on ourselves");
+            let bytes = pattern(id, chunk);
+            guard.with_slot(&mut |slot| slot.copy_from_slice(&bytes));
+            p.sender
+                .add(guard, format!("{id}@{chunk}"), SLOT, 256)
+                .expect("added");
+            if (chunk + 1) % 4 == 0 {
+                p.sender.submit(&req_id, chunk == 7).expect("submitted");
+            }
+        }
+    }
+    for id in ids {
+        assert_eq!(
+            p.sender.wait_outcome(&ReqId(id.into()), WAIT),
+            Some(Ok(())),
+            "{id} delivered"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "no allocate waited out its timeout"
+    );
+    let mut read = 0;
+    for _ in 0..50 {
+        for lease in p.receiver.next_ready(8, Duration::from_millis(100)) {
+            lease.consume(WAIT).expect("consumed");
+            read += 1;
+        }
+        if read == ids.len() {
+            break;
+        }
+    }
+    assert_eq!(read, ids.len());
+}
