@@ -24,6 +24,8 @@ __all__ = [
     "TimedOutError",
     "__version__",
     "configure",
+    "synthetic_check",
+    "synthetic_fill",
 ]
 
 __version__: str
@@ -51,6 +53,12 @@ class StartError(KvxError):
 
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""
+
+def synthetic_fill(slot: StagingSlot, req_id: str, chunk: int, nbytes: Optional[int] = None) -> None:
+    """Writes kvx's synthetic bytes of chunk ``chunk`` of ``req_id`` into the slot, in place."""
+
+def synthetic_check(lease: ReadLease, chunk: int, nbytes: Optional[int] = None) -> bool:
+    """True when the leased chunk holds exactly its request's synthetic bytes."""
 
 @final
 class ProxyWait:

@@ -10,6 +10,7 @@
 //! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`.
 //! - `memory`: Python buffers lent to kvx, and zero-copy slot views of them.
 //! - `env`: transport and fabric by name.
+//! - `synthetic`: kvx's synthetic workload bytes, filled and checked in place (tests, benchmarks).
 
 use pyo3::prelude::*;
 
@@ -20,6 +21,7 @@ mod proxy;
 mod receiver;
 mod runtime;
 mod sender;
+mod synthetic;
 mod wait;
 
 #[pymodule]
@@ -33,5 +35,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<receiver::Receiver>()?;
     m.add_class::<receiver::ReadLease>()?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
+    m.add_function(wrap_pyfunction!(synthetic::synthetic_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(synthetic::synthetic_check, m)?)?;
     Ok(())
 }

@@ -179,6 +179,36 @@ impl Receiver {
 }
 
 impl ReadLease {
+    /// The request's id.
+    pub(crate) fn req_id_str(&self) -> &str {
+        &self.req_id
+    }
+
+    /// Runs `f` on chunk `chunk`'s slot in place, with the GIL released.
+    pub(crate) fn with_chunk_bytes<T: Send>(
+        &self,
+        py: Python<'_>,
+        chunk: usize,
+        f: &mut (dyn FnMut(&[u8]) -> PyResult<T> + Send),
+    ) -> PyResult<T> {
+        if chunk >= self.slots.len() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "chunk {chunk} of a request of {} chunks",
+                self.slots.len()
+            )));
+        }
+        let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(l) = lease.as_ref() else {
+            return Err(errors::MisuseError::new_err(format!(
+                "request {} was already consumed",
+                self.req_id
+            )));
+        };
+        let mut result = None;
+        py.detach(|| l.with_chunk(chunk, &mut |bytes| result = Some(f(bytes))));
+        result.unwrap_or_else(|| Err(errors::KvxError::new_err("the chunk was not read")))
+    }
+
     fn with_lease<T>(&self, f: impl FnOnce(&Lease) -> T) -> PyResult<T> {
         let lease = self.lease.lock().unwrap_or_else(|p| p.into_inner());
         match lease.as_ref() {

@@ -325,6 +325,24 @@ impl Sender {
 }
 
 impl StagingSlot {
+    /// Runs `f` on the slot's bytes in place, with the GIL released.
+    pub(crate) fn with_bytes(
+        &self,
+        py: Python<'_>,
+        f: &mut (dyn FnMut(&mut [u8]) -> PyResult<()> + Send),
+    ) -> PyResult<()> {
+        let guard = self.guard.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(g) = guard.as_ref() else {
+            return Err(errors::MisuseError::new_err(format!(
+                "staging slot {} of request {} was already added or released",
+                self.index, self.req_id
+            )));
+        };
+        let mut result = Ok(());
+        py.detach(|| g.with_slot(&mut |bytes| result = f(bytes)));
+        result
+    }
+
     fn take(&self) -> PyResult<StagingGuard> {
         self.guard
             .lock()
