@@ -32,7 +32,7 @@ import kvx
 import kvx.testing
 
 CHUNK = 1 << 20
-DECODERS = 2
+DECODERS = 1
 
 
 def python_demo(seed: int) -> dict:
