@@ -6,7 +6,7 @@ itself in the same run (docs/PERFORMANCE.md, "Python").
 Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
 in flight per sender, batches of 4, 4 staging slots per sender, one receiver of 64 slots,
 ZeroMQ + the TCP fabric on loopback, every byte checked by the decoder. The Python side runs
-each sender's in-flight requests on threads of its own and decodes on two threads; it makes
+each sender's in-flight requests on threads of its own and decodes on one; it makes
 and checks each chunk's bytes in place with `kvx.testing` (the code `kvx demo` runs), so the
 two differ in the driving only.
 
@@ -79,7 +79,7 @@ def python_demo(seed: int) -> dict:
                     tx.submit(req_id, last=c + 1 == chunks)
             tx.wait_outcome(req_id, timeout=60)
 
-    # Two decoder threads, as `kvx demo` decodes ready requests concurrently.
+    # One decoder thread: two or four were no faster (docs/PERFORMANCE.md, "Python").
     decoders = [threading.Thread(target=decoder) for _ in range(DECODERS)]
     threads = []
     start = time.perf_counter()
