@@ -47,6 +47,10 @@ pub(crate) fn synthetic_check(
         let got = bytes
             .get(..len)
             .ok_or_else(|| PyValueError::new_err("nbytes exceeds the slot"))?;
-        Ok(kvx_node::synthetic::chunk_matches(&req_id, chunk as u32, got))
+        Ok(kvx_node::synthetic::chunk_matches(
+            &req_id,
+            chunk as u32,
+            got,
+        ))
     })
 }
