@@ -229,3 +229,7 @@ class Receiver:
     @property
     def buffer(self) -> Optional[memoryview]:
         """The whole buffer as a byte memoryview (None with the shm fabric)."""
+    def close(self) -> None:
+        """Stops the receiver; its ports close."""
+    def __enter__(self) -> "Receiver": ...
+    def __exit__(self, *exc: object) -> None: ...

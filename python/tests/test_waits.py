@@ -39,3 +39,27 @@ def test_ctrl_c_interrupts_a_wait_without_timeout():
     with pytest.raises(KeyboardInterrupt):
         rx.next_ready(max=1, timeout=None)
     assert time.monotonic() - started < 3.0
+
+
+def test_close_releases_the_receivers_ports():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    rx = kvx.Receiver(slots=2, slot_bytes=4096, alloc=endpoint)
+    with pytest.raises(kvx.StartError):
+        kvx.Receiver(slots=2, slot_bytes=4096, alloc=endpoint)
+    with rx:  # its end closes it, though `rx` itself lives on
+        pass
+    for _ in range(100):  # the socket closes as the driver ends, within moments
+        try:
+            again = kvx.Receiver(slots=2, slot_bytes=4096, alloc=endpoint)
+            break
+        except kvx.StartError:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the closed receiver's port stayed bound")
+    again.close()
+    assert rx.slots == 2

@@ -51,6 +51,7 @@ trait ReaderApi: Send + Sync {
     ) -> BoxFuture<'a, Result<Vec<SlotIndex>, ConsumeError>>;
     fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>>;
     fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>>;
+    fn shutdown(&self) -> BoxFuture<'_, ()>;
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8]));
     fn slots(&self) -> u32;
     fn slot_bytes(&self) -> usize;
@@ -68,6 +69,9 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     }
     fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>> {
         Box::pin(ChunkReader::snapshot(self))
+    }
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(ChunkReader::shutdown(self))
     }
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8])) {
         let memory = self.memory();
@@ -310,6 +314,12 @@ impl Receiver {
         self.runtime
             .block_on_for(timeout, self.reader.snapshot())
             .flatten()
+    }
+
+    /// Stops the receiver now (its sockets close), waiting at most `timeout` for the driver
+    /// to hear it; without it, the receiver stops once it and every lease are dropped.
+    pub fn shutdown(&self, timeout: Duration) {
+        let _ = self.runtime.block_on_for(timeout, self.reader.shutdown());
     }
 
     /// Slots in the buffer.

@@ -51,6 +51,7 @@ enum Cmd {
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     ExternalReady(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     Snapshot(oneshot::Sender<BufferSnapshot>),
+    Shutdown,
 }
 
 /// The receive buffer's accounting at one moment.
@@ -239,6 +240,12 @@ impl<M: SlotMemory> ChunkReader<M> {
         self.memory.inspect_slot(slot.0, len, f);
     }
 
+    /// Stops the receiver: its alloc channel and fabric listener close, and calls on any
+    /// reader fail as if the request were unknown. Also happens once every reader is gone.
+    pub async fn shutdown(&self) {
+        let _ = self.cmds.send(Cmd::Shutdown).await;
+    }
+
     /// The buffer's accounting now (for leak checks and monitoring).
     pub async fn snapshot(&self) -> Option<BufferSnapshot> {
         let (tx, rx) = oneshot::channel();
@@ -328,8 +335,8 @@ impl<E: Env> Driver<E> {
                             admission_queue_len: l.admission_queue_len(),
                         });
                     }
-                    // The decoder is gone: nobody will read what arrives.
-                    None => return,
+                    // The decoder is gone, or asked to stop: nobody will read what arrives.
+                    Some(Cmd::Shutdown) | None => return,
                 },
                 _ = sleep => {
                     let now = self.env.now();

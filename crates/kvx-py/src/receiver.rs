@@ -176,6 +176,21 @@ impl Receiver {
     fn buffer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.view.as_ref().map(|v| v.clone_ref(py))
     }
+
+    /// Stops the receiver: its ports close; leases still held can no longer be consumed
+    /// (their slots go with the receiver).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.shutdown(Duration::from_secs(5)));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
 }
 
 impl ReadLease {
