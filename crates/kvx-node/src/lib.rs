@@ -7,12 +7,15 @@
 //! the simulation.
 //!
 //! Map:
-//! - `sender`: `SenderNode` / `SenderHandle` — begin, a staging allocate that blocks (for
-//!   prefill threads) or awaits, stage bytes, submit, cancel, await the outcome. Inside:
+//! - `sender`: `SenderNode` / `SenderHandle` — begin (staging of kvx's or the caller's
+//!   memory: `start` / `start_in`), a staging allocate that blocks (for prefill threads) or
+//!   awaits and submits the caller's held batch when only it stands in the way, stage bytes,
+//!   submit, cancel, await the outcome or read every request's end (`completions`). Inside:
 //!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's)
 //!   and `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
-//! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side: await ready
-//!   requests; its clonable `ChunkReader` reads their chunks and consumes them.
+//! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side (a buffer of kvx's
+//!   or the caller's memory): await ready requests; its clonable `ChunkReader` reads their
+//!   chunks, consumes them, and can stop the receiver.
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 //! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
