@@ -9,12 +9,13 @@
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop).
-//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends) and
-//!   `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
+//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends).
+//! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
 
 pub mod choice;
 pub mod error;
+pub mod memory;
 pub mod proxy;
 pub mod receiver;
 pub mod runtime;
@@ -25,4 +26,5 @@ pub use error::EmbedError;
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use sender::{Memory, Sender, SenderSettings, StagingGuard};
+pub use memory::Memory;
+pub use sender::{Sender, SenderSettings, StagingGuard};

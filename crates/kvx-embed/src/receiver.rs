@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
 use crate::runtime::Runtime;
-use crate::sender::Memory;
+use crate::memory::Memory;
 use crate::EmbedError;
 
 /// What a receiver is started with.

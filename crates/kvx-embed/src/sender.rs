@@ -17,29 +17,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvx_io::{Env, ExternalRegion, SlotMemory};
+use kvx_io::{Env, SlotMemory};
 use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, StartError};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
 use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
+use crate::memory::Memory;
 use crate::runtime::Runtime;
 use crate::EmbedError;
-
-/// Where a sender's staging or a receiver's buffer lives.
-#[derive(Debug)]
-pub enum Memory {
-    /// kvx allocates `slots` slots of `slot_bytes` (the configuration's count): the only
-    /// choice a fabric that needs a shared mapping (shm) accepts.
-    Allocate {
-        /// Bytes per slot: one chunk.
-        slot_bytes: usize,
-    },
-    /// Memory the caller owns (a framework's pinned buffer, a Python object's memory),
-    /// kept alive by the region's owner until kvx lets go of it.
-    External(ExternalRegion),
-}
 
 /// What a sender is started with.
 #[derive(Debug)]
