@@ -15,7 +15,7 @@
 //! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
 //!   `NotifySink`, `NotifySource`, and `TransportError`.
 //! - `fabric`: `Fabric`, `SlotMemory`, `LocalMemory`, `FabricConn`, `FabricListener`, writes,
-//!   completions, landed notices, `FabricError`.
+//!   completions, landed notices; `fabric_error`: `FabricError`.
 //! - `region`: `SlotRegion` (memory split into slots, reached in place under a lock per
 //!   slot: the one place an address becomes bytes) and `ExternalRegion` (memory a caller
 //!   lends kvx).
@@ -36,6 +36,7 @@ pub mod access;
 pub mod checksum;
 pub mod env;
 pub mod fabric;
+pub mod fabric_error;
 pub mod log_limit;
 pub mod mem;
 pub mod region;

@@ -20,7 +20,7 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
-use crate::fabric::FabricError;
+use crate::fabric_error::FabricError;
 
 /// Alignment of the memory kvx allocates itself: a page, as a NIC registration or a
 /// `vmsplice` of whole pages prefers.
