@@ -23,8 +23,8 @@ pub mod sender;
 
 pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, TransportChoice};
 pub use error::EmbedError;
+pub use memory::Memory;
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use memory::Memory;
 pub use sender::{Sender, SenderSettings, StagingGuard};
