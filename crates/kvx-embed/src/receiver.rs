@@ -22,8 +22,8 @@ use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
-use crate::runtime::Runtime;
 use crate::memory::Memory;
+use crate::runtime::Runtime;
 use crate::EmbedError;
 
 /// What a receiver is started with.

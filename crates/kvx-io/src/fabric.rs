@@ -24,7 +24,6 @@ use crate::access::{FabricAccess, FabricCredential};
 pub use crate::fabric_error::FabricError;
 use crate::region::{ExternalRegion, SlotRegion};
 
-
 /// Registered memory, addressed by slot. Implementations choose where it lives (kvx's own
 /// allocation, a caller's region, a shared mapping, memory registered with a NIC); every
 /// access goes through the one in-place primitive, `with_slot`, from which reading,
