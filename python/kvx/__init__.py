@@ -26,6 +26,7 @@ from kvx._kvx import (
     __version__,
     configure,
 )
+from kvx.config import ReceiverConfig, SenderConfig
 
 __all__ = [
     "CancelledError",
@@ -35,9 +36,11 @@ __all__ = [
     "ProxyWait",
     "ReadLease",
     "Receiver",
+    "ReceiverConfig",
     "ReceiverLostError",
     "RefusedError",
     "Sender",
+    "SenderConfig",
     "StagingSlot",
     "StartError",
     "TimedOutError",
