@@ -42,11 +42,7 @@ impl Proxy {
         kv_ready_timeout: f64,
         standalone_tp_ranks: Option<u32>,
     ) -> PyResult<Self> {
-        let kv_ready_timeout = wait::seconds(Some(kv_ready_timeout))?
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                pyo3::exceptions::PyValueError::new_err("kv_ready_timeout must be positive")
-            })?;
+        let kv_ready_timeout = wait::positive_seconds(kv_ready_timeout, "kv_ready_timeout")?;
         let cfg = ProxyConfig {
             kv_ready_timeout,
             await_on_first_notice: standalone_tp_ranks,

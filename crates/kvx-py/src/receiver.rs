@@ -41,14 +41,6 @@ pub(crate) struct ReadLease {
     view: Option<Py<PyAny>>,
 }
 
-fn secs(d: f64, what: &str) -> PyResult<Duration> {
-    wait::seconds(Some(d))?
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            PyValueError::new_err(format!("{what} must be a positive number of seconds"))
-        })
-}
-
 #[pymethods]
 impl Receiver {
     #[new]
@@ -77,8 +69,8 @@ impl Receiver {
         let config = ReceiverConfig {
             buffer_slots: slots,
             peer_share_percent,
-            admission_timeout: secs(admission_timeout, "admission_timeout")?,
-            unconsumed_ttl: secs(unconsumed_ttl, "unconsumed_ttl")?,
+            admission_timeout: wait::positive_seconds(admission_timeout, "admission_timeout")?,
+            unconsumed_ttl: wait::positive_seconds(unconsumed_ttl, "unconsumed_ttl")?,
             require_checksums,
             ..ReceiverConfig::default()
         };
@@ -144,7 +136,7 @@ impl Receiver {
     /// ``admission_queue_len``.
     #[pyo3(signature = (timeout = 5.0))]
     fn snapshot<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
-        let timeout = secs(timeout, "timeout")?;
+        let timeout = wait::positive_seconds(timeout, "timeout")?;
         let snap = py
             .detach(|| self.inner.snapshot(timeout))
             .ok_or_else(|| errors::ReceiverLostError::new_err("the receiver did not answer"))?;
@@ -295,7 +287,7 @@ impl ReadLease {
     /// consumed already.
     #[pyo3(signature = (timeout = 10.0))]
     fn consume(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
-        let timeout = secs(timeout, "timeout")?;
+        let timeout = wait::positive_seconds(timeout, "timeout")?;
         let lease = self
             .lease
             .lock()

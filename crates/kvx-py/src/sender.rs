@@ -45,14 +45,6 @@ pub(crate) struct StagingSlot {
     view: Option<Py<PyAny>>,
 }
 
-fn secs(d: f64, what: &str) -> PyResult<Duration> {
-    wait::seconds(Some(d))?
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            PyValueError::new_err(format!("{what} must be a positive number of seconds"))
-        })
-}
-
 #[pymethods]
 impl Sender {
     #[new]
@@ -79,9 +71,9 @@ impl Sender {
         let (memory, view) = memory::choose(py, staging, slots, slot_bytes, own)?;
         let config = SenderConfig {
             staging_slots: slots,
-            staging_timeout: secs(staging_timeout, "staging_timeout")?,
-            reply_timeout: secs(reply_timeout, "reply_timeout")?,
-            write_timeout: secs(write_timeout, "write_timeout")?,
+            staging_timeout: wait::positive_seconds(staging_timeout, "staging_timeout")?,
+            reply_timeout: wait::positive_seconds(reply_timeout, "reply_timeout")?,
+            write_timeout: wait::positive_seconds(write_timeout, "write_timeout")?,
             checksums,
             notify_proxy_on_failure: true,
             ..SenderConfig::default()
@@ -114,7 +106,7 @@ impl Sender {
         fabric: String,
         timeout: f64,
     ) -> PyResult<u64> {
-        let timeout = secs(timeout, "timeout")?;
+        let timeout = wait::positive_seconds(timeout, "timeout")?;
         let addr = ReceiverAddr { alloc, fabric };
         let peer = py
             .detach(|| self.inner.add_receiver(addr, timeout))

@@ -43,3 +43,13 @@ pub(crate) fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
         ))),
     }
 }
+
+/// Seconds from Python that must be positive (a setting, not a wait): a `ValueError` naming
+/// `what` otherwise.
+pub(crate) fn positive_seconds(s: f64, what: &str) -> PyResult<Duration> {
+    seconds(Some(s))?.filter(|d| !d.is_zero()).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "{what} must be a positive number of seconds"
+        ))
+    })
+}
