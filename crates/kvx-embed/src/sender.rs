@@ -318,15 +318,29 @@ impl Sender {
                 .api
                 .allocate_blocking(req_id, &mut held.batch, left.min(STALL));
             drop(held);
-            match result {
-                Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
-                    self.submit_pending_if_they_hold_staging();
-                }
-                Err(SendError::StagingTimedOut(_)) => {
-                    return Err(SendError::StagingTimedOut(timeout))
-                }
-                other => return other.map(|slot| self.guard(req_id, slot)),
+            if let Some(done) = self.after_slice(req_id, result, left, timeout) {
+                return done;
             }
+        }
+    }
+
+    /// What one slice of an allocate call came to: `Some` when the call is over (a slot, an
+    /// error, or `timeout` spent); `None` after a stall, once the pending batches were
+    /// submitted if they hold the staging: try another slice.
+    fn after_slice(
+        &self,
+        req_id: &ReqId,
+        result: Result<StagingSlot, SendError>,
+        left: Duration,
+        timeout: Duration,
+    ) -> Option<Result<StagingGuard, SendError>> {
+        match result {
+            Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
+                self.submit_pending_if_they_hold_staging();
+                None
+            }
+            Err(SendError::StagingTimedOut(_)) => Some(Err(SendError::StagingTimedOut(timeout))),
+            other => Some(other.map(|slot| self.guard(req_id, slot))),
         }
     }
 
@@ -364,14 +378,8 @@ impl Sender {
                 .allocate(req_id, &mut held.batch, left.min(STALL))
                 .await;
             drop(held);
-            match result {
-                Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
-                    self.submit_pending_if_they_hold_staging();
-                }
-                Err(SendError::StagingTimedOut(_)) => {
-                    return Err(SendError::StagingTimedOut(timeout))
-                }
-                other => return other.map(|slot| self.guard(req_id, slot)),
+            if let Some(done) = self.after_slice(req_id, result, left, timeout) {
+                return done;
             }
         }
     }
