@@ -1,0 +1,381 @@
+//! A hand-written peer speaking the fabric wire (`docs/spec/fabrics.md`) straight to a
+//! receiver: what a fabric's own sender never sends, to show the receiver checks its bounds
+//! and grants itself.
+
+use super::*;
+
+/// The wire, as `docs/spec/fabrics.md` gives it, for hand-written peers.
+pub mod raw {
+    use super::*;
+
+    /// An attaching hello (version 2), with `credential`.
+    pub fn hello(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        credential: &FabricCredential,
+    ) -> Vec<u8> {
+        let mut b = hello_v1(magic, slots, slot_bytes);
+        b[4..6].copy_from_slice(&2u16.to_le_bytes());
+        b.extend_from_slice(&credential.to_bytes());
+        b.extend_from_slice(&[0u8; 8]);
+        b
+    }
+
+    /// A version-1 hello (32 bytes, no credential), as kvx spoke before credentials.
+    pub fn hello_v1(magic: &[u8; 4], slots: u32, slot_bytes: u64) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(magic);
+        b.extend_from_slice(&1u16.to_le_bytes()); // version
+        b.extend_from_slice(&0u16.to_le_bytes()); // kind: attach
+        b.extend_from_slice(&slots.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&slot_bytes.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // conn
+        b
+    }
+
+    /// A welcome as a receiver sends it.
+    pub fn welcome_bytes(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        conn: u64,
+        extra: &[u8],
+    ) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(magic);
+        b.extend_from_slice(&2u16.to_le_bytes()); // version
+        b.extend_from_slice(&0u16.to_le_bytes()); // status: ok
+        b.extend_from_slice(&slots.to_le_bytes());
+        b.extend_from_slice(&(extra.len() as u32).to_le_bytes());
+        b.extend_from_slice(&slot_bytes.to_le_bytes());
+        b.extend_from_slice(&conn.to_le_bytes());
+        b.extend_from_slice(extra);
+        b
+    }
+
+    pub fn header(id: u64, remote: u32, len: u64, imm: Option<u32>) -> Vec<u8> {
+        header_with_checksum(id, remote, len, imm, None)
+    }
+
+    /// A 40-byte write header, from staging slot 0 (which only `ShmFabric` reads).
+    pub fn header_with_checksum(
+        id: u64,
+        remote: u32,
+        len: u64,
+        imm: Option<u32>,
+        checksum: Option<u32>,
+    ) -> Vec<u8> {
+        let flags = u32::from(imm.is_some()) | (u32::from(checksum.is_some()) << 1);
+        let mut b = Vec::new();
+        b.extend_from_slice(&id.to_le_bytes());
+        b.extend_from_slice(&remote.to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(&imm.unwrap_or(0).to_le_bytes());
+        b.extend_from_slice(&checksum.unwrap_or(0).to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes()); // staging slot 0
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b
+    }
+
+    /// An attaching hello followed by `extra` (`ShmFabric`: the staging file's path).
+    pub fn hello_with(
+        magic: &[u8; 4],
+        slots: u32,
+        slot_bytes: u64,
+        credential: &FabricCredential,
+        extra: &[u8],
+    ) -> Vec<u8> {
+        let mut b = hello(magic, slots, slot_bytes, credential);
+        b[12..16].copy_from_slice(&(extra.len() as u32).to_le_bytes());
+        b.extend_from_slice(extra);
+        b
+    }
+
+    /// (status, slots, slot_bytes, extra)
+    pub async fn welcome(s: &mut TcpStream) -> (u16, u32, u64, Vec<u8>) {
+        let mut b = [0u8; 32];
+        step("welcome", s.read_exact(&mut b))
+            .await
+            .expect("welcome");
+        let status = u16::from_le_bytes([b[6], b[7]]);
+        let slots = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
+        let extra_len = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
+        let slot_bytes = u64::from_le_bytes(b[16..24].try_into().expect("8 bytes"));
+        let mut extra = vec![0u8; extra_len as usize];
+        step("welcome extra", s.read_exact(&mut extra))
+            .await
+            .expect("extra");
+        (status, slots, slot_bytes, extra)
+    }
+
+    /// (id, status)
+    pub async fn ack(s: &mut TcpStream) -> (u64, u32) {
+        let mut b = [0u8; 16];
+        step("ack", s.read_exact(&mut b)).await.expect("ack");
+        (
+            u64::from_le_bytes(b[0..8].try_into().expect("8 bytes")),
+            u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+        )
+    }
+}
+
+/// How a hand-written peer delivers a write's bytes.
+pub enum Raw<'a> {
+    /// TCP: they follow the header on the socket.
+    Inline,
+    /// Shared memory: they are in the peer's staging (slot 0), whose file the hello names.
+    Staged {
+        path: &'a [u8],
+        memory: &'a dyn SlotMemory,
+    },
+}
+
+impl Raw<'_> {
+    fn inline(&self) -> bool {
+        matches!(self, Raw::Inline)
+    }
+
+    fn hello(&self, magic: &[u8; 4], slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
+        match self {
+            Raw::Inline => raw::hello(magic, 1, slot_bytes, credential),
+            Raw::Staged { path, memory } => {
+                raw::hello_with(magic, memory.slots(), slot_bytes, credential, path)
+            }
+        }
+    }
+
+    /// `header`, with `bytes` after it (inline) or put in staging slot 0 first (staged).
+    fn write(&self, header: Vec<u8>, bytes: &[u8]) -> Vec<u8> {
+        let mut out = header;
+        match self {
+            Raw::Inline => out.extend_from_slice(bytes),
+            Raw::Staged { memory, .. } if !bytes.is_empty() => memory.write_slot(0, bytes),
+            Raw::Staged { .. } => {}
+        }
+        out
+    }
+}
+
+/// A hand-written sender checks the receiver's own bounds (a fabric sender checks first and
+/// never sends such writes): an out-of-bounds write is acked as refused and announces
+/// nothing, the next write lands, and an absurd length drops only that connection (inline)
+/// or is refused (staged).
+pub async fn receiver_checks_bounds<F: Fabric>(
+    f: &F,
+    endpoint: &str,
+    magic: &[u8; 4],
+    raw: Raw<'_>,
+) {
+    let mut listener = f.expose(endpoint, 2, 1024).await.expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let me = PeerId(9);
+    listener.access.grant(1, me, 3);
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    let credential = listener.access.credential_for(me);
+    s.write_all(&raw.hello(magic, 1024, &credential))
+        .await
+        .expect("hello");
+    let (status, slots, slot_bytes, _) = raw::welcome(&mut s).await;
+    assert_eq!((status, slots, slot_bytes), (0, 2, 1024));
+
+    let payload = pattern(7, 1024);
+    let mut out = raw.write(raw::header(1, 2, 1024, imm(2, 3)), &payload);
+    out.extend(raw.write(raw::header(2, 1, 1024, imm(1, 3)), &payload));
+    s.write_all(&out).await.expect("writes");
+    assert_eq!(raw::ack(&mut s).await, (1, 1), "out of bounds: refused");
+    assert_eq!(raw::ack(&mut s).await, (2, 0), "in bounds: landed");
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!(
+        (l.peer, l.slot),
+        (me, SlotIndex(1)),
+        "only the landed write is announced"
+    );
+    let mut got = vec![0u8; 1024];
+    listener.memory.read_slot(1, &mut got);
+    assert!(got == payload, "the payload landed whole");
+
+    // A length no slot can hold: the receiver hangs up on this sender (inline) or refuses
+    // the write (staged, where nothing follows the header).
+    s.write_all(&raw::header(3, 0, 1 << 40, imm(0, 1)))
+        .await
+        .expect("bad header");
+    let mut b = [0u8; 16];
+    let r = step("answer to an absurd write", s.read(&mut b)).await;
+    if raw.inline() {
+        assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
+    } else {
+        assert_eq!(r.expect("ack"), 16);
+        assert_eq!(u32::from_le_bytes(b[8..12].try_into().expect("4")), 1);
+    }
+    // Junk instead of a hello: dropped without an answer.
+    let mut junk = TcpStream::connect(&ep).await.expect("junk connect");
+    junk.write_all(&[0xFF; 64]).await.expect("junk");
+    let r = step("answer to junk", junk.read(&mut b)).await;
+    assert!(matches!(r, Ok(0) | Err(_)), "junk dropped: {r:?}");
+
+    // The buffer still serves fabric senders.
+    let staging = f.allocate_staging(1, 1024).expect("staging");
+    let bytes = pattern(8, 1024);
+    staging.write_slot(0, &bytes);
+    let mut conn = step("connect", f.connect(&ep, staging, credential))
+        .await
+        .expect("connect");
+    conn.post(granted(&listener.access, me, 5, 0, 0, 4, &bytes))
+        .expect("post");
+    assert_eq!(completion(&mut conn, "completion").await.result, Ok(()));
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!(l.slot, SlotIndex(0));
+    listener.memory.read_slot(0, &mut got);
+    assert!(got == bytes);
+}
+
+/// Hand-written peers attack the grants (the defects a hostile review found: a peer that
+/// merely reached the port could announce another request's chunks as landed with an empty
+/// write, or overwrite another sender's slots with full ones). Each attempt must be refused
+/// (ack status 2), change no byte and announce nothing, while the grant holder's own write
+/// lands; a hello without a credential this buffer issued gets no welcome and no writes.
+pub async fn receiver_checks_grants<F: Fabric>(
+    f: &F,
+    endpoint: &str,
+    magic: &[u8; 4],
+    raw: Raw<'_>,
+) {
+    const BYTES: usize = 1024;
+    let mut listener = f.expose(endpoint, 4, BYTES).await.expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let (victim, attacker) = (PeerId(1), PeerId(2));
+    listener.access.grant(0, victim, 7);
+    listener.access.grant(1, attacker, 7);
+
+    // Unauthenticated: a made-up credential, and the old credential-less hello.
+    for (what, hello) in [
+        (
+            "a credential this buffer did not issue",
+            raw.hello(
+                magic,
+                BYTES as u64,
+                &FabricAccess::new(1, [3; 16]).credential_for(victim),
+            ),
+        ),
+        ("a version-1 hello", raw::hello_v1(magic, 1, BYTES as u64)),
+    ] {
+        let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+        s.write_all(&hello).await.expect("hello");
+        let mut b = [0u8; 32];
+        step("welcome", s.read_exact(&mut b)).await.expect(what);
+        let status = u16::from_le_bytes([b[6], b[7]]);
+        let extra_len = u32::from_le_bytes(b[12..16].try_into().expect("4"));
+        assert!(
+            status == 4 || status == 1,
+            "{what}: refused (status {status})"
+        );
+        assert_eq!(extra_len, 0, "{what}: nothing more for a refused sender");
+        let r = step("close", s.read(&mut b)).await;
+        assert!(matches!(r, Ok(0) | Err(_)), "{what}: then closed: {r:?}");
+    }
+
+    // Authenticated as itself, the attacker names the victim's grant.
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    let credential = listener.access.credential_for(attacker);
+    s.write_all(&raw.hello(magic, BYTES as u64, &credential))
+        .await
+        .expect("hello");
+    assert_eq!(raw::welcome(&mut s).await.0, 0);
+    let junk = vec![0xEEu8; BYTES];
+    let attempts: Vec<(&str, Vec<u8>, bool)> = vec![
+        // Defect 1: an empty write naming the victim's slot and generation.
+        (
+            "a forged empty landing",
+            raw::header(1, 0, 0, imm(0, 7)),
+            false,
+        ),
+        // Defect 2: a full write into the victim's slot under the victim's grant.
+        (
+            "an overwrite of another peer's slot",
+            raw::header(2, 0, BYTES as u64, imm(0, 7)),
+            true,
+        ),
+        // Its own slot, but naming the victim's.
+        (
+            "an immediate naming another slot",
+            raw::header(3, 1, BYTES as u64, imm(0, 7)),
+            true,
+        ),
+        // Its own slot under a generation it does not hold.
+        (
+            "a stale generation",
+            raw::header(4, 1, BYTES as u64, imm(1, 6)),
+            true,
+        ),
+        // No immediate at all.
+        (
+            "a write naming no grant",
+            raw::header(5, 1, BYTES as u64, None),
+            true,
+        ),
+    ];
+    for (i, (what, header, payload)) in attempts.into_iter().enumerate() {
+        let out = raw.write(header, if payload { &junk } else { &[] });
+        s.write_all(&out).await.expect(what);
+        assert_eq!(raw::ack(&mut s).await, (i as u64 + 1, 2), "{what}: refused");
+    }
+    // The attacker's own grant works once (its write carries a checksum; it matches).
+    let own = pattern(5, BYTES);
+    let header = raw::header_with_checksum(
+        6,
+        1,
+        BYTES as u64,
+        imm(1, 7),
+        Some(kvx_io::chunk_checksum(&own)),
+    );
+    s.write_all(&raw.write(header, &own))
+        .await
+        .expect("own write");
+    assert_eq!(raw::ack(&mut s).await, (6, 0), "its own grant");
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!(
+        (l.peer, l.slot),
+        (attacker, SlotIndex(1)),
+        "the only notice is the attacker's write into its own slot"
+    );
+    // A second write under the same grant is refused.
+    let out = raw.write(raw::header(7, 1, BYTES as u64, imm(1, 7)), &own);
+    s.write_all(&out).await.expect("second write");
+    assert_eq!(raw::ack(&mut s).await, (7, 2), "a grant admits one write");
+
+    // The victim's slot is untouched, nothing else was announced, and the victim's own
+    // write lands.
+    let mut got = vec![0u8; BYTES];
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "no byte of the victim's slot changed"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), listener.landed.recv())
+            .await
+            .is_err(),
+        "no refused write is announced"
+    );
+    assert!(listener.access.refused() >= 6, "refusals are counted");
+    let staging = f.allocate_staging(1, BYTES).expect("staging");
+    let mine = pattern(1, BYTES);
+    staging.write_slot(0, &mine);
+    let mut conn = step(
+        "connect",
+        f.connect(&ep, staging, listener.access.credential_for(victim)),
+    )
+    .await
+    .expect("connect");
+    conn.post(granted(&listener.access, victim, 1, 0, 0, 7, &mine))
+        .expect("post");
+    assert_eq!(completion(&mut conn, "victim's write").await.result, Ok(()));
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!((l.peer, l.slot), (victim, SlotIndex(0)));
+    assert_eq!(l.checksum, kvx_io::ChecksumCheck::Match);
+    listener.memory.read_slot(0, &mut got);
+    assert!(got == mine);
+}
