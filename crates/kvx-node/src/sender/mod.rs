@@ -142,7 +142,8 @@ impl SenderNode {
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        SenderFlow::new(cfg.clone())?;
+        // Refused before any memory is allocated or taken.
+        cfg.validate()?;
         let memory = env
             .fabric()
             .allocate_staging(cfg.staging_slots, chunk_bytes)?;
@@ -169,7 +170,8 @@ impl SenderNode {
                 cfg.staging_slots
             )));
         }
-        SenderFlow::new(cfg.clone())?;
+        // Refused before any memory is allocated or taken.
+        cfg.validate()?;
         let memory = env.fabric().staging_in(staging)?;
         Self::start_over(env, cfg, memory, local_id, proxy).await
     }
