@@ -176,15 +176,25 @@ impl Sender {
             Some(t) => t,
             None => self.inner.staging_timeout(),
         };
-        let got = wait::interruptibly(py, Some(limit), |slice| {
-            match self
-                .inner
-                .allocate(&id, Some(slice.max(Duration::from_millis(1))))
-            {
-                Err(SendError::StagingTimedOut(_)) => None,
-                other => Some(other),
-            }
-        })?;
+        // The common case first, with the GIL held: a free slot is taken under the sender's
+        // lock in well under a microsecond, and releasing the GIL for it would hand the GIL
+        // to another thread and queue this one behind it.
+        let first = match self.inner.allocate(&id, Some(Duration::ZERO)) {
+            Err(SendError::StagingTimedOut(_)) => None,
+            other => Some(other),
+        };
+        let got = match first {
+            Some(done) => Some(done),
+            None => wait::interruptibly(py, Some(limit), |slice| {
+                match self
+                    .inner
+                    .allocate(&id, Some(slice.max(Duration::from_millis(1))))
+                {
+                    Err(SendError::StagingTimedOut(_)) => None,
+                    other => Some(other),
+                }
+            })?,
+        };
         let guard = match got {
             Some(Ok(guard)) => guard,
             Some(Err(e)) => return Err(errors::send_error(&e)),
@@ -220,9 +230,10 @@ impl Sender {
     /// Submits ``req_id``'s added chunks as one batch; ``last=True`` ends the request (its
     /// declared chunks must all be in by then).
     #[pyo3(signature = (req_id, *, last = false))]
-    fn submit(&self, py: Python<'_>, req_id: String, last: bool) -> PyResult<()> {
-        let id = ReqId(req_id);
-        py.detach(|| self.inner.submit(&id, last))
+    fn submit(&self, req_id: String, last: bool) -> PyResult<()> {
+        // Never waits (the batch is queued for the sender's task): the GIL stays held.
+        self.inner
+            .submit(&ReqId(req_id), last)
             .map_err(|e| errors::send_error(&e))
     }
 
