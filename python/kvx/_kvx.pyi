@@ -183,6 +183,19 @@ class ReadLease:
     def slots(self) -> List[int]: ...
     @property
     def keys(self) -> List[str]: ...
+    @property
+    def shape(self) -> List[int]:
+        """The shape of one full chunk, as the sender described it."""
+    @property
+    def dtype(self) -> str:
+        """The chunks' torch dtype name, as the sender described it."""
+    @property
+    def fmt(self) -> int:
+        """The chunks' LMCache MemoryFormat value (KV_2LTD = 1)."""
+    @property
+    def tokens(self) -> List[Optional[int]]:
+        """Each chunk's token count where its batch named it (a batch's last chunk), None
+        for a full chunk of ``shape``."""
     def views(self) -> List[memoryview]:
         """Each chunk's slot as a memoryview into the buffer itself, valid until consume."""
     def read(self, chunk: int, nbytes: Optional[int] = None) -> bytes:

@@ -203,3 +203,25 @@ def test_misuse_and_bad_input_say_what_is_wrong():
     slot = tx.allocate("m", timeout=WAIT)
     with pytest.raises(kvx.MisuseError, match="declared chunks"):
         tx.allocate("m", timeout=WAIT)
+
+
+def test_the_decoder_sees_the_layout_and_token_counts_the_sender_gave():
+    """The chunks' shape, dtype and format reach the decoder, and so does the token count of
+    each batch's last chunk (a partial last chunk is viewed with its true length)."""
+    tx, rx, peer, _, _ = make_pair()
+    tx.begin("lay", receiver=peer, total_chunks=3, shape=[2, 4, 16, 8], dtype="float16", fmt=1)
+    assert tx.wait_admitted("lay", timeout=WAIT)
+    for chunk, tokens in ((0, 16), (1, 16)):
+        slot = tx.allocate("lay", timeout=WAIT)
+        tx.add(slot, f"lay@{chunk}", tokens=tokens)
+    tx.submit("lay")
+    slot = tx.allocate("lay", timeout=WAIT)
+    tx.add(slot, "lay@2", nbytes=100, tokens=5)
+    tx.submit("lay", last=True)
+    (lease,) = rx.next_ready(max=1, timeout=WAIT)
+    with lease:
+        assert (lease.shape, lease.dtype, lease.fmt) == ([2, 4, 16, 8], "float16", 1)
+        assert lease.tokens == [None, 16, 5]
+    tx.wait_outcome("lay", timeout=WAIT)
+    tx.close()
+    rx.close()

@@ -17,7 +17,7 @@ use kvx_io::{Env, SlotMemory};
 use kvx_node::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverNode, ReceiverNotice, StartError,
 };
-use kvx_proto::receiver::ConsumeError;
+use kvx_proto::receiver::{ChunkLayout, ConsumeError};
 use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 use tokio::sync::mpsc;
 
@@ -184,6 +184,17 @@ impl ReadLease {
     /// The sender's cache key of each chunk, parallel to `slots`.
     pub fn chunk_keys(&self) -> &[String] {
         &self.ready.keys
+    }
+
+    /// How its chunks are laid out (fmt, full-chunk shape, dtype), as its sender said.
+    pub fn layout(&self) -> &ChunkLayout {
+        &self.ready.layout
+    }
+
+    /// Each chunk's token count where its batch named it (a batch's last chunk), `None` for
+    /// a full chunk of `layout().shape`; parallel to `slots`.
+    pub fn chunk_tokens(&self) -> &[Option<u64>] {
+        &self.ready.tokens
     }
 
     /// Runs `f` on chunk `chunk`'s slot (all of it) in place. Panics when `chunk` is out of

@@ -8,7 +8,7 @@ use kvx_io::{
     ControlServer, Env, ExternalRegion, Fabric, FabricListener, LogLimiter, SlotMemory, Transport,
 };
 use kvx_proto::receiver::{
-    ConsumeError, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
+    ChunkLayout, ConsumeError, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
 };
 use kvx_proto::wire::{self, AllocResponse, Message};
 use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
@@ -26,6 +26,11 @@ pub struct ReadyRequest {
     pub slots: Vec<SlotIndex>,
     /// The sender's cache key of each chunk, parallel to `slots`.
     pub keys: Vec<String>,
+    /// How its chunks are laid out (its first batch's fmt, shape and dtype).
+    pub layout: ChunkLayout,
+    /// Each chunk's token count where its batch named it, `None` for a full chunk
+    /// (`ReceiverEvent::Ready`).
+    pub tokens: Vec<Option<u64>>,
 }
 
 /// What the decoder hears.
@@ -414,9 +419,19 @@ impl<E: Env> Driver<E> {
                     metrics::histogram!(m::ADMISSION_WAIT_SECONDS, "receiver" => self.label.clone()).record(waited.as_secs_f64());
                     continue;
                 }
-                ReceiverEvent::Ready { key, slots, keys } => {
-                    ReceiverNotice::Ready(ReadyRequest { key, slots, keys })
-                }
+                ReceiverEvent::Ready {
+                    key,
+                    slots,
+                    keys,
+                    layout,
+                    tokens,
+                } => ReceiverNotice::Ready(ReadyRequest {
+                    key,
+                    slots,
+                    keys,
+                    layout,
+                    tokens,
+                }),
                 ReceiverEvent::Ended { key, outcome } => {
                     match &outcome {
                         Outcome::Consumed => {

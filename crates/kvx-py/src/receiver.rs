@@ -4,6 +4,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvx_embed::{ReadLease as Lease, ReceiverSettings};
+use kvx_proto::receiver::ChunkLayout;
 use kvx_proto::ReceiverConfig;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -37,6 +38,8 @@ pub(crate) struct ReadLease {
     req_id: String,
     slots: Vec<u32>,
     keys: Vec<String>,
+    layout: ChunkLayout,
+    tokens: Vec<Option<u64>>,
     slot_bytes: usize,
     view: Option<Py<PyAny>>,
 }
@@ -124,6 +127,8 @@ impl Receiver {
                 req_id: lease.key().req_id.0.clone(),
                 slots: lease.slots().iter().map(|s| s.0).collect(),
                 keys: lease.chunk_keys().to_vec(),
+                layout: lease.layout().clone(),
+                tokens: lease.chunk_tokens().to_vec(),
                 slot_bytes,
                 view: self.view.as_ref().map(|v| v.clone_ref(py)),
                 lease: Mutex::new(Some(lease)),
@@ -246,6 +251,33 @@ impl ReadLease {
     #[getter]
     fn keys(&self) -> Vec<String> {
         self.keys.clone()
+    }
+
+    /// The shape of one full chunk, as the sender described it (LMCache: ``[2, layers,
+    /// tokens, head_size]``).
+    #[getter]
+    fn shape(&self) -> Vec<u64> {
+        self.layout.shape.clone()
+    }
+
+    /// The chunks' torch dtype name, as the sender described it (e.g. ``"bfloat16"``).
+    #[getter]
+    fn dtype(&self) -> &str {
+        &self.layout.dtype
+    }
+
+    /// The chunks' LMCache ``MemoryFormat`` value (``KV_2LTD`` = 1).
+    #[getter]
+    fn fmt(&self) -> u32 {
+        self.layout.fmt
+    }
+
+    /// Each chunk's token count where its batch named it (the last chunk of each batch:
+    /// LMCache's ``last_chunk_toks``), None for a full chunk of ``shape``; parallel to
+    /// ``slots``.
+    #[getter]
+    fn tokens(&self) -> Vec<Option<u64>> {
+        self.tokens.clone()
     }
 
     /// Each chunk's slot as a ``memoryview`` into the buffer itself (zero-copy), in chunk

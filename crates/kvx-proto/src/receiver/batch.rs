@@ -6,7 +6,7 @@
 //! batch after the last, or a batch while the first still waits is a protocol violation
 //! that rolls back everything the request holds.
 
-use super::{Failure, Outcome, Phase, ReceiverLedger, Request};
+use super::{ChunkLayout, Failure, Outcome, Phase, ReceiverLedger, Request};
 
 /// A chunk's shape has a handful of dimensions (LMCache: `[2, layers, tokens, dim]`).
 const SHAPE_DIMS_MAX: usize = 16;
@@ -137,6 +137,8 @@ impl ReceiverLedger {
             phase,
             slots: Vec::new(),
             keys: Vec::new(),
+            tokens: Vec::new(),
+            layout: ChunkLayout::default(),
             landed: 0,
             notices: msg.seq.is_some(),
             arrived: now,
@@ -193,7 +195,15 @@ impl ReceiverLedger {
         let ticket = req.ticket;
         let mut indexes = Vec::with_capacity(msg.keys.len());
         let mut generations = Vec::with_capacity(msg.keys.len());
-        for chunk_key in msg.keys {
+        if req.keys.is_empty() {
+            req.layout = ChunkLayout {
+                fmt: msg.fmt,
+                shape: msg.shape.clone(),
+                dtype: msg.dtype.clone(),
+            };
+        }
+        let last = msg.keys.len().saturating_sub(1);
+        for (i, chunk_key) in msg.keys.into_iter().enumerate() {
             // Admission guarantees a free slot for every reserved chunk (quarantined and
             // held slots are counted against capacity), so this cannot fail.
             let tag = self
@@ -204,6 +214,7 @@ impl ReceiverLedger {
             generations.push(tag.generation);
             req.slots.push(tag);
             req.keys.push(chunk_key);
+            req.tokens.push((i == last).then_some(msg.last_chunk_toks));
         }
         if msg.is_last_batch {
             req.phase = Phase::Complete;

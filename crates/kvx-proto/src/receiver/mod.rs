@@ -51,6 +51,11 @@ pub enum ReceiverEvent {
         slots: Vec<SlotIndex>,
         /// The sender's cache key of each chunk, parallel to `slots`.
         keys: Vec<String>,
+        /// How its chunks are laid out, as its first batch said.
+        layout: ChunkLayout,
+        /// Each chunk's token count where a batch named it (its last chunk, LMCache's
+        /// `last_chunk_toks`), parallel to `slots`; `None`: a full chunk of `layout.shape`.
+        tokens: Vec<Option<u64>>,
     },
     /// The request ended; exactly one per request that was ever tracked or refused.
     Ended {
@@ -59,6 +64,20 @@ pub enum ReceiverEvent {
         /// Consumed, or why it failed.
         outcome: Outcome,
     },
+}
+
+/// How a request's chunks are laid out, as its first batch described them: what a decoder
+/// needs to view a slot's bytes as the tensor the sender staged (LMCache's `MemoryFormat`
+/// value, the shape of one full chunk, and the torch dtype name). kvx moves the bytes
+/// without reading them; it only passes this on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChunkLayout {
+    /// LMCache `MemoryFormat` value (`KV_2LTD` = 1).
+    pub fmt: u32,
+    /// Shape of one full chunk.
+    pub shape: Vec<u64>,
+    /// torch dtype name.
+    pub dtype: String,
 }
 
 /// Why `handle_consume` was refused.
@@ -117,6 +136,10 @@ pub(crate) struct Request {
     pub phase: Phase,
     pub slots: Vec<WriteTag>,
     pub keys: Vec<String>,
+    /// Parallel to `keys`: the token count a batch named for its last chunk.
+    pub tokens: Vec<Option<u64>>,
+    /// From the first batch.
+    pub layout: ChunkLayout,
     pub landed: u32,
     /// A kvx sender tells of each landed write; an LMCache sender does not, so its
     /// requests are ready only when the application says so (`handle_external_ready`).
@@ -502,6 +525,8 @@ impl ReceiverLedger {
             key: key.clone(),
             slots: req.slots.iter().map(|t| t.slot).collect(),
             keys: req.keys.clone(),
+            layout: req.layout.clone(),
+            tokens: req.tokens.clone(),
         };
         self.events.push_back(event);
         self.set_timer(key, now + self.cfg.unconsumed_ttl);

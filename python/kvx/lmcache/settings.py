@@ -1,0 +1,208 @@
+"""What a kvx PD backend takes from an LMCache configuration: LMCache's own ``pd_*`` keys
+(read as LMCache reads them, per TP rank) and kvx's settings under ``extra_config``
+(``kvx_*`` keys). Every refusal names the key and says what to set instead."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger("kvx.lmcache")
+
+#: A finite bound for waits that LMCache leaves unbounded (``pd_allocation_timeout_sec``
+#: defaults to infinity): a staging or admission wait that never ends is a hang.
+DEFAULT_ALLOCATION_TIMEOUT_SEC = 60.0
+
+#: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
+KVX_EXTRA_KEYS: Dict[str, tuple] = {
+    "kvx_fabric": (str, "tcp", "how chunk bytes move: tcp (any host) or shm (one host)"),
+    "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
+    "kvx_reply_timeout_sec": (float, 10.0, "sender: how long a receiver may take to answer"),
+    "kvx_write_timeout_sec": (float, 10.0, "sender: how long one chunk write may take"),
+    "kvx_connect_timeout_sec": (float, 10.0, "sender: how long connecting to a receiver may take"),
+    "kvx_unconsumed_ttl_sec": (
+        float,
+        300.0,
+        "receiver: how long a delivered request may wait for the decoder before its slots "
+        "are reclaimed",
+    ),
+    "kvx_peer_share_percent": (
+        int,
+        100,
+        "receiver: the most of the buffer one sender may hold, in percent (xPyD fairness)",
+    ),
+    "kvx_get_wait_sec": (
+        float,
+        5.0,
+        "receiver: how long get_blocking waits for a key whose request is still arriving",
+    ),
+}
+
+
+class ConfigError(ValueError):
+    """An LMCache configuration that kvx's PD backend cannot run with; the message names the
+    key."""
+
+
+@dataclass
+class KvxPDSettings:
+    """The settings of one TP rank's backend. ``role`` is what LMCache's ``StorageManager``
+    reads (as ``backend.pd_config.role``)."""
+
+    role: str
+    tp_rank: int
+    chunk_bytes: int
+    slots: int
+    allocation_timeout_sec: float
+    # Receiver: where it listens.
+    peer_host: Optional[str] = None
+    peer_init_port: Optional[int] = None
+    peer_alloc_port: Optional[int] = None
+    # Sender: where ProxyNotif goes, and its identity.
+    proxy_host: Optional[str] = None
+    proxy_port: Optional[int] = None
+    local_id: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alloc_endpoint(self) -> str:
+        return f"tcp://{self.peer_host}:{self.peer_alloc_port}"
+
+    @property
+    def fabric_endpoint(self) -> str:
+        return f"tcp://{self.peer_host}:{self.peer_init_port}"
+
+    @property
+    def proxy_endpoint(self) -> Optional[str]:
+        if self.proxy_host is None or self.proxy_port is None:
+            return None
+        return f"tcp://{self.proxy_host}:{self.proxy_port}"
+
+
+def _port_for_rank(config: Any, key: str, tp_rank: int, required: bool) -> Optional[int]:
+    ports = getattr(config, key, None)
+    if ports is None:
+        if required:
+            raise ConfigError(f"{key} is required (a list with one port per TP rank)")
+        return None
+    if isinstance(ports, int):
+        ports = [ports]
+    if tp_rank >= len(ports):
+        raise ConfigError(
+            f"{key} has {len(ports)} port(s) but this worker is TP rank {tp_rank}: give one "
+            "port per TP rank"
+        )
+    return int(ports[tp_rank])
+
+
+def _extra(config: Any) -> Dict[str, Any]:
+    given = dict(getattr(config, "extra_config", None) or {})
+    unknown = sorted(k for k in given if k.startswith("kvx_") and k not in KVX_EXTRA_KEYS)
+    if unknown:
+        known = ", ".join(sorted(KVX_EXTRA_KEYS))
+        raise ConfigError(f"unknown kvx setting(s) in extra_config: {', '.join(unknown)} "
+                          f"(known: {known})")
+    out: Dict[str, Any] = {}
+    for name, (kind, default, _) in KVX_EXTRA_KEYS.items():
+        value = given.get(name, default)
+        try:
+            if kind is bool and isinstance(value, str):
+                value = value.strip().lower() in ("1", "true", "yes", "on")
+            value = kind(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"extra_config {name}={value!r}: expected {kind.__name__}") from e
+        out[name] = value
+    if out["kvx_fabric"] not in ("tcp", "shm"):
+        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp or shm")
+    for name, value in out.items():
+        if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")
+    if not 1 <= out["kvx_peer_share_percent"] <= 100:
+        raise ConfigError("extra_config kvx_peer_share_percent: 1..100")
+    return out
+
+
+def settings_from(config: Any, metadata: Any, chunk_bytes: int, chunk_tokens: int) -> KvxPDSettings:
+    """Reads and checks the configuration of the backend of TP rank ``metadata.worker_id``.
+    ``chunk_bytes`` is the size of one full chunk and ``chunk_tokens`` its token count."""
+    role = getattr(config, "pd_role", None)
+    if role not in ("sender", "receiver"):
+        raise ConfigError(f"pd_role={role!r}: kvx's PD backend is a sender or a receiver")
+    mode = getattr(config, "pd_backend_mode", "async")
+    if mode != "async":
+        raise ConfigError(f"pd_backend_mode={mode!r}: kvx replaces the async backend; set async")
+    for unsupported in ("pd_bidirectional", "pd_skip_proxy_notification"):
+        if getattr(config, unsupported, False):
+            raise ConfigError(f"{unsupported}: not supported by kvx's PD backend; remove it")
+    device = str(getattr(config, "pd_buffer_device", None) or "cpu")
+    if device != "cpu":
+        raise ConfigError(
+            f"pd_buffer_device={device!r}: kvx's Python backend moves chunks through host "
+            "memory (TCP or shared-memory fabric), which cannot reach GPU memory. Set "
+            "pd_buffer_device: cpu (LMCache then copies KV between the GPU and the buffer), "
+            "or run kvx's RDMA fabric on a NIC with GPUDirect (docs/operations.md)"
+        )
+    size = getattr(config, "pd_buffer_size", None)
+    if size is None or int(size) <= 0:
+        raise ConfigError("pd_buffer_size is required: the buffer's size in bytes")
+    slots = int(size) // chunk_bytes
+    if slots == 0:
+        raise ConfigError(
+            f"pd_buffer_size={size} is smaller than one chunk ({chunk_bytes} bytes): give at "
+            f"least {chunk_bytes}"
+        )
+    if slots > 2**31:
+        raise ConfigError(f"pd_buffer_size={size}: more than 2^31 chunks")
+    max_prefill = int(getattr(config, "pd_max_prefill_len", 0) or 0)
+    if max_prefill > 0 and slots * chunk_tokens < max_prefill:
+        raise ConfigError(
+            f"pd_buffer_size={size} holds {slots} chunks of {chunk_tokens} tokens "
+            f"({slots * chunk_tokens} tokens), fewer than pd_max_prefill_len={max_prefill}: "
+            f"give pd_buffer_size at least {math.ceil(max_prefill / chunk_tokens) * chunk_bytes}"
+        )
+    timeout = float(getattr(config, "pd_allocation_timeout_sec", math.inf) or math.inf)
+    if timeout <= 0:
+        raise ConfigError(f"pd_allocation_timeout_sec={timeout}: a positive number of seconds")
+    if not math.isfinite(timeout):
+        logger.info(
+            "kvx: pd_allocation_timeout_sec is unbounded; staging and admission waits end "
+            "after %.0f s instead", DEFAULT_ALLOCATION_TIMEOUT_SEC,
+        )
+        timeout = DEFAULT_ALLOCATION_TIMEOUT_SEC
+    tp_rank = int(getattr(metadata, "worker_id", 0))
+    settings = KvxPDSettings(
+        role=role,
+        tp_rank=tp_rank,
+        chunk_bytes=chunk_bytes,
+        slots=slots,
+        allocation_timeout_sec=timeout,
+        extra=_extra(config),
+    )
+    if role == "receiver":
+        settings.peer_host = getattr(config, "pd_peer_host", None)
+        if not settings.peer_host:
+            raise ConfigError("pd_peer_host is required on the receiver: the address it listens on")
+        settings.peer_init_port = _port_for_rank(config, "pd_peer_init_port", tp_rank, True)
+        settings.peer_alloc_port = _port_for_rank(config, "pd_peer_alloc_port", tp_rank, True)
+    else:
+        settings.proxy_host = getattr(config, "pd_proxy_host", None)
+        settings.proxy_port = getattr(config, "pd_proxy_port", None)
+        if settings.proxy_host is None or settings.proxy_port is None:
+            raise ConfigError("pd_proxy_host and pd_proxy_port are required on the sender")
+        host = getattr(config, "pd_peer_host", None)
+        init = _port_for_rank(config, "pd_peer_init_port", tp_rank, False)
+        # LMCache's identity rule: host+port when the sender has one, else unique per process.
+        settings.local_id = (
+            f"{host}{init}" if host and init is not None
+            else f"sender-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+    return settings
+
+
+def describe_extra_keys() -> List[str]:
+    """One line per kvx setting: name, default, meaning (for docs and errors)."""
+    return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in KVX_EXTRA_KEYS.items()]
