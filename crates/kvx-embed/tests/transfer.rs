@@ -304,3 +304,49 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
     }
     assert_eq!(read, ids.len());
 }
+
+#[test]
+fn concurrent_first_connects_to_one_receiver_all_wait_for_its_channel() {
+    // Several threads reach a receiver for the first time at once (an LMCache worker's
+    // first stores): every one must get the receiver's id only once its channel exists, or
+    // a request begun at once would have its admission probe dropped.
+    let p = pair(4, 2);
+    let (region, _buffer) = lend(8);
+    let second = Receiver::start(
+        &p.rt,
+        ReceiverSettings {
+            env: EnvChoice::zmq_tcp(),
+            config: ReceiverConfig {
+                buffer_slots: 8,
+                peer_share_percent: 100,
+                ..ReceiverConfig::default()
+            },
+            buffer: Memory::External(region),
+            alloc_endpoint: "tcp://127.0.0.1:0".into(),
+            fabric_endpoint: "tcp://127.0.0.1:0".into(),
+        },
+    )
+    .expect("receiver starts");
+    let addr = ReceiverAddr {
+        alloc: second.alloc_endpoint().to_owned(),
+        fabric: second.fabric_endpoint().to_owned(),
+    };
+    std::thread::scope(|scope| {
+        let joins: Vec<_> = (0..4)
+            .map(|t| {
+                let (sender, addr) = (&p.sender, addr.clone());
+                scope.spawn(move || {
+                    let peer = sender.add_receiver(addr, WAIT).expect("connects");
+                    let id = format!("first-{t}");
+                    sender.begin(spec(&id, peer, 1)).expect("begins");
+                    sender
+                        .wait_admitted(&ReqId(id.clone()), WAIT)
+                        .map_err(|f| format!("{id}: {f}"))
+                })
+            })
+            .collect();
+        for j in joins {
+            assert_eq!(j.join().expect("no panic"), Ok(true), "admitted in time");
+        }
+    });
+}

@@ -25,21 +25,21 @@ const CARRY_OUT_ROUNDS_MAX: usize = 16;
 
 #[derive(Debug)]
 pub(super) enum Cmd {
-    AddReceiver(
-        ReceiverAddr,
-        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
-    ),
+    AddReceiver(ReceiverAddr, ConnectReply),
     Connected(
         ReceiverAddr,
         PeerId,
         Result<ControlClient, StartError>,
-        tokio::sync::oneshot::Sender<Result<PeerId, StartError>>,
+        ConnectReply,
     ),
     /// A fabric connection attached with this credential.
     FabricBack(PeerId, FabricConn, FabricCredential),
     /// Connecting the fabric failed for good: writes waiting for it fail with the reason.
     FabricGaveUp(PeerId, kvx_io::FabricError),
 }
+
+/// Where an `add_receiver` call hears its outcome.
+pub(super) type ConnectReply = tokio::sync::oneshot::Sender<Result<PeerId, StartError>>;
 
 #[derive(Debug)]
 enum Input {
@@ -57,6 +57,10 @@ pub(super) struct Driver<E: Env> {
     local_id: String,
     sink: Option<NotifySink>,
     clients: BTreeMap<PeerId, mpsc::Sender<Bytes>>,
+    /// `add_receiver` calls for a receiver whose connect is under way: answered when it
+    /// ends, so that no caller gets a receiver id before its channel exists (a request
+    /// begun on it would have its admission probe dropped).
+    awaiting_connect: BTreeMap<PeerId, Vec<(ReceiverAddr, ConnectReply)>>,
     /// Receivers whose control channel is down (between the transport's `Disconnected` and
     /// `Reconnected`): what would be sent to them is lost, so requests fail at once instead
     /// of waiting out the reply timeout.
@@ -106,6 +110,7 @@ impl<E: Env> Driver<E> {
             local_id,
             sink,
             clients: BTreeMap::new(),
+            awaiting_connect: BTreeMap::new(),
             control_down: Default::default(),
             acks_due: Vec::new(),
             conns: BTreeMap::new(),
@@ -231,7 +236,15 @@ impl<E: Env> Driver<E> {
             Cmd::AddReceiver(addr, reply) => {
                 let mut core = self.shared.lock();
                 if let Some(&peer) = core.receivers.get(&addr) {
-                    let _ = reply.send(Ok(peer));
+                    drop(core);
+                    if self.clients.contains_key(&peer) {
+                        let _ = reply.send(Ok(peer));
+                    } else {
+                        self.awaiting_connect
+                            .entry(peer)
+                            .or_default()
+                            .push((addr, reply));
+                    }
                     return;
                 }
                 // Ids are never reused, even after a failed connect (found by the
@@ -254,16 +267,27 @@ impl<E: Env> Driver<E> {
                     let _ = cmd_tx.send(Cmd::Connected(addr, peer, result, reply));
                 });
             }
-            Cmd::Connected(addr, peer, result, reply) => match result {
-                Ok(client) => {
-                    self.attach_client(peer, client);
-                    let _ = reply.send(Ok(peer));
+            Cmd::Connected(addr, peer, result, reply) => {
+                let waiting = self.awaiting_connect.remove(&peer).unwrap_or_default();
+                match result {
+                    Ok(client) => {
+                        self.attach_client(peer, client);
+                        let _ = reply.send(Ok(peer));
+                        for (_, reply) in waiting {
+                            let _ = reply.send(Ok(peer));
+                        }
+                    }
+                    Err(e) => {
+                        self.shared.lock().receivers.remove(&addr);
+                        let _ = reply.send(Err(e));
+                        // Each waiting call makes an attempt of its own (the first starts
+                        // a new connect, the others wait for it again).
+                        for (addr, reply) in waiting {
+                            self.on_cmd(Cmd::AddReceiver(addr, reply));
+                        }
+                    }
                 }
-                Err(e) => {
-                    self.shared.lock().receivers.remove(&addr);
-                    let _ = reply.send(Err(e));
-                }
-            },
+            }
             Cmd::FabricBack(peer, conn, credential) => self.attach_conn(peer, conn, credential),
             Cmd::FabricGaveUp(peer, error) => {
                 self.connecting.remove(&peer);
@@ -331,6 +355,10 @@ impl<E: Env> Driver<E> {
         match t.to {
             Destination::Receiver(peer) => {
                 let Some(client) = self.clients.get(&peer) else {
+                    // No channel to it (an id `add_receiver` never returned): what it was
+                    // sent would be lost without a word; its requests fail at once.
+                    let now = self.env.now();
+                    self.shared.lock().flow.handle_receiver_lost(now, peer);
                     return;
                 };
                 // The transport drops what it is handed while reconnecting (a request held
