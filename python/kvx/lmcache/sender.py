@@ -1,21 +1,28 @@
-"""The prefill side of kvx's LMCache backend: staging allocation charged to an admitted
-request, batches handed to ``kvx.Sender``, request ends followed on a thread of their own.
+"""The prefill side of kvx's LMCache backend: staging allocation charged to a request,
+batches handed to ``kvx.Sender``, request ends followed on a thread of their own.
 
 A request's life here: its first ``allocate`` (inside ``LMCacheEngine.store``, which names
-the request: ``context.py``) begins it at kvx and waits for the receiver to admit it, so no
-chunk takes staging before the receiver has reserved room for all of them; then every
-``allocate`` takes a staging slot for it, and ``batched_submit_put_task`` adds the written
-slots and submits them as one batch (the last when ``is_last_prefill``). Its end (delivered,
-or failed with the reason) comes from ``Sender.next_ends``; kvx's sender has then already
-sent the ProxyNotif, or the failure notice, to the proxy.
+the request: ``context.py``) begins it at kvx, whose admission probe goes out at once.
+
+- Admitted by then (the common case): every ``allocate`` takes a staging slot for it, LMCache
+  writes the chunk there in place, and ``batched_submit_put_task`` adds the written slots
+  and submits them as one batch (the last when ``is_last_prefill``).
+- Not admitted yet: its chunks go to the waiting room (``waiting_room.py``) and the store
+  returns; a thread of its own waits for the admission, then copies the chunks into staging
+  and submits them, batch by batch, in order. Once nothing of it waits any more, its later
+  chunks take staging directly.
+
+Its end (delivered, or failed with the reason) comes from ``Sender.next_ends``; kvx's
+sender has by then sent the ProxyNotif, or the failure notice, to the proxy.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from lmcache.utils import TORCH_DTYPE_TO_STR_DTYPE
@@ -26,11 +33,18 @@ import kvx
 from .context import current_transfer
 from .memory import StagingSlots, as_lists
 from .settings import KvxPDSettings
+from .waiting_room import WaitingRoom
 
 logger = logging.getLogger("kvx.lmcache")
 
-#: How many ended requests' ids are remembered (so a late allocate fails at once).
+#: How many ended requests' ids are remembered (so that a late call for one is recognised).
 ENDED_KEPT = 4096
+
+#: One chunk of a queued batch: its key (as text), its memory object, and its staging slot
+#: when it has one (None: it is in the waiting room, referenced until copied out).
+_Item = Tuple[str, MemoryObj, Optional["kvx.StagingSlot"]]
+#: A batch queued behind the waiting room: its chunks, and whether it is the last.
+_Batch = Tuple[List[_Item], bool]
 
 
 @dataclass
@@ -38,8 +52,13 @@ class _Request:
     req_id: str
     engine_req_id: Optional[str]
     total_chunks: int
-    #: Set once admission was refused or timed out, or the request failed: the reason.
+    admitted: bool = False
+    #: Set once it cannot go on (not admitted in time, refused, cancelled): the reason.
     failed: Optional[str] = None
+    #: Batches submitted while it waited for admission, not yet moved to staging.
+    waiting: Deque[_Batch] = field(default_factory=collections.deque)
+    #: The thread that moves its waiting batches, once it has any.
+    promoter: Optional[threading.Thread] = None
     callbacks: List[Tuple[Callable[[Any], None], List[Any]]] = field(default_factory=list)
 
 
@@ -50,12 +69,16 @@ class SenderRole:
         self.settings = settings
         self.metadata = metadata
         extra = settings.extra
+        if extra["kvx_fabric"] == "shm":
+            raise kvx.StartError(
+                "extra_config kvx_fabric=shm: LMCache writes chunks into the staging in place, "
+                "and shm staging is kvx's own mapping; use kvx_fabric: tcp"
+            )
         self.staging = torch.zeros(settings.slots * settings.chunk_bytes, dtype=torch.uint8)
-        shm = extra["kvx_fabric"] == "shm"
         self.sender = kvx.Sender(
             slots=settings.slots,
             slot_bytes=settings.chunk_bytes,
-            staging=None if shm else self.staging.numpy(),
+            staging=self.staging.numpy(),
             fabric=extra["kvx_fabric"],
             proxy=settings.proxy_endpoint,
             local_id=settings.local_id,
@@ -64,17 +87,14 @@ class SenderRole:
             write_timeout=extra["kvx_write_timeout_sec"],
             checksums=extra["kvx_checksums"],
         )
-        if shm:
-            raise kvx.StartError(
-                "extra_config kvx_fabric=shm: LMCache writes chunks into the staging in place, "
-                "and shm staging is kvx's own mapping; use kvx_fabric: tcp"
-            )
         self.slots = StagingSlots(self.staging, settings.chunk_bytes)
+        self.room = WaitingRoom(extra["kvx_waiting_room_chunks"] or settings.slots,
+                                settings.chunk_bytes)
         self._requests: Dict[str, _Request] = {}
         self._by_engine_id: Dict[str, str] = {}
         self._ended: Dict[str, str] = {}
         self._receivers: Dict[Tuple[str, int, int], int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._warned_no_context = False
         self._running = True
         self._ends = threading.Thread(target=self._follow_ends, name="kvx-lmcache-ends", daemon=True)
@@ -83,10 +103,10 @@ class SenderRole:
     # --- allocation -------------------------------------------------------------------
 
     def allocate(self, shapes: Any, dtypes: Any, fmt: Optional[MemoryFormat]) -> Optional[MemoryObj]:
-        """A staging slot for the request of the enclosing ``transfer``, as a memory object
-        to write the chunk into; ``None`` (LMCache's "no memory") when there is no such
-        request, it was not admitted in time, or no slot came within
-        ``pd_allocation_timeout_sec``. Each refusal is logged with its reason."""
+        """Memory to write one chunk of the request of the enclosing ``transfer`` into: a
+        staging slot once it is admitted, a waiting-room slot before. ``None`` (LMCache's
+        "no memory") when there is no such request, it failed, or no slot came within
+        ``pd_allocation_timeout_sec``; the reason is logged."""
         fmt = fmt or MemoryFormat.KV_2LTD
         shape_list, dtype_list = as_lists(shapes, dtypes)
         context = current_transfer()
@@ -100,27 +120,54 @@ class SenderRole:
                 )
             return None
         spec, engine_req_id = context
-        req = self._admitted(spec, engine_req_id, fmt)
+        req = self._begun(spec, engine_req_id, fmt)
         if req is None:
             return None
+        if self._admitted_now(req):
+            return self._staging_slot(req, shape_list, dtype_list, fmt)
+        if req.failed is not None:
+            return None
+        obj = self.room.take(req.req_id, shape_list, dtype_list, fmt,
+                             timeout=self.settings.allocation_timeout_sec,
+                             give_up=lambda: req.failed is not None or self._admitted_now(req))
+        if obj is not None:
+            return obj
+        if req.failed is None and req.admitted:
+            return self._staging_slot(req, shape_list, dtype_list, fmt)
+        self._fail(req, f"no waiting-room slot within {self.settings.allocation_timeout_sec} s "
+                        f"(the receiver has not admitted it; kvx_waiting_room_chunks="
+                        f"{self.room.capacity})")
+        return None
+
+    def _admitted_now(self, req: _Request) -> bool:
+        """Whether the receiver admitted it (asked without waiting, until it did)."""
+        if not req.admitted and req.failed is None:
+            try:
+                req.admitted = self.sender.wait_admitted(req.req_id, timeout=0)
+            except kvx.KvxError as e:
+                self._fail(req, f"not admitted: {e}")
+        return req.admitted and req.failed is None
+
+    def _staging_slot(self, req: _Request, shapes: List[torch.Size], dtypes: List[torch.dtype],
+                      fmt: MemoryFormat) -> Optional[MemoryObj]:
         try:
             slot = self.sender.allocate(req.req_id, timeout=self.settings.allocation_timeout_sec)
         except kvx.KvxError as e:
             self._fail(req, f"no staging slot: {e}")
             return None
-        return self.slots.wrap(slot, shape_list, dtype_list, fmt)
+        return self.slots.wrap(slot, shapes, dtypes, fmt)
 
-    def _admitted(self, spec: Any, engine_req_id: Optional[str], fmt: MemoryFormat) -> Optional[_Request]:
-        """The request ``spec`` names, begun and admitted (waiting for admission the first
-        time); ``None`` when it cannot go on (the reason is logged once)."""
+    def _begun(self, spec: Any, engine_req_id: Optional[str], fmt: MemoryFormat) -> Optional[_Request]:
+        """The request ``spec`` names, begun at kvx (its admission probe sent); ``None`` when
+        it ended or cannot begin (the reason is logged)."""
         req_id = str(getattr(spec, "req_id", "") or "")
         if not req_id:
             logger.error("kvx: a transfer_spec without req_id; the chunk is not sent")
             return None
         with self._lock:
             req = self._requests.get(req_id)
-            ended = self._ended.get(req_id)
-        if ended is not None:
+            ended = req_id in self._ended
+        if ended:
             return None
         if req is not None:
             return None if req.failed else req
@@ -137,7 +184,7 @@ class SenderRole:
             dtype = TORCH_DTYPE_TO_STR_DTYPE[self.metadata.get_dtypes()[0]]
             self.sender.begin(req_id, receiver=peer, total_chunks=total, shape=list(full),
                               dtype=dtype, fmt=fmt.value)
-        except (kvx.KvxError, ValueError, KeyError, AttributeError, IndexError) as e:
+        except (kvx.KvxError, ValueError, KeyError, AttributeError, IndexError, TypeError) as e:
             logger.error("kvx: request %s could not begin: %s", req_id, e)
             return None
         req = _Request(req_id=req_id, engine_req_id=engine_req_id, total_chunks=total)
@@ -145,13 +192,13 @@ class SenderRole:
             self._requests[req_id] = req
             if engine_req_id:
                 self._by_engine_id[engine_req_id] = req_id
+        # The usual answer is one round trip away: waiting that long keeps a request the
+        # receiver admits at once on the zero-copy path from its first chunk.
         try:
-            admitted = self.sender.wait_admitted(req_id, timeout=self.settings.allocation_timeout_sec)
+            req.admitted = self.sender.wait_admitted(
+                req_id, timeout=self.settings.extra["kvx_admission_grace_sec"])
         except kvx.KvxError as e:
             self._fail(req, f"not admitted: {e}")
-            return None
-        if not admitted:
-            self._fail(req, f"not admitted within {self.settings.allocation_timeout_sec} s")
             return None
         return req
 
@@ -164,6 +211,7 @@ class SenderRole:
         with self._lock:
             peer = self._receivers.get(key)
         if peer is None:
+            # kvx connects once per receiver, however many stores reach it first at once.
             peer = self.sender.add_receiver(
                 f"tcp://{host}:{alloc}", f"tcp://{host}:{init}",
                 timeout=self.settings.extra["kvx_connect_timeout_sec"],
@@ -172,49 +220,131 @@ class SenderRole:
                 self._receivers[key] = peer
         return peer
 
-    def _fail(self, req: _Request, why: str) -> None:
-        """Ends a request that cannot go on: kvx cancels it (freeing both sides and telling
-        the proxy), and later allocations for it are refused at once."""
-        if req.failed is None:
-            req.failed = why
-            logger.error("kvx: request %s failed: %s", req.req_id, why)
-        try:
-            self.sender.cancel(req.req_id)
-        except kvx.KvxError:
-            pass  # It ended already; its end is reported as usual.
-
     # --- submission -------------------------------------------------------------------
 
     def submit(self, keys: Sequence[Any], objs: List[MemoryObj], spec: Any,
                on_complete: Optional[Callable[[Any], None]]) -> None:
-        """Adds the written slots of ``objs`` (named by ``keys``) to their request and submits
-        them as one batch, the last when ``spec.is_last_prefill``. Never waits."""
+        """Sends the written chunks ``objs`` (named by ``keys``) as one batch of their
+        request, the last when ``spec.is_last_prefill``; a waiting request's batch is queued
+        for its promoter. Never waits."""
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys for {len(objs)} memory objects")
         req_id = str(getattr(spec, "req_id", "") or "") if spec is not None else ""
+        last = bool(getattr(spec, "is_last_prefill", False))
         with self._lock:
             req = self._requests.get(req_id)
-        slots = [self.slots.take(obj) for obj in objs]
+        waiting = [self.room.owns(obj) for obj in objs]
+        staged = [self.slots.take(obj) for obj, w in zip(objs, waiting) if not w]
         if req is None or req.failed:
-            # The request ended (or never began): the staging goes back, nothing is sent.
-            for slot in slots:
+            # It ended (or never began): staging goes back, nothing is sent; LMCache's own
+            # reference drop frees the waiting-room slots.
+            for slot in staged:
                 slot.release()
             if req is None and req_id not in self._ended:
                 logger.error("kvx: batched_submit_put_task for request %r, which never began "
                              "(its chunks were not allocated inside its store)", req_id)
             return
+        if on_complete is not None:
+            with self._lock:
+                req.callbacks.append((on_complete, list(keys)))
+        with self._lock:
+            # In order: once a batch of it waits for its promoter, later ones queue behind.
+            queue_it = any(waiting) or bool(req.waiting)
+        if queue_it:
+            items = []
+            staged_iter = iter(staged)
+            for key, obj, w in zip(keys, objs, waiting):
+                if w:
+                    obj.ref_count_up()  # Held until its promoter copied it.
+                items.append((_key_text(key), obj, None if w else next(staged_iter)))
+            self._queue(req, (items, last))
+            return
         try:
-            for key, obj, slot in zip(keys, objs, slots):
+            for key, obj, slot in zip(keys, objs, staged):
                 self.sender.add(slot, _key_text(key), nbytes=obj.get_size(),
                                 tokens=obj.get_num_tokens())
-            if on_complete is not None:
-                with self._lock:
-                    req.callbacks.append((on_complete, list(keys)))
-            self.sender.submit(req_id, last=bool(getattr(spec, "is_last_prefill", False)))
+            self.sender.submit(req_id, last=last)
         except kvx.KvxError as e:
             self._fail(req, f"submit refused: {e}")
 
+    def _queue(self, req: _Request, batch: _Batch) -> None:
+        with self._lock:
+            req.waiting.append(batch)
+            if req.promoter is None:
+                req.promoter = threading.Thread(target=self._promote, args=(req,),
+                                                name=f"kvx-lmcache-wait-{req.req_id}", daemon=True)
+                req.promoter.start()
+            self._lock.notify_all()
+
+    def _promote(self, req: _Request) -> None:
+        """Waits for ``req``'s admission, then sends its queued batches in order (copying the
+        chunks that waited in the room into staging), until its last batch went or it
+        ended."""
+        try:
+            if not self.sender.wait_admitted(req.req_id, timeout=self.settings.allocation_timeout_sec):
+                self._fail(req, f"not admitted within {self.settings.allocation_timeout_sec} s")
+        except kvx.KvxError as e:
+            self._fail(req, f"not admitted: {e}")
+        while True:
+            with self._lock:
+                while not req.waiting and req.failed is None and self._running:
+                    if req.req_id not in self._requests:
+                        return
+                    self._lock.wait(timeout=0.5)
+                if not req.waiting:
+                    return
+                items, last = req.waiting[0]
+            sent = req.failed is None and self._running and self._send_batch(req, items, last)
+            with self._lock:
+                req.waiting.popleft()
+                self._lock.notify_all()
+            for _, obj, slot in items:
+                if slot is None:
+                    obj.ref_count_down()
+                elif not sent:
+                    try:
+                        slot.release()
+                    except kvx.MisuseError:
+                        pass  # Added before the failure: kvx frees it with the request.
+            if last:
+                return
+
+    def _send_batch(self, req: _Request, items: List[_Item], last: bool) -> bool:
+        """Adds each chunk (a waiting-room chunk copied into a fresh staging slot) and submits
+        the batch; False when it failed (the request is then failed; the caller releases
+        the staging slots not added by then)."""
+        cb = self.settings.chunk_bytes
+        try:
+            for key, obj, slot in items:
+                size = obj.get_size()
+                if slot is None:
+                    slot = self.sender.allocate(req.req_id, timeout=self.settings.allocation_timeout_sec)
+                    start = slot.index * cb
+                    self.staging[start : start + size].copy_(obj.raw_data[:size])
+                self.sender.add(slot, key, nbytes=size, tokens=obj.get_num_tokens())
+            self.sender.submit(req.req_id, last=last)
+            return True
+        except kvx.KvxError as e:
+            self._fail(req, f"sending what waited for admission: {e}")
+            return False
+
     # --- ends and cancels --------------------------------------------------------------
+
+    def _fail(self, req: _Request, why: str) -> None:
+        """Ends a request that cannot go on: kvx cancels it (freeing both sides and telling
+        the proxy), and later calls for it do nothing."""
+        with self._lock:
+            first = req.failed is None
+            if first:
+                req.failed = why
+            self._lock.notify_all()
+        self.room.wake()
+        if first:
+            logger.error("kvx: request %s failed: %s", req.req_id, why)
+        try:
+            self.sender.cancel(req.req_id)
+        except kvx.KvxError:
+            pass  # It ended already; its end is reported as usual.
 
     def cancel(self, req_id: str) -> None:
         """Cancels the request with this id: kvx's (the proxy's) or the engine's own."""
@@ -243,11 +373,12 @@ class SenderRole:
             self._ended[req_id] = "delivered" if error is None else str(error)
             while len(self._ended) > ENDED_KEPT:
                 self._ended.pop(next(iter(self._ended)))
-        if req is None:
-            return
-        if error is not None:
-            if req.failed is None:
+            if req is not None and error is not None and req.failed is None:
+                req.failed = str(error)
                 logger.error("kvx: request %s failed: %s", req_id, error)
+            self._lock.notify_all()
+        if req is None or error is not None:
+            self.room.wake()
             return
         for callback, keys in req.callbacks:
             for key in keys:
@@ -262,9 +393,15 @@ class SenderRole:
             return len(self._requests)
 
     def close(self) -> None:
-        self._running = False
+        with self._lock:
+            self._running = False
+            promoters = [r.promoter for r in self._requests.values() if r.promoter is not None]
+            self._lock.notify_all()
+        self.room.wake()
         self.sender.close()
         self._ends.join(timeout=5)
+        for t in promoters:
+            t.join(timeout=5)
 
 
 def _per_rank(ports: Any, rank: int, name: str) -> int:

@@ -24,6 +24,18 @@ KVX_EXTRA_KEYS: Dict[str, tuple] = {
     "kvx_reply_timeout_sec": (float, 10.0, "sender: how long a receiver may take to answer"),
     "kvx_write_timeout_sec": (float, 10.0, "sender: how long one chunk write may take"),
     "kvx_connect_timeout_sec": (float, 10.0, "sender: how long connecting to a receiver may take"),
+    "kvx_admission_grace_sec": (
+        float,
+        0.02,
+        "sender: how long a request's first allocation waits for its admission before its "
+        "chunks go to the waiting room (one round trip to the receiver, with room to spare)",
+    ),
+    "kvx_waiting_room_chunks": (
+        int,
+        0,
+        "sender: chunks of requests the receiver has not admitted yet that can wait in host "
+        "memory (0: as many as pd_buffer_size holds)",
+    ),
     "kvx_unconsumed_ttl_sec": (
         float,
         300.0,
@@ -121,6 +133,8 @@ def _extra(config: Any) -> Dict[str, Any]:
     for name, value in out.items():
         if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")
+    if out["kvx_waiting_room_chunks"] < 0:
+        raise ConfigError("extra_config kvx_waiting_room_chunks: 0 or more")
     if not 1 <= out["kvx_peer_share_percent"] <= 100:
         raise ConfigError("extra_config kvx_peer_share_percent: 1..100")
     return out
