@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The kvx Python package's tests (python/tests, pytest): builds the package into a virtual
 # environment under target/ (maturin develop) and runs them. Needs python3 with venv and
-# network access to PyPI the first time (maturin, pytest, numpy, pyzmq, msgspec, mypy); without
-# them it says so and skips, unless KVX_REQUIRE_PYTHON=1 (CI), where that is a failure.
+# network access to PyPI the first time (maturin, pytest, numpy, pyzmq, msgspec, mypy, and for
+# the LMCache backend's tests lmcache==0.5.6 with torch: several GB, once); without them it
+# says so and skips, unless KVX_REQUIRE_PYTHON=1 (CI), where that is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=target/pyenv
@@ -21,6 +22,11 @@ fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "maturin>=1.7,<2" pytest numpy pyzmq msgspec mypy ||
   skip "cannot install maturin, pytest, numpy, pyzmq, msgspec, mypy from PyPI"
+# LMCache's own classes, for kvx.lmcache's tests (python/tests/test_lmcache.py skips without).
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "lmcache==0.5.6" torch || {
+  [[ "${KVX_REQUIRE_PYTHON:-0}" == 1 ]] && { echo "python tests: cannot install lmcache==0.5.6 and torch (KVX_REQUIRE_PYTHON=1: failing)" >&2; exit 1; }
+  echo "python tests: lmcache==0.5.6 and torch could not be installed: the LMCache backend's tests skip"
+}
 # Release: the package's benchmarks and timing-sensitive tests measure the real thing.
 VIRTUAL_ENV="$PWD/$venv" "$venv/bin/maturin" develop --release --quiet
 # The `kvx` binary, for the tests that talk to a kvx process.

@@ -58,9 +58,8 @@ impl<E: Env> SenderHandle<E> {
 
     /// Connects to a receiver (once; later calls return the same id).
     pub async fn add_receiver(&self, addr: ReceiverAddr) -> Result<PeerId, StartError> {
-        if let Some(&peer) = self.shared.lock().receivers.get(&addr) {
-            return Ok(peer);
-        }
+        // Always through the driver: only it knows whether a known receiver's channel is
+        // up yet, and a caller must not get the id before it is.
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.cmds
             .send(Cmd::AddReceiver(addr, tx))

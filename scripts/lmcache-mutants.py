@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Deliberately broken variants of kvx.lmcache (the LMCache backend), each of which
+python/tests/test_lmcache.py must catch.
+
+Copies python/ to a scratch folder, applies one mutation at a time to the copy, and runs the
+LMCache tests against it (the copy comes first on PYTHONPATH). Needs the test environment of
+scripts/python-tests.sh (target/pyenv with lmcache==0.5.6 and torch).
+Usage: python3 scripts/lmcache-mutants.py [NAME ...]   (default: all). Exit status 1 if any
+is missed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRATCH = "/tmp/kvx-lmcache-mutants"
+PKG = "python/kvx/lmcache/"
+
+# name: (file, old, new, what it breaks)
+MUTANTS = {
+    "worker-waits-for-admission": (PKG + "sender.py",
+        'timeout=self.settings.extra["kvx_admission_grace_sec"])',
+        "timeout=self.settings.allocation_timeout_sec)",
+        "a store waits for its request's admission on the worker thread (the seed deadlock, moved into the worker)"),
+    "waiting-chunk-not-copied": (PKG + "sender.py",
+        "self.staging[start : start + size].copy_(obj.raw_data[:size])",
+        "pass",
+        "send a chunk that waited for admission without copying it into its staging slot"),
+    "lease-never-consumed": (PKG + "memory.py",
+        "done = self._left == 0",
+        "done = False",
+        "keep a retrieved request's slots for ever"),
+    "engine-id-cancel-ignored": (PKG + "sender.py",
+        "kvx_id = req_id if req_id in self._requests else self._by_engine_id.get(req_id)",
+        "kvx_id = req_id if req_id in self._requests else None",
+        "cancel_request with the engine's own id (vLLM's) reaches nothing (LMCache W5)"),
+    "last-chunk-full-size": (PKG + "memory.py",
+        "shapes = metadata.get_shapes(tokens) if tokens is not None else metadata.get_shapes()",
+        "shapes = metadata.get_shapes()",
+        "view every received chunk as a full chunk, whatever its token count"),
+}
+
+
+def run(name, python):
+    path, old, new, what = MUTANTS[name]
+    target = os.path.join(SCRATCH, path)
+    shutil.copy(os.path.join(ROOT, path), target)
+    text = open(target).read()
+    if old not in text:
+        return "STALE (pattern not found: update scripts/lmcache-mutants.py)", what
+    open(target, "w").write(text.replace(old, new, 1))
+    env = dict(os.environ, PYTHONPATH=os.path.join(SCRATCH, "python"))
+    cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
+           os.path.join(SCRATCH, "python/tests/test_lmcache.py"), "-k", "not lmcaches_own"]
+    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
+    shutil.copy(os.path.join(ROOT, path), target)
+    failed = [l.split(" ")[1] for l in proc.stdout.splitlines() if l.startswith("FAILED ")]
+    if proc.returncode == 0:
+        return "MISSED", what
+    if not failed:
+        return f"ERROR (pytest exit {proc.returncode}): {proc.stdout[-500:]}", what
+    return "caught by " + ", ".join(f.split("::")[-1] for f in failed), what
+
+
+def main():
+    python = os.environ.get("KVX_PYTHON", os.path.join(ROOT, "target/pyenv/bin/python"))
+    names = sys.argv[1:] or list(MUTANTS)
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    shutil.copytree(os.path.join(ROOT, "python"), os.path.join(SCRATCH, "python"))
+    missed = False
+    for name in names:
+        verdict, what = run(name, python)
+        missed |= not verdict.startswith("caught")
+        print(f"{name:28} {verdict}\n{'':28} ({what})", flush=True)
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
