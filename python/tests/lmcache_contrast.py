@@ -1,0 +1,47 @@
+"""The contrast of ``test_lmcache.py``: the seed example and four concurrent requests per
+sender against LMCache's own ``PDBackendAsync`` (its ``mock_memory`` transfer channel), in a
+process of their own. Prints one JSON line with what each delivered, what failed with a
+notice, and how long it took; then exits without waiting for LMCache's close, which can
+hang on its wedged sockets."""
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+logging.disable(logging.CRITICAL)
+
+from lmcache_cluster import Cluster, four_concurrent, run_seed_example  # noqa: E402
+
+TIMEOUT = 2.0
+
+
+def main() -> None:
+    result = {}
+    cluster, decoder, took, stuck = run_seed_example(timeout=TIMEOUT)
+    result["seed"] = {
+        "backend": type(cluster.senders[0].allocator_backend).__name__,
+        "delivered": decoder.delivered, "failed": decoder.failed, "took": took,
+        "stuck": stuck, "timeout": TIMEOUT,
+    }
+    # Not closed: LMCache's close terminates the process-wide ZeroMQ context its next
+    # backend would need. The process exits instead.
+    cluster = Cluster(buffer_chunks=12, staging_chunks=6, timeout=TIMEOUT)
+    plans, decoder, stuck = four_concurrent(cluster, deadline_s=20.0)
+    result["four"] = {"plans": plans, "delivered": decoder.delivered, "failed": decoder.failed,
+                      "stuck": stuck}
+    print(json.dumps(result), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    threading.Thread(target=lambda: (time.sleep(240), os._exit(3)), daemon=True).start()
+    try:
+        main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
