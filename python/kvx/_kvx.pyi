@@ -128,6 +128,7 @@ class Sender:
         reply_timeout: float = 10.0,
         write_timeout: float = 10.0,
         checksums: bool = True,
+        failure_notices: bool = True,
     ) -> Self: ...
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
         """Connects to a receiver; returns its id for ``begin``."""

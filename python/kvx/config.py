@@ -26,6 +26,9 @@ class SenderConfig:
     write_timeout: float = 10.0
     #: Compute a checksum of every chunk, which the receiver checks before it is ready.
     checksums: bool = True
+    #: Tell the proxy when a request fails (kvx's FailNotif); off for a proxy that knows only
+    #: LMCache's messages.
+    failure_notices: bool = True
 
     def kwargs(self) -> Dict[str, Any]:
         """The fields as keyword arguments of ``kvx.Sender``."""

@@ -128,6 +128,18 @@ def test_cancel_in_flight_frees_both_sides_and_sends_no_proxy_notif(kvx_backend)
         assert cluster.close() == 0
 
 
+def test_failure_notices_can_be_turned_off_for_lmcaches_own_proxy(kvx_backend):
+    """LMCache's example proxy decodes every notice as one of LMCache's messages: with
+    kvx_failure_notices false a failed request sends it nothing at all."""
+    cluster = Cluster(buffer_chunks=8, kvx_failure_notices=False)
+    try:
+        assert cluster.store("quiet", 6, range(0, 2), last=False) == 2
+        cluster.senders[0].cancel_request("quiet")
+        assert cluster.next_notice(1.0) is None
+    finally:
+        assert cluster.close() == 0
+
+
 def test_cancel_by_the_engines_own_request_id(kvx_backend):
     cluster = Cluster(buffer_chunks=8, staging_chunks=4)
     try:

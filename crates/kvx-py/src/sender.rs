@@ -16,13 +16,15 @@ use crate::{env, errors, memory, runtime, wait};
 ///
 /// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
 /// local_id=None, staging_timeout=30.0, reply_timeout=10.0, write_timeout=10.0,
-/// checksums=True)``
+/// checksums=True, failure_notices=True)``
 ///
 /// ``staging`` is the memory chunks are staged in: a writable, contiguous buffer of
 /// ``slots × slot_bytes`` bytes (``bytearray``, NumPy array, CPU ``torch.Tensor``) that the
 /// sender keeps alive; ``None``: a fresh ``bytearray``. The ``shm`` fabric uses a shared
 /// mapping of its own instead (no ``staging``, no ``view``: use ``StagingSlot.write``).
 /// Write a staging slot only while you hold it (between ``allocate`` and ``add``).
+/// ``failure_notices``: a failed request is reported to the proxy (kvx's ``FailNotif``);
+/// off for a proxy that knows only LMCache's messages.
 ///
 /// A request: ``begin`` → ``wait_admitted`` → per chunk ``allocate`` a slot, write it,
 /// ``add`` it → ``submit`` batches (the last with ``last=True``) → ``wait_outcome`` or
@@ -50,7 +52,7 @@ impl Sender {
     #[new]
     #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
         proxy = None, local_id = None, staging_timeout = 30.0, reply_timeout = 10.0,
-        write_timeout = 10.0, checksums = true))]
+        write_timeout = 10.0, checksums = true, failure_notices = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -65,6 +67,7 @@ impl Sender {
         reply_timeout: f64,
         write_timeout: f64,
         checksums: bool,
+        failure_notices: bool,
     ) -> PyResult<Self> {
         let choice = env::choice(transport, fabric)?;
         let own = env::needs_own_mapping(&choice);
@@ -75,7 +78,7 @@ impl Sender {
             reply_timeout: wait::positive_seconds(reply_timeout, "reply_timeout")?,
             write_timeout: wait::positive_seconds(write_timeout, "write_timeout")?,
             checksums,
-            notify_proxy_on_failure: true,
+            notify_proxy_on_failure: failure_notices,
             ..SenderConfig::default()
         };
         config

@@ -86,6 +86,7 @@ class SenderRole:
             reply_timeout=extra["kvx_reply_timeout_sec"],
             write_timeout=extra["kvx_write_timeout_sec"],
             checksums=extra["kvx_checksums"],
+            failure_notices=extra["kvx_failure_notices"],
         )
         self.slots = StagingSlots(self.staging, settings.chunk_bytes)
         self.room = WaitingRoom(extra["kvx_waiting_room_chunks"] or settings.slots,

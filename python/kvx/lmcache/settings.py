@@ -21,6 +21,12 @@ DEFAULT_ALLOCATION_TIMEOUT_SEC = 60.0
 KVX_EXTRA_KEYS: Dict[str, tuple] = {
     "kvx_fabric": (str, "tcp", "how chunk bytes move: tcp (any host) or shm (one host)"),
     "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
+    "kvx_failure_notices": (
+        bool,
+        True,
+        "sender: tell the proxy when a request fails (kvx's FailNotif); set false for a proxy "
+        "that knows only LMCache's messages (its example proxy decodes every frame as one)",
+    ),
     "kvx_reply_timeout_sec": (float, 10.0, "sender: how long a receiver may take to answer"),
     "kvx_write_timeout_sec": (float, 10.0, "sender: how long one chunk write may take"),
     "kvx_connect_timeout_sec": (float, 10.0, "sender: how long connecting to a receiver may take"),
