@@ -47,6 +47,7 @@ def config(role: str, buffer_chunks: int, init: List[int], alloc: List[int], pro
            timeout: float, **extra) -> LMCacheEngineConfig:
     return LMCacheEngineConfig.from_dict(dict(
         chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=1, enable_pd=True,
+        save_unfull_chunk=True,  # What LMCache's PD mode needs (its config check says so).
         pd_role=role, pd_buffer_size=buffer_chunks * CHUNK_BYTES, pd_buffer_device="cpu",
         transfer_channel="mock_memory", pd_peer_host="127.0.0.1", pd_peer_init_port=init,
         pd_peer_alloc_port=alloc, pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port,

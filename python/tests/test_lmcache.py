@@ -249,3 +249,52 @@ def test_a_bad_configuration_is_refused_naming_the_key(kvx_backend, change, name
             CreateStorageBackends(LMCacheEngineConfig.from_dict(base), metadata(), loop)
     finally:
         loop.close()
+
+
+def test_lmcache_engine_store_names_its_request_to_the_backend(kvx_backend):
+    """Through LMCacheEngine.store itself (its CPU mock connector, writing known bytes where
+    a GPU connector would copy KV): install()'s wrapper gives the backend the transfer spec,
+    the request is admitted before its chunks take staging, and the decode side gets every
+    byte, the partial last chunk with its token count."""
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+    from lmcache_cluster import KV_SHAPE, chunk_bytes, metadata
+
+    class WritingConnector(MockGPUConnector):
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, start, _ in zip(memory_objs, starts, ends):
+                raw = obj.tensor.reshape(-1).view(torch.uint8)
+                raw.copy_(chunk_bytes("eng", start // CHUNK_TOKENS, raw.numel()))
+
+    cluster = Cluster(buffer_chunks=8)
+    engine = LMCacheEngineBuilder.get_or_create(
+        "kvx-test-engine", cluster.senders[0].config, metadata(), WritingConnector(KV_SHAPE),
+        lambda *a: None, lambda *a: None,
+    )
+    try:
+        engine.post_init()
+        assert type(engine.storage_manager.allocator_backend).__name__ == "KvxPDBackend"
+        tokens = 2 * CHUNK_TOKENS + 8
+        engine.store(tokens=torch.arange(tokens), transfer_spec=cluster.spec("eng", 3, last=True),
+                     req_id="vllm-eng")
+        assert kvx.lmcache.current_transfer() is None
+        notice = cluster.next_notice(10.0)
+        assert notice == {"type": "ProxyNotif", "req_id": "eng"}, notice
+        rx = cluster.receivers[0].allocator_backend.receiver
+        deadline = time.monotonic() + 5
+        while rx.buffered_keys() < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with rx._lock:
+            objs = list(rx.data.items())
+        seen = {}
+        for key, obj in objs:
+            raw = obj.tensor.reshape(-1).view(torch.uint8)
+            chunk = next(c for c in range(3) if torch.equal(raw, chunk_bytes("eng", c, raw.numel())))
+            seen[chunk] = obj.get_num_tokens()
+        assert seen == {0: CHUNK_TOKENS, 1: CHUNK_TOKENS, 2: 8}, (seen, len(objs), [o.get_num_tokens() for _, o in objs])
+        for key, _ in objs:
+            cluster.receivers[0].remove(key)
+    finally:
+        LMCacheEngineBuilder.destroy("kvx-test-engine")
+        assert cluster.close() == 0
