@@ -16,3 +16,19 @@ def test_the_stubs_match_the_native_module():
         timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_lmcache_backend_type_checks():
+    """kvx.lmcache's annotations agree with themselves and with the native module's stubs."""
+    pytest.importorskip("mypy", reason="mypy is needed (pip install mypy)")
+    pytest.importorskip("lmcache", reason="lmcache is needed for kvx.lmcache")
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "kvx" / "lmcache"
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--ignore-missing-imports", str(package)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryObj
@@ -42,7 +42,7 @@ class WaitingRoom(_NoAllocation):
 
     def take(self, req_id: str, shapes: List[torch.Size], dtypes: List[torch.dtype],
              fmt: MemoryFormat, timeout: float,
-             give_up: "Optional[callable]" = None) -> Optional[TensorMemoryObj]:
+             give_up: Optional[Callable[[], bool]] = None) -> Optional[TensorMemoryObj]:
         """A slot for ``req_id``, waiting at most ``timeout`` for one to free; ``None`` after
         that, or as soon as ``give_up()`` is true (checked at each wake-up)."""
         deadline = time.monotonic() + timeout
