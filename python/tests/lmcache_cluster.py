@@ -35,20 +35,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metadata(rank: int = 0, world: int = 1) -> LMCacheMetadata:
+def metadata(rank: int = 0, world: int = 1, kv_shape: tuple = KV_SHAPE) -> LMCacheMetadata:
     return LMCacheMetadata(
         model_name="kvx-test", world_size=world, local_world_size=world, worker_id=rank,
-        local_worker_id=rank, kv_dtype=DTYPE, kv_shape=KV_SHAPE, chunk_size=CHUNK_TOKENS,
+        local_worker_id=rank, kv_dtype=DTYPE, kv_shape=kv_shape, chunk_size=kv_shape[2],
         role="worker",
     )
 
 
 def config(role: str, buffer_chunks: int, init: List[int], alloc: List[int], proxy_port: int,
-           timeout: float, **extra) -> LMCacheEngineConfig:
+           timeout: float, kv_shape: tuple = KV_SHAPE, **extra) -> LMCacheEngineConfig:
+    chunk = metadata(kv_shape=kv_shape)
+    chunk_bytes = chunk.get_shapes()[0].numel() * DTYPE.itemsize
     return LMCacheEngineConfig.from_dict(dict(
-        chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=1, enable_pd=True,
+        chunk_size=kv_shape[2], local_cpu=False, max_local_cpu_size=1, enable_pd=True,
         save_unfull_chunk=True,  # What LMCache's PD mode needs (its config check says so).
-        pd_role=role, pd_buffer_size=buffer_chunks * CHUNK_BYTES, pd_buffer_device="cpu",
+        pd_role=role, pd_buffer_size=buffer_chunks * chunk_bytes, pd_buffer_device="cpu",
         transfer_channel="mock_memory", pd_peer_host="127.0.0.1", pd_peer_init_port=init,
         pd_peer_alloc_port=alloc, pd_proxy_host="127.0.0.1", pd_proxy_port=proxy_port,
         pd_backend_mode="async", pd_allocation_timeout_sec=timeout,
