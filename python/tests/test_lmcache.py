@@ -224,6 +224,7 @@ def test_tp2_each_rank_moves_its_own_chunks_through_its_own_ports(kvx_backend):
         (dict(pd_peer_alloc_port=[]), "pd_peer_alloc_port"),
         (dict(extra_config={"kvx_fabrik": "tcp"}), "kvx_fabrik"),
         (dict(extra_config={"kvx_fabric": "carrier-pigeon"}), "kvx_fabric"),
+        (dict(extra_config={"kvx_fabric": "shm"}), "kvx_fabric=shm"),
     ],
 )
 def test_a_bad_configuration_is_refused_naming_the_key(kvx_backend, change, names):

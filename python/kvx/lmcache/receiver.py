@@ -44,11 +44,6 @@ class ReceiverRole:
         self.metadata = metadata
         extra = settings.extra
         self.buffer = torch.zeros(settings.slots * settings.chunk_bytes, dtype=torch.uint8)
-        if extra["kvx_fabric"] == "shm":
-            raise kvx.StartError(
-                "extra_config kvx_fabric=shm: the decode side's memory objects view the buffer "
-                "in place, and an shm buffer is kvx's own mapping; use kvx_fabric: tcp"
-            )
         self.receiver = kvx.Receiver(
             slots=settings.slots,
             slot_bytes=settings.chunk_bytes,

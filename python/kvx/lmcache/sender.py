@@ -69,11 +69,6 @@ class SenderRole:
         self.settings = settings
         self.metadata = metadata
         extra = settings.extra
-        if extra["kvx_fabric"] == "shm":
-            raise kvx.StartError(
-                "extra_config kvx_fabric=shm: LMCache writes chunks into the staging in place, "
-                "and shm staging is kvx's own mapping; use kvx_fabric: tcp"
-            )
         self.staging = torch.zeros(settings.slots * settings.chunk_bytes, dtype=torch.uint8)
         self.sender = kvx.Sender(
             slots=settings.slots,

@@ -19,7 +19,7 @@ DEFAULT_ALLOCATION_TIMEOUT_SEC = 60.0
 
 #: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
 KVX_EXTRA_KEYS: Dict[str, tuple] = {
-    "kvx_fabric": (str, "tcp", "how chunk bytes move: tcp (any host) or shm (one host)"),
+    "kvx_fabric": (str, "tcp", "how chunk bytes move: tcp (the one the backend takes today)"),
     "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
     "kvx_failure_notices": (
         bool,
@@ -134,8 +134,14 @@ def _extra(config: Any) -> Dict[str, Any]:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_config {name}={value!r}: expected {kind.__name__}") from e
         out[name] = value
-    if out["kvx_fabric"] not in ("tcp", "shm"):
-        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp or shm")
+    if out["kvx_fabric"] == "shm":
+        # LMCache reads and writes the memory objects in place, and shm staging and buffers
+        # are kvx's own mappings, not memory the backend can lend.
+        raise ConfigError("extra_config kvx_fabric=shm: LMCache's memory objects view kvx's "
+                          "slots in place, which the shm fabric's own mappings do not allow; "
+                          "use kvx_fabric: tcp")
+    if out["kvx_fabric"] != "tcp":
+        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp")
     for name, value in out.items():
         if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")
