@@ -28,8 +28,8 @@ import json, sys
 args, out, times = sys.argv[1:]
 d = json.load(open(out))
 user, system = map(float, open(times).read().split()[-2:])
-print(f"{args:45s} {d['bytes_per_sec'] / 1e9:5.2f} GB/s  p50 {d['latency_ms_p50']:6.1f} ms  "
-      f"p99 {d['latency_ms_p99']:6.1f} ms  CPU/GB {(user + system) / (d['bytes_verified'] / 1e9):.3f}  "
+print(f"{args:45s} {d['bytes_per_sec'] / 1e9:5.2f} GB/s  p50 {d['request_latency_ms_p50']:6.1f} ms  "
+      f"p99 {d['request_latency_ms_p99']:6.1f} ms  transfer p99 {d['transfer_ms_p99']:6.1f} ms  CPU/GB {(user + system) / (d['bytes_verified'] / 1e9):.3f}  "
       f"complete={d['requests_completed'] == d['requests_total']}")
 PY
   done

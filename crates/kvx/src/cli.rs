@@ -341,7 +341,11 @@ pub struct WorkloadArgs {
     /// Give up (and exit non-zero) after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
-    /// Print one JSON object instead of the table and progress bar.
+    /// Print one JSON object instead of the table and progress bar. Latencies, of completed
+    /// requests: `request_latency_ms_p50/p99` from a request's beginning (before its
+    /// admission probe) to its ProxyNotif at the proxy (demo) or its delivery on every rank
+    /// (sender), what a user waits; `transfer_ms_p50/p99` from its first batch submitted to
+    /// the same end, the transfer alone.
     #[arg(long)]
     pub json: bool,
 }

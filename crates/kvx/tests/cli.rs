@@ -115,12 +115,20 @@ fn demo_in_process_completes_and_reports_json() {
         "bytes_verified",
         "makespan_s",
         "bytes_per_sec",
-        "latency_ms_p50",
-        "latency_ms_p99",
+        "request_latency_ms_p50",
+        "request_latency_ms_p99",
+        "transfer_ms_p50",
+        "transfer_ms_p99",
         "admission_wait_ms_p99",
         "slots_leaked",
     ] {
         assert!(s.get(field).is_some(), "JSON has {field}: {s}");
+    }
+    // Each request's latency contains its transfer, so every quantile does too.
+    for q in ["p50", "p99"] {
+        let request = s[format!("request_latency_ms_{q}")].as_f64().unwrap();
+        let transfer = s[format!("transfer_ms_{q}")].as_f64().unwrap();
+        assert!(request >= transfer && transfer > 0.0, "{q}: {s}");
     }
     assert_eq!(s["requests_total"], 20);
     assert_eq!(s["slots_leaked"], 0);
