@@ -126,8 +126,10 @@ fn demo_in_process_completes_and_reports_json() {
     }
     // Each request's latency contains its transfer, so every quantile does too.
     for q in ["p50", "p99"] {
-        let request = s[format!("request_latency_ms_{q}")].as_f64().unwrap();
-        let transfer = s[format!("transfer_ms_{q}")].as_f64().unwrap();
+        let request = s[format!("request_latency_ms_{q}")]
+            .as_f64()
+            .expect("a number");
+        let transfer = s[format!("transfer_ms_{q}")].as_f64().expect("a number");
         assert!(request >= transfer && transfer > 0.0, "{q}: {s}");
     }
     assert_eq!(s["requests_total"], 20);
