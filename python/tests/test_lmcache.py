@@ -49,6 +49,24 @@ def test_the_seed_example_completes_through_kvx(kvx_backend):
         assert cluster.close() == 0
 
 
+def test_the_last_remove_hands_the_slots_back_at_once(kvx_backend):
+    # The next request's admission may be waiting for exactly these slots: they go back to
+    # kvx on the thread of LMCache's last remove, not at the receiver's next delivery.
+    cluster = Cluster(buffer_chunks=8, timeout=10.0)
+    try:
+        assert cluster.store("r", 4, range(4), last=True) == 4
+        notice = cluster.next_notice(10.0)
+        assert notice is not None and notice["type"] == "ProxyNotif", notice
+        rx = cluster.receivers[0].allocator_backend.receiver
+        assert rx.receiver.snapshot()["free"] == 4
+        assert cluster.retrieve("r", 4)
+        snap = rx.receiver.snapshot()
+        assert snap["free"] == 8 and snap["tracked_requests"] == 0, snap
+        assert rx.leased_requests() == 0
+    finally:
+        assert cluster.close() == 0
+
+
 def test_four_concurrent_requests_per_sender_complete_through_kvx(kvx_backend):
     cluster = Cluster(buffer_chunks=12, staging_chunks=6, timeout=10.0)
     try:

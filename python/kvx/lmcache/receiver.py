@@ -16,7 +16,6 @@ before that, so that no memory object ever views a slot kvx has reused.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -58,7 +57,6 @@ class ReceiverRole:
         )
         self.data: Dict[CacheEngineKey, MemoryObj] = {}
         self._leases: Dict[int, tuple] = {}  # id(lease) → (lease, deadline, keys)
-        self._done: "queue.SimpleQueue[kvx.ReadLease]" = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._running = True
         self._pump = threading.Thread(target=self._take_delivered, name="kvx-lmcache-ready",
@@ -113,11 +111,10 @@ class ReceiverRole:
                 return
             for lease in leases:
                 self._file(lease)
-            self._consume_done()
             self._withdraw_expiring()
 
     def _file(self, lease: "kvx.ReadLease") -> None:
-        chunks = LeasedChunks(lease, self._done.put)
+        chunks = LeasedChunks(lease, self._consume)
         try:
             objs = chunks.objects(self.buffer, self.settings.chunk_bytes, self.metadata)
             keys = [CacheEngineKey.from_string(k) for k in lease.keys]
@@ -138,18 +135,18 @@ class ReceiverRole:
         for obj in duplicates:
             obj.ref_count_down()
 
-    def _consume_done(self) -> None:
-        while True:
-            try:
-                lease = self._done.get_nowait()
-            except queue.Empty:
-                return
-            with self._lock:
-                self._leases.pop(id(lease), None)
-            try:
-                lease.consume()
-            except kvx.KvxError as e:
-                logger.warning("kvx: consuming request %s: %s", lease.req_id, e)
+    def _consume(self, lease: "kvx.ReadLease") -> None:
+        """Hands a request's slots back to kvx once LMCache freed its last chunk, at once and
+        on the freeing thread: the slots it frees may be what the next request's admission
+        waits for. (Never waits: consuming only tells kvx's driver.)"""
+        with self._lock:
+            known = self._leases.pop(id(lease), None) is not None
+        if not known:
+            return  # Withdrawn at its TTL, which consumed it.
+        try:
+            lease.consume()
+        except kvx.KvxError as e:
+            logger.warning("kvx: consuming request %s: %s", lease.req_id, e)
 
     def _withdraw_expiring(self) -> None:
         now = time.monotonic()

@@ -28,6 +28,10 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryOb
 from .memory import _NoAllocation, slot_object
 
 
+#: How often a store blocked on a full room checks whether its request was admitted.
+GIVE_UP_POLL_S = 0.005
+
+
 class WaitingRoom(_NoAllocation):
     """``slots`` slots of ``slot_bytes`` for chunks of requests not yet admitted; each slot
     is owned by one request until its memory object is freed."""
@@ -51,7 +55,10 @@ class WaitingRoom(_NoAllocation):
                 left = deadline - time.monotonic()
                 if left <= 0 or (give_up is not None and give_up()):
                     return None
-                self._cv.wait(timeout=min(left, 0.05))
+                # A freed slot wakes this wait; the request's own admission (which ends
+                # it: the chunk then goes straight to staging) is only seen by polling
+                # give_up, so poll often: a store blocked here holds up the engine's step.
+                self._cv.wait(timeout=min(left, GIVE_UP_POLL_S))
             index = self._free.pop()
             self._owner[index] = req_id
         return slot_object(self.memory, index, self.slot_bytes, shapes, dtypes, fmt, self)
