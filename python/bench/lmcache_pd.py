@@ -1,6 +1,8 @@
 """LMCache's own PD backend (``PDBackendAsync``, its ``mock_memory`` transfer channel) against
-kvx's (``kvx.lmcache``), driven by one Python driver through LMCache's own
-``StorageManager``s on the same workload (docs/PERFORMANCE.md, "LMCache backend"):
+kvx's (``kvx.lmcache``) over TCP on loopback (``kvx_fabric: tcp``, what separate processes
+use) and in-process (``kvx_fabric: mem``, the like of ``mock_memory``), driven by one Python
+driver through LMCache's own ``StorageManager``s on the same workload (docs/PERFORMANCE.md,
+"LMCache backend"):
 
     target/pyenv/bin/python python/bench/lmcache_pd.py [--requests 50] [--deadline 120]
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 KV_SHAPE = (8, 2, 256, 8, 16)  # bf16: 1 MiB per chunk
 BATCH = 4
+BACKENDS = ("lmcache", "kvx-tcp", "kvx-mem")
 
 
 def run(backend: str, interleave: int, requests: int, deadline_s: float) -> dict:
@@ -45,8 +48,10 @@ def run(backend: str, interleave: int, requests: int, deadline_s: float) -> dict
     from lmcache.v1.storage_backend.storage_manager import StorageManager
     from lmcache_cluster import chunk_key, config, free_port, metadata
 
-    if backend == "kvx":
+    extra = {}
+    if backend.startswith("kvx-"):
         kvx.lmcache.install()
+        extra = {"kvx_fabric": backend.split("-", 1)[1]}
     meta = metadata(kv_shape=KV_SHAPE)
     chunk_bytes = meta.get_shapes()[0].numel() * 2
     proxy_port = free_port()
@@ -54,11 +59,12 @@ def run(backend: str, interleave: int, requests: int, deadline_s: float) -> dict
     pull = ctx.socket(zmq.PULL)
     pull.bind(f"tcp://127.0.0.1:{proxy_port}")
     init, alloc = [free_port()], [free_port()]
-    rx = StorageManager(config("receiver", 64, init, alloc, proxy_port, 30.0, kv_shape=KV_SHAPE),
+    rx = StorageManager(config("receiver", 64, init, alloc, proxy_port, 30.0, kv_shape=KV_SHAPE,
+                               **extra),
                         meta, EventManager())
     senders = [
         StorageManager(config("sender", 64, [free_port()], [free_port()], proxy_port, 30.0,
-                              kv_shape=KV_SHAPE), meta, EventManager())
+                              kv_shape=KV_SHAPE, **extra), meta, EventManager())
         for _ in range(2)
     ]
     rng = random.Random(1)
@@ -176,7 +182,7 @@ def main() -> None:
             os._exit(0)
     results = {}
     for interleave in (1, 4):
-        for backend in ("lmcache", "kvx"):
+        for backend in BACKENDS:
             out = subprocess.run(
                 [sys.executable, __file__, "--requests", str(args.requests), "--deadline",
                  str(args.deadline), "--run", backend, str(interleave)],
@@ -188,14 +194,16 @@ def main() -> None:
             print(lines[-1], flush=True)
     summary = {}
     for interleave in (1, 4):
-        k, l = results[("kvx", interleave)], results[("lmcache", interleave)]
-        summary[f"interleave_{interleave}"] = {
-            "gb_per_s_ratio": k["gb_per_s"] / l["gb_per_s"] if l["gb_per_s"] else None,
-            "p99_ratio": (k["latency_ms_p99"] / l["latency_ms_p99"]
-                          if k["latency_ms_p99"] and l["latency_ms_p99"] else None),
-            "lmcache_lost": l["lost"],
-            "kvx_lost": k["lost"],
-        }
+        l = results[("lmcache", interleave)]
+        for backend in BACKENDS[1:]:
+            k = results[(backend, interleave)]
+            summary[f"{backend}_interleave_{interleave}"] = {
+                "gb_per_s_ratio": k["gb_per_s"] / l["gb_per_s"] if l["gb_per_s"] else None,
+                "p99_ratio": (k["latency_ms_p99"] / l["latency_ms_p99"]
+                              if k["latency_ms_p99"] and l["latency_ms_p99"] else None),
+                "lmcache_lost": l["lost"],
+                "kvx_lost": k["lost"],
+            }
     print(json.dumps(summary))
 
 

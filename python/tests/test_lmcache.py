@@ -88,6 +88,18 @@ def lmcaches_own():
     return json.loads(lines[-1])
 
 
+def test_the_in_process_fabric_completes_four_concurrent_requests_byte_exact(kvx_backend):
+    # kvx_fabric: mem, both sides in one process (LMCache's mock_memory counterpart).
+    cluster = Cluster(buffer_chunks=12, staging_chunks=6, timeout=10.0, kvx_fabric="mem")
+    try:
+        assert cluster.senders[0].allocator_backend.pd_config.extra["kvx_fabric"] == "mem"
+        plans, decoder, stuck = four_concurrent(cluster)
+        assert not stuck
+        assert decoder.delivered == {r: True for r in plans}, (decoder.delivered, decoder.failed)
+    finally:
+        assert cluster.close() == 0
+
+
 def test_the_seed_example_wedges_lmcaches_own_backend(lmcaches_own):
     """LMCache's sender holds the receiver's only channel while the second request waits
     for admission, so the first request's remaining batches cannot go: nothing moves until

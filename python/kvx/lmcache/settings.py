@@ -19,7 +19,13 @@ DEFAULT_ALLOCATION_TIMEOUT_SEC = 60.0
 
 #: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
 KVX_EXTRA_KEYS: Dict[str, tuple] = {
-    "kvx_fabric": (str, "tcp", "how chunk bytes move: tcp (the one the backend takes today)"),
+    "kvx_fabric": (
+        str,
+        "tcp",
+        "how chunk bytes move: tcp (between processes and hosts), or mem (in-process copies: "
+        "prefill and decode StorageManagers in one process, as LMCache's mock_memory channel, "
+        "for tests and benchmarks)",
+    ),
     "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
     "kvx_failure_notices": (
         bool,
@@ -140,8 +146,9 @@ def _extra(config: Any) -> Dict[str, Any]:
         raise ConfigError("extra_config kvx_fabric=shm: LMCache's memory objects view kvx's "
                           "slots in place, which the shm fabric's own mappings do not allow; "
                           "use kvx_fabric: tcp")
-    if out["kvx_fabric"] != "tcp":
-        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp")
+    if out["kvx_fabric"] not in ("tcp", "mem"):
+        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp (or mem, "
+                          "with both sides in one process)")
     for name, value in out.items():
         if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")
