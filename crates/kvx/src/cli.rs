@@ -139,7 +139,11 @@ pub struct SenderArgs {
     /// The proxy's notice endpoint, host:port [default: 127.0.0.1:8500].
     #[arg(long)]
     pub proxy: Option<String>,
-    /// Staging pool per rank, in chunks [default: 64].
+    /// Staging pool per rank, in chunks [default: 4]. As in `kvx demo`: staging only needs
+    /// to cover what is in flight on the link (its bandwidth-delay product; 4 chunks of
+    /// 1 MiB cover 25 GB/s × 160 µs); more adds queueing and cache misses, not throughput
+    /// (docs/PERFORMANCE.md measures 4 against 8 and 64). Raise it for a longer or faster
+    /// link.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub staging_chunks: Option<u32>,
     /// Bytes per chunk; must match the receiver's [default: 1048576].

@@ -193,7 +193,8 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         .unwrap_or_else(|| "127.0.0.1:8500".into());
     let (proxy_host, proxy_port) = split_host_port(&proxy)?;
     let proxy = (style.control)(&proxy_host, proxy_port);
-    let staging_slots = args.staging_chunks.or(file.staging_chunks).unwrap_or(64);
+    // The demo's default and reasoning (`--help`).
+    let staging_slots = args.staging_chunks.or(file.staging_chunks).unwrap_or(4);
     let chunk_bytes = usize::try_from(args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20))?;
     crate::memory_check::check(&[crate::memory_check::Need {
         what: "the staging pools",
