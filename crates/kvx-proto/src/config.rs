@@ -123,7 +123,11 @@ impl ReceiverConfig {
 
     /// Refuses settings the ledger cannot run with: no slot or more than a write tag can
     /// name, a zero admission queue, request table, per-sender queue, id or key length, a zero
-    /// admission or idle timeout, a share outside 1..=100. `ReceiverLedger::new` calls it.
+    /// admission or idle timeout, a zero unconsumed TTL (a request would be released as it
+    /// becomes ready), a zero write quarantine (a late write could land in a reused slot), a
+    /// zero tombstone TTL or count or byte bound (a late batch of an ended request would be
+    /// admitted afresh), a zero queued-bytes bound, a share outside 1..=100.
+    /// `ReceiverLedger::new` calls it.
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.buffer_slots > 0, || {
             "buffer_slots must be at least 1".into()
@@ -147,6 +151,20 @@ impl ReceiverConfig {
         require(!self.admission_timeout.is_zero(), || {
             "admission_timeout must be positive".into()
         })?;
+        for (name, d) in [
+            ("unconsumed_ttl", self.unconsumed_ttl),
+            ("write_quarantine", self.write_quarantine),
+            ("tombstone_ttl", self.tombstone_ttl),
+        ] {
+            require(!d.is_zero(), || format!("{name} must be positive"))?;
+        }
+        for (name, n) in [
+            ("tombstones_max", self.tombstones_max),
+            ("queued_bytes_max", self.queued_bytes_max),
+            ("tombstones_bytes_max", self.tombstones_bytes_max),
+        ] {
+            require(n > 0, || format!("{name} must be at least 1"))?;
+        }
         require((1..=100).contains(&self.peer_share_percent), || {
             format!(
                 "peer_share_percent must be 1..=100 (percent of the buffer one sender may hold), got {}",
@@ -372,6 +390,28 @@ mod tests {
             .expect("defaults agree");
         r.check_proxy(&ProxyConfig::default())
             .expect("defaults agree");
+    }
+
+    #[test]
+    fn zero_durations_and_bounds_are_refused_naming_the_field() {
+        type Zero = fn(&mut ReceiverConfig);
+        let cases: [(&str, Zero); 6] = [
+            ("unconsumed_ttl", |c| c.unconsumed_ttl = Duration::ZERO),
+            ("write_quarantine", |c| c.write_quarantine = Duration::ZERO),
+            ("tombstone_ttl", |c| c.tombstone_ttl = Duration::ZERO),
+            ("tombstones_max", |c| c.tombstones_max = 0),
+            ("queued_bytes_max", |c| c.queued_bytes_max = 0),
+            ("tombstones_bytes_max", |c| c.tombstones_bytes_max = 0),
+        ];
+        for (name, zero) in cases {
+            let mut c = ReceiverConfig::default();
+            zero(&mut c);
+            let err = c.validate().expect_err(name);
+            assert!(err.to_string().contains(name), "{name}: {err}");
+        }
+        ReceiverConfig::default()
+            .validate()
+            .expect("the defaults are valid");
     }
 
     #[test]
