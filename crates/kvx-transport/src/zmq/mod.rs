@@ -64,7 +64,9 @@ pub struct ZmqConfig {
     /// First wait before a reconnect attempt; it doubles up to `reconnect_backoff_max`.
     pub reconnect_backoff_min: Duration,
     pub reconnect_backoff_max: Duration,
-    /// Largest incoming frame passed on; larger ones are dropped, counted and logged.
+    /// Largest incoming frame passed on; larger ones are dropped, counted and logged. At most
+    /// the wire's own limit (`kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES`, 1 MiB), which the
+    /// drivers decode with: a larger frame let through here would only fail there.
     pub frame_max_bytes: usize,
     /// A peer that announces a frame longer than this is disconnected before any of the
     /// frame is read (a DEALER or PUSH then reconnects); frames between `frame_max_bytes` and this are
@@ -165,6 +167,13 @@ impl ZmqConfig {
             return Err(ZmqConfigError(
                 "frame_max_bytes and peers_max must be at least 1".into(),
             ));
+        }
+        if self.frame_max_bytes > DEFAULT_FRAME_MAX_BYTES {
+            return Err(ZmqConfigError(format!(
+                "frame_max_bytes {} exceeds {DEFAULT_FRAME_MAX_BYTES}, the largest message the \
+                 drivers decode (kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES)",
+                self.frame_max_bytes
+            )));
         }
         if !(1..=CONNECTIONS_MAX_LIMIT).contains(&self.connections_max) {
             return Err(ZmqConfigError(format!(
@@ -545,6 +554,23 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn frames_larger_than_the_drivers_decode_are_refused_at_configuration() {
+        let err = ZmqConfig {
+            frame_max_bytes: DEFAULT_FRAME_MAX_BYTES + 1,
+            ..ZmqConfig::default()
+        }
+        .validate()
+        .expect_err("past the wire's limit");
+        assert!(err.to_string().contains("frame_max_bytes"), "{err}");
+        ZmqConfig {
+            frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
+            ..ZmqConfig::default()
+        }
+        .validate()
+        .expect("the wire's limit itself");
     }
 
     #[test]
