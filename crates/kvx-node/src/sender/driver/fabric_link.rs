@@ -175,7 +175,10 @@ impl<E: Env> Driver<E> {
                 if cmd_tx.is_closed() {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis((100u64 << attempt.min(6)).min(5_000))).await;
+                // The environment's clock, as everywhere in the drivers (the simulation's
+                // under madsim).
+                let backoff = Duration::from_millis((100u64 << attempt.min(6)).min(5_000));
+                env.sleep_until(env.now() + backoff).await;
             }
             tracing::error!(%peer, "giving up connecting the fabric; writes to this receiver fail");
             let _ = cmd_tx.send(Cmd::FabricGaveUp(peer, FabricError::Io(format!("gave up connecting the fabric: {last}"))));
