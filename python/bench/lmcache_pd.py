@@ -4,7 +4,7 @@ use) and in-process (``kvx_fabric: mem``, the like of ``mock_memory``), driven b
 driver through LMCache's own ``StorageManager``s on the same workload (docs/PERFORMANCE.md,
 "LMCache backend"):
 
-    target/pyenv/bin/python python/bench/lmcache_pd.py [--requests 50] [--deadline 120]
+    target/pyenv/bin/python python/bench/lmcache_pd.py [--requests 50] [--deadline 120] [--rounds 3]
 
 2 senders × ``--requests`` requests of 4–16 chunks of 1 MiB (uniform, seeded), one receiver
 buffer of 64 chunks, batches of 4, with one request per sender at a time and with four. Each
@@ -173,6 +173,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=50, help="requests per sender")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds a run may take")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds with one request in flight per sender (alternating backends; "
+                         "medians reported); the four-in-flight runs go once")
     ap.add_argument("--run", nargs=2, metavar=("BACKEND", "INTERLEAVE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run:
@@ -180,8 +183,9 @@ def main() -> None:
             print(json.dumps(run(args.run[0], int(args.run[1]), args.requests, args.deadline)), flush=True)
         finally:
             os._exit(0)
-    results = {}
-    for interleave in (1, 4):
+    results: dict = {}
+    plan = [1] * args.rounds + [4]
+    for interleave in plan:
         for backend in BACKENDS:
             out = subprocess.run(
                 [sys.executable, __file__, "--requests", str(args.requests), "--deadline",
@@ -190,19 +194,23 @@ def main() -> None:
             lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
             if not lines:
                 raise SystemExit(f"{backend} × {interleave}: no result\n{out.stderr[-2000:]}")
-            results[(backend, interleave)] = json.loads(lines[-1])
+            results.setdefault((backend, interleave), []).append(json.loads(lines[-1]))
             print(lines[-1], flush=True)
+
+    def median(backend, interleave, field):
+        values = [r[field] for r in results[(backend, interleave)] if r[field] is not None]
+        return statistics.median(values) if values else None
+
     summary = {}
     for interleave in (1, 4):
-        l = results[("lmcache", interleave)]
+        l_gbs, l_p99 = median("lmcache", interleave, "gb_per_s"), median("lmcache", interleave, "latency_ms_p99")
         for backend in BACKENDS[1:]:
-            k = results[(backend, interleave)]
+            k_gbs, k_p99 = median(backend, interleave, "gb_per_s"), median(backend, interleave, "latency_ms_p99")
             summary[f"{backend}_interleave_{interleave}"] = {
-                "gb_per_s_ratio": k["gb_per_s"] / l["gb_per_s"] if l["gb_per_s"] else None,
-                "p99_ratio": (k["latency_ms_p99"] / l["latency_ms_p99"]
-                              if k["latency_ms_p99"] and l["latency_ms_p99"] else None),
-                "lmcache_lost": l["lost"],
-                "kvx_lost": k["lost"],
+                "gb_per_s_ratio_of_medians": k_gbs / l_gbs if l_gbs else None,
+                "p99_ratio_of_medians": k_p99 / l_p99 if k_p99 and l_p99 else None,
+                "lmcache_lost": sum(r["lost"] for r in results[("lmcache", interleave)]),
+                "kvx_lost": sum(r["lost"] for r in results[(backend, interleave)]),
             }
     print(json.dumps(summary))
 
