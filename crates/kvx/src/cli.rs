@@ -78,6 +78,11 @@ pub struct ReceiverArgs {
     /// TOML file with a [receiver] table (keys as these flags, snake_case); flags win.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// An LMCache configuration file (YAML) whose `pd_*` keys this process takes, as the
+    /// LMCache process it replaces would (ports per TP rank, buffer size in bytes, proxy,
+    /// allocation timeout; docs/operations.md). Below --config and flags.
+    #[arg(long, value_name = "FILE.yaml")]
+    pub lmcache_config: Option<PathBuf>,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -127,6 +132,11 @@ pub struct SenderArgs {
     /// TOML file with a [sender] table (keys as these flags, snake_case); flags win.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// An LMCache configuration file (YAML) whose `pd_*` keys this process takes, as the
+    /// LMCache process it replaces would (ports per TP rank, buffer size in bytes, proxy,
+    /// allocation timeout; docs/operations.md). Below --config and flags.
+    #[arg(long, value_name = "FILE.yaml")]
+    pub lmcache_config: Option<PathBuf>,
     /// The receiver's host [default: 127.0.0.1].
     #[arg(long)]
     pub receiver_host: Option<String>,
@@ -169,6 +179,11 @@ pub struct ProxyArgs {
     /// TOML file with a [proxy] table; flags win.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// An LMCache configuration file (YAML) whose `pd_*` keys this process takes, as the
+    /// LMCache process it replaces would (ports per TP rank, buffer size in bytes, proxy,
+    /// allocation timeout; docs/operations.md). Below --config and flags.
+    #[arg(long, value_name = "FILE.yaml")]
+    pub lmcache_config: Option<PathBuf>,
     /// Address to bind [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,

@@ -12,6 +12,7 @@
 //! - `envs`: picking a transport and fabric at runtime.
 //! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
 //! - `config`: their TOML file.
+//! - `lmcache_config`: their `--lmcache-config`, the `pd_*` keys of an LMCache YAML file.
 //! - `bench`: `kvx bench`, fabric throughput against a same-run baseline.
 
 mod bench;
@@ -20,6 +21,7 @@ mod config;
 mod decoder;
 mod demo;
 mod envs;
+mod lmcache_config;
 mod loadgen;
 mod memory_check;
 mod roles;
