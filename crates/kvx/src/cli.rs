@@ -44,6 +44,7 @@ pub enum Command {
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
+    /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
     #[command(flatten)]
@@ -98,6 +99,7 @@ pub struct ReceiverArgs {
     /// Bytes per chunk [default: 1048576].
     #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: Option<u64>,
+    /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
     /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
@@ -125,6 +127,8 @@ pub struct ReceiverArgs {
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
+    #[command(flatten)]
+    pub protocol: crate::knobs::ReceiverKnobs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -159,6 +163,7 @@ pub struct SenderArgs {
     /// Bytes per chunk; must match the receiver's [default: 1048576].
     #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: Option<u64>,
+    /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
     /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
@@ -172,6 +177,8 @@ pub struct SenderArgs {
     pub sender_index: u32,
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub protocol: crate::knobs::SenderKnobs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -196,6 +203,8 @@ pub struct ProxyArgs {
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
+    #[command(flatten)]
+    pub protocol: crate::knobs::ProxyKnobs,
 }
 
 /// What a receiver does with senders that send no `seq` (docs/spec/protocol.md §Legacy).
@@ -322,6 +331,7 @@ pub struct DemoArgs {
     /// Bytes per chunk.
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: u64,
+    /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
     /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with

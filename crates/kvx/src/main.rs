@@ -12,6 +12,7 @@
 //! - `envs`: picking a transport and fabric at runtime.
 //! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
 //! - `config`: their TOML file.
+//! - `knobs`: every protocol setting of each role as a flag (and TOML key).
 //! - `lmcache_config`: their `--lmcache-config`, the `pd_*` keys of an LMCache YAML file.
 //! - `bench`: `kvx bench`, fabric throughput against a same-run baseline.
 
@@ -21,6 +22,7 @@ mod config;
 mod decoder;
 mod demo;
 mod envs;
+mod knobs;
 mod lmcache_config;
 mod loadgen;
 mod memory_check;
@@ -51,7 +53,15 @@ fn raise_open_files_limit() {
 }
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    // A `--config` file's settings join the command line as flags (config.rs).
+    let argv = match config::command_line(std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("kvx: error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = cli::Cli::parse_from(argv);
     // One-shot runs (demo, bench) tear their own connections down at the end, which the
     // fabric logs as broken connections: keep their default quiet; services log warnings.
     let default_filter = match cli.command {

@@ -11,13 +11,12 @@ use indicatif::ProgressBar;
 use kvx_io::Env;
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
 use kvx_proto::proxy::ProxyEvent;
-use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::cli::{ProxyArgs, ReceiverArgs, SenderArgs};
-use crate::config;
 use crate::decoder::{self, DecodeTally};
+use crate::knobs::{ReceiverFlags, SenderFlags};
 use crate::lmcache_config::{self, Role};
 use crate::loadgen::{self, SharedTally, Worker};
 use crate::workload::{self, Rng};
@@ -83,24 +82,18 @@ pub async fn receiver<E: Env>(
     style: Style,
     args: ReceiverArgs,
 ) -> anyhow::Result<ExitCode> {
-    let file = config::load(args.config.as_deref())?.receiver;
     let lmc =
         lmcache_config::load(args.lmcache_config.as_deref(), Role::Receiver)?.unwrap_or_default();
     let host = args
         .host
-        .or(file.host)
         .or(lmc.peer_host.clone())
         .unwrap_or_else(|| "127.0.0.1".into());
     let ranks = ports(
-        args.alloc_ports
-            .or(file.alloc_ports)
-            .or(lmc.alloc_ports.clone()),
-        args.fabric_ports
-            .or(file.fabric_ports)
-            .or(lmc.init_ports.clone()),
+        args.alloc_ports.or(lmc.alloc_ports.clone()),
+        args.fabric_ports.or(lmc.init_ports.clone()),
     )?;
-    let chunk_bytes = args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20);
-    let buffer_slots = match args.buffer_chunks.or(file.buffer_chunks) {
+    let chunk_bytes = args.chunk_bytes.unwrap_or(1 << 20);
+    let buffer_slots = match args.buffer_chunks {
         Some(n) => n,
         None => lmc.buffer_chunks(chunk_bytes)?.unwrap_or(64),
     };
@@ -111,7 +104,7 @@ pub async fn receiver<E: Env>(
         slot_bytes: chunk_bytes as u64,
         count: ranks.len() as u64,
     }])?;
-    if let Some(addr) = args.metrics.or(file.metrics) {
+    if let Some(addr) = args.metrics {
         let addr: std::net::SocketAddr = addr
             .parse()
             .with_context(|| format!("--metrics {addr:?} is not host:port"))?;
@@ -121,16 +114,13 @@ pub async fn receiver<E: Env>(
             .with_context(|| format!("serving metrics at {addr}"))?;
         eprintln!("kvx receiver: metrics at http://{addr}/metrics");
     }
-    let defaults = ReceiverConfig::default();
-    let cfg = ReceiverConfig {
+    let cfg = args.protocol.apply(ReceiverFlags {
         buffer_slots,
         require_checksums: args.checksums.enabled(args.fabric),
         legacy_senders: args.legacy_senders.into(),
         peer_share_percent: args.peer_share_percent,
-        admission_timeout: lmc.allocation_timeout.unwrap_or(defaults.admission_timeout),
-        ..defaults
-    };
-    cfg.validate()?;
+        lmcache_allocation_timeout: lmc.allocation_timeout,
+    })?;
     let tally = Arc::new(DecodeTally::default());
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
         let (alloc, fabric) = (
@@ -193,26 +183,18 @@ pub struct SenderSummary {
 }
 
 pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::Result<ExitCode> {
-    let file = config::load(args.config.as_deref())?.sender;
     let lmc =
         lmcache_config::load(args.lmcache_config.as_deref(), Role::Sender)?.unwrap_or_default();
-    let host = args
-        .receiver_host
-        .or(file.receiver_host)
-        .unwrap_or_else(|| "127.0.0.1".into());
-    let ranks = ports(
-        args.alloc_ports.or(file.alloc_ports),
-        args.fabric_ports.or(file.fabric_ports),
-    )?;
+    let host = args.receiver_host.unwrap_or_else(|| "127.0.0.1".into());
+    let ranks = ports(args.alloc_ports, args.fabric_ports)?;
     let proxy = args
         .proxy
-        .or(file.proxy)
         .or(lmc.proxy())
         .unwrap_or_else(|| "127.0.0.1:8500".into());
     let (proxy_host, proxy_port) = split_host_port(&proxy)?;
     let proxy = (style.control)(&proxy_host, proxy_port);
-    let chunk_bytes = args.chunk_bytes.or(file.chunk_bytes).unwrap_or(1 << 20);
-    let staging_slots = match args.staging_chunks.or(file.staging_chunks) {
+    let chunk_bytes = args.chunk_bytes.unwrap_or(1 << 20);
+    let staging_slots = match args.staging_chunks {
         Some(n) => n,
         // An LMCache file's staging, else the demo's default and reasoning (`--help`).
         None => lmc.buffer_chunks(chunk_bytes)?.unwrap_or(4),
@@ -224,15 +206,11 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         slot_bytes: chunk_bytes as u64,
         count: ranks.len() as u64,
     }])?;
-    let defaults = SenderConfig::default();
-    let cfg = SenderConfig {
+    let cfg = args.protocol.apply(SenderFlags {
         staging_slots,
-        notify_proxy_on_failure: true,
         checksums: args.checksums.enabled(args.fabric),
-        staging_timeout: lmc.allocation_timeout.unwrap_or(defaults.staging_timeout),
-        ..defaults
-    };
-    cfg.validate()?;
+        lmcache_allocation_timeout: lmc.allocation_timeout,
+    })?;
     let mut handles = Vec::new();
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
         let id = sender_id(&format!("kvx-sender-{}-rank{rank}", args.sender_index))?;
@@ -327,27 +305,18 @@ fn split_host_port(s: &str) -> anyhow::Result<(String, u16)> {
 }
 
 pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Result<ExitCode> {
-    let file = config::load(args.config.as_deref())?.proxy;
     let lmc =
         lmcache_config::load(args.lmcache_config.as_deref(), Role::Proxy)?.unwrap_or_default();
     let host = args
         .host
-        .or(file.host)
         .or(lmc.proxy_host.clone())
         .unwrap_or_else(|| "127.0.0.1".into());
-    let port = args.port.or(file.port).or(lmc.proxy_port).unwrap_or(8500);
+    let port = args.port.or(lmc.proxy_port).unwrap_or(8500);
     // A decoder's LMCache file lists an alloc port per TP rank: a notice comes from each.
     let lmcache_ranks = lmc.alloc_ports.as_ref().map(|p| p.len() as u32);
-    let tp_ranks = args
-        .tp_ranks
-        .or(file.tp_ranks)
-        .or(lmcache_ranks)
-        .unwrap_or(1);
+    let tp_ranks = args.tp_ranks.or(lmcache_ranks).unwrap_or(1);
     // A standalone proxy learns of requests from their first notice.
-    let cfg = ProxyConfig {
-        await_on_first_notice: Some(tp_ranks),
-        ..ProxyConfig::default()
-    };
+    let cfg = args.protocol.apply(tp_ranks)?;
     let (proxy, mut events) = ProxyNode::start_with_events(env, cfg, &(style.control)(&host, port))
         .await
         .context("binding the notice channel")?;
