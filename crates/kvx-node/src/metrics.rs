@@ -36,8 +36,27 @@ pub const ADMISSION_WAIT_SECONDS: &str = "kvx_receiver_admission_wait_seconds";
 pub const DECODE_ERRORS: &str = "kvx_decode_errors_total";
 /// Counter: requests a sender delivered (`ProxyNotif` sent).
 pub const SENDER_DELIVERED: &str = "kvx_sender_delivered_total";
-/// Counter: requests that failed at a sender.
+/// Counter, per `reason` (`SendFailure::kind`: cancelled, refused, reply_timeout,
+/// channel_lost, write_failed, write_timeout, …): requests that failed at a sender.
 pub const SENDER_FAILED: &str = "kvx_sender_failed_total";
+/// Gauge: staging slots free.
+pub const SENDER_STAGING_FREE: &str = "kvx_sender_staging_free";
+/// Gauge: staging slots held by requests (allocated, written or in flight).
+pub const SENDER_STAGING_HELD: &str = "kvx_sender_staging_held";
+/// Gauge: requests the sender tracks (begun and not yet ended, or ending).
+pub const SENDER_REQUESTS: &str = "kvx_sender_requests";
+/// Histogram: from a request's beginning to its admission, in seconds.
+pub const SENDER_ADMISSION_WAIT_SECONDS: &str = "kvx_sender_admission_wait_seconds";
+/// Histogram: from a write's posting to its successful completion, in seconds.
+pub const SENDER_WRITE_SECONDS: &str = "kvx_sender_write_seconds";
+/// Counter, per `channel` (control, fabric): connections to a receiver made again after
+/// one was lost.
+pub const SENDER_RECONNECTS: &str = "kvx_sender_reconnects_total";
+/// Counter: requests the proxy found ready (every TP rank's ProxyNotif in).
+pub const PROXY_READY: &str = "kvx_proxy_ready_total";
+/// Counter, per `reason` (`ProxyFailure::kind`: reported, kv_ready_timeout): requests the
+/// proxy found failed.
+pub const PROXY_FAILED: &str = "kvx_proxy_failed_total";
 /// Proxy outcomes no `expect` awaited that found `ProxyEvents` full (its reader behind).
 pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";
 /// Counter: notices the proxy could not use (an over-long id, a message that is no notice,

@@ -182,8 +182,15 @@ impl<E: Env> Driver<E> {
     fn deliver(&mut self) {
         while let Some(ev) = self.tracker.poll_event() {
             let (req_id, outcome) = match &ev {
-                ProxyEvent::Ready { req_id } => (req_id, Ok(())),
-                ProxyEvent::Failed { req_id, failure } => (req_id, Err(failure.clone())),
+                ProxyEvent::Ready { req_id } => {
+                    metrics::counter!(crate::metrics::PROXY_READY).increment(1);
+                    (req_id, Ok(()))
+                }
+                ProxyEvent::Failed { req_id, failure } => {
+                    metrics::counter!(crate::metrics::PROXY_FAILED, "reason" => failure.kind())
+                        .increment(1);
+                    (req_id, Err(failure.clone()))
+                }
             };
             if let Some(tx) = self.waiting.remove(req_id) {
                 let _ = tx.send(outcome);

@@ -56,6 +56,17 @@ pub enum ProxyFailure {
     ProxyGone,
 }
 
+impl ProxyFailure {
+    /// A short name of the kind of failure, without its details: a metric's label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProxyFailure::Reported(_) => "reported",
+            ProxyFailure::TimedOut { .. } => "kv_ready_timeout",
+            ProxyFailure::ProxyGone => "proxy_gone",
+        }
+    }
+}
+
 /// Why `handle_expect` did not start a wait; nothing changed, and no event will come for
 /// this call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -108,7 +108,7 @@ pub struct ReceiverArgs {
     pub checksums: ChecksumMode,
     #[command(flatten)]
     pub rdma: RdmaArgs,
-    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9400).
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9400), with /ready beside them.
     #[arg(long)]
     pub metrics: Option<String>,
     /// Do not check the synthetic workload's bytes (for real KV data).
@@ -172,6 +172,9 @@ pub struct SenderArgs {
     pub checksums: ChecksumMode,
     #[command(flatten)]
     pub rdma: RdmaArgs,
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9401), with /ready beside them.
+    #[arg(long)]
+    pub metrics: Option<String>,
     /// This sender's number, used in request ids so several senders never collide.
     #[arg(long, default_value_t = 0)]
     pub sender_index: u32,
@@ -197,6 +200,9 @@ pub struct ProxyArgs {
     /// Notice port (LMCache: proxy_port) [default: 8500].
     #[arg(long)]
     pub port: Option<u16>,
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9402), with /ready beside them.
+    #[arg(long)]
+    pub metrics: Option<String>,
     /// Notices that make a request ready: one per decoder TP rank [default: 1].
     #[arg(long)]
     pub tp_ranks: Option<u32>,

@@ -12,6 +12,7 @@
 //! - `envs`: picking a transport and fabric at runtime.
 //! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
 //! - `config`: their TOML file.
+//! - `health`: their `--metrics` server: `/metrics` and `/ready`.
 //! - `knobs`: every protocol setting of each role as a flag (and TOML key).
 //! - `lmcache_config`: their `--lmcache-config`, the `pd_*` keys of an LMCache YAML file.
 //! - `bench`: `kvx bench`, fabric throughput against a same-run baseline.
@@ -22,6 +23,7 @@ mod config;
 mod decoder;
 mod demo;
 mod envs;
+mod health;
 mod knobs;
 mod lmcache_config;
 mod loadgen;

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use crate::cli::{ProxyArgs, ReceiverArgs, SenderArgs};
 use crate::decoder::{self, DecodeTally};
+use crate::health::{self, Readiness};
 use crate::knobs::{ReceiverFlags, SenderFlags};
 use crate::lmcache_config::{self, Role};
 use crate::loadgen::{self, SharedTally, Worker};
@@ -104,16 +105,10 @@ pub async fn receiver<E: Env>(
         slot_bytes: chunk_bytes as u64,
         count: ranks.len() as u64,
     }])?;
-    if let Some(addr) = args.metrics {
-        let addr: std::net::SocketAddr = addr
-            .parse()
-            .with_context(|| format!("--metrics {addr:?} is not host:port"))?;
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .with_context(|| format!("serving metrics at {addr}"))?;
-        eprintln!("kvx receiver: metrics at http://{addr}/metrics");
-    }
+    let readiness = match &args.metrics {
+        Some(addr) => health::serve(addr, "receiver").await?,
+        None => Readiness::default(),
+    };
     let cfg = args.protocol.apply(ReceiverFlags {
         buffer_slots,
         require_checksums: args.checksums.enabled(args.fabric),
@@ -149,7 +144,9 @@ pub async fn receiver<E: Env>(
             }
         });
     }
+    readiness.set(true);
     until_stopped(args.exit_after_s).await;
+    readiness.set(false);
     let corrupt = tally.corrupted.load(Ordering::Relaxed);
     println!(
         "kvx receiver: {} bytes verified, {corrupt} corrupt chunks",
@@ -211,6 +208,10 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         checksums: args.checksums.enabled(args.fabric),
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
+    let readiness = match &args.metrics {
+        Some(addr) => health::serve(addr, "sender").await?,
+        None => Readiness::default(),
+    };
     let mut handles = Vec::new();
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
         let id = sender_id(&format!("kvx-sender-{}-rank{rank}", args.sender_index))?;
@@ -248,6 +249,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     };
     let tally: SharedTally = Arc::default();
     let started = Instant::now();
+    readiness.set(true);
     let worker = Worker {
         ranks: handles,
         proxy: None,
@@ -262,6 +264,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         bar.clone(),
     );
     let finished = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s)).await;
+    readiness.set(false);
     let makespan = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let t = loadgen::lock(&tally);
@@ -317,6 +320,10 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
     let tp_ranks = args.tp_ranks.or(lmcache_ranks).unwrap_or(1);
     // A standalone proxy learns of requests from their first notice.
     let cfg = args.protocol.apply(tp_ranks)?;
+    let readiness = match &args.metrics {
+        Some(addr) => health::serve(addr, "proxy").await?,
+        None => Readiness::default(),
+    };
     let (proxy, mut events) = ProxyNode::start_with_events(env, cfg, &(style.control)(&host, port))
         .await
         .context("binding the notice channel")?;
@@ -324,6 +331,7 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
         "kvx proxy: notices at {} ({tp_ranks} TP rank(s) per request)",
         proxy.endpoint()
     );
+    readiness.set(true);
     let (mut ready, mut failed) = (0u64, 0u64);
     let stop = until_stopped(args.exit_after_s);
     tokio::pin!(stop);
@@ -344,6 +352,7 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
             None => break,
         }
     }
+    readiness.set(false);
     println!("kvx proxy: {ready} ready, {failed} failed");
     Ok(ExitCode::SUCCESS)
 }

@@ -86,6 +86,11 @@ pub(super) struct Driver<E: Env> {
     /// Writes waiting for a receiver's new fabric connection, in posting order
     /// (`fabric_link`); at most one per staging slot.
     parked: BTreeMap<PeerId, Vec<PostWrite>>,
+    /// Per staging slot, the write in flight from it and when it was posted (one at a time
+    /// per slot), for the write-latency metric.
+    write_started: Vec<Option<(kvx_proto::WriteId, kvx_proto::Instant)>>,
+    /// Receivers whose fabric has been attached before: attaching again is a reconnect.
+    fabric_attached: std::collections::BTreeSet<PeerId>,
     inbox_tx: mpsc::UnboundedSender<Input>,
     inbox: mpsc::UnboundedReceiver<Input>,
     cmds: mpsc::UnboundedReceiver<Cmd>,
@@ -115,6 +120,8 @@ impl<E: Env> Driver<E> {
             acks_due: Vec::new(),
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
+            write_started: Vec::new(),
+            fabric_attached: Default::default(),
             conn_generation: 0,
             reconnecting: std::collections::BTreeSet::new(),
             connecting: std::collections::BTreeSet::new(),
@@ -195,12 +202,15 @@ impl<E: Env> Driver<E> {
             // old fabric connection is dead too, and its credential may be void. Replace the
             // connection once the receiver's next reply brings a credential.
             Input::Client(peer, ClientEvent::Reconnected) => {
+                metrics::counter!(crate::metrics::SENDER_RECONNECTS, "channel" => "control")
+                    .increment(1);
                 self.control_down.remove(&peer);
                 drop(core);
                 self.credentials.remove(&peer);
                 self.reset_fabric(peer);
             }
             Input::Done(peer, generation, c) => {
+                write_done(&mut self.write_started, c.id, c.result.is_ok(), now);
                 let broken = matches!(
                     c.result,
                     Err(kvx_io::FabricError::Flushed
@@ -332,6 +342,9 @@ impl<E: Env> Driver<E> {
             (t, w, e)
         };
         let asked = !(transmits.is_empty() && writes.is_empty() && events.is_empty());
+        if asked {
+            self.record_gauges();
+        }
         // Acknowledge processed disconnects before anything else reaches those receivers.
         for peer in std::mem::take(&mut self.acks_due) {
             if let Some(client) = self.clients.get(&peer) {
@@ -379,13 +392,44 @@ impl<E: Env> Driver<E> {
         }
     }
 
+    /// The staging and request gauges, read from the core.
+    fn record_gauges(&self) {
+        let (free, capacity, requests) = {
+            let core = self.shared.lock();
+            (
+                core.flow.staging_free(),
+                core.flow.staging_capacity(),
+                core.flow.tracked_requests(),
+            )
+        };
+        metrics::gauge!(crate::metrics::SENDER_STAGING_FREE).set(f64::from(free));
+        metrics::gauge!(crate::metrics::SENDER_STAGING_HELD).set(f64::from(capacity - free));
+        metrics::gauge!(crate::metrics::SENDER_REQUESTS).set(requests as f64);
+    }
+
+    /// Notes that write `id` was posted from staging slot `slot`.
+    fn write_posted(&mut self, slot: usize, id: kvx_proto::WriteId) {
+        if self.write_started.len() <= slot {
+            self.write_started.resize(slot + 1, None);
+        }
+        self.write_started[slot] = Some((id, self.env.now()));
+    }
+
     fn on_events(&mut self, events: Vec<SenderEvent>) {
         let mut stalled = Vec::new();
         for ev in events {
             match ev {
                 // Waiters read admission and outcomes from the core, woken below.
-                SenderEvent::Admitted { .. } => {}
+                SenderEvent::Admitted { req_id } => {
+                    let begun = self.shared.lock().begun_at.remove(&req_id);
+                    if let Some(at) = begun {
+                        let waited = self.env.now().saturating_since(at);
+                        metrics::histogram!(crate::metrics::SENDER_ADMISSION_WAIT_SECONDS)
+                            .record(waited.as_secs_f64());
+                    }
+                }
                 SenderEvent::Delivered { req_id } => {
+                    self.shared.lock().begun_at.remove(&req_id);
                     metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
                     self.shared.complete(RequestEnd {
                         req_id,
@@ -393,7 +437,9 @@ impl<E: Env> Driver<E> {
                     });
                 }
                 SenderEvent::Failed { req_id, failure } => {
-                    metrics::counter!(crate::metrics::SENDER_FAILED).increment(1);
+                    self.shared.lock().begun_at.remove(&req_id);
+                    metrics::counter!(crate::metrics::SENDER_FAILED, "reason" => failure.kind())
+                        .increment(1);
                     tracing::info!(%req_id, %failure, "request failed");
                     self.shared.complete(RequestEnd {
                         req_id,
@@ -433,6 +479,24 @@ fn routing_identity(local_id: &str, alloc: &str) -> String {
         cut -= 1;
     }
     format!("{}{tail}", &full[..cut])
+}
+
+/// Records write `id`'s latency when it succeeded; forgets it either way.
+fn write_done(
+    started: &mut [Option<(kvx_proto::WriteId, kvx_proto::Instant)>],
+    id: kvx_proto::WriteId,
+    ok: bool,
+    now: kvx_proto::Instant,
+) {
+    let Some(entry) = started.iter_mut().find(|e| e.is_some_and(|(w, _)| w == id)) else {
+        return;
+    };
+    if let Some((_, at)) = entry.take() {
+        if ok {
+            metrics::histogram!(crate::metrics::SENDER_WRITE_SECONDS)
+                .record(now.saturating_since(at).as_secs_f64());
+        }
+    }
 }
 
 #[cfg(test)]

@@ -70,7 +70,12 @@ impl<E: Env> SenderHandle<E> {
     /// Begins a request: its admission probe goes out; await `admitted` before staging.
     pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
         let now = self.now();
-        self.shared.lock().flow.handle_begin(now, spec)?;
+        {
+            let mut core = self.shared.lock();
+            let req_id = spec.req_id.clone();
+            core.flow.handle_begin(now, spec)?;
+            core.begun_at.insert(req_id, now);
+        }
         self.shared.poke.notify_one();
         Ok(())
     }

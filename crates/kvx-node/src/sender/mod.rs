@@ -47,6 +47,9 @@ pub struct ReceiverAddr {
 #[derive(Debug)]
 struct Core {
     flow: SenderFlow,
+    /// When each request not yet admitted began (its admission wait, a metric); bounded by
+    /// the requests the flow tracks.
+    begun_at: BTreeMap<kvx_proto::ReqId, kvx_proto::Instant>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
     next_peer: u64,
     shutdown: bool,
@@ -193,6 +196,7 @@ impl SenderNode {
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 flow,
+                begun_at: BTreeMap::new(),
                 receivers: BTreeMap::new(),
                 next_peer: 0,
                 shutdown: false,

@@ -119,6 +119,22 @@ pub enum SendFailure {
     Misuse(String),
 }
 
+impl SendFailure {
+    /// A short name of the kind of failure, without its details: a metric's label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SendFailure::Cancelled => "cancelled",
+            SendFailure::Refused(_) => "refused",
+            SendFailure::BadReply(_) => "bad_reply",
+            SendFailure::ReplyTimeout => "reply_timeout",
+            SendFailure::ChannelLost => "channel_lost",
+            SendFailure::WriteFailed(_) => "write_failed",
+            SendFailure::WriteTimeout => "write_timeout",
+            SendFailure::Misuse(_) => "misuse",
+        }
+    }
+}
+
 impl fmt::Display for SendFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

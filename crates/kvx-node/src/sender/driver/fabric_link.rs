@@ -22,6 +22,10 @@ impl<E: Env> Driver<E> {
         credential: FabricCredential,
     ) {
         self.connecting.remove(&peer);
+        if !self.fabric_attached.insert(peer) {
+            metrics::counter!(crate::metrics::SENDER_RECONNECTS, "channel" => "fabric")
+                .increment(1);
+        }
         let (poster, mut completions) = conn.split();
         self.conn_generation += 1;
         let generation = self.conn_generation;
@@ -85,6 +89,7 @@ impl<E: Env> Driver<E> {
     /// it.
     pub(super) fn post(&mut self, w: WriteOp) {
         let slot = w.staging.0 as usize;
+        self.write_posted(slot, w.id);
         let len = self.shared.lens[slot].load(Ordering::Acquire);
         let write = PostWrite {
             id: w.id,

@@ -1,0 +1,186 @@
+//! `--metrics` on every role: a proxy, a receiver and a sender as separate processes on
+//! loopback, each scraped over HTTP while the sender's run proceeds and after it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn kvx() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvx"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+/// One HTTP/1.1 GET: (status, body), or None when nothing answers.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    Some((status, body))
+}
+
+/// The sum of a metric's samples (every label set), when the text has it.
+fn value(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((key, v)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let bare = key.split('{').next().unwrap_or(key);
+        if bare == name {
+            *found.get_or_insert(0.0) += v.parse::<f64>().ok()?;
+        }
+    }
+    found
+}
+
+fn wait_ready(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((200, _)) = get(port, "/ready") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/ready on {port} not 200 after 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn interrupt(mut child: Child) -> Output {
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("output")
+}
+
+#[test]
+fn every_role_serves_metrics_that_move_as_a_run_proceeds_and_readiness() {
+    let (alloc, fabric, proxy) = (free_port(), free_port(), free_port());
+    let (m_proxy, m_receiver, m_sender) = (free_port(), free_port(), free_port());
+    let spawn = |cmd: &mut Command| {
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kvx starts")
+    };
+    let proxy_process = spawn(kvx().args(["proxy", "--host", "127.0.0.1"]).args([
+        "--port",
+        &proxy.to_string(),
+        "--metrics",
+        &format!("127.0.0.1:{m_proxy}"),
+        "--exit-after-s",
+        "120",
+    ]));
+    let receiver = spawn(kvx().args(["receiver", "--buffer-chunks", "32"]).args([
+        "--chunk-bytes",
+        "262144",
+        "--alloc-ports",
+        &alloc.to_string(),
+        "--fabric-ports",
+        &fabric.to_string(),
+        "--metrics",
+        &format!("127.0.0.1:{m_receiver}"),
+        "--exit-after-s",
+        "120",
+    ]));
+    wait_ready(m_proxy);
+    wait_ready(m_receiver);
+    let requests = 150;
+    let sender = spawn(
+        kvx()
+            .args(["sender", "--json", "--timeout-s", "100"])
+            .args([
+                "--alloc-ports",
+                &alloc.to_string(),
+                "--fabric-ports",
+                &fabric.to_string(),
+                "--proxy",
+                &format!("127.0.0.1:{proxy}"),
+                "--requests",
+                &requests.to_string(),
+                "--chunks",
+                "1..8",
+                "--chunk-bytes",
+                "262144",
+                "--metrics",
+                &format!("127.0.0.1:{m_sender}"),
+            ]),
+    );
+    // Scrape the sender while it runs: its delivered count must be seen growing.
+    let mut delivered_seen = Vec::new();
+    let mut sender = sender;
+    let deadline = Instant::now() + Duration::from_secs(100);
+    while sender.try_wait().expect("wait").is_none() && Instant::now() < deadline {
+        if let Some((200, text)) = get(m_sender, "/metrics") {
+            if let Some(d) = value(&text, "kvx_sender_delivered_total") {
+                if delivered_seen.last() != Some(&d) {
+                    delivered_seen.push(d);
+                }
+            }
+            if value(&text, "kvx_sender_staging_free").is_some() {
+                assert!(value(&text, "kvx_sender_staging_held").is_some(), "{text}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let sender = sender.wait_with_output().expect("sender output");
+    let summary: serde_json::Value = serde_json::from_slice(&sender.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&sender.stderr)));
+    assert_eq!(summary["requests_completed"], requests, "{summary}");
+    assert!(
+        delivered_seen.len() >= 2 && delivered_seen.windows(2).all(|w| w[0] < w[1]),
+        "the sender's delivered count, scraped during the run: {delivered_seen:?}"
+    );
+    // The receiver and the proxy, after the run.
+    let (status, rx) = get(m_receiver, "/metrics").expect("receiver metrics");
+    assert_eq!(status, 200);
+    assert_eq!(
+        value(&rx, "kvx_receiver_admitted_total"),
+        Some(requests as f64),
+        "{rx}"
+    );
+    assert_eq!(value(&rx, "kvx_receiver_slots_free"), Some(32.0), "{rx}");
+    let (_, px) = get(m_proxy, "/metrics").expect("proxy metrics");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut px = px;
+    while value(&px, "kvx_proxy_ready_total") != Some(requests as f64) {
+        assert!(Instant::now() < deadline, "proxy: {px}");
+        std::thread::sleep(Duration::from_millis(50));
+        px = get(m_proxy, "/metrics").expect("proxy metrics").1;
+    }
+    assert_eq!(get(m_proxy, "/nothing").map(|r| r.0), Some(404));
+    let proxy_out = interrupt(proxy_process);
+    let _ = interrupt(receiver);
+    assert!(
+        String::from_utf8_lossy(&proxy_out.stdout).contains(&format!("{requests} ready")),
+        "{}",
+        String::from_utf8_lossy(&proxy_out.stdout)
+    );
+}
