@@ -4,6 +4,8 @@
 //! `ProxyEvents`, when the caller asked for them.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use kvx_io::{Env, NotifySource, Transport};
 use kvx_proto::proxy::{ExpectError, ProxyEvent, ProxyFailure, ProxyTracker};
@@ -31,6 +33,8 @@ enum Cmd {
 pub struct ProxyHandle {
     cmds: mpsc::Sender<Cmd>,
     endpoint: String,
+    /// Requests awaited now (`ProxyTracker::awaited`), as the driver last saw it.
+    awaited: Arc<AtomicUsize>,
 }
 
 /// The outcomes of requests that no `ProxyHandle::expect` awaits, in the order they ended.
@@ -70,9 +74,11 @@ impl ProxyNode {
         let source = env.transport().notify_source(endpoint).await?;
         let (tx, rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let (events_tx, events_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
+        let awaited = Arc::new(AtomicUsize::new(0));
         let handle = ProxyHandle {
             cmds: tx,
             endpoint: source.local_endpoint().to_owned(),
+            awaited: awaited.clone(),
         };
         env.spawn(
             Driver {
@@ -83,6 +89,7 @@ impl ProxyNode {
                 waiting: BTreeMap::new(),
                 unclaimed: events_tx,
                 undecodable_logged: kvx_io::LogLimiter::default(),
+                awaited,
             }
             .run(),
         );
@@ -91,6 +98,11 @@ impl ProxyNode {
 }
 
 impl ProxyHandle {
+    /// Requests awaited now: some TP rank's notice (or an `expect`) came, no outcome yet.
+    pub fn awaited(&self) -> usize {
+        self.awaited.load(Ordering::Acquire)
+    }
+
     /// The bound notice endpoint.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
@@ -126,6 +138,8 @@ struct Driver<E: Env> {
     unclaimed: mpsc::Sender<ProxyEvent>,
     /// Undecodable notices are logged at most once a second: a peer can send them at will.
     undecodable_logged: kvx_io::LogLimiter,
+    /// Shared with the handles: requests awaited now.
+    awaited: Arc<AtomicUsize>,
 }
 
 impl<E: Env> Driver<E> {
@@ -198,5 +212,7 @@ impl<E: Env> Driver<E> {
                 metrics::counter!(crate::metrics::PROXY_EVENTS_DROPPED).increment(1);
             }
         }
+        self.awaited
+            .store(self.tracker.awaited(), Ordering::Release);
     }
 }

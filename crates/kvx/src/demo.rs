@@ -181,13 +181,16 @@ pub async fn run_on<E: Env>(
             batch_chunks: args.workload.batch_chunks,
             chunk_bytes,
         };
-        workers.extend(loadgen::spawn(
-            worker,
-            plan,
-            args.workload.interleave,
-            tally.clone(),
-            bar.clone(),
-        ));
+        workers.extend(
+            loadgen::spawn(
+                worker,
+                plan,
+                args.workload.interleave,
+                tally.clone(),
+                bar.clone(),
+            )
+            .0,
+        );
     }
     let finished = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s)).await;
     let makespan = started.elapsed();

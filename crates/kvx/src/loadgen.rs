@@ -3,7 +3,7 @@
 //! (as vLLM's TP workers each store their rank's KV), with optional cancels, and tally the
 //! outcomes.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -61,6 +61,40 @@ impl<E: Env> Clone for Worker<E> {
     }
 }
 
+/// Stops a running plan: no request begins after `stop`, and those under way are cancelled
+/// on every rank (their CancelNotif goes out; each ends as cancelled, or as it was ending).
+pub struct Control<E: Env> {
+    queue: Arc<Mutex<VecDeque<Planned>>>,
+    in_flight: Arc<Mutex<BTreeSet<ReqId>>>,
+    ranks: Vec<SenderHandle<E>>,
+}
+
+impl<E: Env> Control<E> {
+    /// Returns how many requests were under way (and cancelled) and how many never began.
+    pub fn stop(&self) -> (usize, usize) {
+        let never_began = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let n = q.len();
+            q.clear();
+            n
+        };
+        let under_way: Vec<ReqId> = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect();
+        for id in &under_way {
+            for s in &self.ranks {
+                // Already ended is fine: the cancel raced the delivery.
+                let _ = s.cancel(id);
+            }
+        }
+        (under_way.len(), never_began)
+    }
+}
+
 /// Starts `interleave` tasks that prefill `plan` concurrently.
 pub fn spawn<E: Env>(
     worker: Worker<E>,
@@ -68,22 +102,43 @@ pub fn spawn<E: Env>(
     interleave: u32,
     tally: SharedTally,
     bar: ProgressBar,
-) -> Vec<JoinHandle<()>> {
+) -> (Vec<JoinHandle<()>>, Control<E>) {
     let queue = Arc::new(Mutex::new(plan.into_iter().collect::<VecDeque<_>>()));
-    (0..interleave)
+    let in_flight: Arc<Mutex<BTreeSet<ReqId>>> = Arc::default();
+    let control = Control {
+        queue: queue.clone(),
+        in_flight: in_flight.clone(),
+        ranks: worker.ranks.iter().map(|(s, _)| s.clone()).collect(),
+    };
+    let tasks = (0..interleave)
         .map(|_| {
-            let (worker, queue, tally, bar) =
-                (worker.clone(), queue.clone(), tally.clone(), bar.clone());
+            let (worker, queue, tally, bar, in_flight) = (
+                worker.clone(),
+                queue.clone(),
+                tally.clone(),
+                bar.clone(),
+                in_flight.clone(),
+            );
             tokio::spawn(async move {
                 loop {
                     let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
                     let Some(p) = next else { return };
+                    let id = ReqId(p.req_id.clone());
+                    in_flight
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id.clone());
                     one(&worker, &p, &tally).await;
+                    in_flight
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id);
                     bar.inc(1);
                 }
             })
         })
-        .collect()
+        .collect();
+    (tasks, control)
 }
 
 async fn one<E: Env>(w: &Worker<E>, p: &Planned, tally: &SharedTally) {
@@ -198,7 +253,11 @@ async fn one<E: Env>(w: &Worker<E>, p: &Planned, tally: &SharedTally) {
         t.bytes_sent += u64::from(p.chunks) * w.chunk_bytes as u64 * w.ranks.len() as u64;
     } else {
         t.failed += 1;
-        if p.cancel_after.is_some() {
+        // Cancelled on purpose: by --cancel-fraction, or by a stopping sender (`Control`).
+        let cancelled = results
+            .iter()
+            .all(|r| matches!(r, Ok(_) | Err(SendFailure::Cancelled)));
+        if p.cancel_after.is_some() || cancelled {
             t.cancelled += 1;
         } else {
             tracing::warn!(req = %p.req_id, ?results, ?proxy_result, "request failed");

@@ -11,6 +11,7 @@
 //! - `wire_cmd`: `kvx wire decode|encode`.
 //! - `envs`: picking a transport and fabric at runtime.
 //! - `roles`: `kvx receiver`, `kvx sender`, `kvx proxy`.
+//! - `signals`: how they stop (SIGINT, SIGTERM; a second one exits at once).
 //! - `config`: their TOML file.
 //! - `health`: their `--metrics` server: `/metrics` and `/ready`.
 //! - `knobs`: every protocol setting of each role as a flag (and TOML key).
@@ -29,6 +30,7 @@ mod lmcache_config;
 mod loadgen;
 mod memory_check;
 mod roles;
+mod signals;
 mod wire_cmd;
 mod workload;
 

@@ -20,6 +20,7 @@ use crate::health::{self, Readiness};
 use crate::knobs::{ReceiverFlags, SenderFlags};
 use crate::lmcache_config::{self, Role};
 use crate::loadgen::{self, SharedTally, Worker};
+use crate::signals;
 use crate::workload::{self, Rng};
 
 /// How endpoint strings look for the chosen transport and fabric.
@@ -40,25 +41,6 @@ pub fn sender_id(prefix: &str) -> anyhow::Result<String> {
     let mut bits = [0u8; 16];
     getrandom::fill(&mut bits).map_err(|e| anyhow::anyhow!("the OS random source failed: {e}"))?;
     Ok(format!("{prefix}-{}", hex::encode(bits)))
-}
-
-/// Stops at Ctrl-C, or after `exit_after_s` when given.
-async fn until_stopped(exit_after_s: Option<u64>) {
-    // Ctrl-C stops a run with a time limit too, with its summary.
-    let limit = async {
-        match exit_after_s {
-            Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        () = limit => {}
-        interrupted = tokio::signal::ctrl_c() => {
-            if let Err(e) = interrupted {
-                tracing::error!(error = %e, "cannot wait for Ctrl-C; stopping");
-            }
-        }
-    }
 }
 
 /// The (alloc, fabric) port of each TP rank, LMCache's layout; defaults to one rank on
@@ -117,6 +99,7 @@ pub async fn receiver<E: Env>(
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
     let tally = Arc::new(DecodeTally::default());
+    let mut readers = Vec::new();
     for (rank, (alloc, fabric)) in ranks.iter().enumerate() {
         let (alloc, fabric) = (
             (style.control)(&host, *alloc),
@@ -130,6 +113,7 @@ pub async fn receiver<E: Env>(
             node.alloc_endpoint(),
             node.fabric_endpoint()
         );
+        readers.push(node.reader().clone());
         let (tally, verify) = (tally.clone(), !args.no_verify);
         tokio::spawn(async move {
             while let Some(notice) = node.next_notice().await {
@@ -145,12 +129,26 @@ pub async fn receiver<E: Env>(
         });
     }
     readiness.set(true);
-    until_stopped(args.exit_after_s).await;
+    let why = signals::first_stop(args.exit_after_s.map(Duration::from_secs)).await;
+    // Stop: out of rotation first, then the requests being decoded finish (bounded), then
+    // the channels close, which tells every sender at once (their requests in flight fail
+    // as channel lost rather than at a timeout).
     readiness.set(false);
+    let drained = tokio::time::timeout(signals::DRAIN_BOUND, async {
+        while tally.in_progress.load(Ordering::Acquire) > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .is_ok();
+    for reader in &readers {
+        reader.shutdown().await;
+    }
     let corrupt = tally.corrupted.load(Ordering::Relaxed);
     println!(
-        "kvx receiver: {} bytes verified, {corrupt} corrupt chunks",
-        tally.verified.load(Ordering::Relaxed)
+        "kvx receiver: stopped ({why}): {} bytes verified, {corrupt} corrupt chunks{}",
+        tally.verified.load(Ordering::Relaxed),
+        if drained { "" } else { ", decoding cut short" }
     );
     Ok(if corrupt == 0 {
         ExitCode::SUCCESS
@@ -166,7 +164,12 @@ pub struct SenderSummary {
     pub requests_completed: u64,
     pub requests_failed: u64,
     pub requests_cancelled: u64,
+    /// Requests a stop (SIGINT, SIGTERM) kept from beginning.
+    pub requests_not_begun: u64,
+    /// Requests that neither ended nor were kept from beginning.
     pub requests_lost: u64,
+    /// The signal that stopped the run early, if one did.
+    pub stopped_by: Option<String>,
     pub bytes_sent: u64,
     pub makespan_s: f64,
     pub bytes_per_sec: f64,
@@ -256,14 +259,32 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         batch_chunks: args.workload.batch_chunks,
         chunk_bytes,
     };
-    let workers = loadgen::spawn(
+    let (workers, control) = loadgen::spawn(
         worker,
         plan,
         args.workload.interleave,
         tally.clone(),
         bar.clone(),
     );
-    let finished = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s)).await;
+    let run = loadgen::finish(workers, Duration::from_secs(args.workload.timeout_s));
+    tokio::pin!(run);
+    let (finished, stopped_by) = tokio::select! {
+        finished = &mut run => (finished, None),
+        why = signals::first_stop(None) => {
+            // Stop: no request begins any more, those under way are cancelled (their
+            // CancelNotif goes out) and end within the bound.
+            readiness.set(false);
+            let (under_way, never) = control.stop();
+            eprintln!(
+                "kvx sender: {why}: stopping: {under_way} request(s) under way cancelled, \
+                 {never} never begun"
+            );
+            let ended = tokio::time::timeout(signals::DRAIN_BOUND, &mut run)
+                .await
+                .unwrap_or(false);
+            (ended, Some((why, never as u64)))
+        }
+    };
     readiness.set(false);
     let makespan = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
@@ -274,7 +295,10 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         requests_completed: t.completed,
         requests_failed: t.failed,
         requests_cancelled: t.cancelled,
-        requests_lost: total - (t.completed + t.failed).min(total),
+        requests_not_begun: stopped_by.map_or(0, |(_, never)| never),
+        requests_lost: total
+            - (t.completed + t.failed + stopped_by.map_or(0, |(_, never)| never)).min(total),
+        stopped_by: stopped_by.map(|(why, _)| why.to_owned()),
         bytes_sent: t.bytes_sent,
         makespan_s: makespan,
         bytes_per_sec: t.bytes_sent as f64 / makespan.max(1e-9),
@@ -333,7 +357,7 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
     );
     readiness.set(true);
     let (mut ready, mut failed) = (0u64, 0u64);
-    let stop = until_stopped(args.exit_after_s);
+    let stop = signals::first_stop(args.exit_after_s.map(Duration::from_secs));
     tokio::pin!(stop);
     loop {
         let ev = tokio::select! {
@@ -353,7 +377,10 @@ pub async fn proxy<E: Env>(env: E, style: Style, args: ProxyArgs) -> anyhow::Res
         }
     }
     readiness.set(false);
-    println!("kvx proxy: {ready} ready, {failed} failed");
+    println!(
+        "kvx proxy: stopped: {ready} ready, {failed} failed, {} still awaited",
+        proxy.awaited()
+    );
     Ok(ExitCode::SUCCESS)
 }
 
