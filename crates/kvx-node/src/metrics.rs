@@ -52,6 +52,9 @@ pub const SENDER_WRITE_SECONDS: &str = "kvx_sender_write_seconds";
 /// Counter, per `channel` (control, fabric): connections to a receiver made again after
 /// one was lost.
 pub const SENDER_RECONNECTS: &str = "kvx_sender_reconnects_total";
+/// Counter: receivers whose stated timeouts this sender's break (`check_sender`); writes to
+/// them fail until they fit.
+pub const SENDER_CONFIG_CONFLICTS: &str = "kvx_sender_config_conflicts_total";
 /// Counter: requests the proxy found ready (every TP rank's ProxyNotif in).
 pub const PROXY_READY: &str = "kvx_proxy_ready_total";
 /// Counter, per `reason` (`ProxyFailure::kind`: reported, kv_ready_timeout): requests the

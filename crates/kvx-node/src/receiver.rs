@@ -406,6 +406,10 @@ impl<E: Env> Driver<E> {
             if reply.seq.is_some() {
                 let credential = self.listener.access.credential_for(peer);
                 reply.fabric_credential = Some(credential.to_text());
+                // The timeouts a sender's own must stay below (`check_sender`).
+                let cfg = self.ledger.config();
+                reply.request_idle_timeout_ms = Some(millis(cfg.request_idle_timeout));
+                reply.write_quarantine_ms = Some(millis(cfg.write_quarantine));
             }
             let bytes = Bytes::from(wire::encode(&Message::AllocResponse(reply)));
             if replies.send((peer, bytes)).await.is_err() {
@@ -464,4 +468,9 @@ impl<E: Env> Driver<E> {
         metrics::counter!(m::FABRIC_WRITES_REFUSED, "receiver" => self.label.clone())
             .absolute(self.listener.access.refused());
     }
+}
+
+/// A duration in whole milliseconds, saturating.
+fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -411,3 +411,75 @@ async fn a_younger_request_holding_staging_is_told_to_submit_while_an_older_one_
         .expect("join");
     assert!(got.is_ok(), "{got:?}");
 }
+
+/// The receiver states its lease and quarantine in its replies; a sender whose write
+/// timeout is not below the quarantine (a slow write could land in a slot already reused)
+/// fails its writes to that receiver at once, naming the rule, while one that fits is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_whose_write_timeout_breaks_the_receivers_quarantine_fails_loudly() {
+    let env = env();
+    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
+        .await
+        .expect("proxy starts");
+    let cfg = ReceiverConfig {
+        buffer_slots: 16,
+        peer_share_percent: 100,
+        write_quarantine: Duration::from_secs(2),
+        ..ReceiverConfig::default()
+    };
+    let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc-q", "buffer-q")
+        .await
+        .expect("receiver starts");
+    let addr = ReceiverAddr {
+        alloc: receiver.alloc_endpoint().to_owned(),
+        fabric: receiver.fabric_endpoint().to_owned(),
+    };
+    tokio::spawn(async move {
+        while let Some(notice) = receiver.next_notice().await {
+            if let ReceiverNotice::Ready(ready) = notice {
+                let _ = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
+            }
+        }
+    });
+    let request = |name: &str, peer| SyntheticRequest {
+        req_id: ReqId(name.into()),
+        receiver: peer,
+        chunks: 4,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    };
+    // 5 s writes against a 2 s quarantine.
+    let slow = SenderConfig {
+        write_timeout: Duration::from_secs(5),
+        ..sender_cfg()
+    };
+    let (sender, peer) = start_sender(&env, &proxy, addr.clone(), slow).await;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(5),
+        synthetic::prefill(&sender, &request("slow", peer)),
+    )
+    .await
+    .expect("fails at once, not at a timeout");
+    match outcome {
+        Err(SendFailure::WriteFailed(why)) => {
+            assert!(why.contains("write_quarantine"), "{why}")
+        }
+        other => panic!("expected a write failure naming the rule, got {other:?}"),
+    }
+    // 1 s writes fit.
+    let fast = SenderConfig {
+        write_timeout: Duration::from_secs(1),
+        ..sender_cfg()
+    };
+    let sender = SenderNode::start(env.clone(), fast, CHUNK, "s1".into(), None)
+        .await
+        .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        synthetic::prefill(&sender, &request("fast", peer)),
+    )
+    .await
+    .expect("in time")
+    .expect("delivered");
+}

@@ -584,9 +584,10 @@ fn message() -> impl Strategy<Value = Message> {
         prop::option::of(text()),
         prop::option::of(prop::collection::vec(any::<u32>(), 0..20)),
         prop::option::of(text()),
+        any::<(Option<u64>, Option<u64>)>(),
     )
         .prop_map(
-            |(remote_indexes, already_sent_indexes, seq, error, generations, credential)| {
+            |(remote_indexes, already_sent_indexes, seq, error, generations, credential, t)| {
                 Message::AllocResponse(AllocResponse {
                     remote_indexes,
                     already_sent_indexes,
@@ -594,6 +595,8 @@ fn message() -> impl Strategy<Value = Message> {
                     error,
                     generations,
                     fabric_credential: credential,
+                    request_idle_timeout_ms: t.0,
+                    write_quarantine_ms: t.1,
                 })
             },
         );

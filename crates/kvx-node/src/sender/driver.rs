@@ -91,6 +91,10 @@ pub(super) struct Driver<E: Env> {
     write_started: Vec<Option<(kvx_proto::WriteId, kvx_proto::Instant)>>,
     /// Receivers whose fabric has been attached before: attaching again is a reconnect.
     fabric_attached: std::collections::BTreeSet<PeerId>,
+    /// The (request idle timeout, write quarantine) each receiver last stated, in ms.
+    receiver_timeouts: BTreeMap<PeerId, (u64, u64)>,
+    /// Receivers whose stated timeouts this sender's break: why, for each failed write.
+    refused: BTreeMap<PeerId, String>,
     inbox_tx: mpsc::UnboundedSender<Input>,
     inbox: mpsc::UnboundedReceiver<Input>,
     cmds: mpsc::UnboundedReceiver<Cmd>,
@@ -122,6 +126,8 @@ impl<E: Env> Driver<E> {
             parked: BTreeMap::new(),
             write_started: Vec::new(),
             fabric_attached: Default::default(),
+            receiver_timeouts: BTreeMap::new(),
+            refused: BTreeMap::new(),
             conn_generation: 0,
             reconnecting: std::collections::BTreeSet::new(),
             connecting: std::collections::BTreeSet::new(),
@@ -176,13 +182,20 @@ impl<E: Env> Driver<E> {
         match input {
             Input::Client(peer, ClientEvent::Message(bytes)) => match wire::decode(&bytes) {
                 Ok(msg) => {
-                    let credential = match &msg {
-                        wire::Message::AllocResponse(r) => r.fabric_credential.clone(),
-                        _ => None,
+                    let (credential, timeouts) = match &msg {
+                        wire::Message::AllocResponse(r) => (
+                            r.fabric_credential.clone(),
+                            r.request_idle_timeout_ms.zip(r.write_quarantine_ms),
+                        ),
+                        _ => (None, None),
                     };
                     core.flow.handle_message(now, peer, msg);
+                    let ours = core.flow.config().clone();
+                    drop(core);
+                    if let Some(t) = timeouts {
+                        self.check_receiver_timeouts(peer, t, &ours);
+                    }
                     if let Some(text) = credential {
-                        drop(core);
                         self.on_credential(peer, &text);
                     }
                 }
@@ -389,6 +402,39 @@ impl<E: Env> Driver<E> {
                 }
                 None => tracing::debug!(msg = ?t.msg, "no proxy configured: notice dropped"),
             },
+        }
+    }
+
+    /// Checks this sender's timeouts against those a receiver states (`check_sender`, a
+    /// rule that spans the two processes): writes to a receiver they break fail at once with
+    /// the reason (a slow write could otherwise land after the receiver reused its slot),
+    /// logged once, until the receiver states timeouts they keep.
+    fn check_receiver_timeouts(
+        &mut self,
+        peer: PeerId,
+        (idle_ms, quarantine_ms): (u64, u64),
+        ours: &kvx_proto::SenderConfig,
+    ) {
+        if self.receiver_timeouts.get(&peer) == Some(&(idle_ms, quarantine_ms)) {
+            return;
+        }
+        self.receiver_timeouts
+            .insert(peer, (idle_ms, quarantine_ms));
+        let theirs = kvx_proto::ReceiverConfig {
+            request_idle_timeout: std::time::Duration::from_millis(idle_ms),
+            write_quarantine: std::time::Duration::from_millis(quarantine_ms),
+            ..kvx_proto::ReceiverConfig::default()
+        };
+        match theirs.check_sender(ours) {
+            Ok(()) => {
+                self.refused.remove(&peer);
+            }
+            Err(e) => {
+                let why = format!("this sender's timeouts do not fit the receiver's: {}", e.0);
+                tracing::error!(%peer, "{why}; writes to it fail until they do");
+                metrics::counter!(crate::metrics::SENDER_CONFIG_CONFLICTS).increment(1);
+                self.refused.insert(peer, why);
+            }
         }
     }
 

@@ -148,6 +148,14 @@ fn decode_alloc_response(r: &mut Reader<'_>, entries: usize) -> Result<AllocResp
                 m.fabric_credential =
                     r.optional("AllocResponse.fabric_credential", Reader::string)?;
             }
+            b"request_idle_timeout_ms" => {
+                m.request_idle_timeout_ms =
+                    r.optional("AllocResponse.request_idle_timeout_ms", Reader::u64)?;
+            }
+            b"write_quarantine_ms" => {
+                m.write_quarantine_ms =
+                    r.optional("AllocResponse.write_quarantine_ms", Reader::u64)?;
+            }
             unknown => r.skip_unknown(M, unknown)?,
         }
     }

@@ -63,6 +63,8 @@ fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
         m.error.is_some(),
         m.generations.is_some(),
         m.fabric_credential.is_some(),
+        m.request_idle_timeout_ms.is_some(),
+        m.write_quarantine_ms.is_some(),
     ];
     header(out, 2 + count_some(&extensions), "AllocResponse");
     field_list(out, "remote_indexes", &m.remote_indexes, |out, &i| {
@@ -88,6 +90,12 @@ fn encode_alloc_response(m: &AllocResponse, out: &mut Vec<u8>) {
     if let Some(credential) = &m.fabric_credential {
         field_str(out, "fabric_credential", credential);
     }
+    if let Some(ms) = m.request_idle_timeout_ms {
+        field_uint(out, "request_idle_timeout_ms", ms);
+    }
+    if let Some(ms) = m.write_quarantine_ms {
+        field_uint(out, "write_quarantine_ms", ms);
+    }
 }
 
 /// A capacity guess that avoids regrowing the buffer for typical messages.
@@ -102,6 +110,7 @@ fn encoded_len_hint(msg: &Message) -> usize {
                 + m.error.as_ref().map_or(0, String::len)
                 + m.generations.as_ref().map_or(0, |g| g.len() * 5)
                 + m.fabric_credential.as_ref().map_or(0, |c| c.len() + 20)
+                + 60
         }
         Message::ProxyNotif(m) => 32 + m.req_id.len(),
         Message::CancelNotif(m) => 64 + m.req_id.len() + strs(&m.keys),

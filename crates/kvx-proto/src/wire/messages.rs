@@ -60,6 +60,14 @@ pub struct AllocResponse {
     /// sender; at most `FABRIC_CREDENTIAL_MAX` bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric_credential: Option<String>,
+    /// kvx extension: the receiver's `request_idle_timeout`, in milliseconds, so that a kvx
+    /// sender can check its own timeouts against it (`ReceiverConfig::check_sender`: the
+    /// rule spans two processes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_idle_timeout_ms: Option<u64>,
+    /// kvx extension: the receiver's `write_quarantine`, in milliseconds, for the same check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_quarantine_ms: Option<u64>,
 }
 
 /// The longest `AllocResponse::fabric_credential` a sender accepts.
@@ -129,6 +137,8 @@ impl AllocResponse {
             error: None,
             generations,
             fabric_credential: None,
+            request_idle_timeout_ms: None,
+            write_quarantine_ms: None,
         }
     }
 
@@ -143,6 +153,8 @@ impl AllocResponse {
             error: seq.map(|_| reason),
             generations: None,
             fabric_credential: None,
+            request_idle_timeout_ms: None,
+            write_quarantine_ms: None,
         }
     }
 

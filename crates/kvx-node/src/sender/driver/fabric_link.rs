@@ -88,6 +88,10 @@ impl<E: Env> Driver<E> {
     /// deadline passes is flushed by `flush_parked` (the core's stall), as a reset would flush
     /// it.
     pub(super) fn post(&mut self, w: WriteOp) {
+        if let Some(why) = self.refused.get(&w.receiver) {
+            self.fail_write(w.id, why);
+            return;
+        }
         let slot = w.staging.0 as usize;
         self.write_posted(slot, w.id);
         let len = self.shared.lens[slot].load(Ordering::Acquire);
