@@ -1,0 +1,265 @@
+//! Chaos with real processes on loopback: a proxy, a receiver and two senders as separate
+//! `kvx` processes. During a run one sender is killed (SIGKILL), the receiver is killed and
+//! restarted on the same ports, and the proxy is frozen (SIGSTOP) and thawed (SIGCONT). The
+//! receiver must reclaim the killed sender's slots when their lease ends, the other sender
+//! must keep going through all of it and end every request exactly once, and once the run
+//! stops no slot stays held. Bounded: every wait has a deadline. The same run with the
+//! receiver's lease as good as off (`--request-idle-timeout-s 1000`) must fail: the killed
+//! sender's slots are never reclaimed.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BUFFER: u32 = 32;
+
+fn kvx() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvx"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    Some((
+        status,
+        text.split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_owned(),
+    ))
+}
+
+/// The sum of a metric's samples, when present.
+fn metric(port: u16, name: &str) -> Option<f64> {
+    let (_, text) = get(port, "/metrics")?;
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((key, v)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if key.split('{').next() == Some(name) {
+            *found.get_or_insert(0.0) += v.parse::<f64>().ok()?;
+        }
+    }
+    found
+}
+
+/// Polls `check` every 50 ms until it holds; Err naming `what` after `limit`.
+fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    while !check() {
+        if Instant::now() > deadline {
+            return Err(format!("{what}: not after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn signal(child: &Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status();
+}
+
+/// Ends the process (SIGKILL if it is still running after `limit`), returning its output.
+fn end(mut child: Child, limit: Duration) -> std::process::Output {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    child.wait_with_output().expect("output")
+}
+
+struct Ports {
+    alloc: u16,
+    fabric: u16,
+    proxy: u16,
+    m_receiver: u16,
+    m_proxy: u16,
+}
+
+fn receiver(p: &Ports, idle_s: &str) -> Child {
+    kvx()
+        .args(["receiver", "--chunk-bytes", "65536", "--buffer-chunks"])
+        .arg(BUFFER.to_string())
+        .args(["--alloc-ports", &p.alloc.to_string()])
+        .args(["--fabric-ports", &p.fabric.to_string()])
+        .args(["--metrics", &format!("127.0.0.1:{}", p.m_receiver)])
+        .args([
+            "--request-idle-timeout-s",
+            idle_s,
+            "--write-quarantine-s",
+            "3",
+        ])
+        .args(["--unconsumed-ttl-s", "20", "--peer-share-percent", "50"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvx receiver starts")
+}
+
+fn sender(p: &Ports, index: u32) -> Child {
+    kvx()
+        .args([
+            "sender",
+            "--json",
+            "--chunk-bytes",
+            "65536",
+            "--timeout-s",
+            "120",
+        ])
+        .args(["--sender-index", &index.to_string()])
+        .args(["--alloc-ports", &p.alloc.to_string()])
+        .args(["--fabric-ports", &p.fabric.to_string()])
+        .args(["--proxy", &format!("127.0.0.1:{}", p.proxy)])
+        .args(["--requests", "100000", "--chunks", "2..8"])
+        .args(["--write-timeout-s", "1", "--reply-timeout-s", "1.5"])
+        .args([
+            "--admission-reply-timeout-s",
+            "5",
+            "--staging-timeout-s",
+            "5",
+        ])
+        .stdout(Stdio::piped())
+        // Each failed request logs a line: a pipe nobody reads would fill and stall it.
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvx sender starts")
+}
+
+/// The run; Err says which expectation failed.
+fn chaos(idle_s: &str) -> Result<(), String> {
+    let p = Ports {
+        alloc: free_port(),
+        fabric: free_port(),
+        proxy: free_port(),
+        m_receiver: free_port(),
+        m_proxy: free_port(),
+    };
+    let proxy = kvx()
+        .args([
+            "proxy",
+            "--port",
+            &p.proxy.to_string(),
+            "--kv-ready-timeout-s",
+            "10",
+        ])
+        .args(["--metrics", &format!("127.0.0.1:{}", p.m_proxy)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvx proxy starts");
+    let mut rx = Some(receiver(&p, idle_s));
+    let ready = |port| move || matches!(get(port, "/ready"), Some((200, _)));
+    let result = (|| {
+        wait_until("the proxy ready", Duration::from_secs(20), ready(p.m_proxy))?;
+        wait_until(
+            "the receiver ready",
+            Duration::from_secs(20),
+            ready(p.m_receiver),
+        )?;
+        let victim = sender(&p, 0);
+        let survivor = sender(&p, 1);
+        let admitted = || metric(p.m_receiver, "kvx_receiver_admitted_total").unwrap_or(0.0);
+        wait_until("requests admitted", Duration::from_secs(20), || {
+            admitted() > 20.0
+        })?;
+
+        // 1. A sender dies mid-transfer: its slots come back when their lease ends.
+        signal(&victim, "-KILL");
+        let _ = end(victim, Duration::from_secs(5));
+        let rolled_back = || metric(p.m_receiver, "kvx_receiver_rolled_back_total").unwrap_or(0.0);
+        wait_until(
+            "the killed sender's requests rolled back by their lease",
+            Duration::from_secs(15),
+            || rolled_back() > 0.0,
+        )?;
+
+        // 2. The receiver dies and comes back on the same ports.
+        if let Some(old) = rx.take() {
+            signal(&old, "-KILL");
+            let _ = end(old, Duration::from_secs(5));
+        }
+        rx = Some(receiver(&p, idle_s));
+        wait_until(
+            "the receiver back",
+            Duration::from_secs(20),
+            ready(p.m_receiver),
+        )?;
+        wait_until(
+            "the surviving sender admitted by the new receiver",
+            Duration::from_secs(30),
+            || admitted() > 5.0,
+        )?;
+
+        // 3. The proxy freezes and thaws.
+        signal(&proxy, "-STOP");
+        std::thread::sleep(Duration::from_millis(1000));
+        signal(&proxy, "-CONT");
+        let ready_at_proxy = || metric(p.m_proxy, "kvx_proxy_ready_total").unwrap_or(0.0);
+        let seen = ready_at_proxy();
+        wait_until("the proxy counting again", Duration::from_secs(20), || {
+            ready_at_proxy() > seen
+        })?;
+
+        // 4. The survivor stops cleanly; every request it began ended exactly once.
+        signal(&survivor, "-TERM");
+        let out = end(survivor, Duration::from_secs(30));
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+            format!(
+                "the survivor's JSON: {e}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+        let n = |k: &str| s[k].as_u64().unwrap_or(u64::MAX);
+        if n("requests_lost") != 0
+            || n("requests_completed") + n("requests_failed") + n("requests_not_begun")
+                != n("requests_total")
+            || n("requests_completed") == 0
+        {
+            return Err(format!(
+                "the survivor's requests did not each end once: {s}"
+            ));
+        }
+
+        // 5. Nothing stays held once the leases and quarantines ran out.
+        wait_until("every receiver slot free", Duration::from_secs(20), || {
+            metric(p.m_receiver, "kvx_receiver_slots_free") == Some(f64::from(BUFFER))
+        })
+    })();
+    signal(&proxy, "-TERM");
+    if let Some(rx) = rx {
+        signal(&rx, "-TERM");
+        let _ = end(rx, Duration::from_secs(15));
+    }
+    let _ = end(proxy, Duration::from_secs(15));
+    result
+}
+
+#[test]
+fn a_cluster_of_processes_survives_kills_restarts_and_a_frozen_proxy() {
+    chaos("2").expect("the cluster recovers");
+}
+
+#[test]
+fn without_leases_the_killed_senders_slots_are_never_reclaimed() {
+    let err = chaos("1000").expect_err("with leases off the check must fail");
+    assert!(err.contains("lease"), "{err}");
+}
