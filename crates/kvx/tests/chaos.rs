@@ -71,20 +71,38 @@ fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> R
     Ok(())
 }
 
-fn signal(child: &Child, sig: &str) {
-    let _ = Command::new("kill")
-        .args([sig, &child.id().to_string()])
-        .status();
+/// A process of the run; one still running when this is dropped (a check failed early) is
+/// killed and reaped, so no test leaves processes behind.
+struct Proc(Option<Child>);
+
+impl Proc {
+    fn signal(&self, sig: &str) {
+        if let Some(child) = &self.0 {
+            let _ = Command::new("kill")
+                .args([sig, &child.id().to_string()])
+                .status();
+        }
+    }
+
+    /// Ends the process (SIGKILL if it is still running after `limit`): its output.
+    fn end(mut self, limit: Duration) -> std::process::Output {
+        let mut child = self.0.take().expect("a process");
+        let deadline = Instant::now() + limit;
+        while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        child.wait_with_output().expect("output")
+    }
 }
 
-/// Ends the process (SIGKILL if it is still running after `limit`), returning its output.
-fn end(mut child: Child, limit: Duration) -> std::process::Output {
-    let deadline = Instant::now() + limit;
-    while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
-    let _ = child.kill();
-    child.wait_with_output().expect("output")
 }
 
 struct Ports {
@@ -95,53 +113,57 @@ struct Ports {
     m_proxy: u16,
 }
 
-fn receiver(p: &Ports, idle_s: &str) -> Child {
-    kvx()
-        .args(["receiver", "--chunk-bytes", "65536", "--buffer-chunks"])
-        .arg(BUFFER.to_string())
-        .args(["--alloc-ports", &p.alloc.to_string()])
-        .args(["--fabric-ports", &p.fabric.to_string()])
-        .args(["--metrics", &format!("127.0.0.1:{}", p.m_receiver)])
-        .args([
-            "--request-idle-timeout-s",
-            idle_s,
-            "--write-quarantine-s",
-            "3",
-        ])
-        .args(["--unconsumed-ttl-s", "20", "--peer-share-percent", "50"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvx receiver starts")
+fn receiver(p: &Ports, idle_s: &str) -> Proc {
+    Proc(Some(
+        kvx()
+            .args(["receiver", "--chunk-bytes", "65536", "--buffer-chunks"])
+            .arg(BUFFER.to_string())
+            .args(["--alloc-ports", &p.alloc.to_string()])
+            .args(["--fabric-ports", &p.fabric.to_string()])
+            .args(["--metrics", &format!("127.0.0.1:{}", p.m_receiver)])
+            .args([
+                "--request-idle-timeout-s",
+                idle_s,
+                "--write-quarantine-s",
+                "3",
+            ])
+            .args(["--unconsumed-ttl-s", "20", "--peer-share-percent", "50"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvx receiver starts"),
+    ))
 }
 
-fn sender(p: &Ports, index: u32) -> Child {
-    kvx()
-        .args([
-            "sender",
-            "--json",
-            "--chunk-bytes",
-            "65536",
-            "--timeout-s",
-            "120",
-        ])
-        .args(["--sender-index", &index.to_string()])
-        .args(["--alloc-ports", &p.alloc.to_string()])
-        .args(["--fabric-ports", &p.fabric.to_string()])
-        .args(["--proxy", &format!("127.0.0.1:{}", p.proxy)])
-        .args(["--requests", "100000", "--chunks", "2..8"])
-        .args(["--write-timeout-s", "1", "--reply-timeout-s", "1.5"])
-        .args([
-            "--admission-reply-timeout-s",
-            "5",
-            "--staging-timeout-s",
-            "5",
-        ])
-        .stdout(Stdio::piped())
-        // Each failed request logs a line: a pipe nobody reads would fill and stall it.
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvx sender starts")
+fn sender(p: &Ports, index: u32) -> Proc {
+    Proc(Some(
+        kvx()
+            .args([
+                "sender",
+                "--json",
+                "--chunk-bytes",
+                "65536",
+                "--timeout-s",
+                "120",
+            ])
+            .args(["--sender-index", &index.to_string()])
+            .args(["--alloc-ports", &p.alloc.to_string()])
+            .args(["--fabric-ports", &p.fabric.to_string()])
+            .args(["--proxy", &format!("127.0.0.1:{}", p.proxy)])
+            .args(["--requests", "100000", "--chunks", "2..8"])
+            .args(["--write-timeout-s", "1", "--reply-timeout-s", "1.5"])
+            .args([
+                "--admission-reply-timeout-s",
+                "5",
+                "--staging-timeout-s",
+                "5",
+            ])
+            .stdout(Stdio::piped())
+            // Each failed request logs a line: a pipe nobody reads would fill and stall it.
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvx sender starts"),
+    ))
 }
 
 /// The run; Err says which expectation failed.
@@ -153,19 +175,21 @@ fn chaos(idle_s: &str) -> Result<(), String> {
         m_receiver: free_port(),
         m_proxy: free_port(),
     };
-    let proxy = kvx()
-        .args([
-            "proxy",
-            "--port",
-            &p.proxy.to_string(),
-            "--kv-ready-timeout-s",
-            "10",
-        ])
-        .args(["--metrics", &format!("127.0.0.1:{}", p.m_proxy)])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvx proxy starts");
+    let proxy = Proc(Some(
+        kvx()
+            .args([
+                "proxy",
+                "--port",
+                &p.proxy.to_string(),
+                "--kv-ready-timeout-s",
+                "10",
+            ])
+            .args(["--metrics", &format!("127.0.0.1:{}", p.m_proxy)])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvx proxy starts"),
+    ));
     let mut rx = Some(receiver(&p, idle_s));
     let ready = |port| move || matches!(get(port, "/ready"), Some((200, _)));
     let result = (|| {
@@ -183,8 +207,8 @@ fn chaos(idle_s: &str) -> Result<(), String> {
         })?;
 
         // 1. A sender dies mid-transfer: its slots come back when their lease ends.
-        signal(&victim, "-KILL");
-        let _ = end(victim, Duration::from_secs(5));
+        victim.signal("-KILL");
+        let _ = victim.end(Duration::from_secs(5));
         let rolled_back = || metric(p.m_receiver, "kvx_receiver_rolled_back_total").unwrap_or(0.0);
         wait_until(
             "the killed sender's requests rolled back by their lease",
@@ -194,8 +218,8 @@ fn chaos(idle_s: &str) -> Result<(), String> {
 
         // 2. The receiver dies and comes back on the same ports.
         if let Some(old) = rx.take() {
-            signal(&old, "-KILL");
-            let _ = end(old, Duration::from_secs(5));
+            old.signal("-KILL");
+            let _ = old.end(Duration::from_secs(5));
         }
         rx = Some(receiver(&p, idle_s));
         wait_until(
@@ -210,9 +234,9 @@ fn chaos(idle_s: &str) -> Result<(), String> {
         )?;
 
         // 3. The proxy freezes and thaws.
-        signal(&proxy, "-STOP");
+        proxy.signal("-STOP");
         std::thread::sleep(Duration::from_millis(1000));
-        signal(&proxy, "-CONT");
+        proxy.signal("-CONT");
         let ready_at_proxy = || metric(p.m_proxy, "kvx_proxy_ready_total").unwrap_or(0.0);
         let seen = ready_at_proxy();
         wait_until("the proxy counting again", Duration::from_secs(20), || {
@@ -220,8 +244,8 @@ fn chaos(idle_s: &str) -> Result<(), String> {
         })?;
 
         // 4. The survivor stops cleanly; every request it began ended exactly once.
-        signal(&survivor, "-TERM");
-        let out = end(survivor, Duration::from_secs(30));
+        survivor.signal("-TERM");
+        let out = survivor.end(Duration::from_secs(30));
         let s: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
             format!(
                 "the survivor's JSON: {e}: {}",
@@ -244,12 +268,12 @@ fn chaos(idle_s: &str) -> Result<(), String> {
             metric(p.m_receiver, "kvx_receiver_slots_free") == Some(f64::from(BUFFER))
         })
     })();
-    signal(&proxy, "-TERM");
+    proxy.signal("-TERM");
     if let Some(rx) = rx {
-        signal(&rx, "-TERM");
-        let _ = end(rx, Duration::from_secs(15));
+        rx.signal("-TERM");
+        let _ = rx.end(Duration::from_secs(15));
     }
-    let _ = end(proxy, Duration::from_secs(15));
+    let _ = proxy.end(Duration::from_secs(15));
     result
 }
 
