@@ -43,7 +43,8 @@ pub const SENDER_FAILED: &str = "kvx_sender_failed_total";
 pub const SENDER_STAGING_FREE: &str = "kvx_sender_staging_free";
 /// Gauge: staging slots held by requests (allocated, written or in flight).
 pub const SENDER_STAGING_HELD: &str = "kvx_sender_staging_held";
-/// Gauge: requests the sender tracks (begun and not yet ended, or ending).
+/// Gauge, per `state` (awaiting_admission: begun, not yet admitted; admitted: admitted and
+/// not yet ended, or ending): the requests the sender tracks.
 pub const SENDER_REQUESTS: &str = "kvx_sender_requests";
 /// Histogram: from a request's beginning to its admission, in seconds.
 pub const SENDER_ADMISSION_WAIT_SECONDS: &str = "kvx_sender_admission_wait_seconds";

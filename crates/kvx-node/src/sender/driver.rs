@@ -440,17 +440,21 @@ impl<E: Env> Driver<E> {
 
     /// The staging and request gauges, read from the core.
     fn record_gauges(&self) {
-        let (free, capacity, requests) = {
+        let (free, capacity, requests, waiting) = {
             let core = self.shared.lock();
             (
                 core.flow.staging_free(),
                 core.flow.staging_capacity(),
                 core.flow.tracked_requests(),
+                core.begun_at.len(),
             )
         };
         metrics::gauge!(crate::metrics::SENDER_STAGING_FREE).set(f64::from(free));
         metrics::gauge!(crate::metrics::SENDER_STAGING_HELD).set(f64::from(capacity - free));
-        metrics::gauge!(crate::metrics::SENDER_REQUESTS).set(requests as f64);
+        metrics::gauge!(crate::metrics::SENDER_REQUESTS, "state" => "awaiting_admission")
+            .set(waiting as f64);
+        metrics::gauge!(crate::metrics::SENDER_REQUESTS, "state" => "admitted")
+            .set(requests.saturating_sub(waiting) as f64);
     }
 
     /// Notes that write `id` was posted from staging slot `slot`.
