@@ -2,6 +2,7 @@
 with KeyboardInterrupt, even without a timeout."""
 
 import _thread
+import signal
 import threading
 import time
 
@@ -33,11 +34,25 @@ def test_a_blocking_wait_lets_other_threads_run():
 
 
 def test_ctrl_c_interrupts_a_wait_without_timeout():
+    # Python's own SIGINT handler, whatever this process inherited: a process started in the
+    # background of a non-interactive shell inherits SIGINT ignored, and then neither Ctrl-C
+    # nor interrupt_main reaches it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     rx = kvx.Receiver(slots=2, slot_bytes=4096)
-    threading.Timer(0.3, _thread.interrupt_main).start()
+    interrupt = threading.Timer(0.3, _thread.interrupt_main)
+    # Bounded: should the interrupt not end the wait, closing the receiver does (and the
+    # test fails on that error rather than hanging).
+    watchdog = threading.Timer(10.0, rx.close)
+    interrupt.start()
+    watchdog.start()
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        rx.next_ready(max=1, timeout=None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rx.next_ready(max=1, timeout=None)
+    finally:
+        watchdog.cancel()
+        interrupt.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 3.0
 
 
