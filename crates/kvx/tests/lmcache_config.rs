@@ -1,21 +1,14 @@
 //! `--lmcache-config`: kvx's receiver, sender and proxy processes started from LMCache YAML
 //! files, as the LMCache processes they replace would be, on loopback.
 
-use std::net::{TcpListener, TcpStream};
+mod processes;
+
+use processes::{free_port, kvx};
+
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn kvx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvx"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
-}
 
 fn write(dir: &std::path::Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);

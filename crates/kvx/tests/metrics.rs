@@ -1,55 +1,12 @@
 //! `--metrics` on every role: a proxy, a receiver and a sender as separate processes on
 //! loopback, each scraped over HTTP while the sender's run proceeds and after it.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+mod processes;
+
+use processes::{free_port, get, kvx, value};
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn kvx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvx"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
-}
-
-/// One HTTP/1.1 GET: (status, body), or None when nothing answers.
-fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let status = text.split(' ').nth(1)?.parse().ok()?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_owned();
-    Some((status, body))
-}
-
-/// The sum of a metric's samples (every label set), when the text has it.
-fn value(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some((key, v)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let bare = key.split('{').next().unwrap_or(key);
-        if bare == name {
-            *found.get_or_insert(0.0) += v.parse::<f64>().ok()?;
-        }
-    }
-    found
-}
 
 fn wait_ready(port: u16) {
     let deadline = Instant::now() + Duration::from_secs(20);

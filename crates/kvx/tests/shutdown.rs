@@ -1,20 +1,12 @@
 //! Stopping kvx's processes with signals, as an operator or an orchestrator does: SIGTERM
 //! stops a role cleanly (exit 0, with a summary).
 
-use std::net::TcpListener;
+mod processes;
+
+use processes::{free_port, kvx};
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn kvx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvx"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
-}
 
 fn signal(child: &Child, sig: &str) {
     let ok = Command::new("kill")
