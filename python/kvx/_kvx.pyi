@@ -168,8 +168,11 @@ class Sender:
     @property
     def staging(self) -> Optional[memoryview]:
         """The whole staging as a byte memoryview (None with the shm fabric)."""
-    def close(self) -> None:
-        """Stops the sender; running requests fail with ``ReceiverLostError``."""
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stops the sender; running requests fail with ``ReceiverLostError``. Waits (at
+        most ``timeout`` seconds, GIL released) until the notices already due to the proxy
+        are written, so that a process exiting next does not lose them; returns whether
+        they were."""
     def __enter__(self) -> "Sender": ...
     def __exit__(self, *exc: object) -> None: ...
 

@@ -77,6 +77,7 @@ trait SenderApi: Send + Sync {
     fn slots(&self) -> u32;
     fn slot_bytes(&self) -> usize;
     fn shutdown(&self);
+    fn close(&self, within: Duration) -> BoxFuture<'_, bool>;
 }
 
 impl<E: Env> SenderApi for SenderHandle<E> {
@@ -137,6 +138,9 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     }
     fn shutdown(&self) {
         SenderHandle::shutdown(self);
+    }
+    fn close(&self, within: Duration) -> BoxFuture<'_, bool> {
+        Box::pin(SenderHandle::close(self, within))
     }
 }
 
@@ -517,9 +521,19 @@ impl Sender {
         self.api.slot_bytes()
     }
 
-    /// Stops the driver; waiters get `ChannelLost`. Also done on drop.
+    /// Stops the driver; waiters get `ChannelLost`. Also done on drop. The notices already
+    /// due to the proxy are still written while the runtime runs; `close` waits for them.
     pub fn shutdown(&self) {
         self.api.shutdown();
+    }
+
+    /// `shutdown`, then waits (at most `within`) until the notices already due to the proxy
+    /// (each delivered request's `ProxyNotif`) are written: true if they were. Call it
+    /// before the process exits, or the last of them may go with it.
+    pub fn close(&self, within: Duration) -> bool {
+        self.runtime
+            .block_on_for(within, self.api.close(within))
+            .unwrap_or(false)
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvx_proto::PeerId;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// Depth of every handle's channels.
 pub const CHANNEL_DEPTH: usize = 1024;
@@ -163,12 +163,39 @@ impl ControlClient {
 #[derive(Debug, Clone)]
 pub struct NotifySink {
     outgoing: mpsc::Sender<Bytes>,
+    /// Closed (its sender dropped) when the IO task serving `outgoing` has ended; `None`
+    /// when there is no such task (the payloads are delivered as they are queued).
+    io_task: Option<watch::Receiver<()>>,
 }
 
 impl NotifySink {
-    /// For implementations: wraps the channel their IO task serves.
+    /// For implementations: wraps the channel that is delivered as it is queued.
     pub fn new(outgoing: mpsc::Sender<Bytes>) -> Self {
-        Self { outgoing }
+        Self {
+            outgoing,
+            io_task: None,
+        }
+    }
+
+    /// For implementations: wraps the channel an IO task serves; that task holds the
+    /// `watch::Sender` of `io_task` until it has written what was queued and ended.
+    pub fn served_by(outgoing: mpsc::Sender<Bytes>, io_task: watch::Receiver<()>) -> Self {
+        Self {
+            outgoing,
+            io_task: Some(io_task),
+        }
+    }
+
+    /// Lets the handle go and waits until what was queued has been written (or its
+    /// connection found down) and the IO task has ended. Unbounded: the caller bounds it.
+    /// A process that exits right after its last notice would otherwise lose it with the
+    /// task that was writing it. The IO task ends once every clone is closed or dropped.
+    pub async fn close(self) {
+        let Self { outgoing, io_task } = self;
+        drop(outgoing);
+        if let Some(mut ended) = io_task {
+            while ended.changed().await.is_ok() {}
+        }
     }
 
     /// Queues a notice for the proxy, waiting while the channel is full. `Closed` once the

@@ -33,7 +33,7 @@ pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
 };
-pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode};
+pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, NOTICE_LINGER};
 
 /// Sleeps until the core's next deadline, or forever when it has none (the drivers'
 /// `select!` arm for timers).

@@ -12,6 +12,9 @@ use pyo3::prelude::*;
 
 use crate::{env, errors, memory, runtime, wait};
 
+/// How long leaving a ``with`` block waits for the notices already due to the proxy.
+const CLOSE_WITHIN: Duration = Duration::from_secs(5);
+
 /// A sender: moves a prefill's KV chunks from its staging into receivers' buffers.
 ///
 /// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
@@ -315,9 +318,13 @@ impl Sender {
         self.view.as_ref().map(|v| v.clone_ref(py))
     }
 
-    /// Stops the sender; running requests fail with ``ReceiverLostError``.
-    fn close(&self) {
-        self.inner.shutdown();
+    /// Stops the sender; running requests fail with ``ReceiverLostError``. Waits (at most
+    /// ``timeout`` seconds, GIL released) until the notices already due to the proxy are
+    /// written, so that a process exiting next does not lose them; returns whether they were.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let within = wait::seconds(Some(timeout))?.unwrap_or(Duration::from_secs(86_400));
+        Ok(py.detach(|| self.inner.close(within)))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -325,8 +332,8 @@ impl Sender {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) {
-        self.inner.shutdown();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        py.detach(|| self.inner.close(CLOSE_WITHIN));
     }
 }
 

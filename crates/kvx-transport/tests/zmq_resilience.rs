@@ -539,3 +539,47 @@ async fn a_router_closes_a_connection_whose_replies_stall() {
     );
     round_trip(&mut client, &mut server, "again").await;
 }
+
+/// `NotifySink::close` returns once every notice queued before it is written: a process that
+/// exits right after (its runtime's tasks stopped, as here) loses none of them. Without the
+/// wait, the notices still queued behind the PUSH's writer went with its task.
+#[test]
+fn a_closed_push_has_written_every_queued_notice_before_its_runtime_stops() {
+    const NOTICES: usize = 2000;
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    };
+    let proxy_side = runtime();
+    let (mut source, endpoint) = proxy_side.block_on(async {
+        let t = transport(quick());
+        let source = t.notify_source("tcp://127.0.0.1:0").await.expect("bind");
+        let endpoint = source.local_endpoint().to_owned();
+        (source, endpoint)
+    });
+    let sender_side = runtime();
+    sender_side.block_on(async {
+        let t = transport(quick());
+        let sink = step("connect", t.notify_sink(&endpoint))
+            .await
+            .expect("sink");
+        for i in 0..NOTICES {
+            let notice = Bytes::from(format!("n{i}"));
+            step("queue", sink.send(notice)).await.expect("send");
+        }
+        step("close", sink.close()).await;
+    });
+    sender_side.shutdown_background();
+    proxy_side.block_on(async {
+        for i in 0..NOTICES {
+            assert_eq!(
+                step("notice", source.recv()).await,
+                Some(Bytes::from(format!("n{i}"))),
+                "notice {i} of {NOTICES}"
+            );
+        }
+    });
+}

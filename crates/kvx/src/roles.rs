@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
 use kvx_io::Env;
-use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode, NOTICE_LINGER};
 use kvx_proto::proxy::ProxyEvent;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -253,6 +253,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     let tally: SharedTally = Arc::default();
     let started = Instant::now();
     readiness.set(true);
+    let nodes: Vec<_> = handles.iter().map(|(node, _)| node.clone()).collect();
     let worker = Worker {
         ranks: handles,
         proxy: None,
@@ -287,6 +288,14 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     };
     readiness.set(false);
     let makespan = started.elapsed().as_secs_f64();
+    // Before exiting: the proxy gets the notices already due (the last delivery's
+    // ProxyNotif may still be queued), each rank within the same bound.
+    for node in &nodes {
+        node.shutdown();
+    }
+    for node in &nodes {
+        node.close(NOTICE_LINGER).await;
+    }
     bar.finish_and_clear();
     let t = loadgen::lock(&tally);
     let total = u64::from(args.workload.requests);

@@ -99,6 +99,8 @@ pub(super) struct Driver<E: Env> {
     inbox: mpsc::UnboundedReceiver<Input>,
     cmds: mpsc::UnboundedReceiver<Cmd>,
     cmd_tx: mpsc::UnboundedSender<Cmd>,
+    /// Dropped when the driver ends: how `SenderHandle::close` knows it has.
+    alive: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl<E: Env> Driver<E> {
@@ -137,6 +139,7 @@ impl<E: Env> Driver<E> {
             inbox,
             cmds,
             cmd_tx,
+            alive: None,
         }
     }
 
@@ -161,6 +164,7 @@ impl<E: Env> Driver<E> {
                 (core.flow.poll_timeout(), core.shutdown)
             };
             if shutdown {
+                self.write_out_notices().await;
                 return;
             }
             let sleep = crate::sleep_until_deadline(&self.env, deadline);
@@ -172,6 +176,30 @@ impl<E: Env> Driver<E> {
                     let now = self.env.now();
                     self.shared.lock().flow.handle_timeout(now);
                 }
+            }
+        }
+    }
+
+    /// Holds `alive` until the driver ends.
+    pub(super) fn holding(mut self, alive: tokio::sync::watch::Sender<()>) -> Self {
+        self.alive = Some(alive);
+        self
+    }
+
+    /// Closes the proxy channel and waits, at most `NOTICE_LINGER`, until what was queued
+    /// on it is written.
+    async fn write_out_notices(&mut self) {
+        let Some(sink) = self.sink.take() else {
+            return;
+        };
+        let deadline = self.env.now() + super::NOTICE_LINGER;
+        tokio::select! {
+            () = sink.close() => {}
+            () = self.env.sleep_until(deadline) => {
+                tracing::warn!(
+                    linger = ?super::NOTICE_LINGER,
+                    "stopping without the proxy taking the last notices"
+                );
             }
         }
     }

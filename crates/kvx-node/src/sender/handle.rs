@@ -8,7 +8,7 @@ use std::time::Duration;
 use kvx_io::{Env, Fabric, SlotMemory};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow};
 use kvx_proto::{PeerId, ReqId, StagingSlot};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::driver::Cmd;
 use super::staging_turn::StagingTurn;
@@ -22,6 +22,8 @@ pub struct SenderHandle<E: Env> {
     shared: Arc<Shared>,
     memory: Arc<<E::Fabric as Fabric>::Memory>,
     cmds: mpsc::UnboundedSender<Cmd>,
+    /// Closed when the driver task has ended (`close`).
+    driver: watch::Receiver<()>,
 }
 
 impl<E: Env> Clone for SenderHandle<E> {
@@ -31,6 +33,7 @@ impl<E: Env> Clone for SenderHandle<E> {
             shared: self.shared.clone(),
             memory: self.memory.clone(),
             cmds: self.cmds.clone(),
+            driver: self.driver.clone(),
         }
     }
 }
@@ -41,12 +44,14 @@ impl<E: Env> SenderHandle<E> {
         shared: Arc<Shared>,
         memory: Arc<<E::Fabric as Fabric>::Memory>,
         cmds: mpsc::UnboundedSender<Cmd>,
+        driver: watch::Receiver<()>,
     ) -> Self {
         Self {
             env,
             shared,
             memory,
             cmds,
+            driver,
         }
     }
 }
@@ -282,7 +287,23 @@ impl<E: Env> SenderHandle<E> {
         self.shared.lock().flow.staging_free()
     }
 
-    /// Stops the driver task; waiters get `ChannelLost`.
+    /// Stops the driver as `shutdown` does and waits, at most `within`, until it has ended:
+    /// true if it did. A driver ends once the notices already due (a delivered request's
+    /// `ProxyNotif`) are written to the proxy, so a process that calls this before it exits
+    /// does not take its last notices with it.
+    pub async fn close(&self, within: Duration) -> bool {
+        self.shutdown();
+        let mut driver = self.driver.clone();
+        let ended = async move { while driver.changed().await.is_ok() {} };
+        let deadline = self.now() + within;
+        tokio::select! {
+            () = ended => true,
+            () = self.env.sleep_until(deadline) => false,
+        }
+    }
+
+    /// Stops the driver task; waiters get `ChannelLost`. It goes on writing the notices
+    /// already due to the proxy (for at most `NOTICE_LINGER`); `close` waits for that.
     pub fn shutdown(&self) {
         self.shared.lock().shutdown = true;
         self.shared.poke.notify_one();

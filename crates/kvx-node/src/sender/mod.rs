@@ -33,6 +33,10 @@ mod driver;
 mod handle;
 mod staging_turn;
 
+/// How long a stopping sender goes on writing the notices already due to the proxy (a
+/// delivered request's `ProxyNotif`) before it ends without them.
+pub const NOTICE_LINGER: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Where a receiver (one TP rank of a decode worker) listens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReceiverAddr {
@@ -212,8 +216,16 @@ impl SenderNode {
             completions: Mutex::new(None),
         });
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let handle = SenderHandle::new(env.clone(), shared.clone(), memory.clone(), cmd_tx.clone());
-        let driver = Driver::new(env.clone(), shared, memory, local_id, sink, cmd_rx, cmd_tx);
+        let (alive, driver_ended) = tokio::sync::watch::channel(());
+        let handle = SenderHandle::new(
+            env.clone(),
+            shared.clone(),
+            memory.clone(),
+            cmd_tx.clone(),
+            driver_ended,
+        );
+        let driver =
+            Driver::new(env.clone(), shared, memory, local_id, sink, cmd_rx, cmd_tx).holding(alive);
         env.spawn(driver.run());
         Ok(handle)
     }

@@ -28,17 +28,21 @@ pub(super) async fn notify_sink(
 ) -> Result<NotifySink, TransportError> {
     let link = open(&shared, endpoint, &ROLE).await?;
     let (tx, outgoing) = Outgoing::new();
+    let (alive, io_task) = tokio::sync::watch::channel(());
     let pusher = Pusher {
+        _alive: alive,
         backoff: Backoff::new(&shared),
         shared,
         endpoint: endpoint.to_owned(),
         outgoing,
     };
     tokio::spawn(pusher.run(link));
-    Ok(NotifySink::new(tx))
+    Ok(NotifySink::served_by(tx, io_task))
 }
 
 struct Pusher {
+    /// Dropped as the task ends: how `NotifySink::close` knows it has.
+    _alive: tokio::sync::watch::Sender<()>,
     shared: Arc<Shared>,
     endpoint: String,
     backoff: Backoff,
