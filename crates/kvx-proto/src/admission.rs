@@ -145,11 +145,6 @@ impl Admission {
         }
     }
 
-    /// Slots in the buffer.
-    pub fn capacity(&self) -> u32 {
-        self.limits.capacity
-    }
-
     /// Slots `peer` holds: reserved by its requests, or quarantined after its rollbacks.
     pub fn footprint(&self, peer: PeerId) -> u32 {
         self.shares.get(&peer).map_or(0, |s| s.footprint)
