@@ -484,6 +484,49 @@ mod tests {
         T0 + Duration::from_millis(ms)
     }
 
+    /// The message `check_invariants` panics with, if it does.
+    fn violation(adm: &Admission) -> Option<String> {
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| adm.check_invariants()));
+        caught.err().map(|e| {
+            e.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default()
+        })
+    }
+
+    /// The checker catches what it is there for: a peer over its share (the totals still
+    /// adding up), footprints that do not add up, waiters miscounted.
+    #[test]
+    fn check_invariants_catches_a_peer_over_its_share_and_miscounts() {
+        let limits = Limits {
+            capacity: 10,
+            queue_max: 4,
+            peer_cap: 4,
+            peer_queue_max: 2,
+        };
+        let mut adm = Admission::new(limits);
+        assert_eq!(adm.request(Ticket(1), P, 4, later(100)), Decision::Admitted);
+        assert_eq!(violation(&adm), None);
+
+        let mut over = adm.clone();
+        over.share(P).footprint += 1;
+        over.reserved += 1;
+        let said = violation(&over).expect("a peer over its share is caught");
+        assert!(said.contains("over its share"), "{said}");
+
+        let mut uneven = adm.clone();
+        uneven.reserved += 1;
+        let said = violation(&uneven).expect("footprints not adding up are caught");
+        assert!(said.contains("add up"), "{said}");
+
+        let mut miscounted = adm.clone();
+        miscounted.share(P).waiting += 1;
+        let said = violation(&miscounted).expect("a miscounted waiter is caught");
+        assert!(said.contains("waiters are counted"), "{said}");
+    }
+
     #[test]
     fn worked_example_b_waits_until_a_releases() {
         let mut adm = Admission::new(Limits::fifo(10, 8));

@@ -451,6 +451,53 @@ mod tests {
         Message::ProxyNotif(ProxyNotif { req_id: id.into() })
     }
 
+    /// The message `check_invariants` panics with, if it does.
+    fn violation(p: &ProxyTracker) -> Option<String> {
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.check_invariants()));
+        caught.err().map(|e| {
+            e.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default()
+        })
+    }
+
+    /// The checker catches what it is there for: kept bytes miscounted, an order entry
+    /// without its id, an awaited request with every notice left unreported.
+    #[test]
+    fn check_invariants_catches_miscounts_and_an_unreported_request() {
+        let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
+        p.handle_message(Instant::ZERO, notif("early"));
+        p.handle_expect(Instant::ZERO, "awaited".into(), 2)
+            .expect("fresh id");
+        assert_eq!(violation(&p), None);
+
+        let mut bytes = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
+        bytes.handle_message(Instant::ZERO, notif("early"));
+        bytes.early_bytes += 1;
+        let said = violation(&bytes).expect("miscounted bytes are caught");
+        assert!(said.contains("early bytes counted"), "{said}");
+
+        let mut order = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
+        order.handle_message(Instant::ZERO, notif("early"));
+        order
+            .early_order
+            .insert((Instant::ZERO, 99), ReqId::from("ghost"));
+        let said = violation(&order).expect("a stray order entry is caught");
+        assert!(said.contains("one order entry per early id"), "{said}");
+
+        let mut unreported = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
+        unreported
+            .handle_expect(Instant::ZERO, "awaited".into(), 2)
+            .expect("fresh id");
+        if let Some(a) = unreported.awaited.get_mut(&ReqId::from("awaited")) {
+            a.seen = a.ranks;
+        }
+        let said = violation(&unreported).expect("an unreported request is caught");
+        assert!(said.contains("should have been reported ready"), "{said}");
+    }
+
     #[test]
     fn ready_after_every_rank_and_not_before() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");

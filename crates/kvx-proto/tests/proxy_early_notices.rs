@@ -127,3 +127,75 @@ fn more_early_notices_than_ranks_make_it_ready_once() {
     assert_eq!(p.awaited(), 0);
     p.check_invariants();
 }
+
+fn failed(id: &str, reason: &str) -> Message {
+    Message::FailNotif(FailNotif {
+        req_id: id.into(),
+        reason: reason.into(),
+    })
+}
+
+/// What a kept failure weighs against `early_notices_bytes_max`: its id twice (the map and
+/// the order), its reason, and 128 bytes of overhead. A table sized for exactly three such
+/// entries keeps three, and the fourth pushes the oldest out (one message dropped).
+#[test]
+fn the_byte_bound_weighs_each_entry_as_its_id_twice_its_reason_and_128_bytes() {
+    let reason = "r".repeat(100);
+    let entry = 2 * "early-0000".len() + reason.len() + 128;
+    let cfg = ProxyConfig {
+        early_notices_bytes_max: 3 * entry,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for i in 0..3 {
+        p.handle_message(at(0), failed(&format!("early-{i:04}"), &reason));
+        p.check_invariants();
+    }
+    assert_eq!(p.dropped_notices, 0, "three entries fit exactly");
+    p.handle_message(at(0), failed("early-0003", &reason));
+    p.check_invariants();
+    assert_eq!(p.dropped_notices, 1, "the oldest entry pushed out");
+    // The one pushed out is the oldest: early-0000 is no longer known, early-0001 is.
+    p.handle_expect(at(0), "early-0001".into(), 1)
+        .expect("fresh id");
+    assert!(
+        matches!(p.poll_event(), Some(ProxyEvent::Failed { .. })),
+        "early-0001's failure was kept"
+    );
+    p.handle_expect(at(0), "early-0000".into(), 1)
+        .expect("fresh id");
+    assert_eq!(p.poll_event(), None, "early-0000's failure was dropped");
+}
+
+/// An entry larger than the whole table is not kept and pushes nothing out: its message is
+/// counted dropped, once; a table of no entries drops every notice the same way.
+#[test]
+fn a_notice_larger_than_the_table_is_dropped_and_counted_once() {
+    let cfg = ProxyConfig {
+        early_notices_bytes_max: 200,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    p.handle_message(at(0), notif("small"));
+    p.handle_message(at(0), failed("large", &"r".repeat(100)));
+    p.check_invariants();
+    assert_eq!(p.dropped_notices, 1);
+    p.handle_expect(at(0), "small".into(), 1).expect("fresh id");
+    assert_eq!(
+        p.poll_event(),
+        Some(ProxyEvent::Ready {
+            req_id: "small".into()
+        }),
+        "the small entry stayed"
+    );
+
+    let none = ProxyConfig {
+        early_notices_max: 0,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(none).expect("valid config");
+    p.handle_message(at(0), notif("a"));
+    p.handle_message(at(0), failed("b", "why"));
+    p.check_invariants();
+    assert_eq!(p.dropped_notices, 2);
+}
