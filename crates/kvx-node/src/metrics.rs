@@ -66,3 +66,39 @@ pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";
 /// Counter: notices the proxy could not use (an over-long id, a message that is no notice,
 /// an early notice pushed out of its full table or too large to keep), each counted once.
 pub const PROXY_NOTICES_DROPPED: &str = "kvx_proxy_notices_dropped_total";
+
+#[cfg(test)]
+mod tests {
+    /// Every name defined here is in the operators' table (`docs/operations.md`, "Metrics and
+    /// readiness"), in full or as its suffix after the role (`_slots_held` in the receiver's
+    /// row): a metric added without a row fails here.
+    #[test]
+    fn every_metric_is_in_the_operations_table() {
+        let source = include_str!("metrics.rs")
+            .split("#[cfg(test)]")
+            .next()
+            .expect("the definitions");
+        let docs = include_str!("../../../docs/operations.md");
+        let table = docs
+            .split("# Metrics and readiness")
+            .nth(1)
+            .expect("docs/operations.md has its metrics section");
+        let names: Vec<&str> = source
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| s.starts_with("kvx_") && !s.contains(' '))
+            .collect();
+        assert!(names.len() >= 20, "the names were found: {names:?}");
+        for name in names {
+            let suffix = ["kvx_receiver", "kvx_sender", "kvx_proxy"]
+                .iter()
+                .find_map(|role| name.strip_prefix(role))
+                .unwrap_or(name);
+            assert!(
+                table.contains(&format!("`{name}`")) || table.contains(&format!("`{suffix}`")),
+                "{name} is not in docs/operations.md's metrics table"
+            );
+        }
+    }
+}
