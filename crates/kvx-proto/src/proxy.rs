@@ -498,6 +498,49 @@ mod tests {
         assert!(said.contains("should have been reported ready"), "{said}");
     }
 
+    /// A long reason is cut to `reason_bytes_max` on a character boundary (a two-byte
+    /// character straddling the bound goes whole), with a mark.
+    #[test]
+    fn a_long_reason_is_cut_on_a_character_boundary() {
+        let cfg = ProxyConfig {
+            reason_bytes_max: 7,
+            ..ProxyConfig::default()
+        };
+        let mut p = ProxyTracker::new(cfg).expect("valid config");
+        p.handle_expect(Instant::ZERO, "r".into(), 1)
+            .expect("fresh id");
+        let failed = FailNotif {
+            req_id: "r".into(),
+            reason: "éééééé".into(),
+        };
+        p.handle_message(Instant::ZERO, Message::FailNotif(failed));
+        assert_eq!(
+            p.poll_event(),
+            Some(ProxyEvent::Failed {
+                req_id: "r".into(),
+                failure: ProxyFailure::Reported("ééé…".into())
+            })
+        );
+    }
+
+    /// The kinds are metric labels: one per variant, distinct, short snake_case.
+    #[test]
+    fn every_failure_kind_is_a_distinct_label() {
+        let all = [
+            ProxyFailure::Reported(String::new()),
+            ProxyFailure::TimedOut { seen: 0, ranks: 1 },
+            ProxyFailure::ProxyGone,
+        ];
+        let kinds: std::collections::BTreeSet<_> = all.iter().map(ProxyFailure::kind).collect();
+        assert_eq!(kinds.len(), all.len(), "{kinds:?}");
+        for kind in kinds {
+            assert!(
+                !kind.is_empty() && kind.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "{kind:?}"
+            );
+        }
+    }
+
     #[test]
     fn ready_after_every_rank_and_not_before() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");

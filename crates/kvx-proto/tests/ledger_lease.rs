@@ -103,3 +103,46 @@ fn a_cancel_before_the_lease_frees_at_once_and_the_lease_is_refused() {
     assert!(ledger.is_quiescent());
     assert!(ledger.handle_acquire(&key).is_err(), "nothing left to read");
 }
+
+/// The ledger's counts (the receiver's metrics) move with what happens: a consumed request,
+/// a rolled-back one, a message a receiver never takes (refused with the bare -1); and it is
+/// quiescent only when nothing is tracked.
+#[test]
+fn the_ledger_counts_consumed_rolled_back_and_refused() {
+    let mut ledger = ReceiverLedger::new(ReceiverConfig {
+        buffer_slots: 4,
+        legacy_senders: LegacySenders::AfterProxy,
+        ..ReceiverConfig::default()
+    })
+    .expect("config");
+    assert!(ledger.is_quiescent());
+    let a = ready_request(&mut ledger, "a");
+    assert!(!ledger.is_quiescent(), "a is ready and holds its slots");
+    ledger.handle_acquire(&a).expect("lease");
+    ledger.handle_consume(Instant::ZERO, &a).expect("consume");
+    assert_eq!(ended(&mut ledger), Some(Outcome::Consumed));
+    ready_request(&mut ledger, "b");
+    cancel(&mut ledger, "b");
+    assert_eq!(
+        ended(&mut ledger),
+        Some(Outcome::Failed(Failure::Cancelled))
+    );
+    let notice = kvx_proto::wire::ProxyNotif { req_id: "c".into() };
+    ledger.handle_message(Instant::ZERO, PEER, Message::ProxyNotif(notice));
+    let (to, refusal) = ledger.poll_transmit().expect("a refusal");
+    assert_eq!(to, PEER);
+    assert_eq!(refusal.remote_indexes, vec![-1]);
+    let stats = ledger.stats();
+    assert_eq!(
+        (
+            stats.admitted,
+            stats.consumed,
+            stats.rolled_back,
+            stats.refused
+        ),
+        (2, 1, 1, 1),
+        "{stats:?}"
+    );
+    assert!(ledger.is_quiescent());
+    ledger.check_invariants();
+}

@@ -228,17 +228,12 @@ impl ReceiverLedger {
         match msg {
             Message::AllocRequest(req) => self.on_alloc_request(now, peer, req),
             Message::CancelNotif(cancel) => self.on_cancel(now, peer, cancel),
-            other => {
-                let what = match other {
-                    Message::AllocResponse(_) => "AllocResponse",
-                    Message::ProxyNotif(_) => "ProxyNotif",
-                    _ => "FailNotif",
-                };
+            Message::AllocResponse(_) | Message::ProxyNotif(_) | Message::FailNotif(_) => {
+                // None of these carries a `seq`, so the refusal has no field for a reason
+                // (`AllocResponse::refused`): it is the bare -1 LMCache's senders know.
                 self.stats.refused += 1;
-                let reason =
-                    format!("a receiver does not accept {what}; send AllocRequest or CancelNotif");
                 self.transmits
-                    .push_back((peer, AllocResponse::refused(1, reason, None)));
+                    .push_back((peer, AllocResponse::refused(1, String::new(), None)));
             }
         }
     }

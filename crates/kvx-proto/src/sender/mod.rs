@@ -788,3 +788,31 @@ impl SenderFlow {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SendFailure;
+
+    /// The kinds are metric labels: one per variant, distinct, short snake_case.
+    #[test]
+    fn every_failure_kind_is_a_distinct_label() {
+        let all = [
+            SendFailure::Cancelled,
+            SendFailure::Refused(String::new()),
+            SendFailure::BadReply(String::new()),
+            SendFailure::ReplyTimeout,
+            SendFailure::ChannelLost,
+            SendFailure::WriteFailed(String::new()),
+            SendFailure::WriteTimeout,
+            SendFailure::Misuse(String::new()),
+        ];
+        let kinds: std::collections::BTreeSet<_> = all.iter().map(SendFailure::kind).collect();
+        assert_eq!(kinds.len(), all.len(), "{kinds:?}");
+        for kind in kinds {
+            assert!(
+                !kind.is_empty() && kind.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "{kind:?}"
+            );
+        }
+    }
+}
