@@ -1,0 +1,167 @@
+//! What the sender's flow tells its caller about itself, on one request at a time: its
+//! counts, a failing request's outcome while its writes drain, a staging slot handed back,
+//! the reply deadline to the instant, what a channel learnt of its receiver, and quiescence.
+
+use std::time::Duration;
+
+use kvx_proto::sender::{
+    ChunkSpec, Mode, RequestSpec, SendFailure, SenderEvent, SenderFlow, WriteOp,
+};
+use kvx_proto::wire::{AllocResponse, Message};
+use kvx_proto::{Instant, PeerId, ReqId, SenderConfig};
+
+const R: PeerId = PeerId(1);
+const T0: Instant = Instant::ZERO;
+
+fn spec(id: &ReqId, total_chunks: u32) -> RequestSpec {
+    RequestSpec {
+        req_id: id.clone(),
+        receiver: R,
+        total_chunks,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    }
+}
+
+/// Answers the last message sent, granting `slots`; `echo` says whether the reply carries
+/// the request's `seq` back (a kvx receiver) or not (LMCache's).
+fn reply(flow: &mut SenderFlow, slots: Vec<i64>, echo: bool) {
+    let t = flow.poll_transmit().expect("a message went out");
+    let Message::AllocRequest(req) = t.msg else {
+        panic!("an AllocRequest: {t:?}");
+    };
+    let generations = Some(vec![1; slots.len()]);
+    let seq = if echo { req.seq } else { None };
+    let reply = AllocResponse::granted(slots, generations, seq);
+    flow.handle_message(T0, R, Message::AllocResponse(reply));
+}
+
+/// Begins `id` with one chunk, admits it, stages and submits the chunk, grants it a slot:
+/// the write is posted and returned.
+fn posted(flow: &mut SenderFlow, id: &ReqId) -> WriteOp {
+    flow.handle_begin(T0, spec(id, 1)).expect("begin");
+    reply(flow, vec![], true);
+    let chunk = ChunkSpec {
+        key: "k0".into(),
+        staging: flow.try_allocate(id).expect("staging"),
+        tokens: 1,
+    };
+    flow.handle_submit(T0, id, vec![chunk], true)
+        .expect("submit");
+    reply(flow, vec![0], true);
+    flow.poll_write().expect("the write is posted")
+}
+
+fn events(flow: &mut SenderFlow) -> Vec<SenderEvent> {
+    std::iter::from_fn(|| flow.poll_event()).collect()
+}
+
+#[test]
+fn counts_a_failing_outcome_and_quiescence_follow_the_requests() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    assert!(flow.is_quiescent());
+    let a = ReqId("a".into());
+    let write = posted(&mut flow, &a);
+    assert!(!flow.is_quiescent(), "a write is in flight");
+    flow.handle_write_done(T0, write.id, Ok(()));
+    assert!(
+        events(&mut flow)
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Delivered { .. })),
+        "a is delivered"
+    );
+    while flow.poll_transmit().is_some() {}
+
+    // b fails while its write is in flight: the outcome says so at once, before the drain.
+    let b = ReqId("b".into());
+    let write = posted(&mut flow, &b);
+    flow.handle_cancel(T0, &b).expect("cancel");
+    assert_eq!(flow.outcome(&b), Some(Err(SendFailure::Cancelled)));
+    assert!(!flow.is_quiescent(), "b's write still drains");
+    flow.handle_write_done(T0, write.id, Ok(()));
+    events(&mut flow);
+    assert_eq!(flow.outcome(&b), Some(Err(SendFailure::Cancelled)));
+    assert!(
+        !flow.is_quiescent(),
+        "b's CancelNotif awaits its acknowledgement"
+    );
+    let cancel = std::iter::from_fn(|| flow.poll_transmit())
+        .find_map(|t| match t.msg {
+            Message::CancelNotif(c) => Some(c),
+            _ => None,
+        })
+        .expect("b's CancelNotif");
+    let ack = AllocResponse::cancel_ack(cancel.seq);
+    flow.handle_message(T0, R, Message::AllocResponse(ack));
+
+    let stats = flow.stats();
+    assert_eq!(
+        (stats.begun, stats.delivered, stats.failed),
+        (2, 1, 1),
+        "{stats:?}"
+    );
+    assert!(flow.is_quiescent());
+    flow.check_invariants();
+}
+
+#[test]
+fn a_staging_slot_handed_back_is_free_again_and_only_once() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 2)).expect("begin");
+    reply(&mut flow, vec![], true);
+    let free = flow.staging_free();
+    let slot = flow.try_allocate(&id).expect("staging");
+    assert_eq!(flow.staging_free(), free - 1);
+    flow.release_staging(&id, slot).expect("handed back");
+    assert_eq!(flow.staging_free(), free);
+    assert!(
+        flow.release_staging(&id, slot).is_err(),
+        "a slot not held is refused"
+    );
+    flow.check_invariants();
+}
+
+/// A request whose reply does not come fails at `reply_timeout` exactly, not before.
+#[test]
+fn a_missing_reply_fails_the_request_at_its_deadline_and_not_before() {
+    let cfg = SenderConfig {
+        reply_timeout: Duration::from_secs(2),
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 1)).expect("begin");
+    reply(&mut flow, vec![], true);
+    let chunk = ChunkSpec {
+        key: "k0".into(),
+        staging: flow.try_allocate(&id).expect("staging"),
+        tokens: 1,
+    };
+    let sent = T0 + Duration::from_secs(10);
+    flow.handle_submit(sent, &id, vec![chunk], true)
+        .expect("submit");
+    flow.poll_transmit().expect("the batch");
+    let deadline = sent + Duration::from_secs(2);
+    assert_eq!(flow.poll_timeout(), Some(deadline));
+    flow.handle_timeout(sent + Duration::from_millis(1999));
+    assert_eq!(flow.outcome(&id), None, "still waiting");
+    flow.handle_timeout(deadline);
+    assert_eq!(flow.outcome(&id), Some(Err(SendFailure::ReplyTimeout)));
+    flow.check_invariants();
+}
+
+/// A channel learns from the first reply whether its receiver echoes `seq`.
+#[test]
+fn a_channel_learns_its_receivers_mode_from_the_first_reply() {
+    for (echo, mode) in [(true, Mode::Pipelined), (false, Mode::Serial)] {
+        let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+        assert_eq!(flow.channel_mode(R), None, "no request yet");
+        flow.handle_begin(T0, spec(&ReqId("r".into()), 1))
+            .expect("begin");
+        assert_eq!(flow.channel_mode(R), Some(Mode::Probing));
+        reply(&mut flow, vec![], echo);
+        assert_eq!(flow.channel_mode(R), Some(mode), "echo: {echo}");
+    }
+}
