@@ -119,32 +119,43 @@ fn an_immediate_naming_another_slot_is_refused() {
         LandingVerdict::Refused(_)
     ));
     assert!(!is_ready(&events(&mut l)));
+    assert_eq!(l.stats().refused_landings, 1);
 }
 
 #[test]
 fn an_empty_or_corrupt_chunk_fails_its_request() {
-    for (what, bad) in [
-        ("empty", |t| LandedWrite {
+    for (what, said, bad) in [
+        ("empty", "landed with no bytes", |t| LandedWrite {
             bytes: 0,
             ..landed(OWNER, t)
         }),
-        ("corrupt", |t| LandedWrite {
-            checksum: ChecksumCheck::Mismatch {
-                carried: 1,
-                computed: 2,
+        (
+            "corrupt",
+            "checksum mismatch (the sender computed 00000001, the landed bytes give 00000002)",
+            |t| LandedWrite {
+                checksum: ChecksumCheck::Mismatch {
+                    carried: 1,
+                    computed: 2,
+                },
+                ..landed(OWNER, t)
             },
-            ..landed(OWNER, t)
+        ),
+        ("without a checksum", "carried no checksum", |t| {
+            LandedWrite {
+                checksum: ChecksumCheck::Absent,
+                ..landed(OWNER, t)
+            }
         }),
-        ("without a checksum", |t| LandedWrite {
-            checksum: ChecksumCheck::Absent,
-            ..landed(OWNER, t)
-        }),
-    ] as [(&str, fn(WriteTag) -> LandedWrite); 3]
+    ] as [(&str, &str, fn(WriteTag) -> LandedWrite); 3]
     {
         let mut l = ledger(ReceiverConfig::default());
         let tags = granted(&mut l, "r", 2);
-        let v = l.handle_chunk_landed(Instant::ZERO, bad(tags[0]));
-        assert!(matches!(v, LandingVerdict::Corrupt(_)), "{what}: {v:?}");
+        let v = l.handle_chunk_landed(Instant::ZERO, bad(tags[1]));
+        // The reason names the chunk and what is wrong with it.
+        assert!(
+            matches!(&v, LandingVerdict::Corrupt(why) if why.contains("chunk 1 ") && why.contains(said)),
+            "{what}: {v:?}"
+        );
         let evs = events(&mut l);
         assert!(!is_ready(&evs), "{what}");
         assert!(

@@ -149,3 +149,17 @@ impl fmt::Display for Outcome {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Failure, Outcome};
+
+    /// An outcome reads as what happened, a failure with its reason (the drivers log it so).
+    #[test]
+    fn an_outcome_reads_as_what_happened() {
+        assert_eq!(Outcome::Consumed.to_string(), "consumed");
+        let failed = Outcome::Failed(Failure::ZeroChunks).to_string();
+        assert_eq!(failed, format!("failed: {}", Failure::ZeroChunks));
+        assert!(failed.contains("total_chunks is 0"), "{failed}");
+    }
+}
