@@ -117,3 +117,47 @@ impl Tombstones {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Outcome, Tombstones};
+    use crate::ids::{PeerId, ReqId, ReqKey};
+    use crate::receiver::Failure;
+    use crate::time::Instant;
+    use std::time::Duration;
+
+    fn key(id: &str) -> ReqKey {
+        ReqKey {
+            peer: PeerId(1),
+            req_id: ReqId(id.into()),
+        }
+    }
+
+    /// A remembered id weighs its id twice, its outcome's text and 128 bytes: a table sized
+    /// for exactly three keeps three, the fourth forgets the oldest, and an entry larger
+    /// than the whole table is not kept (and forgets nothing).
+    #[test]
+    fn the_byte_bound_weighs_the_id_twice_the_outcome_and_128_bytes() {
+        let failed = Outcome::Failed(Failure::Cancelled);
+        let entry = 2 * "id-0".len() + Failure::Cancelled.to_string().len() + 128;
+        let mut t = Tombstones::new(Duration::from_secs(60), 100, 3 * entry);
+        for id in ["id-0", "id-1", "id-2"] {
+            t.insert(Instant::ZERO, key(id), failed.clone());
+        }
+        assert!(["id-0", "id-1", "id-2"]
+            .iter()
+            .all(|id| t.contains(&key(id))));
+        t.insert(Instant::ZERO, key("id-3"), failed.clone());
+        assert!(!t.contains(&key("id-0")), "the oldest is forgotten");
+        assert!(["id-1", "id-2", "id-3"]
+            .iter()
+            .all(|id| t.contains(&key(id))));
+        t.insert(
+            Instant::ZERO,
+            key(&"x".repeat(3 * entry)),
+            Outcome::Consumed,
+        );
+        assert!(!t.contains(&key(&"x".repeat(3 * entry))));
+        assert!(t.contains(&key("id-1")), "nothing was forgotten for it");
+    }
+}
