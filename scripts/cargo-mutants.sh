@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation score of kvx-proto's protocol files (admission, slots, the receiver, the sender,
-# the proxy; not `testing/` or the explorer's canonical encodings, `canon.rs` and `canon_*`)
+# the proxy; not `testing/` or the explorer's canonical encodings, `canon.rs`, `canon` and `canon_*`)
 # under kvx-proto's own tests, with the
 # cargo-mutants tool (installed here at a pinned version if it is missing). The wire tests
 # are left out: the wire is not mutated, and they read the golden vectors beside the
@@ -27,7 +27,7 @@ exec cargo mutants --package kvx-proto \
     --file 'crates/kvx-proto/src/receiver/**' \
     --file 'crates/kvx-proto/src/sender/**' \
     --exclude canon.rs \
-    --exclude-re '::canon_' \
+    --exclude-re '::canon(_|\b)' \
     --output "${KVX_MUTANTS_OUT:-target/mutants}" \
     "$@" \
     -- --lib \
