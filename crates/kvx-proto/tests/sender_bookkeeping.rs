@@ -165,3 +165,29 @@ fn a_channel_learns_its_receivers_mode_from_the_first_reply() {
         assert_eq!(flow.channel_mode(R), Some(mode), "echo: {echo}");
     }
 }
+
+/// On a channel whose receiver echoes `seq`, a reply without one answers nothing: it is
+/// counted stale, and the batch in flight is written once its own reply comes.
+#[test]
+fn a_reply_without_seq_on_a_pipelined_channel_answers_nothing() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 1)).expect("begin");
+    reply(&mut flow, vec![], true);
+    assert_eq!(flow.channel_mode(R), Some(Mode::Pipelined));
+    let chunk = ChunkSpec {
+        key: "k0".into(),
+        staging: flow.try_allocate(&id).expect("staging"),
+        tokens: 1,
+    };
+    flow.handle_submit(T0, &id, vec![chunk], true)
+        .expect("submit");
+    let stale = flow.stats().stale_replies;
+    let unnumbered = AllocResponse::granted(vec![0], Some(vec![1]), None);
+    flow.handle_message(T0, R, Message::AllocResponse(unnumbered));
+    assert_eq!(flow.stats().stale_replies, stale + 1);
+    assert_eq!(flow.poll_write(), None, "nothing was granted");
+    reply(&mut flow, vec![0], true);
+    assert!(flow.poll_write().is_some(), "its own reply grants the slot");
+    flow.check_invariants();
+}

@@ -160,4 +160,21 @@ mod tests {
         assert!(!t.contains(&key(&"x".repeat(3 * entry))));
         assert!(t.contains(&key("id-1")), "nothing was forgotten for it");
     }
+
+    /// An id remembered again replaces its entry and its weight: three ids fit in a table of
+    /// three after one of them ended twice.
+    #[test]
+    fn an_id_remembered_again_weighs_once() {
+        let failed = Outcome::Failed(Failure::Cancelled);
+        let entry = 2 * "id-0".len() + Failure::Cancelled.to_string().len() + 128;
+        let mut t = Tombstones::new(Duration::from_secs(60), 100, 3 * entry);
+        let later = Instant::ZERO + Duration::from_secs(1);
+        t.insert(Instant::ZERO, key("id-0"), failed.clone());
+        t.insert(later, key("id-0"), failed.clone());
+        t.insert(later, key("id-1"), failed.clone());
+        t.insert(later, key("id-2"), failed.clone());
+        assert!(["id-0", "id-1", "id-2"]
+            .iter()
+            .all(|id| t.contains(&key(id))));
+    }
 }
