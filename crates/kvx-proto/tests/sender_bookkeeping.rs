@@ -191,3 +191,55 @@ fn a_reply_without_seq_on_a_pipelined_channel_answers_nothing() {
     assert!(flow.poll_write().is_some(), "its own reply grants the slot");
     flow.check_invariants();
 }
+
+/// A message other than a reply on the control channel answers nothing and is counted stale.
+#[test]
+fn a_message_that_is_not_a_reply_is_counted_stale() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    flow.handle_begin(T0, spec(&ReqId("r".into()), 1))
+        .expect("begin");
+    let notice = kvx_proto::wire::ProxyNotif { req_id: "r".into() };
+    flow.handle_message(T0, R, Message::ProxyNotif(notice));
+    assert_eq!(flow.stats().stale_replies, 1);
+    assert_eq!(
+        flow.channel_mode(R),
+        Some(Mode::Probing),
+        "the probe still waits"
+    );
+}
+
+/// A receiver that already holds a chunk (LMCache's dedup, `already_sent_indexes`) has it
+/// counted written without a write: the request is delivered once the other chunk lands.
+#[test]
+fn a_chunk_the_receiver_already_holds_counts_as_written() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 2)).expect("begin");
+    reply(&mut flow, vec![], true);
+    let chunks = (0..2)
+        .map(|i| ChunkSpec {
+            key: format!("k{i}"),
+            staging: flow.try_allocate(&id).expect("staging"),
+            tokens: 1,
+        })
+        .collect();
+    flow.handle_submit(T0, &id, chunks, true).expect("submit");
+    let t = flow.poll_transmit().expect("the batch");
+    let Message::AllocRequest(batch) = t.msg else {
+        panic!("an AllocRequest: {t:?}");
+    };
+    let mut grant = AllocResponse::granted(vec![5], Some(vec![1]), batch.seq);
+    grant.already_sent_indexes = vec![1];
+    flow.handle_message(T0, R, Message::AllocResponse(grant));
+    let write = flow.poll_write().expect("chunk 0 is written");
+    assert_eq!(flow.poll_write(), None, "chunk 1 is not");
+    flow.handle_write_done(T0, write.id, Ok(()));
+    assert!(
+        events(&mut flow)
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Delivered { .. })),
+        "delivered"
+    );
+    assert_eq!(flow.staging_free(), flow.staging_capacity());
+    flow.check_invariants();
+}

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use kvx_proto::sender::{
-    ChunkSpec, Destination, RequestSpec, SendFailure, SenderEvent, SenderFlow,
+    ChunkSpec, Destination, RequestSpec, SendFailure, SenderEvent, SenderFlow, Transmit,
 };
 use kvx_proto::wire::{AllocResponse, Message};
 use kvx_proto::{Instant, PeerId, ReqId, SenderConfig};
@@ -78,12 +78,19 @@ fn a_grant_processed_after_its_deadline_is_not_written() {
     assert_eq!(failed, Some(SendFailure::ReplyTimeout));
     let cancel =
         std::iter::from_fn(|| s.poll_transmit()).find(|t| matches!(t.msg, Message::CancelNotif(_)));
-    assert!(
-        matches!(cancel, Some(t) if t.to == Destination::Receiver(R)),
-        "the receiver is told"
-    );
+    let Some(Transmit {
+        to: Destination::Receiver(R),
+        msg: Message::CancelNotif(cancel),
+    }) = cancel
+    else {
+        panic!("the receiver is told: {cancel:?}");
+    };
     assert_eq!(s.staging_free(), s.staging_capacity(), "staging released");
     s.check_invariants();
+    // Once the cancel is acknowledged nothing of the request is left.
+    let ack = AllocResponse::cancel_ack(cancel.seq);
+    s.handle_message(late, R, Message::AllocResponse(ack));
+    assert!(s.is_quiescent(), "nothing left");
 }
 
 fn reply_to_last(flow: &mut SenderFlow, slots: Vec<i64>) {
