@@ -155,3 +155,29 @@ fn a_reply_granting_distinct_slots_is_written() {
     reply_to_last(&mut flow, vec![3, 4]);
     assert_eq!(std::iter::from_fn(|| flow.poll_write()).count(), 2);
 }
+
+/// An `already_sent` index past the batch's last chunk is a bad reply, not a chunk skipped.
+#[test]
+fn an_already_sent_index_out_of_range_fails_the_request() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    let chunks = begin_and_stage(&mut flow, &id);
+    flow.handle_submit(Instant::ZERO, &id, chunks, true)
+        .expect("submit");
+    let t = flow.poll_transmit().expect("the batch");
+    let Message::AllocRequest(req) = t.msg else {
+        panic!("an AllocRequest: {t:?}");
+    };
+    let mut reply = AllocResponse::granted(vec![3], Some(vec![1]), req.seq);
+    reply.already_sent_indexes = vec![2];
+    flow.handle_message(Instant::ZERO, R, Message::AllocResponse(reply));
+    assert_eq!(flow.poll_write(), None, "nothing is written");
+    let failure = std::iter::from_fn(|| flow.poll_event()).find_map(|e| match e {
+        SenderEvent::Failed { failure, .. } => Some(failure),
+        _ => None,
+    });
+    assert!(
+        matches!(&failure, Some(SendFailure::BadReply(why)) if why.contains("out of range")),
+        "{failure:?}"
+    );
+}
