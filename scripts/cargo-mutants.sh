@@ -20,6 +20,12 @@ mkdir -p "${KVX_MUTANTS_OUT:-target/mutants}"
 # The explorer and the property tests dominate the run: optimised, without debug info, they
 # take seconds where the default test profile takes a minute, at a few seconds more of build.
 export CARGO_PROFILE_DEV_OPT_LEVEL=2 CARGO_PROFILE_DEV_DEBUG=0
+# Every kvx-proto test target but the wire's (see above).
+tests=(--lib)
+for file in crates/kvx-proto/tests/*.rs; do
+    name=$(basename "$file" .rs)
+    [[ $name == wire_* ]] || tests+=(--test "$name")
+done
 exec cargo mutants --package kvx-proto \
     --file 'crates/kvx-proto/src/admission.rs' \
     --file 'crates/kvx-proto/src/slots.rs' \
@@ -30,8 +36,4 @@ exec cargo mutants --package kvx-proto \
     --exclude-re '::canon(_|\b)' \
     --output "${KVX_MUTANTS_OUT:-target/mutants}" \
     "$@" \
-    -- --lib \
-    --test admission_deadline --test admission_order --test explore --test fair_shares \
-    --test ledger_bounds --test ledger_integrity --test ledger_lease --test properties \
-    --test proxy_dropped_notices --test proxy_early_notices --test scenarios \
-    --test sender_replies --test staging_order
+    -- "${tests[@]}"
