@@ -243,3 +243,43 @@ fn a_chunk_the_receiver_already_holds_counts_as_written() {
     assert_eq!(flow.staging_free(), flow.staging_capacity());
     flow.check_invariants();
 }
+
+/// A reply from a receiver this sender has no channel to answers nothing: counted stale.
+#[test]
+fn a_reply_from_an_unknown_receiver_is_counted_stale() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let reply = AllocResponse::granted(vec![0], Some(vec![1]), Some(1));
+    flow.handle_message(T0, PeerId(9), Message::AllocResponse(reply));
+    assert_eq!(flow.stats().stale_replies, 1);
+    assert!(flow.is_quiescent());
+}
+
+/// With one message in flight per channel, a batch of another request queued behind it
+/// does not shift the answered batch's chunk numbers: the write is of chunk 0.
+#[test]
+fn a_queued_batch_of_another_request_leaves_the_answered_chunks_numbers_alone() {
+    let cfg = SenderConfig {
+        inflight_max: 1,
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    for id in [&a, &b] {
+        flow.handle_begin(T0, spec(id, 1)).expect("begin");
+        reply(&mut flow, vec![], true);
+    }
+    for id in [&a, &b] {
+        let chunk = ChunkSpec {
+            key: "k0".into(),
+            staging: flow.try_allocate(id).expect("staging"),
+            tokens: 1,
+        };
+        flow.handle_submit(T0, id, vec![chunk], true)
+            .expect("submit");
+    }
+    // a's batch is in flight, b's waits behind it.
+    reply(&mut flow, vec![0], true);
+    let write = flow.poll_write().expect("a's write");
+    assert_eq!((write.req_id, write.chunk), (a, 0));
+    flow.check_invariants();
+}
