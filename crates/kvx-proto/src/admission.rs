@@ -525,6 +525,19 @@ mod tests {
         miscounted.share(P).waiting += 1;
         let said = violation(&miscounted).expect("a miscounted waiter is caught");
         assert!(said.contains("waiters are counted"), "{said}");
+
+        // A waiter that fits but was never let in (the queue not re-run after a release).
+        let mut full = Admission::new(Limits::fifo(10, 4));
+        assert_eq!(
+            full.request(Ticket(1), P, 10, later(100)),
+            Decision::Admitted
+        );
+        assert_eq!(full.request(Ticket(2), P, 2, later(100)), Decision::Queued);
+        assert_eq!(violation(&full), None);
+        full.reserved -= 2;
+        full.share(P).footprint -= 2;
+        let said = violation(&full).expect("a waiter left waiting though it fits is caught");
+        assert!(said.contains("waits only when it does not fit"), "{said}");
     }
 
     #[test]
