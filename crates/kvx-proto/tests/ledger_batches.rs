@@ -58,6 +58,12 @@ fn a_waiting_first_batch_weighs_its_strings_lists_and_overhead() {
         }
         l.check_invariants();
         assert_eq!(l.admission_queue_len(), waiting, "bound {bound}");
+        assert_eq!(l.queued_bytes(), waiting * weight, "what the waiters weigh");
+        assert_eq!(l.reserved_total(), 4, "the full request's reservation");
+        assert!(
+            !l.is_quiescent(),
+            "requests are tracked though every slot is free"
+        );
         let refused = failures(&mut l);
         assert_eq!(refused.len(), 3 - waiting, "{refused:?}");
         assert!(refused

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvx_proto::sender::{
-    ChunkSpec, Mode, RequestSpec, SendFailure, SenderEvent, SenderFlow, WriteOp,
+    ChunkSpec, Mode, RequestSpec, SendError, SendFailure, SenderEvent, SenderFlow, WriteOp,
 };
 use kvx_proto::wire::{AllocResponse, Message};
 use kvx_proto::{Instant, PeerId, ReqId, SenderConfig};
@@ -282,4 +282,49 @@ fn a_queued_batch_of_another_request_leaves_the_answered_chunks_numbers_alone() 
     let write = flow.poll_write().expect("a's write");
     assert_eq!((write.req_id, write.chunk), (a, 0));
     flow.check_invariants();
+}
+
+/// A request takes at most one staging slot per declared chunk, and none after its last
+/// batch: more is the caller's mistake, refused as misuse.
+#[test]
+fn staging_beyond_the_declared_chunks_is_misuse() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 2)).expect("begin");
+    reply(&mut flow, vec![], true);
+    let first = flow.try_allocate(&id).expect("chunk 0's staging");
+    let chunk = ChunkSpec {
+        key: "k0".into(),
+        staging: first,
+        tokens: 1,
+    };
+    flow.handle_submit(T0, &id, vec![chunk], true)
+        .expect("a last batch of one chunk");
+    assert!(
+        matches!(flow.try_allocate(&id), Err(SendError::Misuse { .. })),
+        "nothing after the last batch"
+    );
+
+    let other = ReqId("s".into());
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    flow.handle_begin(T0, spec(&other, 1)).expect("begin");
+    reply(&mut flow, vec![], true);
+    flow.try_allocate(&other).expect("its one chunk");
+    assert!(
+        matches!(flow.try_allocate(&other), Err(SendError::Misuse { .. })),
+        "one chunk declared, one slot"
+    );
+}
+
+/// Requests have their place in the staging order while they run, in the order begun.
+#[test]
+fn a_request_has_its_age_while_it_runs() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    flow.handle_begin(T0, spec(&a, 1)).expect("begin");
+    flow.handle_begin(T0, spec(&b, 1)).expect("begin");
+    let (age_a, age_b) = (flow.age(&a).expect("a runs"), flow.age(&b).expect("b runs"));
+    assert!(age_a < age_b);
+    flow.handle_cancel(T0, &a).expect("cancel");
+    assert_eq!(flow.age(&a), None, "a ended");
 }
