@@ -325,6 +325,8 @@ fn a_request_has_its_age_while_it_runs() {
     flow.handle_begin(T0, spec(&b, 1)).expect("begin");
     let (age_a, age_b) = (flow.age(&a).expect("a runs"), flow.age(&b).expect("b runs"));
     assert!(age_a < age_b);
+    assert!(flow.knows(&a) && !flow.knows(&ReqId("never".into())));
     flow.handle_cancel(T0, &a).expect("cancel");
     assert_eq!(flow.age(&a), None, "a ended");
+    assert!(flow.knows(&a), "its outcome is remembered");
 }
