@@ -374,6 +374,28 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// The checker catches what it is there for: a counter or the free stack out of step
+    /// with the slots' states.
+    #[test]
+    fn check_invariants_catches_counters_out_of_step() {
+        let mut t = SlotTable::new(2);
+        t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        t.check_invariants();
+        for (what, corrupt) in [
+            ("slot counters", |t: &mut SlotTable| t.granted += 1),
+            ("free list", |t: &mut SlotTable| {
+                t.free.pop();
+            }),
+        ] as [(&str, fn(&mut SlotTable)); 2]
+        {
+            let mut bad = t.clone();
+            corrupt(&mut bad);
+            let caught =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bad.check_invariants()));
+            assert!(caught.is_err(), "{what} out of step is caught");
+        }
+    }
+
     #[test]
     fn a_late_write_clears_quarantine_and_a_stale_one_is_ignored() {
         let mut t = SlotTable::new(2);

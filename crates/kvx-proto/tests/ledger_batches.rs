@@ -123,3 +123,25 @@ fn the_ready_event_gives_the_token_count_to_the_last_chunk_alone() {
     });
     assert_eq!(tokens, Some(vec![None, None, Some(7)]));
 }
+
+/// A request's later batch must declare the same total as its first: a change is a protocol
+/// violation, and the request is rolled back.
+#[test]
+fn a_batch_that_changes_the_declared_total_is_a_violation() {
+    let mut l = ReceiverLedger::new(ReceiverConfig::default()).expect("config");
+    let first = AllocRequest {
+        is_last_batch: false,
+        ..batch("r", &["k0"], 2, vec![1], "bfloat16")
+    };
+    l.handle_message(Instant::ZERO, PeerId(1), Message::AllocRequest(first));
+    let (_, reply) = l.poll_transmit().expect("a grant");
+    assert!(!reply.is_refusal());
+    let second = batch("r", &["k1"], 3, vec![1], "bfloat16");
+    l.handle_message(Instant::ZERO, PeerId(1), Message::AllocRequest(second));
+    let failed = failures(&mut l);
+    assert!(
+        matches!(&failed[..], [Failure::ProtocolViolation(why)] if why.contains("total_chunks changed")),
+        "{failed:?}"
+    );
+    l.check_invariants();
+}

@@ -330,3 +330,16 @@ fn a_request_has_its_age_while_it_runs() {
     assert_eq!(flow.age(&a), None, "a ended");
     assert!(flow.knows(&a), "its outcome is remembered");
 }
+
+/// A receiver's channel lost fails every request on it at once, as channel lost.
+#[test]
+fn a_lost_receiver_fails_its_requests_at_once() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 1)).expect("begin");
+    assert_eq!(flow.tracked_requests(), 1);
+    flow.handle_receiver_lost(T0, R);
+    assert_eq!(flow.outcome(&id), Some(Err(SendFailure::ChannelLost)));
+    assert_eq!(flow.tracked_requests(), 0);
+    flow.check_invariants();
+}
