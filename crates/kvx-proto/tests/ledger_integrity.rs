@@ -207,6 +207,7 @@ fn a_forged_landing_does_not_end_a_quarantine() {
         LandingVerdict::Refused(_)
     ));
     assert_eq!(l.quarantined_slots(), 1, "still quarantined");
+    assert_eq!(l.stats().refused_landings, 1, "counted");
     assert_eq!(
         l.handle_chunk_landed(Instant::ZERO, landed(OWNER, tags[0])),
         LandingVerdict::QuarantineCleared
