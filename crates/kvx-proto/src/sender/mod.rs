@@ -791,7 +791,32 @@ impl SenderFlow {
 
 #[cfg(test)]
 mod tests {
-    use super::SendFailure;
+    use super::{RequestSpec, SendFailure, SenderFlow};
+    use crate::{Instant, PeerId, ReqId, SenderConfig};
+
+    /// The checker catches what it is there for: a request's write count out of step with
+    /// the writes posted.
+    #[test]
+    fn check_invariants_catches_a_miscounted_write() {
+        let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+        let id = ReqId("r".into());
+        let spec = RequestSpec {
+            req_id: id.clone(),
+            receiver: PeerId(1),
+            total_chunks: 1,
+            fmt: 1,
+            shape: vec![1],
+            dtype: "bfloat16".into(),
+        };
+        flow.handle_begin(Instant::ZERO, spec).expect("begin");
+        flow.check_invariants();
+        if let Some(req) = flow.requests.get_mut(&id) {
+            req.writes_in_flight += 1;
+        }
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| flow.check_invariants()));
+        assert!(caught.is_err(), "a miscounted write is caught");
+    }
 
     /// The kinds are metric labels: one per variant, distinct, short snake_case.
     #[test]
