@@ -816,6 +816,17 @@ mod tests {
         let caught =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| flow.check_invariants()));
         assert!(caught.is_err(), "a miscounted write is caught");
+
+        // A staging waiter for a request not admitted yet (S8).
+        if let Some(req) = flow.requests.get_mut(&id) {
+            req.writes_in_flight -= 1;
+        }
+        flow.check_invariants();
+        let age = flow.age(&id).expect("r runs");
+        flow.waiters.add(age, &id);
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| flow.check_invariants()));
+        assert!(caught.is_err(), "a waiter not admitted is caught");
     }
 
     /// The kinds are metric labels: one per variant, distinct, short snake_case.

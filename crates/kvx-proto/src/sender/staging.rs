@@ -150,3 +150,20 @@ impl StagingWaiters {
         self.waiting.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checker catches a slot both free and held.
+    #[test]
+    fn check_invariants_catches_a_slot_free_and_held() {
+        let mut pool = StagingPool::new(2);
+        let slot = pool.take(&ReqId("r".into())).expect("a free slot");
+        pool.check_invariants();
+        pool.free.push(slot);
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.check_invariants()));
+        assert!(caught.is_err(), "a slot free and held is caught");
+    }
+}
