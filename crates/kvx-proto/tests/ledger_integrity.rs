@@ -213,6 +213,12 @@ fn a_forged_landing_does_not_end_a_quarantine() {
         LandingVerdict::QuarantineCleared
     );
     assert_eq!(l.quarantined_slots(), 0);
+    // The same write announced again is stale: ignored, and counted.
+    assert_eq!(
+        l.handle_chunk_landed(Instant::ZERO, landed(OWNER, tags[0])),
+        LandingVerdict::Stale
+    );
+    assert_eq!(l.stats().stale_landings, 1);
     l.check_invariants();
 }
 
