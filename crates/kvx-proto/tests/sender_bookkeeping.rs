@@ -343,3 +343,22 @@ fn a_lost_receiver_fails_its_requests_at_once() {
     assert_eq!(flow.tracked_requests(), 0);
     flow.check_invariants();
 }
+
+/// An id begun again after it ended has its new outcome remembered, even when the old
+/// entry is the one forgotten to keep `outcomes_kept`.
+#[test]
+fn a_reused_ids_new_outcome_outlives_its_old_entry() {
+    let cfg = SenderConfig {
+        outcomes_kept: 2,
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    for id in [&a, &b, &a] {
+        flow.handle_begin(T0, spec(id, 1)).expect("begin");
+        flow.handle_cancel(T0, id).expect("cancel");
+    }
+    assert_eq!(flow.outcome(&a), Some(Err(SendFailure::Cancelled)));
+    assert_eq!(flow.outcome(&b), Some(Err(SendFailure::Cancelled)));
+    flow.check_invariants();
+}
