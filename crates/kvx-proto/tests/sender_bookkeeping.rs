@@ -362,3 +362,37 @@ fn a_reused_ids_new_outcome_outlives_its_old_entry() {
     assert_eq!(flow.outcome(&b), Some(Err(SendFailure::Cancelled)));
     flow.check_invariants();
 }
+
+/// With two batches of one request in flight and a third queued, the first batch's reply
+/// writes chunk 0: the batches after it, sent or not, do not shift its numbers.
+#[test]
+fn batches_in_flight_and_queued_behind_leave_the_answered_chunks_numbers_alone() {
+    let cfg = SenderConfig {
+        inflight_max: 2,
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let id = ReqId("r".into());
+    flow.handle_begin(T0, spec(&id, 3)).expect("begin");
+    reply(&mut flow, vec![], true);
+    let mut sent = Vec::new();
+    for i in 0..3 {
+        let chunk = ChunkSpec {
+            key: format!("k{i}"),
+            staging: flow.try_allocate(&id).expect("staging"),
+            tokens: 1,
+        };
+        flow.handle_submit(T0, &id, vec![chunk], i == 2)
+            .expect("submit");
+        sent.extend(std::iter::from_fn(|| flow.poll_transmit()));
+    }
+    assert_eq!(sent.len(), 2, "two batches in flight, the third queued");
+    let Message::AllocRequest(first) = &sent[0].msg else {
+        panic!("an AllocRequest: {:?}", sent[0]);
+    };
+    let grant = AllocResponse::granted(vec![0], Some(vec![1]), first.seq);
+    flow.handle_message(T0, R, Message::AllocResponse(grant));
+    let write = flow.poll_write().expect("the first batch's write");
+    assert_eq!(write.chunk, 0);
+    flow.check_invariants();
+}
