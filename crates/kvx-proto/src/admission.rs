@@ -486,14 +486,7 @@ mod tests {
 
     /// The message `check_invariants` panics with, if it does.
     fn violation(adm: &Admission) -> Option<String> {
-        let caught =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| adm.check_invariants()));
-        caught.err().map(|e| {
-            e.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_default()
-        })
+        crate::testing::panic_message(|| adm.check_invariants())
     }
 
     /// The checker catches what it is there for: a peer over its share (the totals still

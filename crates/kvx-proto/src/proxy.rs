@@ -453,14 +453,7 @@ mod tests {
 
     /// The message `check_invariants` panics with, if it does.
     fn violation(p: &ProxyTracker) -> Option<String> {
-        let caught =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.check_invariants()));
-        caught.err().map(|e| {
-            e.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_default()
-        })
+        crate::testing::panic_message(|| p.check_invariants())
     }
 
     /// The checker catches what it is there for: kept bytes miscounted, an order entry

@@ -8,6 +8,8 @@
 //! - `reply.rs`: what a receiver's reply does.
 //! - `staging.rs`: the staging pool, and the order in which waiting requests get a freed slot.
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
+//! - `tests.rs`: unit tests that reach the flow's private state (its checker shown to catch
+//!   a corruption).
 //!
 //! A request goes Admitting → Admitted → (Delivered | Failed). A failed request sends one
 //! `CancelNotif` once its posted writes have completed (so it can say `drained`), then
@@ -790,65 +792,4 @@ impl SenderFlow {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::{RequestSpec, SendFailure, SenderFlow};
-    use crate::{Instant, PeerId, ReqId, SenderConfig};
-
-    /// The checker catches what it is there for: a request's write count out of step with
-    /// the writes posted.
-    #[test]
-    fn check_invariants_catches_a_miscounted_write() {
-        let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
-        let id = ReqId("r".into());
-        let spec = RequestSpec {
-            req_id: id.clone(),
-            receiver: PeerId(1),
-            total_chunks: 1,
-            fmt: 1,
-            shape: vec![1],
-            dtype: "bfloat16".into(),
-        };
-        flow.handle_begin(Instant::ZERO, spec).expect("begin");
-        flow.check_invariants();
-        if let Some(req) = flow.requests.get_mut(&id) {
-            req.writes_in_flight += 1;
-        }
-        let caught =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| flow.check_invariants()));
-        assert!(caught.is_err(), "a miscounted write is caught");
-
-        // A staging waiter for a request not admitted yet (S8).
-        if let Some(req) = flow.requests.get_mut(&id) {
-            req.writes_in_flight -= 1;
-        }
-        flow.check_invariants();
-        let age = flow.age(&id).expect("r runs");
-        flow.waiters.add(age, &id);
-        let caught =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| flow.check_invariants()));
-        assert!(caught.is_err(), "a waiter not admitted is caught");
-    }
-
-    /// The kinds are metric labels: one per variant, distinct, short snake_case.
-    #[test]
-    fn every_failure_kind_is_a_distinct_label() {
-        let all = [
-            SendFailure::Cancelled,
-            SendFailure::Refused(String::new()),
-            SendFailure::BadReply(String::new()),
-            SendFailure::ReplyTimeout,
-            SendFailure::ChannelLost,
-            SendFailure::WriteFailed(String::new()),
-            SendFailure::WriteTimeout,
-            SendFailure::Misuse(String::new()),
-        ];
-        let kinds: std::collections::BTreeSet<_> = all.iter().map(SendFailure::kind).collect();
-        assert_eq!(kinds.len(), all.len(), "{kinds:?}");
-        for kind in kinds {
-            assert!(
-                !kind.is_empty() && kind.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
-                "{kind:?}"
-            );
-        }
-    }
-}
+mod tests;

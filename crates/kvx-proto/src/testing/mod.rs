@@ -28,3 +28,20 @@ pub(crate) use explore::Canon;
 pub use explore::{check_abstraction, explore, explore_from, AbstractionCheck, Exploration, Order};
 pub use ops::{Event, OpWorld};
 pub use workload::{ClusterSpec, RequestPlan, Timing};
+
+/// The message a panic carried (`panic!` with a format gives a `String`, with a literal a
+/// `&str`); empty for any other payload.
+pub(crate) fn panic_text(e: &Box<dyn std::any::Any + Send>) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default()
+}
+
+/// What `f` panicked with, or `None` if it returned: for tests that show a checker catches
+/// the corruption it exists for.
+pub fn panic_message(f: impl FnOnce()) -> Option<String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .err()
+        .map(|e| panic_text(&e))
+}

@@ -27,6 +27,7 @@ pub(crate) use canon::Canon;
 pub use reference::{check_abstraction, AbstractionCheck};
 
 use super::ops::{Event, OpWorld};
+use super::panic_text;
 
 /// What an exploration covered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,11 +220,4 @@ fn with(path: &[Event], event: Event) -> Vec<Event> {
     p.extend_from_slice(path);
     p.push(event);
     p
-}
-
-fn panic_text(e: &Box<dyn std::any::Any + Send>) -> String {
-    e.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_default()
 }
