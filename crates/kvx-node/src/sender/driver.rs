@@ -261,9 +261,10 @@ impl<E: Env> Driver<E> {
                 core.flow
                     .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()));
                 // A completed write frees a staging slot without any core event: wake the
-                // allocators waiting for one, async and blocking alike.
+                // allocators waiting for one, async and blocking alike (and no one else: a
+                // request it completes is an event, which wakes everyone).
                 drop(core);
-                self.wake_waiters();
+                self.shared.wake_allocators();
                 // A connection whose writes fail (a QP in error, a dropped socket) is never
                 // used again: replace it (found by the simulation: it once never was).
                 if broken {
@@ -275,11 +276,6 @@ impl<E: Env> Driver<E> {
                 self.replace_if_current(peer, generation);
             }
         }
-    }
-
-    fn wake_waiters(&self) {
-        self.shared.version.send_modify(|v| *v += 1);
-        self.shared.cv.notify_all();
     }
 
     fn on_cmd(&mut self, cmd: Cmd) {
@@ -534,8 +530,7 @@ impl<E: Env> Driver<E> {
             self.flush_parked(receiver, "write overdue while the fabric reconnects");
             self.reset_fabric(receiver);
         }
-        self.shared.version.send_modify(|v| *v += 1);
-        self.shared.cv.notify_all();
+        self.shared.wake_all();
     }
 }
 

@@ -104,7 +104,7 @@ impl<E: Env> SenderHandle<E> {
         req_id: &ReqId,
         done: impl Fn(&SenderFlow) -> bool,
     ) -> Result<(), SendFailure> {
-        let mut version = self.shared.version.subscribe();
+        let mut version = self.shared.status.subscribe();
         loop {
             {
                 let core = self.shared.lock();
@@ -183,7 +183,7 @@ impl<E: Env> SenderHandle<E> {
         held: &mut Vec<ChunkSpec>,
         timeout: Duration,
     ) -> Result<StagingSlot, SendError> {
-        let mut version = self.shared.version.subscribe();
+        let mut version = self.shared.staging.subscribe();
         let mut turn = StagingTurn::new(&self.shared);
         let attempt = async {
             loop {
@@ -269,8 +269,7 @@ impl<E: Env> SenderHandle<E> {
     /// dropped unused); waiting allocate calls are woken.
     pub fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
         let result = self.shared.lock().flow.release_staging(req_id, slot);
-        self.shared.version.send_modify(|v| *v += 1);
-        self.shared.cv.notify_all();
+        self.shared.wake_allocators();
         result
     }
 
@@ -307,8 +306,7 @@ impl<E: Env> SenderHandle<E> {
     pub fn shutdown(&self) {
         self.shared.lock().shutdown = true;
         self.shared.poke.notify_one();
-        self.shared.version.send_modify(|v| *v += 1);
-        self.shared.cv.notify_all();
+        self.shared.wake_all();
     }
 }
 

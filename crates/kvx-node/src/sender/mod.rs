@@ -5,9 +5,14 @@
 //! replies, completions and timers.
 //!
 //! Wake-ups: every handle call that changes the core pokes the task (`tokio::sync::Notify`,
-//! which keeps a permit, so none is lost); every core event bumps a `watch` version (async
-//! waiters) and a `Condvar` (blocking prefill threads), so a cancel wakes a thread blocked in
-//! `allocate_blocking` with an error.
+//! which keeps a permit, so none is lost). Waiters are woken by what they wait for, so that
+//! a completed write does not wake every thread blocked on the sender: a request's change of
+//! state (admitted, ended) or a stop wakes everyone (`Shared::wake_all`: a `watch` version
+//! for `admitted`/`outcome`, and the allocators' wake below), so a cancel wakes a thread
+//! blocked in `allocate_blocking` with an error; staging that may have freed (a write
+//! completed, a slot released, the oldest waiter served) wakes only the allocate calls
+//! (`Shared::wake_allocators`: a second `watch` version for async ones, a `Condvar` for
+//! blocking prefill threads).
 //!
 //! - `mod.rs`: `SenderNode::start`, and what the task and the handles share (`Shared`).
 //! - `handle.rs`: `SenderHandle`, the calls a prefill makes.
@@ -64,9 +69,13 @@ struct Shared {
     core: Mutex<Core>,
     /// Pokes the driver task after a handle call changed the core.
     poke: Notify,
-    /// Bumped on every core event, for async waiters.
-    version: watch::Sender<u64>,
-    /// Signalled on every core event, for threads blocked in `allocate_blocking`.
+    /// Bumped when a request's state changes (a core event) or the sender stops: what
+    /// `admitted` and `outcome` wait for.
+    status: watch::Sender<u64>,
+    /// Bumped with `status` and whenever staging may have freed: what async allocate calls
+    /// wait for.
+    staging: watch::Sender<u64>,
+    /// Signalled with `staging`, for threads blocked in `allocate_blocking`.
     cv: Condvar,
     /// Bytes staged in each staging slot (a partial last chunk writes fewer).
     lens: Vec<AtomicUsize>,
@@ -93,6 +102,19 @@ pub struct RequestEnd {
 const CHECKSUM_SET: u64 = 1 << 32;
 
 impl Shared {
+    /// Wakes the allocate calls waiting for staging: a slot may be free, or the turn may
+    /// have passed to them.
+    fn wake_allocators(&self) {
+        self.staging.send_modify(|v| *v += 1);
+        self.cv.notify_all();
+    }
+
+    /// Wakes every waiter: a request's state changed, or the sender stops.
+    fn wake_all(&self) {
+        self.status.send_modify(|v| *v += 1);
+        self.wake_allocators();
+    }
+
     /// Records what `slot` now holds: its length and, when enabled, its checksum (computed
     /// here, while the bytes just written are still in the CPU's caches).
     fn staged(&self, slot: u32, len: usize, memory: &dyn SlotMemory) {
@@ -196,7 +218,8 @@ impl SenderNode {
             Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),
             None => None,
         };
-        let (version, _) = watch::channel(0);
+        let (status, _) = watch::channel(0);
+        let (staging, _) = watch::channel(0);
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 flow,
@@ -206,7 +229,8 @@ impl SenderNode {
                 shutdown: false,
             }),
             poke: Notify::new(),
-            version,
+            status,
+            staging,
             cv: Condvar::new(),
             lens: (0..cfg.staging_slots)
                 .map(|_| AtomicUsize::new(chunk_bytes))

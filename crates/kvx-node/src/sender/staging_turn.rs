@@ -77,8 +77,7 @@ impl Drop for StagingTurn<'_> {
             self.leave(&mut core);
         }
         if self.wake {
-            self.shared.version.send_modify(|v| *v += 1);
-            self.shared.cv.notify_all();
+            self.shared.wake_allocators();
         }
     }
 }
