@@ -483,3 +483,83 @@ async fn a_sender_whose_write_timeout_breaks_the_receivers_quarantine_fails_loud
     .expect("in time")
     .expect("delivered");
 }
+
+/// Prefill threads blocked in `allocate_blocking` are woken by turn (`sender/sleepers.rs`):
+/// a slot freed by a completed write wakes the thread of the oldest request waiting, which,
+/// served, passes the turn on. Each must get its slot at once, not at its 30 s bound (a
+/// wake-up that went to no one, or a turn not passed on, would leave it asleep until then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_threads_get_freed_slots_by_turn_at_once() {
+    let env = env();
+    let (addr, _, proxy) = cluster(&env, 20).await;
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        staging_timeout: Duration::from_secs(30),
+        ..sender_cfg()
+    };
+    let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
+    let spec = |id: &str, total| RequestSpec {
+        req_id: ReqId(id.into()),
+        receiver: peer,
+        total_chunks: total,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    };
+    let ids: Vec<ReqId> = (0..4).map(|i| ReqId(format!("r{i}"))).collect();
+    sender.begin(spec("r0", 2)).expect("begins");
+    for id in &ids[1..] {
+        sender.begin(spec(&id.0, 1)).expect("begins");
+    }
+    for id in &ids {
+        sender.admitted(id).await.expect("admitted");
+    }
+    let mut chunks = Vec::new();
+    for c in 0..2 {
+        let slot = sender
+            .allocate(&ids[0], &mut Vec::new())
+            .await
+            .expect("a free slot");
+        sender.stage(slot, &[c as u8; CHUNK]);
+        chunks.push(kvx_proto::sender::ChunkSpec {
+            key: format!("r0@{c}"),
+            staging: slot,
+            tokens: 1,
+        });
+    }
+    // The youngest thread starts first: the order served is the requests', not the threads'.
+    let blocked: Vec<_> = ids[1..]
+        .iter()
+        .rev()
+        .map(|id| {
+            let (s, id) = (sender.clone(), id.clone());
+            tokio::task::spawn_blocking(move || {
+                s.allocate_blocking(&id, &mut Vec::new(), Duration::from_secs(30))
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(blocked.iter().all(|t| !t.is_finished()), "staging is full");
+    // r0's two writes free both slots: r1's thread, then r2's, each at once.
+    sender.submit(&ids[0], chunks, true).expect("submitted");
+    let [r3, r2, r1]: [_; 3] = blocked.try_into().expect("three threads");
+    let mut served = Vec::new();
+    for (thread, id) in [(r1, &ids[1]), (r2, &ids[2])] {
+        let slot = tokio::time::timeout(Duration::from_secs(5), thread)
+            .await
+            .unwrap_or_else(|_| panic!("{id} woken at once, not at its bound"))
+            .expect("join")
+            .expect("a slot");
+        served.push((id.clone(), slot));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!r3.is_finished(), "r3 waits: both slots are taken");
+    // A slot handed back is r3's turn.
+    let (id, slot) = served.remove(0);
+    sender.release(&id, slot).expect("released");
+    let got = tokio::time::timeout(Duration::from_secs(5), r3)
+        .await
+        .expect("r3 woken at once, not at its bound")
+        .expect("join");
+    assert!(got.is_ok(), "{got:?}");
+}

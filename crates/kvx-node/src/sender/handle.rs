@@ -157,12 +157,14 @@ impl<E: Env> SenderHandle<E> {
                 turn.leave(&mut core);
                 return Err(SendError::StagingTimedOut(timeout));
             }
-            core = self
-                .shared
-                .cv
+            // Woken by its turn (`sleepers.rs`), or by the bound.
+            let sleeper = core.sleepers.join(turn.waiting());
+            let cv = sleeper.cv.clone();
+            core = cv
                 .wait_timeout(core, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            core.sleepers.leave(&sleeper);
         }
     }
 

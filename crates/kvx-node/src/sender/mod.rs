@@ -11,8 +11,8 @@
 //! for `admitted`/`outcome`, and the allocators' wake below), so a cancel wakes a thread
 //! blocked in `allocate_blocking` with an error; staging that may have freed (a write
 //! completed, a slot released, the oldest waiter served) wakes only the allocate calls
-//! (`Shared::wake_allocators`: a second `watch` version for async ones, a `Condvar` for
-//! blocking prefill threads).
+//! (`Shared::wake_allocators`: a second `watch` version for async ones, and of the blocked
+//! prefill threads only those whose turn it is, `sleepers.rs`).
 //!
 //! - `mod.rs`: `SenderNode::start`, and what the task and the handles share (`Shared`).
 //! - `handle.rs`: `SenderHandle`, the calls a prefill makes.
@@ -20,10 +20,11 @@
 //!   transmits, writes and events out; `driver/fabric_link.rs`: fabric connections, and
 //!   writes parked while one is replaced.
 //! - `staging_turn.rs`: an allocate call's wait for staging (the order is the core's).
+//! - `sleepers.rs`: the threads blocked in `allocate_blocking`, woken by turn.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvx_io::{Env, ExternalRegion, Fabric, SlotMemory, Transport};
 use kvx_proto::sender::SenderFlow;
@@ -36,6 +37,7 @@ pub use handle::SenderHandle;
 
 mod driver;
 mod handle;
+mod sleepers;
 mod staging_turn;
 
 /// How long a stopping sender goes on writing the notices already due to the proxy (a
@@ -60,6 +62,8 @@ struct Core {
     /// the requests the flow tracks.
     begun_at: BTreeMap<kvx_proto::ReqId, kvx_proto::Instant>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
+    /// The threads blocked in `allocate_blocking`.
+    sleepers: sleepers::Sleepers,
     next_peer: u64,
     shutdown: bool,
 }
@@ -73,10 +77,8 @@ struct Shared {
     /// `admitted` and `outcome` wait for.
     status: watch::Sender<u64>,
     /// Bumped with `status` and whenever staging may have freed: what async allocate calls
-    /// wait for.
+    /// wait for (threads blocked in `allocate_blocking` are `Core::sleepers`).
     staging: watch::Sender<u64>,
-    /// Signalled with `staging`, for threads blocked in `allocate_blocking`.
-    cv: Condvar,
     /// Bytes staged in each staging slot (a partial last chunk writes fewer).
     lens: Vec<AtomicUsize>,
     /// The checksum of what each staging slot holds, with `CHECKSUM_SET` or-ed in once one
@@ -103,16 +105,19 @@ const CHECKSUM_SET: u64 = 1 << 32;
 
 impl Shared {
     /// Wakes the allocate calls waiting for staging: a slot may be free, or the turn may
-    /// have passed to them.
+    /// have passed to them. Takes the core's lock: never call it holding that.
     fn wake_allocators(&self) {
         self.staging.send_modify(|v| *v += 1);
-        self.cv.notify_all();
+        let core = self.lock();
+        core.sleepers.wake_for_staging(&core.flow);
     }
 
-    /// Wakes every waiter: a request's state changed, or the sender stops.
+    /// Wakes every waiter: a request's state changed, or the sender stops. Takes the core's
+    /// lock: never call it holding that.
     fn wake_all(&self) {
         self.status.send_modify(|v| *v += 1);
-        self.wake_allocators();
+        self.staging.send_modify(|v| *v += 1);
+        self.lock().sleepers.wake_all();
     }
 
     /// Records what `slot` now holds: its length and, when enabled, its checksum (computed
@@ -225,13 +230,13 @@ impl SenderNode {
                 flow,
                 begun_at: BTreeMap::new(),
                 receivers: BTreeMap::new(),
+                sleepers: sleepers::Sleepers::default(),
                 next_peer: 0,
                 shutdown: false,
             }),
             poke: Notify::new(),
             status,
             staging,
-            cv: Condvar::new(),
             lens: (0..cfg.staging_slots)
                 .map(|_| AtomicUsize::new(chunk_bytes))
                 .collect(),

@@ -2,7 +2,8 @@
 //! (`kvx_proto::sender::StagingWaiters`: the oldest request waiting); this is only the
 //! driver's side of it: a call that got `WouldBlock` registers as waiting, retries on every
 //! wake-up, and leaves the queue however it ends (a slot, an error, a timeout, or the future
-//! dropped), waking the calls it held back when it was the oldest.
+//! dropped), waking the calls it held back when it was the oldest, and the callers holding
+//! staged chunks when it took the last free slot with no write in flight.
 
 use kvx_proto::sender::{Age, ChunkSpec, SendError};
 use kvx_proto::{Instant, ReqId, StagingSlot};
@@ -58,9 +59,18 @@ impl<'a> StagingTurn<'a> {
             }
             other => {
                 self.leave(core);
+                // The last free slot taken with no write in flight: only the callers that
+                // hold staged chunks can free staging now (by submitting them), so wake them.
+                self.wake |= other.is_ok() && core.flow.staging_held_by_callers();
                 Some(other)
             }
         }
+    }
+
+    /// The age under which this call waits for staging; `None` while it is not waiting
+    /// for staging (its request not yet admitted).
+    pub(super) fn waiting(&self) -> Option<Age> {
+        self.waiting
     }
 
     pub(super) fn leave(&mut self, core: &mut Core) {

@@ -427,12 +427,11 @@ impl SenderFlow {
             // Only unsubmitted chunks hold the pool: no write can free a slot, only a caller
             // submitting what it staged. Tell the callers that hold some (they can submit a
             // partial batch); a caller that holds none waits for them.
-            let unsubmitted: usize = self.requests.values().map(|r| r.staged.len()).sum();
             let holds_some = self
                 .requests
                 .get(req_id)
                 .is_some_and(|r| !r.staged.is_empty());
-            if unsubmitted == self.staging.capacity() as usize && holds_some {
+            if self.staging_held_by_callers() && holds_some {
                 return Err(SendError::StagingHeldByCaller(self.staging.capacity()));
             }
             return Err(SendError::WouldBlock);
@@ -689,6 +688,14 @@ impl SenderFlow {
     /// Staging slots free now.
     pub fn staging_free(&self) -> u32 {
         self.staging.free_count()
+    }
+
+    /// True when every staging slot is taken by a chunk not yet submitted: no write can free
+    /// one, only a caller submitting what it staged (an allocate call of such a caller gets
+    /// `StagingHeldByCaller`, so a driver wakes them all then).
+    pub fn staging_held_by_callers(&self) -> bool {
+        let unsubmitted: usize = self.requests.values().map(|r| r.staged.len()).sum();
+        unsubmitted == self.staging.capacity() as usize
     }
 
     /// Staging slots in the pool.

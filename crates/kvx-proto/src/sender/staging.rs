@@ -112,6 +112,12 @@ impl StagingWaiters {
         self.waiting.keys().next().copied()
     }
 
+    /// The ages of the requests with waiting calls, oldest first: the order in which free
+    /// slots go to them.
+    pub fn ages(&self) -> impl Iterator<Item = Age> + '_ {
+        self.waiting.keys().copied()
+    }
+
     /// Registers one more waiting call of `req`, whose age is `age`.
     pub fn add(&mut self, age: Age, req: &ReqId) {
         self.waiting
@@ -164,5 +170,21 @@ mod tests {
         pool.free.push(slot);
         let caught = crate::testing::panic_message(|| pool.check_invariants());
         assert!(caught.is_some(), "a slot free and held is caught");
+    }
+
+    /// Waiting requests are listed oldest first, each once however many of its calls wait,
+    /// and leave the list with their last call.
+    #[test]
+    fn ages_lists_each_waiting_request_oldest_first() {
+        let mut waiters = StagingWaiters::default();
+        for (age, id) in [(7, "b"), (3, "a"), (7, "b"), (9, "c")] {
+            waiters.add(age, &ReqId(id.into()));
+        }
+        assert_eq!(waiters.ages().collect::<Vec<_>>(), [3, 7, 9]);
+        assert!(!waiters.remove_one(7), "7 was not the oldest");
+        assert_eq!(waiters.ages().collect::<Vec<_>>(), [3, 7, 9]);
+        assert!(!waiters.remove_one(7));
+        assert!(waiters.remove_one(3), "3 was the oldest");
+        assert_eq!(waiters.ages().collect::<Vec<_>>(), [9]);
     }
 }
