@@ -425,6 +425,29 @@ mod tests {
         t.check_invariants();
     }
 
+    /// A slot cleared by its late write and quarantined again under a new grant keeps the
+    /// new quarantine's time: the old entry, due first, frees nothing (freeing the slot then
+    /// would let the second grant's stale write land in its next owner's data).
+    #[test]
+    fn a_requarantined_slot_waits_for_its_new_quarantine() {
+        let at = |s| Instant::ZERO + Duration::from_secs(s);
+        let mut t = SlotTable::new(1);
+        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        assert!(t.quarantine(a.slot, at(5)));
+        assert_eq!(t.land(a, PeerId(1)), Landing::QuarantineCleared);
+        let b = t.grant(Ticket(2), PeerId(1)).expect("the cleared slot");
+        assert!(t.quarantine(b.slot, at(10)));
+        assert_eq!(t.next_deadline(), Some(at(5)), "the old entry, due first");
+        assert_eq!(
+            t.poll_quarantine_expired(at(6)),
+            None,
+            "the old entry frees nothing"
+        );
+        assert_eq!(t.quarantined_count(), 1);
+        assert_eq!(t.poll_quarantine_expired(at(10)), Some((b.slot, PeerId(1))));
+        t.check_invariants();
+    }
+
     #[test]
     fn regranting_bumps_the_generation() {
         let mut t = SlotTable::new(1);

@@ -90,6 +90,53 @@ fn huge_keys_and_more_keys_than_declared_are_refused_before_queueing() {
     l.check_invariants();
 }
 
+/// The bounds are inclusive: an id of exactly `req_id_bytes_max` bytes and a key of exactly
+/// `key_bytes_max` are served (and the id's cancel releases it), one byte more is refused.
+#[test]
+fn an_id_and_a_key_at_their_bounds_are_served() {
+    let cfg = ReceiverConfig {
+        buffer_slots: 4,
+        peer_share_percent: 100,
+        req_id_bytes_max: 32,
+        key_bytes_max: 16,
+        ..ReceiverConfig::default()
+    };
+    let mut l = ledger(cfg.clone());
+    assert_eq!(l.config(), &cfg, "the ledger keeps its config");
+    let id = "i".repeat(32);
+    l.handle_message(
+        Instant::ZERO,
+        PeerId(1),
+        batch(id.clone(), vec!["k".repeat(16)], 2),
+    );
+    assert!(failures(&mut l).is_empty(), "both at their bounds");
+    assert_eq!(l.reserved_total(), 2, "admitted");
+    let cancel = CancelNotif {
+        req_id: id,
+        keys: vec![],
+        seq: Some(2),
+        drained: None,
+    };
+    l.handle_message(Instant::ZERO, PeerId(1), Message::CancelNotif(cancel));
+    assert_eq!(l.reserved_total(), 0, "its cancel released it");
+    assert!(matches!(&failures(&mut l)[..], [Failure::Cancelled]));
+    l.handle_message(Instant::ZERO, PeerId(1), batch("j".repeat(33), vec![], 1));
+    l.handle_message(
+        Instant::ZERO,
+        PeerId(1),
+        batch("k".into(), vec!["k".repeat(17)], 1),
+    );
+    let f = failures(&mut l);
+    assert_eq!(f.len(), 1, "the key one byte over is refused: {f:?}");
+    assert!(matches!(&f[0], Failure::TooLarge(w) if w.contains("key_bytes_max")));
+    assert_eq!(
+        l.tracked_requests(),
+        0,
+        "the id one byte over is not kept either"
+    );
+    l.check_invariants();
+}
+
 /// 40 first batches of about 1 MiB of keys each wait for a full buffer.
 fn flood_the_queue(queued_bytes_max: usize) -> (usize, Vec<Failure>) {
     let mut l = ledger(ReceiverConfig {

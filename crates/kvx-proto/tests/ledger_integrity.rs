@@ -165,6 +165,7 @@ fn an_empty_or_corrupt_chunk_fails_its_request() {
         // The other chunk's write may still come: its slot is quarantined, the landed one
         // is free.
         assert_eq!((l.quarantined_slots(), l.free_slots()), (1, 3), "{what}");
+        assert_eq!(l.stats().corrupt_chunks, 1, "{what}: counted");
         l.check_invariants();
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
+use kvx_proto::proxy::{ProxyEvent, ProxyFailure, ProxyTracker};
 use kvx_proto::wire::{FailNotif, Message, ProxyNotif};
 use kvx_proto::{Instant, ProxyConfig};
 
@@ -165,6 +165,70 @@ fn the_byte_bound_weighs_each_entry_as_its_id_twice_its_reason_and_128_bytes() {
     p.handle_expect(at(0), "early-0000".into(), 1)
         .expect("fresh id");
     assert_eq!(p.poll_event(), None, "early-0000's failure was dropped");
+
+    // One byte short of three entries holds two: the third pushes the first out.
+    let cfg = ProxyConfig {
+        early_notices_bytes_max: 3 * entry - 1,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for i in 0..3 {
+        p.handle_message(at(0), failed(&format!("early-{i:04}"), &reason));
+    }
+    p.check_invariants();
+    assert_eq!(p.dropped_notices, 1, "two entries fit, not three");
+}
+
+/// An awaited request times out at its `kv_ready_timeout`, not a moment before, and a proxy
+/// that looks only later still fails it then.
+#[test]
+fn an_awaited_request_times_out_at_its_deadline_and_not_before() {
+    let cfg = ProxyConfig {
+        kv_ready_timeout: Duration::from_secs(10),
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    p.handle_expect(at(0), "early".into(), 1).expect("fresh id");
+    p.handle_expect(at(5), "late".into(), 1).expect("fresh id");
+    assert_eq!(p.poll_timeout(), Some(at(10)));
+    p.handle_timeout(at(9));
+    assert_eq!(p.poll_event(), None, "nothing is due before its deadline");
+    p.handle_timeout(at(12));
+    assert!(
+        matches!(p.poll_event(), Some(ProxyEvent::Failed { req_id, .. }) if req_id.0 == "early"),
+        "overdue"
+    );
+    assert_eq!(p.poll_event(), None, "late's deadline is at 15");
+    p.handle_timeout(at(60));
+    assert!(
+        matches!(p.poll_event(), Some(ProxyEvent::Failed { req_id, .. }) if req_id.0 == "late")
+    );
+    p.check_invariants();
+}
+
+/// A failure reason of exactly `reason_bytes_max` bytes is kept whole; one byte more is cut
+/// to the bound, with a mark.
+#[test]
+fn a_reason_at_its_bound_is_kept_whole() {
+    let cfg = ProxyConfig {
+        reason_bytes_max: 16,
+        ..ProxyConfig::default()
+    };
+    let mut p = ProxyTracker::new(cfg).expect("valid config");
+    for (id, reason, want) in [
+        ("whole", "x".repeat(16), "x".repeat(16)),
+        ("cut", "y".repeat(17), format!("{}…", "y".repeat(16))),
+    ] {
+        p.handle_expect(at(0), id.into(), 1).expect("fresh id");
+        p.handle_message(at(0), failed(id, &reason));
+        match p.poll_event() {
+            Some(ProxyEvent::Failed {
+                failure: ProxyFailure::Reported(got),
+                ..
+            }) => assert_eq!(got, want, "{id}"),
+            other => panic!("{id}: {other:?}"),
+        }
+    }
 }
 
 /// An entry larger than the whole table is not kept and pushes nothing out: its message is

@@ -396,3 +396,47 @@ fn batches_in_flight_and_queued_behind_leave_the_answered_chunks_numbers_alone()
     assert_eq!(write.chunk, 0);
     flow.check_invariants();
 }
+
+/// A batch may name only staging slots its request holds, each once: another request's
+/// slot, or its own twice, is misuse (which fails the request); its own slot once is taken.
+#[test]
+fn a_batch_naming_a_slot_its_request_does_not_hold_is_misuse() {
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    let chunk = |staging| ChunkSpec {
+        key: "k".into(),
+        staging,
+        tokens: 1,
+    };
+    for case in [
+        "another request's slot",
+        "its own slot twice",
+        "its own slot once",
+    ] {
+        let cfg = SenderConfig {
+            staging_slots: 3,
+            ..SenderConfig::default()
+        };
+        let mut flow = SenderFlow::new(cfg).expect("config");
+        assert_eq!(flow.config().staging_slots, 3, "the flow keeps its config");
+        flow.handle_begin(T0, spec(&a, 2)).expect("begin");
+        reply(&mut flow, vec![], true);
+        flow.handle_begin(T0, spec(&b, 1)).expect("begin");
+        reply(&mut flow, vec![], true);
+        let mine = flow.try_allocate(&a).expect("a's staging");
+        let theirs = flow.try_allocate(&b).expect("b's staging");
+        let batch = match case {
+            "another request's slot" => vec![chunk(theirs)],
+            "its own slot twice" => vec![chunk(mine), chunk(mine)],
+            _ => vec![chunk(mine)],
+        };
+        let result = flow.handle_submit(T0, &a, batch, false);
+        if case == "its own slot once" {
+            assert!(result.is_ok(), "{result:?}");
+        } else {
+            assert!(
+                matches!(&result, Err(SendError::Misuse { why, .. }) if why.contains("not held by this request")),
+                "{case}: {result:?}"
+            );
+        }
+    }
+}

@@ -164,6 +164,23 @@ mod tests {
         assert!(t.contains(&key("id-2")), "nothing was forgotten for it");
     }
 
+    /// An entry of exactly the table's bound is kept (alone); the next deadline is the
+    /// oldest entry's end of `ttl`, and there is none once nothing is remembered.
+    #[test]
+    fn an_entry_as_large_as_the_table_is_kept_until_its_ttl() {
+        let entry = 2 * "id-0".len() + 128;
+        let ttl = Duration::from_secs(60);
+        let mut t = Tombstones::new(ttl, 100, entry);
+        assert_eq!(t.next_deadline(), None);
+        let at = Instant::ZERO + Duration::from_secs(5);
+        t.insert(at, key("id-0"), Outcome::Consumed);
+        assert!(t.contains(&key("id-0")), "exactly the bound");
+        assert_eq!(t.next_deadline(), Some(at + ttl));
+        t.expire(at + ttl);
+        assert!(!t.contains(&key("id-0")));
+        assert_eq!(t.next_deadline(), None);
+    }
+
     /// An id remembered again replaces its entry and its weight: three ids fit in a table of
     /// three after one of them ended twice.
     #[test]
