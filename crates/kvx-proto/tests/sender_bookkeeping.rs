@@ -440,3 +440,48 @@ fn a_batch_naming_a_slot_its_request_does_not_hold_is_misuse() {
         }
     }
 }
+
+/// A posted write is overdue at `write_timeout` exactly, not before: a timer that fires
+/// earlier for anything else leaves it alone; then its request fails once and the stall is
+/// reported once, however often the timer fires after.
+#[test]
+fn a_write_is_overdue_at_its_timeout_and_reported_once() {
+    let mut flow = SenderFlow::new(SenderConfig::default()).expect("config");
+    let timeout = flow.config().write_timeout;
+    let id = ReqId("r".into());
+    posted(&mut flow, &id);
+    events(&mut flow);
+    flow.handle_timeout(T0 + (timeout - Duration::from_millis(1)));
+    assert_eq!(flow.outcome(&id), None, "not overdue yet");
+    assert!(events(&mut flow).is_empty());
+    flow.handle_timeout(T0 + timeout);
+    assert_eq!(flow.outcome(&id), Some(Err(SendFailure::WriteTimeout)));
+    let stalls = |evs: Vec<SenderEvent>| {
+        evs.iter()
+            .filter(|e| matches!(e, SenderEvent::FabricStalled { .. }))
+            .count()
+    };
+    assert_eq!(stalls(events(&mut flow)), 1);
+    flow.handle_timeout(T0 + timeout * 2);
+    assert_eq!(stalls(events(&mut flow)), 0, "reported once");
+    flow.check_invariants();
+}
+
+/// Staging is held by callers only when every slot is taken by an unsubmitted chunk: with
+/// one slot's write in flight it is not, and a caller holding the other slot waits for that
+/// write instead of being told to submit.
+#[test]
+fn staging_is_held_by_callers_only_with_nothing_in_flight() {
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    posted(&mut flow, &a);
+    flow.handle_begin(T0, spec(&b, 2)).expect("begin");
+    reply(&mut flow, vec![], true);
+    flow.try_allocate(&b).expect("the other slot");
+    assert!(!flow.staging_held_by_callers(), "a's write holds a slot");
+    assert_eq!(flow.try_allocate(&b), Err(SendError::WouldBlock));
+}

@@ -140,10 +140,11 @@ impl StagingWaiters {
         false
     }
 
-    /// Forgets every waiting call of `age` (its request ended); true when it was the oldest.
-    pub fn remove_all(&mut self, age: Age) -> bool {
-        let was_oldest = self.oldest() == Some(age);
-        self.waiting.remove(&age).is_some() && was_oldest
+    /// Forgets every waiting call of `age` (its request ended). Its end is an event, which a
+    /// driver answers by waking every wait, so no caller needs to know whether it was the
+    /// oldest.
+    pub fn remove_all(&mut self, age: Age) {
+        self.waiting.remove(&age);
     }
 
     /// The waiting requests with their ages and call counts (invariants, canon).
