@@ -86,6 +86,18 @@ async fn start_sender(
     (sender, peer)
 }
 
+/// Request `id` of `total_chunks` chunks to the receiver `peer`.
+fn request(peer: kvx_proto::PeerId, id: &str, total_chunks: u32) -> RequestSpec {
+    RequestSpec {
+        req_id: ReqId(id.into()),
+        receiver: peer,
+        total_chunks,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worked_example_one_sender_interleaved() {
     let env = env();
@@ -159,14 +171,7 @@ async fn cancel_wakes_a_blocked_allocate_with_an_error() {
         ..sender_cfg()
     };
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
-    let spec = |id: &str, total| RequestSpec {
-        req_id: ReqId(id.into()),
-        receiver: peer,
-        total_chunks: total,
-        fmt: 1,
-        shape: vec![1],
-        dtype: "bfloat16".into(),
-    };
+    let spec = |id: &str, total| request(peer, id, total);
     let (whole, waits) = (ReqId("whole".into()), ReqId("waits".into()));
     sender.begin(spec("whole", 10)).expect("begins");
     sender.admitted(&whole).await.expect("admitted");
@@ -361,14 +366,7 @@ async fn a_younger_request_holding_staging_is_told_to_submit_while_an_older_one_
         ..sender_cfg()
     };
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
-    let spec = |id: &str| RequestSpec {
-        req_id: ReqId(id.into()),
-        receiver: peer,
-        total_chunks: 2,
-        fmt: 1,
-        shape: vec![1],
-        dtype: "bfloat16".into(),
-    };
+    let spec = |id: &str| request(peer, id, 2);
     let (older, younger) = (ReqId("older".into()), ReqId("younger".into()));
     sender.begin(spec("older")).expect("begins");
     sender.begin(spec("younger")).expect("begins");
@@ -498,14 +496,7 @@ async fn blocked_threads_get_freed_slots_by_turn_at_once() {
         ..sender_cfg()
     };
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
-    let spec = |id: &str, total| RequestSpec {
-        req_id: ReqId(id.into()),
-        receiver: peer,
-        total_chunks: total,
-        fmt: 1,
-        shape: vec![1],
-        dtype: "bfloat16".into(),
-    };
+    let spec = |id: &str, total| request(peer, id, total);
     let ids: Vec<ReqId> = (0..4).map(|i| ReqId(format!("r{i}"))).collect();
     sender.begin(spec("r0", 2)).expect("begins");
     for id in &ids[1..] {

@@ -424,9 +424,8 @@ impl SenderFlow {
             return Err(SendError::WouldBlock);
         }
         let Some(slot) = self.staging.take(req_id) else {
-            // Only unsubmitted chunks hold the pool: no write can free a slot, only a caller
-            // submitting what it staged. Tell the callers that hold some (they can submit a
-            // partial batch); a caller that holds none waits for them.
+            // Only unsubmitted chunks hold the pool: tell the callers that hold some (they can
+            // submit a partial batch); a caller that holds none waits for them.
             let holds_some = self
                 .requests
                 .get(req_id)
@@ -446,12 +445,11 @@ impl SenderFlow {
 
     /// Takes a staging slot for `req_id` as `try_allocate` does; when every slot holds an
     /// unsubmitted chunk and some are this request's (`StagingHeldByCaller`), first submits
-    /// `held` — the chunks the caller staged and has not submitted yet — as a batch that is
-    /// not the last, which frees staging once written, and tries again (usually
-    /// `WouldBlock` then: wait as after any other). The one form of the "allocate; when my
-    /// own chunks hold staging, submit them; retry" step every caller of the sender needs:
-    /// a caller that instead waited while holding its chunks would wait on itself. `held`
-    /// is left empty when it was submitted; an error from that submit is returned as is.
+    /// `held` (the chunks the caller staged and has not submitted) as a batch that is not the
+    /// last, which frees staging once written, and tries again (usually `WouldBlock` then).
+    /// The one form of the "allocate; when my own chunks hold staging, submit them; retry"
+    /// step every caller needs: a caller that waited holding its chunks would wait on
+    /// itself. `held` is left empty when it was submitted; that submit's error is returned.
     pub fn allocate_or_submit(
         &mut self,
         now: Instant,
@@ -690,12 +688,11 @@ impl SenderFlow {
         self.staging.free_count()
     }
 
-    /// True when every staging slot is taken by a chunk not yet submitted: no write can free
-    /// one, only a caller submitting what it staged (an allocate call of such a caller gets
-    /// `StagingHeldByCaller`, so a driver wakes them all then).
+    /// True when unsubmitted chunks take every staging slot: only their callers can free one,
+    /// by submitting them (their allocate calls get `StagingHeldByCaller`).
     pub fn staging_held_by_callers(&self) -> bool {
-        let unsubmitted: usize = self.requests.values().map(|r| r.staged.len()).sum();
-        unsubmitted == self.staging.capacity() as usize
+        let unsubmitted = self.requests.values().map(|r| r.staged.len());
+        unsubmitted.sum::<usize>() == self.staging.capacity() as usize
     }
 
     /// Staging slots in the pool.
