@@ -11,8 +11,9 @@
 //!   memory: `start` / `start_in`), a staging allocate that blocks (for prefill threads) or
 //!   awaits and submits the caller's held batch when only it stands in the way, stage bytes,
 //!   submit, cancel, await the outcome or read every request's end (`completions`). Inside:
-//!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's)
-//!   and `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
+//!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's),
+//!   `sender/sleepers` (blocked prefill threads, woken by turn) and
+//!   `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side (a buffer of kvx's
 //!   or the caller's memory): await ready requests; its clonable `ChunkReader` reads their
 //!   chunks, consumes them, and can stop the receiver.
