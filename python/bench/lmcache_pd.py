@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 KV_SHAPE = (8, 2, 256, 8, 16)  # bf16: 1 MiB per chunk
 BATCH = 4
-BACKENDS = ("lmcache", "kvx-tcp", "kvx-mem")
+BACKENDS = ("lmcache", "kvx-tcp", "kvx-shm", "kvx-mem")
 
 
 def run(backend: str, interleave: int, requests: int, deadline_s: float) -> dict:

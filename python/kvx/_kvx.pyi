@@ -102,7 +102,7 @@ class StagingSlot:
     def view(self) -> memoryview:
         """The slot as a writable byte memoryview into the staging itself (zero-copy)."""
     def write(self, data: _Buffer, offset: int = 0) -> None:
-        """Copies ``data`` into the slot at ``offset`` (the shm fabric's way in)."""
+        """Copies ``data`` (any bytes-like object) into the slot at ``offset``."""
     def release(self) -> None:
         """Hands the slot back unused."""
 
@@ -167,7 +167,7 @@ class Sender:
     def slot_bytes(self) -> int: ...
     @property
     def staging(self) -> Optional[memoryview]:
-        """The whole staging as a byte memoryview (None with the shm fabric)."""
+        """The whole staging as a byte memoryview (with the shm fabric, of kvx's mapping)."""
     def close(self, timeout: float = 5.0) -> bool:
         """Stops the sender; running requests fail with ``ReceiverLostError``. Waits (at
         most ``timeout`` seconds, GIL released) until the notices already due to the proxy
@@ -203,7 +203,7 @@ class ReadLease:
     def views(self) -> List[memoryview]:
         """Each chunk's slot as a memoryview into the buffer itself, valid until consume."""
     def read(self, chunk: int, nbytes: Optional[int] = None) -> bytes:
-        """A copy of a chunk's first ``nbytes`` bytes (the shm fabric's way out)."""
+        """A copy of a chunk's first ``nbytes`` bytes (None: the whole slot)."""
     def consume(self, timeout: float = 10.0) -> None:
         """Releases the request's slots; ``MisuseError`` when consumed already."""
     def __enter__(self) -> "ReadLease": ...
@@ -245,7 +245,7 @@ class Receiver:
     def slot_bytes(self) -> int: ...
     @property
     def buffer(self) -> Optional[memoryview]:
-        """The whole buffer as a byte memoryview (None with the shm fabric)."""
+        """The whole buffer as a byte memoryview (with the shm fabric, of kvx's memory)."""
     def close(self) -> None:
         """Stops the receiver; its ports close."""
     def __enter__(self) -> "Receiver": ...

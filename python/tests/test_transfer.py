@@ -175,6 +175,48 @@ def test_a_slot_view_is_the_staging_itself():
     tx.wait_outcome("z", timeout=WAIT)
 
 
+def test_the_shm_fabric_is_viewed_in_place_and_its_views_outlive_the_objects():
+    """With the shm fabric kvx allocates the memory itself: ``Sender.staging``,
+    ``Receiver.buffer`` and the slot views are views of it (writing through one shows in
+    the other, and is what the receiver gets), and a view kept after its sender and
+    receiver are gone still reads the bytes (it keeps the mapping alive)."""
+    import gc
+
+    rx = kvx.Receiver(slots=4, slot_bytes=SLOT, fabric="shm", peer_share_percent=100)
+    tx = kvx.Sender(slots=2, slot_bytes=SLOT, fabric="shm")
+    assert tx.staging.nbytes == 2 * SLOT and rx.buffer.nbytes == 4 * SLOT
+    staging = np.frombuffer(tx.staging, dtype=np.uint8)
+    buffer = np.frombuffer(rx.buffer, dtype=np.uint8)
+    peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+    tx.begin("v", receiver=peer, total_chunks=2)
+    assert tx.wait_admitted("v", timeout=WAIT)
+    for chunk in range(2):
+        slot = tx.allocate("v", timeout=WAIT)
+        np.frombuffer(slot.view, dtype=np.uint8)[:] = pattern("v", chunk)
+        start = slot.index * SLOT
+        assert np.array_equal(staging[start : start + SLOT], pattern("v", chunk))
+        staging[start + 9] = 0xC3  # through the whole staging's view, not the slot's
+        tx.add(slot, f"v@{chunk}")
+    tx.submit("v", last=True)
+    (lease,) = rx.next_ready(max=1, timeout=WAIT)
+    for chunk, view in enumerate(lease.views()):
+        want = pattern("v", chunk)
+        want[9] = 0xC3
+        assert np.array_equal(np.frombuffer(view, dtype=np.uint8), want)
+        s = lease.slots[chunk] * SLOT
+        assert np.array_equal(buffer[s : s + SLOT], want), "the lease's view is the buffer"
+    kept_rx = lease.views()[1]
+    lease.consume()
+    tx.wait_outcome("v", timeout=WAIT)
+    want = bytes(kept_rx[:16])
+    tx.close()
+    rx.close()
+    del tx, rx, lease, slot, view
+    gc.collect()
+    assert bytes(kept_rx[:16]) == want
+    assert staging[start + 9] == 0xC3
+
+
 def test_misuse_and_bad_input_say_what_is_wrong():
     with pytest.raises(ValueError, match="slots"):
         kvx.Sender(slots=4, slot_bytes=SLOT, staging=bytearray(3 * SLOT))

@@ -23,7 +23,7 @@ pub mod sender;
 
 pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, TransportChoice};
 pub use error::EmbedError;
-pub use memory::Memory;
+pub use memory::{Memory, MemoryView};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;

@@ -22,7 +22,7 @@ use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
-use crate::memory::Memory;
+use crate::memory::{Memory, MemoryView};
 use crate::runtime::Runtime;
 use crate::EmbedError;
 
@@ -53,6 +53,7 @@ trait ReaderApi: Send + Sync {
     fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>>;
     fn shutdown(&self) -> BoxFuture<'_, ()>;
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8]));
+    fn memory_view(&self) -> Option<MemoryView>;
     fn slots(&self) -> u32;
     fn slot_bytes(&self) -> usize;
 }
@@ -76,6 +77,9 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8])) {
         let memory = self.memory();
         memory.inspect_slot(slot.0, memory.slot_bytes(), f);
+    }
+    fn memory_view(&self) -> Option<MemoryView> {
+        MemoryView::of(self.memory())
     }
     fn slots(&self) -> u32 {
         self.memory().slots()
@@ -341,6 +345,13 @@ impl Receiver {
     /// Bytes per slot.
     pub fn slot_bytes(&self) -> usize {
         self.reader.slot_bytes()
+    }
+
+    /// The receive buffer, for a view the caller keeps: what a program reads leased chunks
+    /// through when kvx allocated the buffer (the shm fabric). `None` when it cannot be
+    /// viewed (RDMA-registered memory).
+    pub fn memory_view(&self) -> Option<MemoryView> {
+        self.reader.memory_view()
     }
 }
 

@@ -24,7 +24,7 @@ use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
-use crate::memory::Memory;
+use crate::memory::{Memory, MemoryView};
 use crate::runtime::Runtime;
 use crate::EmbedError;
 
@@ -68,6 +68,7 @@ trait SenderApi: Send + Sync {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<StagingSlot, SendError>>;
     fn with_slot(&self, slot: StagingSlot, f: &mut dyn FnMut(&mut [u8]));
+    fn memory_view(&self) -> Option<MemoryView>;
     fn staged(&self, slot: StagingSlot, len: usize);
     fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError>;
     fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError>;
@@ -111,6 +112,9 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     }
     fn with_slot(&self, slot: StagingSlot, f: &mut dyn FnMut(&mut [u8])) {
         self.staging().with_slot(slot.0, f);
+    }
+    fn memory_view(&self) -> Option<MemoryView> {
+        MemoryView::of(self.staging())
     }
     fn staged(&self, slot: StagingSlot, len: usize) {
         SenderHandle::staged(self, slot, len);
@@ -519,6 +523,13 @@ impl Sender {
     /// Bytes per staging slot.
     pub fn slot_bytes(&self) -> usize {
         self.api.slot_bytes()
+    }
+
+    /// The staging, for a view the caller keeps: what a program writes chunks through when
+    /// kvx allocated the staging (the shm fabric's shared mapping). `None` when it cannot be
+    /// viewed (RDMA-registered memory).
+    pub fn memory_view(&self) -> Option<MemoryView> {
+        self.api.memory_view()
     }
 
     /// Stops the driver; waiters get `ChannelLost`. Also done on drop. The notices already

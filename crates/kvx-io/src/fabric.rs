@@ -62,6 +62,16 @@ pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
         });
     }
 
+    /// The memory's first byte and its length (`slots × slot_bytes`), for memory kvx
+    /// allocated that an embedding program views in place (a Python `memoryview` over the
+    /// shm fabric's mapping); `None` for memory that cannot be viewed so. Whoever holds a
+    /// view keeps the memory alive and follows the protocol's rule (`region` module doc):
+    /// it writes a staging slot only while it holds it, and reads a receive slot only while
+    /// it is leased.
+    fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        None
+    }
+
     /// Lets `f` read the first `len` bytes of `slot` in place (the decoder reading a chunk).
     fn inspect_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
         self.with_slot(slot, &mut |s| {
@@ -123,6 +133,10 @@ impl SlotMemory for LocalMemory {
 
     fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
         self.region.with_slot(slot, f);
+    }
+
+    fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        Some(self.region.raw())
     }
 }
 

@@ -5,8 +5,15 @@
 //! keeps it, so the memory cannot be resized or freed under kvx (a `bytearray` refuses to
 //! resize while exported). Slot views are slices of one byte-format `memoryview`: zero-copy,
 //! and each keeps the memory alive by itself.
+//!
+//! Memory kvx allocates itself (the shm fabric's mapping) is viewed the same way
+//! (`export`): a `ctypes` array over its address, which holds what keeps the mapping alive,
+//! under one byte `memoryview`.
 
-use kvx_embed::Memory;
+use std::any::Any;
+use std::sync::Arc;
+
+use kvx_embed::{Memory, MemoryView};
 use kvx_io::ExternalRegion;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -107,7 +114,7 @@ pub(crate) fn lend(
 
 /// The memory a sender's staging or a receiver's buffer uses: the caller's `buffer`, or a
 /// fresh `bytearray` when it gave none, so that slot views work the same way. A fabric that
-/// needs its own shared mapping (shm) gets kvx's allocation, and no views.
+/// needs its own shared mapping (shm) gets kvx's allocation, viewed once started (`export`).
 pub(crate) fn choose(
     py: Python<'_>,
     buffer: Option<&Bound<'_, PyAny>>,
@@ -124,8 +131,8 @@ pub(crate) fn choose(
         if buffer.is_some() {
             return Err(PyValueError::new_err(
                 "the shm fabric cannot use memory the caller owns: it allocates a shared \
-                 mapping of its own (leave buffer/staging out, and use slot.write / \
-                 lease.read), or choose the tcp fabric",
+                 mapping of its own (leave buffer/staging out; the staging/buffer view and \
+                 the slot views are views of that mapping), or choose the tcp fabric",
             ));
         }
         return Ok((Memory::Allocate { slot_bytes }, None));
@@ -155,4 +162,27 @@ pub(crate) fn slot_view<'py>(
     let start = slot as usize * slot_bytes;
     let slice = pyo3::types::PySlice::new(py, start as isize, (start + slot_bytes) as isize, 1);
     view.bind(py).get_item(slice)
+}
+
+/// Keeps kvx's own memory mapped for as long as a view of it lives: the `ctypes` array
+/// under the view holds it.
+#[pyclass(module = "kvx", frozen)]
+pub(crate) struct MappingKeeper {
+    _keep: Arc<dyn Any + Send + Sync>,
+}
+
+/// A byte `memoryview` over kvx's own memory (`MemoryView`), which keeps it mapped: the
+/// view holds a `ctypes` array over the address, and the array holds the keeper.
+pub(crate) fn export(py: Python<'_>, memory: MemoryView) -> PyResult<Py<PyAny>> {
+    let MemoryView { addr, len, keep } = memory;
+    let ctypes = py.import("ctypes")?;
+    let array_type = ctypes.getattr("c_char")?.mul(len)?;
+    let array = array_type.call_method1("from_address", (addr,))?;
+    array.setattr("_kvx_keep", MappingKeeper { _keep: keep })?;
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((array,))?
+        .call_method1("cast", ("B",))?;
+    Ok(view.unbind())
 }

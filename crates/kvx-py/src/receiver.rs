@@ -20,7 +20,8 @@ use crate::{env, errors, memory, runtime, wait};
 /// admission_timeout=30.0, unconsumed_ttl=300.0, require_checksums=False)``
 ///
 /// ``buffer``: the memory chunks land in, a writable contiguous buffer the receiver keeps
-/// alive (``None``: a fresh ``bytearray``; the ``shm`` fabric uses its own mapping). Read a
+/// alive (``None``: a fresh ``bytearray``; the ``shm`` fabric allocates its own, which
+/// ``Receiver.buffer`` and the lease's views then view). Read a
 /// slot only while its request is leased (``next_ready`` → ``ReadLease.consume``).
 /// ``peer_share_percent``: the most of the buffer one sender may hold (100 with a single
 /// sender).
@@ -91,6 +92,12 @@ impl Receiver {
         let inner = py
             .detach(|| kvx_embed::Receiver::start(rt, settings))
             .map_err(|e| errors::embed(&e))?;
+        // The shm fabric's memory is kvx's own mapping: viewed once it exists.
+        let view = match (view, inner.memory_view()) {
+            (Some(view), _) => Some(view),
+            (None, Some(own)) => Some(memory::export(py, own)?),
+            (None, None) => None,
+        };
         Ok(Self { inner, view })
     }
 
@@ -168,7 +175,7 @@ impl Receiver {
         self.inner.slot_bytes()
     }
 
-    /// The whole buffer as a byte ``memoryview`` (None with the shm fabric).
+    /// The whole buffer as a byte ``memoryview`` (with the shm fabric, of kvx's memory).
     #[getter]
     fn buffer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.view.as_ref().map(|v| v.clone_ref(py))
@@ -286,7 +293,7 @@ impl ReadLease {
         self.with_lease(|_| ())?;
         let Some(view) = &self.view else {
             return Err(errors::MisuseError::new_err(
-                "this receiver's buffer is kvx's own shared mapping (fabric \"shm\"): use read()",
+                "this receiver's buffer cannot be viewed from Python: use read()",
             ));
         };
         self.slots

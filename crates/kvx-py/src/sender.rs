@@ -23,8 +23,9 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 ///
 /// ``staging`` is the memory chunks are staged in: a writable, contiguous buffer of
 /// ``slots × slot_bytes`` bytes (``bytearray``, NumPy array, CPU ``torch.Tensor``) that the
-/// sender keeps alive; ``None``: a fresh ``bytearray``. The ``shm`` fabric uses a shared
-/// mapping of its own instead (no ``staging``, no ``view``: use ``StagingSlot.write``).
+/// sender keeps alive; ``None``: a fresh ``bytearray``. The ``shm`` fabric allocates a shared
+/// mapping of its own instead (pass no ``staging``): ``Sender.staging`` and the slot views
+/// are views of that mapping, which they keep alive.
 /// Write a staging slot only while you hold it (between ``allocate`` and ``add``).
 /// ``failure_notices``: a failed request is reported to the proxy (kvx's ``FailNotif``);
 /// off for a proxy that knows only LMCache's messages.
@@ -99,6 +100,12 @@ impl Sender {
         let inner = py
             .detach(|| kvx_embed::Sender::start(rt, settings))
             .map_err(|e| errors::embed(&e))?;
+        // The shm fabric's memory is kvx's own mapping: viewed once it exists.
+        let view = match (view, inner.memory_view()) {
+            (Some(view), _) => Some(view),
+            (None, Some(own)) => Some(memory::export(py, own)?),
+            (None, None) => None,
+        };
         Ok(Self { inner, view })
     }
 
@@ -312,7 +319,7 @@ impl Sender {
         self.inner.slot_bytes()
     }
 
-    /// The whole staging as a byte ``memoryview`` (None with the shm fabric).
+    /// The whole staging as a byte ``memoryview`` (with the shm fabric, of kvx's mapping).
     #[getter]
     fn staging(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.view.as_ref().map(|v| v.clone_ref(py))
@@ -401,7 +408,7 @@ impl StagingSlot {
     fn view(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let Some(view) = &self.view else {
             return Err(errors::MisuseError::new_err(
-                "this sender's staging is kvx's own shared mapping (fabric \"shm\"): use write()",
+                "this sender's staging cannot be viewed from Python: use write()",
             ));
         };
         let slot_bytes = self.with_guard(|g| g.slot_bytes())?;

@@ -41,6 +41,20 @@ def as_lists(shapes: Shapes, dtypes: Dtypes) -> tuple:
     return shape_list, dtype_list
 
 
+def lent_tensor(fabric: str, nbytes: int) -> Optional[torch.Tensor]:
+    """The tensor kvx moves chunks through, when the backend lends it (``None`` with the shm
+    fabric, which allocates a shared mapping of its own: ``over_kvx_memory`` views it)."""
+    return None if fabric == "shm" else torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def over_kvx_memory(view: Optional[memoryview]) -> torch.Tensor:
+    """A byte tensor over kvx's own memory (a ``Sender.staging`` or ``Receiver.buffer``
+    view), in place; it keeps the view, and so the memory, alive."""
+    if view is None:
+        raise ValueError("this fabric's memory cannot be viewed from Python")
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
 def dtype_named(name: str) -> torch.dtype:
     """The torch dtype a wire dtype name (LMCache's spelling: ``"bfloat16"``) stands for."""
     try:

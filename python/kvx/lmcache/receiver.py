@@ -26,7 +26,7 @@ from lmcache.v1.memory_management import MemoryObj
 
 import kvx
 
-from .memory import LeasedChunks
+from .memory import LeasedChunks, lent_tensor, over_kvx_memory
 from .settings import KvxPDSettings
 
 logger = logging.getLogger("kvx.lmcache")
@@ -42,11 +42,11 @@ class ReceiverRole:
         self.settings = settings
         self.metadata = metadata
         extra = settings.extra
-        self.buffer = torch.zeros(settings.slots * settings.chunk_bytes, dtype=torch.uint8)
+        lent = lent_tensor(extra["kvx_fabric"], settings.slots * settings.chunk_bytes)
         self.receiver = kvx.Receiver(
             slots=settings.slots,
             slot_bytes=settings.chunk_bytes,
-            buffer=self.buffer.numpy(),
+            buffer=None if lent is None else lent.numpy(),
             fabric=extra["kvx_fabric"],
             alloc=settings.alloc_endpoint,
             fabric_endpoint=settings.fabric_endpoint,
@@ -55,6 +55,7 @@ class ReceiverRole:
             unconsumed_ttl=extra["kvx_unconsumed_ttl_sec"],
             require_checksums=extra["kvx_checksums"],
         )
+        self.buffer = lent if lent is not None else over_kvx_memory(self.receiver.buffer)
         self.data: Dict[CacheEngineKey, MemoryObj] = {}
         self._leases: Dict[int, tuple] = {}  # id(lease) → (lease, deadline, keys)
         self._lock = threading.Condition()

@@ -31,7 +31,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 import kvx
 
 from .context import current_transfer
-from .memory import StagingSlots, as_lists
+from .memory import StagingSlots, as_lists, lent_tensor, over_kvx_memory
 from .settings import KvxPDSettings
 from .waiting_room import WaitingRoom
 
@@ -69,11 +69,11 @@ class SenderRole:
         self.settings = settings
         self.metadata = metadata
         extra = settings.extra
-        self.staging = torch.zeros(settings.slots * settings.chunk_bytes, dtype=torch.uint8)
+        lent = lent_tensor(extra["kvx_fabric"], settings.slots * settings.chunk_bytes)
         self.sender = kvx.Sender(
             slots=settings.slots,
             slot_bytes=settings.chunk_bytes,
-            staging=self.staging.numpy(),
+            staging=None if lent is None else lent.numpy(),
             fabric=extra["kvx_fabric"],
             proxy=settings.proxy_endpoint,
             local_id=settings.local_id,
@@ -83,6 +83,7 @@ class SenderRole:
             checksums=extra["kvx_checksums"],
             failure_notices=extra["kvx_failure_notices"],
         )
+        self.staging = lent if lent is not None else over_kvx_memory(self.sender.staging)
         self.slots = StagingSlots(self.staging, settings.chunk_bytes)
         self.room = WaitingRoom(extra["kvx_waiting_room_chunks"] or settings.slots,
                                 settings.chunk_bytes)

@@ -22,9 +22,10 @@ KVX_EXTRA_KEYS: Dict[str, tuple] = {
     "kvx_fabric": (
         str,
         "tcp",
-        "how chunk bytes move: tcp (between processes and hosts), or mem (in-process copies: "
-        "prefill and decode StorageManagers in one process, as LMCache's mock_memory channel, "
-        "for tests and benchmarks)",
+        "how chunk bytes move: tcp (between processes and hosts), shm (between processes on "
+        "one host, through shared memory kvx allocates; pd_buffer_device cpu), or mem "
+        "(in-process copies: prefill and decode StorageManagers in one process, as LMCache's "
+        "mock_memory channel, for tests and benchmarks)",
     ),
     "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
     "kvx_failure_notices": (
@@ -140,15 +141,9 @@ def _extra(config: Any) -> Dict[str, Any]:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_config {name}={value!r}: expected {kind.__name__}") from e
         out[name] = value
-    if out["kvx_fabric"] == "shm":
-        # LMCache reads and writes the memory objects in place, and shm staging and buffers
-        # are kvx's own mappings, not memory the backend can lend.
-        raise ConfigError("extra_config kvx_fabric=shm: LMCache's memory objects view kvx's "
-                          "slots in place, which the shm fabric's own mappings do not allow; "
-                          "use kvx_fabric: tcp")
-    if out["kvx_fabric"] not in ("tcp", "mem"):
-        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp (or mem, "
-                          "with both sides in one process)")
+    if out["kvx_fabric"] not in ("tcp", "shm", "mem"):
+        raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp (or shm, "
+                          "with both sides on one host; or mem, with both in one process)")
     for name, value in out.items():
         if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")

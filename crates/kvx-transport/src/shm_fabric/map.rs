@@ -108,6 +108,12 @@ impl SlotMemory for ShmMemory {
     fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8])) {
         self.region.with_slot(slot, f);
     }
+
+    /// The shm fabric allocates its memory itself (a sender's staging must be a file the
+    /// receiver can map), so an embedding program writes and reads it through views of it.
+    fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        Some(self.region.raw())
+    }
 }
 
 impl Drop for ShmMemory {
