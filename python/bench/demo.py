@@ -1,11 +1,12 @@
 """`kvx demo`'s workload driven from Python through the kvx package, against `kvx demo`
 itself in the same run (docs/PERFORMANCE.md, "Python").
 
-    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3]
+    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm]
 
 Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
 in flight per sender, batches of 4, 4 staging slots per sender, one receiver of 64 slots,
-ZeroMQ + the TCP fabric on loopback, every byte checked by the decoder. The Python side runs
+ZeroMQ + the TCP fabric on loopback (or both on the shm fabric), every byte checked by the
+decoder. The Python side runs
 each sender's in-flight requests on threads of its own and decodes on one; it makes
 and checks each chunk's bytes in place with `kvx.testing` (the code `kvx demo` runs), so the
 two differ in the driving only.
@@ -35,10 +36,12 @@ CHUNK = 1 << 20
 DECODERS = 1
 
 
-def python_demo(seed: int) -> dict:
+def python_demo(seed: int, fabric: str = "tcp") -> dict:
     rng = random.Random(seed)
-    rx = kvx.Receiver(slots=64, slot_bytes=CHUNK, peer_share_percent=75)
-    senders = [kvx.Sender(slots=4, slot_bytes=CHUNK, local_id=f"py-{s}") for s in range(2)]
+    rx = kvx.Receiver(slots=64, slot_bytes=CHUNK, peer_share_percent=75, fabric=fabric)
+    senders = [
+        kvx.Sender(slots=4, slot_bytes=CHUNK, local_id=f"py-{s}", fabric=fabric) for s in range(2)
+    ]
     plans = [
         [(f"s{s}-r{i:03}", rng.randint(4, 16)) for i in range(50)] for s in range(2)
     ]
@@ -48,6 +51,9 @@ def python_demo(seed: int) -> dict:
     seen = [0]
     want = sum(len(p) for p in plans)
     tally = threading.Lock()
+    # The clock stops when the last request is verified, as `kvx demo`'s does: not when
+    # the threads have joined (a second decoder would add its last `next_ready` timeout).
+    done_at = [None]
 
     def decoder():
         deadline = time.monotonic() + 300
@@ -61,6 +67,8 @@ def python_demo(seed: int) -> dict:
                     verified[0] += good * CHUNK
                     corrupt[0] += len(lease) - good
                     seen[0] += 1
+                    if seen[0] == want:
+                        done_at[0] = time.perf_counter()
 
     def prefill(tx, peer, work, lock):
         while True:
@@ -93,7 +101,7 @@ def python_demo(seed: int) -> dict:
         t.start()
     for t in threads + decoders:
         t.join()
-    elapsed = time.perf_counter() - start
+    elapsed = (done_at[0] or time.perf_counter()) - start
     for tx in senders:
         tx.close()
     return {
@@ -104,9 +112,9 @@ def python_demo(seed: int) -> dict:
     }
 
 
-def rust_demo(kvx_bin: str, seed: int) -> dict:
+def rust_demo(kvx_bin: str, seed: int, fabric: str = "tcp") -> dict:
     out = subprocess.run(
-        [kvx_bin, "demo", "--json", "--seed", str(seed)],
+        [kvx_bin, "demo", "--json", "--seed", str(seed), "--fabric", fabric],
         capture_output=True,
         text=True,
         timeout=300,
@@ -153,11 +161,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvx", default=str(Path(__file__).resolve().parents[2] / "target/release/kvx"))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fabric", choices=("tcp", "shm"), default="tcp",
+                    help="the fabric of both runs (default tcp)")
     args = ap.parse_args()
     rust, py = [], []
     for r in range(args.rounds):  # alternated, so that both see the same machine
-        rust.append(rust_demo(args.kvx, r)["bytes_per_sec"])
-        p = python_demo(r)
+        rust.append(rust_demo(args.kvx, r, args.fabric)["bytes_per_sec"])
+        p = python_demo(r, args.fabric)
         if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
             raise SystemExit(f"python demo lost or corrupted bytes: {p}")
         py.append(p["bytes_per_sec"])

@@ -35,10 +35,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_python_sender_delivers_to_a_kvx_receiver_process_byte_exact():
+@pytest.mark.parametrize("fabric_name", ["tcp", "shm"])
+def test_a_python_sender_delivers_to_a_kvx_receiver_process_byte_exact(fabric_name):
+    # shm: the slot views are views of the staging mapping the receiver process maps too.
     alloc, fabric = free_port(), free_port()
     proc = subprocess.Popen(
         [kvx_binary(), "receiver", "--alloc-ports", str(alloc), "--fabric-ports", str(fabric),
+         "--fabric", fabric_name,
          "--buffer-chunks", "16", "--chunk-bytes", str(SLOT), "--peer-share-percent", "100",
          "--exit-after-s", "120"],
         stdout=subprocess.PIPE,
@@ -46,7 +49,7 @@ def test_a_python_sender_delivers_to_a_kvx_receiver_process_byte_exact():
         text=True,
     )
     try:
-        tx = kvx.Sender(slots=4, slot_bytes=SLOT)
+        tx = kvx.Sender(slots=4, slot_bytes=SLOT, fabric=fabric_name)
         peer = None
         for _ in range(100):  # the process binds its ports within a few seconds
             try:
