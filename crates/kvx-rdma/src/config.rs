@@ -61,11 +61,27 @@ impl FromStr for PathMtu {
     }
 }
 
-/// The path MTU for a connection: the smaller of both ports' active MTU, capped by the
-/// configuration. None when a code is not a verbs MTU (a peer that sent garbage).
-pub(crate) fn path_mtu(ours: u8, theirs: u8, cap: Option<PathMtu>) -> Option<u8> {
-    let m = PathMtu::from_code(ours)?.min(PathMtu::from_code(theirs)?);
-    Some(cap.map_or(m, |c| c.min(m)).code())
+/// The MTU a side offers its peer in the handshake: its port's active MTU, capped by its own
+/// configuration (an active MTU that is not a verbs code is offered as it is, and refused by
+/// `path_mtu`).
+pub(crate) fn offered_mtu(active: u8, cap: Option<PathMtu>) -> u8 {
+    match (PathMtu::from_code(active), cap) {
+        (Some(m), Some(c)) => m.min(c).code(),
+        _ => active,
+    }
+}
+
+/// The path MTU of a connection: the smaller of the two offers (`offered_mtu`). Both sides
+/// compute it from the same two numbers, so they agree — which they must: a responder
+/// rejects every packet of a multi-packet write whose length does not match its own path
+/// MTU (IBA C9-92), so a cap applied by one side only would fail every chunk larger than a
+/// packet. None when an offer is not a verbs MTU (a peer that sent garbage).
+pub(crate) fn path_mtu(ours: u8, theirs: u8) -> Option<u8> {
+    Some(
+        PathMtu::from_code(ours)?
+            .min(PathMtu::from_code(theirs)?)
+            .code(),
+    )
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,7 +93,8 @@ pub struct RdmaConfig {
     /// GID index (`show_gids`); None: on Ethernet (RoCE) the first RoCE v2 GID holding an
     /// IPv4 address, else the first RoCE v2 GID, else 0; on InfiniBand 0.
     pub gid_index: Option<u32>,
-    /// Caps the path MTU; None: the smaller of both ports' active MTU.
+    /// Caps the path MTU: this side offers at most this much, and a connection runs at the
+    /// smaller of both sides' offers; None: the port's active MTU.
     pub mtu: Option<PathMtu>,
     /// Service level (InfiniBand) / priority of the address vector.
     pub service_level: u8,
@@ -134,10 +151,16 @@ mod tests {
     }
 
     #[test]
-    fn path_mtu_is_the_smallest() {
-        assert_eq!(path_mtu(5, 3, None), Some(3));
-        assert_eq!(path_mtu(5, 5, Some(PathMtu::Mtu2048)), Some(4));
-        assert_eq!(path_mtu(2, 5, Some(PathMtu::Mtu4096)), Some(2));
-        assert_eq!(path_mtu(0, 5, None), None);
+    fn path_mtu_is_the_smallest_offer_and_both_sides_agree() {
+        assert_eq!(offered_mtu(5, None), 5);
+        assert_eq!(offered_mtu(5, Some(PathMtu::Mtu2048)), 4);
+        assert_eq!(offered_mtu(2, Some(PathMtu::Mtu4096)), 2);
+        assert_eq!(offered_mtu(0, Some(PathMtu::Mtu1024)), 0);
+        assert_eq!(path_mtu(5, 3), Some(3));
+        assert_eq!(path_mtu(0, 5), None);
+        // A cap on one side only: each side's view of the path is the same.
+        let (a, b) = (offered_mtu(5, None), offered_mtu(5, Some(PathMtu::Mtu1024)));
+        assert_eq!(path_mtu(a, b), path_mtu(b, a));
+        assert_eq!(path_mtu(a, b), Some(3));
     }
 }

@@ -1,12 +1,18 @@
 //! An in-process model of an RDMA NIC behind the `Verbs` seam, for tests: every queue pair of
-//! one `FakeVerbs` is on one loopback "wire". It keeps what kvx relies on from RC verbs:
+//! one `FakeVerbs` — and of the other devices made with `another_device`, each with its own
+//! completion queue and port — is on one loopback "wire". It keeps what kvx relies on from RC
+//! verbs:
 //! - a write is applied when its target queue pair is connected back to it (RTR/RTS) and the
 //!   remote key and range are valid, else it fails and the requester goes to ERROR;
 //! - a write with immediate consumes one posted receive of the target, whose completion
 //!   carries the immediate and follows the data; with none posted the write waits (RNR), and
 //!   so does everything behind it on that queue pair;
 //! - completions come in posting order per queue pair; ERROR flushes every outstanding work
-//!   request (`WcStatus::Flushed`) and a responder in ERROR accepts nothing.
+//!   request (`WcStatus::Flushed`) and a responder in ERROR accepts nothing;
+//! - a write of more than one packet between two queue pairs whose path MTUs differ is
+//!   rejected by the responder ("remote invalid request", and the requester goes to ERROR):
+//!   a responder checks every packet's length against its own path MTU (IBA C9-92; rxe's
+//!   `check_length`), so both ends of a connection must agree on it.
 //!
 //! Faults: `fail_write_after(n)` fails the (n+1)-th write from now with "retry counter
 //! exceeded", as a link going down would.
@@ -33,15 +39,23 @@ const REMOTE_ACCESS: WcStatus = WcStatus::Failed {
     name: "remote access error",
     vendor: 0,
 };
+const REMOTE_INVALID_REQUEST: WcStatus = WcStatus::Failed {
+    code: 9,
+    name: "remote invalid request",
+    vendor: 0,
+};
 
+/// One device on the model's wire: its own completion queue and port.
 #[derive(Debug, Clone)]
 pub(crate) struct FakeVerbs {
-    nic: Arc<Nic>,
+    wire: Arc<Wire>,
+    id: u64,
+    /// The port's active MTU, as the verbs code.
+    port_mtu: u8,
 }
 
 #[derive(Debug)]
-struct Nic {
-    id: u64,
+struct Wire {
     state: Mutex<NicState>,
 }
 
@@ -49,7 +63,8 @@ struct Nic {
 struct NicState {
     qps: HashMap<u32, QpModel>,
     regions: HashMap<u32, Weak<RdmaMemory>>,
-    cq: VecDeque<Wc>,
+    /// Each device's completion queue.
+    cqs: HashMap<u64, VecDeque<Wc>>,
     next_qpn: u32,
     next_key: u32,
     /// Writes left before the next one fails (`fail_write_after`).
@@ -59,8 +74,12 @@ struct NicState {
 
 #[derive(Debug)]
 struct QpModel {
+    /// The device it was created on: its completions go to that device's queue.
+    device: u64,
     state: QpState,
     peer: Option<u32>,
+    /// The path MTU it was brought to RTR with, as the verbs code.
+    path_mtu: Option<u8>,
     recvs: VecDeque<u64>,
     /// Posted writes not yet applied (waiting for a receive, or behind one that is).
     backlog: VecDeque<PendingWrite>,
@@ -78,21 +97,33 @@ struct PendingWrite {
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1 << 40);
 
 impl FakeVerbs {
+    /// A device on a wire of its own, its port's active MTU 4096.
     pub(crate) fn new() -> Self {
         FakeVerbs {
-            nic: Arc::new(Nic {
-                id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            wire: Arc::new(Wire {
                 state: Mutex::new(NicState {
                     next_qpn: 0x100,
                     next_key: 0x1000,
                     ..NicState::default()
                 }),
             }),
+            id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            port_mtu: 5,
+        }
+    }
+
+    /// Another device on the same wire (another host's NIC): its own completion queue, and
+    /// a port of the same active MTU.
+    pub(crate) fn another_device(&self) -> Self {
+        FakeVerbs {
+            wire: self.wire.clone(),
+            id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            port_mtu: self.port_mtu,
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, NicState> {
-        self.nic.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.wire.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Fails the write applied after `n` more successful ones.
@@ -114,14 +145,14 @@ impl Verbs for FakeVerbs {
     type Qp = FakeQp;
 
     fn device_id(&self) -> u64 {
-        self.nic.id
+        self.id
     }
 
     fn port(&self) -> PortInfo {
         PortInfo {
             lid: 0,
             gid: [0xAA; 16],
-            mtu: 5,
+            mtu: self.port_mtu,
         }
     }
 
@@ -134,7 +165,7 @@ impl Verbs for FakeVerbs {
             lkey: key,
             rkey: key,
             addr: memory.region().0,
-            device_id: self.nic.id,
+            device_id: self.id,
         };
         memory.set_registration(keys, Box::new(()))
     }
@@ -146,8 +177,10 @@ impl Verbs for FakeVerbs {
         s.qps.insert(
             qpn,
             QpModel {
+                device: self.id,
                 state: QpState::Reset,
                 peer: None,
+                path_mtu: None,
                 recvs: VecDeque::new(),
                 backlog: VecDeque::new(),
             },
@@ -159,7 +192,9 @@ impl Verbs for FakeVerbs {
     }
 
     fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
-        out.extend(self.lock().cq.drain(..));
+        if let Some(cq) = self.lock().cqs.get_mut(&self.id) {
+            out.extend(cq.drain(..));
+        }
         Ok(())
     }
 }
@@ -177,11 +212,26 @@ impl Drop for FakeQp {
     }
 }
 
+/// Whether a write of `len` bytes between queue pairs of path MTUs `requester` and
+/// `responder` is rejected: it spans more than one packet and the two disagree (the
+/// responder checks each packet against its own path MTU).
+fn mtu_mismatch(requester: Option<u8>, responder: Option<u8>, len: usize) -> bool {
+    let bytes = |code: Option<u8>| code.map_or(usize::MAX, |c| 128usize << c);
+    requester != responder && len > bytes(requester).min(bytes(responder))
+}
+
 impl NicState {
     fn qp(&mut self, qpn: u32) -> Result<&mut QpModel, VerbsError> {
         self.qps
             .get_mut(&qpn)
             .ok_or_else(|| VerbsError::new("fake", format!("no queue pair {qpn}")))
+    }
+
+    /// Queues `wc` on the completion queue of `qpn`'s device.
+    fn complete(&mut self, qpn: u32, wc: Wc) {
+        if let Some(device) = self.qps.get(&qpn).map(|q| q.device) {
+            self.cqs.entry(device).or_default().push_back(wc);
+        }
     }
 
     fn move_to_error(&mut self, qpn: u32) {
@@ -195,11 +245,16 @@ impl NicState {
             .map(|w| w.wr_id)
             .chain(qp.recvs.drain(..))
             .collect();
-        self.cq.extend(flushed.into_iter().map(|wr_id| Wc {
-            wr_id,
-            status: WcStatus::Flushed,
-            kind: WcKind::Other,
-        }));
+        for wr_id in flushed {
+            self.complete(
+                qpn,
+                Wc {
+                    wr_id,
+                    status: WcStatus::Flushed,
+                    kind: WcKind::Other,
+                },
+            );
+        }
     }
 
     /// Applies `qpn`'s backlog in order, as far as it can.
@@ -215,7 +270,9 @@ impl NicState {
                     if w.imm.is_some() && m.recvs.is_empty() {
                         return; // RNR: wait for a receive
                     }
-                    if self.fail_after == Some(0) {
+                    if mtu_mismatch(qp.path_mtu, m.path_mtu, w.data.len()) {
+                        REMOTE_INVALID_REQUEST
+                    } else if self.fail_after == Some(0) {
                         self.fail_after = None;
                         RETRY_EXCEEDED
                     } else {
@@ -236,35 +293,44 @@ impl NicState {
             if status == WcStatus::Success {
                 if let Some(imm) = w.imm {
                     let peer = self.qps.get(&qpn).and_then(|q| q.peer);
-                    if let Some(recv) = peer
-                        .and_then(|p| self.qps.get_mut(&p))
-                        .and_then(|m| m.recvs.pop_front())
-                    {
-                        self.cq.push_back(Wc {
-                            wr_id: recv,
-                            status: WcStatus::Success,
-                            kind: WcKind::RecvImm {
-                                imm,
-                                byte_len: w.data.len() as u32,
+                    if let Some((p, recv)) = peer.and_then(|p| {
+                        let recv = self.qps.get_mut(&p)?.recvs.pop_front()?;
+                        Some((p, recv))
+                    }) {
+                        self.complete(
+                            p,
+                            Wc {
+                                wr_id: recv,
+                                status: WcStatus::Success,
+                                kind: WcKind::RecvImm {
+                                    imm,
+                                    byte_len: w.data.len() as u32,
+                                },
                             },
-                        });
+                        );
                     }
                 }
                 self.writes_applied += 1;
                 if let Some(n) = self.fail_after.as_mut() {
                     *n -= 1;
                 }
-                self.cq.push_back(Wc {
-                    wr_id: w.wr_id,
-                    status,
-                    kind: WcKind::Write,
-                });
+                self.complete(
+                    qpn,
+                    Wc {
+                        wr_id: w.wr_id,
+                        status,
+                        kind: WcKind::Write,
+                    },
+                );
             } else {
-                self.cq.push_back(Wc {
-                    wr_id: w.wr_id,
-                    status,
-                    kind: WcKind::Other,
-                });
+                self.complete(
+                    qpn,
+                    Wc {
+                        wr_id: w.wr_id,
+                        status,
+                        kind: WcKind::Other,
+                    },
+                );
                 self.move_to_error(qpn);
                 return;
             }
@@ -307,6 +373,7 @@ impl VerbsQp for FakeQp {
             Transition::Error => s.move_to_error(self.qpn),
             Transition::Rtr(p) => {
                 qp.peer = Some(p.remote.qpn);
+                qp.path_mtu = Some(p.mtu);
                 qp.state = next;
             }
             _ => qp.state = next,

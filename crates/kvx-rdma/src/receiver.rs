@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use crate::config::path_mtu;
+use crate::config::{offered_mtu, path_mtu};
 use crate::device::Device;
 use crate::link;
 use crate::memory::RdmaMemory;
@@ -157,7 +157,8 @@ impl<V: Verbs> Connection<V> {
     fn connect_qp(&self, hello: &Hello, route: &Route) -> Result<(Qp<V::Qp>, QpAddr), VerbsError> {
         let cfg = &self.device.config;
         let port = self.device.verbs.port();
-        let mtu = path_mtu(port.mtu, hello.qp.mtu, cfg.mtu).ok_or_else(|| {
+        let offer = offered_mtu(port.mtu, cfg.mtu);
+        let mtu = path_mtu(offer, hello.qp.mtu).ok_or_else(|| {
             VerbsError::new(
                 "hello",
                 format!("MTU code {} from the sender", hello.qp.mtu),
@@ -179,7 +180,7 @@ impl<V: Verbs> Connection<V> {
             qpn: qp.qpn(),
             psn,
             lid: port.lid,
-            mtu: port.mtu,
+            mtu: offer,
             gid: port.gid,
         };
         Ok((qp, addr))

@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use crate::config::path_mtu;
+use crate::config::{offered_mtu, path_mtu};
 use crate::device::Device;
 use crate::engine::{Phase, RemoteBuffer, SendEngine};
 use crate::link;
@@ -50,6 +50,7 @@ pub(crate) async fn connect<V: Verbs>(
     qp.modify(Transition::Init).map_err(verbs_err)?;
     let (route, wcs) = device.router.add();
     let port = device.verbs.port();
+    let offer = offered_mtu(port.mtu, device.config.mtu);
     let psn = link::fresh_psn();
     let hello = Hello {
         version: VERSION,
@@ -58,7 +59,7 @@ pub(crate) async fn connect<V: Verbs>(
             qpn: qp.qpn(),
             psn,
             lid: port.lid,
-            mtu: port.mtu,
+            mtu: offer,
             gid: port.gid,
         },
         credential,
@@ -73,7 +74,7 @@ pub(crate) async fn connect<V: Verbs>(
     let welcome = Welcome::decode(&welcome)
         .map_err(|_| FabricError::Io(format!("{endpoint} is not a kvx RDMA endpoint")))?;
     let remote = check_welcome(&welcome, endpoint, ours)?;
-    let mtu = path_mtu(port.mtu, welcome.qp.mtu, device.config.mtu)
+    let mtu = path_mtu(offer, welcome.qp.mtu)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
     qp.modify(Transition::Rtr(RtrParams {
         remote: welcome.qp,

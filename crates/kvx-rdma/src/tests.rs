@@ -10,7 +10,7 @@ use kvx_io::{Fabric, FabricAccess, FabricConn, FabricError, PostWrite, SlotMemor
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 
 use crate::fake::FakeVerbs;
-use crate::{RdmaConfig, RdmaFabric};
+use crate::{PathMtu, RdmaConfig, RdmaFabric};
 
 const STEP: Duration = Duration::from_secs(10);
 
@@ -339,4 +339,47 @@ async fn a_burst_beyond_the_posted_receives_waits_for_reposts_and_loses_nothing(
             .expect("open");
         assert_eq!((landed.slot, landed.tag.generation), (SlotIndex(i), 7));
     }
+}
+
+/// A path-MTU cap on the receiver alone: both queue pairs must run at the capped MTU, or the
+/// receiver's NIC rejects every write longer than one packet (the model does, as rxe does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mtu_cap_on_one_side_is_the_path_mtu_of_both() {
+    let sender_nic = FakeVerbs::new();
+    let receiver_nic = sender_nic.another_device();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    let rx = RdmaFabric::with_verbs(
+        receiver_nic,
+        RdmaConfig {
+            mtu: Some(PathMtu::Mtu1024),
+            ..config.clone()
+        },
+    )
+    .expect("receiver's fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, config).expect("sender's fabric");
+    let mut listener = rx.expose("127.0.0.1:0", 4, 4096).await.expect("expose");
+    let staging = tx.allocate_staging(4, 4096).expect("staging");
+    staging.write_slot(0, &[0x5A; 4096]);
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    conn.post(PostWrite {
+        len: 4096,
+        ..write(1, 0, 1)
+    })
+    .expect("post");
+    assert_eq!(completions(&mut conn, 1).await, vec![(1, Ok(()))]);
+    let landed = tokio::time::timeout(STEP, listener.landed.recv())
+        .await
+        .expect("notice")
+        .expect("open");
+    assert_eq!((landed.slot, landed.bytes), (SlotIndex(0), 4096));
+    let mut got = vec![0u8; 4096];
+    listener.memory.read_slot(0, &mut got);
+    assert!(got.iter().all(|&b| b == 0x5A));
 }

@@ -79,7 +79,8 @@ pub struct QpAddr {
     pub psn: u32,
     /// InfiniBand local id (0 on RoCE).
     pub lid: u16,
-    /// Active MTU of the port, as the verbs code (1 = 256 … 5 = 4096).
+    /// The MTU this side offers (its port's active MTU under its own cap, `offered_mtu`), as
+    /// the verbs code (1 = 256 … 5 = 4096); the connection runs at the smaller offer.
     pub mtu: u8,
     pub gid: [u8; 16],
 }
