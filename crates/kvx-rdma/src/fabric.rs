@@ -73,6 +73,15 @@ impl<V: Verbs> RdmaFabric<V> {
         self.register(memory)
     }
 
+    /// Refuses a staging the device's send queue cannot hold a write from each slot of.
+    fn staging_fits(&self, slots: u32) -> Result<(), FabricError> {
+        self.device
+            .verbs
+            .limits()
+            .check_staging(slots)
+            .map_err(FabricError::Allocation)
+    }
+
     /// The caller's region, registered with the device.
     fn registered_external(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
         Geometry::checked(region.slots(), region.slot_bytes())?;
@@ -80,6 +89,11 @@ impl<V: Verbs> RdmaFabric<V> {
     }
 
     fn register(&self, memory: RdmaMemory) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.device
+            .verbs
+            .limits()
+            .check_memory(memory.slots(), memory.slot_bytes())
+            .map_err(FabricError::Allocation)?;
         let memory = Arc::new(memory);
         self.device.verbs.register(&memory).map_err(|e| {
             FabricError::Allocation(format!(
@@ -127,12 +141,14 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.staging_fits(slots)?;
         self.registered(slots, slot_bytes)
     }
 
     /// Staging in the caller's region, registered with the device (GPU memory where the
     /// NIC can reach it: docs/operations.md).
     fn staging_in(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.staging_fits(region.slots())?;
         self.registered_external(region)
     }
 

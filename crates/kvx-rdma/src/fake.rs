@@ -14,6 +14,10 @@
 //!   a responder checks every packet's length against its own path MTU (IBA C9-92; rxe's
 //!   `check_length`), so both ends of a connection must agree on it.
 //!
+//! - a device's limits (`with_limits`) fail as a driver does: a registration beyond
+//!   `max_mr_size` or a queue deeper than `max_qp_wr` with an opaque "Invalid argument", a
+//!   write beyond `max_msg_sz` with a "local length error" completion.
+//!
 //! Faults: `fail_write_after(n)` fails the (n+1)-th write from now with "retry counter
 //! exceeded", as a link going down would.
 
@@ -25,8 +29,8 @@ use kvx_io::SlotMemory;
 
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    MrKeys, PortInfo, QpState, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus,
-    WriteWr,
+    DeviceLimits, MrKeys, PortInfo, QpState, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind,
+    WcStatus, WriteWr,
 };
 
 const RETRY_EXCEEDED: WcStatus = WcStatus::Failed {
@@ -37,6 +41,11 @@ const RETRY_EXCEEDED: WcStatus = WcStatus::Failed {
 const REMOTE_ACCESS: WcStatus = WcStatus::Failed {
     code: 10,
     name: "remote access error",
+    vendor: 0,
+};
+const LOCAL_LENGTH: WcStatus = WcStatus::Failed {
+    code: 1,
+    name: "local length error",
     vendor: 0,
 };
 const REMOTE_INVALID_REQUEST: WcStatus = WcStatus::Failed {
@@ -52,6 +61,7 @@ pub(crate) struct FakeVerbs {
     id: u64,
     /// The port's active MTU, as the verbs code.
     port_mtu: u8,
+    limits: DeviceLimits,
 }
 
 #[derive(Debug)]
@@ -92,6 +102,8 @@ struct PendingWrite {
     remote_addr: u64,
     rkey: u32,
     imm: Option<u32>,
+    /// Fails locally when it reaches the head of the queue (longer than `max_msg_sz`).
+    local_failure: Option<WcStatus>,
 }
 
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1 << 40);
@@ -109,7 +121,14 @@ impl FakeVerbs {
             }),
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
             port_mtu: 5,
+            limits: DeviceLimits::UNLIMITED,
         }
+    }
+
+    /// The same device with these limits (set before a fabric opens it).
+    pub(crate) fn with_limits(mut self, limits: DeviceLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Another device on the same wire (another host's NIC): its own completion queue, and
@@ -119,6 +138,7 @@ impl FakeVerbs {
             wire: self.wire.clone(),
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
             port_mtu: self.port_mtu,
+            limits: self.limits,
         }
     }
 
@@ -156,7 +176,17 @@ impl Verbs for FakeVerbs {
         }
     }
 
+    fn limits(&self) -> DeviceLimits {
+        self.limits
+    }
+
     fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {
+        if memory.region().1 as u64 > self.limits.max_mr_size {
+            return Err(VerbsError::new(
+                "ibv_reg_mr",
+                "Invalid argument (os error 22)",
+            ));
+        }
         let mut s = self.lock();
         s.next_key += 1;
         let key = s.next_key;
@@ -170,7 +200,13 @@ impl Verbs for FakeVerbs {
         memory.set_registration(keys, Box::new(()))
     }
 
-    fn create_qp(&self, _send_depth: u32, _recv_depth: u32) -> Result<FakeQp, VerbsError> {
+    fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<FakeQp, VerbsError> {
+        if send_depth.max(recv_depth) > self.limits.max_qp_wr {
+            return Err(VerbsError::new(
+                "ibv_create_qp",
+                "Invalid argument (os error 22)",
+            ));
+        }
         let mut s = self.lock();
         s.next_qpn += 1;
         let qpn = s.next_qpn;
@@ -264,6 +300,7 @@ impl NicState {
             let Some(w) = qp.backlog.front() else { return };
             let peer = qp.peer.and_then(|p| self.qps.get(&p).map(|m| (p, m)));
             let status = match peer {
+                _ if w.local_failure.is_some() => w.local_failure.unwrap_or(LOCAL_LENGTH),
                 Some((_, m))
                     if matches!(m.state, QpState::Rtr | QpState::Rts) && m.peer == Some(qpn) =>
                 {
@@ -392,6 +429,8 @@ impl VerbsQp for FakeQp {
             remote_addr: wr.remote_addr,
             rkey: wr.rkey,
             imm: wr.imm,
+            local_failure: (u64::from(wr.len) > self.verbs.limits.max_msg_sz)
+                .then_some(LOCAL_LENGTH),
         });
         if qp.state == QpState::Error {
             s.move_to_error(self.qpn);

@@ -30,7 +30,8 @@ use crate::config::RdmaConfig;
 use crate::fabric::RdmaError;
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    wc_status_name, PortInfo, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
+    wc_status_name, DeviceLimits, PortInfo, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind,
+    WcStatus, WriteWr,
 };
 
 /// `ibv_port_state::IBV_PORT_ACTIVE` and `IBV_LINK_LAYER_ETHERNET` (verbs.h ABI values).
@@ -83,6 +84,7 @@ pub struct IbvVerbs {
     name: String,
     id: u64,
     port: PortInfo,
+    limits: DeviceLimits,
     settings: QpSettings,
     budget: Arc<CqBudget>,
     cq: GenericCompletionQueue,
@@ -191,13 +193,24 @@ impl IbvVerbs {
                     .map_err(|e| fail("create the completion queue", &e))?,
             ),
         };
-        tracing::info!(device = %name, port = cfg.port, gid_index, ethernet, mtu = port_attr.active_mtu, "rdma device opened");
+        tracing::info!(
+            device = %name, port = cfg.port, gid_index, ethernet, mtu = port_attr.active_mtu,
+            max_qp_wr = attr.max_qp_wr(), max_cqe = attr.max_cqe(),
+            max_msg_sz = port_attr.max_msg_sz, max_mr_size = attr.max_mr_size(),
+            "rdma device opened"
+        );
         Ok(IbvVerbs {
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
             port: PortInfo {
                 lid: port_attr.lid,
                 gid: gid.raw,
                 mtu: port_attr.active_mtu as u8,
+            },
+            limits: DeviceLimits {
+                max_qp_wr: attr.max_qp_wr().max(1) as u32,
+                max_cqe: attr.max_cqe().max(1) as u32,
+                max_msg_sz: u64::from(port_attr.max_msg_sz),
+                max_mr_size: attr.max_mr_size(),
             },
             settings: QpSettings {
                 port_num: cfg.port,
@@ -268,6 +281,10 @@ impl Verbs for IbvVerbs {
 
     fn port(&self) -> PortInfo {
         self.port
+    }
+
+    fn limits(&self) -> DeviceLimits {
+        self.limits
     }
 
     fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {

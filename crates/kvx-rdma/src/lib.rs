@@ -30,6 +30,7 @@
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
 //! - `device`: an opened device and its completion poller thread.
+//! - `limits`: `DeviceLimits`, the device's maxima a geometry can exceed, and their checks.
 //! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).
 //! - `sender`, `receiver`: the connection tasks on either side.
 //! - `ibv` (feature `rdma`): `IbvVerbs`, the sideway backend.
@@ -40,6 +41,7 @@ mod config;
 mod device;
 mod engine;
 mod fabric;
+mod limits;
 mod link;
 mod memory;
 mod receiver;
@@ -57,10 +59,13 @@ mod fake;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_limits;
+#[cfg(test)]
 mod tests_node;
 
 pub use config::{PathMtu, RdmaConfig};
 pub use fabric::{RdmaError, RdmaFabric};
+pub use limits::DeviceLimits;
 pub use memory::RdmaMemory;
 pub use wire::{Geometry, QpAddr, SLOT_BYTES_MAX};
 

@@ -164,7 +164,11 @@ impl<V: Verbs> Connection<V> {
                 format!("MTU code {} from the sender", hello.qp.mtu),
             )
         })?;
-        let depth = hello.staging.slots.min(RECV_DEPTH_MAX) + cfg.recv_slack;
+        let depth = self
+            .device
+            .verbs
+            .limits()
+            .recv_depth(hello.staging.slots.min(RECV_DEPTH_MAX) + cfg.recv_slack);
         let mut qp = Qp::new(self.device.verbs.create_qp(1, depth)?);
         qp.modify(Transition::Init)?;
         for i in 0..depth {

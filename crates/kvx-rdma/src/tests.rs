@@ -80,7 +80,7 @@ async fn a_write_outside_the_grants_is_never_announced() {
     assert!(matches!(e, FabricError::Unauthorized(..)), "{e}");
 }
 
-fn write(id: u64, slot: u32, generation: u32) -> PostWrite {
+pub(crate) fn write(id: u64, slot: u32, generation: u32) -> PostWrite {
     PostWrite {
         id: WriteId(id),
         local: StagingSlot(slot % 4),
@@ -99,7 +99,7 @@ fn write(id: u64, slot: u32, generation: u32) -> PostWrite {
 
 /// The peer every test sender is, and its credential at `listener`, with `slots` granted
 /// to it under `generation`.
-fn attach<M>(
+pub(crate) fn attach<M>(
     listener: &kvx_io::FabricListener<M>,
     slots: std::ops::Range<u32>,
     generation: u32,
@@ -110,7 +110,10 @@ fn attach<M>(
     listener.access.credential_for(PeerId(1))
 }
 
-async fn completions(conn: &mut FabricConn, n: usize) -> Vec<(u64, Result<(), FabricError>)> {
+pub(crate) async fn completions(
+    conn: &mut FabricConn,
+    n: usize,
+) -> Vec<(u64, Result<(), FabricError>)> {
     let mut out = Vec::new();
     for _ in 0..n {
         let c = tokio::time::timeout(STEP, conn.next_completion())

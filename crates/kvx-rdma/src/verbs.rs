@@ -17,6 +17,7 @@ use crate::wire::QpAddr;
 
 // The seam's vocabulary, defined where `memory` can import it without importing this module
 // (which names `RdmaMemory`): `MrKeys` beside the memory that keeps them, `VerbsError` in a leaf.
+pub use crate::limits::DeviceLimits;
 pub use crate::memory::MrKeys;
 pub use crate::verbs_error::VerbsError;
 
@@ -117,6 +118,9 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     fn device_id(&self) -> u64;
 
     fn port(&self) -> PortInfo;
+
+    /// The device's limits that a geometry can exceed (read when it opened).
+    fn limits(&self) -> DeviceLimits;
 
     /// Registers `memory` for local and remote writes; the registration lives (and keeps the
     /// protection domain alive) as long as the memory.
