@@ -81,13 +81,19 @@ mod tests {
             max_mr_size: 16 * 4096,
         };
         assert!(l.check_memory(16, 4096).is_ok());
-        assert!(l.check_memory(1, 4097).unwrap_err().contains("max_msg_sz"));
+        assert!(l
+            .check_memory(1, 4097)
+            .expect_err("refused")
+            .contains("max_msg_sz"));
         assert!(l
             .check_memory(17, 4096)
-            .unwrap_err()
+            .expect_err("refused")
             .contains("max_mr_size"));
         assert!(l.check_staging(4).is_ok());
-        assert!(l.check_staging(5).unwrap_err().contains("max_qp_wr"));
+        assert!(l
+            .check_staging(5)
+            .expect_err("refused")
+            .contains("max_qp_wr"));
         assert_eq!(l.recv_depth(20), 4);
         assert_eq!(l.recv_depth(3), 3);
         assert!(DeviceLimits::UNLIMITED
