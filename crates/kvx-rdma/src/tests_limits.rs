@@ -30,7 +30,7 @@ fn fabric() -> RdmaFabric<FakeVerbs> {
 async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
     let f = fabric();
     let refused = |r: Result<_, kvx_io::FabricError>, limit: &str| {
-        let e = r.err().expect("refused").to_string();
+        let e = r.expect_err("refused").to_string();
         assert!(e.contains(limit), "{e}");
     };
     refused(f.allocate_staging(9, 1024).map(|_| ()), "max_qp_wr");
