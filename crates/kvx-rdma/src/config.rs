@@ -96,7 +96,8 @@ pub struct RdmaConfig {
     /// Caps the path MTU: this side offers at most this much, and a connection runs at the
     /// smaller of both sides' offers; None: the port's active MTU.
     pub mtu: Option<PathMtu>,
-    /// Service level (InfiniBand) / priority of the address vector.
+    /// Service level (InfiniBand) / priority of the address vector: 0–15 (a larger value is
+    /// taken as 15).
     pub service_level: u8,
     /// Traffic class of the GRH (RoCE: DSCP << 2, for PFC/ECN classes).
     pub traffic_class: u8,
@@ -104,7 +105,8 @@ pub struct RdmaConfig {
     pub connect_timeout: Duration,
     /// Bounds a sender's fence (and its wait for flush completions after it).
     pub fence_timeout: Duration,
-    /// Local ACK timeout, 4.096 µs × 2^`ack_timeout` (14 ≈ 67 ms).
+    /// Local ACK timeout, 4.096 µs × 2^`ack_timeout` (14 ≈ 67 ms): 0–31 (a larger value is
+    /// taken as 31; 0 waits without limit).
     pub ack_timeout: u8,
     /// Transport retries before a write fails (at most 7).
     pub retry_count: u8,

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::route::wr_id;
-use crate::verbs::{RtrParams, Transition, VerbsError, WcKind};
+use crate::verbs::{RemoteAccess, RtrParams, Transition, VerbsError, WcKind};
 use crate::wire::QpAddr;
 use kvx_proto::{SlotIndex, StagingSlot, WriteId, WriteTag};
 
@@ -55,7 +55,8 @@ const SLOT: usize = 64;
 
 fn engine() -> SendEngine<Nic> {
     let mut qp = Qp::new(Nic::default());
-    qp.modify(Transition::Init).expect("init");
+    qp.modify(Transition::Init(RemoteAccess::None))
+        .expect("init");
     qp.modify(Transition::Rtr(RtrParams {
         remote: QpAddr::default(),
         mtu: 5,

@@ -7,7 +7,7 @@ use kvx_io::{ExternalRegion, Fabric, FabricConn, FabricError, FabricListener, Sl
 use crate::config::RdmaConfig;
 use crate::device::Device;
 use crate::memory::RdmaMemory;
-use crate::verbs::Verbs;
+use crate::verbs::{RemoteAccess, Verbs};
 use crate::wire::Geometry;
 use crate::{link, receiver, sender};
 
@@ -65,12 +65,17 @@ impl<V: Verbs> RdmaFabric<V> {
         &self.device.verbs
     }
 
-    fn registered(&self, slots: u32, slot_bytes: usize) -> Result<Arc<RdmaMemory>, FabricError> {
+    fn registered(
+        &self,
+        slots: u32,
+        slot_bytes: usize,
+        access: RemoteAccess,
+    ) -> Result<Arc<RdmaMemory>, FabricError> {
         Geometry::checked(slots, slot_bytes)?;
         let memory = RdmaMemory::anonymous(slots, slot_bytes).map_err(|e| {
             FabricError::Allocation(format!("{slots} x {slot_bytes} B of memory: {e}"))
         })?;
-        self.register(memory)
+        self.register(memory, access)
     }
 
     /// Refuses a staging the device's send queue cannot hold a write from each slot of.
@@ -83,19 +88,29 @@ impl<V: Verbs> RdmaFabric<V> {
     }
 
     /// The caller's region, registered with the device.
-    fn registered_external(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
+    fn registered_external(
+        &self,
+        region: ExternalRegion,
+        access: RemoteAccess,
+    ) -> Result<Arc<RdmaMemory>, FabricError> {
         Geometry::checked(region.slots(), region.slot_bytes())?;
-        self.register(RdmaMemory::external(region))
+        self.register(RdmaMemory::external(region), access)
     }
 
-    fn register(&self, memory: RdmaMemory) -> Result<Arc<RdmaMemory>, FabricError> {
+    /// Staging is registered for local access only (the NIC reads it for its own writes), a
+    /// buffer for peers' writes too.
+    fn register(
+        &self,
+        memory: RdmaMemory,
+        access: RemoteAccess,
+    ) -> Result<Arc<RdmaMemory>, FabricError> {
         self.device
             .verbs
             .limits()
             .check_memory(memory.slots(), memory.slot_bytes())
             .map_err(FabricError::Allocation)?;
         let memory = Arc::new(memory);
-        self.device.verbs.register(&memory).map_err(|e| {
+        self.device.verbs.register(&memory, access).map_err(|e| {
             FabricError::Allocation(format!(
                 "registering {} x {} B: {e}",
                 memory.slots(),
@@ -142,14 +157,14 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         slot_bytes: usize,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
         self.staging_fits(slots)?;
-        self.registered(slots, slot_bytes)
+        self.registered(slots, slot_bytes, RemoteAccess::None)
     }
 
     /// Staging in the caller's region, registered with the device (GPU memory where the
     /// NIC can reach it: docs/operations.md).
     fn staging_in(&self, region: ExternalRegion) -> Result<Arc<RdmaMemory>, FabricError> {
         self.staging_fits(region.slots())?;
-        self.registered_external(region)
+        self.registered_external(region, RemoteAccess::None)
     }
 
     async fn expose(
@@ -158,7 +173,7 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<FabricListener<RdmaMemory>, FabricError> {
-        let memory = self.registered(slots, slot_bytes)?;
+        let memory = self.registered(slots, slot_bytes, RemoteAccess::Write)?;
         self.expose_memory(endpoint, memory).await
     }
 
@@ -167,7 +182,7 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         endpoint: &str,
         region: ExternalRegion,
     ) -> Result<FabricListener<RdmaMemory>, FabricError> {
-        let memory = self.registered_external(region)?;
+        let memory = self.registered_external(region, RemoteAccess::Write)?;
         self.expose_memory(endpoint, memory).await
     }
 

@@ -14,6 +14,8 @@
 //!   a responder checks every packet's length against its own path MTU (IBA C9-92; rxe's
 //!   `check_length`), so both ends of a connection must agree on it.
 //!
+//! - a write needs remote write access on both the responder's queue pair and the target's
+//!   registration (`RemoteAccess`), else it fails with "remote access error";
 //! - a device's limits (`with_limits`) fail as a driver does: a registration beyond
 //!   `max_mr_size` or a queue deeper than `max_qp_wr` with an opaque "Invalid argument", a
 //!   write beyond `max_msg_sz` with a "local length error" completion.
@@ -29,8 +31,8 @@ use kvx_io::SlotMemory;
 
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    DeviceLimits, MrKeys, PortInfo, QpState, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind,
-    WcStatus, WriteWr,
+    DeviceLimits, MrKeys, PortInfo, QpState, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
+    Wc, WcKind, WcStatus, WriteWr,
 };
 
 const RETRY_EXCEEDED: WcStatus = WcStatus::Failed {
@@ -72,7 +74,8 @@ struct Wire {
 #[derive(Debug, Default)]
 struct NicState {
     qps: HashMap<u32, QpModel>,
-    regions: HashMap<u32, Weak<RdmaMemory>>,
+    /// Registrations by key: the memory, and whether peers may write it.
+    regions: HashMap<u32, (Weak<RdmaMemory>, RemoteAccess)>,
     /// Each device's completion queue.
     cqs: HashMap<u64, VecDeque<Wc>>,
     next_qpn: u32,
@@ -90,6 +93,8 @@ struct QpModel {
     peer: Option<u32>,
     /// The path MTU it was brought to RTR with, as the verbs code.
     path_mtu: Option<u8>,
+    /// What peers may do through it (set at INIT).
+    remote: RemoteAccess,
     recvs: VecDeque<u64>,
     /// Posted writes not yet applied (waiting for a receive, or behind one that is).
     backlog: VecDeque<PendingWrite>,
@@ -159,6 +164,19 @@ impl FakeVerbs {
     pub(crate) fn live_qps(&self) -> usize {
         self.lock().qps.len()
     }
+
+    /// What peers may do through each live queue pair, in queue pair order.
+    pub(crate) fn qp_access(&self) -> Vec<RemoteAccess> {
+        let s = self.lock();
+        let mut qps: Vec<_> = s.qps.iter().map(|(n, q)| (*n, q.remote)).collect();
+        qps.sort_by_key(|(n, _)| *n);
+        qps.into_iter().map(|(_, a)| a).collect()
+    }
+
+    /// What peers may do to the memory registered under `rkey`.
+    pub(crate) fn registration_access(&self, rkey: u32) -> Option<RemoteAccess> {
+        self.lock().regions.get(&rkey).map(|(_, access)| *access)
+    }
 }
 
 impl Verbs for FakeVerbs {
@@ -180,7 +198,7 @@ impl Verbs for FakeVerbs {
         self.limits
     }
 
-    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {
+    fn register(&self, memory: &Arc<RdmaMemory>, access: RemoteAccess) -> Result<(), VerbsError> {
         if memory.region().1 as u64 > self.limits.max_mr_size {
             return Err(VerbsError::new(
                 "ibv_reg_mr",
@@ -190,7 +208,7 @@ impl Verbs for FakeVerbs {
         let mut s = self.lock();
         s.next_key += 1;
         let key = s.next_key;
-        s.regions.insert(key, Arc::downgrade(memory));
+        s.regions.insert(key, (Arc::downgrade(memory), access));
         let keys = MrKeys {
             lkey: key,
             rkey: key,
@@ -217,6 +235,7 @@ impl Verbs for FakeVerbs {
                 state: QpState::Reset,
                 peer: None,
                 path_mtu: None,
+                remote: RemoteAccess::None,
                 recvs: VecDeque::new(),
                 backlog: VecDeque::new(),
             },
@@ -309,6 +328,8 @@ impl NicState {
                     }
                     if mtu_mismatch(qp.path_mtu, m.path_mtu, w.data.len()) {
                         REMOTE_INVALID_REQUEST
+                    } else if m.remote != RemoteAccess::Write {
+                        REMOTE_ACCESS
                     } else if self.fail_after == Some(0) {
                         self.fail_after = None;
                         RETRY_EXCEEDED
@@ -376,7 +397,12 @@ impl NicState {
 
     /// Copies a write into its region; a bad key or range is a remote access error.
     fn apply(&self, w: &PendingWrite) -> WcStatus {
-        let Some(region) = self.regions.get(&w.rkey).and_then(Weak::upgrade) else {
+        let Some(region) = self
+            .regions
+            .get(&w.rkey)
+            .filter(|(_, access)| *access == RemoteAccess::Write)
+            .and_then(|(memory, _)| memory.upgrade())
+        else {
             return REMOTE_ACCESS;
         };
         let g = region.geometry();
@@ -408,6 +434,10 @@ impl VerbsQp for FakeQp {
             .ok_or_else(|| VerbsError::new("fake modify", format!("{to:?} from {:?}", qp.state)))?;
         match to {
             Transition::Error => s.move_to_error(self.qpn),
+            Transition::Init(remote) => {
+                qp.remote = remote;
+                qp.state = next;
+            }
             Transition::Rtr(p) => {
                 qp.peer = Some(p.remote.qpn);
                 qp.path_mtu = Some(p.mtu);

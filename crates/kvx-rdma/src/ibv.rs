@@ -30,8 +30,8 @@ use crate::config::RdmaConfig;
 use crate::fabric::RdmaError;
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    wc_status_name, DeviceLimits, PortInfo, Transition, Verbs, VerbsError, VerbsQp, Wc, WcKind,
-    WcStatus, WriteWr,
+    wc_status_name, DeviceLimits, PortInfo, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
+    Wc, WcKind, WcStatus, WriteWr,
 };
 
 /// `ibv_port_state::IBV_PORT_ACTIVE` and `IBV_LINK_LAYER_ETHERNET` (verbs.h ABI values).
@@ -218,9 +218,10 @@ impl IbvVerbs {
                     device: name.clone(),
                     detail: format!("GID index {gid_index} does not fit a GRH (max 255)"),
                 })?,
-                service_level: cfg.service_level,
+                // Both are bit fields of the address vector and the QP context: 4 and 5 bits.
+                service_level: cfg.service_level.min(15),
                 traffic_class: cfg.traffic_class,
-                ack_timeout: cfg.ack_timeout,
+                ack_timeout: cfg.ack_timeout.min(31),
                 retry_count: cfg.retry_count.min(7),
                 rnr_retry: cfg.rnr_retry.min(7),
             },
@@ -287,8 +288,8 @@ impl Verbs for IbvVerbs {
         self.limits
     }
 
-    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError> {
-        memory.register_ibv(&self.pd, self.id)
+    fn register(&self, memory: &Arc<RdmaMemory>, access: RemoteAccess) -> Result<(), VerbsError> {
+        memory.register_ibv(&self.pd, self.id, access)
     }
 
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<IbvQp, VerbsError> {
@@ -409,11 +410,15 @@ impl IbvQp {
         let s = self.settings;
         let mut attr = QueuePairAttribute::new();
         match to {
-            Transition::Init => {
+            Transition::Init(remote) => {
+                let access = match remote {
+                    RemoteAccess::None => AccessFlags::LocalWrite,
+                    RemoteAccess::Write => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+                };
                 attr.setup_state(QueuePairState::Init)
                     .setup_pkey_index(0)
                     .setup_port(s.port_num)
-                    .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+                    .setup_access_flags(access);
             }
             Transition::Rtr(p) => {
                 let mut av = AddressHandleAttribute::new();

@@ -59,7 +59,7 @@ mod fake;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
-mod tests_limits;
+mod tests_device;
 #[cfg(test)]
 mod tests_node;
 

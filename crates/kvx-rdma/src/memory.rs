@@ -155,17 +155,23 @@ mod ibv {
     use sideway::ibverbs::AccessFlags;
 
     use super::{MrKeys, RdmaMemory};
+    use crate::verbs::RemoteAccess;
     use crate::verbs_error::VerbsError;
 
     impl RdmaMemory {
-        /// Registers the whole mapping with `pd` for local and remote writes.
+        /// Registers the whole mapping with `pd`, for peers' writes only with
+        /// `RemoteAccess::Write`.
         pub(crate) fn register_ibv(
             &self,
             pd: &Arc<ProtectionDomain>,
             device_id: u64,
+            remote: RemoteAccess,
         ) -> Result<(), VerbsError> {
             let (addr, len) = self.region();
-            let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+            let access = match remote {
+                RemoteAccess::None => AccessFlags::LocalWrite,
+                RemoteAccess::Write => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+            };
             // SAFETY: `addr..addr + len` is exactly the live memory of `self.region`. The
             // returned `MemoryRegion` is stored in `self.registration`, which is dropped
             // (deregistered) before the region lets go of its memory (field order), so the

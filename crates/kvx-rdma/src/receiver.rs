@@ -18,7 +18,9 @@ use crate::device::Device;
 use crate::link;
 use crate::memory::RdmaMemory;
 use crate::route::Route;
-use crate::verbs::{Qp, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus};
+use crate::verbs::{
+    Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus,
+};
 use crate::wire::{
     Control, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, HELLO_BASE_LEN, HELLO_LEN, VERSION,
 };
@@ -170,7 +172,7 @@ impl<V: Verbs> Connection<V> {
             .limits()
             .recv_depth(hello.staging.slots.min(RECV_DEPTH_MAX) + cfg.recv_slack);
         let mut qp = Qp::new(self.device.verbs.create_qp(1, depth)?);
-        qp.modify(Transition::Init)?;
+        qp.modify(Transition::Init(RemoteAccess::Write))?;
         for i in 0..depth {
             qp.post_recv(route.wr_id(i))?;
         }

@@ -19,7 +19,7 @@ use crate::engine::{Phase, RemoteBuffer, SendEngine};
 use crate::link;
 use crate::memory::RdmaMemory;
 use crate::route::Route;
-use crate::verbs::{Qp, RtrParams, Transition, Verbs, VerbsError, Wc};
+use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc};
 use crate::wire::{
     Control, Geometry, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION, WELCOME_LEN,
 };
@@ -47,7 +47,8 @@ pub(crate) async fn connect<V: Verbs>(
     let timeout = device.config.connect_timeout;
     let mut side = link::connect(endpoint, timeout).await?;
     let mut qp = Qp::new(device.verbs.create_qp(ours.slots, 1).map_err(verbs_err)?);
-    qp.modify(Transition::Init).map_err(verbs_err)?;
+    qp.modify(Transition::Init(RemoteAccess::None))
+        .map_err(verbs_err)?;
     let (route, wcs) = device.router.add();
     let port = device.verbs.port();
     let offer = offered_mtu(port.mtu, device.config.mtu);

@@ -122,9 +122,10 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     /// The device's limits that a geometry can exceed (read when it opened).
     fn limits(&self) -> DeviceLimits;
 
-    /// Registers `memory` for local and remote writes; the registration lives (and keeps the
-    /// protection domain alive) as long as the memory.
-    fn register(&self, memory: &Arc<RdmaMemory>) -> Result<(), VerbsError>;
+    /// Registers `memory` for local access and, with `RemoteAccess::Write`, for peers' RDMA
+    /// writes; the registration lives (and keeps the protection domain alive) as long as the
+    /// memory.
+    fn register(&self, memory: &Arc<RdmaMemory>, access: RemoteAccess) -> Result<(), VerbsError>;
 
     /// A reliable-connected queue pair in RESET whose work completions go to this device's
     /// completion queue. Fails when the device cannot take one more (the completion queue
@@ -143,11 +144,21 @@ pub struct RtrParams {
     pub mtu: u8,
 }
 
+/// What a peer may do to this side's memory and queue pair: least privilege, so that a
+/// peer — or a bug — can write nothing but a receiver's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteAccess {
+    /// Nothing: a sender's staging (the NIC only reads it for its own writes) and queue pair.
+    None,
+    /// RDMA WRITE: a receiver's buffer and queue pair.
+    Write,
+}
+
 /// A state change of a queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
-    /// RESET → INIT, with remote write access.
-    Init,
+    /// RESET → INIT, with the access peers get through it.
+    Init(RemoteAccess),
     /// INIT → RTR: connect to the peer.
     Rtr(RtrParams),
     /// RTR → RTS, starting at our own PSN.
@@ -181,7 +192,7 @@ impl QpState {
     pub fn after(self, to: &Transition) -> Option<QpState> {
         match (self, to) {
             (_, Transition::Error) => Some(QpState::Error),
-            (QpState::Reset, Transition::Init) => Some(QpState::Init),
+            (QpState::Reset, Transition::Init(_)) => Some(QpState::Init),
             (QpState::Init, Transition::Rtr(_)) => Some(QpState::Rtr),
             (QpState::Rtr, Transition::Rts { .. }) => Some(QpState::Rts),
             _ => None,
@@ -329,7 +340,8 @@ mod tests {
         let mut qp = Qp::new(Recorder::default());
         assert!(qp.modify(rtr()).is_err(), "RESET → RTR is refused");
         assert!(qp.post_recv(1).is_err(), "no receives in RESET");
-        qp.modify(Transition::Init).expect("init");
+        qp.modify(Transition::Init(RemoteAccess::Write))
+            .expect("init");
         qp.post_recv(1).expect("receives from INIT on");
         assert!(qp.modify(Transition::Rts { psn: 0 }).is_err(), "INIT → RTS");
         qp.modify(rtr()).expect("rtr");
@@ -367,7 +379,7 @@ mod tests {
     fn a_failed_transition_keeps_the_state_but_a_failed_error_is_final() {
         let mut qp = Qp::new(Recorder::default());
         qp.inner.fail_next = true;
-        assert!(qp.modify(Transition::Init).is_err());
+        assert!(qp.modify(Transition::Init(RemoteAccess::Write)).is_err());
         assert_eq!(qp.state(), QpState::Reset);
         qp.inner.fail_next = true;
         qp.move_to_error();

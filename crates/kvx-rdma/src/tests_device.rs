@@ -1,0 +1,187 @@
+//! What kvx asks of the device, over the NIC model: its limits (`limits`; a geometry beyond
+//! them is refused up front naming the limit, and a receiver posts no more receives than a
+//! queue holds) and least-privilege access rights (only a receiver's buffer and queue pair
+//! take peers' writes).
+
+use std::time::Duration;
+
+use std::sync::Arc;
+
+use kvx_io::{Fabric, PostWrite, SlotMemory};
+use kvx_proto::StagingSlot;
+
+use crate::fake::FakeVerbs;
+use crate::memory::RdmaMemory;
+use crate::tests::{attach, completions, write};
+use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, WcKind, WcStatus, WriteWr};
+use crate::wire::QpAddr;
+use crate::{DeviceLimits, RdmaConfig, RdmaFabric};
+
+const LIMITS: DeviceLimits = DeviceLimits {
+    max_qp_wr: 8,
+    max_cqe: 1024,
+    max_msg_sz: 4096,
+    max_mr_size: 64 * 4096,
+};
+
+fn fabric() -> RdmaFabric<FakeVerbs> {
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    RdmaFabric::with_verbs(FakeVerbs::new().with_limits(LIMITS), config).expect("fabric")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
+    let f = fabric();
+    let refused = |r: Result<_, kvx_io::FabricError>, limit: &str| {
+        let e = r.expect_err("refused").to_string();
+        assert!(e.contains(limit), "{e}");
+    };
+    refused(f.allocate_staging(9, 1024).map(|_| ()), "max_qp_wr");
+    refused(f.allocate_staging(2, 8192).map(|_| ()), "max_msg_sz");
+    refused(
+        f.expose("127.0.0.1:0", 65, 4096).await.map(|_| ()),
+        "max_mr_size",
+    );
+    refused(
+        f.expose("127.0.0.1:0", 1, 4097).await.map(|_| ()),
+        "max_msg_sz",
+    );
+    assert!(f.allocate_staging(8, 4096).is_ok());
+    assert!(f.expose("127.0.0.1:0", 64, 4096).await.is_ok());
+}
+
+/// The receiver wants a receive per staging slot plus `recv_slack` (4 + 16) but the device
+/// holds 8 per queue: it posts 8, and the writes beyond them wait for reposts (RNR).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_posts_no_more_receives_than_a_queue_holds() {
+    let f = fabric();
+    let mut listener = f.expose("127.0.0.1:0", 40, 1024).await.expect("expose");
+    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let credential = attach(&listener, 0..40, 3);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging.clone(), credential)
+        .await
+        .expect("connect with a clamped receive queue");
+    for i in 0..40u64 {
+        staging.write_slot((i % 4) as u32, &[i as u8; 1024]);
+        conn.post(PostWrite {
+            local: StagingSlot((i % 4) as u32),
+            ..write(i, i as u32, 3)
+        })
+        .expect("post");
+        if i % 4 == 3 {
+            let done = completions(&mut conn, 4).await;
+            assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+        }
+    }
+    for _ in 0..40 {
+        tokio::time::timeout(Duration::from_secs(10), listener.landed.recv())
+            .await
+            .expect("notice")
+            .expect("open");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_receivers_buffer_and_queue_pair_take_peers_writes() {
+    let verbs = FakeVerbs::new();
+    let f = RdmaFabric::with_verbs(verbs.clone(), RdmaConfig::default()).expect("fabric");
+    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let rkey = |m: &RdmaMemory| m.keys().expect("registered").rkey;
+    assert_eq!(
+        verbs.registration_access(rkey(&staging)),
+        Some(RemoteAccess::None)
+    );
+    assert_eq!(
+        verbs.registration_access(rkey(&listener.memory)),
+        Some(RemoteAccess::Write)
+    );
+    let credential = attach(&listener, 0..4, 1);
+    let _conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    // The sender's queue pair is created first, the receiver's as it answers.
+    assert_eq!(
+        verbs.qp_access(),
+        vec![RemoteAccess::None, RemoteAccess::Write]
+    );
+}
+
+/// The model enforces what the test above checks kvx asks for: a write into memory, or
+/// through a queue pair, without remote write access fails with a remote access error.
+#[test]
+fn the_model_refuses_writes_without_remote_access() {
+    let verbs = FakeVerbs::new();
+    let source = Arc::new(RdmaMemory::anonymous(1, 64).expect("memory"));
+    verbs
+        .register(&source, RemoteAccess::None)
+        .expect("register");
+    let outcome = |target_access: RemoteAccess, qp_access: RemoteAccess| {
+        let target = Arc::new(RdmaMemory::anonymous(1, 64).expect("memory"));
+        verbs.register(&target, target_access).expect("register");
+        let mut a = Qp::new(verbs.create_qp(1, 1).expect("qp"));
+        let mut b = Qp::new(verbs.create_qp(1, 1).expect("qp"));
+        a.modify(Transition::Init(RemoteAccess::None))
+            .expect("init");
+        b.modify(Transition::Init(qp_access)).expect("init");
+        let addr = |qpn| QpAddr {
+            qpn,
+            ..QpAddr::default()
+        };
+        let (qa, qb) = (a.qpn(), b.qpn());
+        a.modify(Transition::Rtr(RtrParams {
+            remote: addr(qb),
+            mtu: 5,
+        }))
+        .expect("rtr");
+        b.modify(Transition::Rtr(RtrParams {
+            remote: addr(qa),
+            mtu: 5,
+        }))
+        .expect("rtr");
+        a.modify(Transition::Rts { psn: 0 }).expect("rts");
+        let keys = target.keys().expect("keys");
+        a.post_write(&WriteWr {
+            wr_id: 7,
+            staging: &source,
+            local_slot: 0,
+            len: 64,
+            remote_addr: keys.addr,
+            rkey: keys.rkey,
+            imm: None,
+        })
+        .expect("post");
+        let mut wcs = Vec::new();
+        verbs.poll(&mut wcs).expect("poll");
+        let wc = wcs
+            .into_iter()
+            .find(|w| w.wr_id == 7)
+            .expect("a completion");
+        (wc.status, wc.kind)
+    };
+    assert_eq!(
+        outcome(RemoteAccess::Write, RemoteAccess::Write),
+        (WcStatus::Success, WcKind::Write)
+    );
+    for (memory, qp) in [
+        (RemoteAccess::None, RemoteAccess::Write),
+        (RemoteAccess::Write, RemoteAccess::None),
+    ] {
+        let (status, _) = outcome(memory, qp);
+        assert!(
+            matches!(
+                status,
+                WcStatus::Failed {
+                    name: "remote access error",
+                    ..
+                }
+            ),
+            "{memory:?} memory through a {qp:?} queue pair: {status:?}"
+        );
+    }
+}
