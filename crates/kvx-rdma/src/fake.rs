@@ -16,6 +16,8 @@
 //!
 //! - a write needs remote write access on both the responder's queue pair and the target's
 //!   registration (`RemoteAccess`), else it fails with "remote access error";
+//! - packets between devices whose GIDs are of different kinds (`with_gid_kind`: RoCE v1
+//!   and v2) are not understood: the write ends in "retry counter exceeded";
 //! - a device's limits (`with_limits`) fail as a driver does: a registration beyond
 //!   `max_mr_size` or a queue deeper than `max_qp_wr` with an opaque "Invalid argument", a
 //!   write beyond `max_msg_sz` with a "local length error" completion.
@@ -34,6 +36,7 @@ use crate::verbs::{
     DeviceLimits, MrKeys, PortInfo, QpState, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
     Wc, WcKind, WcStatus, WriteWr,
 };
+use crate::wire::GidKind;
 
 const RETRY_EXCEEDED: WcStatus = WcStatus::Failed {
     code: 12,
@@ -63,6 +66,8 @@ pub(crate) struct FakeVerbs {
     id: u64,
     /// The port's active MTU, as the verbs code.
     port_mtu: u8,
+    /// The kind of the port's GID (RoCE v2 unless `with_gid_kind`).
+    gid_kind: GidKind,
     limits: DeviceLimits,
 }
 
@@ -95,6 +100,8 @@ struct QpModel {
     path_mtu: Option<u8>,
     /// What peers may do through it (set at INIT).
     remote: RemoteAccess,
+    /// Its device's GID kind: packets between two kinds are not understood.
+    gid_kind: GidKind,
     recvs: VecDeque<u64>,
     /// Posted writes not yet applied (waiting for a receive, or behind one that is).
     backlog: VecDeque<PendingWrite>,
@@ -126,8 +133,15 @@ impl FakeVerbs {
             }),
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
             port_mtu: 5,
+            gid_kind: GidKind::RoceV2,
             limits: DeviceLimits::UNLIMITED,
         }
+    }
+
+    /// The same device with a GID of this kind (set before a fabric opens it).
+    pub(crate) fn with_gid_kind(mut self, kind: GidKind) -> Self {
+        self.gid_kind = kind;
+        self
     }
 
     /// The same device with these limits (set before a fabric opens it).
@@ -143,6 +157,7 @@ impl FakeVerbs {
             wire: self.wire.clone(),
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
             port_mtu: self.port_mtu,
+            gid_kind: self.gid_kind,
             limits: self.limits,
         }
     }
@@ -191,6 +206,7 @@ impl Verbs for FakeVerbs {
             lid: 0,
             gid: [0xAA; 16],
             mtu: self.port_mtu,
+            gid_kind: self.gid_kind,
         }
     }
 
@@ -236,6 +252,7 @@ impl Verbs for FakeVerbs {
                 peer: None,
                 path_mtu: None,
                 remote: RemoteAccess::None,
+                gid_kind: self.gid_kind,
                 recvs: VecDeque::new(),
                 backlog: VecDeque::new(),
             },
@@ -326,7 +343,9 @@ impl NicState {
                     if w.imm.is_some() && m.recvs.is_empty() {
                         return; // RNR: wait for a receive
                     }
-                    if mtu_mismatch(qp.path_mtu, m.path_mtu, w.data.len()) {
+                    if qp.gid_kind != m.gid_kind {
+                        RETRY_EXCEEDED // nothing the responder understands comes back
+                    } else if mtu_mismatch(qp.path_mtu, m.path_mtu, w.data.len()) {
                         REMOTE_INVALID_REQUEST
                     } else if m.remote != RemoteAccess::Write {
                         REMOTE_ACCESS

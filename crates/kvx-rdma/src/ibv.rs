@@ -12,7 +12,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidEntry, GidType};
 use sideway::ibverbs::completion::{
     GenericCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType,
     WorkCompletionStatus,
@@ -33,6 +33,7 @@ use crate::verbs::{
     wc_status_name, DeviceLimits, PortInfo, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
     Wc, WcKind, WcStatus, WriteWr,
 };
+use crate::wire::GidKind;
 
 /// `ibv_port_state::IBV_PORT_ACTIVE` and `IBV_LINK_LAYER_ETHERNET` (verbs.h ABI values).
 const PORT_ACTIVE: u32 = 4;
@@ -40,8 +41,6 @@ const LINK_LAYER_ETHERNET: u8 = 2;
 /// errno values (Linux) that `ibv_get_device_list` reports for a missing library / kernel.
 const EOPNOTSUPP: i32 = 95;
 const ENOSYS: i32 = 38;
-/// `ibv_query_gid_type`'s sysfs value for a RoCE v2 GID.
-const GID_TYPE_SYSFS_ROCE_V2: u32 = 1;
 /// Hop limit of the GRH: routable RoCE v2 needs more than 1.
 const HOP_LIMIT: u8 = 64;
 /// RNR NAK timer the responder asks for (12 ≈ 0.64 ms).
@@ -162,23 +161,21 @@ impl IbvVerbs {
             });
         }
         let ethernet = port_attr.link_layer == LINK_LAYER_ETHERNET;
-        let gid_index = match cfg.gid_index {
-            Some(i) => i,
-            None if ethernet => pick_roce_gid(&ctx, cfg.port, port_attr.gid_tbl_len),
-            None => 0,
+        let entry = pick_gid(&ctx, cfg.port, cfg.gid_index, ethernet).map_err(|detail| {
+            RdmaError::Device {
+                device: name.clone(),
+                detail,
+            }
+        })?;
+        let gid_index = entry.gid_index();
+        let gid = entry.gid();
+        let gid_kind = match entry.gid_type() {
+            GidType::InfiniBand => GidKind::InfiniBand,
+            GidType::RoceV1 => GidKind::RoceV1,
+            GidType::RoceV2 => GidKind::RoceV2,
         };
-        let gid = ctx
-            .query_gid(cfg.port, gid_index)
-            .map_err(|e| fail(&format!("GID index {gid_index}"), &e))?;
-        if ethernet && gid.is_zero() {
-            return Err(RdmaError::Device {
-                device: name,
-                detail: format!(
-                    "GID index {gid_index} of port {} is empty; pick one from `show_gids`",
-                    cfg.port
-                ),
-            });
-        }
+        let netdev = entry.netdev_name().unwrap_or_else(|_| "-".into());
+        tracing::info!(device = %name, port = cfg.port, gid_index, kind = %gid_kind, %netdev, "rdma GID chosen");
         let pd = ctx
             .alloc_pd()
             .map_err(|e| fail("allocate a protection domain", &e))?;
@@ -205,6 +202,7 @@ impl IbvVerbs {
                 lid: port_attr.lid,
                 gid: gid.raw,
                 mtu: port_attr.active_mtu as u8,
+                gid_kind,
             },
             limits: DeviceLimits {
                 max_qp_wr: attr.max_qp_wr().max(1) as u32,
@@ -242,24 +240,62 @@ impl IbvVerbs {
     }
 }
 
-/// On RoCE: the first RoCE v2 GID holding an IPv4 address (routable, what most fabrics use),
-/// else the first RoCE v2 GID, else 0.
-fn pick_roce_gid(ctx: &DeviceContext, port: u8, len: i32) -> u32 {
-    let mut v2 = None;
-    for i in 0..len.max(0) as u32 {
-        let (Ok(gid), Ok(kind)) = (ctx.query_gid(port, i), ctx.query_gid_type(port, i)) else {
-            continue;
-        };
-        if gid.is_zero() || kind != GID_TYPE_SYSFS_ROCE_V2 {
-            continue;
-        }
-        let ipv4_mapped = gid.raw[..10].iter().all(|&b| b == 0) && gid.raw[10..12] == [0xFF, 0xFF];
-        if ipv4_mapped {
-            return i;
-        }
-        v2.get_or_insert(i);
+/// The GID this port's queue pairs use, from the port's GID table (`ibv_query_gid_table`,
+/// which says each GID's kind and netdev): the configured index; else on RoCE the first RoCE
+/// v2 GID holding an IPv4 address (routable, what most fabrics use), else the first RoCE v2
+/// GID, else the port's first GID (each fallback with a warning); on InfiniBand index 0.
+fn pick_gid(
+    ctx: &DeviceContext,
+    port: u8,
+    wanted: Option<u32>,
+    ethernet: bool,
+) -> Result<GidEntry, String> {
+    let table = ctx
+        .query_gid_table()
+        .map_err(|e| format!("reading the GID table: {}", chain(&e)))?;
+    let ours: Vec<GidEntry> = table
+        .into_iter()
+        .filter(|e| e.port_num() == u32::from(port) && !e.gid().is_zero())
+        .collect();
+    let none = || format!("port {port} has no GID (see `show_gids`)");
+    if let Some(i) = wanted {
+        return ours
+            .into_iter()
+            .find(|e| e.gid_index() == i)
+            .ok_or_else(|| {
+                format!("GID index {i} of port {port} is empty; pick one from `show_gids`")
+            });
     }
-    v2.unwrap_or(0)
+    if !ethernet {
+        let first = ours.first().copied().ok_or_else(none)?;
+        return Ok(ours
+            .into_iter()
+            .find(|e| e.gid_index() == 0)
+            .unwrap_or(first));
+    }
+    let v2 = |e: &&GidEntry| e.gid_type() == GidType::RoceV2;
+    let ipv4 = |e: &&GidEntry| {
+        let raw = e.gid().raw;
+        raw[..10].iter().all(|&b| b == 0) && raw[10..12] == [0xFF, 0xFF]
+    };
+    if let Some(e) = ours.iter().filter(v2).find(ipv4) {
+        return Ok(*e);
+    }
+    if let Some(e) = ours.iter().find(v2) {
+        tracing::warn!(
+            port,
+            gid_index = e.gid_index(),
+            "no RoCE v2 GID with an IPv4 address: using the first RoCE v2 GID"
+        );
+        return Ok(*e);
+    }
+    let first = ours.first().copied().ok_or_else(none)?;
+    tracing::warn!(
+        port,
+        gid_index = first.gid_index(),
+        "no RoCE v2 GID: using the port's first GID; the peer must use one of the same kind"
+    );
+    Ok(first)
 }
 
 fn mtu(code: u8) -> Result<Mtu, VerbsError> {

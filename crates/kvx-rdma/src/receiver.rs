@@ -119,6 +119,11 @@ impl<V: Verbs> Connection<V> {
         if hello.staging.slot_bytes != self.memory.geometry().slot_bytes {
             return self.refuse(WelcomeStatus::StagingMismatch).await;
         }
+        let ours = self.device.verbs.port().gid_kind;
+        if hello.qp.gid_kind.clashes_with(ours) {
+            warn!(peer = %self.peer, sender = %hello.qp.gid_kind, receiver = %ours, "rdma sender refused: its GID is of another kind");
+            return self.refuse(WelcomeStatus::GidMismatch).await;
+        }
         let (route, wcs) = self.device.router.add();
         let (qp, qp_addr) = match self.connect_qp(&hello, &route) {
             Ok(up) => up,
@@ -151,6 +156,8 @@ impl<V: Verbs> Connection<V> {
         if status == WelcomeStatus::StagingMismatch {
             refusal.buffer = self.memory.geometry();
         }
+        // Our GID's kind, so a sender of another kind can say both.
+        refusal.qp.gid_kind = self.device.verbs.port().gid_kind;
         let _ = link::write_frame(&mut self.side, &refusal.encode(), timeout).await;
     }
 
@@ -188,6 +195,7 @@ impl<V: Verbs> Connection<V> {
             lid: port.lid,
             mtu: offer,
             gid: port.gid,
+            gid_kind: port.gid_kind,
         };
         Ok((qp, addr))
     }

@@ -21,7 +21,8 @@ use crate::memory::RdmaMemory;
 use crate::route::Route;
 use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc};
 use crate::wire::{
-    Control, Geometry, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION, WELCOME_LEN,
+    Control, Geometry, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION,
+    WELCOME_LEN,
 };
 
 fn verbs_err(e: VerbsError) -> FabricError {
@@ -62,6 +63,7 @@ pub(crate) async fn connect<V: Verbs>(
             lid: port.lid,
             mtu: offer,
             gid: port.gid,
+            gid_kind: port.gid_kind,
         },
         credential,
     };
@@ -74,7 +76,7 @@ pub(crate) async fn connect<V: Verbs>(
         .map_err(io)?;
     let welcome = Welcome::decode(&welcome)
         .map_err(|_| FabricError::Io(format!("{endpoint} is not a kvx RDMA endpoint")))?;
-    let remote = check_welcome(&welcome, endpoint, ours)?;
+    let remote = check_welcome(&welcome, endpoint, ours, port.gid_kind)?;
     let mtu = path_mtu(offer, welcome.qp.mtu)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
     qp.modify(Transition::Rtr(RtrParams {
@@ -107,7 +109,21 @@ pub(crate) async fn connect<V: Verbs>(
     Ok(FabricConn::new(ops_tx, done_rx))
 }
 
-fn check_welcome(w: &Welcome, endpoint: &str, ours: Geometry) -> Result<RemoteBuffer, FabricError> {
+/// Why two GIDs of different kinds cannot talk, and what to do.
+fn gid_mismatch(ours: GidKind, theirs: GidKind) -> String {
+    format!(
+        "this sender's GID is {ours} and the receiver's {theirs}: packets of one are not \
+         understood by the other; pick GIDs of one kind on both sides (--rdma-gid-index, \
+         `show_gids`)"
+    )
+}
+
+fn check_welcome(
+    w: &Welcome,
+    endpoint: &str,
+    ours: Geometry,
+    our_gid: GidKind,
+) -> Result<RemoteBuffer, FabricError> {
     let refused = |why: &str| FabricError::Io(format!("{endpoint} refused the connection: {why}"));
     let incompatible = |why: String| FabricError::Incompatible {
         endpoint: endpoint.to_owned(),
@@ -133,8 +149,14 @@ fn check_welcome(w: &Welcome, endpoint: &str, ours: Geometry) -> Result<RemoteBu
                 "not issued by this receiver (it may have restarted)".into(),
             ))
         }
+        WelcomeStatus::GidMismatch => {
+            return Err(incompatible(gid_mismatch(our_gid, w.qp.gid_kind)))
+        }
         WelcomeStatus::NoResources => return Err(refused("it could not set up a queue pair")),
         WelcomeStatus::Unknown(c) => return Err(refused(&format!("unknown status {c}"))),
+    }
+    if our_gid.clashes_with(w.qp.gid_kind) {
+        return Err(incompatible(gid_mismatch(our_gid, w.qp.gid_kind)));
     }
     let g = w.buffer;
     Geometry::checked(g.slots, g.slot_bytes as usize)

@@ -1,20 +1,20 @@
 //! What kvx asks of the device, over the NIC model: its limits (`limits`; a geometry beyond
 //! them is refused up front naming the limit, and a receiver posts no more receives than a
-//! queue holds) and least-privilege access rights (only a receiver's buffer and queue pair
-//! take peers' writes).
+//! queue holds), least-privilege access rights (only a receiver's buffer and queue pair
+//! take peers' writes), and GIDs of one kind on both ends.
 
 use std::time::Duration;
 
 use std::sync::Arc;
 
-use kvx_io::{Fabric, PostWrite, SlotMemory};
+use kvx_io::{Fabric, FabricError, PostWrite, SlotMemory};
 use kvx_proto::StagingSlot;
 
 use crate::fake::FakeVerbs;
 use crate::memory::RdmaMemory;
 use crate::tests::{attach, completions, write};
 use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, WcKind, WcStatus, WriteWr};
-use crate::wire::QpAddr;
+use crate::wire::{GidKind, QpAddr};
 use crate::{DeviceLimits, RdmaConfig, RdmaFabric};
 
 const LIMITS: DeviceLimits = DeviceLimits {
@@ -183,5 +183,30 @@ fn the_model_refuses_writes_without_remote_access() {
             ),
             "{memory:?} memory through a {qp:?} queue pair: {status:?}"
         );
+    }
+}
+
+/// A RoCE v1 sender and a RoCE v2 receiver cannot understand each other's packets (the model
+/// drops them, and a write would end in "retry counter exceeded" after its retries): the
+/// connection is refused at once, naming both kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gids_of_different_kinds_are_refused_naming_both() {
+    let sender_nic = FakeVerbs::new().with_gid_kind(GidKind::RoceV1);
+    let receiver_nic = sender_nic.another_device().with_gid_kind(GidKind::RoceV2);
+    let rx = RdmaFabric::with_verbs(receiver_nic, RdmaConfig::default()).expect("fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, RdmaConfig::default()).expect("fabric");
+    let listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = tx.allocate_staging(2, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    match tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+    {
+        Ok(_) => panic!("a RoCE v1 sender connected to a RoCE v2 receiver"),
+        Err(e @ FabricError::Incompatible { .. }) => {
+            let why = e.to_string();
+            assert!(why.contains("RoCE v1") && why.contains("RoCE v2"), "{why}");
+        }
+        Err(e) => panic!("refused, but not as incompatible: {e}"),
     }
 }

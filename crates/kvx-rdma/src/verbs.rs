@@ -13,7 +13,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::memory::RdmaMemory;
-use crate::wire::QpAddr;
+use crate::wire::{GidKind, QpAddr};
 
 // The seam's vocabulary, defined where `memory` can import it without importing this module
 // (which names `RdmaMemory`): `MrKeys` beside the memory that keeps them, `VerbsError` in a leaf.
@@ -107,6 +107,8 @@ pub struct PortInfo {
     pub gid: [u8; 16],
     /// Active MTU, as the verbs code (1 = 256 … 5 = 4096).
     pub mtu: u8,
+    /// The kind of `gid`.
+    pub gid_kind: GidKind,
 }
 
 /// An opened RDMA device: protection domain, one completion queue, a port.

@@ -71,6 +71,55 @@ impl Geometry {
     }
 }
 
+/// The kind of a GID, which sets the packets' format on the wire (InfiniBand, RoCE v1 over
+/// Ethernet, RoCE v2 over UDP/IP): the two ends of a connection must use the same, or no
+/// packet of one is understood by the other and writes end in "retry counter exceeded".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GidKind {
+    /// Not said (a peer that does not send it): not checked.
+    #[default]
+    Unsaid,
+    InfiniBand,
+    RoceV1,
+    RoceV2,
+}
+
+impl GidKind {
+    fn code(self) -> u8 {
+        match self {
+            GidKind::Unsaid => 0,
+            GidKind::InfiniBand => 1,
+            GidKind::RoceV1 => 2,
+            GidKind::RoceV2 => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Self {
+        match c {
+            1 => GidKind::InfiniBand,
+            2 => GidKind::RoceV1,
+            3 => GidKind::RoceV2,
+            _ => GidKind::Unsaid,
+        }
+    }
+
+    /// Whether two sides that said their kinds said different ones.
+    pub fn clashes_with(self, other: GidKind) -> bool {
+        self != GidKind::Unsaid && other != GidKind::Unsaid && self != other
+    }
+}
+
+impl std::fmt::Display for GidKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GidKind::Unsaid => "unknown",
+            GidKind::InfiniBand => "InfiniBand",
+            GidKind::RoceV1 => "RoCE v1",
+            GidKind::RoceV2 => "RoCE v2",
+        })
+    }
+}
+
 /// Where a queue pair can be reached: what `ibv_modify_qp` to RTR needs about the peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct QpAddr {
@@ -83,6 +132,8 @@ pub struct QpAddr {
     /// the verbs code (1 = 256 … 5 = 4096); the connection runs at the smaller offer.
     pub mtu: u8,
     pub gid: [u8; 16],
+    /// The kind of `gid`.
+    pub gid_kind: GidKind,
 }
 
 impl QpAddr {
@@ -91,6 +142,7 @@ impl QpAddr {
         b[24..28].copy_from_slice(&self.psn.to_le_bytes());
         b[28..30].copy_from_slice(&self.lid.to_le_bytes());
         b[30] = self.mtu;
+        b[31] = self.gid_kind.code();
         b[32..48].copy_from_slice(&self.gid);
     }
 
@@ -103,6 +155,7 @@ impl QpAddr {
             lid: u16::from_le_bytes([b[28], b[29]]),
             mtu: b[30],
             gid,
+            gid_kind: GidKind::from_code(b[31]),
         }
     }
 }
@@ -125,6 +178,9 @@ pub(crate) enum WelcomeStatus {
     NoResources,
     /// The hello's credential was not issued by this buffer.
     Unauthorized,
+    /// The sender's GID is of another kind than the receiver's (the welcome's `qp.gid_kind`
+    /// says the receiver's).
+    GidMismatch,
     Unknown(u16),
 }
 
@@ -136,6 +192,7 @@ impl WelcomeStatus {
             WelcomeStatus::StagingMismatch => 2,
             WelcomeStatus::NoResources => 3,
             WelcomeStatus::Unauthorized => 4,
+            WelcomeStatus::GidMismatch => 5,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -147,6 +204,7 @@ impl WelcomeStatus {
             2 => WelcomeStatus::StagingMismatch,
             3 => WelcomeStatus::NoResources,
             4 => WelcomeStatus::Unauthorized,
+            5 => WelcomeStatus::GidMismatch,
             c => WelcomeStatus::Unknown(c),
         }
     }
@@ -309,6 +367,7 @@ mod tests {
             lid: 7,
             mtu: 5,
             gid: [0xFE; 16],
+            gid_kind: GidKind::RoceV2,
         }
     }
 
@@ -334,6 +393,7 @@ mod tests {
         assert_eq!(&b[16..24], &(1u64 << 20).to_le_bytes());
         assert_eq!(&b[24..28], &0x12_3456u32.to_le_bytes());
         assert_eq!(b[30], 5);
+        assert_eq!(b[31], 3, "the GID's kind: RoCE v2");
         assert!(b[48..64].iter().all(|&x| x == 0), "reserved bytes are zero");
         assert_eq!(&b[64..72], &5u64.to_le_bytes());
         assert!(b[88..].iter().all(|&x| x == 0), "reserved bytes are zero");
