@@ -18,6 +18,9 @@
 //!   registration (`RemoteAccess`), else it fails with "remote access error";
 //! - packets between devices whose GIDs are of different kinds (`with_gid_kind`: RoCE v1
 //!   and v2) are not understood: the write ends in "retry counter exceeded";
+//! - destroying a queue pair purges its completions not yet polled (as mlx5 does), and a
+//!   device's completions can be held back from its poller (`hold_completions`) to open
+//!   that window in a test;
 //! - a device's limits (`with_limits`) fail as a driver does: a registration beyond
 //!   `max_mr_size` or a queue deeper than `max_qp_wr` with an opaque "Invalid argument", a
 //!   write beyond `max_msg_sz` with a "local length error" completion.
@@ -81,8 +84,10 @@ struct NicState {
     qps: HashMap<u32, QpModel>,
     /// Registrations by key: the memory, and whether peers may write it.
     regions: HashMap<u32, (Weak<RdmaMemory>, RemoteAccess)>,
-    /// Each device's completion queue.
-    cqs: HashMap<u64, VecDeque<Wc>>,
+    /// Each device's completion queue, each entry with the queue pair it belongs to.
+    cqs: HashMap<u64, VecDeque<(u32, Wc)>>,
+    /// Devices whose poller gets nothing for now (`hold_completions`).
+    held: std::collections::HashSet<u64>,
     next_qpn: u32,
     next_key: u32,
     /// Writes left before the next one fails (`fail_write_after`).
@@ -175,6 +180,16 @@ impl FakeVerbs {
         self.lock().writes_applied
     }
 
+    /// Holds this device's completions back from its poller (true) or lets them go (false).
+    pub(crate) fn hold_completions(&self, hold: bool) {
+        let mut s = self.lock();
+        if hold {
+            s.held.insert(self.id);
+        } else {
+            s.held.remove(&self.id);
+        }
+    }
+
     /// Queue pairs not yet destroyed.
     pub(crate) fn live_qps(&self) -> usize {
         self.lock().qps.len()
@@ -264,8 +279,12 @@ impl Verbs for FakeVerbs {
     }
 
     fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
-        if let Some(cq) = self.lock().cqs.get_mut(&self.id) {
-            out.extend(cq.drain(..));
+        let mut s = self.lock();
+        if s.held.contains(&self.id) {
+            return Ok(());
+        }
+        if let Some(cq) = s.cqs.get_mut(&self.id) {
+            out.extend(cq.drain(..).map(|(_, wc)| wc));
         }
         Ok(())
     }
@@ -279,8 +298,13 @@ pub(crate) struct FakeQp {
 
 impl Drop for FakeQp {
     fn drop(&mut self) {
-        // Destroyed: no more completions of its own, nothing of it applied.
-        self.verbs.lock().qps.remove(&self.qpn);
+        // Destroyed: nothing of it applied any more, and its completions not yet polled are
+        // purged from its device's queue.
+        let mut s = self.verbs.lock();
+        s.qps.remove(&self.qpn);
+        if let Some(cq) = s.cqs.get_mut(&self.verbs.id) {
+            cq.retain(|(qpn, _)| *qpn != self.qpn);
+        }
     }
 }
 
@@ -302,7 +326,7 @@ impl NicState {
     /// Queues `wc` on the completion queue of `qpn`'s device.
     fn complete(&mut self, qpn: u32, wc: Wc) {
         if let Some(device) = self.qps.get(&qpn).map(|q| q.device) {
-            self.cqs.entry(device).or_default().push_back(wc);
+            self.cqs.entry(device).or_default().push_back((qpn, wc));
         }
     }
 

@@ -10,7 +10,8 @@
 //! that immediate consumes. Completions are polled on a dedicated thread and routed to each
 //! connection's task. A failed work request moves the queue pair to ERROR; the connection then
 //! fences the receiver over the side channel and flushes every outstanding write with an
-//! error, so that nothing lands after the flush.
+//! error, so that nothing lands after the flush; the receiver drains its queue pair's
+//! completions before it answers and destroys it.
 //!
 //! What it is not: the verbs library. Its calls sit behind the `Verbs` seam (`verbs`); the
 //! sideway backend (`IbvVerbs`, module `ibv`) is built only with the feature `rdma`, which
@@ -25,7 +26,7 @@
 //! - `memory`: `RdmaMemory`, registered slots and their keys (`MrKeys`) — the crate's only
 //!   `unsafe`.
 //! - `verbs_error`: `VerbsError`, a failed verbs call (a leaf under `verbs` and `memory`).
-//! - `wire`: the side channel's frames (hello, welcome, fence) and `Geometry`.
+//! - `wire`: the side channel's frames (hello, welcome, fence), `Geometry` and `GidKind`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.

@@ -125,7 +125,7 @@ impl<V: Verbs> Connection<V> {
             return self.refuse(WelcomeStatus::GidMismatch).await;
         }
         let (route, wcs) = self.device.router.add();
-        let (qp, qp_addr) = match self.connect_qp(&hello, &route) {
+        let (qp, qp_addr, posted) = match self.connect_qp(&hello, &route) {
             Ok(up) => up,
             Err(e) => {
                 warn!(peer = %self.peer, error = %e, "cannot set up a queue pair for a sender");
@@ -146,7 +146,7 @@ impl<V: Verbs> Connection<V> {
             return debug!(peer = %self.peer, error = %e, "rdma side channel: welcome not sent");
         }
         debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, %control_peer, "rdma sender connected");
-        self.run(qp, wcs, route, control_peer).await;
+        self.run(qp, posted, wcs, route, control_peer).await;
     }
 
     async fn refuse(mut self, status: WelcomeStatus) {
@@ -162,8 +162,12 @@ impl<V: Verbs> Connection<V> {
     }
 
     /// A queue pair connected to the sender's, with its receives posted before it can be
-    /// written to.
-    fn connect_qp(&self, hello: &Hello, route: &Route) -> Result<(Qp<V::Qp>, QpAddr), VerbsError> {
+    /// written to (how many: the third value).
+    fn connect_qp(
+        &self,
+        hello: &Hello,
+        route: &Route,
+    ) -> Result<(Qp<V::Qp>, QpAddr, u32), VerbsError> {
         let cfg = &self.device.config;
         let port = self.device.verbs.port();
         let offer = offered_mtu(port.mtu, cfg.mtu);
@@ -197,12 +201,13 @@ impl<V: Verbs> Connection<V> {
             gid: port.gid,
             gid_kind: port.gid_kind,
         };
-        Ok((qp, addr))
+        Ok((qp, addr, depth))
     }
 
     async fn run(
         mut self,
         mut qp: Qp<V::Qp>,
+        mut posted: u32,
         mut wcs: mpsc::UnboundedReceiver<Wc>,
         route: Route,
         control_peer: PeerId,
@@ -214,10 +219,12 @@ impl<V: Verbs> Connection<V> {
                 biased;
                 () = self.landed.closed() => break End::ListenerDropped,
                 Some(wc) = wcs.recv() => {
-                    let mut failed = self.on_wc(&mut qp, &wc, control_peer).err();
+                    let mut failed = self.on_wc(&mut qp, &mut posted, &wc, control_peer).err();
                     while failed.is_none() {
                         match wcs.try_recv() {
-                            Ok(wc) => failed = self.on_wc(&mut qp, &wc, control_peer).err(),
+                            Ok(wc) => {
+                                failed = self.on_wc(&mut qp, &mut posted, &wc, control_peer).err();
+                            }
                             Err(_) => break,
                         }
                     }
@@ -244,6 +251,16 @@ impl<V: Verbs> Connection<V> {
         // Whatever ended it, this connection's writes stop landing now: in ERROR the queue
         // pair accepts nothing more (and its posted receives are flushed).
         qp.move_to_error();
+        // Drain before destroy: a destroyed queue pair's completions not yet polled are gone
+        // (mlx5 purges them), and with them the notices of writes the sender already saw
+        // succeed. In ERROR every posted receive completes — consumed by a write that landed,
+        // or flushed — so take them all, announcing the landed ones, before answering the
+        // fence and destroying the queue pair (which also hands back its share of the
+        // completion queue only when nothing of it is left there).
+        let left = self.drain(&mut wcs, posted, control_peer).await;
+        if left > 0 {
+            warn!(peer = %self.peer, left, "rdma receives not drained within the fence timeout");
+        }
         if let End::Fenced = end {
             let timeout = self.device.config.connect_timeout;
             if let Err(e) =
@@ -266,13 +283,24 @@ impl<V: Verbs> Connection<V> {
     /// could check: the access rules decide here whether the write is announced (a write
     /// outside its queue pair's peer's grants is counted and never announced; what such a
     /// write does to another request's bytes is `docs/operations.md` §Access over RDMA).
-    fn on_wc(&self, qp: &mut Qp<V::Qp>, wc: &Wc, peer: PeerId) -> Result<(), String> {
+    /// `posted` counts the receives outstanding: one fewer per completion, one more per
+    /// repost.
+    fn on_wc(
+        &self,
+        qp: &mut Qp<V::Qp>,
+        posted: &mut u32,
+        wc: &Wc,
+        peer: PeerId,
+    ) -> Result<(), String> {
+        *posted = posted.saturating_sub(1);
         match (wc.status, wc.kind) {
             (WcStatus::Success, kind) => {
                 if let WcKind::RecvImm { imm, byte_len } = kind {
                     self.announce(peer, imm, byte_len);
                 }
-                qp.post_recv(wc.wr_id).map_err(|e| e.to_string())
+                qp.post_recv(wc.wr_id).map_err(|e| e.to_string())?;
+                *posted += 1;
+                Ok(())
             }
             // The queue pair went to ERROR (an asynchronous error): nothing lands any more.
             (WcStatus::Flushed, _) => Err("the queue pair's receives were flushed".into()),
@@ -280,6 +308,32 @@ impl<V: Verbs> Connection<V> {
                 Err(format!("receive failed: {name} (status {code})"))
             }
         }
+    }
+
+    /// Takes the completions of the `posted` receives left after the queue pair went to
+    /// ERROR, announcing the writes that landed, for at most the fence timeout; returns how
+    /// many did not come.
+    async fn drain(
+        &self,
+        wcs: &mut mpsc::UnboundedReceiver<Wc>,
+        mut posted: u32,
+        peer: PeerId,
+    ) -> u32 {
+        let deadline = tokio::time::Instant::now() + self.device.config.fence_timeout;
+        while posted > 0 {
+            match tokio::time::timeout_at(deadline, wcs.recv()).await {
+                Ok(Some(wc)) => {
+                    posted -= 1;
+                    if let (WcStatus::Success, WcKind::RecvImm { imm, byte_len }) =
+                        (wc.status, wc.kind)
+                    {
+                        self.announce(peer, imm, byte_len);
+                    }
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        posted
     }
 
     fn announce(&self, peer: PeerId, imm: u32, byte_len: u32) {

@@ -386,3 +386,43 @@ async fn an_mtu_cap_on_one_side_is_the_path_mtu_of_both() {
     listener.memory.read_slot(0, &mut got);
     assert!(got.iter().all(|&b| b == 0x5A));
 }
+
+/// Writes the sender saw succeed are announced even when their receive completions still
+/// wait in the receiver's completion queue as the fence comes: the receiver drains its queue
+/// pair before destroying it (destroying it would purge them, as mlx5 does, and the model).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_still_announces_the_writes_that_landed_before_it() {
+    let sender_nic = FakeVerbs::new();
+    let receiver_nic = sender_nic.another_device();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
+    let mut listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = tx.allocate_staging(4, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    receiver_nic.hold_completions(true);
+    for i in 0..4 {
+        conn.post(write(i, i as u32, 1)).expect("post");
+    }
+    let done = completions(&mut conn, 4).await;
+    assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+    // The fence: the receiver's queue pair goes to ERROR with the four receive completions
+    // still in its queue.
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    receiver_nic.hold_completions(false);
+    for slot in 0..4 {
+        let landed = tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("every write that landed is announced")
+            .expect("open");
+        assert_eq!(landed.slot, SlotIndex(slot));
+    }
+}
