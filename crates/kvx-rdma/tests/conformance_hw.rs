@@ -3,14 +3,26 @@
 //! Soft-RoCE). `KVX_RDMA_DEVICE` / `KVX_RDMA_GID_INDEX` pick the device and GID; the side
 //! channel runs on 127.0.0.1, so both ends of each test share the one device (loopback
 //! through the NIC). `KVX_REQUIRE_RDMA=1` turns a skip into a failure (for machines that have
-//! a device and must test it).
+//! a device and must test it). `scripts/rdma-first-run.sh` runs these on a first machine.
 #![cfg(feature = "rdma")]
 
-use kvx_io::conformance;
-use kvx_rdma::{IbvFabric, RdmaConfig, RdmaError, RdmaFabric};
+use std::time::Duration;
+
+use kvx_io::{conformance, Fabric, FabricConn, FabricListener, PostWrite};
+use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
+use kvx_rdma::verbs::Verbs;
+use kvx_rdma::{IbvFabric, PathMtu, RdmaConfig, RdmaError, RdmaFabric, RdmaMemory};
+
+const STEP: Duration = Duration::from_secs(20);
 
 fn open() -> Option<IbvFabric> {
+    open_with(None)
+}
+
+/// The device, with the path MTU capped at `mtu` when given.
+fn open_with(mtu: Option<PathMtu>) -> Option<IbvFabric> {
     let config = RdmaConfig {
+        mtu,
         device: std::env::var("KVX_RDMA_DEVICE").ok(),
         gid_index: std::env::var("KVX_RDMA_GID_INDEX")
             .ok()
@@ -69,4 +81,132 @@ fn without_a_device_open_says_so_and_does_not_panic() {
         Err(RdmaError::DeviceNotFound { name, .. }) => assert_eq!(name, "kvx-no-such-device"),
         other => panic!("unexpected {other:?}"),
     }
+}
+
+/// `slots` of the listener granted to the test's one sender under `generation`, and its
+/// credential there.
+fn attach(
+    listener: &FabricListener<RdmaMemory>,
+    slots: std::ops::Range<u32>,
+    generation: u32,
+) -> kvx_io::FabricCredential {
+    for slot in slots {
+        listener.access.grant(slot, PeerId(1), generation);
+    }
+    listener.access.credential_for(PeerId(1))
+}
+
+fn tagged(id: u64, local: u32, remote: u32, len: usize, generation: u32) -> PostWrite {
+    PostWrite {
+        id: WriteId(id),
+        local: StagingSlot(local),
+        remote: SlotIndex(remote),
+        len,
+        imm: Some(
+            WriteTag {
+                slot: SlotIndex(remote),
+                generation,
+            }
+            .to_imm(),
+        ),
+        checksum: None,
+    }
+}
+
+async fn all_ok(conn: &mut FabricConn, n: usize) -> usize {
+    let mut ok = 0;
+    for _ in 0..n {
+        let c = tokio::time::timeout(STEP, conn.next_completion())
+            .await
+            .expect("a completion in time")
+            .expect("connection open");
+        assert!(c.result.is_ok(), "write {:?}: {:?}", c.id, c.result);
+        ok += 1;
+    }
+    ok
+}
+
+/// An MTU cap on the receiver only: both queue pairs must run at it, or every chunk larger
+/// than one packet fails ("remote invalid request").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_mtu_cap_on_the_receiver_only() {
+    let Some(tx) = open() else { return };
+    let Some(rx) = open_with(Some(PathMtu::Mtu1024)) else {
+        return;
+    };
+    let mut listener = rx.expose("127.0.0.1:0", 8, 1 << 20).await.expect("expose");
+    let staging = tx.allocate_staging(8, 1 << 20).expect("staging");
+    let credential = attach(&listener, 0..8, 1);
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    for i in 0..8 {
+        conn.post(tagged(i, i as u32, i as u32, 1 << 20, 1))
+            .expect("post");
+    }
+    assert_eq!(all_ok(&mut conn, 8).await, 8);
+    for _ in 0..8 {
+        tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("landed")
+            .expect("open");
+    }
+}
+
+/// A staging pool of exactly the device's `max_qp_wr` slots, every slot's write in flight at
+/// once; one slot more is refused naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_staging_at_the_devices_max_qp_wr() {
+    let Some(f) = open() else { return };
+    let max = f.verbs().limits().max_qp_wr;
+    match f.allocate_staging(max + 1, 4096) {
+        Ok(_) => panic!("a staging of max_qp_wr + 1 slots was accepted"),
+        Err(e) => assert!(e.to_string().contains("max_qp_wr"), "{e}"),
+    }
+    let listener = f.expose("127.0.0.1:0", 64, 4096).await.expect("expose");
+    let staging = f.allocate_staging(max, 4096).expect("staging at max_qp_wr");
+    let credential = attach(&listener, 0..0, 1);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    // Without immediates: no receive consumed, nothing announced; the send queue is what is
+    // tested.
+    for i in 0..u64::from(max) {
+        conn.post(PostWrite {
+            imm: None,
+            ..tagged(i, i as u32, (i % 64) as u32, 4096, 1)
+        })
+        .expect("post");
+    }
+    assert_eq!(all_ok(&mut conn, max as usize).await, max as usize);
+}
+
+/// After an idle spell (the poller asleep), a fence: every write the sender saw succeed is
+/// announced by the receiver, none more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_fence_after_an_idle_receiver_announces_what_landed() {
+    let Some(f) = open() else { return };
+    let mut listener = f.expose("127.0.0.1:0", 16, 65536).await.expect("expose");
+    let staging = f.allocate_staging(16, 65536).expect("staging");
+    let credential = attach(&listener, 0..16, 1);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    for i in 0..16 {
+        conn.post(tagged(i, i as u32, i as u32, 65536, 1))
+            .expect("post");
+    }
+    let ok = all_ok(&mut conn, 16).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    drop(conn);
+    let mut landed = 0;
+    while let Ok(Some(_)) =
+        tokio::time::timeout(Duration::from_secs(3), listener.landed.recv()).await
+    {
+        landed += 1;
+    }
+    assert_eq!(landed, ok, "Landed notices against Ok completions");
 }
