@@ -52,7 +52,7 @@ fn poll_loop<V: Verbs>(device: Weak<Device<V>>) {
             return;
         };
         batch.clear();
-        if let Err(e) = dev.verbs.poll(&mut batch) {
+        if let Err(e) = dev.verbs.poll(&mut batch, POLL_BATCH) {
             failures += 1;
             // A poll error means a broken completion queue; say so, but not in a tight loop.
             if failures.is_power_of_two() {

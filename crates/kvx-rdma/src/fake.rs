@@ -278,13 +278,14 @@ impl Verbs for FakeVerbs {
         })
     }
 
-    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
+    fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError> {
         let mut s = self.lock();
         if s.held.contains(&self.id) {
             return Ok(());
         }
         if let Some(cq) = s.cqs.get_mut(&self.id) {
-            out.extend(cq.drain(..).map(|(_, wc)| wc));
+            let n = cq.len().min(max);
+            out.extend(cq.drain(..n).map(|(_, wc)| wc));
         }
         Ok(())
     }

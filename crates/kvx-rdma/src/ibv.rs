@@ -35,6 +35,10 @@ use crate::verbs::{
 };
 use crate::wire::GidKind;
 
+/// How many completions a basic completion queue's poller takes from the queue at once
+/// (sideway's default, left as it is).
+const BASIC_POLL_BATCH: usize = 32;
+
 /// `ibv_port_state::IBV_PORT_ACTIVE` and `IBV_LINK_LAYER_ETHERNET` (verbs.h ABI values).
 const PORT_ACTIVE: u32 = 4;
 const LINK_LAYER_ETHERNET: u8 = 2;
@@ -146,6 +150,7 @@ impl IbvVerbs {
             .get(index)
             .ok_or_else(|| RdmaError::NoDevice(format!("{name} vanished")))?;
         let ctx = device.open().map_err(|e| fail("open", &e))?;
+        Self::log_fork_status_once();
         let attr = ctx.query_device().map_err(|e| fail("query device", &e))?;
         let port_attr = ctx
             .query_port(cfg.port)
@@ -232,6 +237,29 @@ impl IbvVerbs {
             pd,
             _ctx: ctx,
         })
+    }
+
+    /// Says once per process whether libibverbs is ready for `fork()`: a child forked while
+    /// memory is registered (a serving stack starting its worker processes) can corrupt it
+    /// unless fork support is on or the kernel makes it unneeded.
+    fn log_fork_status_once() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: a query of libibverbs' process-wide state, without arguments; the
+            // library is loaded (a device was listed before this is called).
+            #[allow(unsafe_code)]
+            let status = unsafe { rdma_mummy_sys::ibv_is_fork_initialized() };
+            match status {
+                rdma_mummy_sys::IBV_FORK_ENABLED => tracing::info!("libibverbs fork support is on"),
+                rdma_mummy_sys::IBV_FORK_UNNEEDED => {
+                    tracing::info!("libibverbs fork support is not needed: the kernel is fork-safe")
+                }
+                _ => tracing::warn!(
+                    "libibverbs fork support is off: a process forked while kvx's memory is \
+                     registered can corrupt it; set RDMAV_FORK_SAFE=1 before the process starts"
+                ),
+            }
+        });
     }
 
     /// The opened device's name.
@@ -370,13 +398,17 @@ impl Verbs for IbvVerbs {
         })
     }
 
-    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError> {
+    fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError> {
+        // An extended queue's poller leaves what it has not handed out in the queue (its
+        // drop ends the poll); a basic queue's takes `BASIC_POLL_BATCH` at a time and would
+        // drop the rest of a batch with it, so the bound is a whole number of batches.
+        let max = max.div_ceil(BASIC_POLL_BATCH).max(1) * BASIC_POLL_BATCH;
         let poller = match self.cq.start_poll() {
             Ok(p) => p,
             Err(PollCompletionQueueError::CompletionQueueEmpty) => return Ok(()),
             Err(e) => return Err(VerbsError::new("ibv_poll_cq", chain(&e))),
         };
-        for wc in poller {
+        for wc in poller.take(max) {
             let code = wc.status();
             let status = if code == WorkCompletionStatus::Success as u32 {
                 WcStatus::Success

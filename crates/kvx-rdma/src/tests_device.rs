@@ -113,9 +113,11 @@ async fn only_a_receivers_buffer_and_queue_pair_take_peers_writes() {
 }
 
 /// The model enforces what the test above checks kvx asks for: a write into memory, or
-/// through a queue pair, without remote write access fails with a remote access error.
+/// through a queue pair, without remote write access fails with a remote access error; and a
+/// poll takes at most as many completions as it is asked for.
 #[test]
-fn the_model_refuses_writes_without_remote_access() {
+fn the_model_refuses_writes_without_remote_access_and_bounds_a_poll() {
+    const WRITES: u64 = 100;
     let verbs = FakeVerbs::new();
     let source = Arc::new(RdmaMemory::anonymous(1, 64).expect("memory"));
     verbs
@@ -146,33 +148,39 @@ fn the_model_refuses_writes_without_remote_access() {
         .expect("rtr");
         a.modify(Transition::Rts { psn: 0 }).expect("rts");
         let keys = target.keys().expect("keys");
-        a.post_write(&WriteWr {
-            wr_id: 7,
-            staging: &source,
-            local_slot: 0,
-            len: 64,
-            remote_addr: keys.addr,
-            rkey: keys.rkey,
-            imm: None,
-        })
-        .expect("post");
+        for wr_id in 7..7 + WRITES {
+            a.post_write(&WriteWr {
+                wr_id,
+                staging: &source,
+                local_slot: 0,
+                len: 64,
+                remote_addr: keys.addr,
+                rkey: keys.rkey,
+                imm: None,
+            })
+            .expect("post");
+        }
+        // A poll hands out at most what it is asked for; the rest waits for the next.
         let mut wcs = Vec::new();
-        verbs.poll(&mut wcs).expect("poll");
+        verbs.poll(&mut wcs, 64).expect("poll");
+        let first = wcs.len();
+        verbs.poll(&mut wcs, 64).expect("poll");
         let wc = wcs
-            .into_iter()
+            .iter()
             .find(|w| w.wr_id == 7)
+            .copied()
             .expect("a completion");
-        (wc.status, wc.kind)
+        (wc.status, wc.kind, first, wcs.len())
     };
-    assert_eq!(
-        outcome(RemoteAccess::Write, RemoteAccess::Write),
-        (WcStatus::Success, WcKind::Write)
-    );
+    // Writes that succeed leave one completion each (a failing one flushes the rest).
+    let (status, kind, first, all) = outcome(RemoteAccess::Write, RemoteAccess::Write);
+    assert_eq!((status, kind), (WcStatus::Success, WcKind::Write));
+    assert_eq!((first, all), (64, WRITES as usize));
     for (memory, qp) in [
         (RemoteAccess::None, RemoteAccess::Write),
         (RemoteAccess::Write, RemoteAccess::None),
     ] {
-        let (status, _) = outcome(memory, qp);
+        let (status, _, _, _) = outcome(memory, qp);
         assert!(
             matches!(
                 status,

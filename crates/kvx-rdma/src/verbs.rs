@@ -134,8 +134,10 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     /// must hold every outstanding work request of every queue pair).
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<Self::Qp, VerbsError>;
 
-    /// Moves the completions now in the completion queue into `out`.
-    fn poll(&self, out: &mut Vec<Wc>) -> Result<(), VerbsError>;
+    /// Moves the completions now in the completion queue into `out`, at most `max` of them
+    /// (the rest wait for the next poll), so that a busy queue cannot keep the poller from
+    /// handing on what it has.
+    fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError>;
 }
 
 /// The peer and path settings for RTR.
