@@ -21,6 +21,8 @@
 //! - destroying a queue pair purges its completions not yet polled (as mlx5 does), and a
 //!   device's completions can be held back from its poller (`hold_completions`) to open
 //!   that window in a test;
+//! - the verbs calls that block on hardware (`ibv_reg_mr`, `ibv_create_qp`, RTR,
+//!   `ibv_destroy_qp`) can be made to take a while (`with_slow_verbs`);
 //! - a device's limits (`with_limits`) fail as a driver does: a registration beyond
 //!   `max_mr_size` or a queue deeper than `max_qp_wr` with an opaque "Invalid argument", a
 //!   write beyond `max_msg_sz` with a "local length error" completion.
@@ -72,6 +74,8 @@ pub(crate) struct FakeVerbs {
     /// The kind of the port's GID (RoCE v2 unless `with_gid_kind`).
     gid_kind: GidKind,
     limits: DeviceLimits,
+    /// How long each blocking verbs call takes (`with_slow_verbs`).
+    slow: std::time::Duration,
 }
 
 #[derive(Debug)]
@@ -140,6 +144,21 @@ impl FakeVerbs {
             port_mtu: 5,
             gid_kind: GidKind::RoceV2,
             limits: DeviceLimits::UNLIMITED,
+            slow: std::time::Duration::ZERO,
+        }
+    }
+
+    /// The same device, each of its blocking verbs calls (registering memory, creating,
+    /// connecting and destroying a queue pair) taking `slow`, as pinning a large buffer or
+    /// resolving an address does on hardware.
+    pub(crate) fn with_slow_verbs(mut self, slow: std::time::Duration) -> Self {
+        self.slow = slow;
+        self
+    }
+
+    fn block(&self) {
+        if !self.slow.is_zero() {
+            std::thread::sleep(self.slow);
         }
     }
 
@@ -164,6 +183,7 @@ impl FakeVerbs {
             port_mtu: self.port_mtu,
             gid_kind: self.gid_kind,
             limits: self.limits,
+            slow: self.slow,
         }
     }
 
@@ -230,6 +250,7 @@ impl Verbs for FakeVerbs {
     }
 
     fn register(&self, memory: &Arc<RdmaMemory>, access: RemoteAccess) -> Result<(), VerbsError> {
+        self.block();
         if memory.region().1 as u64 > self.limits.max_mr_size {
             return Err(VerbsError::new(
                 "ibv_reg_mr",
@@ -250,6 +271,7 @@ impl Verbs for FakeVerbs {
     }
 
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<FakeQp, VerbsError> {
+        self.block();
         if send_depth.max(recv_depth) > self.limits.max_qp_wr {
             return Err(VerbsError::new(
                 "ibv_create_qp",
@@ -299,6 +321,7 @@ pub(crate) struct FakeQp {
 
 impl Drop for FakeQp {
     fn drop(&mut self) {
+        self.verbs.block();
         // Destroyed: nothing of it applied any more, and its completions not yet polled are
         // purged from its device's queue.
         let mut s = self.verbs.lock();
@@ -470,6 +493,9 @@ impl VerbsQp for FakeQp {
     }
 
     fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
+        if matches!(to, Transition::Rtr(_)) {
+            self.verbs.block();
+        }
         let mut s = self.verbs.lock();
         let qp = s.qp(self.qpn)?;
         let next = qp

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::config::{offered_mtu, path_mtu};
-use crate::device::Device;
+use crate::device::{off_the_runtime, Device};
 use crate::link;
 use crate::memory::RdmaMemory;
 use crate::route::Route;
@@ -125,7 +125,7 @@ impl<V: Verbs> Connection<V> {
             return self.refuse(WelcomeStatus::GidMismatch).await;
         }
         let (route, wcs) = self.device.router.add();
-        let (qp, qp_addr, posted) = match self.connect_qp(&hello, &route) {
+        let (qp, qp_addr, posted) = match off_the_runtime(|| self.connect_qp(&hello, &route)) {
             Ok(up) => up,
             Err(e) => {
                 warn!(peer = %self.peer, error = %e, "cannot set up a queue pair for a sender");
@@ -274,7 +274,7 @@ impl<V: Verbs> Connection<V> {
             other => debug!(peer = %self.peer, end = ?other, "rdma sender connection ended"),
         }
         // The queue pair is destroyed before this task lets go of the buffer.
-        drop(qp);
+        off_the_runtime(|| drop(qp));
         drop(route);
         drop(self);
     }

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::config::{offered_mtu, path_mtu};
-use crate::device::Device;
+use crate::device::{off_the_runtime, Device};
 use crate::engine::{Phase, RemoteBuffer, SendEngine};
 use crate::link;
 use crate::memory::RdmaMemory;
@@ -47,7 +47,8 @@ pub(crate) async fn connect<V: Verbs>(
     }
     let timeout = device.config.connect_timeout;
     let mut side = link::connect(endpoint, timeout).await?;
-    let mut qp = Qp::new(device.verbs.create_qp(ours.slots, 1).map_err(verbs_err)?);
+    let mut qp =
+        Qp::new(off_the_runtime(|| device.verbs.create_qp(ours.slots, 1)).map_err(verbs_err)?);
     qp.modify(Transition::Init(RemoteAccess::None))
         .map_err(verbs_err)?;
     let (route, wcs) = device.router.add();
@@ -79,12 +80,14 @@ pub(crate) async fn connect<V: Verbs>(
     let remote = check_welcome(&welcome, endpoint, ours, port.gid_kind)?;
     let mtu = path_mtu(offer, welcome.qp.mtu)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
-    qp.modify(Transition::Rtr(RtrParams {
-        remote: welcome.qp,
-        mtu,
-    }))
+    off_the_runtime(|| {
+        qp.modify(Transition::Rtr(RtrParams {
+            remote: welcome.qp,
+            mtu,
+        }))?;
+        qp.modify(Transition::Rts { psn })
+    })
     .map_err(verbs_err)?;
-    qp.modify(Transition::Rts { psn }).map_err(verbs_err)?;
     debug!(
         endpoint,
         qpn = qp.qpn(),
@@ -341,7 +344,7 @@ impl<V: Verbs> SenderTask<V> {
         }
         // The queue pair (in the engine) is destroyed before the staging it may read and the
         // device it belongs to are let go.
-        drop(conn);
+        off_the_runtime(|| drop(conn));
         drop(side);
         drop(device);
     }

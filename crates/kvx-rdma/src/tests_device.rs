@@ -1,7 +1,8 @@
 //! What kvx asks of the device, over the NIC model: its limits (`limits`; a geometry beyond
 //! them is refused up front naming the limit, and a receiver posts no more receives than a
 //! queue holds), least-privilege access rights (only a receiver's buffer and queue pair
-//! take peers' writes), and GIDs of one kind on both ends.
+//! take peers' writes), GIDs of one kind on both ends, and verbs calls that block kept off
+//! the runtime's workers.
 
 use std::time::Duration;
 
@@ -217,4 +218,54 @@ async fn gids_of_different_kinds_are_refused_naming_both() {
         }
         Err(e) => panic!("refused, but not as incompatible: {e}"),
     }
+}
+
+/// The verbs calls that block on hardware run off the runtime's workers: with one worker,
+/// and each such call taking 300 ms in the model, a task ticking every 10 ms on that worker
+/// is never held up by as much while a buffer is exposed, staging allocated, a connection
+/// made and dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    let slow = Duration::from_millis(300);
+    let f = RdmaFabric::with_verbs(
+        FakeVerbs::new().with_slow_verbs(slow),
+        RdmaConfig::default(),
+    )
+    .expect("fabric");
+    let stop = Arc::new(AtomicBool::new(false));
+    let ticker = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let (mut worst, mut last) = (Duration::ZERO, Instant::now());
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                worst = worst.max(last.elapsed());
+                last = Instant::now();
+            }
+            worst
+        }
+    });
+    // On the runtime's one worker, as the drivers' tasks are.
+    tokio::spawn(async move {
+        let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+        let staging = f.allocate_staging(2, 1024).expect("staging");
+        let credential = attach(&listener, 0..4, 1);
+        let conn = f
+            .connect(&listener.local_endpoint, staging, credential)
+            .await
+            .expect("connect");
+        drop(conn);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    })
+    .await
+    .expect("the scenario ran");
+    stop.store(true, Ordering::Relaxed);
+    let worst = ticker.await.expect("ticker");
+    assert!(
+        worst < slow - Duration::from_millis(50),
+        "the worker was held up for {worst:?}"
+    );
 }
