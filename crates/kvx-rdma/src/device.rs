@@ -2,21 +2,18 @@
 //! thread that polls the device's one completion queue and hands each work completion to its
 //! connection's channel (`route`), from which the connection's async task takes it.
 //!
-//! The poller spins (yielding) while completions come, then sleeps 50 µs between empty polls,
-//! and 1 ms after a second without any; it holds the device only weakly and ends once the
-//! fabric and every connection have let go of it.
+//! The poller takes completions as long as there are any; finding none, it waits as `wake`
+//! says (spinning while a post is recent, else parking, and a post unparks it). It holds the
+//! device only weakly and ends once the fabric and every connection have let go of it.
 
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::RdmaConfig;
 use crate::route::Router;
 use crate::verbs::{Verbs, Wc};
+use crate::wake::{IdleWait, PollerWake};
 
-/// Polls that find nothing before the poller starts sleeping.
-const SPIN_POLLS: u32 = 2_000;
-/// Short sleeps (50 µs) before the poller sleeps 1 ms at a time: about a second.
-const SHORT_SLEEPS: u32 = 20_000;
 /// Room for a poll's completions, reused.
 const POLL_BATCH: usize = 64;
 
@@ -30,9 +27,19 @@ pub(crate) struct Device<V: Verbs> {
 impl<V: Verbs> Device<V> {
     /// Wraps an opened device and starts its poller.
     pub(crate) fn start(verbs: V, config: RdmaConfig) -> std::io::Result<Arc<Self>> {
+        Self::start_idling(verbs, config, IdleWait::default())
+    }
+
+    /// `start`, with the poller's idle waits given (tests make them long, to see that a post
+    /// wakes it).
+    pub(crate) fn start_idling(
+        verbs: V,
+        config: RdmaConfig,
+        idle: IdleWait,
+    ) -> std::io::Result<Arc<Self>> {
         let device = Arc::new(Device {
             verbs,
-            router: Arc::new(Router::default()),
+            router: Arc::new(Router::with_wake(PollerWake::new(idle))),
             config,
         });
         let weak = Arc::downgrade(&device);
@@ -45,8 +52,11 @@ impl<V: Verbs> Device<V> {
 
 fn poll_loop<V: Verbs>(device: Weak<Device<V>>) {
     let mut batch: Vec<Wc> = Vec::with_capacity(POLL_BATCH);
-    let mut idle: u32 = 0;
+    let mut last_completion = Instant::now();
     let mut failures: u64 = 0;
+    if let Some(dev) = device.upgrade() {
+        dev.router.wake.register_poller();
+    }
     loop {
         let Some(dev) = device.upgrade() else {
             return;
@@ -64,12 +74,12 @@ fn poll_loop<V: Verbs>(device: Weak<Device<V>>) {
         }
         if !batch.is_empty() {
             dev.router.dispatch(&batch);
-            idle = 0;
+            last_completion = Instant::now();
             continue;
         }
+        let router = dev.router.clone();
         drop(dev);
-        idle = idle.saturating_add(1);
-        back_off(idle);
+        router.wake.wait(last_completion.elapsed());
     }
 }
 
@@ -83,15 +93,5 @@ pub(crate) fn off_the_runtime<R>(f: impl FnOnce() -> R) -> R {
     match Handle::try_current() {
         Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
         _ => f(),
-    }
-}
-
-fn back_off(idle: u32) {
-    if idle < SPIN_POLLS {
-        std::thread::yield_now();
-    } else if idle < SPIN_POLLS + SHORT_SLEEPS {
-        std::thread::sleep(Duration::from_micros(50));
-    } else {
-        std::thread::sleep(Duration::from_millis(1));
     }
 }

@@ -57,6 +57,18 @@ impl<V: Verbs> RdmaFabric<V> {
         Ok(RdmaFabric { device })
     }
 
+    /// `with_verbs`, the poller's idle waits given (tests: long ones, to see a post wake it).
+    #[cfg(test)]
+    pub(crate) fn with_verbs_idling(
+        verbs: V,
+        config: RdmaConfig,
+        idle: crate::wake::IdleWait,
+    ) -> Result<Self, RdmaError> {
+        let device = Device::start_idling(verbs, config, idle)
+            .map_err(|e| RdmaError::Poller(e.to_string()))?;
+        Ok(RdmaFabric { device })
+    }
+
     pub fn config(&self) -> &RdmaConfig {
         &self.device.config
     }

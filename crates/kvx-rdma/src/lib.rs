@@ -31,6 +31,7 @@
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
 //! - `device`: an opened device and its completion poller thread.
+//! - `wake`: how the poller waits when idle, and how a post wakes it.
 //! - `limits`: `DeviceLimits`, the device's maxima a geometry can exceed, and their checks.
 //! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).
 //! - `sender`, `receiver`: the connection tasks on either side.
@@ -50,6 +51,7 @@ mod route;
 mod sender;
 pub mod verbs;
 mod verbs_error;
+mod wake;
 mod wire;
 
 #[cfg(feature = "rdma")]

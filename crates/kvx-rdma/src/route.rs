@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::mpsc;
 
 use crate::verbs::Wc;
+use crate::wake::PollerWake;
 
 /// Packs a route key and a sequence number into a `wr_id`.
 pub(crate) fn wr_id(key: u32, seq: u32) -> u64 {
@@ -28,6 +29,8 @@ pub(crate) struct Router {
     routes: Mutex<Table>,
     /// Completions that found no route (a dropped connection's late flushes).
     stale: AtomicU64,
+    /// The device's poller: woken by every post on a route.
+    pub(crate) wake: PollerWake,
 }
 
 #[derive(Debug, Default)]
@@ -37,6 +40,15 @@ struct Table {
 }
 
 impl Router {
+    /// A router whose device's poller waits and wakes as `wake` says.
+    pub(crate) fn with_wake(wake: PollerWake) -> Self {
+        Router {
+            routes: Mutex::default(),
+            stale: AtomicU64::new(0),
+            wake,
+        }
+    }
+
     fn table(&self) -> MutexGuard<'_, Table> {
         self.routes.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -99,6 +111,11 @@ impl Route {
 
     pub(crate) fn wr_id(&self, seq: u32) -> u64 {
         wr_id(self.key, seq)
+    }
+
+    /// Work was posted on this route's queue pair: the poller looks at once.
+    pub(crate) fn posted(&self) {
+        self.router.wake.posted();
     }
 }
 

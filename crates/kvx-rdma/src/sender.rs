@@ -212,7 +212,10 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
         loop {
             match op {
                 None => return false,
-                Some(ConnOp::Write(w)) => self.engine.handle_post(w),
+                Some(ConnOp::Write(w)) => {
+                    self.engine.handle_post(w);
+                    self.route.posted();
+                }
                 Some(ConnOp::Reset) => self.engine.handle_reset(),
             }
             match self.ops.try_recv() {
@@ -336,6 +339,7 @@ impl<V: Verbs> SenderTask<V> {
                     while let Some(op) = conn.ops.recv().await {
                         if let ConnOp::Write(w) = op {
                             conn.engine.handle_post(w);
+                            conn.route.posted();
                             conn.emit();
                         }
                     }

@@ -426,3 +426,36 @@ async fn a_fence_still_announces_the_writes_that_landed_before_it() {
         assert_eq!(landed.slot, SlotIndex(slot));
     }
 }
+
+/// After an idle spell the poller is parked; a write posted then completes, and is announced,
+/// at once, because the post wakes the poller: with parks of 3 s, within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_after_an_idle_spell_completes_at_once() {
+    let long = Duration::from_secs(3);
+    let idle = crate::wake::IdleWait {
+        short: long,
+        short_for: Duration::ZERO,
+        long,
+    };
+    let f = RdmaFabric::with_verbs_idling(FakeVerbs::new(), RdmaConfig::default(), idle)
+        .expect("fabric");
+    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    tokio::time::sleep(Duration::from_millis(200)).await; // the poller parks
+    conn.post(write(1, 0, 1)).expect("post");
+    let done = tokio::time::timeout(Duration::from_secs(1), conn.next_completion())
+        .await
+        .expect("completed well within the poller's park")
+        .expect("open");
+    assert_eq!((done.id.0, done.result), (1, Ok(())));
+    let landed = tokio::time::timeout(Duration::from_secs(1), listener.landed.recv())
+        .await
+        .expect("announced well within the poller's park")
+        .expect("open");
+    assert_eq!(landed.slot, SlotIndex(0));
+}
