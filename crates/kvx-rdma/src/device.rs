@@ -1,27 +1,36 @@
-//! An opened device shared by a fabric's connections, and its completion poller: a dedicated
-//! thread that polls the device's one completion queue and hands each work completion to its
-//! connection's channel (`route`), from which the connection's async task takes it.
+//! An opened device shared by a fabric's connections, and its two threads: the completion
+//! poller, which polls the device's one completion queue and hands each work completion to its
+//! connection's channel (`route`), from which the connection's async task takes it; and the
+//! event reader, which takes the device's asynchronous events (`ibv_get_async_event`), logs
+//! each, breaks the connection of a queue pair that failed fatally, and on a completion queue
+//! or device failure breaks every connection and marks the device unusable, so that no new
+//! connection or buffer lands on it.
 //!
 //! The poller takes completions as long as there are any; finding none, it waits as `wake`
 //! says (spinning while a post is recent, else parking, and a post unparks it). It holds the
 //! device only weakly and ends once the fabric and every connection have let go of it.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::config::RdmaConfig;
 use crate::route::Router;
-use crate::verbs::{Verbs, Wc};
+use crate::verbs::{DeviceEvent, Verbs, Wc};
 use crate::wake::{IdleWait, PollerWake};
 
 /// Room for a poll's completions, reused.
 const POLL_BATCH: usize = 64;
+
+/// How long the event reader waits for an event before it checks the device is still used.
+const EVENT_WAIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 pub(crate) struct Device<V: Verbs> {
     pub verbs: V,
     pub router: Arc<Router>,
     pub config: RdmaConfig,
+    /// Why the device can no longer be used, once an event said so.
+    unusable: OnceLock<String>,
 }
 
 impl<V: Verbs> Device<V> {
@@ -41,12 +50,61 @@ impl<V: Verbs> Device<V> {
             verbs,
             router: Arc::new(Router::with_wake(PollerWake::new(idle))),
             config,
+            unusable: OnceLock::new(),
         });
         let weak = Arc::downgrade(&device);
         std::thread::Builder::new()
             .name("kvx-rdma-cq".into())
             .spawn(move || poll_loop(weak))?;
+        let weak = Arc::downgrade(&device);
+        std::thread::Builder::new()
+            .name("kvx-rdma-events".into())
+            .spawn(move || event_loop(weak))?;
         Ok(device)
+    }
+
+    /// Why the device cannot be used any more, if an event said so.
+    pub(crate) fn unusable(&self) -> Option<&str> {
+        self.unusable.get().map(String::as_str)
+    }
+
+    /// Acts on one asynchronous event of the device.
+    pub(crate) fn on_event(&self, event: DeviceEvent) {
+        if let Some(why) = event.fatal_to_the_device() {
+            tracing::error!(?event, "rdma device failed: every connection is broken");
+            let _ = self.unusable.set(why.to_owned());
+            self.router.break_all(why);
+            return;
+        }
+        match event {
+            DeviceEvent::QpFatal { qpn } => {
+                let why = format!("queue pair {qpn} failed (QP_FATAL)");
+                let known = self.router.break_qp(qpn, &why);
+                tracing::error!(qpn, known, "rdma queue pair failed");
+            }
+            DeviceEvent::PortError { port } => {
+                tracing::error!(port, "rdma port down: writes fail until it is back")
+            }
+            DeviceEvent::PortActive { port } => tracing::info!(port, "rdma port active"),
+            DeviceEvent::GidChange { port } => {
+                tracing::warn!(
+                    port,
+                    "rdma GID table changed: new connections use the GID chosen at open"
+                )
+            }
+            other => tracing::info!(event = ?other, "rdma device event"),
+        }
+    }
+}
+
+fn event_loop<V: Verbs>(device: Weak<Device<V>>) {
+    loop {
+        let Some(dev) = device.upgrade() else {
+            return;
+        };
+        if let Some(event) = dev.verbs.next_event(EVENT_WAIT) {
+            dev.on_event(event);
+        }
     }
 }
 

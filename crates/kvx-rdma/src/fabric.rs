@@ -111,11 +111,22 @@ impl<V: Verbs> RdmaFabric<V> {
 
     /// Staging is registered for local access only (the NIC reads it for its own writes), a
     /// buffer for peers' writes too.
+    /// Refuses new work on a device an event declared unusable.
+    fn usable(&self) -> Result<(), FabricError> {
+        match self.device.unusable() {
+            Some(why) => Err(FabricError::Io(format!(
+                "the RDMA device is unusable: {why}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn register(
         &self,
         memory: RdmaMemory,
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.usable()?;
         self.device
             .verbs
             .limits()
@@ -204,6 +215,7 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
         staging: Arc<RdmaMemory>,
         credential: kvx_io::FabricCredential,
     ) -> Result<FabricConn, FabricError> {
+        self.usable()?;
         sender::connect(self.device.clone(), endpoint, staging, credential).await
     }
 }

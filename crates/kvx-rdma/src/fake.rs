@@ -38,8 +38,8 @@ use kvx_io::SlotMemory;
 
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    DeviceLimits, MrKeys, PortInfo, QpState, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
-    Wc, WcKind, WcStatus, WriteWr,
+    DeviceEvent, DeviceLimits, MrKeys, PortInfo, QpState, RemoteAccess, Transition, Verbs,
+    VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
 };
 use crate::wire::GidKind;
 
@@ -76,6 +76,8 @@ pub(crate) struct FakeVerbs {
     limits: DeviceLimits,
     /// How long each blocking verbs call takes (`with_slow_verbs`).
     slow: std::time::Duration,
+    /// Asynchronous events waiting to be read (`inject_event`), this device's own.
+    events: Arc<Mutex<VecDeque<DeviceEvent>>>,
 }
 
 #[derive(Debug)]
@@ -145,7 +147,29 @@ impl FakeVerbs {
             gid_kind: GidKind::RoceV2,
             limits: DeviceLimits::UNLIMITED,
             slow: std::time::Duration::ZERO,
+            events: Arc::default(),
         }
+    }
+
+    /// Raises an asynchronous event on this device, as the driver would.
+    pub(crate) fn inject_event(&self, event: DeviceEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(event);
+    }
+
+    /// The numbers of the live queue pairs of this device, in creation order.
+    pub(crate) fn qpns(&self) -> Vec<u32> {
+        let s = self.lock();
+        let mut qpns: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, q)| q.device == self.id)
+            .map(|(n, _)| *n)
+            .collect();
+        qpns.sort_unstable();
+        qpns
     }
 
     /// The same device, each of its blocking verbs calls (registering memory, creating,
@@ -184,6 +208,7 @@ impl FakeVerbs {
             gid_kind: self.gid_kind,
             limits: self.limits,
             slow: self.slow,
+            events: Arc::default(),
         }
     }
 
@@ -298,6 +323,21 @@ impl Verbs for FakeVerbs {
             verbs: self.clone(),
             qpn,
         })
+    }
+
+    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent> {
+        let until = std::time::Instant::now() + wait;
+        loop {
+            let next = self
+                .events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            if next.is_some() || std::time::Instant::now() >= until {
+                return next;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError> {

@@ -30,8 +30,8 @@ use crate::config::RdmaConfig;
 use crate::fabric::RdmaError;
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    wc_status_name, DeviceLimits, PortInfo, RemoteAccess, Transition, Verbs, VerbsError, VerbsQp,
-    Wc, WcKind, WcStatus, WriteWr,
+    wc_status_name, DeviceEvent, DeviceLimits, PortInfo, RemoteAccess, Transition, Verbs,
+    VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
 };
 use crate::wire::GidKind;
 
@@ -396,6 +396,53 @@ impl Verbs for IbvVerbs {
             settings: self.settings,
             _reservation: reservation,
         })
+    }
+
+    #[allow(unsafe_code)]
+    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent> {
+        use rdma_mummy_sys::{ibv_ack_async_event, ibv_async_event, ibv_get_async_event};
+        // SAFETY: the context stays open while `self._ctx` lives, which `&self` keeps.
+        let ctx = unsafe { self._ctx.context() };
+        // SAFETY: `ctx` points at a live `ibv_context`; `async_fd` is a plain field of it.
+        let fd = unsafe { (*ctx.as_ptr()).async_fd };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid `pollfd`, for the duration of the call.
+        if unsafe { libc::poll(&mut pfd, 1, ms) } <= 0 || pfd.revents & libc::POLLIN == 0 {
+            return None;
+        }
+        let mut event = std::mem::MaybeUninit::<ibv_async_event>::zeroed();
+        // SAFETY: `ctx` is live and `event` is writable; the fd is readable, so this does not
+        // block.
+        if unsafe { ibv_get_async_event(ctx.as_ptr(), event.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        let e = event.as_mut_ptr();
+        // SAFETY: filled in by `ibv_get_async_event`. The type is read as the C enum's `u32`
+        // (a value this binding's Rust enum does not list would be undefined behaviour as
+        // that enum), and each element only for the event types that set it.
+        let kind = unsafe {
+            let code = std::ptr::addr_of!((*e).event_type).cast::<u32>().read();
+            let port = || (*e).element.port_num.max(0) as u32;
+            match code {
+                0 => DeviceEvent::CqError,
+                1 => DeviceEvent::QpFatal {
+                    qpn: (*(*e).element.qp).qp_num,
+                },
+                8 => DeviceEvent::DeviceFatal,
+                9 => DeviceEvent::PortActive { port: port() },
+                10 => DeviceEvent::PortError { port: port() },
+                18 => DeviceEvent::GidChange { port: port() },
+                other => DeviceEvent::Other(other),
+            }
+        };
+        // SAFETY: the event `ibv_get_async_event` returned, acknowledged once.
+        unsafe { ibv_ack_async_event(e) };
+        Some(kind)
     }
 
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError> {

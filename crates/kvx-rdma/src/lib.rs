@@ -24,7 +24,8 @@
 //! - `config`: `RdmaConfig`, `PathMtu`.
 //! - `verbs`: the `Verbs` / `VerbsQp` seam, work completions, `Qp` (the RC state machine).
 //! - `memory`: `RdmaMemory`, registered slots and their keys (`MrKeys`) — the crate's
-//!   `unsafe`, but for one argument-less query in `ibv` (`ibv_is_fork_initialized`).
+//!   `unsafe`, but for two calls in `ibv` that sideway does not wrap: the fork query
+//!   (`ibv_is_fork_initialized`) and the event reader (`ibv_get_async_event`).
 //! - `verbs_error`: `VerbsError`, a failed verbs call (a leaf under `verbs` and `memory`).
 //! - `wire`: the side channel's frames (hello, welcome, fence), `Geometry` and `GidKind`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),

@@ -17,7 +17,7 @@ use crate::config::{offered_mtu, path_mtu};
 use crate::device::{off_the_runtime, Device};
 use crate::link;
 use crate::memory::RdmaMemory;
-use crate::route::Route;
+use crate::route::{Route, RouteEvent};
 use crate::verbs::{
     Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus,
 };
@@ -126,7 +126,10 @@ impl<V: Verbs> Connection<V> {
         }
         let (route, wcs) = self.device.router.add();
         let (qp, qp_addr, posted) = match off_the_runtime(|| self.connect_qp(&hello, &route)) {
-            Ok(up) => up,
+            Ok(up) => {
+                route.bind_qp(up.0.qpn());
+                up
+            }
             Err(e) => {
                 warn!(peer = %self.peer, error = %e, "cannot set up a queue pair for a sender");
                 return self.refuse(WelcomeStatus::NoResources).await;
@@ -208,7 +211,7 @@ impl<V: Verbs> Connection<V> {
         mut self,
         mut qp: Qp<V::Qp>,
         mut posted: u32,
-        mut wcs: mpsc::UnboundedReceiver<Wc>,
+        mut wcs: mpsc::UnboundedReceiver<RouteEvent>,
         route: Route,
         control_peer: PeerId,
     ) {
@@ -218,15 +221,20 @@ impl<V: Verbs> Connection<V> {
             tokio::select! {
                 biased;
                 () = self.landed.closed() => break End::ListenerDropped,
-                Some(wc) = wcs.recv() => {
-                    let mut failed = self.on_wc(&mut qp, &mut posted, &wc, control_peer).err();
-                    while failed.is_none() {
-                        match wcs.try_recv() {
-                            Ok(wc) => {
-                                failed = self.on_wc(&mut qp, &mut posted, &wc, control_peer).err();
+                Some(event) = wcs.recv() => {
+                    let mut next = Some(event);
+                    let mut failed = None;
+                    while let Some(event) = next.take() {
+                        failed = match event {
+                            RouteEvent::Wc(wc) => {
+                                self.on_wc(&mut qp, &mut posted, &wc, control_peer).err()
                             }
-                            Err(_) => break,
+                            RouteEvent::Broken(why) => Some(why),
+                        };
+                        if failed.is_some() {
+                            break;
                         }
+                        next = wcs.try_recv().ok();
                     }
                     if let Some(why) = failed {
                         break End::Failed(why);
@@ -315,14 +323,16 @@ impl<V: Verbs> Connection<V> {
     /// many did not come.
     async fn drain(
         &self,
-        wcs: &mut mpsc::UnboundedReceiver<Wc>,
+        wcs: &mut mpsc::UnboundedReceiver<RouteEvent>,
         mut posted: u32,
         peer: PeerId,
     ) -> u32 {
         let deadline = tokio::time::Instant::now() + self.device.config.fence_timeout;
         while posted > 0 {
             match tokio::time::timeout_at(deadline, wcs.recv()).await {
-                Ok(Some(wc)) => {
+                // The device broke the connection: its completions will not come.
+                Ok(Some(RouteEvent::Broken(_))) => break,
+                Ok(Some(RouteEvent::Wc(wc))) => {
                     posted -= 1;
                     if let (WcStatus::Success, WcKind::RecvImm { imm, byte_len }) =
                         (wc.status, wc.kind)

@@ -2,7 +2,8 @@
 //! work request's `wr_id` names its route (high 32 bits: the connection's key) and its place
 //! on that route (low 32 bits: the sender's write sequence, or a receive's number). The poller
 //! thread hands each completion to its route's channel; a completion whose route is gone (its
-//! connection was dropped) is counted and dropped.
+//! connection was dropped) is counted and dropped. A device event that breaks connections
+//! (`Device::on_event`) reaches them on the same channel, as `RouteEvent::Broken`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +24,16 @@ pub(crate) fn split(wr_id: u64) -> (u32, u32) {
     ((wr_id >> 32) as u32, wr_id as u32)
 }
 
+/// What a connection hears on its route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RouteEvent {
+    /// One of its work completions.
+    Wc(Wc),
+    /// The device broke the connection (a completion queue error, a fatal queue pair or
+    /// device error): its completions will not come.
+    Broken(String),
+}
+
 /// The routes of one device.
 #[derive(Debug, Default)]
 pub(crate) struct Router {
@@ -35,7 +46,9 @@ pub(crate) struct Router {
 
 #[derive(Debug, Default)]
 struct Table {
-    by_key: HashMap<u32, mpsc::UnboundedSender<Wc>>,
+    by_key: HashMap<u32, mpsc::UnboundedSender<RouteEvent>>,
+    /// Each route's queue pair, by its number (`Route::bind_qp`).
+    by_qpn: HashMap<u32, u32>,
     next_key: u32,
 }
 
@@ -55,7 +68,7 @@ impl Router {
 
     /// A new route; completions with its key arrive on the returned receiver until the `Route`
     /// is dropped. Keys are never 0 and never shared by two live routes.
-    pub(crate) fn add(self: &Arc<Self>) -> (Route, mpsc::UnboundedReceiver<Wc>) {
+    pub(crate) fn add(self: &Arc<Self>) -> (Route, mpsc::UnboundedReceiver<RouteEvent>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut t = self.table();
         let key = loop {
@@ -78,12 +91,32 @@ impl Router {
         let t = self.table();
         for wc in wcs {
             let (key, _) = split(wc.wr_id);
-            let delivered = t.by_key.get(&key).is_some_and(|tx| tx.send(*wc).is_ok());
+            let delivered = t
+                .by_key
+                .get(&key)
+                .is_some_and(|tx| tx.send(RouteEvent::Wc(*wc)).is_ok());
             if !delivered {
                 self.stale.fetch_add(1, Ordering::Relaxed);
                 tracing::trace!(wr_id = wc.wr_id, status = ?wc.status, "completion without a route");
             }
         }
+    }
+
+    /// Breaks every route (the completion queue or the device failed).
+    pub(crate) fn break_all(&self, why: &str) {
+        for tx in self.table().by_key.values() {
+            let _ = tx.send(RouteEvent::Broken(why.to_owned()));
+        }
+    }
+
+    /// Breaks the route of queue pair `qpn`, if it has one; whether it had.
+    pub(crate) fn break_qp(&self, qpn: u32, why: &str) -> bool {
+        let t = self.table();
+        let Some(tx) = t.by_qpn.get(&qpn).and_then(|key| t.by_key.get(key)) else {
+            return false;
+        };
+        let _ = tx.send(RouteEvent::Broken(why.to_owned()));
+        true
     }
 
     #[cfg(test)]
@@ -113,6 +146,12 @@ impl Route {
         wr_id(self.key, seq)
     }
 
+    /// Names the queue pair this route's completions belong to, so that a device event about
+    /// it reaches this route (`Router::break_qp`).
+    pub(crate) fn bind_qp(&self, qpn: u32) {
+        self.router.table().by_qpn.insert(qpn, self.key);
+    }
+
     /// Work was posted on this route's queue pair: the poller looks at once.
     pub(crate) fn posted(&self) {
         self.router.wake.posted();
@@ -121,7 +160,10 @@ impl Route {
 
 impl Drop for Route {
     fn drop(&mut self) {
-        self.router.table().by_key.remove(&self.key);
+        let mut t = self.router.table();
+        t.by_key.remove(&self.key);
+        let key = self.key;
+        t.by_qpn.retain(|_, k| *k != key);
     }
 }
 
@@ -154,10 +196,14 @@ mod tests {
         let (b, mut rb) = router.add();
         assert_ne!(a.key(), b.key());
         router.dispatch(&[wc(a.wr_id(1)), wc(b.wr_id(7)), wc(a.wr_id(2))]);
-        assert_eq!(ra.try_recv().map(|w| split(w.wr_id).1), Ok(1));
-        assert_eq!(ra.try_recv().map(|w| split(w.wr_id).1), Ok(2));
+        let seq = |e: RouteEvent| match e {
+            RouteEvent::Wc(w) => split(w.wr_id).1,
+            RouteEvent::Broken(why) => panic!("broken: {why}"),
+        };
+        assert_eq!(ra.try_recv().map(seq), Ok(1));
+        assert_eq!(ra.try_recv().map(seq), Ok(2));
         assert!(ra.try_recv().is_err());
-        assert_eq!(rb.try_recv().map(|w| split(w.wr_id).1), Ok(7));
+        assert_eq!(rb.try_recv().map(seq), Ok(7));
         assert_eq!(router.live_routes(), 2);
         drop(a);
         assert_eq!(router.live_routes(), 1);
@@ -170,6 +216,24 @@ mod tests {
         drop(rb);
         router.dispatch(&[wc(b.wr_id(8))]);
         assert_eq!(router.stale_completions(), 2, "a closed receiver's too");
+    }
+
+    #[test]
+    fn a_broken_queue_pair_breaks_its_own_route_and_a_broken_device_every_route() {
+        let router = Arc::new(Router::default());
+        let (a, mut ra) = router.add();
+        let (b, mut rb) = router.add();
+        a.bind_qp(0x101);
+        b.bind_qp(0x102);
+        assert!(router.break_qp(0x102, "fatal"));
+        assert!(!router.break_qp(0x999, "no such queue pair"));
+        assert!(ra.try_recv().is_err());
+        assert_eq!(rb.try_recv(), Ok(RouteEvent::Broken("fatal".into())));
+        router.break_all("cq error");
+        assert_eq!(ra.try_recv(), Ok(RouteEvent::Broken("cq error".into())));
+        assert_eq!(rb.try_recv(), Ok(RouteEvent::Broken("cq error".into())));
+        drop(b);
+        assert!(!router.break_qp(0x102, "gone with its route"));
     }
 
     #[test]

@@ -18,8 +18,8 @@ use crate::device::{off_the_runtime, Device};
 use crate::engine::{Phase, RemoteBuffer, SendEngine};
 use crate::link;
 use crate::memory::RdmaMemory;
-use crate::route::Route;
-use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc};
+use crate::route::{Route, RouteEvent};
+use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError};
 use crate::wire::{
     Control, Geometry, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION,
     WELCOME_LEN,
@@ -52,6 +52,7 @@ pub(crate) async fn connect<V: Verbs>(
     qp.modify(Transition::Init(RemoteAccess::None))
         .map_err(verbs_err)?;
     let (route, wcs) = device.router.add();
+    route.bind_qp(qp.qpn());
     let port = device.verbs.port();
     let offer = offered_mtu(port.mtu, device.config.mtu);
     let psn = link::fresh_psn();
@@ -184,7 +185,7 @@ struct SenderTask<V: Verbs> {
 struct Conn<Q: crate::verbs::VerbsQp> {
     engine: SendEngine<Q>,
     route: Route,
-    wcs: mpsc::UnboundedReceiver<Wc>,
+    wcs: mpsc::UnboundedReceiver<RouteEvent>,
     ops: mpsc::UnboundedReceiver<ConnOp>,
     done: mpsc::UnboundedSender<Completion>,
 }
@@ -225,10 +226,16 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
         }
     }
 
-    fn take_wcs(&mut self, first: Wc) {
-        self.engine.handle_wc(&first);
-        while let Ok(wc) = self.wcs.try_recv() {
-            self.engine.handle_wc(&wc);
+    fn take_wcs(&mut self, first: RouteEvent) {
+        let mut next = Some(first);
+        while let Some(event) = next.take() {
+            match event {
+                RouteEvent::Wc(wc) => self.engine.handle_wc(&wc),
+                // The device broke it: fence and flush as for a broken side channel (the
+                // flush completions may never come; `await_flushes` is bounded).
+                RouteEvent::Broken(why) => self.engine.handle_broken(why),
+            }
+            next = self.wcs.try_recv().ok();
         }
     }
 

@@ -1,8 +1,8 @@
 //! What kvx asks of the device, over the NIC model: its limits (`limits`; a geometry beyond
 //! them is refused up front naming the limit, and a receiver posts no more receives than a
 //! queue holds), least-privilege access rights (only a receiver's buffer and queue pair
-//! take peers' writes), GIDs of one kind on both ends, and verbs calls that block kept off
-//! the runtime's workers.
+//! take peers' writes), GIDs of one kind on both ends, verbs calls that block kept off the
+//! runtime's workers, and the device's asynchronous events acted on.
 
 use std::time::Duration;
 
@@ -14,7 +14,9 @@ use kvx_proto::StagingSlot;
 use crate::fake::FakeVerbs;
 use crate::memory::RdmaMemory;
 use crate::tests::{attach, completions, write};
-use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, WcKind, WcStatus, WriteWr};
+use crate::verbs::{
+    DeviceEvent, Qp, RemoteAccess, RtrParams, Transition, Verbs, WcKind, WcStatus, WriteWr,
+};
 use crate::wire::{GidKind, QpAddr};
 use crate::{DeviceLimits, RdmaConfig, RdmaFabric};
 
@@ -267,5 +269,92 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
     assert!(
         worst < slow - Duration::from_millis(50),
         "the worker was held up for {worst:?}"
+    );
+}
+
+/// A completion queue failure (CQ_ERR) breaks every connection and marks the device
+/// unusable: later writes fail, and new connections and memory are refused naming why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
+    let verbs = FakeVerbs::new();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(1),
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(verbs.clone(), config).expect("fabric");
+    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging.clone(), credential)
+        .await
+        .expect("connect");
+    conn.post(write(1, 0, 1)).expect("post");
+    assert_eq!(completions(&mut conn, 1).await, vec![(1, Ok(()))]);
+    verbs.inject_event(DeviceEvent::CqError);
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match f.allocate_staging(1, 64) {
+                Err(e) => return e.to_string(),
+                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    })
+    .await
+    .expect("the device is marked unusable");
+    assert!(refused.contains("CQ_ERR"), "{refused}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    conn.post(write(2, 1, 1))
+        .expect("a broken connection still takes posts");
+    let later = completions(&mut conn, 1).await;
+    assert!(later[0].1.is_err(), "{later:?}");
+    let e = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("unusable"), "{e}");
+}
+
+/// A queue pair's fatal error (QP_FATAL) breaks its own connection only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
+    let verbs = FakeVerbs::new();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(1),
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(verbs.clone(), config).expect("fabric");
+    let listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
+    let credential = attach(&listener, 0..8, 1);
+    let mut broken = f
+        .connect(
+            &listener.local_endpoint,
+            f.allocate_staging(2, 1024).expect("staging"),
+            credential,
+        )
+        .await
+        .expect("connect");
+    // The sender's queue pair is created before the receiver's.
+    let broken_qpn = verbs.qpns()[0];
+    let mut healthy = f
+        .connect(
+            &listener.local_endpoint,
+            f.allocate_staging(2, 1024).expect("staging"),
+            credential,
+        )
+        .await
+        .expect("connect");
+    verbs.inject_event(DeviceEvent::QpFatal { qpn: broken_qpn });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    broken.post(write(1, 0, 1)).expect("post");
+    let out = completions(&mut broken, 1).await;
+    assert!(out[0].1.is_err(), "{out:?}");
+    healthy.post(write(2, 4, 1)).expect("post");
+    assert_eq!(completions(&mut healthy, 1).await, vec![(2, Ok(()))]);
+    assert!(
+        f.allocate_staging(1, 64).is_ok(),
+        "the device is still usable"
     );
 }

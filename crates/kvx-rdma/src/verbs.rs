@@ -134,10 +134,44 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     /// must hold every outstanding work request of every queue pair).
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<Self::Qp, VerbsError>;
 
+    /// The device's next asynchronous event, waiting at most `wait` for one (acknowledged
+    /// before it is returned).
+    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent>;
+
     /// Moves the completions now in the completion queue into `out`, at most `max` of them
     /// (the rest wait for the next poll), so that a busy queue cannot keep the poller from
     /// handing on what it has.
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError>;
+}
+
+/// An asynchronous event of the device (`ibv_get_async_event`), as kvx acts on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceEvent {
+    /// The completion queue failed (overrun): no connection's completions can be trusted.
+    CqError,
+    /// A queue pair hit an error no work completion reports.
+    QpFatal { qpn: u32 },
+    /// The device failed: nothing on it works any more.
+    DeviceFatal,
+    /// A port went down.
+    PortError { port: u32 },
+    /// A port came up.
+    PortActive { port: u32 },
+    /// A port's GID table changed (an address moved).
+    GidChange { port: u32 },
+    /// Any other event, by its verbs number.
+    Other(u32),
+}
+
+impl DeviceEvent {
+    /// Why it breaks every connection and the fabric, when it does.
+    pub fn fatal_to_the_device(&self) -> Option<&'static str> {
+        match self {
+            DeviceEvent::CqError => Some("the completion queue failed (CQ_ERR)"),
+            DeviceEvent::DeviceFatal => Some("the device failed (DEVICE_FATAL)"),
+            _ => None,
+        }
+    }
 }
 
 /// The peer and path settings for RTR.
