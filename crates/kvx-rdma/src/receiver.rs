@@ -217,6 +217,8 @@ impl<V: Verbs> Connection<V> {
     ) {
         let mut control = [0u8; CONTROL_LEN];
         let mut have = 0usize;
+        // Set when the device broke the connection: its completions will not come.
+        let mut device_broke = false;
         let end = loop {
             tokio::select! {
                 biased;
@@ -229,7 +231,10 @@ impl<V: Verbs> Connection<V> {
                             RouteEvent::Wc(wc) => {
                                 self.on_wc(&mut qp, &mut posted, &wc, control_peer).err()
                             }
-                            RouteEvent::Broken(why) => Some(why),
+                            RouteEvent::Broken(why) => {
+                                device_broke = true;
+                                Some(why)
+                            }
                         };
                         if failed.is_some() {
                             break;
@@ -265,8 +270,12 @@ impl<V: Verbs> Connection<V> {
         // or flushed — so take them all, announcing the landed ones, before answering the
         // fence and destroying the queue pair (which also hands back its share of the
         // completion queue only when nothing of it is left there).
-        let left = self.drain(&mut wcs, posted, control_peer).await;
-        if left > 0 {
+        let left = if device_broke {
+            posted
+        } else {
+            self.drain(&mut wcs, posted, control_peer).await
+        };
+        if left > 0 && !device_broke {
             warn!(peer = %self.peer, left, "rdma receives not drained within the fence timeout");
         }
         if let End::Fenced = end {
