@@ -186,3 +186,17 @@ pub(crate) fn export(py: Python<'_>, memory: MemoryView) -> PyResult<Py<PyAny>> 
         .call_method1("cast", ("B",))?;
     Ok(view.unbind())
 }
+
+/// The byte view slot views are cut from, once the sender or receiver started: the lent
+/// memory's (`choose`), or else kvx's own memory's (the shm fabric's mapping, which exists
+/// only now), or none when that cannot be viewed.
+pub(crate) fn view_once_started(
+    py: Python<'_>,
+    lent: Option<Py<PyAny>>,
+    own: impl FnOnce() -> Option<MemoryView>,
+) -> PyResult<Option<Py<PyAny>>> {
+    match lent {
+        Some(view) => Ok(Some(view)),
+        None => own().map(|m| export(py, m)).transpose(),
+    }
+}

@@ -100,12 +100,7 @@ impl Sender {
         let inner = py
             .detach(|| kvx_embed::Sender::start(rt, settings))
             .map_err(|e| errors::embed(&e))?;
-        // The shm fabric's memory is kvx's own mapping: viewed once it exists.
-        let view = match (view, inner.memory_view()) {
-            (Some(view), _) => Some(view),
-            (None, Some(own)) => Some(memory::export(py, own)?),
-            (None, None) => None,
-        };
+        let view = memory::view_once_started(py, view, || inner.memory_view())?;
         Ok(Self { inner, view })
     }
 

@@ -28,11 +28,17 @@ const LIMITS: DeviceLimits = DeviceLimits {
 };
 
 fn fabric() -> RdmaFabric<FakeVerbs> {
+    fabric_on(FakeVerbs::new().with_limits(LIMITS))
+}
+
+/// A fabric over `verbs` with a short fence timeout (a broken connection's flush is bounded
+/// by it).
+fn fabric_on(verbs: FakeVerbs) -> RdmaFabric<FakeVerbs> {
     let config = RdmaConfig {
-        fence_timeout: Duration::from_secs(2),
+        fence_timeout: Duration::from_secs(1),
         ..RdmaConfig::default()
     };
-    RdmaFabric::with_verbs(FakeVerbs::new().with_limits(LIMITS), config).expect("fabric")
+    RdmaFabric::with_verbs(verbs, config).expect("fabric")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -277,11 +283,7 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
     let verbs = FakeVerbs::new();
-    let config = RdmaConfig {
-        fence_timeout: Duration::from_secs(1),
-        ..RdmaConfig::default()
-    };
-    let f = RdmaFabric::with_verbs(verbs.clone(), config).expect("fabric");
+    let f = fabric_on(verbs.clone());
     let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
     let staging = f.allocate_staging(2, 1024).expect("staging");
     let credential = attach(&listener, 0..4, 1);
@@ -321,11 +323,7 @@ async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
     let verbs = FakeVerbs::new();
-    let config = RdmaConfig {
-        fence_timeout: Duration::from_secs(1),
-        ..RdmaConfig::default()
-    };
-    let f = RdmaFabric::with_verbs(verbs.clone(), config).expect("fabric");
+    let f = fabric_on(verbs.clone());
     let listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
     let credential = attach(&listener, 0..8, 1);
     let mut broken = f
