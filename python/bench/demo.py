@@ -20,6 +20,7 @@ median of each round's ratio, and the per-chunk cost in µs.
 """
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -34,9 +35,10 @@ import kvx.testing
 
 CHUNK = 1 << 20
 DECODERS = 1
+IN_FLIGHT = 4
 
 
-def python_demo(seed: int, fabric: str = "tcp") -> dict:
+def python_demo(seed: int, fabric: str = "tcp", driver: str = "threads") -> dict:
     rng = random.Random(seed)
     rx = kvx.Receiver(slots=64, slot_bytes=CHUNK, peer_share_percent=75, fabric=fabric)
     senders = [
@@ -54,6 +56,17 @@ def python_demo(seed: int, fabric: str = "tcp") -> dict:
     # The clock stops when the last request is verified, as `kvx demo`'s does: not when
     # the threads have joined (a second decoder would add its last `next_ready` timeout).
     done_at = [None]
+
+    def finish(start):
+        elapsed = (done_at[0] or time.perf_counter()) - start
+        for tx in senders:
+            tx.close()
+        return {
+            "bytes_verified": verified[0],
+            "chunks_corrupted": corrupt[0],
+            "bytes_expected": total * CHUNK,
+            "bytes_per_sec": verified[0] / elapsed,
+        }
 
     def decoder():
         deadline = time.monotonic() + 300
@@ -87,6 +100,43 @@ def python_demo(seed: int, fabric: str = "tcp") -> dict:
                     tx.submit(req_id, last=c + 1 == chunks)
             tx.wait_outcome(req_id, timeout=60)
 
+    async def prefill_async(tx, peer, work):
+        while work:
+            req_id, chunks = work.pop(0)
+            tx.begin(req_id, receiver=peer, total_chunks=chunks)
+            await asyncio.wait_for(tx.admitted(req_id), 60)
+            for c in range(chunks):
+                slot = await tx.allocate_async(req_id)
+                kvx.testing.fill(slot, req_id, c)
+                tx.add(slot, f"{req_id}@{c}", tokens=256)
+                if (c + 1) % 4 == 0 or c + 1 == chunks:
+                    tx.submit(req_id, last=c + 1 == chunks)
+            await asyncio.wait_for(tx.outcome(req_id), 60)
+
+    async def decoder_async():
+        while seen[0] < want:
+            for lease in await rx.ready(max=4):
+                with lease:
+                    good = sum(kvx.testing.check(lease, c) for c in range(len(lease)))
+                verified[0] += good * CHUNK
+                corrupt[0] += len(lease) - good
+                seen[0] += 1
+        done_at[0] = time.perf_counter()
+
+    if driver == "asyncio":
+        async def run_all():
+            peers = [tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint) for tx in senders]
+            works = [list(p) for p in plans]
+            return await asyncio.wait_for(asyncio.gather(
+                decoder_async(),
+                *(prefill_async(tx, peer, work)
+                  for tx, peer, work in zip(senders, peers, works) for _ in range(IN_FLIGHT))),
+                300)
+
+        start = time.perf_counter()
+        asyncio.run(run_all())
+        return finish(start)
+
     # One decoder thread: two or four were no faster (docs/PERFORMANCE.md, "Python").
     decoders = [threading.Thread(target=decoder) for _ in range(DECODERS)]
     threads = []
@@ -96,20 +146,13 @@ def python_demo(seed: int, fabric: str = "tcp") -> dict:
     for s, tx in enumerate(senders):
         peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
         work, lock = list(plans[s]), threading.Lock()
-        threads += [threading.Thread(target=prefill, args=(tx, peer, work, lock)) for _ in range(4)]
+        threads += [threading.Thread(target=prefill, args=(tx, peer, work, lock))
+                    for _ in range(IN_FLIGHT)]
     for t in threads:
         t.start()
     for t in threads + decoders:
         t.join()
-    elapsed = (done_at[0] or time.perf_counter()) - start
-    for tx in senders:
-        tx.close()
-    return {
-        "bytes_verified": verified[0],
-        "chunks_corrupted": corrupt[0],
-        "bytes_expected": total * CHUNK,
-        "bytes_per_sec": verified[0] / elapsed,
-    }
+    return finish(start)
 
 
 def rust_demo(kvx_bin: str, seed: int, fabric: str = "tcp") -> dict:
@@ -163,11 +206,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fabric", choices=("tcp", "shm"), default="tcp",
                     help="the fabric of both runs (default tcp)")
+    ap.add_argument("--driver", choices=("threads", "asyncio"), default="threads",
+                    help="threads: each request in flight a thread of its own (default); "
+                    "asyncio: each a coroutine on one event loop, through the awaitables")
     args = ap.parse_args()
     rust, py = [], []
     for r in range(args.rounds):  # alternated, so that both see the same machine
         rust.append(rust_demo(args.kvx, r, args.fabric)["bytes_per_sec"])
-        p = python_demo(r, args.fabric)
+        p = python_demo(r, args.fabric, args.driver)
         if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
             raise SystemExit(f"python demo lost or corrupted bytes: {p}")
         py.append(p["bytes_per_sec"])

@@ -1,5 +1,6 @@
 """Type stubs of kvx's native module (crates/kvx-py)."""
 
+from asyncio import Future
 from typing import Any, Dict, List, Optional, Sequence, Tuple, final
 
 from typing_extensions import Self
@@ -145,10 +146,16 @@ class Sender:
         """Begins a request; its admission probe goes out at once."""
     def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
         """True once admitted, False when ``timeout`` passed; raises when it failed."""
+    def admitted(self, req_id: str) -> Future[None]:
+        """Awaitable ``wait_admitted``: done once admitted; raises why it failed. Unbounded
+        (bound it with ``asyncio.timeout``/``wait_for``). Needs a running event loop."""
     def allocate(self, req_id: str, timeout: Optional[float] = None) -> StagingSlot:
         """Takes a staging slot (``TimedOutError`` after ``timeout``, default
         ``staging_timeout``); submits the request's own added chunks first when they alone
         hold every slot."""
+    def allocate_async(self, req_id: str, timeout: Optional[float] = None) -> Future[StagingSlot]:
+        """Awaitable ``allocate``, without blocking the event loop: already done when a slot
+        is free. Cancelled, it hands back a slot it got."""
     def add(self, slot: StagingSlot, key: str, *, nbytes: Optional[int] = None, tokens: int = 0) -> None:
         """Adds the written slot to its request's next batch (checksummed now)."""
     def submit(self, req_id: str, *, last: bool = False) -> None:
@@ -157,6 +164,9 @@ class Sender:
         """Cancels the request wherever it is; its end is ``CancelledError``."""
     def wait_outcome(self, req_id: str, timeout: Optional[float] = None) -> None:
         """Returns when delivered; raises why it failed, or ``TimedOutError``."""
+    def outcome(self, req_id: str) -> Future[None]:
+        """Awaitable ``wait_outcome``: done once delivered; raises why it failed. Unbounded
+        (bound it with ``asyncio.timeout``/``wait_for``)."""
     def next_ends(self, max: int = 64, timeout: Optional[float] = None) -> List[Tuple[str, Optional[KvxError]]]:
         """Up to ``max`` request ends as ``(req_id, error or None)``; ``[]`` after ``timeout``."""
     @property
@@ -236,6 +246,10 @@ class Receiver:
     def fabric_endpoint(self) -> str: ...
     def next_ready(self, max: int = 16, timeout: Optional[float] = None) -> List[ReadLease]:
         """Up to ``max`` ready requests, leased; ``[]`` after ``timeout``."""
+    def ready(self, max: int = 16) -> Future[List[ReadLease]]:
+        """Awaitable ``next_ready``: up to ``max`` ready requests once the first is ready.
+        Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
+        nothing: leases it had taken go to the next ``ready``/``next_ready``."""
     def snapshot(self, timeout: float = 5.0) -> Dict[str, int]:
         """The buffer's accounting: capacity, free, held, reserved_unallocated,
         quarantined, tracked_requests, admission_queue_len."""

@@ -8,7 +8,8 @@
 //!   one `match` from a choice to a concrete `Env`.
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
-//! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop).
+//! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
+//!   never lost to a caller that stops waiting).
 //! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends).
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.

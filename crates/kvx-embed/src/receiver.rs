@@ -7,10 +7,12 @@
 //! lease, which frees the slots for other requests. A lease dropped unconsumed is consumed
 //! then, so no slot is ever leaked.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use kvx_io::{Env, SlotMemory};
@@ -19,7 +21,7 @@ use kvx_node::{
 };
 use kvx_proto::receiver::{ChunkLayout, ConsumeError};
 use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::choice::{EnvChoice, EnvVisitor};
 use crate::memory::{Memory, MemoryView};
@@ -139,9 +141,69 @@ impl EnvVisitor for Start {
 pub struct Receiver {
     runtime: Runtime,
     reader: Arc<dyn ReaderApi>,
-    notices: tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    notices: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>>,
+    /// Leases taken for callers that stopped waiting before they got them: the next caller
+    /// gets them first, so that a ready request is never released unread because the call
+    /// that took it off the stream was cancelled.
+    returned: Arc<Returned>,
     alloc_endpoint: String,
     fabric_endpoint: String,
+}
+
+/// Leases given back, for the next caller; a caller already waiting for the stream hears of
+/// them (`arrived`), since they may come while it waits.
+#[derive(Default)]
+struct Returned {
+    leases: Mutex<VecDeque<ReadLease>>,
+    arrived: tokio::sync::Notify,
+}
+
+impl Returned {
+    fn give_back(&self, leases: Vec<ReadLease>) {
+        if leases.is_empty() {
+            return;
+        }
+        self.lock().extend(leases);
+        self.arrived.notify_waiters();
+    }
+
+    /// Up to `max` leases given back, oldest first.
+    fn take(&self, max: usize) -> Vec<ReadLease> {
+        let mut leases = self.lock();
+        let n = leases.len().min(max);
+        leases.drain(..n).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<ReadLease>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The leases of ready requests already off the stream, on their way from the task that
+/// leases them to the caller. Dropped before they arrive (the caller stopped waiting), it
+/// closes the way and puts back whatever had arrived: the task then puts back the rest.
+struct Handover {
+    leases: oneshot::Receiver<Vec<ReadLease>>,
+    returned: Arc<Returned>,
+}
+
+impl Future for Handover {
+    type Output = Vec<ReadLease>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Vec<ReadLease>> {
+        // An error: the leasing task panicked; its leases were released as it unwound.
+        Pin::new(&mut self.leases)
+            .poll(cx)
+            .map(|got| got.unwrap_or_default())
+    }
+}
+
+impl Drop for Handover {
+    fn drop(&mut self) {
+        self.leases.close();
+        if let Ok(leases) = self.leases.try_recv() {
+            self.returned.give_back(leases);
+        }
+    }
 }
 
 impl fmt::Debug for Receiver {
@@ -247,7 +309,8 @@ impl Receiver {
         Ok(Self {
             runtime: runtime.clone(),
             reader: Arc::from(started.reader),
-            notices: tokio::sync::Mutex::new(started.notices),
+            notices: Arc::new(tokio::sync::Mutex::new(started.notices)),
+            returned: Arc::default(),
             alloc_endpoint: started.alloc_endpoint,
             fabric_endpoint: started.fabric_endpoint,
         })
@@ -271,12 +334,17 @@ impl Receiver {
         self.runtime.block_on(self.take_ready(max, Some(deadline)))
     }
 
-    /// The async form of `next_ready`, waiting for the first as long as it takes. Dropped
-    /// while it waits for the first, it loses nothing; dropped after (while leasing the
-    /// batch), the leases it gathered are released unread: bound the wait with `next_ready`
-    /// rather than a timeout around this future.
+    /// The async form of `next_ready`, waiting for the first as long as it takes. Dropping
+    /// it (a timeout, a cancelled task) loses nothing: leases it had taken go to the next
+    /// call.
     pub async fn ready(&self, max: usize) -> Vec<ReadLease> {
         self.take_ready(max, None).await
+    }
+
+    /// Hands leases back unread: the next `next_ready`/`ready` call gets them first. For a
+    /// caller that took them but can no longer use them (its own caller went away).
+    pub fn give_back(&self, leases: Vec<ReadLease>) {
+        self.returned.give_back(leases);
     }
 
     /// Only the wait for the first notice is bounded by `deadline`: once a request is taken
@@ -290,37 +358,71 @@ impl Receiver {
         if max == 0 {
             return Vec::new();
         }
+        // Waiting for the first notice can be cancelled at any point without losing one.
         let first = async {
-            let mut notices = self.notices.lock().await;
-            let first = notices.recv().await;
-            first.map(|n| (n, notices))
+            let mut notices = self.notices.clone().lock_owned().await;
+            loop {
+                // Armed before the look, so that leases given back after it wake the wait.
+                let arrived = self.returned.arrived.notified();
+                tokio::pin!(arrived);
+                arrived.as_mut().enable();
+                let returned = self.returned.take(max);
+                if !returned.is_empty() {
+                    return Some(Err(returned));
+                }
+                tokio::select! {
+                    first = notices.recv() => return first.map(|n| Ok((n, notices))),
+                    () = &mut arrived => {}
+                }
+            }
         };
         let first = match deadline {
             Some(at) => tokio::time::timeout_at(at, first).await.ok().flatten(),
             None => first.await,
         };
-        let Some((first, mut notices)) = first else {
-            return Vec::new();
+        let (first, notices) = match first {
+            None => return Vec::new(),
+            Some(Err(returned)) => return returned,
+            Some(Ok(first)) => first,
         };
-        let mut out = Vec::new();
-        let mut next = Some(first);
-        while let Some(notice) = next.take() {
-            if let ReceiverNotice::Ready(ready) = notice {
-                if let Ok(slots) = self.reader.acquire(&ready.key).await {
-                    out.push(ReadLease {
-                        runtime: self.runtime.clone(),
-                        reader: self.reader.clone(),
-                        ready,
-                        slots,
-                        consumed: false,
-                    });
+        // From here the notices are off the stream: they are leased by a task that the
+        // caller cannot cancel, and handed over, or put back if the caller left.
+        let (tx, leases) = oneshot::channel();
+        let (runtime, reader, returned) = (
+            self.runtime.clone(),
+            self.reader.clone(),
+            self.returned.clone(),
+        );
+        self.runtime.spawn(async move {
+            let mut out = Vec::new();
+            let mut notices = notices;
+            let mut next = Some(first);
+            while let Some(notice) = next.take() {
+                if let ReceiverNotice::Ready(ready) = notice {
+                    if let Ok(slots) = reader.acquire(&ready.key).await {
+                        out.push(ReadLease {
+                            runtime: runtime.clone(),
+                            reader: reader.clone(),
+                            ready,
+                            slots,
+                            consumed: false,
+                        });
+                    }
+                }
+                if out.len() < max {
+                    next = notices.try_recv().ok();
                 }
             }
-            if out.len() < max {
-                next = notices.try_recv().ok();
+            drop(notices);
+            if let Err(out) = tx.send(out) {
+                returned.give_back(out);
             }
+        });
+        Handover {
+            leases,
+            returned: self.returned.clone(),
         }
-        out
+        .await
     }
 
     /// The buffer's accounting now (for leak checks and monitoring), waiting at most

@@ -52,4 +52,10 @@ impl Runtime {
     pub fn handle(&self) -> &tokio::runtime::Handle {
         self.inner.handle()
     }
+
+    /// The tokio runtime itself, for a bridge that must be handed one to spawn on (Python's
+    /// asyncio bridge: kvx's awaitables then run on kvx's workers, not on a second runtime).
+    pub fn tokio(&self) -> &tokio::runtime::Runtime {
+        &self.inner
+    }
 }

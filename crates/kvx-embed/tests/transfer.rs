@@ -1,12 +1,15 @@
 //! `kvx_embed::Sender` and `Receiver` over ZeroMQ and the TCP fabric on loopback, with
 //! staging and receive buffer in memory the test owns: the worked example (one sender
 //! interleaving two 8-chunk requests into a 10-slot buffer) delivered byte for byte, request
-//! ends polled in batches, and guards that hand back what they hold when dropped.
+//! ends polled in batches, guards that hand back what they hold when dropped, and a `ready`
+//! future dropped mid-lease that leaves its request to the next call.
 
 #![allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
 
 use std::cell::UnsafeCell;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use kvx_embed::{EnvChoice, Memory, Receiver, ReceiverSettings, Runtime, Sender, SenderSettings};
@@ -349,4 +352,48 @@ fn concurrent_first_connects_to_one_receiver_all_wait_for_its_channel() {
             assert_eq!(j.join().expect("no panic"), Ok(true), "admitted in time");
         }
     });
+}
+
+/// A `ready` future dropped after it took a request off the stream, while that request is
+/// being leased (the caller's timeout fired, its task was cancelled): the lease goes to the
+/// next call, byte for byte, instead of being released unread.
+#[test]
+fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
+    let p = pair(4, 2);
+    // The leasing runs on the runtime while this thread polls: a poll that finds it already
+    // done delivers the lease the usual way, so the case is tried again (bounded).
+    for attempt in 0..20 {
+        let id = format!("r{attempt}");
+        let req = ReqId(id.clone());
+        p.sender.begin(spec(&id, p.peer, 1)).expect("begins");
+        assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
+        let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
+        guard.with_slot(&mut |slot| slot.copy_from_slice(&pattern(&id, 0)));
+        p.sender
+            .add(guard, format!("{id}@0"), SLOT, 1)
+            .expect("added");
+        p.sender.submit(&req, true).expect("submitted");
+        p.sender
+            .wait_outcome(&req, WAIT)
+            .expect("ended")
+            .expect("delivered");
+        let mut ready = Box::pin(p.receiver.ready(4));
+        let mut cx = Context::from_waker(Waker::noop());
+        if let Poll::Ready(leases) = ready.as_mut().poll(&mut cx) {
+            assert_eq!(leases.len(), 1);
+            leases
+                .into_iter()
+                .for_each(|l| l.consume(WAIT).expect("consumed"));
+            continue;
+        }
+        drop(ready);
+        let leases = p.receiver.next_ready(4, WAIT);
+        assert_eq!(leases.len(), 1, "the dropped call's request is lost");
+        assert_eq!(leases[0].key().req_id, req);
+        let mut bytes = Vec::new();
+        leases[0].with_chunk(0, &mut |b| bytes = b.to_vec());
+        assert!(bytes == pattern(&id, 0), "the request's bytes changed");
+        return;
+    }
+    panic!("every poll found the leasing already done: the case was never tried");
 }

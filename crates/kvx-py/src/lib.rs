@@ -1,10 +1,12 @@
 //! `kvx._kvx`: the native half of the `kvx` Python package (`python/kvx`), over kvx-embed.
 //! Every blocking call releases the GIL and waits in short slices, checking for signals
-//! between them, so Ctrl-C interrupts it; errors are the typed exceptions of `errors`.
+//! between them, so Ctrl-C interrupts it; the waits also come as asyncio awaitables (`aio`);
+//! errors are the typed exceptions of `errors`.
 //!
 //! Map:
 //! - `errors`: the exception classes and the mapping from kvx's errors to them.
 //! - `wait`: bounded, interruptible waits with the GIL released.
+//! - `aio`: asyncio futures over kvx's async calls (the awaitable methods).
 //! - `runtime`: the process's shared kvx runtime.
 //! - `proxy`: `Proxy` and `ProxyWait`.
 //! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`.
@@ -14,6 +16,7 @@
 
 use pyo3::prelude::*;
 
+mod aio;
 mod env;
 mod errors;
 mod memory;

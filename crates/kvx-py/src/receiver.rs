@@ -8,9 +8,9 @@ use kvx_proto::receiver::ChunkLayout;
 use kvx_proto::ReceiverConfig;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
-use crate::{env, errors, memory, runtime, wait};
+use crate::{aio, env, errors, memory, runtime, wait};
 
 /// A receiver: admits senders' requests into its buffer of ``slots × slot_bytes`` and hands
 /// each complete request to the decoder.
@@ -122,20 +122,19 @@ impl Receiver {
             (!got.is_empty()).then_some(got)
         })?
         .unwrap_or_default();
-        let slot_bytes = self.inner.slot_bytes();
-        Ok(leases
-            .into_iter()
-            .map(|lease| ReadLease {
-                req_id: lease.key().req_id.0.clone(),
-                slots: lease.slots().iter().map(|s| s.0).collect(),
-                keys: lease.chunk_keys().to_vec(),
-                layout: lease.layout().clone(),
-                tokens: lease.chunk_tokens().to_vec(),
-                slot_bytes,
-                view: self.view.as_ref().map(|v| v.clone_ref(py)),
-                lease: Mutex::new(Some(lease)),
-            })
-            .collect())
+        Ok(leases.into_iter().map(|l| self.lease(py, l)).collect())
+    }
+
+    /// Awaitable ``next_ready``: up to ``max`` ready requests, leased, once the first is
+    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``). Cancelled, it
+    /// loses nothing: leases it had taken go to the next ``ready``/``next_ready`` call.
+    #[pyo3(signature = (max = 16))]
+    fn ready<'py>(slf: &Bound<'py, Self>, max: usize) -> PyResult<Bound<'py, PyAny>> {
+        let owner: Py<Self> = slf.clone().unbind();
+        aio::spawn(slf.py(), async move {
+            let leases = owner.get().inner.ready(max).await;
+            Ok(Leased { owner, leases })
+        })
     }
 
     /// The buffer's accounting now: ``capacity``, ``free``, ``held``,
@@ -189,6 +188,51 @@ impl Receiver {
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
         self.close(py);
+    }
+}
+
+impl Receiver {
+    fn lease(&self, py: Python<'_>, lease: Lease) -> ReadLease {
+        ReadLease {
+            req_id: lease.key().req_id.0.clone(),
+            slots: lease.slots().iter().map(|s| s.0).collect(),
+            keys: lease.chunk_keys().to_vec(),
+            layout: lease.layout().clone(),
+            tokens: lease.chunk_tokens().to_vec(),
+            slot_bytes: self.inner.slot_bytes(),
+            view: self.view.as_ref().map(|v| v.clone_ref(py)),
+            lease: Mutex::new(Some(lease)),
+        }
+    }
+}
+
+/// Leases on their way to an awaiting caller: made into ``ReadLease`` objects on the loop's
+/// thread, or given back to the receiver if the caller was cancelled before that.
+struct Leased {
+    owner: Py<Receiver>,
+    leases: Vec<Lease>,
+}
+
+impl<'py> IntoPyObject<'py> for Leased {
+    type Target = PyList;
+    type Output = Bound<'py, PyList>;
+    type Error = PyErr;
+
+    fn into_pyobject(mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let leases = std::mem::take(&mut self.leases);
+        let owner = self.owner.get();
+        PyList::new(py, leases.into_iter().map(|l| owner.lease(py, l)))
+    }
+}
+
+impl Drop for Leased {
+    fn drop(&mut self) {
+        if !self.leases.is_empty() {
+            self.owner
+                .get()
+                .inner
+                .give_back(std::mem::take(&mut self.leases));
+        }
     }
 }
 

@@ -16,7 +16,11 @@ pub(crate) fn get() -> PyResult<&'static Runtime> {
     }
     let workers = *WORKERS.lock().unwrap_or_else(|p| p.into_inner());
     let rt = Runtime::new(workers).map_err(crate::errors::start)?;
-    Ok(RUNTIME.get_or_init(|| rt))
+    let rt = RUNTIME.get_or_init(|| rt);
+    // The awaitables (`Sender.admitted`, …) run on this runtime; an `Err` means a racing
+    // first call set it already, to this same runtime.
+    let _ = pyo3_async_runtimes::tokio::init_with_runtime(rt.tokio());
+    Ok(rt)
 }
 
 /// Sets the number of threads kvx's runtime uses (default 2). Call it before making any kvx

@@ -9,8 +9,9 @@ use kvx_proto::sender::{RequestSpec, SendError};
 use kvx_proto::{PeerId, ReqId, SenderConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
 
-use crate::{env, errors, memory, runtime, wait};
+use crate::{aio, env, errors, memory, runtime, wait};
 
 /// How long leaving a ``with`` block waits for the notices already due to the proxy.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
@@ -169,6 +170,32 @@ impl Sender {
         }
     }
 
+    /// Awaitable ``wait_admitted``: returns once the receiver admitted ``req_id``; raises
+    /// why it failed. Unbounded: bound it with ``asyncio.timeout``/``wait_for``.
+    fn admitted<'py>(slf: &Bound<'py, Self>, req_id: String) -> PyResult<Bound<'py, PyAny>> {
+        let me: Py<Self> = slf.clone().unbind();
+        aio::spawn(slf.py(), async move {
+            me.get()
+                .inner
+                .admitted(&ReqId(req_id))
+                .await
+                .map_err(|f| errors::send_failure(&f))
+        })
+    }
+
+    /// Awaitable ``wait_outcome``: returns once ``req_id`` was delivered; raises why it
+    /// failed. Unbounded: bound it with ``asyncio.timeout``/``wait_for``.
+    fn outcome<'py>(slf: &Bound<'py, Self>, req_id: String) -> PyResult<Bound<'py, PyAny>> {
+        let me: Py<Self> = slf.clone().unbind();
+        aio::spawn(slf.py(), async move {
+            me.get()
+                .inner
+                .outcome(&ReqId(req_id))
+                .await
+                .map_err(|f| errors::send_failure(&f))
+        })
+    }
+
     /// Takes a staging slot for ``req_id``, waiting at most ``timeout`` seconds (None: the
     /// sender's ``staging_timeout``); raises ``TimedOutError`` then. When the request's own
     /// added chunks alone hold every slot, they are submitted first (not as the last batch).
@@ -203,16 +230,47 @@ impl Sender {
                 }
             })?,
         };
-        let guard = match got {
-            Some(Ok(guard)) => guard,
-            Some(Err(e)) => return Err(errors::send_error(&e)),
-            None => return Err(errors::send_error(&SendError::StagingTimedOut(limit))),
-        };
-        Ok(StagingSlot {
-            index: guard.index(),
-            guard: Mutex::new(Some(guard)),
-            req_id,
-            view: self.view.as_ref().map(|v| v.clone_ref(py)),
+        match got {
+            Some(Ok(guard)) => Ok(StagingSlot::new(guard, req_id, self.view(py))),
+            Some(Err(e)) => Err(errors::send_error(&e)),
+            None => Err(errors::send_error(&SendError::StagingTimedOut(limit))),
+        }
+    }
+
+    /// Awaitable ``allocate``: a staging slot for ``req_id``, waiting at most ``timeout``
+    /// seconds (None: ``staging_timeout``) without blocking the event loop. Cancelling the
+    /// await hands back a slot it got.
+    #[pyo3(signature = (req_id, timeout = None))]
+    fn allocate_async<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        let id = ReqId(req_id.clone());
+        let limit = wait::seconds(timeout)?.unwrap_or(me.inner.staging_timeout());
+        let view = me.view(py);
+        // A free slot is the common case: then the future is done before it is awaited.
+        match me.inner.allocate(&id, Some(Duration::ZERO)) {
+            Err(SendError::StagingTimedOut(_)) if !limit.is_zero() => {}
+            got => {
+                let slot = got.map_err(|e| errors::send_error(&e));
+                return aio::done(
+                    py,
+                    slot.and_then(|g| StagingSlot::new(g, req_id, view).into_py_any(py)),
+                );
+            }
+        }
+        let me: Py<Self> = slf.clone().unbind();
+        aio::spawn(py, async move {
+            let guard = me
+                .get()
+                .inner
+                .allocate_async(&id, Some(limit))
+                .await
+                .map_err(|e| errors::send_error(&e))?;
+            Ok(StagingSlot::new(guard, req_id, view))
         })
     }
 
@@ -339,7 +397,23 @@ impl Sender {
     }
 }
 
+impl Sender {
+    /// The staging's byte view for a new slot, when the memory is Python's.
+    fn view(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.view.as_ref().map(|v| v.clone_ref(py))
+    }
+}
+
 impl StagingSlot {
+    fn new(guard: StagingGuard, req_id: String, view: Option<Py<PyAny>>) -> Self {
+        Self {
+            index: guard.index(),
+            guard: Mutex::new(Some(guard)),
+            req_id,
+            view,
+        }
+    }
+
     /// Runs `f` on the slot's bytes in place, with the GIL released.
     pub(crate) fn with_bytes(
         &self,
