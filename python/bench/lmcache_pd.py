@@ -4,15 +4,17 @@ use) and in-process (``kvx_fabric: mem``, the like of ``mock_memory``), driven b
 driver through LMCache's own ``StorageManager``s on the same workload (docs/PERFORMANCE.md,
 "LMCache backend"):
 
-    target/pyenv/bin/python python/bench/lmcache_pd.py [--requests 50] [--deadline 120] [--rounds 3]
+    target/pyenv/bin/python python/bench/lmcache_pd.py [--requests 50] [--deadline 120] [--rounds 3] [--torch-threads 1]
 
 2 senders × ``--requests`` requests of 4–16 chunks of 1 MiB (uniform, seeded), one receiver
 buffer of 64 chunks, batches of 4, with one request per sender at a time and with four. Each
 backend × concurrency runs in a process of its own (LMCache's backend shares one ZeroMQ
 context per process, and its close can hang). A request's latency runs from its first
 ``allocate`` to its ProxyNotif at the proxy's socket; the decode side then retrieves and
-removes every chunk, as LMCache's retrieve does. Prints one JSON line per run, then a summary
-line with kvx's ratios to LMCache's.
+removes every chunk, as LMCache's retrieve does. Torch runs with ``--torch-threads`` threads
+(``OMP_NUM_THREADS``; default 1, the setting vLLM gives its processes unless the environment
+sets one, so that is how LMCache runs inside vLLM). Prints one JSON line per run, then a
+summary line with kvx's ratios to LMCache's.
 """
 
 import argparse
@@ -176,6 +178,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds with one request in flight per sender (alternating backends; "
                          "medians reported); the four-in-flight runs go once")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's intra-op threads in every run (OMP_NUM_THREADS; default 1, "
+                         "as vLLM sets it for its processes)")
     ap.add_argument("--run", nargs=2, metavar=("BACKEND", "INTERLEAVE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run:
@@ -190,7 +195,9 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--requests", str(args.requests), "--deadline",
                  str(args.deadline), "--run", backend, str(interleave)],
-                capture_output=True, text=True, timeout=args.deadline + 120)
+                capture_output=True, text=True, timeout=args.deadline + 120,
+                # Read by torch at import: set before the run's process starts.
+                env={**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)})
             lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
             if not lines:
                 raise SystemExit(f"{backend} × {interleave}: no result\n{out.stderr[-2000:]}")

@@ -214,8 +214,9 @@ class ReadLease:
         """Each chunk's slot as a memoryview into the buffer itself, valid until consume."""
     def read(self, chunk: int, nbytes: Optional[int] = None) -> bytes:
         """A copy of a chunk's first ``nbytes`` bytes (None: the whole slot)."""
-    def consume(self, timeout: float = 10.0) -> None:
-        """Releases the request's slots; ``MisuseError`` when consumed already."""
+    def consume(self, timeout: float = 10.0, *, wait: bool = True) -> None:
+        """Releases the request's slots (``wait=False``: without waiting for kvx's driver to
+        confirm); ``MisuseError`` when consumed already."""
     def __enter__(self) -> "ReadLease": ...
     def __exit__(self, *exc: object) -> None: ...
     def __len__(self) -> int: ...

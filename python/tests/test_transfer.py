@@ -267,3 +267,21 @@ def test_the_decoder_sees_the_layout_and_token_counts_the_sender_gave():
     tx.wait_outcome("lay", timeout=WAIT)
     tx.close()
     rx.close()
+
+
+def test_consume_without_waiting_frees_the_slots_all_the_same():
+    tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
+    tx.begin("r", receiver=peer, total_chunks=2)
+    assert tx.wait_admitted("r", timeout=WAIT)
+    for chunk in range(2):
+        stage(tx, "r", chunk)
+    tx.submit("r", last=True)
+    (lease,) = rx.next_ready(max=1, timeout=WAIT)
+    lease.consume(wait=False)
+    with pytest.raises(kvx.MisuseError, match="already consumed"):
+        lease.consume()
+    for _ in range(100):  # the driver frees them moments later
+        if rx.snapshot()["free"] == 4:
+            break
+        threading.Event().wait(0.02)
+    assert rx.snapshot()["free"] == 4, rx.snapshot()

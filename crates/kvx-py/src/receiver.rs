@@ -361,10 +361,12 @@ impl ReadLease {
         Ok(pyo3::types::PyBytes::new(py, &out))
     }
 
-    /// Releases the request's slots for other requests. Raises ``MisuseError`` when it was
-    /// consumed already.
-    #[pyo3(signature = (timeout = 10.0))]
-    fn consume(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+    /// Releases the request's slots for other requests, waiting at most ``timeout`` seconds
+    /// for kvx's driver to confirm; ``wait=False`` hands the release to the driver and
+    /// returns at once, unconfirmed (it can fail only when the receiver stopped, which frees
+    /// everything anyway). Raises ``MisuseError`` when it was consumed already.
+    #[pyo3(signature = (timeout = 10.0, *, wait = true))]
+    fn consume(&self, py: Python<'_>, timeout: f64, wait: bool) -> PyResult<()> {
         let timeout = wait::positive_seconds(timeout, "timeout")?;
         let lease = self
             .lease
@@ -377,6 +379,11 @@ impl ReadLease {
                     self.req_id
                 ))
             })?;
+        if !wait {
+            // A lease dropped unconsumed is consumed by a task of the runtime.
+            drop(lease);
+            return Ok(());
+        }
         py.detach(|| lease.consume(timeout))
             .map_err(|e| errors::embed(&e))
     }

@@ -139,13 +139,14 @@ class ReceiverRole:
     def _consume(self, lease: "kvx.ReadLease") -> None:
         """Hands a request's slots back to kvx once LMCache freed its last chunk, at once and
         on the freeing thread: the slots it frees may be what the next request's admission
-        waits for. (Never waits: consuming only tells kvx's driver.)"""
+        waits for. Never waits: the freeing thread is LMCache's retrieve, and kvx's driver
+        confirming the release would cost it a hand-off to another thread and back."""
         with self._lock:
             known = self._leases.pop(id(lease), None) is not None
         if not known:
             return  # Withdrawn at its TTL, which consumed it.
         try:
-            lease.consume()
+            lease.consume(wait=False)
         except kvx.KvxError as e:
             logger.warning("kvx: consuming request %s: %s", lease.req_id, e)
 
