@@ -36,7 +36,7 @@ MUTANTS = {
         "kvx_id = req_id if req_id in self._requests else None",
         "cancel_request with the engine's own id (vLLM's) reaches nothing (LMCache W5)"),
     "consume-deferred": (PKG + "receiver.py",
-        'lease.consume()\n        except kvx.KvxError as e:\n            logger.warning("kvx: consuming',
+        'lease.consume(wait=False)\n        except kvx.KvxError as e:\n            logger.warning("kvx: consuming',
         'threading.Timer(0.05, lease.consume).start()\n        except kvx.KvxError as e:\n            logger.warning("kvx: consuming',
         "hand a retrieved request's slots back later than LMCache's last remove (admission waits on them)"),
     "last-chunk-full-size": (PKG + "memory.py",
