@@ -1,15 +1,15 @@
 """`kvx demo`'s workload driven from Python through the kvx package, against `kvx demo`
 itself in the same run (docs/PERFORMANCE.md, "Python").
 
-    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm]
+    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm] [--driver threads|asyncio]
 
 Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
 in flight per sender, batches of 4, 4 staging slots per sender, one receiver of 64 slots,
 ZeroMQ + the TCP fabric on loopback (or both on the shm fabric), every byte checked by the
-decoder. The Python side runs
-each sender's in-flight requests on threads of its own and decodes on one; it makes
-and checks each chunk's bytes in place with `kvx.testing` (the code `kvx demo` runs), so the
-two differ in the driving only.
+decoder. The Python side runs each sender's in-flight requests on threads of their own and
+decodes on one (`--driver asyncio`: each request and the decoder a coroutine on one event
+loop, through the awaitables); it makes and checks each chunk's bytes in place with
+`kvx.testing` (the code `kvx demo` runs), so the two differ in the driving only.
 
 Also measures the Python-side cost of one staging round (allocate + add, and a submit per
 batch) per chunk, over the in-process transport and fabric with 4 KiB chunks, so that the
