@@ -206,6 +206,36 @@ impl Drop for Handover {
     }
 }
 
+/// Leases `first` and the notices queued behind it, up to `max` ready requests; the stream
+/// is free for other callers once this returns.
+async fn lease_notices(
+    runtime: &Runtime,
+    reader: &Arc<dyn ReaderApi>,
+    first: ReceiverNotice,
+    mut notices: tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    max: usize,
+) -> Vec<ReadLease> {
+    let mut out = Vec::new();
+    let mut next = Some(first);
+    while let Some(notice) = next.take() {
+        if let ReceiverNotice::Ready(ready) = notice {
+            if let Ok(slots) = reader.acquire(&ready.key).await {
+                out.push(ReadLease {
+                    runtime: runtime.clone(),
+                    reader: reader.clone(),
+                    ready,
+                    slots,
+                    consumed: false,
+                });
+            }
+        }
+        if out.len() < max {
+            next = notices.try_recv().ok();
+        }
+    }
+    out
+}
+
 impl fmt::Debug for Receiver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Receiver")
@@ -394,26 +424,7 @@ impl Receiver {
             self.returned.clone(),
         );
         self.runtime.spawn(async move {
-            let mut out = Vec::new();
-            let mut notices = notices;
-            let mut next = Some(first);
-            while let Some(notice) = next.take() {
-                if let ReceiverNotice::Ready(ready) = notice {
-                    if let Ok(slots) = reader.acquire(&ready.key).await {
-                        out.push(ReadLease {
-                            runtime: runtime.clone(),
-                            reader: reader.clone(),
-                            ready,
-                            slots,
-                            consumed: false,
-                        });
-                    }
-                }
-                if out.len() < max {
-                    next = notices.try_recv().ok();
-                }
-            }
-            drop(notices);
+            let out = lease_notices(&runtime, &reader, first, notices, max).await;
             if let Err(out) = tx.send(out) {
                 returned.give_back(out);
             }
