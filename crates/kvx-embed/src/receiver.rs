@@ -52,6 +52,7 @@ trait ReaderApi: Send + Sync {
         key: &'a ReqKey,
     ) -> BoxFuture<'a, Result<Vec<SlotIndex>, ConsumeError>>;
     fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>>;
+    fn consume_queued(&self, key: &ReqKey) -> bool;
     fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>>;
     fn shutdown(&self) -> BoxFuture<'_, ()>;
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8]));
@@ -69,6 +70,9 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     }
     fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>> {
         Box::pin(ChunkReader::consume(self, key))
+    }
+    fn consume_queued(&self, key: &ReqKey) -> bool {
+        ChunkReader::consume_queued(self, key)
     }
     fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>> {
         Box::pin(ChunkReader::snapshot(self))
@@ -319,9 +323,10 @@ impl ReadLease {
 
 impl Drop for ReadLease {
     fn drop(&mut self) {
-        if !self.consumed {
-            // Consumed in the background: a drop must not block (it may run on any thread,
-            // inside the runtime too).
+        // A drop must not block (it may run on any thread, inside the runtime too): the
+        // release is queued for the driver at once, ahead of whatever the dropping thread
+        // asks next; only when the driver's queue is full does a task wait to queue it.
+        if !self.consumed && !self.reader.consume_queued(&self.ready.key) {
             let reader = self.reader.clone();
             let key = self.ready.key.clone();
             self.runtime.spawn(async move {

@@ -397,3 +397,40 @@ fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
     }
     panic!("every poll found the leasing already done: the case was never tried");
 }
+
+/// A lease dropped unconsumed (what Python's `consume(wait=False)` does) is released before
+/// anything the dropping thread asks the driver next: a snapshot taken right after sees the
+/// slots free, every time.
+#[test]
+fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
+    let p = pair(4, 2);
+    for round in 0..20 {
+        let id = format!("d{round}");
+        let req = ReqId(id.clone());
+        p.sender.begin(spec(&id, p.peer, 2)).expect("begins");
+        assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
+        for chunk in 0..2 {
+            let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
+            p.sender
+                .add(guard, format!("{id}@{chunk}"), SLOT, 1)
+                .expect("added");
+        }
+        p.sender.submit(&req, true).expect("submitted");
+        // The last round's end notice may come first, and gives no lease.
+        let leases = (0..3)
+            .map(|_| p.receiver.next_ready(4, WAIT))
+            .find(|l| !l.is_empty())
+            .unwrap_or_default();
+        assert_eq!(leases.len(), 1, "round {round}");
+        drop(leases);
+        let snap = p.receiver.snapshot(WAIT).expect("a snapshot");
+        assert_eq!(
+            snap.free, 4,
+            "round {round}: the release came after the snapshot"
+        );
+        p.sender
+            .wait_outcome(&req, WAIT)
+            .expect("ended")
+            .expect("delivered");
+    }
+}

@@ -270,6 +270,15 @@ impl<M: SlotMemory> ChunkReader<M> {
         rx.await.map_err(|_| gone())?
     }
 
+    /// `consume` without waiting for the driver's answer: the release is queued for the
+    /// driver now, so that it comes before anything this caller asks the driver next (a
+    /// snapshot, another request's admission it unblocks); its outcome is not reported.
+    /// `false` when the driver's queue is full or it stopped: nothing was queued.
+    pub fn consume_queued(&self, key: &ReqKey) -> bool {
+        let (tx, _) = oneshot::channel();
+        self.cmds.try_send(Cmd::Consume(key.clone(), tx)).is_ok()
+    }
+
     /// Releases a ready request's slots and reservation after the decoder read it.
     pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
         let (tx, rx) = oneshot::channel();

@@ -380,7 +380,7 @@ impl ReadLease {
                 ))
             })?;
         if !wait {
-            // A lease dropped unconsumed is consumed by a task of the runtime.
+            // A lease dropped unconsumed queues its release for the driver at once.
             drop(lease);
             return Ok(());
         }
