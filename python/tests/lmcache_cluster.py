@@ -7,6 +7,7 @@ cannot be imported without vLLM."""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -29,10 +30,36 @@ DTYPE = torch.bfloat16
 CHUNK_BYTES = 2 * 2 * CHUNK_TOKENS * 2 * 32 * 2
 
 
+_HANDED_OUT: set = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a server that must be told its port in advance (LMCache's config
+    names fixed ports). Not bind(0)'s: the kernel takes those from the ephemeral range, the one
+    it also gives outgoing connections, so any connection on the host could take the port
+    before the server binds it. These come from below that range, each once per process."""
+    top = _ephemeral_low() - 1
+    for _ in range(1000):
+        port = random.randint(20000, top) if top > 20000 else 0
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+                port = s.getsockname()[1]
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range in 1000 tries")
 
 
 def metadata(rank: int = 0, world: int = 1, kv_shape: tuple = KV_SHAPE) -> LMCacheMetadata:
