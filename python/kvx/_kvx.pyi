@@ -246,7 +246,9 @@ class Receiver:
     @property
     def fabric_endpoint(self) -> str: ...
     def next_ready(self, max: int = 16, timeout: Optional[float] = None) -> List[ReadLease]:
-        """Up to ``max`` ready requests, leased; ``[]`` after ``timeout``."""
+        """Up to ``max`` ready requests, leased, waiting at most ``timeout`` seconds for the
+        first (None: as long as it takes); ``[]`` when none came. Ended requests' notices
+        (consumed ones too) do not end the wait."""
     def ready(self, max: int = 16) -> Future[List[ReadLease]]:
         """Awaitable ``next_ready``: up to ``max`` ready requests once the first is ready.
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses

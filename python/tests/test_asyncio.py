@@ -124,6 +124,24 @@ def test_a_cancelled_ready_loses_no_request():
     assert run(main()) == {"r": True}
 
 
+def test_ready_waits_past_the_notice_of_a_consumed_request():
+    # Every request's end is noticed, a consumed one's too; such a notice leases nothing,
+    # so ``ready()`` after a consume still waits for a ready request.
+    tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
+
+    async def main():
+        tx.begin("r", receiver=peer, total_chunks=1)
+        await tx.admitted("r")
+        await stage(tx, "r", 0)
+        tx.submit("r", last=True)
+        assert await asyncio.wait_for(decode(rx, 1), WAIT) == {"r": True}
+        with pytest.raises(asyncio.TimeoutError):
+            early = await asyncio.wait_for(rx.ready(), 0.3)
+            pytest.fail(f"ready() returned {early!r} with nothing ready")
+
+    run(main())
+
+
 def test_awaitables_raise_why_and_need_a_running_loop():
     tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
 

@@ -362,8 +362,9 @@ impl Receiver {
     }
 
     /// Up to `max` ready requests, leased, waiting at most `timeout` for the first; empty
-    /// when none came. A request that ended between its ready notice and its lease (the
-    /// sender cancelled) is skipped. Shared by every caller.
+    /// when none came (or the receiver stopped). A request that ended between its ready
+    /// notice and its lease (the sender cancelled) is skipped, and if it was the only one
+    /// the call returns empty before its timeout. Shared by every caller.
     pub fn next_ready(&self, max: usize, timeout: Duration) -> Vec<ReadLease> {
         let deadline = tokio::time::Instant::now() + timeout;
         self.runtime.block_on(self.take_ready(max, Some(deadline)))
@@ -406,7 +407,12 @@ impl Receiver {
                     return Some(Err(returned));
                 }
                 tokio::select! {
-                    first = notices.recv() => return first.map(|n| Ok((n, notices))),
+                    first = notices.recv() => match first {
+                        // Every request's end is noticed, consumed ones too; an end leases
+                        // nothing, so it must not end the wait for a ready one.
+                        Some(ReceiverNotice::Ended { .. }) => {}
+                        first => return first.map(|n| Ok((n, notices))),
+                    },
                     () = &mut arrived => {}
                 }
             }

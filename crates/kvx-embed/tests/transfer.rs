@@ -10,7 +10,7 @@ use std::cell::UnsafeCell;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvx_embed::{EnvChoice, Memory, Receiver, ReceiverSettings, Runtime, Sender, SenderSettings};
 use kvx_io::ExternalRegion;
@@ -416,11 +416,7 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
                 .expect("added");
         }
         p.sender.submit(&req, true).expect("submitted");
-        // The last round's end notice may come first, and gives no lease.
-        let leases = (0..3)
-            .map(|_| p.receiver.next_ready(4, WAIT))
-            .find(|l| !l.is_empty())
-            .unwrap_or_default();
+        let leases = p.receiver.next_ready(4, WAIT);
         assert_eq!(leases.len(), 1, "round {round}");
         drop(leases);
         let snap = p.receiver.snapshot(WAIT).expect("a snapshot");
@@ -433,4 +429,31 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
             .expect("ended")
             .expect("delivered");
     }
+}
+
+/// Every request's end is noticed, a consumed one's too. Such a notice leases nothing, so a
+/// wait for ready requests goes on past it until its timeout.
+#[test]
+fn an_ended_requests_notice_does_not_end_a_wait_early() {
+    let p = pair(4, 2);
+    let req = ReqId("e".into());
+    p.sender.begin(spec("e", p.peer, 1)).expect("begins");
+    assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
+    let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
+    p.sender.add(guard, "e@0".into(), SLOT, 1).expect("added");
+    p.sender.submit(&req, true).expect("submitted");
+    let leases = p.receiver.next_ready(4, WAIT);
+    assert_eq!(leases.len(), 1);
+    leases
+        .into_iter()
+        .for_each(|l| l.consume(WAIT).expect("consumed"));
+    // The consumed request's end notice is queued now; nothing else will come.
+    let wait = Duration::from_millis(400);
+    let started = Instant::now();
+    assert!(p.receiver.next_ready(4, wait).is_empty());
+    assert!(
+        started.elapsed() >= wait,
+        "returned after {:?}, before its timeout",
+        started.elapsed()
+    );
 }

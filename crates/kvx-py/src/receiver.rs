@@ -109,7 +109,8 @@ impl Receiver {
     }
 
     /// Up to ``max`` ready requests, leased, waiting at most ``timeout`` seconds for the first
-    /// (None: as long as it takes); ``[]`` when none came.
+    /// (None: as long as it takes); ``[]`` when none came. Ended requests' notices (consumed
+    /// ones too) do not end the wait.
     #[pyo3(signature = (max = 16, timeout = None))]
     fn next_ready(
         &self,
@@ -126,8 +127,9 @@ impl Receiver {
     }
 
     /// Awaitable ``next_ready``: up to ``max`` ready requests, leased, once the first is
-    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``). Cancelled, it
-    /// loses nothing: leases it had taken go to the next ``ready``/``next_ready`` call.
+    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when the
+    /// receiver stopped, or its one request ended before it was leased. Cancelled, it loses
+    /// nothing: leases it had taken go to the next ``ready``/``next_ready`` call.
     #[pyo3(signature = (max = 16))]
     fn ready<'py>(slf: &Bound<'py, Self>, max: usize) -> PyResult<Bound<'py, PyAny>> {
         let owner: Py<Self> = slf.clone().unbind();
