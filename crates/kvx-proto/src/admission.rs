@@ -1,18 +1,21 @@
 //! Reservation-based admission: a request reserves its whole `total_chunks` at once, or
 //! waits in a FIFO queue (`docs/spec/protocol.md` §Admission).
 //!
-//! Strict FIFO is deliberate: a large request at the head holds back smaller ones behind it,
+//! Strict FIFO is deliberate: a large request first in line holds back smaller ones behind it,
 //! which is what keeps it from starving (LMCache's `notify_all` race admits whoever fits
 //! first, W2). Deadlines are `arrival + admission_timeout`, so they are non-decreasing in
 //! queue order and expiry only ever looks at the head.
 //!
-//! **Per-peer shares** (`docs/spec/protocol.md` §Fair shares). One peer's footprint — the slots
-//! its requests reserve plus its rolled-back slots still in quarantine — may not exceed
-//! `peer_cap`, and at most `peer_queue_max` of its requests may wait. A waiter whose peer is
-//! at its share is *not eligible*: it is passed over, so that a peer holding the buffer cannot
-//! also block everyone behind its own waiting request; FIFO holds among eligible waiters (the
-//! first eligible waiter that does not fit blocks those behind it). With `peer_cap` equal to
-//! the capacity, every waiter is eligible and this is plain FIFO.
+//! **Work-conserving per-peer shares** (`docs/spec/protocol.md` §Fair shares). One peer's
+//! footprint is the slots its requests reserve plus its rolled-back slots still in quarantine.
+//! A waiter is *within its share* when its peer holds nothing, or when the peer's footprint
+//! with the waiter stays within `peer_cap`. Next in line is the first waiter within its share
+//! (a peer's requests keep their order: a waiter passed over holds back its peer's later
+//! ones); only when no waiter is within its share is the head next, so a share binds only
+//! while another peer contends for the buffer, and a lone peer uses all of it. Nothing that
+//! fits the buffer is refused because of a share. At most `peer_queue_max` requests of one
+//! peer may wait. With `peer_cap` equal to the capacity every waiter is within its share and
+//! this is plain FIFO.
 //!
 //! `Admission` counts per peer; it does not know which request holds which reservation. The
 //! receiver ledger keeps per-request amounts and checks that they add up.
@@ -38,13 +41,6 @@ pub enum Refusal {
     QueueFull {
         /// `Limits::queue_max`.
         max: usize,
-    },
-    /// The request needs more slots than one peer may hold: it could never be admitted.
-    LargerThanPeerShare {
-        /// The request's `total_chunks`.
-        need: u32,
-        /// `Limits::peer_cap`.
-        cap: u32,
     },
     /// This peer already has `max` requests waiting.
     PeerQueueFull {
@@ -79,7 +75,8 @@ pub struct Limits {
     pub capacity: u32,
     /// Requests waiting at most.
     pub queue_max: usize,
-    /// Slots one peer may hold (reserved + quarantined); `capacity` for no cap.
+    /// Slots one peer may hold (reserved + quarantined) while another peer's waiter is within
+    /// its share; `capacity` for no cap. A peer holding nothing may reserve more.
     pub peer_cap: u32,
     /// Requests of one peer waiting at most.
     pub peer_queue_max: usize,
@@ -130,6 +127,11 @@ pub struct Admission {
     waiting: VecDeque<Waiter>,
     admitted: VecDeque<Ticket>,
     shares: BTreeMap<PeerId, Share>,
+    /// The first admission that broke §Fair shares, in words, as seen by an independent
+    /// statement of the rule (`unfair_admission`); `check_invariants` reports it. Kept only
+    /// where invariants are checked.
+    #[cfg(any(test, feature = "testing"))]
+    unfair: Option<String>,
 }
 
 impl Admission {
@@ -142,6 +144,8 @@ impl Admission {
             waiting: VecDeque::new(),
             admitted: VecDeque::new(),
             shares: BTreeMap::new(),
+            #[cfg(any(test, feature = "testing"))]
+            unfair: None,
         }
     }
 
@@ -162,10 +166,14 @@ impl Admission {
         }
     }
 
-    /// Whether a waiter of `peer` needing `need` is within its peer's share.
-    fn eligible(&self, peer: PeerId, need: u32) -> bool {
+    /// Whether a waiter of `peer` needing `need` is within its peer's share: the peer holds
+    /// nothing (a request larger than the share is admitted on its own), or holds little
+    /// enough that the waiter keeps it within `peer_cap`.
+    fn within_share(&self, peer: PeerId, need: u32) -> bool {
+        let held = self.footprint(peer);
         self.limits.peer_cap >= self.limits.capacity
-            || self.footprint(peer) + need <= self.limits.peer_cap
+            || held == 0
+            || held + need <= self.limits.peer_cap
     }
 
     /// Slots promised to admitted requests (allocated or not yet).
@@ -212,21 +220,16 @@ impl Admission {
                 capacity: limits.capacity,
             });
         }
-        if need > limits.peer_cap {
-            return Decision::Refused(Refusal::LargerThanPeerShare {
-                need,
-                cap: limits.peer_cap,
-            });
-        }
         if broken_variant!(NoReservation) {
             self.reserve(peer, need);
             return Decision::Admitted;
         }
         // Admitted at once exactly when the queue's rule, run with this request at the back,
         // would pick it next: every waiter ahead is passed over (none of them is this peer's
-        // own, whose requests keep their order) and it is within its share. Any other rule
-        // here either queues a request that fits, which nothing re-runs the queue for until
-        // the next release, unpin, withdrawal or expiry, or lets it overtake a waiter.
+        // own, whose requests keep their order) and it is within its share, or the queue is
+        // empty. Any other rule here either queues a request that fits, which nothing re-runs
+        // the queue for until the next release, unpin, withdrawal or expiry, or lets it
+        // overtake a waiter.
         let candidate = Waiter {
             ticket,
             peer,
@@ -234,11 +237,9 @@ impl Admission {
             deadline,
         };
         let behind = self.waiting.len();
-        let next = self.next_in_line(
-            self.waiting.iter().chain([&candidate]).enumerate(),
-            &mut BTreeSet::new(),
-        );
-        if next.is_some_and(|(i, _)| i == behind) && need <= self.available() {
+        let next = self.next_in_line(self.waiting.iter().chain([&candidate]));
+        if next == Some(behind) && need <= self.available() {
+            self.note_fairness(&candidate);
             self.reserve(peer, need);
             return Decision::Admitted;
         }
@@ -352,52 +353,81 @@ impl Admission {
 
     /// Who is next in line (§Fair shares): the one rule `request`, `admit_eligible` and
     /// `check_invariants` all use, so that they cannot disagree about who is ahead. Walking
-    /// `waiters` (index, waiter) in queue order, a waiter is passed over when its peer is
-    /// beyond its share, or when a waiter of its peer was passed over before it (a peer's
-    /// requests keep their order); the first one not passed over is next, whether or not it
-    /// fits. `passed_over` carries the peers passed over so far, so a walk can go on from
-    /// where an admission left it.
-    fn next_in_line<'w>(
-        &self,
-        waiters: impl Iterator<Item = (usize, &'w Waiter)>,
-        passed_over: &mut BTreeSet<PeerId>,
-    ) -> Option<(usize, Waiter)> {
-        for (i, w) in waiters {
-            if passed_over.contains(&w.peer) || !self.eligible(w.peer, w.need) {
-                passed_over.insert(w.peer);
-                continue;
+    /// `waiters` in queue order, a waiter is passed over when it is beyond its peer's share,
+    /// or when a waiter of its peer was passed over before it (a peer's requests keep their
+    /// order); the first one not passed over is next, whether or not it fits. When every
+    /// waiter is passed over, nobody within a share contends, and the first waiter is next:
+    /// a share binds only while another peer's waiter is within its own.
+    fn next_in_line<'w>(&self, waiters: impl Iterator<Item = &'w Waiter>) -> Option<usize> {
+        let mut passed_over = BTreeSet::new();
+        let mut any = false;
+        for (i, w) in waiters.enumerate() {
+            any = true;
+            if !passed_over.contains(&w.peer) && self.within_share(w.peer, w.need) {
+                return Some(i);
             }
-            return Some((i, *w));
+            passed_over.insert(w.peer);
         }
-        None
+        any.then_some(0)
     }
 
     /// Admits the waiter next in line while it fits; the first that does not fit blocks
     /// everyone behind it.
     fn admit_eligible(&mut self) {
-        let mut passed_over = BTreeSet::new();
-        let mut from = 0;
-        while let Some((i, w)) =
-            self.next_in_line(self.waiting.iter().enumerate().skip(from), &mut passed_over)
-        {
+        while let Some(i) = self.next_in_line(self.waiting.iter()) {
+            let w = self.waiting[i];
             if w.need > self.available() {
                 break;
             }
             self.waiting.remove(i);
             self.unqueue(w.peer);
+            self.note_fairness(&w);
             self.reserve(w.peer, w.need);
             self.admitted.push_back(w.ticket);
-            // The waiter after it now has its index; those before it stay passed over (an
-            // admission raises one peer's footprint, so it never makes a passed-over peer
-            // eligible).
-            from = i;
         }
     }
 
     /// The waiter next in line, if any (for invariants).
-    fn first_eligible(&self) -> Option<Waiter> {
-        self.next_in_line(self.waiting.iter().enumerate(), &mut BTreeSet::new())
-            .map(|(_, w)| w)
+    fn first_in_line(&self) -> Option<Waiter> {
+        self.next_in_line(self.waiting.iter())
+            .map(|i| self.waiting[i])
+    }
+
+    /// Records the first admission that §Fair shares forbids, stated on its own terms rather
+    /// than through `next_in_line`, so that a mistake there is caught: a waiter of a peer that
+    /// already holds slots goes past its share only while no other peer has a waiter within
+    /// its own (the first waiter of each other peer, with its peer's footprint).
+    fn note_fairness(&mut self, w: &Waiter) {
+        #[cfg(any(test, feature = "testing"))]
+        if self.unfair.is_none() {
+            self.unfair = self.unfair_admission(w);
+        }
+        let _ = w;
+    }
+
+    #[cfg(any(test, feature = "testing"))]
+    fn unfair_admission(&self, w: &Waiter) -> Option<String> {
+        let cap = self.limits.peer_cap;
+        if cap >= self.limits.capacity {
+            return None;
+        }
+        let held = self.footprint(w.peer);
+        if held == 0 || held + w.need <= cap {
+            return None;
+        }
+        let mut firsts = BTreeMap::new();
+        for other in self.waiting.iter().filter(|o| o.peer != w.peer) {
+            firsts.entry(other.peer).or_insert(*other);
+        }
+        let contender = firsts.values().find(|o| {
+            let held = self.footprint(o.peer);
+            held == 0 || held + o.need <= cap
+        })?;
+        Some(format!(
+            "{} was admitted past its share ({held} held + {} > {cap}) while {}'s waiter of {} \
+             was within its own",
+            w.peer, w.need, contender.peer, contender.need
+        ))
     }
 
     /// The explorer's canonical encoding (feature `testing`); capacity and queue bound are
@@ -448,14 +478,6 @@ impl Admission {
                 share.waiting <= self.limits.peer_queue_max,
                 "invariant: {peer} has more waiters than its bound"
             );
-            if self.limits.peer_cap < self.limits.capacity && !broken_variant!(NoReservation) {
-                assert!(
-                    share.footprint <= self.limits.peer_cap,
-                    "invariant: {peer} holds {} slots, over its share {}",
-                    share.footprint,
-                    self.limits.peer_cap
-                );
-            }
         }
         for pair in self.waiting.iter().zip(self.waiting.iter().skip(1)) {
             assert!(
@@ -463,11 +485,34 @@ impl Admission {
                 "invariant: queue deadlines are FIFO"
             );
         }
-        if let Some(first) = self.first_eligible() {
+        // Work conservation, stated on its own terms: when no peer's first waiter is within
+        // its share, nothing is held back for a contender, and the head waits only when it
+        // does not fit (a share never idles the buffer by itself).
+        let cap = self.limits.peer_cap;
+        let mut firsts = BTreeMap::new();
+        for w in &self.waiting {
+            firsts.entry(w.peer).or_insert(*w);
+        }
+        let contended = firsts.values().any(|w| {
+            let held = self.footprint(w.peer);
+            cap >= self.limits.capacity || held == 0 || held + w.need <= cap
+        });
+        if let (false, Some(head)) = (contended, self.waiting.front()) {
+            assert!(
+                head.need > self.available(),
+                "invariant: with no waiter within its share, the head waits only when it does not \
+                 fit (work conservation)"
+            );
+        }
+        if let Some(first) = self.first_in_line() {
             assert!(
                 first.need > self.available(),
-                "invariant: the first eligible waiter waits only when it does not fit"
+                "invariant: the waiter next in line waits only when it does not fit"
             );
+        }
+        #[cfg(any(test, feature = "testing"))]
+        if let Some(unfair) = &self.unfair {
+            panic!("invariant: {unfair} (§Fair shares)");
         }
     }
 }
@@ -489,10 +534,11 @@ mod tests {
         crate::testing::panic_message(|| adm.check_invariants())
     }
 
-    /// The checker catches what it is there for: a peer over its share (the totals still
-    /// adding up), footprints that do not add up, waiters miscounted.
+    /// The checker catches what it is there for: footprints that do not add up, waiters
+    /// miscounted, a waiter left waiting though it fits, the head held back with no contender
+    /// (work conservation), an admission past a share while another peer contends.
     #[test]
-    fn check_invariants_catches_a_peer_over_its_share_and_miscounts() {
+    fn check_invariants_catches_miscounts_idling_and_unfair_admissions() {
         let limits = Limits {
             capacity: 10,
             queue_max: 4,
@@ -502,12 +548,6 @@ mod tests {
         let mut adm = Admission::new(limits);
         assert_eq!(adm.request(Ticket(1), P, 4, later(100)), Decision::Admitted);
         assert_eq!(violation(&adm), None);
-
-        let mut over = adm.clone();
-        over.share(P).footprint += 1;
-        over.reserved += 1;
-        let said = violation(&over).expect("a peer over its share is caught");
-        assert!(said.contains("over its share"), "{said}");
 
         let mut uneven = adm.clone();
         uneven.reserved += 1;
@@ -531,6 +571,49 @@ mod tests {
         full.share(P).footprint -= 2;
         let said = violation(&full).expect("a waiter left waiting though it fits is caught");
         assert!(said.contains("waits only when it does not fit"), "{said}");
+
+        // P alone, past its share: its waiter is next whenever it fits. Planted at the head
+        // as if the queue's rule had skipped it, it is caught by the work-conservation check,
+        // which does not go through `next_in_line` (and runs before the check that does).
+        let mut idle = Admission::new(limits);
+        assert_eq!(
+            idle.request(Ticket(1), P, 4, later(100)),
+            Decision::Admitted
+        );
+        idle.waiting.push_back(Waiter {
+            ticket: Ticket(2),
+            peer: P,
+            need: 2,
+            deadline: later(100),
+        });
+        idle.share(P).waiting += 1;
+        let said = violation(&idle).expect("the head held back with no contender is caught");
+        assert!(said.contains("work conservation"), "{said}");
+
+        // P holds its share (4); Q's waiter, within its own, waits for 8. Admitting P's next
+        // request now is unfair, and the independent statement of the rule says so.
+        let q = PeerId(2);
+        let mut unfair = Admission::new(limits);
+        assert_eq!(
+            unfair.request(Ticket(1), P, 4, later(100)),
+            Decision::Admitted
+        );
+        assert_eq!(
+            unfair.request(Ticket(2), q, 8, later(100)),
+            Decision::Queued
+        );
+        assert_eq!(violation(&unfair), None);
+        let forced = Waiter {
+            ticket: Ticket(3),
+            peer: P,
+            need: 2,
+            deadline: later(100),
+        };
+        unfair.note_fairness(&forced);
+        unfair.reserve(P, 2);
+        let said =
+            violation(&unfair).expect("an admission past a share under contention is caught");
+        assert!(said.contains("past its share"), "{said}");
     }
 
     #[test]
@@ -617,27 +700,84 @@ mod tests {
         };
         let (a, b) = (PeerId(1), PeerId(2));
         let mut adm = Admission::new(limits);
-        assert_eq!(
-            adm.request(Ticket(1), a, 7, later(100)),
-            Decision::Refused(Refusal::LargerThanPeerShare { need: 7, cap: 6 })
-        );
         assert_eq!(adm.request(Ticket(2), a, 6, later(100)), Decision::Admitted);
-        // A's next request waits at the head: A is at its share.
+        // B waits for 4: within its share, it is next in line.
+        assert_eq!(adm.request(Ticket(4), b, 4, later(100)), Decision::Queued);
+        // A, at its share, is passed over in favour of B's waiter, though 1 slot would fit.
         assert_eq!(adm.request(Ticket(3), a, 1, later(100)), Decision::Queued);
-        // B is not held up by it: the 2 slots left are B's to take, at once.
-        assert_eq!(adm.request(Ticket(4), b, 2, later(100)), Decision::Admitted);
         assert_eq!(adm.request(Ticket(5), a, 1, later(100)), Decision::Queued);
         assert_eq!(
             adm.request(Ticket(6), a, 1, later(100)),
             Decision::Refused(Refusal::PeerQueueFull { max: 2 })
         );
         adm.check_invariants();
-        // B's release leaves A at its share: its waiters still wait.
-        adm.release(b, 2);
-        assert_eq!(adm.poll_admitted(), None);
+        // A's release lets B in first, then A's waiters (B is not waiting any more).
         adm.release(a, 6);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(4)));
         assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
         assert_eq!(adm.poll_admitted(), Some(Ticket(5)));
+        adm.check_invariants();
+    }
+
+    /// A peer alone is never held to its share: a request larger than the share is
+    /// admitted, and so are more requests past it while nobody else waits.
+    #[test]
+    fn a_lone_peer_uses_the_whole_buffer() {
+        let limits = Limits {
+            capacity: 8,
+            queue_max: 8,
+            peer_cap: 6,
+            peer_queue_max: 8,
+        };
+        let (a, b) = (PeerId(1), PeerId(2));
+        let mut adm = Admission::new(limits);
+        assert_eq!(adm.request(Ticket(1), a, 7, later(100)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(2), a, 1, later(100)), Decision::Admitted);
+        // Full: the next waits at the head, alone, and is admitted as soon as it fits.
+        assert_eq!(adm.request(Ticket(3), a, 8, later(100)), Decision::Queued);
+        adm.check_invariants();
+        adm.release(a, 7);
+        assert_eq!(adm.poll_admitted(), None, "8 do not fit in 7");
+        adm.release(a, 1);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
+        // Another peer arriving now waits only for what A holds to come back.
+        assert_eq!(adm.request(Ticket(4), b, 2, later(100)), Decision::Queued);
+        assert_eq!(adm.request(Ticket(5), a, 2, later(100)), Decision::Queued);
+        adm.release(a, 8);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(4)));
+        assert_eq!(adm.poll_admitted(), Some(Ticket(5)));
+        adm.check_invariants();
+    }
+
+    /// A request larger than the share, of a peer that holds something, waits until its peer
+    /// holds nothing, whatever fits meanwhile for others; its peer's later requests wait
+    /// behind it.
+    #[test]
+    fn a_request_larger_than_the_share_goes_in_when_its_peer_holds_nothing() {
+        let limits = Limits {
+            capacity: 10,
+            queue_max: 8,
+            peer_cap: 4,
+            peer_queue_max: 8,
+        };
+        let (a, b) = (PeerId(1), PeerId(2));
+        let mut adm = Admission::new(limits);
+        assert_eq!(adm.request(Ticket(1), a, 2, later(100)), Decision::Admitted);
+        assert_eq!(adm.request(Ticket(2), b, 3, later(100)), Decision::Admitted);
+        // A holds 2; 6 would take it past 4, and B may still contend: next in line anyway
+        // while nobody within a share waits, it waits only because 6 do not fit in 5.
+        assert_eq!(adm.request(Ticket(3), a, 6, later(100)), Decision::Queued);
+        assert_eq!(adm.request(Ticket(4), a, 1, later(100)), Decision::Queued);
+        // B's waiter is within its share: it passes A's.
+        assert_eq!(adm.request(Ticket(5), b, 1, later(100)), Decision::Admitted);
+        adm.check_invariants();
+        adm.release(a, 2);
+        assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
+        assert_eq!(
+            adm.poll_admitted(),
+            None,
+            "A's 1 waits behind its 6 and for room"
+        );
         adm.check_invariants();
     }
 
@@ -655,10 +795,13 @@ mod tests {
         // A rolls back: its 4 slots are quarantined, still A's.
         adm.pin_from_reservation(4);
         assert_eq!(adm.footprint(a), 4);
-        assert_eq!(adm.request(Ticket(2), a, 1, later(100)), Decision::Queued);
-        assert_eq!(adm.request(Ticket(3), b, 4, later(100)), Decision::Admitted);
+        // B waits for 6 of the 4 free; A, at its share, is passed over in B's favour.
+        assert_eq!(adm.request(Ticket(2), b, 6, later(100)), Decision::Queued);
+        assert_eq!(adm.request(Ticket(3), a, 1, later(100)), Decision::Queued);
+        adm.check_invariants();
         adm.unpin(a, 4);
         assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
+        assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
         adm.check_invariants();
     }
 }

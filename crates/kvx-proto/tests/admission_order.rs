@@ -3,10 +3,11 @@
 //! queued, so a request is never left waiting in a queue nothing will re-run until a
 //! release, an unpin, a withdrawal or an expiry (up to `admission_timeout` later).
 //!
-//! The review's case: a sender at 4 of its 5-slot share queues a request for 3 (over its
-//! share) and then one for 1 (within its share, but behind its own first, so passed over with
-//! it); another sender's request for 2, with 6 slots free, must be admitted at once. The same
-//! rule is then checked against a model of the protocol's text over random operations.
+//! The review's case: a sender at 4 of its 5-slot share queues a request for 3 (past its
+//! share, and too large for the 2 slots free) and then one for 1 (within its share, but behind
+//! its own first, so passed over with it); a third sender's request for 2 must be admitted at
+//! once. The same rule is then checked against a model of the protocol's text over random
+//! operations, with requests up to the whole buffer.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -19,6 +20,7 @@ use kvx_proto::{Instant, PeerId, ReceiverConfig, Ticket};
 
 const P: PeerId = PeerId(1);
 const Q: PeerId = PeerId(2);
+const R: PeerId = PeerId(3);
 
 fn far() -> Instant {
     Instant::ZERO + Duration::from_secs(3_600)
@@ -33,23 +35,25 @@ fn a_request_that_fits_is_admitted_when_every_waiter_ahead_is_passed_over() {
         peer_queue_max: 16,
     });
     assert_eq!(adm.request(Ticket(1), P, 4, far()), Decision::Admitted);
-    // 4 + 3 is over P's share of 5: passed over.
-    assert_eq!(adm.request(Ticket(2), P, 3, far()), Decision::Queued);
+    assert_eq!(adm.request(Ticket(2), Q, 4, far()), Decision::Admitted);
+    // 4 + 3 is past P's share of 5, and 3 do not fit in 2: it waits.
+    assert_eq!(adm.request(Ticket(3), P, 3, far()), Decision::Queued);
     // Within P's share, but behind P's own first request: passed over with it.
-    assert_eq!(adm.request(Ticket(3), P, 1, far()), Decision::Queued);
-    assert_eq!(adm.available(), 6);
+    assert_eq!(adm.request(Ticket(4), P, 1, far()), Decision::Queued);
+    assert_eq!(adm.available(), 2);
     assert_eq!(
-        adm.request(Ticket(4), Q, 2, far()),
+        adm.request(Ticket(5), R, 2, far()),
         Decision::Admitted,
-        "every waiter ahead is passed over and 2 of 6 free slots fit"
+        "every waiter ahead is passed over and 2 of 2 free slots fit"
     );
     adm.check_invariants();
-    // P's waiters keep their order: its small request does not overtake its large one.
-    adm.release(Q, 2);
+    // With R gone nobody within a share waits: P's first is next, and waits for room.
+    adm.release(R, 2);
     assert_eq!(adm.poll_admitted(), None);
-    adm.release(P, 4);
-    assert_eq!(adm.poll_admitted(), Some(Ticket(2)));
+    // P's waiters keep their order: its small request does not overtake its large one.
+    adm.release(Q, 4);
     assert_eq!(adm.poll_admitted(), Some(Ticket(3)));
+    assert_eq!(adm.poll_admitted(), Some(Ticket(4)));
     adm.check_invariants();
 }
 
@@ -79,17 +83,18 @@ fn the_ledger_answers_a_probe_that_fits_behind_passed_over_waiters_at_once() {
     .expect("valid config");
     let now = Instant::ZERO;
     ledger.handle_message(now, P, probe("p-hold", 4));
+    ledger.handle_message(now, Q, probe("q-hold", 4));
     ledger.handle_message(now, P, probe("p-large", 3));
     ledger.handle_message(now, P, probe("p-small", 1));
     let answered: Vec<PeerId> = std::iter::from_fn(|| ledger.poll_transmit())
         .map(|(peer, _)| peer)
         .collect();
-    assert_eq!(answered, [P], "only p-hold is admitted");
-    ledger.handle_message(now, Q, probe("q", 2));
+    assert_eq!(answered, [P, Q], "only p-hold and q-hold are admitted");
+    ledger.handle_message(now, R, probe("r", 2));
     let (peer, reply) = ledger
         .poll_transmit()
-        .expect("q's probe is answered at once");
-    assert_eq!(peer, Q);
+        .expect("r's probe is answered at once");
+    assert_eq!(peer, R);
     assert!(!reply.is_refusal(), "{reply:?}");
     let admitted: Vec<String> = std::iter::from_fn(|| ledger.poll_event())
         .filter_map(|e| match e {
@@ -97,15 +102,17 @@ fn the_ledger_answers_a_probe_that_fits_behind_passed_over_waiters_at_once() {
             _ => None,
         })
         .collect();
-    assert_eq!(admitted, ["p-hold", "q"]);
+    assert_eq!(admitted, ["p-hold", "q-hold", "r"]);
     assert_eq!(ledger.admission_queue_len(), 2);
     ledger.check_invariants();
 }
 
 /// The protocol's rule, written from `docs/spec/protocol.md` §Fair shares alone: walk the
-/// queue in order; a waiter whose peer is beyond its share is passed over with every later
-/// waiter of that peer; the first waiter not passed over is admitted if it fits, and blocks
-/// everyone behind it if it does not. A new request joins the back and the rule runs.
+/// queue in order; a waiter whose peer holds slots and would go past its share with it is
+/// passed over with every later waiter of that peer; the first waiter not passed over is
+/// admitted if it fits, and blocks everyone behind it if it does not. When every waiter is
+/// passed over, the first in the queue is the one admitted if it fits. A new request joins
+/// the back and the rule runs.
 #[derive(Debug, Default)]
 struct Model {
     capacity: u32,
@@ -124,22 +131,27 @@ impl Model {
     }
 
     fn within_share(&self, peer: PeerId, need: u32) -> bool {
-        self.cap >= self.capacity
-            || self.footprint.get(&peer).copied().unwrap_or(0) + need <= self.cap
+        let held = self.footprint.get(&peer).copied().unwrap_or(0);
+        self.cap >= self.capacity || held == 0 || held + need <= self.cap
+    }
+
+    /// The queue position the rule picks next, if any waits.
+    fn next(&self) -> Option<usize> {
+        let mut passed = BTreeSet::new();
+        for (i, &(_, peer, need)) in self.queue.iter().enumerate() {
+            if !passed.contains(&peer) && self.within_share(peer, need) {
+                return Some(i);
+            }
+            passed.insert(peer);
+        }
+        (!self.queue.is_empty()).then_some(0)
     }
 
     /// Runs the rule; returns who it admitted, in order.
     fn admit(&mut self) -> Vec<Ticket> {
-        let mut passed = BTreeSet::new();
         let mut admitted = Vec::new();
-        let mut i = 0;
-        while i < self.queue.len() {
+        while let Some(i) = self.next() {
             let (ticket, peer, need) = self.queue[i];
-            if passed.contains(&peer) || !self.within_share(peer, need) {
-                passed.insert(peer);
-                i += 1;
-                continue;
-            }
             if need > self.available() {
                 break;
             }
@@ -186,7 +198,8 @@ fn request_and_the_queue_agree_with_the_protocols_rule() {
                 next += 1;
                 let ticket = Ticket(next);
                 let peer = *rng.pick(&peers);
-                let need = rng.range_u32(1, cap);
+                // Up to the whole buffer: a request larger than a share is never refused.
+                let need = rng.range_u32(1, capacity);
                 let decision = adm.request(ticket, peer, need, far());
                 model.queue.push((ticket, peer, need));
                 let want = if model.admit() == [ticket] {

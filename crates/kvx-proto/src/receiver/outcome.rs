@@ -25,13 +25,6 @@ pub enum Failure {
         /// `admission_queue_max`.
         max: usize,
     },
-    /// The request needs more slots than one sender may hold.
-    LargerThanPeerShare {
-        /// The request's `total_chunks`.
-        need: u32,
-        /// Slots one sender may hold (`ReceiverConfig::peer_slots_max`).
-        cap: u32,
-    },
     /// This sender already has too many requests waiting.
     PeerQueueFull {
         /// `peer_queue_max`.
@@ -79,9 +72,6 @@ impl From<Refusal> for Failure {
                 Failure::LargerThanBuffer { need, capacity }
             }
             Refusal::QueueFull { max } => Failure::AdmissionQueueFull { max },
-            Refusal::LargerThanPeerShare { need, cap } => {
-                Failure::LargerThanPeerShare { need, cap }
-            }
             Refusal::PeerQueueFull { max } => Failure::PeerQueueFull { max },
         }
     }
@@ -100,11 +90,6 @@ impl fmt::Display for Failure {
                 f,
                 "request needs {need} chunks but the receiver buffer has only {capacity} slots: \
                  raise the receiver's buffer size or lower the prompt length"
-            ),
-            Failure::LargerThanPeerShare { need, cap } => write!(
-                f,
-                "request needs {need} chunks but one sender may hold at most {cap} slots of this \
-                 receiver (peer_share_percent): raise it, or the buffer, or lower the prompt length"
             ),
             Failure::PeerQueueFull { max } => write!(
                 f,
