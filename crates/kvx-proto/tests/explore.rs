@@ -10,7 +10,11 @@
 //! contend, which CI runs in release:
 //! `cargo test --release -p kvx-proto --test explore -- --ignored --nocapture`.
 
-use kvx_proto::testing::{check_abstraction, explore, explore_from, Exploration, OpWorld, Order};
+use kvx_proto::admission::Limits;
+use kvx_proto::testing::{
+    check_abstraction, explore, explore_from, explore_shares, Exploration, OpWorld, Order,
+    SharesPlan,
+};
 
 fn bound(default: usize) -> usize {
     std::env::var("KVX_EXPLORE_STATES")
@@ -133,4 +137,74 @@ fn the_abstraction_loses_no_state_of_contending_requests() {
         started.elapsed().as_secs_f64()
     );
     assert_eq!(c.image, c.canonical_states, "{c:?}");
+}
+
+/// §Fair shares in the whole protocol: three senders, a 6-slot buffer, a share of 2 slots
+/// (33 %), a request larger than the share from each, and one sender's second request past
+/// its share; every message, write, timer and consume, healing checked for liveness. Its
+/// state space is too large to cover (about 10,000 states a second, and millions of them),
+/// so this is a bounded search; `exhaustive_shares_*` cover the admission rule completely.
+#[test]
+fn shares_bind_among_three_senders_in_the_whole_protocol() {
+    let r = explore_from(
+        OpWorld::contended(6, 1, 33),
+        &[(0, 3), (1, 3), (0, 1), (2, 3)],
+        bound(4_000),
+        Order::BreadthFirst,
+    );
+    eprintln!("shares binding, three senders, whole protocol: {r:?}");
+    assert!(r.states > 100, "{r:?}");
+}
+
+/// Admission alone where shares bind, completely: three senders, a 6-slot buffer, a share
+/// of 2 slots; each sender's first request is larger than the share, and two send a second
+/// that takes them past it. Every arrival order, end (whole or quarantined), unpin,
+/// withdrawal and expiry; liveness from every state.
+#[test]
+fn exhaustive_shares_three_senders_six_slots() {
+    let plan = SharesPlan {
+        limits: Limits {
+            capacity: 6,
+            queue_max: 64,
+            peer_cap: 2,
+            peer_queue_max: 64,
+        },
+        requests: vec![vec![3, 1], vec![4, 2], vec![3]],
+    };
+    let r = explore_shares(&plan);
+    eprintln!(
+        "exhaustive shares, 6 slots, share 2, {:?}: {} states, {} transitions, depth {}, {:.1} s",
+        plan.requests,
+        r.states,
+        r.transitions,
+        r.depth,
+        r.elapsed.as_secs_f64()
+    );
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// A larger admission world, completely: three senders, an 8-slot buffer, a share of 3
+/// slots, three requests each (first ones larger than the share).
+#[test]
+#[ignore]
+fn exhaustive_shares_three_senders_eight_slots() {
+    let plan = SharesPlan {
+        limits: Limits {
+            capacity: 8,
+            queue_max: 64,
+            peer_cap: 3,
+            peer_queue_max: 64,
+        },
+        requests: vec![vec![5, 1, 2], vec![4, 2, 1], vec![6, 1, 3]],
+    };
+    let r = explore_shares(&plan);
+    eprintln!(
+        "exhaustive shares, 8 slots, share 3, {:?}: {} states, {} transitions, depth {}, {:.1} s",
+        plan.requests,
+        r.states,
+        r.transitions,
+        r.depth,
+        r.elapsed.as_secs_f64()
+    );
+    assert!(r.states > 100_000, "{r:?}");
 }

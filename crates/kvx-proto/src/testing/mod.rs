@@ -25,7 +25,10 @@ mod workload;
 pub use checker::Violation;
 pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
 pub(crate) use explore::Canon;
-pub use explore::{check_abstraction, explore, explore_from, AbstractionCheck, Exploration, Order};
+pub use explore::{
+    check_abstraction, explore, explore_from, explore_shares, AbstractionCheck, Exploration,
+    Order, SharesPlan,
+};
 pub use ops::{Event, OpWorld};
 pub use workload::{ClusterSpec, RequestPlan, Timing};
 

@@ -1,12 +1,16 @@
 //! A byte-driven driver of the core for fuzzing (`fuzz/fuzz_targets/core_events.rs`),
-//! property tests and the explorer (`explore/`): two senders and one receiver wired by
+//! property tests and the explorer (`explore/`): two senders (three in the world where shares
+//! bind, `OpWorld::contended`) and one receiver wired by
 //! explicit FIFO queues, where each pair of input bytes picks the next event — a begin, a
 //! batch, a delivery on one link, a write completing or failing, a cancel, time passing, a
 //! consume, a lost connection. Every state machine's `check_invariants()` runs after each
 //! event, a write may land only in a live grant of its own request (or in quarantine),
 //! admission is FIFO, a caller that asks for staging before admission is refused, and at the
 //! end the world heals: everything is delivered, completed and timed out, and every request
-//! must have ended with both buffers entirely free.
+//! must have ended with both buffers entirely free. In the contended world admission follows
+//! §Fair shares instead of plain FIFO (its own invariants check each admission), no request
+//! that fits the buffer is refused, and healing is also a liveness check: with the decoder
+//! consuming, every waiting request is admitted, none times out waiting.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -17,14 +21,20 @@ use super::Canon;
 use crate::config::{ReceiverConfig, SenderConfig};
 use crate::ids::StagingSlot;
 use crate::ids::{PeerId, ReqId, ReqKey};
-use crate::receiver::{ChecksumCheck, LandedWrite, ReceiverEvent, ReceiverLedger};
+use crate::receiver::{
+    ChecksumCheck, Failure, LandedWrite, Outcome, ReceiverEvent, ReceiverLedger,
+};
 use crate::sender::{
     ChunkSpec, Destination, RequestSpec, SendError, SenderEvent, SenderFlow, WriteOp,
 };
 use crate::time::Instant;
 use crate::wire::{self, Message};
 
+/// Senders of the plain world (the byte-driven events name one of these).
 const SENDERS: usize = 2;
+/// Senders of the contended world: enough that one can be passed over in favour of another
+/// while a third contends.
+const CONTENDING_SENDERS: usize = 3;
 /// Upper bound on operations taken from one input, so a fuzz case stays fast.
 const OPS_MAX: usize = 4_000;
 
@@ -107,6 +117,13 @@ pub struct OpWorld {
     ready: Vec<ReqKey>,
     begun: u32,
     checker: Checker,
+    /// Shares bind (§Fair shares) and the liveness checks apply (`contended`).
+    contended: bool,
+    /// Set while `heal` runs: a request timing out in the admission queue then is a
+    /// liveness failure of the contended world.
+    healing: bool,
+    /// Whether `enabled` offers failing writes and cancels (`without_faults` turns them off).
+    faults: bool,
 }
 
 impl Default for OpWorld {
@@ -124,21 +141,40 @@ impl OpWorld {
     /// `buffer_slots` at the receiver, `staging_slots` at each sender, the same timeouts: a
     /// smaller world, where fewer chunks are enough to fill the buffer or the staging.
     pub fn with_slots(buffer_slots: u32, staging_slots: u32) -> Self {
+        Self::build(SENDERS, buffer_slots, staging_slots, 100)
+    }
+
+    /// Three senders whose shares bind: `peer_share_percent` of `buffer_slots` each while
+    /// another contends. Admission and the sender's wait for it last far longer than every
+    /// other timer chain of a small plan (600 s against a few tens), so that a request which
+    /// times out waiting while the world heals was held back by the rule, not by the clock.
+    pub fn contended(buffer_slots: u32, staging_slots: u32, peer_share_percent: u32) -> Self {
+        Self::build(
+            CONTENDING_SENDERS,
+            buffer_slots,
+            staging_slots,
+            peer_share_percent,
+        )
+    }
+
+    fn build(senders: usize, buffer_slots: u32, staging_slots: u32, share: u32) -> Self {
+        let contended = share < 100;
+        let admission_timeout = if contended { 600 } else { 5 };
         let receiver_cfg = ReceiverConfig {
             buffer_slots,
             request_idle_timeout: Duration::from_secs(5),
             write_quarantine: Duration::from_secs(10),
-            admission_timeout: Duration::from_secs(5),
+            admission_timeout: Duration::from_secs(admission_timeout),
             unconsumed_ttl: Duration::from_secs(20),
-            // One sender may use the whole buffer: admission is plain FIFO, which A2 checks
-            // (per-sender shares are checked by `admission`'s tests and the cluster's).
-            peer_share_percent: 100,
+            // At 100 admission is plain FIFO, which A2 checks; below, §Fair shares, which
+            // admission's own invariants check.
+            peer_share_percent: share,
             ..ReceiverConfig::default()
         };
         let sender_cfg = SenderConfig {
             staging_slots,
             reply_timeout: Duration::from_secs(2),
-            admission_reply_timeout: Duration::from_secs(8),
+            admission_reply_timeout: Duration::from_secs(admission_timeout + 3),
             write_timeout: Duration::from_secs(2),
             notify_proxy_on_failure: true,
             ..SenderConfig::default()
@@ -155,12 +191,23 @@ impl OpWorld {
         };
         Self {
             now: Instant::ZERO,
-            sides: (0..SENDERS).map(|_| side()).collect(),
+            sides: (0..senders).map(|_| side()).collect(),
             receiver: ReceiverLedger::new(receiver_cfg).expect("invariant: valid receiver config"),
             ready: Vec::new(),
             begun: 0,
             checker: Checker::default(),
+            contended,
+            healing: false,
+            faults: true,
         }
+    }
+
+    /// The same world with neither failing writes nor cancels among the explorer's events:
+    /// the interleavings of admission, batches, writes, timers and consumes alone, for a plan
+    /// too large to explore with every fault (the faults are explored at smaller sizes).
+    pub fn without_faults(mut self) -> Self {
+        self.faults = false;
+        self
     }
 
     /// Runs the events the bytes describe, then heals; panics on any broken rule.
@@ -276,13 +323,15 @@ impl OpWorld {
                     sender: s,
                     fail: false,
                 });
-                events.push(Event::Write {
-                    sender: s,
-                    fail: true,
-                });
+                if self.faults {
+                    events.push(Event::Write {
+                        sender: s,
+                        fail: true,
+                    });
+                }
             }
             for (pick, (id, _, _)) in side.requests.iter().enumerate() {
-                if side.flow.is_cancellable(id) {
+                if self.faults && side.flow.is_cancellable(id) {
                     events.push(Event::Cancel { sender: s, pick });
                 }
             }
@@ -601,9 +650,33 @@ impl OpWorld {
                 .push_back(through_the_wire(&Message::AllocResponse(reply)));
         }
         while let Some(ev) = self.receiver.poll_event() {
-            if let ReceiverEvent::Ready { key, .. } = ev {
-                self.ready.push(key);
+            match ev {
+                ReceiverEvent::Ready { key, .. } => self.ready.push(key),
+                ReceiverEvent::Ended {
+                    key,
+                    outcome: Outcome::Failed(why),
+                } if self.contended => self.check_served(&key, &why),
+                _ => {}
             }
+        }
+    }
+
+    /// The contended world's promise (§Fair shares): every request fits its buffer, so none
+    /// is refused for its size or a queue bound, and with the decoder consuming none times
+    /// out waiting for admission.
+    fn check_served(&self, key: &ReqKey, why: &Failure) {
+        match why {
+            Failure::LargerThanBuffer { .. }
+            | Failure::AdmissionQueueFull { .. }
+            | Failure::PeerQueueFull { .. }
+            | Failure::TooManyRequests { .. } => {
+                panic!("checker: {key} fits the buffer but was refused: {why}")
+            }
+            Failure::AdmissionTimeout if self.healing => panic!(
+                "liveness: {key} timed out waiting for admission while the decoder consumed \
+                 and every sender finished its requests"
+            ),
+            _ => {}
         }
     }
 
@@ -612,7 +685,9 @@ impl OpWorld {
             side.flow.check_invariants();
         }
         self.receiver.check_invariants();
-        if let Some((admitted, waiting)) = self.receiver.admitted_out_of_order() {
+        if let (false, Some((admitted, waiting))) =
+            (self.contended, self.receiver.admitted_out_of_order())
+        {
             panic!("checker: {admitted} was admitted while {waiting}, which queued before it, waits (A2: admission is FIFO)");
         }
         if let Err(v) = self.checker.first_violation() {
@@ -623,12 +698,13 @@ impl OpWorld {
     /// Faults stop: deliver and complete everything, consume what is ready, let time pass.
     /// Every request must end and both buffers must be entirely free.
     pub fn heal(&mut self) {
+        self.healing = true;
         for round in 0..10_000 {
             let busy = self.sides.iter().any(|s| {
                 !s.to_receiver.is_empty() || !s.to_sender.is_empty() || !s.writes.is_empty()
             });
             if busy {
-                for s in 0..SENDERS {
+                for s in 0..self.sides.len() {
                     self.deliver_to_receiver(s);
                     self.pump();
                     self.deliver_to_sender(s);
@@ -648,7 +724,7 @@ impl OpWorld {
                     return;
                 }
                 // Let every timer run (leases, TTLs, quarantines); submit what can be.
-                for s in 0..SENDERS {
+                for s in 0..self.sides.len() {
                     self.submit(s, 3);
                 }
                 self.advance(Duration::from_secs(1));

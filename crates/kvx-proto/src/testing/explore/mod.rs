@@ -15,9 +15,11 @@
 //!
 //! - `canon.rs`: the canonical encoding and the fingerprint.
 //! - `reference.rs`: `check_abstraction`, the encoding checked against the whole state.
+//! - `shares.rs`: `explore_shares`, admission alone where shares bind, with liveness.
 
 mod canon;
 mod reference;
+mod shares;
 
 use std::collections::{HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -25,6 +27,7 @@ use std::time::{Duration, Instant};
 
 pub(crate) use canon::Canon;
 pub use reference::{check_abstraction, AbstractionCheck};
+pub use shares::{explore_shares, SharesPlan};
 
 use super::ops::{Event, OpWorld};
 use super::panic_text;
