@@ -11,6 +11,7 @@ exceptions below, all subclasses of ``KvxError``.
 
 from kvx._kvx import (
     CancelledError,
+    IdentityRefusedError,
     KvxError,
     MisuseError,
     Proxy,
@@ -30,6 +31,7 @@ from kvx.config import ReceiverConfig, SenderConfig
 
 __all__ = [
     "CancelledError",
+    "IdentityRefusedError",
     "KvxError",
     "MisuseError",
     "Proxy",

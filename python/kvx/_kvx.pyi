@@ -11,6 +11,7 @@ _Buffer = Any
 
 __all__ = [
     "CancelledError",
+    "IdentityRefusedError",
     "KvxError",
     "MisuseError",
     "Proxy",
@@ -36,6 +37,9 @@ class KvxError(Exception):
 
 class RefusedError(KvxError):
     """The receiver or the proxy refused the request (its reason is the message)."""
+
+class IdentityRefusedError(RefusedError):
+    """The receiver refused this sender's identity: another of its connections holds it (two senders given the same local_id), or it breaks ZeroMQ's rules (1 to 255 bytes, no leading zero byte). Give each sender its own local_id, or leave it to kvx."""
 
 class TimedOutError(KvxError):
     """A bounded wait ran out (staging, admission, an outcome)."""
@@ -132,7 +136,8 @@ class Sender:
         failure_notices: bool = True,
     ) -> Self: ...
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
-        """Connects to a receiver; returns its id for ``begin``."""
+        """Connects to a receiver; returns its id for ``begin``. ``IdentityRefusedError`` when
+        the receiver refuses this sender's identity (another sender's connection holds it)."""
     def begin(
         self,
         req_id: str,

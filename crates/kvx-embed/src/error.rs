@@ -21,3 +21,17 @@ pub enum EmbedError {
     #[error("runtime: {0}")]
     Runtime(#[from] std::io::Error),
 }
+
+impl EmbedError {
+    /// Whether a receiver refused this sender's connection (`TransportError::Refused`): for
+    /// a kvx receiver, another connection holds the sender's identity, or the identity breaks
+    /// ZMQ's rules. Retrying under the same identity does not help while the other lasts.
+    pub fn is_refused(&self) -> bool {
+        matches!(
+            self,
+            Self::Start(kvx_node::StartError::Transport(
+                kvx_io::TransportError::Refused { .. }
+            ))
+        )
+    }
+}

@@ -10,7 +10,8 @@
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
 //!   never lost to a caller that stops waiting).
-//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends).
+//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends), and
+//!   `unique_local_id`, a sender identity of its own for each sender.
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
 
@@ -28,4 +29,4 @@ pub use memory::{Memory, MemoryView};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use sender::{Sender, SenderSettings, StagingGuard};
+pub use sender::{unique_local_id, Sender, SenderSettings, StagingGuard};

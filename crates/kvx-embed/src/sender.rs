@@ -37,10 +37,31 @@ pub struct SenderSettings {
     pub config: SenderConfig,
     /// Its staging.
     pub staging: Memory,
-    /// Its identity on every receiver's alloc channel (unique per sender).
+    /// Its identity on every receiver's alloc channel, unique per sender: a receiver refuses
+    /// a second connection under an identity another holds (`EmbedError::is_refused`).
+    /// `unique_local_id` makes one.
     pub local_id: String,
     /// The proxy's notice endpoint; None: notices are dropped (tests without a proxy).
     pub proxy: Option<String>,
+}
+
+/// A sender identity no other sender has: `{prefix}-{pid}-{n}-{32 hex digits}`, where `n`
+/// counts the identities made in this process and the hex digits are 128 random bits from
+/// the OS. Each sender needs its own (a receiver refuses a second connection under an
+/// identity another holds), several in one process too; the random part keeps a peer from
+/// guessing it and claiming it while the sender reconnects (`docs/spec/zmq.md` §3). The pid
+/// and the count are for whoever reads the logs, which show no more than an identity's start.
+pub fn unique_local_id(prefix: &str) -> Result<String, EmbedError> {
+    static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut bits = [0u8; 16];
+    getrandom::fill(&mut bits).map_err(|e| {
+        EmbedError::Runtime(std::io::Error::other(format!(
+            "the OS random source failed: {e}"
+        )))
+    })?;
+    let hex: String = bits.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(format!("{prefix}-{}-{n}-{hex}", std::process::id()))
 }
 
 /// How long `allocate` waits without a slot before it checks whether pending batches hold

@@ -49,6 +49,18 @@ pub enum TransportError {
         /// The limit.
         max: usize,
     },
+    /// The peer refused this connection in its handshake (ZMTP's ERROR command), for the
+    /// reason it gave; or, for a routing identity that breaks ZMQ's rules, `connect` refused
+    /// it before connecting. A kvx receiver refuses a sender's identity when another
+    /// connection holds it: give each sender its own. Retrying does not help while the other
+    /// connection lasts.
+    #[error("connection to {endpoint} refused: {why}")]
+    Refused {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Why, in the refusing side's words.
+        why: String,
+    },
     /// The operating system refused (a bind, a connect, a handshake), in its words.
     #[error("{0}")]
     Io(String),

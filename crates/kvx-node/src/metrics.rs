@@ -1,5 +1,11 @@
 //! Metric names. The drivers record through the `metrics` facade; whoever runs them installs
 //! an exporter (the `kvx` binary serves Prometheus text). Without one, recording is a no-op.
+//!
+//! Each driver registers every series of its role when it starts (`register_receiver`,
+//! `register_sender`, `register_proxy`), each label value included, so that the first scrape
+//! lists them all at zero, as Prometheus exporters conventionally do: a series that appears
+//! only with its first event leaves `rate()` and alerts blind until then, and a dashboard
+//! cannot tell "none yet" from "not exported".
 
 /// Gauge, per `receiver` (its alloc endpoint): first batches waiting for admission.
 pub const ADMISSION_QUEUE_LEN: &str = "kvx_receiver_admission_queue_len";
@@ -67,8 +73,120 @@ pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";
 /// an early notice pushed out of its full table or too large to keep), each counted once.
 pub const PROXY_NOTICES_DROPPED: &str = "kvx_proxy_notices_dropped_total";
 
+/// The `reason` values of `SENDER_FAILED`: every `SendFailure::kind`.
+pub const SENDER_FAILED_REASONS: &[&str] = &[
+    "cancelled",
+    "refused",
+    "bad_reply",
+    "reply_timeout",
+    "channel_lost",
+    "write_failed",
+    "write_timeout",
+    "misuse",
+];
+/// The `state` values of `SENDER_REQUESTS`.
+pub const SENDER_REQUEST_STATES: &[&str] = &["awaiting_admission", "admitted"];
+/// The `channel` values of `SENDER_RECONNECTS`.
+pub const SENDER_RECONNECT_CHANNELS: &[&str] = &["control", "fabric"];
+/// The `reason` values of `PROXY_FAILED`: the `ProxyFailure::kind`s the proxy's tracker
+/// reports (`proxy_gone` is a handle's, never counted).
+pub const PROXY_FAILED_REASONS: &[&str] = &["reported", "kv_ready_timeout"];
+
+/// Registers every series of a receiver whose `receiver` label is `label`, at zero but for
+/// its `free` slots.
+pub fn register_receiver(label: &str, free: u32) {
+    let counters = [
+        ADMITTED,
+        REFUSED,
+        ROLLED_BACK,
+        CONSUMED,
+        FABRIC_WRITES_REFUSED,
+        LANDINGS_REFUSED,
+        CORRUPT_CHUNKS,
+        DECODE_ERRORS,
+    ];
+    for name in counters {
+        metrics::counter!(name, "receiver" => label.to_owned()).increment(0);
+    }
+    let gauges = [
+        ADMISSION_QUEUE_LEN,
+        SLOTS_RESERVED,
+        SLOTS_HELD,
+        SLOTS_FREE,
+        SLOTS_QUARANTINED,
+    ];
+    for name in gauges {
+        metrics::gauge!(name, "receiver" => label.to_owned()).increment(0.0);
+    }
+    metrics::gauge!(SLOTS_FREE, "receiver" => label.to_owned()).set(f64::from(free));
+    let _ = metrics::histogram!(ADMISSION_WAIT_SECONDS, "receiver" => label.to_owned());
+}
+
+/// Registers every series of a sender, at zero but for its `staging_slots` free ones (last:
+/// once it is there, every series is).
+pub fn register_sender(staging_slots: u32) {
+    for name in [SENDER_DELIVERED, SENDER_CONFIG_CONFLICTS, DECODE_ERRORS] {
+        metrics::counter!(name).increment(0);
+    }
+    for &reason in SENDER_FAILED_REASONS {
+        metrics::counter!(SENDER_FAILED, "reason" => reason).increment(0);
+    }
+    for &channel in SENDER_RECONNECT_CHANNELS {
+        metrics::counter!(SENDER_RECONNECTS, "channel" => channel).increment(0);
+    }
+    metrics::gauge!(SENDER_STAGING_HELD).increment(0.0);
+    for &state in SENDER_REQUEST_STATES {
+        metrics::gauge!(SENDER_REQUESTS, "state" => state).increment(0.0);
+    }
+    for name in [SENDER_ADMISSION_WAIT_SECONDS, SENDER_WRITE_SECONDS] {
+        let _ = metrics::histogram!(name);
+    }
+    metrics::gauge!(SENDER_STAGING_FREE).set(f64::from(staging_slots));
+}
+
+/// Registers every series of a proxy, at zero.
+pub fn register_proxy() {
+    let counters = [
+        PROXY_READY,
+        PROXY_EVENTS_DROPPED,
+        PROXY_NOTICES_DROPPED,
+        DECODE_ERRORS,
+    ];
+    for name in counters {
+        metrics::counter!(name).increment(0);
+    }
+    for &reason in PROXY_FAILED_REASONS {
+        metrics::counter!(PROXY_FAILED, "reason" => reason).increment(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// The label values registered at start are every value the drivers record.
+    #[test]
+    fn registered_reasons_are_every_kind() {
+        use kvx_proto::proxy::ProxyFailure;
+        use kvx_proto::sender::SendFailure as F;
+        let every = [
+            F::Cancelled,
+            F::Refused(String::new()),
+            F::BadReply(String::new()),
+            F::ReplyTimeout,
+            F::ChannelLost,
+            F::WriteFailed(String::new()),
+            F::WriteTimeout,
+            F::Misuse(String::new()),
+        ];
+        let kinds: Vec<&str> = every.iter().map(F::kind).collect();
+        assert_eq!(kinds, super::SENDER_FAILED_REASONS);
+        let tracked = [
+            ProxyFailure::Reported(String::new()),
+            ProxyFailure::TimedOut { seen: 0, ranks: 1 },
+        ];
+        let kinds: Vec<&str> = tracked.iter().map(ProxyFailure::kind).collect();
+        assert_eq!(kinds, super::PROXY_FAILED_REASONS);
+    }
+
     /// Every name defined here is in the operators' table (`docs/operations.md`, "Metrics and
     /// readiness"), in full or as its suffix after the role (`_slots_held` in the receiver's
     /// row): a metric added without a row fails here.

@@ -72,6 +72,7 @@ impl ProxyNode {
     ) -> Result<(ProxyHandle, ProxyEvents), StartError> {
         let tracker = ProxyTracker::new(cfg)?;
         let source = env.transport().notify_source(endpoint).await?;
+        crate::metrics::register_proxy();
         let (tx, rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let (events_tx, events_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let awaited = Arc::new(AtomicUsize::new(0));

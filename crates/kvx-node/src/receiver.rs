@@ -172,6 +172,7 @@ impl ReceiverNode {
             alloc_endpoint: server.local_endpoint().to_owned(),
             fabric_endpoint: listener.local_endpoint.clone(),
         };
+        crate::metrics::register_receiver(&handle.alloc_endpoint, ledger.free_slots());
         let driver = Driver {
             env: env.clone(),
             ledger,

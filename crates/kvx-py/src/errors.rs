@@ -19,6 +19,14 @@ create_exception!(
 );
 create_exception!(
     kvx,
+    IdentityRefusedError,
+    RefusedError,
+    "The receiver refused this sender's identity: another of its connections holds it (two \
+     senders given the same local_id), or it breaks ZeroMQ's rules (1 to 255 bytes, no \
+     leading zero byte). Give each sender its own local_id, or leave it to kvx."
+);
+create_exception!(
+    kvx,
     TimedOutError,
     KvxError,
     "A bounded wait ran out (staging, admission, an outcome)."
@@ -47,6 +55,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvxError", py.get_type::<KvxError>())?;
     m.add("RefusedError", py.get_type::<RefusedError>())?;
+    m.add(
+        "IdentityRefusedError",
+        py.get_type::<IdentityRefusedError>(),
+    )?;
     m.add("TimedOutError", py.get_type::<TimedOutError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add("ReceiverLostError", py.get_type::<ReceiverLostError>())?;
@@ -115,6 +127,9 @@ pub(crate) fn send_error(e: &kvx_proto::sender::SendError) -> PyErr {
 pub(crate) fn embed(e: &kvx_embed::EmbedError) -> PyErr {
     use kvx_embed::EmbedError as E;
     let msg = e.to_string();
+    if e.is_refused() {
+        return IdentityRefusedError::new_err(msg);
+    }
     match e {
         E::TimedOut(_) => TimedOutError::new_err(msg),
         E::Consume(_) => ReceiverLostError::new_err(msg),

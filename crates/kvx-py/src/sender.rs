@@ -30,6 +30,9 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 /// Write a staging slot only while you hold it (between ``allocate`` and ``add``).
 /// ``failure_notices``: a failed request is reported to the proxy (kvx's ``FailNotif``);
 /// off for a proxy that knows only LMCache's messages.
+/// ``local_id``: this sender's identity on every receiver; ``None``: one of its own, unique
+/// per ``Sender`` (several in one process too). Two senders given the same one cannot use
+/// the same receiver at once: the second's ``add_receiver`` raises ``IdentityRefusedError``.
 ///
 /// A request: ``begin`` → ``wait_admitted`` → per chunk ``allocate`` a slot, write it,
 /// ``add`` it → ``submit`` batches (the last with ``last=True``) → ``wait_outcome`` or
@@ -89,7 +92,12 @@ impl Sender {
         config
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let local_id = local_id.unwrap_or_else(|| format!("kvx-py-{}", std::process::id()));
+        let local_id = match local_id {
+            Some(id) => id,
+            // One of its own per sender, several in one process too (a receiver refuses a
+            // second connection under an identity another holds).
+            None => kvx_embed::unique_local_id("kvx-py").map_err(|e| errors::embed(&e))?,
+        };
         let settings = SenderSettings {
             env: choice,
             config,
@@ -107,6 +115,8 @@ impl Sender {
 
     /// Connects to a receiver (its alloc and fabric endpoints, as ``Receiver`` reports
     /// them) and returns its id for ``begin``. Once per address; later calls return the same.
+    /// Raises ``IdentityRefusedError`` when the receiver refuses this sender's identity
+    /// (another sender's connection holds it: two senders given the same ``local_id``).
     #[pyo3(signature = (alloc, fabric, *, timeout = 10.0))]
     fn add_receiver(
         &self,

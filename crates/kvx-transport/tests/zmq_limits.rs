@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvx_io::transport::{ClientEvent, ControlClient, ControlServer};
+use kvx_io::transport::{ClientEvent, ControlClient, ControlServer, TransportError};
 use kvx_io::Transport;
 use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -116,6 +116,29 @@ async fn a_duplicate_identity_is_refused_and_the_connected_dealer_keeps_it() {
         0,
         "the sender never lost its connection"
     );
+}
+
+/// A kvx DEALER whose identity another connection holds hears why: the ROUTER answers its
+/// READY with an ERROR command, and `connect` fails with `Refused` and the ROUTER's reason,
+/// not with a connection that opens and then breaks. The holder keeps its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dealer_refused_its_identity_is_told_why() {
+    let t = ZmqTransport::new(small()).expect("valid");
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let endpoint = server.local_endpoint().to_owned();
+    let mut sender = t.connect(&endpoint, "sender-a").await.expect("connect");
+    let second = tokio::time::timeout(STEP, t.connect(&endpoint, "sender-a"))
+        .await
+        .expect("an answer within 5 s");
+    match second {
+        Err(TransportError::Refused { why, .. }) => {
+            assert!(why.contains("another connection holds it"), "{why}");
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    round_trip(&mut sender, &mut server, "still here").await;
+    assert_eq!(t.stats().identities_refused, 1);
+    assert_eq!(t.stats().disconnects, 0);
 }
 
 /// Identities a ROUTER must not take from the wire: one beginning with a zero byte (the

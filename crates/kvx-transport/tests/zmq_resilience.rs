@@ -270,7 +270,7 @@ async fn connect_is_bounded() {
 
     let bad = t.connect("tcp://127.0.0.1:1", "").await;
     assert!(
-        matches!(bad, Err(TransportError::Endpoint { .. })),
+        matches!(bad, Err(TransportError::Refused { .. })),
         "{bad:?}"
     );
     let bad = t.serve("udp://127.0.0.1:0").await;

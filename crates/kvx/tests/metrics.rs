@@ -141,3 +141,141 @@ fn every_role_serves_metrics_that_move_as_a_run_proceeds_and_readiness() {
         String::from_utf8_lossy(&proxy_out.stdout)
     );
 }
+
+/// Every series `crates/kvx-node/src/metrics.rs` defines for `role` (`kvx_{role}_…`, and the
+/// decode errors every role counts), each with every label value it is recorded with.
+fn series_of(role: &str) -> Vec<String> {
+    use kvx_node::metrics as m;
+    let source = include_str!("../../kvx-node/src/metrics.rs");
+    let source = source
+        .split("#[cfg(test)]")
+        .next()
+        .expect("the definitions");
+    let names = source
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| s.starts_with("kvx_") && !s.contains(' '))
+        .filter(|s| s.starts_with(&format!("kvx_{role}_")) || *s == m::DECODE_ERRORS);
+    let labelled = |name: &str, label: &str, values: &[&str]| -> Vec<String> {
+        values
+            .iter()
+            .map(|v| format!("{name}{{{label}=\"{v}\""))
+            .collect()
+    };
+    let mut out = Vec::new();
+    for name in names {
+        match name {
+            n if n == m::SENDER_FAILED => {
+                out.extend(labelled(n, "reason", m::SENDER_FAILED_REASONS))
+            }
+            n if n == m::SENDER_REQUESTS => {
+                out.extend(labelled(n, "state", m::SENDER_REQUEST_STATES))
+            }
+            n if n == m::SENDER_RECONNECTS => {
+                out.extend(labelled(n, "channel", m::SENDER_RECONNECT_CHANNELS))
+            }
+            n if n == m::PROXY_FAILED => out.extend(labelled(n, "reason", m::PROXY_FAILED_REASONS)),
+            n => out.push(n.to_owned()),
+        }
+    }
+    out
+}
+
+/// The series of `expected` that the page `text` lacks. A series is present when a sample
+/// line starts with it (a histogram's `_count` counts for the histogram).
+fn missing(text: &str, expected: &[String]) -> Vec<String> {
+    let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    expected
+        .iter()
+        .filter(|name| {
+            let count = format!("{name}_count");
+            !samples.iter().any(|l| {
+                [name.as_str(), count.as_str()].iter().any(|n| {
+                    l.strip_prefix(n)
+                        .is_some_and(|rest| rest.starts_with([' ', '{']) || n.ends_with('"'))
+                })
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+/// Each role serves every one of its series on its first scrape, before any traffic: the
+/// proxy and the receiver once ready, the sender while it is still connecting (its receiver
+/// is not there, so it never sends a request).
+#[test]
+fn every_role_serves_all_its_series_before_any_traffic() {
+    let (proxy, absent_alloc, absent_fabric) = (free_port(), free_port(), free_port());
+    let (alloc, fabric) = (free_port(), free_port());
+    let (m_proxy, m_receiver, m_sender) = (free_port(), free_port(), free_port());
+    let spawn = |cmd: &mut Command| {
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvx starts")
+    };
+    let proxy_process = spawn(kvx().args(["proxy", "--host", "127.0.0.1"]).args([
+        "--port",
+        &proxy.to_string(),
+        "--metrics",
+        &format!("127.0.0.1:{m_proxy}"),
+        "--exit-after-s",
+        "60",
+    ]));
+    let receiver = spawn(kvx().args(["receiver", "--buffer-chunks", "8"]).args([
+        "--alloc-ports",
+        &alloc.to_string(),
+        "--fabric-ports",
+        &fabric.to_string(),
+        "--metrics",
+        &format!("127.0.0.1:{m_receiver}"),
+        "--exit-after-s",
+        "60",
+    ]));
+    wait_ready(m_proxy);
+    wait_ready(m_receiver);
+    let (_, px) = get(m_proxy, "/metrics").expect("proxy metrics");
+    let (_, rx) = get(m_receiver, "/metrics").expect("receiver metrics");
+    let sender = spawn(kvx().args(["sender", "--timeout-s", "30"]).args([
+        "--alloc-ports",
+        &absent_alloc.to_string(),
+        "--fabric-ports",
+        &absent_fabric.to_string(),
+        "--proxy",
+        &format!("127.0.0.1:{proxy}"),
+        "--requests",
+        "1",
+        "--metrics",
+        &format!("127.0.0.1:{m_sender}"),
+    ]));
+    // The sender has no readiness before it connects: its free staging, the last series it
+    // registers, says it has started.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let tx = loop {
+        if let Some((200, text)) = get(m_sender, "/metrics") {
+            if value(&text, "kvx_sender_staging_free").is_some() {
+                break text;
+            }
+        }
+        if Instant::now() > deadline {
+            break get(m_sender, "/metrics").map(|r| r.1).unwrap_or_default();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let _ = interrupt(sender);
+    let _ = interrupt(proxy_process);
+    let _ = interrupt(receiver);
+    for (role, text) in [("proxy", &px), ("receiver", &rx), ("sender", &tx)] {
+        let expected = series_of(role);
+        assert!(expected.len() >= 4, "{role}: {expected:?}");
+        let lacking = missing(text, &expected);
+        assert!(
+            lacking.is_empty(),
+            "{role} lacks {lacking:?} on its first scrape:\n{text}"
+        );
+    }
+    assert_eq!(value(&rx, "kvx_receiver_slots_free"), Some(8.0), "{rx}");
+    assert_eq!(value(&tx, "kvx_sender_staging_free"), Some(4.0), "{tx}");
+    assert_eq!(value(&px, "kvx_proxy_ready_total"), Some(0.0), "{px}");
+}

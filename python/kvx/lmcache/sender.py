@@ -62,6 +62,21 @@ class _Request:
     callbacks: List[Tuple[Callable[[Any], None], List[Any]]] = field(default_factory=list)
 
 
+_identities_lock = threading.Lock()
+_identities_made: Dict[str, int] = {}
+
+
+def _identity(derived: str) -> str:
+    """The identity of a new sender of this process: LMCache's (``settings.local_id``) for the
+    first that derives it, ``{derived}-{n}`` for the n-th after. Two senders made from one
+    configuration in one process (the same host and init port for their TP rank) would share
+    it otherwise, and a receiver refuses the second's connection while the first's lasts."""
+    with _identities_lock:
+        n = _identities_made.get(derived, 0) + 1
+        _identities_made[derived] = n
+    return derived if n == 1 else f"{derived}-{n}"
+
+
 class SenderRole:
     """One TP rank's prefill side."""
 
@@ -76,7 +91,7 @@ class SenderRole:
             staging=None if lent is None else lent.numpy(),
             fabric=extra["kvx_fabric"],
             proxy=settings.proxy_endpoint,
-            local_id=settings.local_id,
+            local_id=_identity(settings.local_id),
             staging_timeout=settings.allocation_timeout_sec,
             reply_timeout=extra["kvx_reply_timeout_sec"],
             write_timeout=extra["kvx_write_timeout_sec"],

@@ -218,6 +218,8 @@ impl SenderNode {
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
         let flow = SenderFlow::new(cfg.clone())?;
+        // Before connecting to the proxy, which may take up to the connect timeout.
+        crate::metrics::register_sender(cfg.staging_slots);
         let chunk_bytes = memory.slot_bytes();
         let sink = match &proxy {
             Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),

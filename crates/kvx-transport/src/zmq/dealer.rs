@@ -19,7 +19,7 @@ use super::link::{
     Outgoing, Role,
 };
 use super::peers::check_identity;
-use super::{bad_endpoint, framing, zmtp, Shared};
+use super::{framing, zmtp, Shared};
 
 /// libzmq's rules for a routing identity (`peers::check_identity`): 1 to 255 bytes, not
 /// starting with a zero byte (those are reserved for identities the ROUTER generates). An
@@ -28,10 +28,10 @@ use super::{bad_endpoint, framing, zmtp, Shared};
 fn dealer_identity(endpoint: &str, identity: &str) -> Result<Bytes, TransportError> {
     match check_identity(identity.as_bytes()) {
         Ok(()) => Ok(Bytes::copy_from_slice(identity.as_bytes())),
-        Err(why) => Err(bad_endpoint(
-            endpoint,
-            format!("identity {identity:?}: {why}"),
-        )),
+        Err(why) => Err(TransportError::Refused {
+            endpoint: endpoint.to_owned(),
+            why: format!("identity refused: {why}"),
+        }),
     }
 }
 

@@ -186,7 +186,15 @@ async fn open_unbounded(
         role.peers,
     )
     .await
-    .map_err(|why| TransportError::Io(format!("ZMTP handshake with {endpoint}: {why}")))?;
+    .map_err(|e| match e {
+        zmtp::HandshakeError::Refused(why) => TransportError::Refused {
+            endpoint: endpoint.to_owned(),
+            why,
+        },
+        zmtp::HandshakeError::Failed(why) => {
+            TransportError::Io(format!("ZMTP handshake with {endpoint}: {why}"))
+        }
+    })?;
     Ok(Link { reader, writer })
 }
 

@@ -25,7 +25,7 @@ use super::inbound::InboundBudget;
 
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
 use super::zmtp::{self, FrameReader, ReadLimits};
-use super::{bump, framing, peers, worth_logging, PeerBytes, Shared};
+use super::{bump, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
 /// for errors.
@@ -105,8 +105,9 @@ async fn accept_loop<F, Fut>(
     }
 }
 
-/// Handshakes within `handshake_timeout`; `None` (counted, logged sparsely) when the peer
-/// fails it.
+/// The peer's half of the handshake within `handshake_timeout` (our greeting out, its
+/// greeting and READY in: `zmtp::handshake_server`); `None` (counted, logged sparsely) when
+/// the peer fails it. The caller answers with `accept` or `refuse`.
 async fn handshake(
     shared: &Shared,
     reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
@@ -115,11 +116,11 @@ async fn handshake(
     peers: &[&str],
 ) -> Option<Vec<(String, Bytes)>> {
     let bound = shared.config.handshake_timeout;
-    let why = match tokio::time::timeout(bound, zmtp::handshake(reader, writer, ours, None, peers))
+    let why = match tokio::time::timeout(bound, zmtp::handshake_server(reader, writer, ours, peers))
         .await
     {
         Ok(Ok(props)) => return Some(props),
-        Ok(Err(why)) => why,
+        Ok(Err(why)) => why.to_string(),
         Err(_) => format!("not done within {bound:?}"),
     };
     shared.refused(
@@ -129,6 +130,32 @@ async fn handshake(
         &why,
     );
     None
+}
+
+/// Completes the handshake with our READY, within `handshake_timeout`; false when the peer
+/// did not take it (the connection is then closed).
+async fn accept(shared: &Shared, writer: &mut OwnedWriteHalf, ours: &'static str) -> bool {
+    use tokio::io::AsyncWriteExt;
+    let ready = zmtp::ready(ours, None);
+    let bound = shared.config.handshake_timeout;
+    matches!(
+        tokio::time::timeout(bound, writer.write_all(&ready)).await,
+        Ok(Ok(()))
+    )
+}
+
+/// Refuses the peer with an ERROR command carrying `reason` (RFC 23), so that it can report
+/// why instead of a lost connection; the caller then closes the connection. Bounded by
+/// `handshake_timeout`, and best effort: a peer that does not read it is closed all the same.
+async fn refuse(shared: &Shared, writer: &mut OwnedWriteHalf, reason: &str) {
+    use tokio::io::AsyncWriteExt;
+    let error = zmtp::error_command(reason);
+    let bound = shared.config.handshake_timeout;
+    let _ = tokio::time::timeout(bound, async {
+        writer.write_all(&error).await?;
+        writer.shutdown().await
+    })
+    .await;
 }
 
 fn reader_for(
@@ -193,6 +220,26 @@ impl Routes {
         {
             self.by_identity.remove(identity);
         }
+    }
+}
+
+/// The reason a ROUTER's ERROR gives a peer whose identity another connection holds. It
+/// names no identity: the peer knows its own.
+pub(crate) const IDENTITY_HELD: &str = "identity refused: another connection holds it";
+
+/// The start of an identity, for the log: enough to tell whose it is (a readable prefix),
+/// not enough to claim it (a kvx sender's random part is past it; `docs/spec/zmq.md` §3).
+struct IdentityStart<'a>(&'a [u8]);
+
+impl std::fmt::Display for IdentityStart<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const SHOWN: usize = 16;
+        let shown = &self.0[..self.0.len().min(SHOWN)];
+        write!(f, "\"{}\"", shown.escape_ascii())?;
+        if shown.len() < self.0.len() {
+            write!(f, "… ({} bytes)", self.0.len())?;
+        }
+        Ok(())
     }
 }
 
@@ -271,6 +318,7 @@ async fn router_conn(
                 "identity refused; connection closed",
                 &why,
             );
+            refuse(&shared, &mut writer, &format!("identity refused: {why}")).await;
             return;
         }
     };
@@ -281,10 +329,15 @@ async fn router_conn(
             &shared.counters.identities_refused,
             "ROUTER",
             "identity refused: another connection holds it; connection closed",
-            &PeerBytes(&taken),
+            &IdentityStart(&taken),
         );
+        refuse(&shared, &mut writer, IDENTITY_HELD).await;
         return;
     };
+    if !accept(&shared, &mut writer, "ROUTER").await {
+        lock(&routes).release(&identity, conn);
+        return;
+    }
     // While this connection holds the identity, its `PeerId` is not forgotten (`peers`).
     shared.peers().held(&identity);
     let mut writing = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
@@ -439,6 +492,7 @@ async fn pull_conn(
     if handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"])
         .await
         .is_none()
+        || !accept(&shared, &mut writer, "PULL").await
     {
         return;
     }

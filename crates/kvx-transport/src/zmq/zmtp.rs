@@ -77,15 +77,7 @@ pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     if let Some(identity) = identity {
         property(b"Identity", identity);
     }
-    let mut frame = Vec::with_capacity(body.len() + 9);
-    if body.len() < 256 {
-        frame.extend_from_slice(&[COMMAND, body.len() as u8]);
-    } else {
-        frame.push(COMMAND | LONG);
-        frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
-    }
-    frame.extend_from_slice(&body);
-    frame
+    command_frame(&body)
 }
 
 /// The properties of a READY command body; an error for anything else.
@@ -377,39 +369,128 @@ pub(super) fn encode_message(frames: &[&[u8]], out: &mut Vec<u8>) {
     }
 }
 
-/// The handshake of a socket of type `ours` (with `identity` in its READY, for a DEALER): our
-/// greeting and READY out, the peer's checked (greeting, then READY with a `Socket-Type` in
-/// `peers`). Returns the peer's READY properties. The caller bounds it in time.
+/// An ERROR command (RFC 23: `command-size %d5 "ERROR" error-reason`), which a server sends
+/// instead of its READY to refuse the peer, with `reason` (cut to the 255 bytes the reason
+/// may have, at a character boundary).
+pub(super) fn error_command(reason: &str) -> Vec<u8> {
+    let mut cut = reason.len().min(255);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let reason = &reason.as_bytes()[..cut];
+    let mut body = Vec::with_capacity(reason.len() + 7);
+    body.push(5);
+    body.extend_from_slice(b"ERROR");
+    body.push(reason.len() as u8);
+    body.extend_from_slice(reason);
+    command_frame(&body)
+}
+
+/// `body` as one command frame: short below 256 bytes, long from there.
+fn command_frame(body: &[u8]) -> Vec<u8> {
+    let mut frame = Vec::with_capacity(body.len() + 9);
+    if body.len() < 256 {
+        frame.extend_from_slice(&[COMMAND, body.len() as u8]);
+    } else {
+        frame.push(COMMAND | LONG);
+        frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    }
+    frame.extend_from_slice(body);
+    frame
+}
+
+/// The reason of an ERROR command body, if `body` is one (escaped: it is the peer's text).
+fn parse_error(body: &[u8]) -> Option<String> {
+    let rest = body.strip_prefix(b"\x05ERROR")?;
+    let (&len, reason) = rest.split_first().unwrap_or((&0, &[]));
+    let reason = &reason[..reason.len().min(usize::from(len))];
+    Some(String::from_utf8_lossy(&reason.escape_ascii().collect::<Vec<u8>>()).into_owned())
+}
+
+/// Why a handshake did not complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum HandshakeError {
+    /// The peer sent ERROR instead of READY: it refused this connection, for this reason.
+    Refused(String),
+    /// Anything else: not ZMTP, a socket type that cannot talk to ours, a broken stream.
+    Failed(String),
+}
+
+impl std::fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(why) => write!(f, "refused by the peer: {why}"),
+            Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+/// The handshake of a connecting socket of type `ours` (with `identity` in its READY, for a
+/// DEALER): our greeting and READY out, the peer's checked (greeting, then READY with a
+/// `Socket-Type` in `peers`). Returns the peer's READY properties; `Refused` when the peer
+/// answered with ERROR. The caller bounds it in time.
 pub(super) async fn handshake<R, W>(
     reader: &mut FrameReader<R>,
     writer: &mut W,
     ours: &str,
     identity: Option<&[u8]>,
     peers: &[&str],
-) -> Result<Vec<(String, Bytes)>, String>
+) -> Result<Vec<(String, Bytes)>, HandshakeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut hello = greeting().to_vec();
     hello.extend_from_slice(&ready(ours, identity));
-    writer.write_all(&hello).await.map_err(|e| e.to_string())?;
-    check_greeting(&reader.greeting().await.map_err(|e| e.to_string())?)?;
-    let body = reader
-        .handshake_command()
-        .await
-        .map_err(|e| e.to_string())?;
-    let props = parse_ready(&body)?;
+    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
+    writer.write_all(&hello).await.map_err(failed)?;
+    peer_ready(reader, ours, peers).await
+}
+
+/// The first half of a bound socket's handshake: our greeting out, then the peer's greeting
+/// and READY in and checked, as in `handshake`. Our READY waits for the caller's verdict on
+/// the peer's properties: it sends it (`ready`) to accept the peer, or an ERROR
+/// (`error_command`) to refuse it with a reason the peer can report. ZMTP lets a server
+/// answer after the client's READY: a client sends its READY without waiting for ours.
+pub(super) async fn handshake_server<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    ours: &str,
+    peers: &[&str],
+) -> Result<Vec<(String, Bytes)>, HandshakeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
+    writer.write_all(&greeting()).await.map_err(failed)?;
+    peer_ready(reader, ours, peers).await
+}
+
+/// The peer's greeting and READY, checked; its READY properties.
+async fn peer_ready<R: AsyncRead + Unpin>(
+    reader: &mut FrameReader<R>,
+    ours: &str,
+    peers: &[&str],
+) -> Result<Vec<(String, Bytes)>, HandshakeError> {
+    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
+    let greeting = reader.greeting().await.map_err(failed)?;
+    check_greeting(&greeting).map_err(HandshakeError::Failed)?;
+    let body = reader.handshake_command().await.map_err(failed)?;
+    if let Some(reason) = parse_error(&body) {
+        return Err(HandshakeError::Refused(reason));
+    }
+    let props = parse_ready(&body).map_err(HandshakeError::Failed)?;
     let kind = props
         .iter()
         .find(|(k, _)| k.eq_ignore_ascii_case("Socket-Type"))
         .map(|(_, v)| v.clone())
         .unwrap_or_default();
     if !peers.iter().any(|p| p.as_bytes() == kind) {
-        return Err(format!(
+        return Err(HandshakeError::Failed(format!(
             "a {} socket cannot talk to a {ours}",
             PeerBytes(&kind)
-        ));
+        )));
     }
     Ok(props)
 }
@@ -437,6 +518,29 @@ mod tests {
                 return out;
             }
         }
+    }
+
+    /// An ERROR command reads back as the reason it carries; a long one is cut to 255 bytes at
+    /// a character boundary. A READY is no ERROR.
+    #[tokio::test]
+    async fn error_commands_carry_their_reason() {
+        let read = |frame: Vec<u8>| async move {
+            let mut r = FrameReader::new(&frame[..], limits(1024, 1024));
+            r.handshake_command().await.expect("one command")
+        };
+        let reason = "identity refused: another connection holds it";
+        let body = read(error_command(reason)).await;
+        assert_eq!(parse_error(&body).as_deref(), Some(reason));
+        let body = read(error_command(&"é".repeat(200))).await;
+        assert_eq!(body[6], 254, "127 two-byte characters");
+        assert_eq!(
+            parse_error(&body)
+                .expect("an ERROR")
+                .matches("\\xc3\\xa9")
+                .count(),
+            127
+        );
+        assert_eq!(parse_error(&ready("ROUTER", None)[2..]), None);
     }
 
     #[tokio::test]
