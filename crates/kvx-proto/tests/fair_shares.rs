@@ -1,8 +1,10 @@
-//! Per-sender shares (`admission.rs`, `docs/spec/protocol.md` §Fair shares): the starvation
-//! cases a hostile review found, each run twice on the harness — with the default share,
-//! where the legitimate sender completes, and with shares off (one sender may hold the whole
-//! buffer and queue without limit), where it does not. The second run is what shows each test
-//! can fail.
+//! Per-sender shares (`admission.rs`, `docs/spec/protocol.md` §Fair shares), on the harness.
+//! The promise first: a lone sender uses the whole buffer with the default share, and a
+//! request larger than the share is served. Then the starvation cases a hostile review found,
+//! each run twice — with the default share, where the legitimate sender completes, and with
+//! shares off (one sender may hold the whole buffer and queue without limit), where it does
+//! not. The second run is what shows each test can fail. Last, the bound a hog that struck
+//! while alone holds a latecomer to: its request's lifetime.
 
 use std::time::Duration;
 
@@ -28,6 +30,42 @@ fn batch(req: &str, keys: usize, total: u32, last: bool, seq: u64) -> Message {
         total_chunks: total,
         seq: Some(seq),
     })
+}
+
+/// 1P1D with the defaults: one sender, a 24-slot buffer, the default 75 % share. A request
+/// of the whole buffer is served, and so are requests that together hold all of it.
+#[test]
+fn a_lone_sender_uses_the_whole_buffer_with_the_default_share() {
+    let spec = ClusterSpec::new(1, 1, 24, 8)
+        .with_peer_share(DEFAULT_SHARE)
+        .with(RequestPlan::new(0, 0, "whole", 24, 4))
+        .with(RequestPlan::new(0, 0, "a", 12, 4))
+        .with(RequestPlan::new(0, 0, "b", 12, 4));
+    let mut spec = spec;
+    spec.interleave = 3;
+    let report = run(Cluster::new(spec));
+    for (i, p) in report.plans.iter().enumerate() {
+        assert_eq!(p.sender_end, Some(End::Delivered), "request {i}: {p:?}");
+        assert_eq!(
+            p.receiver_end,
+            Some(Outcome::Consumed),
+            "request {i}: {p:?}"
+        );
+    }
+    assert_eq!(
+        ReceiverDefault::share(),
+        DEFAULT_SHARE,
+        "the test uses the default"
+    );
+}
+
+/// The default share, read from the core's one place for defaults.
+struct ReceiverDefault;
+
+impl ReceiverDefault {
+    fn share() -> u32 {
+        kvx_proto::ReceiverConfig::default().peer_share_percent
+    }
 }
 
 /// One legitimate sender with a 2-chunk request that begins after the hog has struck.
@@ -154,5 +192,26 @@ fn a_waiter_over_its_senders_share_does_not_hold_others_behind_it() {
         !legit_delivered(&without) || legit_admission_wait(&without) >= Duration::from_secs(1),
         "without shares the waiter at the head of the queue holds it until it expires \
          (this test can fail)"
+    );
+}
+
+/// A hog alone reserves the whole buffer (a request larger than its share goes in when its
+/// sender holds nothing) and then sends nothing. The latecomer, within its share, is next in
+/// line and is admitted when the hog's request ends: at the hog's idle timeout, the lifetime
+/// §Fair shares bounds it by; a second hog request queued meanwhile is passed over.
+#[test]
+fn a_hog_alone_holds_a_latecomer_back_only_for_its_requests_lifetime() {
+    let mut cluster = Cluster::new(spec(DEFAULT_SHARE));
+    cluster.inject(Duration::ZERO, 0, 0, &batch("hog", 0, BUFFER, false, 1));
+    cluster.inject(Duration::from_secs(2), 0, 0, &batch("more", 0, 1, false, 2));
+    let report = run(cluster);
+    assert!(legit_delivered(&report), "{:?}", report.plans[0]);
+    let idle = kvx_proto::ReceiverConfig::default().request_idle_timeout;
+    let waited = legit_admission_wait(&report);
+    // Begun at 1 s, admitted when the hog's request is rolled back at its idle timeout
+    // (30 s after its admission at 0 s).
+    assert!(
+        waited <= idle && waited >= idle - Duration::from_secs(2),
+        "the latecomer waits for the hog's lifetime, no more: {waited:?}"
     );
 }

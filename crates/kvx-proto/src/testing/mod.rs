@@ -26,8 +26,8 @@ pub use checker::Violation;
 pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
 pub(crate) use explore::Canon;
 pub use explore::{
-    check_abstraction, explore, explore_from, explore_shares, AbstractionCheck, Exploration,
-    Order, SharesPlan,
+    check_abstraction, explore, explore_from, explore_shares, AbstractionCheck, Exploration, Order,
+    SharesPlan,
 };
 pub use ops::{Event, OpWorld};
 pub use workload::{ClusterSpec, RequestPlan, Timing};

@@ -164,7 +164,9 @@ impl World {
     fn check_live(mut self, plan: &SharesPlan) {
         let total: usize = plan.requests.iter().map(Vec::len).sum();
         for _ in 0..=4 * total + 4 * plan.limits.capacity as usize {
-            if let Some(s) = (0..plan.requests.len()).find(|&s| self.arrived[s] < plan.requests[s].len()) {
+            if let Some(s) =
+                (0..plan.requests.len()).find(|&s| self.arrived[s] < plan.requests[s].len())
+            {
                 self.apply(plan, Step::Arrive(s));
             } else if let Some(&ticket) = self.held.keys().next() {
                 self.apply(
@@ -217,7 +219,8 @@ impl World {
 fn refused(plan: &SharesPlan, need: u32, why: Refusal) {
     match why {
         Refusal::QueueFull { .. } | Refusal::PeerQueueFull { .. }
-            if plan.requests.iter().map(Vec::len).sum::<usize>() > plan.limits.queue_max.min(plan.limits.peer_queue_max) => {}
+            if plan.requests.iter().map(Vec::len).sum::<usize>()
+                > plan.limits.queue_max.min(plan.limits.peer_queue_max) => {}
         Refusal::LargerThanBuffer { .. } if need > plan.limits.capacity => {}
         _ => panic!(
             "checker: a request of {need} that fits the buffer of {} was refused: {why:?}",
