@@ -25,6 +25,7 @@ from kvx._kvx import (
     TimedOutError,
     __version__,
     configure,
+    defaults,
 )
 from kvx.config import ReceiverConfig, SenderConfig
 
@@ -46,4 +47,5 @@ __all__ = [
     "TimedOutError",
     "__version__",
     "configure",
+    "defaults",
 ]
