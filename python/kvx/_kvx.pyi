@@ -25,6 +25,7 @@ __all__ = [
     "TimedOutError",
     "__version__",
     "configure",
+    "defaults",
     "synthetic_check",
     "synthetic_fill",
 ]

@@ -6,6 +6,7 @@ kwargs build the object."""
 import dataclasses
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,8 @@ def _lmcache_settings():
     spec = importlib.util.spec_from_file_location("kvx_lmcache_settings", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Its dataclasses resolve their annotations through sys.modules.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
