@@ -26,6 +26,7 @@ from kvx._kvx import (
     TimedOutError,
     __version__,
     configure,
+    defaults,
 )
 from kvx.config import ReceiverConfig, SenderConfig
 
@@ -48,4 +49,5 @@ __all__ = [
     "TimedOutError",
     "__version__",
     "configure",
+    "defaults",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "TimedOutError",
     "__version__",
     "configure",
+    "defaults",
     "synthetic_check",
     "synthetic_fill",
 ]
@@ -56,6 +57,10 @@ class MisuseError(KvxError):
 class StartError(KvxError):
     """A kvx object could not start (a port in use, an invalid setting, no device)."""
 
+def defaults() -> Dict[str, Dict[str, Any]]:
+    """The default of every setting, from kvx's core: ``{"receiver": ..., "sender": ...,
+    "proxy": ..., "node": ...}``, each keyed by the core's field name (durations in seconds)."""
+
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""
 
@@ -83,7 +88,7 @@ class Proxy:
         cls,
         endpoint: str = "tcp://127.0.0.1:0",
         *,
-        kv_ready_timeout: float = 120.0,
+        kv_ready_timeout: Optional[float] = None,
         standalone_tp_ranks: Optional[int] = None,
     ) -> Self: ...
     @property
@@ -129,12 +134,13 @@ class Sender:
         fabric: str = "tcp",
         proxy: Optional[str] = None,
         local_id: Optional[str] = None,
-        staging_timeout: float = 30.0,
-        reply_timeout: float = 10.0,
-        write_timeout: float = 10.0,
-        checksums: bool = True,
-        failure_notices: bool = True,
-    ) -> Self: ...
+        staging_timeout: Optional[float] = None,
+        reply_timeout: Optional[float] = None,
+        write_timeout: Optional[float] = None,
+        checksums: Optional[bool] = None,
+        failure_notices: Optional[bool] = None,
+    ) -> Self:
+        """A protocol setting given as ``None`` is kvx's default (``defaults()["sender"]``)."""
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
         """Connects to a receiver; returns its id for ``begin``. ``IdentityRefusedError`` when
         the receiver refuses this sender's identity (another sender's connection holds it)."""
@@ -241,11 +247,12 @@ class Receiver:
         fabric: str = "tcp",
         alloc: str = "tcp://127.0.0.1:0",
         fabric_endpoint: str = "tcp://127.0.0.1:0",
-        peer_share_percent: int = 50,
-        admission_timeout: float = 30.0,
-        unconsumed_ttl: float = 300.0,
-        require_checksums: bool = False,
-    ) -> Self: ...
+        peer_share_percent: Optional[int] = None,
+        admission_timeout: Optional[float] = None,
+        unconsumed_ttl: Optional[float] = None,
+        require_checksums: Optional[bool] = None,
+    ) -> Self:
+        """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``)."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property

@@ -1,23 +1,78 @@
-"""kvx.SenderConfig and kvx.ReceiverConfig stay in step with the native constructors: every
-field is a keyword parameter of the same name and default, and a config's kwargs build the
-object."""
+"""One set of defaults: kvx.Receiver, kvx.Sender and kvx.Proxy take ``None`` for kvx's default
+of each protocol setting, and kvx.ReceiverConfig, kvx.SenderConfig and kvx.lmcache's ``kvx_*``
+keys state exactly the native module's defaults (``kvx.defaults()``, the core's); a config's
+kwargs build the object."""
 
 import dataclasses
+import importlib.util
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 
 import kvx
 
+NATIVE = kvx.defaults()
+
+#: A Python name → the core's field, where they differ.
+CORE_NAME = {"failure_notices": "notify_proxy_on_failure"}
+
 
 @pytest.mark.parametrize(
-    "config, native", [(kvx.SenderConfig, kvx.Sender), (kvx.ReceiverConfig, kvx.Receiver)]
+    "config, native, role",
+    [(kvx.SenderConfig, kvx.Sender, "sender"), (kvx.ReceiverConfig, kvx.Receiver, "receiver")],
 )
-def test_each_field_is_a_keyword_with_the_same_default(config, native):
+def test_each_field_is_a_keyword_and_defaults_to_the_native_default(config, native, role):
     params = inspect.signature(native).parameters
     for field in dataclasses.fields(config):
         assert field.name in params, f"{native.__name__} has no parameter {field.name}"
-        assert params[field.name].default == field.default, field.name
+        assert params[field.name].default is None, f"{native.__name__}({field.name}=None)"
+        core = NATIVE[role][CORE_NAME.get(field.name, field.name)]
+        assert field.default == core and type(field.default) is type(core), (
+            f"{config.__name__}.{field.name} = {field.default!r}, kvx's default is {core!r}"
+        )
+
+
+def test_the_proxy_and_connect_defaults_are_the_native_ones():
+    params = inspect.signature(kvx.Proxy).parameters
+    assert params["kv_ready_timeout"].default is None
+    connect = inspect.signature(kvx.Sender.add_receiver).parameters["timeout"].default
+    assert connect == NATIVE["node"]["connect_timeout"]
+
+
+def _lmcache_settings():
+    """kvx/lmcache/settings.py on its own: it needs only the native module, while importing
+    the kvx.lmcache package needs LMCache and torch."""
+    path = Path(kvx.__file__).parent / "lmcache" / "settings.py"
+    spec = importlib.util.spec_from_file_location("kvx_lmcache_settings", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Its dataclasses resolve their annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lmcache_keys_default_to_the_native_defaults():
+    settings = _lmcache_settings()
+    keys = {name: default for name, (_, default, _) in settings.KVX_EXTRA_KEYS.items()}
+    expected = {
+        "kvx_peer_share_percent": NATIVE["receiver"]["peer_share_percent"],
+        "kvx_unconsumed_ttl_sec": NATIVE["receiver"]["unconsumed_ttl"],
+        "kvx_checksums": NATIVE["sender"]["checksums"],
+        "kvx_failure_notices": NATIVE["sender"]["notify_proxy_on_failure"],
+        "kvx_reply_timeout_sec": NATIVE["sender"]["reply_timeout"],
+        "kvx_write_timeout_sec": NATIVE["sender"]["write_timeout"],
+        "kvx_connect_timeout_sec": NATIVE["node"]["connect_timeout"],
+    }
+    for name, default in expected.items():
+        assert keys[name] == default, f"{name} defaults to {keys[name]!r}, kvx's is {default!r}"
+    # One key sets both sides' checksums: their native defaults must agree.
+    assert NATIVE["sender"]["checksums"] == NATIVE["receiver"]["require_checksums"]
+    # LMCache's unbounded pd_allocation_timeout_sec becomes each side's own default wait.
+    assert settings.default_allocation_timeout("receiver") == NATIVE["receiver"]["admission_timeout"]
+    assert settings.default_allocation_timeout("sender") == NATIVE["sender"]["staging_timeout"]
 
 
 def test_a_config_builds_the_objects():

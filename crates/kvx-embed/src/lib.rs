@@ -6,6 +6,8 @@
 //! Map:
 //! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), and `EnvVisitor`, the
 //!   one `match` from a choice to a concrete `Env`.
+//! - `defaults`: the defaults of node-level settings the core's configs do not hold (chunk
+//!   size, connect timeout).
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
@@ -16,6 +18,7 @@
 //! - `error`: `EmbedError`.
 
 pub mod choice;
+pub mod defaults;
 pub mod error;
 pub mod memory;
 pub mod proxy;

@@ -248,7 +248,9 @@ pub enum Pipelining {
 /// The prefill side: one staging pool and a control channel per receiver.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SenderConfig {
-    /// Slots (chunks) in the staging pool.
+    /// Slots (chunks) in the staging pool. The default 4 covers what is in flight on one link
+    /// (its bandwidth-delay product: 4 chunks of 1 MiB cover 25 GB/s × 160 µs); more staging
+    /// adds queueing and cache misses, not throughput (`docs/PERFORMANCE.md`).
     pub staging_slots: u32,
     /// Longest wait for the reply to an admission probe (it may wait in the receiver's queue).
     pub admission_reply_timeout: Duration,
@@ -271,7 +273,9 @@ pub struct SenderConfig {
     pub channel_queue_max: usize,
     /// Whether replies may be matched by `seq` with several messages in flight.
     pub pipelining: Pipelining,
-    /// Send `FailNotif` to the proxy when a request fails (kvx proxies only).
+    /// Send `FailNotif` to the proxy when a request fails, so it reports the failure at once
+    /// instead of at its `kv_ready_timeout`. Turn off for a proxy that knows only LMCache's
+    /// messages (LMCache's example proxy decodes every frame as a `ProxyNotif`).
     pub notify_proxy_on_failure: bool,
     /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with
     /// the write, so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
@@ -282,7 +286,7 @@ pub struct SenderConfig {
 impl Default for SenderConfig {
     fn default() -> Self {
         Self {
-            staging_slots: 64,
+            staging_slots: 4,
             admission_reply_timeout: Duration::from_secs(45),
             reply_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(10),
@@ -292,7 +296,7 @@ impl Default for SenderConfig {
             outcomes_kept: 65_536,
             channel_queue_max: 65_536,
             pipelining: Pipelining::Auto,
-            notify_proxy_on_failure: false,
+            notify_proxy_on_failure: true,
             checksums: true,
         }
     }

@@ -4,6 +4,7 @@
 //! errors are the typed exceptions of `errors`.
 //!
 //! Map:
+//! - `defaults`: `defaults()`, every setting's default, read from the core and kvx-embed.
 //! - `errors`: the exception classes and the mapping from kvx's errors to them.
 //! - `wait`: bounded, interruptible waits with the GIL released.
 //! - `aio`: asyncio futures over kvx's async calls (the awaitable methods).
@@ -17,6 +18,7 @@
 use pyo3::prelude::*;
 
 mod aio;
+mod defaults;
 mod env;
 mod errors;
 mod memory;
@@ -37,6 +39,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sender::StagingSlot>()?;
     m.add_class::<receiver::Receiver>()?;
     m.add_class::<receiver::ReadLease>()?;
+    m.add_function(wrap_pyfunction!(defaults::defaults, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_fill, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_check, m)?)?;

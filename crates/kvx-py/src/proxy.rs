@@ -15,8 +15,9 @@ use crate::{errors, runtime, wait};
 /// The notice channel of a proxy (a ZeroMQ PULL socket LMCache's and kvx's senders push
 /// ``ProxyNotif`` and ``FailNotif`` to).
 ///
-/// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=120.0, standalone_tp_ranks=None)``:
-/// binds ``endpoint`` (port 0: the OS picks; read ``endpoint`` back). With
+/// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=None, standalone_tp_ranks=None)``:
+/// binds ``endpoint`` (port 0: the OS picks; read ``endpoint`` back). ``kv_ready_timeout``
+/// ``None`` is kvx's default, the one ``kvx proxy`` runs with (``kvx.defaults()["proxy"]``). With
 /// ``standalone_tp_ranks`` set, every request id is awaited from its first notice, from that
 /// many TP ranks, and outcomes come from ``next_event``; otherwise call ``expect`` for each
 /// request before its prefill starts.
@@ -35,18 +36,22 @@ pub(crate) struct ProxyWait {
 #[pymethods]
 impl Proxy {
     #[new]
-    #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = 120.0, standalone_tp_ranks = None))]
+    #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = None, standalone_tp_ranks = None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
-        kv_ready_timeout: f64,
+        kv_ready_timeout: Option<f64>,
         standalone_tp_ranks: Option<u32>,
     ) -> PyResult<Self> {
-        let kv_ready_timeout = wait::positive_seconds(kv_ready_timeout, "kv_ready_timeout")?;
+        let core = ProxyConfig::default();
+        let kv_ready_timeout = match kv_ready_timeout {
+            Some(s) => wait::positive_seconds(s, "kv_ready_timeout")?,
+            None => core.kv_ready_timeout,
+        };
         let cfg = ProxyConfig {
             kv_ready_timeout,
             await_on_first_notice: standalone_tp_ranks,
-            ..ProxyConfig::default()
+            ..core
         };
         let rt = runtime::get()?;
         let transport = TransportChoice::Zmq(ZmqConfig::default());

@@ -16,15 +16,20 @@ use crate::{aio, env, errors, memory, runtime, wait};
 /// each complete request to the decoder.
 ///
 /// ``Receiver(*, slots, slot_bytes, buffer=None, transport="zmq", fabric="tcp",
-/// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=50,
-/// admission_timeout=30.0, unconsumed_ttl=300.0, require_checksums=False)``
+/// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=None,
+/// admission_timeout=None, unconsumed_ttl=None, require_checksums=None)``
+///
+/// A protocol setting given as ``None`` is kvx's default, the one ``kvx receiver`` runs with
+/// (``kvx.defaults()["receiver"]``: a 75 % share, 30 s admission timeout, 300 s unconsumed
+/// TTL, checksums required).
 ///
 /// ``buffer``: the memory chunks land in, a writable contiguous buffer the receiver keeps
 /// alive (``None``: a fresh ``bytearray``; the ``shm`` fabric allocates its own, which
 /// ``Receiver.buffer`` and the lease's views then view). Read a
 /// slot only while its request is leased (``next_ready`` → ``ReadLease.consume``).
-/// ``peer_share_percent``: the most of the buffer one sender may hold (100 with a single
-/// sender).
+/// ``peer_share_percent``: the most of the buffer one sender may hold, in percent (1-100).
+/// ``require_checksums``: a kvx sender's chunk without a checksum fails its request; turn off
+/// only for senders that cannot send one.
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Receiver {
     inner: kvx_embed::Receiver,
@@ -50,8 +55,8 @@ impl Receiver {
     #[new]
     #[pyo3(signature = (*, slots, slot_bytes, buffer = None, transport = "zmq", fabric = "tcp",
         alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
-        peer_share_percent = 50, admission_timeout = 30.0, unconsumed_ttl = 300.0,
-        require_checksums = false))]
+        peer_share_percent = None, admission_timeout = None, unconsumed_ttl = None,
+        require_checksums = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -62,21 +67,28 @@ impl Receiver {
         fabric: &str,
         alloc: &str,
         fabric_endpoint: &str,
-        peer_share_percent: u32,
-        admission_timeout: f64,
-        unconsumed_ttl: f64,
-        require_checksums: bool,
+        peer_share_percent: Option<u32>,
+        admission_timeout: Option<f64>,
+        unconsumed_ttl: Option<f64>,
+        require_checksums: Option<bool>,
     ) -> PyResult<Self> {
         let choice = env::choice(transport, fabric)?;
         let own = env::needs_own_mapping(&choice);
         let (memory, view) = memory::choose(py, buffer, slots, slot_bytes, own)?;
+        let core = ReceiverConfig::default();
         let config = ReceiverConfig {
             buffer_slots: slots,
-            peer_share_percent,
-            admission_timeout: wait::positive_seconds(admission_timeout, "admission_timeout")?,
-            unconsumed_ttl: wait::positive_seconds(unconsumed_ttl, "unconsumed_ttl")?,
-            require_checksums,
-            ..ReceiverConfig::default()
+            peer_share_percent: peer_share_percent.unwrap_or(core.peer_share_percent),
+            admission_timeout: match admission_timeout {
+                Some(s) => wait::positive_seconds(s, "admission_timeout")?,
+                None => core.admission_timeout,
+            },
+            unconsumed_ttl: match unconsumed_ttl {
+                Some(s) => wait::positive_seconds(s, "unconsumed_ttl")?,
+                None => core.unconsumed_ttl,
+            },
+            require_checksums: require_checksums.unwrap_or(core.require_checksums),
+            ..core
         };
         config
             .validate()

@@ -19,8 +19,12 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 /// A sender: moves a prefill's KV chunks from its staging into receivers' buffers.
 ///
 /// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
-/// local_id=None, staging_timeout=30.0, reply_timeout=10.0, write_timeout=10.0,
-/// checksums=True, failure_notices=True)``
+/// local_id=None, staging_timeout=None, reply_timeout=None, write_timeout=None,
+/// checksums=None, failure_notices=None)``
+///
+/// A protocol setting given as ``None`` is kvx's default, the one ``kvx sender`` runs with
+/// (``kvx.defaults()["sender"]``: 30 s staging timeout, 10 s reply and write timeouts,
+/// checksums on, failure notices on; ``failure_notices`` is ``notify_proxy_on_failure``).
 ///
 /// ``staging`` is the memory chunks are staged in: a writable, contiguous buffer of
 /// ``slots × slot_bytes`` bytes (``bytearray``, NumPy array, CPU ``torch.Tensor``) that the
@@ -59,8 +63,8 @@ pub(crate) struct StagingSlot {
 impl Sender {
     #[new]
     #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
-        proxy = None, local_id = None, staging_timeout = 30.0, reply_timeout = 10.0,
-        write_timeout = 10.0, checksums = true, failure_notices = true))]
+        proxy = None, local_id = None, staging_timeout = None, reply_timeout = None,
+        write_timeout = None, checksums = None, failure_notices = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -71,23 +75,28 @@ impl Sender {
         fabric: &str,
         proxy: Option<String>,
         local_id: Option<String>,
-        staging_timeout: f64,
-        reply_timeout: f64,
-        write_timeout: f64,
-        checksums: bool,
-        failure_notices: bool,
+        staging_timeout: Option<f64>,
+        reply_timeout: Option<f64>,
+        write_timeout: Option<f64>,
+        checksums: Option<bool>,
+        failure_notices: Option<bool>,
     ) -> PyResult<Self> {
         let choice = env::choice(transport, fabric)?;
         let own = env::needs_own_mapping(&choice);
         let (memory, view) = memory::choose(py, staging, slots, slot_bytes, own)?;
+        let core = SenderConfig::default();
+        let given = |s: Option<f64>, what, default| match s {
+            Some(s) => wait::positive_seconds(s, what),
+            None => Ok(default),
+        };
         let config = SenderConfig {
             staging_slots: slots,
-            staging_timeout: wait::positive_seconds(staging_timeout, "staging_timeout")?,
-            reply_timeout: wait::positive_seconds(reply_timeout, "reply_timeout")?,
-            write_timeout: wait::positive_seconds(write_timeout, "write_timeout")?,
-            checksums,
-            notify_proxy_on_failure: failure_notices,
-            ..SenderConfig::default()
+            staging_timeout: given(staging_timeout, "staging_timeout", core.staging_timeout)?,
+            reply_timeout: given(reply_timeout, "reply_timeout", core.reply_timeout)?,
+            write_timeout: given(write_timeout, "write_timeout", core.write_timeout)?,
+            checksums: checksums.unwrap_or(core.checksums),
+            notify_proxy_on_failure: failure_notices.unwrap_or(core.notify_proxy_on_failure),
+            ..core
         };
         config
             .validate()

@@ -4,6 +4,8 @@ use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvx_embed::defaults;
+use kvx_proto::{ReceiverConfig, SenderConfig};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -50,7 +52,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub rdma: RdmaArgs,
     /// Bytes per write (one chunk).
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    #[arg(long, default_value_t = defaults::CHUNK_BYTES, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: u64,
     /// Bytes to move in all.
     #[arg(long, default_value_t = 2 << 30, value_parser = clap::value_parser!(u64).range(8..))]
@@ -93,11 +95,15 @@ pub struct ReceiverArgs {
     /// Fabric port per TP rank, comma-separated (LMCache: pd_peer_init_port) [default: 8300].
     #[arg(long, value_delimiter = ',')]
     pub fabric_ports: Option<Vec<u16>>,
-    /// Buffer size per rank, in chunks [default: 64].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help = format!(
+        "Buffer size per rank, in chunks [default: an LMCache file's pd_buffer_size in chunks, else {}]",
+        ReceiverConfig::default().buffer_slots
+    ))]
     pub buffer_chunks: Option<u32>,
-    /// Bytes per chunk [default: 1048576].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)), help = format!(
+        "Bytes per chunk [default: {}]",
+        defaults::CHUNK_BYTES
+    ))]
     pub chunk_bytes: Option<u64>,
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
@@ -114,16 +120,6 @@ pub struct ReceiverArgs {
     /// Do not check the synthetic workload's bytes (for real KV data).
     #[arg(long)]
     pub no_verify: bool,
-    /// Senders without kvx's `seq` (LMCache's own sender): refuse them (the default: nothing
-    /// tells this receiver when their bytes are in), or allocate for them and never hand
-    /// them to the decoder until an application marks them ready (`after-proxy`).
-    #[arg(long, value_enum, default_value_t = LegacyMode::Refuse)]
-    pub legacy_senders: LegacyMode,
-    /// The share of each rank's buffer one sender may hold, in percent (1-100): its
-    /// reservations plus its rolled-back slots in quarantine. Keeps one misbehaving sender
-    /// from starving the others; with one sender per receiver (1P1D), 100 lets it use all.
-    #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u32).range(1..=100))]
-    pub peer_share_percent: u32,
     /// Exit after this many seconds (for tests); default: run until Ctrl-C.
     #[arg(long)]
     pub exit_after_s: Option<u64>,
@@ -153,15 +149,19 @@ pub struct SenderArgs {
     /// The proxy's notice endpoint, host:port [default: 127.0.0.1:8500].
     #[arg(long)]
     pub proxy: Option<String>,
-    /// Staging pool per rank, in chunks [default: 4]. As in `kvx demo`: staging only needs
-    /// to cover what is in flight on the link (its bandwidth-delay product; 4 chunks of
-    /// 1 MiB cover 25 GB/s × 160 µs); more adds queueing and cache misses, not throughput
-    /// (docs/PERFORMANCE.md measures 4 against 8 and 64). Raise it for a longer or faster
-    /// link.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help = format!(
+        "Staging pool per rank, in chunks [default: an LMCache file's pd_buffer_size in chunks, \
+         else {}]. As in `kvx demo`: staging only needs to cover what is in flight on the link \
+         (its bandwidth-delay product; 4 chunks of 1 MiB cover 25 GB/s × 160 µs); more adds \
+         queueing and cache misses, not throughput (docs/PERFORMANCE.md measures 4 against 8 \
+         and 64). Raise it for a longer or faster link.",
+        SenderConfig::default().staging_slots
+    ))]
     pub staging_chunks: Option<u32>,
-    /// Bytes per chunk; must match the receiver's [default: 1048576].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)), help = format!(
+        "Bytes per chunk; must match the receiver's [default: {}]",
+        defaults::CHUNK_BYTES
+    ))]
     pub chunk_bytes: Option<u64>,
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
@@ -213,22 +213,6 @@ pub struct ProxyArgs {
     pub protocol: crate::knobs::ProxyKnobs,
 }
 
-/// What a receiver does with senders that send no `seq` (docs/spec/protocol.md §Legacy).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LegacyMode {
-    Refuse,
-    AfterProxy,
-}
-
-impl From<LegacyMode> for kvx_proto::LegacySenders {
-    fn from(m: LegacyMode) -> Self {
-        match m {
-            LegacyMode::Refuse => kvx_proto::LegacySenders::Refuse,
-            LegacyMode::AfterProxy => kvx_proto::LegacySenders::AfterProxy,
-        }
-    }
-}
-
 /// Whether chunks carry an end-to-end checksum (XXH3, 32 bits) that the receiver checks before a
 /// request is ready (docs/spec/fabrics.md §5b).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -244,10 +228,21 @@ pub enum ChecksumMode {
 }
 
 impl ChecksumMode {
-    /// Whether checksums are on for `fabric`.
-    pub fn enabled(self, fabric: FabricKind) -> bool {
+    /// Whether a receiver on `fabric` requires them: `auto` is the core's default
+    /// (`ReceiverConfig::require_checksums`) where the fabric can carry them.
+    pub fn required(self, fabric: FabricKind) -> bool {
+        self.enabled(fabric, ReceiverConfig::default().require_checksums)
+    }
+
+    /// Whether a sender on `fabric` computes them: `auto` is the core's default
+    /// (`SenderConfig::checksums`) where the fabric can carry them.
+    pub fn computed(self, fabric: FabricKind) -> bool {
+        self.enabled(fabric, SenderConfig::default().checksums)
+    }
+
+    fn enabled(self, fabric: FabricKind, core_default: bool) -> bool {
         match self {
-            ChecksumMode::Auto => fabric != FabricKind::Rdma,
+            ChecksumMode::Auto => core_default && fabric != FabricKind::Rdma,
             ChecksumMode::On => true,
             ChecksumMode::Off => false,
         }
@@ -327,15 +322,15 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub senders: u32,
     /// Receiver buffer size, in chunks.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = ReceiverConfig::default().buffer_slots, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub buffer_chunks: u32,
     /// Staging pool size per sender, in chunks. Staging only needs to cover what is in
     /// flight on the link (its bandwidth-delay product): more adds queueing and cache
     /// misses, not throughput (docs/PERFORMANCE.md measures 4 against 8 and 64).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = SenderConfig::default().staging_slots, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub staging_chunks: u32,
     /// Bytes per chunk.
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
+    #[arg(long, default_value_t = defaults::CHUNK_BYTES, value_parser = clap::value_parser!(u64).range(8..=(1 << 30)))]
     pub chunk_bytes: u64,
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
@@ -350,6 +345,10 @@ pub struct DemoArgs {
     pub transport: TransportKind,
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    /// The receiver's protocol settings, as `kvx receiver` takes them, so that the demo can
+    /// reproduce a deployment's receiver.
+    #[command(flatten)]
+    pub receiver: crate::knobs::ReceiverKnobs,
 }
 
 /// The synthetic workload, shared by `kvx demo` and `kvx sender`.

@@ -169,23 +169,78 @@ mod tests {
         assert!(r.no_verify);
     }
 
-    #[test]
-    fn every_setting_of_each_role_is_in_the_operations_reference() {
-        let docs = include_str!("../../../docs/operations.md");
+    /// The row of docs/operations.md's settings table for each flag of `role` that a file can
+    /// set, from the flag itself: its default is clap's, or for a flag whose default comes
+    /// from elsewhere (an LMCache file) the `[default: …]` of its help, which states the
+    /// core's; its meaning is its help without that.
+    fn settings_rows(role: &str) -> Vec<String> {
         let command = Cli::command();
-        for role in ROLES {
-            let sub = command.find_subcommand(role).expect("a role");
-            for arg in sub.get_arguments() {
-                let Some(long) = arg.get_long() else { continue };
-                if NOT_IN_FILE.contains(&arg.get_id().as_str()) {
-                    continue;
+        let sub = command.find_subcommand(role).expect("a role");
+        let mut rows = Vec::new();
+        for arg in sub.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            let id = arg.get_id().as_str();
+            if NOT_IN_FILE.contains(&id) {
+                continue;
+            }
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            let (mut meaning, stated) = match help.split_once(" [default: ") {
+                Some((before, rest)) => {
+                    let (stated, after) = rest.split_once(']').expect("a closed [default: …]");
+                    (format!("{before}{after}"), Some(stated.to_owned()))
                 }
-                assert!(
-                    docs.contains(&format!("| `--{long}` |")),
-                    "kvx {role} --{long} is missing from docs/operations.md's settings tables"
-                );
+                None => (help.clone(), None),
+            };
+            if meaning.ends_with('.') {
+                meaning.pop();
+            }
+            let defaults: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect();
+            let default = if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+                "—".to_owned()
+            } else if !defaults.is_empty() {
+                defaults.join(",")
+            } else {
+                stated.unwrap_or_else(|| "—".to_owned())
+            };
+            rows.push(format!("| `--{long}` | `{id}` | {default} | {meaning} |"));
+        }
+        rows
+    }
+
+    /// docs/operations.md's table of each role's settings is what the flags say, row for row
+    /// (defaults from the core's `Default`, through `knobs`). On a mismatch the test prints
+    /// the table to paste.
+    #[test]
+    fn the_operations_settings_tables_are_the_flags() {
+        let docs = include_str!("../../../docs/operations.md");
+        let mut wrong = Vec::new();
+        for role in ROLES {
+            let heading = format!("**`kvx {role}`**");
+            let (_, after) = docs
+                .split_once(&heading)
+                .unwrap_or_else(|| panic!("docs/operations.md has no {heading}"));
+            let documented: Vec<&str> = after
+                .lines()
+                .skip_while(|l| !l.starts_with("| `--"))
+                .take_while(|l| l.starts_with('|'))
+                .collect();
+            let expected = settings_rows(role);
+            if documented != expected {
+                wrong.push(format!(
+                    "{heading}\n\n| flag | TOML key | default | meaning |\n|---|---|---|---|\n{}",
+                    expected.join("\n")
+                ));
             }
         }
+        assert!(
+            wrong.is_empty(),
+            "docs/operations.md's settings tables differ from the flags; they should read:\n\n{}",
+            wrong.join("\n\n")
+        );
     }
 
     #[test]

@@ -11,12 +11,13 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvx_io::Env;
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
-use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
+use kvx_proto::{ProxyConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::cli::DemoArgs;
 use crate::decoder::{self, DecodeTally};
+use crate::knobs::ReceiverFlags;
 use crate::loadgen::{self, SharedTally, Worker};
 use crate::workload::{self, Rng};
 
@@ -89,15 +90,23 @@ pub async fn run_on<E: Env>(
             count: u64::from(args.senders),
         },
     ])?;
+    let receiver_cfg = args.receiver.apply(ReceiverFlags {
+        buffer_slots: args.buffer_chunks,
+        require_checksums: args.checksums.required(args.fabric),
+        lmcache_allocation_timeout: None,
+    })?;
+    let sender_cfg = SenderConfig {
+        staging_slots: args.staging_chunks,
+        checksums: args.checksums.computed(args.fabric),
+        ..SenderConfig::default()
+    };
+    // The demo's own senders and proxy must keep the rules between processes with the
+    // receiver it was given; refused here, naming the rule, rather than as failed writes.
+    receiver_cfg.check_sender(&sender_cfg)?;
+    receiver_cfg.check_proxy(&ProxyConfig::default())?;
     let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), &endpoints.proxy)
         .await
         .context("starting the proxy")?;
-    let checksums = args.checksums.enabled(args.fabric);
-    let receiver_cfg = ReceiverConfig {
-        buffer_slots: args.buffer_chunks,
-        require_checksums: checksums,
-        ..ReceiverConfig::default()
-    };
     let mut receiver = ReceiverNode::start(
         env.clone(),
         receiver_cfg,
@@ -149,12 +158,7 @@ pub async fn run_on<E: Env>(
     let mut rng = Rng::new(args.workload.seed);
     let mut workers = Vec::new();
     for s in 0..args.senders {
-        let cfg = SenderConfig {
-            staging_slots: args.staging_chunks,
-            notify_proxy_on_failure: true,
-            checksums,
-            ..SenderConfig::default()
-        };
+        let cfg = sender_cfg.clone();
         let sender = SenderNode::start(
             env.clone(),
             cfg,

@@ -1,19 +1,20 @@
 //! Every protocol setting of each role, as a flag and a TOML key of the same name: the fields
 //! of `kvx_proto`'s `ReceiverConfig`, `SenderConfig` and `ProxyConfig` that the other flags
-//! do not already set (buffer and staging sizes, checksums, legacy senders, the peer share).
-//! Durations are in seconds (`_s`), byte bounds in bytes; each default is the core's own,
-//! read from its `Default`, so `--help` cannot drift from it. `apply` builds the config
-//! naming every field (no `..Default`), so a field added to the core without a flag here is a
-//! compile error, and the core's `validate` then refuses what breaks a rule, naming the
-//! field (docs/operations.md, "Settings"). Rules between processes (a sender's write timeout
-//! against its receivers' quarantine, the proxy's wait against the receivers' TTL) depend on
-//! the other process's settings, which this one does not know: `--help` states each.
+//! do not already set (buffer and staging sizes, checksums). Durations are in seconds (`_s`),
+//! byte bounds in bytes; each default is the core's own, read from its `Default` (a flag whose
+//! default depends on another source, e.g. an LMCache file, names the core's in its help), so
+//! `--help`, the TOML file and `docs/operations.md` cannot drift from it. `apply` builds the
+//! config naming every field (no `..Default`), so a field added to the core without a flag
+//! here is a compile error, and the core's `validate` then refuses what breaks a rule, naming
+//! the field (docs/operations.md, "Settings"). Rules between processes (a sender's write
+//! timeout against its receivers' quarantine, the proxy's wait against the receivers' TTL)
+//! depend on the other process's settings, which this one does not know: `--help` states each.
 
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use kvx_proto::config::Pipelining;
-use kvx_proto::{ProxyConfig, ReceiverConfig, SenderConfig};
+use kvx_proto::{LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
 
 /// Seconds as a duration, positive and finite.
 fn seconds(s: &str) -> Result<f64, String> {
@@ -43,17 +44,38 @@ fn duration(s: f64) -> Duration {
     Duration::from_secs_f64(s)
 }
 
-const RECEIVER: &str = "Protocol settings (TOML: the same names under [receiver])";
+const RECEIVER: &str = "Receiver protocol settings (TOML: the same names under [receiver])";
 const SENDER: &str = "Protocol settings (TOML: the same names under [sender])";
 const PROXY: &str = "Protocol settings (TOML: the same names under [proxy])";
 
-/// `ReceiverConfig`'s bounds and timeouts.
+/// The help of a flag whose default is an LMCache file's `pd_allocation_timeout_sec` when one
+/// is given, else the core's `default`.
+fn after_lmcache(what: &str, default: Duration) -> String {
+    format!(
+        "{what} [default: an LMCache file's pd_allocation_timeout_sec, else {}]",
+        secs(default)
+    )
+}
+
+/// `ReceiverConfig`'s admission policy, bounds and timeouts (`kvx receiver` and `kvx demo`).
 #[derive(Debug, Clone, Args)]
 pub struct ReceiverKnobs {
-    /// Longest time a request's first batch waits in the admission queue before it is
-    /// refused, in seconds [default: an LMCache file's pd_allocation_timeout_sec, else 30].
-    #[arg(long, value_parser = seconds, help_heading = RECEIVER)]
+    #[arg(long, value_parser = seconds, help_heading = RECEIVER, help = after_lmcache(
+        "Longest time a request's first batch waits in the admission queue before it is \
+         refused, in seconds",
+        ReceiverConfig::default().admission_timeout,
+    ))]
     pub admission_timeout_s: Option<f64>,
+    /// The share of each rank's buffer one sender may hold, in percent (1-100): its
+    /// reservations plus its rolled-back slots in quarantine. Keeps one misbehaving sender
+    /// from starving the others.
+    #[arg(long, default_value_t = ReceiverConfig::default().peer_share_percent, value_parser = clap::value_parser!(u32).range(1..=100), help_heading = RECEIVER)]
+    pub peer_share_percent: u32,
+    /// Senders without kvx's `seq` (LMCache's own sender): refuse them (nothing tells this
+    /// receiver when their bytes are in), or allocate for them and never hand them to the
+    /// decoder until an application marks them ready (`after-proxy`).
+    #[arg(long, value_enum, default_value_t = LegacyMode::from(ReceiverConfig::default().legacy_senders), help_heading = RECEIVER)]
+    pub legacy_senders: LegacyMode,
     /// Requests that may wait for admission at once; more are refused.
     #[arg(long, default_value_t = ReceiverConfig::default().admission_queue_max, value_parser = at_least_one, help_heading = RECEIVER)]
     pub admission_queue_max: usize,
@@ -101,8 +123,6 @@ pub struct ReceiverKnobs {
 pub struct ReceiverFlags {
     pub buffer_slots: u32,
     pub require_checksums: bool,
-    pub legacy_senders: kvx_proto::LegacySenders,
-    pub peer_share_percent: u32,
     /// From an LMCache file, below the flag.
     pub lmcache_allocation_timeout: Option<Duration>,
 }
@@ -126,8 +146,8 @@ impl ReceiverKnobs {
             tombstone_ttl: duration(self.tombstone_ttl_s),
             tombstones_max: self.tombstones_max,
             require_checksums: f.require_checksums,
-            legacy_senders: f.legacy_senders,
-            peer_share_percent: f.peer_share_percent,
+            legacy_senders: self.legacy_senders.into(),
+            peer_share_percent: self.peer_share_percent,
             peer_queue_max: self.peer_queue_max,
             req_id_bytes_max: self.req_id_bytes_max,
             key_bytes_max: self.key_bytes_max,
@@ -139,6 +159,32 @@ impl ReceiverKnobs {
     }
 }
 
+/// `--legacy-senders`: what a receiver does with senders that send no `seq`
+/// (docs/spec/protocol.md §Legacy senders).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LegacyMode {
+    Refuse,
+    AfterProxy,
+}
+
+impl From<LegacyMode> for LegacySenders {
+    fn from(m: LegacyMode) -> Self {
+        match m {
+            LegacyMode::Refuse => LegacySenders::Refuse,
+            LegacyMode::AfterProxy => LegacySenders::AfterProxy,
+        }
+    }
+}
+
+impl From<LegacySenders> for LegacyMode {
+    fn from(l: LegacySenders) -> Self {
+        match l {
+            LegacySenders::Refuse => LegacyMode::Refuse,
+            LegacySenders::AfterProxy => LegacyMode::AfterProxy,
+        }
+    }
+}
+
 /// `--pipelining`: how a sender uses one receiver's control channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PipeliningMode {
@@ -146,6 +192,15 @@ pub enum PipeliningMode {
     Auto,
     /// One message in flight at a time, always (an LMCache receiver known in advance).
     Off,
+}
+
+impl From<Pipelining> for PipeliningMode {
+    fn from(p: Pipelining) -> Self {
+        match p {
+            Pipelining::Auto => PipeliningMode::Auto,
+            Pipelining::Off => PipeliningMode::Off,
+        }
+    }
 }
 
 /// `SenderConfig`'s bounds and timeouts.
@@ -163,9 +218,10 @@ pub struct SenderKnobs {
     /// --write-quarantine-s and --request-idle-timeout-s.
     #[arg(long, default_value_t = secs(SenderConfig::default().write_timeout), value_parser = seconds, help_heading = SENDER)]
     pub write_timeout_s: f64,
-    /// Longest wait for a staging slot, in seconds [default: an LMCache file's
-    /// pd_allocation_timeout_sec, else 30].
-    #[arg(long, value_parser = seconds, help_heading = SENDER)]
+    #[arg(long, value_parser = seconds, help_heading = SENDER, help = after_lmcache(
+        "Longest wait for a staging slot, in seconds",
+        SenderConfig::default().staging_timeout,
+    ))]
     pub staging_timeout_s: Option<f64>,
     /// Messages in flight on one pipelined channel at most, per window.
     #[arg(long, default_value_t = SenderConfig::default().inflight_max, value_parser = at_least_one, help_heading = SENDER)]
@@ -180,11 +236,11 @@ pub struct SenderKnobs {
     #[arg(long, default_value_t = SenderConfig::default().channel_queue_max, value_parser = at_least_one, help_heading = SENDER)]
     pub channel_queue_max: usize,
     /// Whether several messages may be in flight on a channel, matched by `seq`.
-    #[arg(long, value_enum, default_value_t = PipeliningMode::Auto, help_heading = SENDER)]
+    #[arg(long, value_enum, default_value_t = PipeliningMode::from(SenderConfig::default().pipelining), help_heading = SENDER)]
     pub pipelining: PipeliningMode,
     /// Tell the proxy when a request fails (kvx's FailNotif); set false for a proxy that
     /// knows only LMCache's messages.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, help_heading = SENDER)]
+    #[arg(long, default_value_t = SenderConfig::default().notify_proxy_on_failure, action = clap::ArgAction::Set, help_heading = SENDER)]
     pub notify_proxy_on_failure: bool,
 }
 
@@ -315,6 +371,10 @@ mod tests {
             "12",
             "--queued-bytes-max",
             "13",
+            "--peer-share-percent",
+            "15",
+            "--legacy-senders",
+            "after-proxy",
         ]) else {
             panic!("a receiver")
         };
@@ -323,8 +383,6 @@ mod tests {
             .apply(ReceiverFlags {
                 buffer_slots: 14,
                 require_checksums: false,
-                legacy_senders: kvx_proto::LegacySenders::AfterProxy,
-                peer_share_percent: 15,
                 lmcache_allocation_timeout: Some(Duration::from_secs(99)),
             })
             .expect("valid");
@@ -456,27 +514,121 @@ mod tests {
         assert_eq!(c.await_on_first_notice, Some(8));
     }
 
+    /// With no flag, no TOML key and no LMCache file, each role runs with exactly the core's
+    /// `Default` (the flags of the role's sizes and checksums included), and `kvx demo`'s
+    /// receiver too.
     #[test]
-    fn defaults_are_the_cores_and_bad_values_are_refused_naming_the_flag() {
+    fn defaults_are_the_cores() {
         let Command::Receiver(r) = parse(&["kvx", "receiver"]) else {
             panic!("a receiver")
         };
         let c = r
             .protocol
             .apply(ReceiverFlags {
-                buffer_slots: ReceiverConfig::default().buffer_slots,
-                require_checksums: true,
-                legacy_senders: kvx_proto::LegacySenders::Refuse,
-                peer_share_percent: 75,
+                buffer_slots: r
+                    .buffer_chunks
+                    .unwrap_or(ReceiverConfig::default().buffer_slots),
+                require_checksums: r.checksums.required(r.fabric),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
         assert_eq!(c, ReceiverConfig::default());
+        let Command::Demo(d) = parse(&["kvx", "demo"]) else {
+            panic!("a demo")
+        };
+        let c = d
+            .receiver
+            .apply(ReceiverFlags {
+                buffer_slots: d.buffer_chunks,
+                require_checksums: d.checksums.required(d.fabric),
+                lmcache_allocation_timeout: None,
+            })
+            .expect("valid");
+        assert_eq!(c, ReceiverConfig::default(), "kvx demo's receiver");
+        assert_eq!(d.staging_chunks, SenderConfig::default().staging_slots);
+        assert_eq!(d.chunk_bytes, kvx_embed::defaults::CHUNK_BYTES);
+
+        let Command::Sender(a) = parse(&["kvx", "sender"]) else {
+            panic!("a sender")
+        };
+        let c = a
+            .protocol
+            .apply(SenderFlags {
+                staging_slots: a
+                    .staging_chunks
+                    .unwrap_or(SenderConfig::default().staging_slots),
+                checksums: a.checksums.computed(a.fabric),
+                lmcache_allocation_timeout: None,
+            })
+            .expect("valid");
+        assert_eq!(c, SenderConfig::default());
+
+        let Command::Proxy(p) = parse(&["kvx", "proxy"]) else {
+            panic!("a proxy")
+        };
+        let c = p.protocol.apply(1).expect("valid");
+        assert_eq!(
+            c,
+            ProxyConfig {
+                await_on_first_notice: Some(1),
+                ..ProxyConfig::default()
+            }
+        );
+    }
+
+    /// A TOML file that sets nothing leaves every flag at the core's default: the file adds
+    /// only the keys it has.
+    #[test]
+    fn an_empty_toml_table_keeps_the_cores_defaults() {
+        let path =
+            std::env::temp_dir().join(format!("kvx-knobs-empty-{}.toml", std::process::id()));
+        std::fs::write(&path, "[receiver]\n[sender]\n[proxy]\n").expect("write");
+        let argv = |role: &str| -> Vec<std::ffi::OsString> {
+            vec![
+                "kvx".into(),
+                role.into(),
+                "--config".into(),
+                path.clone().into(),
+            ]
+        };
+        let from_file = |role: &str| -> Command {
+            let args = crate::config::command_line(argv(role)).expect("a valid file");
+            Cli::try_parse_from(args).expect("valid").command
+        };
+        let (rx, tx) = (from_file("receiver"), from_file("sender"));
+        let _ = std::fs::remove_file(&path);
+        let (Command::Receiver(r), Command::Sender(s)) = (rx, tx) else {
+            panic!("a receiver and a sender")
+        };
+        let c = r
+            .protocol
+            .apply(ReceiverFlags {
+                buffer_slots: ReceiverConfig::default().buffer_slots,
+                require_checksums: r.checksums.required(r.fabric),
+                lmcache_allocation_timeout: None,
+            })
+            .expect("valid");
+        assert_eq!(c, ReceiverConfig::default());
+        let c = s
+            .protocol
+            .apply(SenderFlags {
+                staging_slots: SenderConfig::default().staging_slots,
+                checksums: s.checksums.computed(s.fabric),
+                lmcache_allocation_timeout: None,
+            })
+            .expect("valid");
+        assert_eq!(c, SenderConfig::default());
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_flag() {
         for (flag, value) in [
             ("--unconsumed-ttl-s", "0"),
             ("--write-quarantine-s", "-3"),
             ("--tombstones-max", "0"),
             ("--request-idle-timeout-s", "inf"),
+            ("--peer-share-percent", "0"),
+            ("--peer-share-percent", "101"),
         ] {
             let err = Cli::try_parse_from(["kvx", "receiver", &format!("{flag}={value}")])
                 .expect_err(flag)

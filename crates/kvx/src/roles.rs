@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
+use kvx_embed::defaults;
 use kvx_io::Env;
 use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode, NOTICE_LINGER};
 use kvx_proto::proxy::ProxyEvent;
+use kvx_proto::{ReceiverConfig, SenderConfig};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -75,10 +77,12 @@ pub async fn receiver<E: Env>(
         args.alloc_ports.or(lmc.alloc_ports.clone()),
         args.fabric_ports.or(lmc.init_ports.clone()),
     )?;
-    let chunk_bytes = args.chunk_bytes.unwrap_or(1 << 20);
+    let chunk_bytes = args.chunk_bytes.unwrap_or(defaults::CHUNK_BYTES);
     let buffer_slots = match args.buffer_chunks {
         Some(n) => n,
-        None => lmc.buffer_chunks(chunk_bytes)?.unwrap_or(64),
+        None => lmc
+            .buffer_chunks(chunk_bytes)?
+            .unwrap_or(ReceiverConfig::default().buffer_slots),
     };
     let chunk_bytes = usize::try_from(chunk_bytes)?;
     crate::memory_check::check(&[crate::memory_check::Need {
@@ -93,9 +97,7 @@ pub async fn receiver<E: Env>(
     };
     let cfg = args.protocol.apply(ReceiverFlags {
         buffer_slots,
-        require_checksums: args.checksums.enabled(args.fabric),
-        legacy_senders: args.legacy_senders.into(),
-        peer_share_percent: args.peer_share_percent,
+        require_checksums: args.checksums.required(args.fabric),
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
     let tally = Arc::new(DecodeTally::default());
@@ -193,11 +195,12 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
         .unwrap_or_else(|| "127.0.0.1:8500".into());
     let (proxy_host, proxy_port) = split_host_port(&proxy)?;
     let proxy = (style.control)(&proxy_host, proxy_port);
-    let chunk_bytes = args.chunk_bytes.unwrap_or(1 << 20);
+    let chunk_bytes = args.chunk_bytes.unwrap_or(defaults::CHUNK_BYTES);
     let staging_slots = match args.staging_chunks {
         Some(n) => n,
-        // An LMCache file's staging, else the demo's default and reasoning (`--help`).
-        None => lmc.buffer_chunks(chunk_bytes)?.unwrap_or(4),
+        None => lmc
+            .buffer_chunks(chunk_bytes)?
+            .unwrap_or(SenderConfig::default().staging_slots),
     };
     let chunk_bytes = usize::try_from(chunk_bytes)?;
     crate::memory_check::check(&[crate::memory_check::Need {
@@ -208,7 +211,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     }])?;
     let cfg = args.protocol.apply(SenderFlags {
         staging_slots,
-        checksums: args.checksums.enabled(args.fabric),
+        checksums: args.checksums.computed(args.fabric),
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
     let readiness = match &args.metrics {

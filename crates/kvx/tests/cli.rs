@@ -258,3 +258,57 @@ fn operator_flags_out_of_range_are_refused_naming_the_flag() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("got 2 alloc and 1 fabric ports"), "{err}");
 }
+
+/// `kvx demo` takes the receiver's protocol settings as `kvx receiver` does: `--help` lists
+/// them with the core's defaults, a small share with several senders contending still
+/// completes every request, a quarantine the demo's senders' write timeout breaks is refused
+/// at start naming the rule, and a bad value is refused naming its flag.
+#[test]
+fn demo_takes_the_receivers_protocol_settings() {
+    let out = kvx().args(["demo", "--help"]).output().expect("kvx runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--peer-share-percent <PEER_SHARE_PERCENT>",
+        "--write-quarantine-s <WRITE_QUARANTINE_S>",
+        "--admission-timeout-s <ADMISSION_TIMEOUT_S>",
+        "--legacy-senders <LEGACY_SENDERS>",
+        "--unconsumed-ttl-s <UNCONSUMED_TTL_S>",
+    ] {
+        assert!(help.contains(flag), "kvx demo --help lists {flag}: {help}");
+    }
+    assert!(help.contains("[default: 75]"), "the core's share: {help}");
+
+    let s = mem_demo(&[
+        "--senders",
+        "3",
+        "--requests",
+        "8",
+        "--buffer-chunks",
+        "16",
+        "--chunks",
+        "2..4",
+        "--peer-share-percent",
+        "25",
+        "--admission-timeout-s",
+        "20",
+    ]);
+    assert_eq!(s["requests_completed"], 24, "{s}");
+    assert_eq!(s["slots_leaked"], 0, "{s}");
+
+    let out = kvx()
+        .args(["demo", "--transport", "mem", "--fabric", "mem"])
+        .args(["--write-quarantine-s", "5"])
+        .output()
+        .expect("kvx runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("write_quarantine"), "names the rule: {err}");
+
+    let out = kvx()
+        .args(["demo", "--peer-share-percent", "0"])
+        .output()
+        .expect("kvx runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--peer-share-percent"), "{err}");
+}

@@ -1,6 +1,13 @@
 """What a kvx PD backend takes from an LMCache configuration: LMCache's own ``pd_*`` keys
 (read as LMCache reads them, per TP rank) and kvx's settings under ``extra_config``
-(``kvx_*`` keys). Every refusal names the key and says what to set instead."""
+(``kvx_*`` keys). Every refusal names the key and says what to set instead.
+
+A ``kvx_*`` key that is a protocol setting defaults to kvx's own default, read from the native
+module (``kvx.defaults()``, the core's), exactly as ``kvx receiver`` and ``kvx sender`` run;
+the keys that only this backend has (the fabric's name, the waiting room, the waits around
+LMCache's calls) are defined here. Where an LMCache key's meaning forces a value of its own
+(``pd_buffer_size`` in bytes, ``pd_allocation_timeout_sec`` unbounded), the mapping is beside
+the key in ``settings_from``."""
 
 from __future__ import annotations
 
@@ -11,11 +18,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from kvx._kvx import defaults as _native_defaults
+
 logger = logging.getLogger("kvx.lmcache")
 
-#: A finite bound for waits that LMCache leaves unbounded (``pd_allocation_timeout_sec``
-#: defaults to infinity): a staging or admission wait that never ends is a hang.
-DEFAULT_ALLOCATION_TIMEOUT_SEC = 60.0
+_DEFAULTS = _native_defaults()
 
 #: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
 KVX_EXTRA_KEYS: Dict[str, tuple] = {
@@ -27,16 +34,34 @@ KVX_EXTRA_KEYS: Dict[str, tuple] = {
         "(in-process copies: prefill and decode StorageManagers in one process, as LMCache's "
         "mock_memory channel, for tests and benchmarks)",
     ),
-    "kvx_checksums": (bool, True, "end-to-end chunk checksums (sender computes, receiver checks)"),
+    # One key for both sides: the sender's `checksums` and the receiver's `require_checksums`,
+    # whose core defaults agree (a test checks it).
+    "kvx_checksums": (
+        bool,
+        _DEFAULTS["sender"]["checksums"],
+        "end-to-end chunk checksums (sender computes, receiver requires and checks)",
+    ),
     "kvx_failure_notices": (
         bool,
-        True,
+        _DEFAULTS["sender"]["notify_proxy_on_failure"],
         "sender: tell the proxy when a request fails (kvx's FailNotif); set false for a proxy "
         "that knows only LMCache's messages (its example proxy decodes every frame as one)",
     ),
-    "kvx_reply_timeout_sec": (float, 10.0, "sender: how long a receiver may take to answer"),
-    "kvx_write_timeout_sec": (float, 10.0, "sender: how long one chunk write may take"),
-    "kvx_connect_timeout_sec": (float, 10.0, "sender: how long connecting to a receiver may take"),
+    "kvx_reply_timeout_sec": (
+        float,
+        _DEFAULTS["sender"]["reply_timeout"],
+        "sender: how long a receiver may take to answer",
+    ),
+    "kvx_write_timeout_sec": (
+        float,
+        _DEFAULTS["sender"]["write_timeout"],
+        "sender: how long one chunk write may take",
+    ),
+    "kvx_connect_timeout_sec": (
+        float,
+        _DEFAULTS["node"]["connect_timeout"],
+        "sender: how long connecting to a receiver may take",
+    ),
     "kvx_admission_grace_sec": (
         float,
         0.02,
@@ -51,13 +76,13 @@ KVX_EXTRA_KEYS: Dict[str, tuple] = {
     ),
     "kvx_unconsumed_ttl_sec": (
         float,
-        300.0,
+        _DEFAULTS["receiver"]["unconsumed_ttl"],
         "receiver: how long a delivered request may wait for the decoder before its slots "
         "are reclaimed",
     ),
     "kvx_peer_share_percent": (
         int,
-        100,
+        _DEFAULTS["receiver"]["peer_share_percent"],
         "receiver: the most of the buffer one sender may hold, in percent (xPyD fairness)",
     ),
     "kvx_get_wait_sec": (
@@ -174,6 +199,9 @@ def settings_from(config: Any, metadata: Any, chunk_bytes: int, chunk_tokens: in
             "pd_buffer_device: cpu (LMCache then copies KV between the GPU and the buffer), "
             "or run kvx's RDMA fabric on a NIC with GPUDirect (docs/operations.md)"
         )
+    # pd_buffer_size is LMCache's buffer (receiver) or staging (sender) in bytes; kvx's
+    # buffer_slots and staging_slots count whole chunks, so it becomes size // chunk_bytes
+    # instead of kvx's default slot counts.
     size = getattr(config, "pd_buffer_size", None)
     if size is None or int(size) <= 0:
         raise ConfigError("pd_buffer_size is required: the buffer's size in bytes")
@@ -192,15 +220,20 @@ def settings_from(config: Any, metadata: Any, chunk_bytes: int, chunk_tokens: in
             f"({slots * chunk_tokens} tokens), fewer than pd_max_prefill_len={max_prefill}: "
             f"give pd_buffer_size at least {math.ceil(max_prefill / chunk_tokens) * chunk_bytes}"
         )
+    # pd_allocation_timeout_sec bounds the receiver's admission wait and the sender's staging
+    # wait. LMCache's default is no bound, which kvx does not allow (a wait that never ends is a
+    # hang): unbounded, each side takes kvx's own default for that wait (the receiver's
+    # admission_timeout, the sender's staging_timeout), as `kvx receiver|sender
+    # --lmcache-config` do.
     timeout = float(getattr(config, "pd_allocation_timeout_sec", math.inf) or math.inf)
     if timeout <= 0:
         raise ConfigError(f"pd_allocation_timeout_sec={timeout}: a positive number of seconds")
     if not math.isfinite(timeout):
+        timeout = default_allocation_timeout(role)
         logger.info(
-            "kvx: pd_allocation_timeout_sec is unbounded; staging and admission waits end "
-            "after %.0f s instead", DEFAULT_ALLOCATION_TIMEOUT_SEC,
+            "kvx: pd_allocation_timeout_sec is unbounded; the %s's waits end after %.0f s "
+            "instead (kvx's default)", role, timeout,
         )
-        timeout = DEFAULT_ALLOCATION_TIMEOUT_SEC
     tp_rank = int(getattr(metadata, "worker_id", 0))
     settings = KvxPDSettings(
         role=role,
@@ -229,6 +262,14 @@ def settings_from(config: Any, metadata: Any, chunk_bytes: int, chunk_tokens: in
             else f"sender-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
     return settings
+
+
+def default_allocation_timeout(role: str) -> float:
+    """kvx's bound on the waits ``pd_allocation_timeout_sec`` bounds, for a configuration that
+    leaves it unbounded: the receiver's admission timeout or the sender's staging timeout."""
+    if role == "receiver":
+        return float(_DEFAULTS["receiver"]["admission_timeout"])
+    return float(_DEFAULTS["sender"]["staging_timeout"])
 
 
 def describe_extra_keys() -> List[str]:
