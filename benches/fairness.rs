@@ -82,18 +82,12 @@ pub fn measure(holds: &[Hold], senders: usize, capacity: u32, start: f64, end: f
         peak_while_others_wait: vec![0; senders],
     };
     let length = end - start;
-    let mut k = 0;
-    while k < events.len() {
-        let t = events[k].0;
-        // Every change at one instant before the stretch after it: a release and a
-        // reservation at the same time are not a moment with both held.
-        while k < events.len() && events[k].0 == t {
-            let (_, s, dh, dw) = events[k];
-            held[s] += dh;
-            waiting[s] += dw;
-            k += 1;
-        }
-        let next = events.get(k).map_or(end, |e| e.0);
+    for (k, &(t, who, dh, dw)) in events.iter().enumerate() {
+        held[who] += dh;
+        waiting[who] += dw;
+        let next = events.get(k + 1).map_or(end, |e| e.0);
+        // A stretch of no length (more changes at the same instant follow) counts nothing:
+        // a release and a reservation at one instant are not a moment with both held.
         let dt = next.min(end) - t.max(start);
         if dt <= 0.0 {
             continue;
@@ -229,7 +223,12 @@ pub fn cases() -> Vec<Case> {
         case("1 sender, share 100 %".into(), 1, false, Some(100)),
         Case {
             fixed_chunks: Some(8),
-            ..case("1 sender, share 100 %, 8-chunk requests".into(), 1, false, Some(100))
+            ..case(
+                "1 sender, share 100 %, 8-chunk requests".into(),
+                1,
+                false,
+                Some(100),
+            )
         },
     ];
     for n in [2, 4, 8] {
@@ -297,8 +296,7 @@ pub fn run(setup: &Setup, case: &Case) -> Row {
             // begin in plan order).
             last_begun[s] = secs(b);
         }
-        if let (Some(at), Some(end), Some(q)) = (got.reserved_at, got.released_at, got.queued_for)
-        {
+        if let (Some(at), Some(end), Some(q)) = (got.reserved_at, got.released_at, got.queued_for) {
             first_reserved = first_reserved.min(secs(at));
             holds.push(Hold {
                 sender: plan.sender,
@@ -310,7 +308,13 @@ pub fn run(setup: &Setup, case: &Case) -> Row {
         }
     }
     let end = last_begun.iter().copied().fold(f64::INFINITY, f64::min);
-    let measures = measure(&holds, case.senders, setup.buffer_slots, first_reserved, end);
+    let measures = measure(
+        &holds,
+        case.senders,
+        setup.buffer_slots,
+        first_reserved,
+        end,
+    );
     let total: f64 = measures.slot_seconds.iter().sum();
     let split = measures
         .slot_seconds
@@ -390,8 +394,9 @@ mod tests {
         // Sender 1 waited [0, 5): half the window; sender 0 never did.
         assert!(close(m.backlogged[1], 0.5), "{m:?}");
         assert!(close(m.backlogged[0], 0.0), "{m:?}");
-        // While sender 1 waited, sender 0 held 2; sender 0 never waited.
-        assert_eq!(m.peak_while_others_wait, vec![0, 2]);
+        // While sender 1 waited, sender 0 held 2; sender 0 never waited, so sender 1 never
+        // held anything while another waited.
+        assert_eq!(m.peak_while_others_wait, vec![2, 0]);
     }
 
     #[test]
@@ -399,9 +404,10 @@ mod tests {
         // Capacity 4: sender 0 holds all 4 slots for [0, 5), gives them back and reserves
         // them again at 5 for [5, 10), while sender 1 waits all along. At 5 sender 0 holds
         // 4, not 8.
+        // The second hold first: its reservation at 5 is swept before the first's release.
         let holds = [
-            hold(0, 4, 0.0, 0.0, 5.0),
             hold(0, 4, 1.0, 5.0, 10.0),
+            hold(0, 4, 0.0, 0.0, 5.0),
             hold(1, 4, 0.0, 10.0, 12.0),
         ];
         let m = measure(&holds, 2, 4, 0.0, 10.0);
