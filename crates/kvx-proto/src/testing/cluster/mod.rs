@@ -39,6 +39,17 @@ pub struct PlanReport {
     pub begun_at: Option<Instant>,
     /// When its sender saw it admitted.
     pub admitted_at: Option<Instant>,
+    /// When its receiver reserved its slots (`ReceiverEvent::Admitted`): the start of its
+    /// hold on the buffer, for measuring who holds how much of it over time.
+    pub reserved_at: Option<Instant>,
+    /// Slots its receiver reserved then (its declared `total_chunks`).
+    pub reserved_slots: u32,
+    /// How long its first batch waited in its receiver's admission queue before that.
+    pub queued_for: Option<Duration>,
+    /// When its receiver ended it (`ReceiverEvent::Ended`), which gives back what is left of
+    /// its reservation (a last batch bringing fewer chunks than declared gives back the
+    /// difference earlier).
+    pub released_at: Option<Instant>,
     /// When it ended at its sender.
     pub ended_at: Option<Instant>,
     /// How it ended at its sender.
@@ -658,7 +669,18 @@ impl Cluster {
         }
         while let Some(ev) = self.receivers[r].ledger.poll_event() {
             match ev {
-                ReceiverEvent::Admitted { .. } => {}
+                ReceiverEvent::Admitted {
+                    key,
+                    total_chunks,
+                    waited,
+                } => {
+                    if let Some(i) = self.plan_of(&key) {
+                        let plan = &mut self.report.plans[i];
+                        plan.reserved_at = Some(self.now);
+                        plan.reserved_slots = total_chunks;
+                        plan.queued_for = Some(waited);
+                    }
+                }
                 ReceiverEvent::Ready { key, slots, .. } => {
                     self.receivers[r].ready.insert(key.clone(), slots);
                     self.maybe_consume(r, &key);
@@ -666,14 +688,20 @@ impl Cluster {
                 ReceiverEvent::Ended { key, outcome } => {
                     self.receivers[r].ready.remove(&key);
                     self.checker.on_receiver_end(&key, &outcome);
-                    if let Some(&i) = self.by_req_id.get(&key.req_id.0) {
-                        if key.peer.0 == self.spec.requests[i].sender as u64 {
-                            self.report.plans[i].receiver_end = Some(outcome);
-                        }
+                    if let Some(i) = self.plan_of(&key) {
+                        self.report.plans[i].receiver_end = Some(outcome);
+                        self.report.plans[i].released_at = Some(self.now);
                     }
                 }
             }
         }
+    }
+
+    /// The planned request a receiver's key names (a raw peer's request of the same id is
+    /// not it).
+    fn plan_of(&self, key: &ReqKey) -> Option<usize> {
+        let &i = self.by_req_id.get(&key.req_id.0)?;
+        (key.peer.0 == self.spec.requests[i].sender as u64).then_some(i)
     }
 
     fn drain_proxy(&mut self) {
