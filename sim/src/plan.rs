@@ -20,7 +20,8 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     cfg.seed = seed;
     cfg.tp = if rng.chance(0.25) { 2 } else { 1 };
     // Per-sender shares half the time, from half of the buffer to all of it, drawn from a
-    // generator of their own so that every other draw of a seed stays what it was.
+    // generator of their own so that every other draw of a seed stays what it was. Requests
+    // are sized against the buffer alone: shares decide order, never what is served.
     let mut shares = SeededRng::new(seed ^ 0x5AA2_E5EE_D000);
     for d in &mut cfg.decode {
         d.receiver.buffer_slots = rng.range_u32(4, 40);
@@ -97,19 +98,20 @@ fn request(rng: &mut SeededRng, cfg: &SimConfig, id: String, start_at: Duration)
     let decode = rng.range(0, cfg.decode.len() as u64 - 1) as usize;
     let receiver = &cfg.decode[decode].receiver;
     let buffer = receiver.buffer_slots;
-    // The most one sender may hold: a larger request is refused, by design.
-    let share = receiver.peer_slots_max();
+    // Up to the whole buffer, whatever the share: a request that fits is served, and one
+    // larger than its sender's share goes in when its sender holds nothing (§Fair shares).
+    let most = buffer;
     // Large requests half the time: contention is where admission bugs live.
     let chunks = if rng.chance(0.5) {
-        rng.range_u32(share.div_ceil(2), share)
+        rng.range_u32(most.div_ceil(2), most)
     } else {
-        rng.range_u32(1, share.min(8))
+        rng.range_u32(1, most.min(8))
     };
     let mut plan = RequestPlan::new(&id, prefill, decode, chunks, rng.range_u32(1, 6));
     plan.start_at = start_at;
     if rng.chance(0.05) {
         // LMCache W13: fewer chunks sent than declared.
-        plan.declared = (chunks + rng.range_u32(1, 3)).min(share);
+        plan.declared = (chunks + rng.range_u32(1, 3)).min(most);
     }
     if rng.chance(0.03) {
         plan.declared = buffer + rng.range_u32(1, 4);

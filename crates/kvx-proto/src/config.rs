@@ -64,8 +64,10 @@ pub struct ReceiverConfig {
     /// Senders without `seq` (LMCache's).
     pub legacy_senders: LegacySenders,
     /// The share of the buffer one sender may hold (its reservations plus its rolled-back
-    /// slots in quarantine), in percent, rounded up: 1..=100. 100 lets one sender take the
-    /// whole buffer; the default 75 keeps a quarter for others whatever one sender does.
+    /// slots in quarantine) while another sender's request waits within its own share, in
+    /// percent, rounded up: 1..=100 (`docs/spec/protocol.md` §Fair shares). It decides who
+    /// goes first under contention, never what is served: a sender alone uses the whole
+    /// buffer, and a request larger than the share goes in when its sender holds nothing.
     pub peer_share_percent: u32,
     /// Requests of one sender waiting for admission at most.
     pub peer_queue_max: usize,
@@ -105,7 +107,8 @@ impl Default for ReceiverConfig {
 }
 
 impl ReceiverConfig {
-    /// Slots one sender may hold: `peer_share_percent` of the buffer, rounded up.
+    /// Slots one sender may hold while others contend: `peer_share_percent` of the buffer,
+    /// rounded up.
     pub fn peer_slots_max(&self) -> u32 {
         let share = u64::from(self.buffer_slots) * u64::from(self.peer_share_percent.min(100));
         (share.div_ceil(100) as u32).max(1)

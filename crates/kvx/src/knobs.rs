@@ -66,9 +66,10 @@ pub struct ReceiverKnobs {
         ReceiverConfig::default().admission_timeout,
     ))]
     pub admission_timeout_s: Option<f64>,
-    /// The share of each rank's buffer one sender may hold, in percent (1-100): its
-    /// reservations plus its rolled-back slots in quarantine. Keeps one misbehaving sender
-    /// from starving the others.
+    /// The share of each rank's buffer one sender may hold while another sender's request
+    /// waits within its own, in percent (1-100): its reservations plus its rolled-back slots
+    /// in quarantine. A sender past its share is passed over in favour of such a request; a
+    /// sender alone uses the whole buffer, and no request that fits is refused for its size.
     #[arg(long, default_value_t = ReceiverConfig::default().peer_share_percent, value_parser = clap::value_parser!(u32).range(1..=100), help_heading = RECEIVER)]
     pub peer_share_percent: u32,
     /// Senders without kvx's `seq` (LMCache's own sender): refuse them (nothing tells this
