@@ -23,6 +23,8 @@
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
 //! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
+//! - `secret_label`: `SecretLabel`, how an identity or credential shows in logs (a short
+//!   hash keyed per process, never the bytes).
 //! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
 //! - `mem`: `MemTransport` and `MemFabric`, in-process.
 //! - `sockets` (feature): the TCP sockets beside every fabric's data path (bind with a
@@ -40,6 +42,7 @@ pub mod fabric_error;
 pub mod log_limit;
 pub mod mem;
 pub mod region;
+pub mod secret_label;
 pub mod transport;
 
 #[cfg(feature = "conformance")]
@@ -57,6 +60,7 @@ pub use fabric::{
 pub use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
 pub use log_limit::LogLimiter;
 pub use region::{ExternalRegion, SlotRegion};
+pub use secret_label::SecretLabel;
 pub use transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
     DISCONNECT_ACK,

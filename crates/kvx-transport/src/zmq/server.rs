@@ -227,22 +227,6 @@ impl Routes {
 /// names no identity: the peer knows its own.
 pub(crate) const IDENTITY_HELD: &str = "identity refused: another connection holds it";
 
-/// The start of an identity, for the log: enough to tell whose it is (a readable prefix),
-/// not enough to claim it (a kvx sender's random part is past it; `docs/spec/zmq.md` §3).
-struct IdentityStart<'a>(&'a [u8]);
-
-impl std::fmt::Display for IdentityStart<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const SHOWN: usize = 16;
-        let shown = &self.0[..self.0.len().min(SHOWN)];
-        write!(f, "\"{}\"", shown.escape_ascii())?;
-        if shown.len() < self.0.len() {
-            write!(f, "… ({} bytes)", self.0.len())?;
-        }
-        Ok(())
-    }
-}
-
 type SharedRoutes = Arc<Mutex<Routes>>;
 
 fn lock(routes: &SharedRoutes) -> MutexGuard<'_, Routes> {
@@ -329,7 +313,7 @@ async fn router_conn(
             &shared.counters.identities_refused,
             "ROUTER",
             "identity refused: another connection holds it; connection closed",
-            &IdentityStart(&taken),
+            &kvx_io::SecretLabel(&taken),
         );
         refuse(&shared, &mut writer, IDENTITY_HELD).await;
         return;

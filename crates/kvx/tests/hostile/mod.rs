@@ -77,6 +77,28 @@ impl Kvx {
         Kvx::start(&args, "warn", " alloc tcp://")
     }
 
+    /// `receiver()` logging at `rust_log` (e.g. `debug`, to see everything it could say).
+    pub fn receiver_logging(rust_log: &str) -> Kvx {
+        Kvx::start(
+            &[
+                "receiver",
+                "--alloc-ports",
+                "0",
+                "--fabric-ports",
+                "0",
+                "--buffer-chunks",
+                "1024",
+                "--chunk-bytes",
+                "4096",
+                "--exit-after-s",
+                "120",
+                "--no-verify",
+            ],
+            rust_log,
+            " alloc tcp://",
+        )
+    }
+
     /// A receiver's fabric endpoint (its log's `fabric host:port`).
     pub fn fabric_addr(&self) -> SocketAddr {
         self.lines()

@@ -145,10 +145,28 @@ impl Peer {
             return Err(io::Error::other("the server's greeting is not ZMTP 3"));
         }
         let (flags, body) = self.read_frame(deadline)?;
+        if flags & COMMAND != 0 && body.starts_with(b"\x05ERROR") {
+            // ZMTP 3.1's ERROR in place of READY: the server refuses this peer, with a reason.
+            let reason = body.get(7..).unwrap_or_default();
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("refused: {}", String::from_utf8_lossy(reason)),
+            ));
+        }
         if flags & COMMAND == 0 || !body.starts_with(b"\x05READY") {
             return Err(io::Error::other("the server sent no READY"));
         }
         Ok(())
+    }
+
+    /// Connects a DEALER under `identity`, which the server must refuse in the handshake
+    /// (an ERROR in place of READY); its reason.
+    pub fn refused_dealer(addr: SocketAddr, identity: Option<&[u8]>) -> String {
+        match Peer::dealer(addr, identity) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => e.to_string(),
+            Err(e) => panic!("expected a refusal in the handshake, got {e}"),
+            Ok(_) => panic!("expected a refusal in the handshake, got a READY"),
+        }
     }
 
     pub fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
