@@ -21,6 +21,8 @@
 //!   lends kvx).
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
+//! - `budget`: `ConnectionBudget`, the connections a listener holds and which one goes past
+//!   its caps (the quietest; never a newcomer).
 //! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `secret_label`: `SecretLabel`, how an identity or credential shows in logs (a short
@@ -35,6 +37,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
+pub mod budget;
 pub mod checksum;
 pub mod env;
 pub mod fabric;
@@ -51,6 +54,7 @@ pub mod conformance;
 pub mod sockets;
 
 pub use access::{FabricAccess, FabricCredential, WriteRefusal};
+pub use budget::{ConnectionBudget, Evicted, Held};
 pub use checksum::{chunk_checksum, ChecksumState};
 pub use env::{Env, TokioEnv};
 pub use fabric::{

@@ -11,15 +11,13 @@
 //! kept-alive one), and lives at most `CONNECTION_TIMEOUT`. At most `CONNECTIONS_MAX`
 //! connections are held, `PER_SOURCE_MAX` from one address; a connection arriving past
 //! either cap is taken, and the connection that has gone longest without a request (those
-//! that never sent one first) is closed for it. The accept loop itself never waits for a
-//! free place, so a probe is answered whatever else is connected.
+//! that never sent one first) is closed for it (`kvx_io::ConnectionBudget`). The accept loop
+//! itself never waits for a free place, so a probe is answered whatever else is connected.
 
-use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::net::IpAddr;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -27,8 +25,8 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use kvx_io::ConnectionBudget;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tokio::task::AbortHandle;
 
 const CONNECTIONS_MAX: usize = 64;
 const PER_SOURCE_MAX: usize = 16;
@@ -73,7 +71,7 @@ pub async fn serve(addr: &str, role: &str) -> anyhow::Result<Readiness> {
     });
     let ready = readiness.clone();
     tokio::spawn(async move {
-        let table = Arc::new(Mutex::new(Connections::default()));
+        let budget = ConnectionBudget::new(CONNECTIONS_MAX, PER_SOURCE_MAX);
         loop {
             let (stream, from) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -84,12 +82,12 @@ pub async fn serve(addr: &str, role: &str) -> anyhow::Result<Readiness> {
                 }
             };
             let (handle, ready) = (handle.clone(), ready.clone());
-            let heard = Arc::new(AtomicU64::new(0));
-            let id = lock(&table).open(from.ip());
-            let (seen, done) = (heard.clone(), table.clone());
-            let task = tokio::spawn(async move {
+            let (held, _) = budget.open(from.ip());
+            let held = Arc::new(held);
+            tokio::spawn(async move {
+                let heard = held.clone();
                 let service = hyper::service::service_fn(move |req| {
-                    seen.store(tick(), Ordering::Relaxed);
+                    heard.heard();
                     let answer = answer(&req, &handle, &ready);
                     async move { Ok::<_, Infallible>(answer) }
                 });
@@ -97,10 +95,10 @@ pub async fn serve(addr: &str, role: &str) -> anyhow::Result<Readiness> {
                     .timer(TokioTimer::new())
                     .header_read_timeout(HEADER_DEADLINE)
                     .serve_connection(TokioIo::new(stream), service);
-                let _ = tokio::time::timeout(CONNECTION_TIMEOUT, conn).await;
-                lock(&done).close(id);
+                let _ = held
+                    .run(tokio::time::timeout(CONNECTION_TIMEOUT, conn))
+                    .await;
             });
-            lock(&table).admit(id, from.ip(), heard, task.abort_handle());
         }
     });
     eprintln!("kvx {role}: metrics at http://{addr}/metrics, readiness at http://{addr}/ready");
@@ -125,73 +123,5 @@ fn answer<B>(
         "/ready" if ready.is_ready() => reply(StatusCode::OK, "ready\n".into()),
         "/ready" => reply(StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
         _ => reply(StatusCode::NOT_FOUND, "/metrics or /ready\n".into()),
-    }
-}
-
-/// Milliseconds since the first call, plus one (0 means "never"): when a connection last
-/// sent a request.
-fn tick() -> u64 {
-    static START: OnceLock<tokio::time::Instant> = OnceLock::new();
-    let start = *START.get_or_init(tokio::time::Instant::now);
-    start.elapsed().as_millis() as u64 + 1
-}
-
-fn lock(t: &Mutex<Connections>) -> MutexGuard<'_, Connections> {
-    t.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// One held connection: where from, when it last sent a request (0: never), how to close it.
-struct Held {
-    from: IpAddr,
-    heard: Arc<AtomicU64>,
-    abort: AbortHandle,
-}
-
-/// The connections held, by arrival.
-#[derive(Default)]
-struct Connections {
-    next: u64,
-    held: BTreeMap<u64, Held>,
-}
-
-impl Connections {
-    /// Makes room for a connection from `from` (closing the quietest past a cap) and returns
-    /// its id; `admit` then records how to close it.
-    fn open(&mut self, from: IpAddr) -> u64 {
-        let from_there = self.held.values().filter(|h| h.from == from).count();
-        if from_there >= PER_SOURCE_MAX {
-            self.evict(Some(from));
-        }
-        if self.held.len() >= CONNECTIONS_MAX {
-            self.evict(None);
-        }
-        self.next += 1;
-        self.next
-    }
-
-    fn admit(&mut self, id: u64, from: IpAddr, heard: Arc<AtomicU64>, abort: AbortHandle) {
-        // A connection may already be over (closed before this call): it stays out.
-        if abort.is_finished() {
-            return;
-        }
-        self.held.insert(id, Held { from, heard, abort });
-    }
-
-    fn close(&mut self, id: u64) {
-        self.held.remove(&id);
-    }
-
-    /// Closes the connection (from `from`, if given) that has gone longest without a
-    /// request; one that never sent any goes first, the oldest of those first.
-    fn evict(&mut self, from: Option<IpAddr>) {
-        let quietest = self
-            .held
-            .iter()
-            .filter(|(_, h)| from.is_none_or(|f| h.from == f))
-            .min_by_key(|(id, h)| (h.heard.load(Ordering::Relaxed), **id))
-            .map(|(id, _)| *id);
-        if let Some(held) = quietest.and_then(|id| self.held.remove(&id)) {
-            held.abort.abort();
-        }
     }
 }
