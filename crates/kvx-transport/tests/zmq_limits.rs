@@ -166,44 +166,66 @@ async fn reserved_and_overlong_identities_are_refused() {
     assert_eq!(t.peer_identity(peer).map(|i| i.len()), Some(255));
 }
 
-/// Past `connections_max`, a connection is closed as soon as it is accepted; a slot frees
-/// when a connection ends. On the ROUTER and the PULL alike.
+/// Past `connections_max` a newcomer is taken and the quietest connection is closed for it:
+/// of those that never sent a message, the oldest first; one that has talked keeps its place.
+/// On the ROUTER and the PULL alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_past_the_cap_are_closed_at_once() {
+async fn past_the_cap_the_quietest_connection_is_closed_for_a_newcomer() {
     let t = ZmqTransport::new(small()).expect("valid");
-    let server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
-    let source = t.notify_source("tcp://127.0.0.1:0").await.expect("bind");
-    let mut refused = 0;
-    for (endpoint, kind) in [
-        (server.local_endpoint(), &b"DEALER"[..]),
-        (source.local_endpoint(), b"PUSH"),
-    ] {
+    let mut server = t.serve("tcp://127.0.0.1:0").await.expect("serve");
+    let mut source = t.notify_source("tcp://127.0.0.1:0").await.expect("bind");
+    let (router, pull) = (
+        server.local_endpoint().to_owned(),
+        source.local_endpoint().to_owned(),
+    );
+    let mut evicted = 0;
+    for (endpoint, kind) in [(router.as_str(), &b"DEALER"[..]), (pull.as_str(), b"PUSH")] {
         let mut held = Vec::new();
         for i in 0..4u8 {
             held.push(raw(endpoint, &hello(kind, Some(&[b'a' + i]))).await);
         }
-        for _ in 0..2 {
-            let mut excess = raw(endpoint, &hello(kind, Some(b"excess"))).await;
-            let after = closed_after(&mut excess, STEP).await.expect("closed");
-            assert!(after < Duration::from_secs(1), "at once: {after:?}");
-            refused += 1;
-        }
-        assert_eq!(t.stats().connections_refused, refused);
-        // One leaves; the next is served.
-        drop(held.pop());
-        let mut next = None;
-        for _ in 0..50 {
-            let mut tcp = raw(endpoint, &hello(kind, Some(b"next"))).await;
-            if closed_after(&mut tcp, Duration::from_millis(100))
+        // The first one talks: a message ("hi"; after an empty delimiter to a ROUTER).
+        let message: &[u8] = if kind == b"DEALER" {
+            &[0x01, 0x00, 0x00, 0x02, b'h', b'i']
+        } else {
+            &[0x00, 0x02, b'h', b'i']
+        };
+        held[0].write_all(message).await.expect("write");
+        if kind == b"DEALER" {
+            let (_, got) = tokio::time::timeout(STEP, server.recv())
                 .await
-                .is_none()
-            {
-                next = Some(tcp);
-                break;
-            }
+                .expect("within 5 s")
+                .expect("open");
+            assert_eq!(got, Bytes::from_static(b"hi"));
+        } else {
+            let got = tokio::time::timeout(STEP, source.recv())
+                .await
+                .expect("within 5 s")
+                .expect("open");
+            assert_eq!(got, Bytes::from_static(b"hi"));
         }
-        assert!(next.is_some(), "a slot freed when a connection ended");
-        refused = t.stats().connections_refused;
+        for (newcomer, quietest) in [(b"new-1", 1), (b"new-2", 2)] {
+            let mut new = raw(endpoint, &hello(kind, Some(newcomer))).await;
+            let after = closed_after(&mut held[quietest], STEP)
+                .await
+                .expect("closed");
+            assert!(after < Duration::from_secs(1), "at once: {after:?}");
+            evicted += 1;
+            assert!(
+                closed_after(&mut new, Duration::from_millis(100))
+                    .await
+                    .is_none(),
+                "the newcomer is kept"
+            );
+            held.push(new);
+        }
+        assert!(
+            closed_after(&mut held[0], Duration::from_millis(100))
+                .await
+                .is_none(),
+            "the connection that talked keeps its place"
+        );
+        assert_eq!(t.stats().connections_refused, evicted);
     }
 }
 

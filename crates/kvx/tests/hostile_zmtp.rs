@@ -163,49 +163,43 @@ fn identities_longer_than_255_bytes_are_refused() {
 // ---------------------------------------------------------------------------------------
 // Floods and trickles (§5)
 
-/// More connections than `connections_max`, each a complete DEALER handshake: the excess is
-/// closed at once, memory stays bounded, and once the flood ebbs a legitimate sender is
-/// served.
+/// More connections than `connections_max`, each a complete DEALER handshake that then says
+/// nothing, from five addresses: past the cap the quietest are closed (as many as the excess),
+/// memory stays bounded, and while the flood is held a legitimate sender, which talks, is
+/// served (a quiet flood connection makes room for it). Then one address alone floods: it is
+/// held to `connections_per_source_max`, evicting its own connections.
 #[test]
-fn a_connection_flood_is_capped_and_memory_stays_bounded() {
+fn a_connection_flood_is_capped_and_never_locks_a_sender_out() {
     let cap = defaults().connections_max;
+    let per_source = defaults().connections_per_source_max;
     let extra = 256;
-    hostile::raise_open_files_limit(2 * (cap + extra) as u64 + 256);
+    let sources = (cap + extra).div_ceil(per_source);
+    assert!(sources * per_source >= cap + extra && sources <= 250);
+    hostile::raise_open_files_limit(2 * (cap + extra + per_source) as u64 + 256);
     let mut rx = Kvx::receiver();
     legit_round_trip(&mut rx);
-    // Let the legitimate connection's end reach the receiver before counting slots.
+    // Let the legitimate connection's end reach the receiver before counting places.
     std::thread::sleep(Duration::from_millis(200));
     let before = rx.rss_kib();
     let mut flood = Vec::with_capacity(cap + extra);
     for i in 0..cap + extra {
-        let mut peer = Peer::tcp(rx.addr()).expect("TCP connects (the backlog takes it)");
+        let source = [127, 0, 1, 1 + (i / per_source) as u8];
+        let mut peer = Peer::tcp_from(rx.addr(), source).expect("TCP connects");
         let identity = format!("flood-{i}");
         let _ = peer.send(&zmtp::hello(b"DEALER", Some(identity.as_bytes())));
         flood.push(peer);
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut closed = vec![false; flood.len()];
-    // Bounded: at most one pass per 50 ms until the deadline.
-    while Instant::now() < deadline {
-        for (peer, closed) in flood.iter_mut().zip(closed.iter_mut()) {
-            *closed = *closed || peer.is_closed_now();
-        }
-        if closed.iter().filter(|c| **c).count() >= extra {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let refused = closed.iter().filter(|c| **c).count();
+    let closed = count_closed(&mut flood, extra);
     let during = rx.rss_kib();
     eprintln!(
-        "connection flood of {}: {refused} refused; receiver RSS {before} KiB before, \
-         {during} KiB during (+{} KiB)",
+        "connection flood of {} from {sources} addresses: {closed} closed; receiver RSS \
+         {before} KiB before, {during} KiB during (+{} KiB)",
         cap + extra,
         during.saturating_sub(before)
     );
     assert_eq!(
-        refused, extra,
-        "exactly the connections past {cap} are closed"
+        closed, extra,
+        "as many connections as go past {cap} are closed"
     );
     assert!(
         during < before + 64 * 1024,
@@ -214,25 +208,57 @@ fn a_connection_flood_is_capped_and_memory_stays_bounded() {
     );
     assert!(
         rx.log_count("connection") <= LOG_LINES_PER_BURST,
-        "refusals are logged sparsely: {} lines",
+        "evictions are logged sparsely: {} lines",
         rx.log_count("connection")
     );
-    // The flood ebbs; a legitimate sender gets a slot within a few tries.
-    flood.truncate(cap / 2);
-    let mut served = false;
-    for _ in 0..20 {
-        if let Ok(mut peer) = Peer::dealer(rx.addr(), Some(b"after-the-flood")) {
-            let req = alloc_request(&hostile::fresh_req_id("after"), 0..1, 1);
-            if matches!(peer.request(&req), Ok(r) if granted(&r, 1)) {
-                served = true;
-                break;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(served, "a legitimate sender is served once the flood ebbs");
+    // The flood is still held: a legitimate sender connects and is served at once.
+    let began = Instant::now();
+    let mut sender = Peer::dealer(rx.addr(), Some(b"amid-the-flood")).expect("connects");
+    let req = alloc_request(&hostile::fresh_req_id("amid"), 0..1, 1);
+    let reply = sender.request(&req).expect("answered");
+    assert!(granted(&reply, 1), "{:?}", alloc_response(&reply));
+    eprintln!("a sender amid the flood: served in {:?}", began.elapsed());
     drop(flood);
+
+    // One address alone: held to its own cap, its oldest silent connections closed first.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut alone = Vec::with_capacity(per_source + 16);
+    for i in 0..per_source + 16 {
+        let mut peer = Peer::tcp_from(rx.addr(), [127, 0, 2, 1]).expect("TCP connects");
+        let identity = format!("alone-{i}");
+        let _ = peer.send(&zmtp::hello(b"DEALER", Some(identity.as_bytes())));
+        alone.push(peer);
+    }
+    assert_eq!(
+        count_closed(&mut alone, 16),
+        16,
+        "held to {per_source} from one address"
+    );
+    let mut sender = Peer::dealer(rx.addr(), Some(b"beside-one-address")).expect("connects");
+    let reply = sender.request(&req).expect("answered");
+    assert!(granted(&reply, 1), "{:?}", alloc_response(&reply));
     rx.assert_alive();
+}
+
+/// Waits (bounded: 5 s, a pass each 50 ms) until `want` of `peers` are closed; how many are.
+fn count_closed(peers: &mut [Peer], want: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut closed = vec![false; peers.len()];
+    loop {
+        for (peer, closed) in peers.iter_mut().zip(closed.iter_mut()) {
+            *closed = *closed || peer.is_closed_now();
+        }
+        let n = closed.iter().filter(|c| **c).count();
+        if n >= want || Instant::now() >= deadline {
+            // A little longer, so that one closed too many would be seen.
+            std::thread::sleep(Duration::from_millis(200));
+            for (peer, closed) in peers.iter_mut().zip(closed.iter_mut()) {
+                *closed = *closed || peer.is_closed_now();
+            }
+            return closed.iter().filter(|c| **c).count();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Connections that each leave a message of four frames of `frame_max_bytes` unfinished (the
@@ -280,31 +306,23 @@ fn a_connection_flood_against_the_proxy_is_capped() {
     let cap = defaults().connections_max;
     let extra = 64;
     hostile::raise_open_files_limit(2 * (cap + extra) as u64 + 256);
+    let per_source = defaults().connections_per_source_max;
     let mut proxy = Kvx::proxy();
     let mut flood = Vec::with_capacity(cap + extra);
-    for _ in 0..cap + extra {
-        let mut peer = Peer::tcp(proxy.addr()).expect("TCP connects");
+    for i in 0..cap + extra {
+        let source = [127, 0, 1, 1 + (i / per_source) as u8];
+        let mut peer = Peer::tcp_from(proxy.addr(), source).expect("TCP connects");
         let _ = peer.send(&zmtp::hello(b"PUSH", None));
         flood.push(peer);
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut refused = 0;
-    let mut closed = vec![false; flood.len()];
-    while Instant::now() < deadline && refused < extra {
-        for (peer, closed) in flood.iter_mut().zip(closed.iter_mut()) {
-            *closed = *closed || peer.is_closed_now();
-        }
-        refused = closed.iter().filter(|c| **c).count();
-        std::thread::sleep(Duration::from_millis(50));
-    }
     assert_eq!(
-        refused, extra,
-        "exactly the connections past {cap} are closed"
+        count_closed(&mut flood, extra),
+        extra,
+        "as many connections as go past {cap} are closed"
     );
-    drop(flood);
-    // Slots free up as the proxy sees the flood go; a legitimate notice then gets through.
-    std::thread::sleep(Duration::from_millis(300));
+    // While the flood is held, a legitimate notice gets through.
     legit_notice(&mut proxy);
+    drop(flood);
 }
 
 /// A peer that starts a large frame and trickles it a byte at a time is cut off once the

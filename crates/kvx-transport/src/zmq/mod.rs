@@ -76,12 +76,18 @@ pub struct ZmqConfig {
     /// Routing identities remembered at most (`PeerId` stability); the least recently
     /// heard is forgotten first.
     pub peers_max: usize,
-    /// Connections a bound socket (ROUTER or PULL) holds at once, handshaking or not; one
-    /// accepted past it is closed at once, counted in `ZmqStats::connections_refused`.
-    /// Default 1024: one connection per sending process and TP rank, so a receiver rank
+    /// Connections a bound socket (ROUTER or PULL) holds at once, handshaking or not. Past
+    /// it a newcomer is still taken, and the quietest connection is closed for it (the one
+    /// longest without a message, one that never sent any first: `kvx_io::ConnectionBudget`),
+    /// counted in `ZmqStats::connections_refused`; so idle connections never lock a sender
+    /// out. Default 1024: one connection per sending process and TP rank, so a receiver rank
     /// or a proxy serving a few hundred prefill ranks has room to spare, while a flood holds
     /// at most 1024 × (`frame_max_bytes` + 8 KiB) of buffers (`docs/spec/zmq.md` §5).
     pub connections_max: usize,
+    /// Connections from one source address at most (the quietest of them is closed for a
+    /// newcomer past it), so that one address's flood evicts its own connections first.
+    /// Default 256; above `connections_max` it is `connections_max`.
+    pub connections_per_source_max: usize,
     /// How long an accepted connection has to complete the ZMTP handshake (greeting and
     /// READY); a peer that connects and says nothing, or trickles its greeting, is closed
     /// then (`ZmqStats::handshakes_failed`). Default 5 s. (A connecting socket's handshake
@@ -112,6 +118,7 @@ impl Default for ZmqConfig {
             frame_refuse_bytes: 16 * DEFAULT_FRAME_MAX_BYTES,
             peers_max: 65_536,
             connections_max: 1024,
+            connections_per_source_max: 256,
             handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(5),
             inbound_bytes_max: 64 << 20,
@@ -179,6 +186,11 @@ impl ZmqConfig {
             return Err(ZmqConfigError(format!(
                 "connections_max must be 1 to {CONNECTIONS_MAX_LIMIT}"
             )));
+        }
+        if self.connections_per_source_max == 0 {
+            return Err(ZmqConfigError(
+                "connections_per_source_max must be at least 1".into(),
+            ));
         }
         if self.inbound_bytes_max == 0 || u32::try_from(self.inbound_bytes_max).is_err() {
             return Err(ZmqConfigError(

@@ -16,10 +16,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvx_io::transport::{ControlServer, NotifySource, TransportError, CHANNEL_DEPTH};
+use kvx_io::{ConnectionBudget, Evicted, Held};
 use kvx_proto::PeerId;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 
 use super::inbound::InboundBudget;
 
@@ -51,10 +52,12 @@ fn local_endpoint(listener: &TcpListener) -> Result<String, TransportError> {
     Ok(format!("tcp://{addr}"))
 }
 
-/// Accepts connections until `closed` resolves, handing each to `serve_conn`, at most
-/// `connections_max` at once: a connection accepted past that is closed at once (counted,
-/// logged sparsely), so a flood of connections cannot grow the process without bound. A
-/// slot is freed when its connection's task ends.
+/// Accepts connections until `closed` resolves, handing each to `serve_conn` with its place
+/// in the socket's `ConnectionBudget`: at most `connections_max` at once,
+/// `connections_per_source_max` from one address; past either, the quietest connection is
+/// closed for the newcomer (counted, logged sparsely), so a flood of connections can neither
+/// grow the process without bound nor lock a talking peer out. A place is freed when its
+/// connection's task ends.
 async fn accept_loop<F, Fut>(
     shared: Arc<Shared>,
     socket: &'static str,
@@ -62,11 +65,14 @@ async fn accept_loop<F, Fut>(
     closed: impl std::future::Future<Output = ()>,
     serve_conn: F,
 ) where
-    F: Fn(TcpStream) -> Fut,
+    F: Fn(TcpStream, Arc<Held>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     tokio::pin!(closed);
-    let slots = Arc::new(Semaphore::new(shared.config.connections_max));
+    let budget = ConnectionBudget::new(
+        shared.config.connections_max,
+        shared.config.connections_per_source_max,
+    );
     let mut accept_errors = 0u64;
     loop {
         let accepted = tokio::select! {
@@ -74,23 +80,24 @@ async fn accept_loop<F, Fut>(
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, _)) => {
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    // Dropping the stream closes it before anything is read or written.
+            Ok((stream, from)) => {
+                let (held, Evicted(evicted)) = budget.open(from.ip());
+                for _ in 0..evicted {
                     shared.refused(
                         &shared.counters.connections_refused,
                         socket,
-                        "connection refused: the socket holds connections_max connections",
+                        "connection closed for a newcomer: the socket holds connections_max \
+                         connections (or connections_per_source_max from its address), and \
+                         this one had gone longest without a message",
                         &shared.config.connections_max,
                     );
-                    continue;
-                };
+                }
                 let _ = stream.set_nodelay(true);
                 watch_liveness(&stream, shared.config.send_timeout);
-                let conn = serve_conn(stream);
+                let held = Arc::new(held);
+                let conn = serve_conn(stream, held.clone());
                 tokio::spawn(async move {
-                    conn.await;
-                    drop(slot);
+                    held.run(conn).await;
                 });
             }
             Err(e) => {
@@ -265,9 +272,9 @@ pub(super) async fn serve(
         "ROUTER",
         listener,
         closed,
-        move |stream| {
+        move |stream, held| {
             let incoming = (in_tx.clone(), budget.clone());
-            router_conn(shared.clone(), routes.clone(), incoming, stream)
+            router_conn(shared.clone(), routes.clone(), incoming, stream, held)
         },
     ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
@@ -280,6 +287,7 @@ async fn router_conn(
     routes: SharedRoutes,
     (incoming, budget): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget),
     stream: TcpStream,
+    held: Arc<Held>,
 ) {
     let (mut reader, mut writer) = reader_for(&shared, stream);
     let Some(props) = handshake(
@@ -335,6 +343,7 @@ async fn router_conn(
             next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
         let Some(next) = next else { break };
+        held.heard();
         let Some(frames) = next else { continue }; // dropped, counted
         match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
@@ -458,7 +467,7 @@ pub(super) async fn notify_source(
         "PULL",
         listener,
         closed,
-        move |stream| pull_conn(shared.clone(), (tx.clone(), budget.clone()), stream),
+        move |stream, held| pull_conn(shared.clone(), (tx.clone(), budget.clone()), stream, held),
     ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
@@ -469,6 +478,7 @@ async fn pull_conn(
     shared: Arc<Shared>,
     (incoming, budget): (mpsc::Sender<Bytes>, InboundBudget),
     stream: TcpStream,
+    held: Arc<Held>,
 ) {
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
@@ -487,6 +497,7 @@ async fn pull_conn(
             next = next_message(&shared, "PULL", &mut reader) => next.ok(),
         };
         let Some(next) = next else { break };
+        held.heard();
         let Some(frames) = next else { continue }; // dropped, counted
         match framing::notice_in(&frames, max) {
             Ok(payload) => {

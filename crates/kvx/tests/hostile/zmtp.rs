@@ -104,7 +104,19 @@ pub struct Peer {
 impl Peer {
     /// A TCP connection and nothing else.
     pub fn tcp(addr: SocketAddr) -> io::Result<Peer> {
-        let stream = TcpStream::connect_timeout(&addr, WAIT)?;
+        Peer::from_stream(TcpStream::connect_timeout(&addr, WAIT)?)
+    }
+
+    /// A TCP connection to `addr` from the loopback address `source` (127.x.y.z): a peer on
+    /// another host, as far as a cap per source address can tell.
+    pub fn tcp_from(addr: SocketAddr, source: [u8; 4]) -> io::Result<Peer> {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        socket.bind(&SocketAddr::from((source, 0)).into())?;
+        socket.connect_timeout(&addr.into(), WAIT)?;
+        Peer::from_stream(socket.into())
+    }
+
+    fn from_stream(stream: TcpStream) -> io::Result<Peer> {
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(WAIT))?;
         Ok(Peer {
