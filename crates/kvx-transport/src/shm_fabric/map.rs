@@ -239,10 +239,10 @@ impl StagingView {
         let offset = slot as usize * self.slot_bytes;
         // SAFETY: the bounds check above keeps `offset + dst.len()` within the mapping, which
         // `sealed` made exactly `slots * slot_bytes` long and `&self` keeps alive; the file
-        // under it is sealed at that size, so every page of the range exists (no SIGBUS). `dst` is the
-        // receiver's own buffer (anonymous memory of this process), never this mapping, so the
-        // ranges cannot overlap. The source slot is one the sender does not rewrite until this
-        // copy is acked (module doc).
+        // under it is sealed at that size, so every page of the range exists (no SIGBUS).
+        // `dst` is the receiver's own buffer (anonymous memory of this process), never this
+        // mapping, so the ranges cannot overlap. The source slot is one the sender does not
+        // rewrite until this copy is acked (module doc).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.map.as_ptr().add(offset),

@@ -80,7 +80,7 @@ pub mod raw {
         b
     }
 
-    /// An attaching hello followed by `extra` (`ShmFabric`: the staging file's path).
+    /// An attaching hello followed by `extra` (`ShmFabric`: the ticket of its staging handoff).
     pub fn hello_with(
         magic: &[u8; 4],
         slots: u32,
