@@ -595,3 +595,45 @@ async fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> 
     }
     Ok(sent)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Root is trusted only when listed, like any other user.
+    #[test]
+    fn trust_is_the_own_uid_and_the_listed_ones() {
+        let trust = Trust {
+            own: 1000,
+            extra: Arc::from(&[1001][..]),
+        };
+        assert!(trust.admits(1000) && trust.admits(1001));
+        assert!(!trust.admits(0) && !trust.admits(1002));
+        let root = Trust {
+            own: 1000,
+            extra: Arc::from(&[0][..]),
+        };
+        assert!(root.admits(0));
+    }
+
+    #[test]
+    fn offers_round_trip_and_replies_cut_long_reasons() {
+        let offer = Offer {
+            version: VERSION,
+            geometry: Geometry {
+                slots: 3,
+                slot_bytes: 1 << 20,
+            },
+            credential: FabricAccess::new(1, [7; 16]).credential_for(PeerId(4)),
+        };
+        assert_eq!(Offer::decode(&offer.encode()), Some(offer));
+        let mut other = offer.encode();
+        other[0] = b'X';
+        assert_eq!(Offer::decode(&other), None);
+        let reply = encode_reply(HandoffStatus::Staging, 0, &"é".repeat(400));
+        let len = usize::from(u16::from_le_bytes([reply[6], reply[7]]));
+        assert_eq!(len, REASON_MAX);
+        assert_eq!(reply.len(), REPLY_LEN + len);
+        assert_eq!(HandoffStatus::from_code(1), Some(HandoffStatus::Staging));
+    }
+}
