@@ -104,6 +104,13 @@ pub mod raw {
         slot_bytes: u64,
         credential: &FabricCredential,
     ) -> (u16, u64, String) {
+        let offer = offer_bytes(slots, slot_bytes, credential);
+        let exchange = tokio::task::spawn_blocking(move || blocking_offer(port, &fds, &offer));
+        step("offer", exchange).await.expect("offer task")
+    }
+
+    /// A 48-byte offer of a staging of `slots × slot_bytes`.
+    pub fn offer_bytes(slots: u32, slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
         let mut offer = Vec::new();
         offer.extend_from_slice(b"KVXD");
         offer.extend_from_slice(&1u16.to_le_bytes());
@@ -112,11 +119,15 @@ pub mod raw {
         offer.extend_from_slice(&0u32.to_le_bytes());
         offer.extend_from_slice(&slot_bytes.to_le_bytes());
         offer.extend_from_slice(&credential.to_bytes());
-        let exchange = tokio::task::spawn_blocking(move || blocking_offer(port, &fds, &offer));
-        step("offer", exchange).await.expect("offer task")
+        offer
     }
 
-    fn blocking_offer(port: u16, fds: &[std::os::fd::OwnedFd], offer: &[u8]) -> (u16, u64, String) {
+    /// `offer`, on this thread: (status, ticket, reason).
+    pub fn blocking_offer(
+        port: u16,
+        fds: &[std::os::fd::OwnedFd],
+        offer: &[u8],
+    ) -> (u16, u64, String) {
         use std::io::Read;
         use std::os::fd::AsFd;
         use std::os::linux::net::SocketAddrExt;
