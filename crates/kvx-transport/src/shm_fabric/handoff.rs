@@ -15,9 +15,10 @@
 //! Reply: `magic "KVXD"`, `status u16` (`HandoffStatus`), `reason length u16` (≤ 512),
 //! `ticket u64` (zero unless accepted), then the reason, UTF-8.
 //!
-//! Checks, receiver side, each refused with a reason the sender reads: the connecting
-//! process runs as an allowed user (`SO_PEERCRED`, below); the offer's credential was issued
-//! by this buffer; exactly one descriptor came with it; that descriptor passes
+//! Checks, receiver side, once the whole offer is read, each refused with a reason the
+//! sender reads: the connecting process runs as an allowed user (`SO_PEERCRED`, below); the
+//! offer's credential was issued by this buffer; exactly one descriptor came with it; that
+//! descriptor passes
 //! `StagingView::sealed` (a tmpfs memfd, sealed against shrinking, growing and resealing,
 //! exactly as large as the offer's geometry, at most `staging_bytes_max`). The control
 //! handshake then checks the version, the credential and the slot size as for every fabric,
@@ -383,6 +384,12 @@ async fn answer(mut stream: UnixStream, rules: &Rules) -> Result<(), String> {
 }
 
 async fn judge(stream: &UnixStream, rules: &Rules) -> Result<u64, (HandoffStatus, String)> {
+    // The offer is read before anything is judged, an untrusted peer's too (its descriptors
+    // are closed unexamined): a reply sent before the offer was read could close the socket
+    // under the sender's `sendmsg`, which would then fail without the reason.
+    let (bytes, fds, truncated) = recv_offer(stream)
+        .await
+        .map_err(|e| (HandoffStatus::Staging, format!("reading the offer: {e}")))?;
     let cred = stream
         .peer_cred()
         .map_err(|e| (HandoffStatus::Unauthorized, format!("SO_PEERCRED: {e}")))?;
@@ -396,9 +403,6 @@ async fn judge(stream: &UnixStream, rules: &Rules) -> Result<u64, (HandoffStatus
             ),
         ));
     }
-    let (bytes, fds, truncated) = recv_offer(stream)
-        .await
-        .map_err(|e| (HandoffStatus::Staging, format!("reading the offer: {e}")))?;
     let Some(offer) = Offer::decode(&bytes) else {
         return Err((HandoffStatus::Version, "not a kvx staging offer".into()));
     };
@@ -523,18 +527,19 @@ pub(crate) async fn offer(
             credential,
         }
         .encode();
-        let sent = send_with_fd(&stream, &bytes, memfd)
-            .await
-            .map_err(|e| io_err("offer", e))?;
-        stream
-            .write_all(&bytes[sent..])
-            .await
-            .map_err(|e| io_err("offer", e))?;
+        let sent = match send_with_fd(&stream, &bytes, memfd).await {
+            Ok(n) => stream.write_all(&bytes[n..]).await,
+            Err(e) => Err(e),
+        };
+        // A receiver that refused and closed early may have left its reply: it says more
+        // than the failed send.
         let mut reply = [0u8; REPLY_LEN];
-        stream
-            .read_exact(&mut reply)
-            .await
-            .map_err(|e| io_err("handoff reply", e))?;
+        if let Err(e) = stream.read_exact(&mut reply).await {
+            return Err(match sent {
+                Err(send) => io_err("offer", send),
+                Ok(()) => io_err("handoff reply", e),
+            });
+        }
         if reply[0..4] != MAGIC {
             return Err(bad_endpoint(endpoint, "not a kvx shm handoff socket"));
         }
