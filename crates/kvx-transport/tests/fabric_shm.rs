@@ -94,11 +94,13 @@ async fn shm_reset_is_bounded_when_the_receiver_stalls() {
 
 const SEALS: SealFlags = SealFlags::SHRINK
     .union(SealFlags::GROW)
+    .union(SealFlags::FUTURE_WRITE)
     .union(SealFlags::SEAL);
 
-/// A sender's staging is a memfd sealed against shrinking, growing and resealing, but not
-/// against writes, of exactly the geometry: resizing it fails (so no receiver's mapping can
-/// lose a page), and nothing of it appears in `/dev/shm`. The exposed buffer has no
+/// A sender's staging is a memfd sealed against shrinking, growing, writes other than
+/// through its existing mapping, and resealing, of exactly the geometry and backed
+/// throughout: resizing it or punching a hole in it fails (so no receiver's mapping can lose
+/// a page), its mapping still takes writes, and nothing of it appears in `/dev/shm`. The exposed buffer has no
 /// descriptor at all.
 #[tokio::test]
 async fn shm_staging_is_a_sealed_memfd() {
@@ -125,6 +127,26 @@ async fn shm_staging_is_a_sealed_memfd() {
         );
     }
     assert_eq!(file.metadata().expect("fstat").len(), 2 * 4096);
+    let punched = rustix::fs::fallocate(
+        &file,
+        rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+        0,
+        4096,
+    );
+    assert_eq!(
+        punched,
+        Err(rustix::io::Errno::PERM),
+        "no hole can be punched"
+    );
+    assert_eq!(
+        rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(0)),
+        Ok(2 * 4096),
+        "backed throughout"
+    );
+    staging.write_slot(1, &[9; 4096]);
+    let mut back = [0u8; 4096];
+    staging.read_slot(1, &mut back);
+    assert_eq!(back, [9; 4096], "the sender's mapping still takes writes");
     let link = std::fs::read_link(format!(
         "/proc/self/fd/{}",
         rustix::fd::AsRawFd::as_raw_fd(&file)
@@ -150,8 +172,13 @@ fn shm_entries() -> Vec<std::path::PathBuf> {
     v
 }
 
-/// A memfd of `len` bytes (sparse: nothing is written) with `seals` added.
+/// A memfd of `len` bytes, written in full, with `seals` added.
 fn memfd(len: u64, sealable: bool, seals: SealFlags) -> OwnedFd {
+    memfd_of(len, sealable, true, seals)
+}
+
+/// `memfd`, or with `filled` false a sparse one (nothing written: one hole throughout).
+fn memfd_of(len: u64, sealable: bool, filled: bool, seals: SealFlags) -> OwnedFd {
     let flags = if sealable {
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING
     } else {
@@ -159,6 +186,15 @@ fn memfd(len: u64, sealable: bool, seals: SealFlags) -> OwnedFd {
     };
     let fd = rustix::fs::memfd_create("hostile", flags).expect("memfd");
     rustix::fs::ftruncate(&fd, len).expect("ftruncate");
+    if filled {
+        let zeros = vec![0u8; 1 << 16];
+        let mut at = 0;
+        while at < len {
+            let n = rustix::io::pwrite(&fd, &zeros[..(len - at).min(1 << 16) as usize], at)
+                .expect("fill");
+            at += n as u64;
+        }
+    }
     if !seals.is_empty() {
         rustix::fs::fcntl_add_seals(&fd, seals).expect("seals");
     }
@@ -188,7 +224,7 @@ async fn shm_receiver_refuses_unsafe_staging_descriptors() {
     std::fs::remove_file(&regular).expect("unlink");
     let (socket, _other_end) = std::os::unix::net::UnixStream::pair().expect("socket pair");
     // A sealable memfd without seals, one sealed only against shrinking (it could still
-    // grow), and one never sealable.
+    // grow), one open to hole punching, a sparse one, and one never sealable.
     let cases: Vec<(&str, Vec<OwnedFd>, u32, &str)> = vec![
         (
             "an unsealed memfd",
@@ -201,6 +237,23 @@ async fn shm_receiver_refuses_unsafe_staging_descriptors() {
             vec![memfd(LEN, true, SealFlags::SHRINK)],
             2,
             "not sealed",
+        ),
+        (
+            "a memfd open to hole punching",
+            vec![memfd(
+                LEN,
+                true,
+                SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+            )],
+            2,
+            "not sealed",
+        ),
+        // Sealed and of the geometry's size, but never written: one hole throughout.
+        (
+            "a sparse sealed memfd",
+            vec![memfd_of(LEN, true, false, SEALS)],
+            2,
+            "has a hole at byte 0",
         ),
         (
             "a memfd that cannot be sealed",
@@ -224,7 +277,7 @@ async fn shm_receiver_refuses_unsafe_staging_descriptors() {
         // refused before it is mapped.
         (
             "a huge sparse memfd",
-            vec![memfd(128 << 30, true, SEALS)],
+            vec![memfd_of(128 << 30, true, false, SEALS)],
             (128u64 << 30).div_ceil(4096) as u32,
             "exceed",
         ),

@@ -155,10 +155,12 @@ fn untrusted_peer() {
             )
             .expect("memfd");
             rustix::fs::ftruncate(&fd, 2 * 4096).expect("size");
+            rustix::io::pwrite(&fd, &[0; 2 * 4096], 0).expect("fill");
             rustix::fs::fcntl_add_seals(
                 &fd,
                 rustix::fs::SealFlags::SHRINK
                     | rustix::fs::SealFlags::GROW
+                    | rustix::fs::SealFlags::FUTURE_WRITE
                     | rustix::fs::SealFlags::SEAL,
             )
             .expect("seals");

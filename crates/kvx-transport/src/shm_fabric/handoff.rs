@@ -18,9 +18,9 @@
 //! Checks, receiver side, once the whole offer is read, each refused with a reason the
 //! sender reads: the connecting process runs as an allowed user (`SO_PEERCRED`, below); the
 //! offer's credential was issued by this buffer; exactly one descriptor came with it; that
-//! descriptor passes
-//! `StagingView::sealed` (a tmpfs memfd, sealed against shrinking, growing and resealing,
-//! exactly as large as the offer's geometry, at most `staging_bytes_max`). The control
+//! descriptor passes `StagingView::sealed` (at most `staging_bytes_max`, a tmpfs memfd
+//! sealed against shrinking, growing, hole punching and resealing, exactly as large as the
+//! offer's geometry, without holes). The control
 //! handshake then checks the version, the credential and the slot size as for every fabric,
 //! and that the hello's geometry and peer are the offer's.
 //!

@@ -10,8 +10,9 @@
 //! - `StagingView`: a receiver's read-only mapping of a sender's staging descriptor, from
 //!   which the receiver copies each admitted write into its own buffer. `StagingView::sealed`
 //!   maps a descriptor only if its size can never change and equals the announced geometry,
-//!   so no access through the mapping can fault (no SIGBUS) and the mapping is no larger
-//!   than the geometry the receiver bounded.
+//!   and every page of it is backed and can never be punched out, so no access through the
+//!   mapping can fault (no SIGBUS, no allocation) and the mapping is no larger than the
+//!   geometry the receiver bounded.
 //!
 //! What no lock can cover is the other side of the mapping: the receiver reads a staging slot
 //! the sender's process wrote. That is sound under the staging discipline every fabric keeps
@@ -32,11 +33,14 @@ use kvx_io::{SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
-/// The seals a staging descriptor must carry: its size is fixed (neither shrinks, which would
-/// turn a mapped page into a SIGBUS, nor grows) and no seal can be added or removed any
-/// more. Writes stay allowed: the sender writes its chunks into it.
+/// The seals a staging descriptor must carry: its size is fixed (it neither shrinks, which
+/// would turn a mapped page into a SIGBUS, nor grows), no page can be punched out of it
+/// (`FUTURE_WRITE` refuses `fallocate(PUNCH_HOLE)` and `MADV_REMOVE`, and `write` and new
+/// writable mappings, while the sender's existing mapping stays writable: it writes its
+/// chunks through that), and no seal can be added or removed any more.
 pub(crate) const STAGING_SEALS: SealFlags = SealFlags::SHRINK
     .union(SealFlags::GROW)
+    .union(SealFlags::FUTURE_WRITE)
     .union(SealFlags::SEAL);
 
 /// `statfs::f_type` of tmpfs, the file system behind every `memfd` without `MFD_HUGETLB`.
@@ -72,9 +76,10 @@ impl ShmMemory {
         Ok(Self::from_map(map.into(), slots, slot_bytes, None))
     }
 
-    /// A sender's staging: a new `memfd` (close-on-exec, sealable), sized and filled, sealed
-    /// with `STAGING_SEALS`, mapped shared. The caller has checked the geometry. Blocking: it
-    /// writes the whole buffer once.
+    /// A sender's staging: a new `memfd` (close-on-exec, sealable), sized and filled (no
+    /// holes), mapped shared, then sealed with `STAGING_SEALS` — after the mapping, which
+    /// `FUTURE_WRITE` would refuse and leaves writable. The caller has checked the geometry.
+    /// Blocking: it writes the whole buffer once.
     pub(crate) fn sealed_staging(slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = slots as usize * slot_bytes;
         let fd = rustix::fs::memfd_create(
@@ -83,8 +88,8 @@ impl ShmMemory {
         )?;
         let file = File::from(fd);
         reserve(&file, len)?;
-        rustix::fs::fcntl_add_seals(&file, STAGING_SEALS)?;
         let map = MmapOptions::new().len(len).populate().map_raw(&file)?;
+        rustix::fs::fcntl_add_seals(&file, STAGING_SEALS)?;
         Ok(Self::from_map(map, slots, slot_bytes, Some(file.into())))
     }
 
@@ -159,9 +164,11 @@ impl fmt::Debug for StagingView {
 
 impl StagingView {
     /// Maps a sender's staging descriptor read-only, if it is a tmpfs `memfd` carrying
-    /// `STAGING_SEALS` and exactly `slots × slot_bytes` bytes long, at most `bytes_max`. The
-    /// seals make the size permanent, so a copy that stays inside the geometry stays inside
-    /// the file for as long as the mapping lives. `Err` says why the descriptor is refused.
+    /// `STAGING_SEALS`, exactly `slots × slot_bytes` bytes long, at most `bytes_max`, and
+    /// without holes. The seals make the size and the backed pages permanent, so a copy that
+    /// stays inside the geometry reads pages that exist for as long as the mapping lives:
+    /// reading never allocates (a hole would fault a page in, charged to this process, and
+    /// raise SIGBUS if that allocation failed). `Err` says why the descriptor is refused.
     pub(crate) fn sealed(
         fd: OwnedFd,
         slots: u32,
@@ -195,7 +202,8 @@ impl StagingView {
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| format!("F_GET_SEALS: {e}"))?;
         if !seals.contains(STAGING_SEALS) {
             return Err(format!(
-                "the memfd is not sealed against shrinking, growing and resealing (seals {seals:?})"
+                "the memfd is not sealed against shrinking, growing, hole punching and \
+                 resealing (seals {seals:?}, needs {STAGING_SEALS:?})"
             ));
         }
         let file = File::from(fd);
@@ -204,6 +212,14 @@ impl StagingView {
             return Err(format!(
                 "the memfd holds {} bytes, the geometry {slots} × {slot_bytes} = {len}",
                 meta.len()
+            ));
+        }
+        // Sealed against punching, a memfd backed everywhere now stays so.
+        let hole = rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(0))
+            .map_err(|e| format!("SEEK_HOLE: {e}"))?;
+        if hole < len {
+            return Err(format!(
+                "the memfd has a hole at byte {hole} of {len} (it must be backed throughout)"
             ));
         }
         let len = usize::try_from(len).map_err(|_| "the staging exceeds the address space")?;

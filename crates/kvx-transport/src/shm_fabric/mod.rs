@@ -7,9 +7,10 @@
 //! `TcpFabric`'s: its own magic, the credential, the geometry), hands the descriptor over the
 //! receiver's Unix handoff socket (`handoff.rs`: `SCM_RIGHTS`, the peer's uid checked both
 //! ways), then names the ticket it got in its hello. The receiver maps the descriptor
-//! read-only only if it is sealed against shrinking and growing and exactly as large as the
-//! announced geometry, which is bounded (`ShmFabricConfig::staging_bytes_max`): no access
-//! can fault, and a peer cannot make the receiver reserve more address space than that. For
+//! read-only only if it is sealed against shrinking, growing and hole punching, backed
+//! throughout, and exactly as large as the announced geometry, which is bounded
+//! (`ShmFabricConfig::staging_bytes_max`): no access can fault, and a peer cannot make the
+//! receiver reserve more address space than that. For
 //! each posted write the sender sends the 40-byte write header (id, remote slot, len,
 //! immediate, checksum, staging slot) and nothing else; the receiver checks it against the
 //! sender's grants, then copies the staging slot into its own buffer (which is private memory:
