@@ -77,8 +77,9 @@ impl ShmMemory {
     }
 
     /// A sender's staging: a new `memfd` (close-on-exec, sealable), sized and filled (no
-    /// holes), mapped shared, then sealed with `STAGING_SEALS` — after the mapping, which
-    /// `FUTURE_WRITE` would refuse and leaves writable. The caller has checked the geometry.
+    /// holes), mapped shared, then sealed with `STAGING_SEALS`: sealing last, because
+    /// `FUTURE_WRITE` refuses writable mappings made after it and leaves earlier ones
+    /// writable. The caller has checked the geometry.
     /// Blocking: it writes the whole buffer once.
     pub(crate) fn sealed_staging(slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = slots as usize * slot_bytes;

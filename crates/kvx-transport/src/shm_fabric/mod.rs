@@ -10,8 +10,9 @@
 //! read-only only if it is sealed against shrinking, growing and hole punching, backed
 //! throughout, and exactly as large as the announced geometry, which is bounded
 //! (`ShmFabricConfig::staging_bytes_max`): no access can fault, and a peer cannot make the
-//! receiver reserve more address space than that. For
-//! each posted write the sender sends the 40-byte write header (id, remote slot, len,
+//! receiver reserve more address space than that.
+//!
+//! For each posted write the sender sends the 40-byte write header (id, remote slot, len,
 //! immediate, checksum, staging slot) and nothing else; the receiver checks it against the
 //! sender's grants, then copies the staging slot into its own buffer (which is private memory:
 //! no other process maps it), computes the checksum over the copy while it is in the caches,
