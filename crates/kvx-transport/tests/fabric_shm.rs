@@ -1,18 +1,20 @@
 //! `ShmFabric` with its control channel on loopback: kvx-io's fabric conformance bodies, then
-//! concurrency, a cut control connection, 1 MiB slots, a dropped listener, staging files and
-//! their lifetime, handshake refusals, the receiver's checks on headers, and a receiver that
-//! refuses to map a file a sender should not name.
+//! concurrency, a cut control connection, 1 MiB slots, a dropped listener, the sealed staging
+//! memfd, handshake refusals, the receiver's checks on headers, and a receiver that refuses
+//! every staging descriptor it must not map (unsealed, short, oversized, beyond its bound,
+//! not a memfd) and every ticket that names no staging of the hello's peer and geometry.
 
 mod fabric_common;
 
-use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
+use fabric_common::raw;
 use kvx_io::conformance;
 use kvx_io::{Fabric, FabricError, SlotMemory};
 use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig, ShmMemory};
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
+use rustix::fs::{MemfdFlags, SealFlags};
 use tokio::io::AsyncWriteExt;
 
 const EP: &str = "127.0.0.1:0";
@@ -64,7 +66,7 @@ async fn shm_nothing_exposed() {
     fabric_common::nothing_exposed(&ShmFabric::new()).await;
 }
 
-/// A raw peer's staging: a file of one slot of `slot_bytes` that the receiver may map.
+/// A raw peer's staging: a sealed memfd of one slot of `slot_bytes` that the receiver may map.
 fn raw_staging(slot_bytes: usize) -> std::sync::Arc<ShmMemory> {
     ShmFabric::new()
         .allocate_staging(1, slot_bytes)
@@ -74,10 +76,7 @@ fn raw_staging(slot_bytes: usize) -> std::sync::Arc<ShmMemory> {
 #[tokio::test]
 async fn shm_receiver_checks_bounds() {
     let staging = raw_staging(1024);
-    let raw = fabric_common::Raw::Staged {
-        path: staging.path().expect("a file").as_os_str().as_bytes(),
-        memory: &*staging,
-    };
+    let raw = fabric_common::Raw::Staged(&staging);
     fabric_common::receiver_checks_bounds(&ShmFabric::new(), EP, b"KVXS", raw).await;
 }
 
@@ -93,29 +92,250 @@ async fn shm_reset_is_bounded_when_the_receiver_stalls() {
     fabric_common::reset_is_bounded_when_the_receiver_stalls(&f, b"KVXS", b"").await;
 }
 
-/// A sender's staging is a file in the fabric's directory, mode 0600, removed when the
-/// staging is dropped (a connection does not keep the name alive); the exposed buffer is
-/// private memory with no file at all.
+const SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::FUTURE_WRITE)
+    .union(SealFlags::SEAL);
+
+/// A sender's staging is a memfd sealed against shrinking, growing, writes other than
+/// through its existing mapping, and resealing, of exactly the geometry and backed
+/// throughout: resizing it or punching a hole in it fails (so no receiver's mapping can lose
+/// a page), its mapping still takes writes, and nothing of it appears in `/dev/shm`. The exposed buffer has no
+/// descriptor at all.
 #[tokio::test]
-async fn shm_staging_files_live_as_long_as_the_staging() {
-    use std::os::unix::fs::PermissionsExt;
+async fn shm_staging_is_a_sealed_memfd() {
     let f = ShmFabric::new();
     let listener = f.expose(EP, 2, 4096).await.expect("expose");
-    assert!(listener.memory.path().is_none(), "the buffer is anonymous");
+    assert!(listener.memory.memfd().is_none(), "the buffer is anonymous");
+    let shm_before = shm_entries();
     let staging = f.allocate_staging(2, 4096).expect("staging");
-    let path: PathBuf = staging.path().expect("a staging file").to_owned();
-    assert!(path.starts_with("/dev/shm"), "{path:?}");
-    let meta = std::fs::metadata(&path).expect("the file exists");
-    assert_eq!(meta.len(), 2 * 4096);
-    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let fd = staging.memfd().expect("a staging memfd");
+    let seals = rustix::fs::fcntl_get_seals(fd).expect("F_GET_SEALS");
+    assert!(seals.contains(SEALS), "{seals:?}");
+    assert!(
+        !seals.contains(SealFlags::WRITE),
+        "the sender writes into it: {seals:?}"
+    );
+    let file = std::fs::File::from(fd.try_clone_to_owned().expect("dup"));
+    assert_eq!(file.metadata().expect("fstat").len(), 2 * 4096);
+    for len in [4096, 3 * 4096, 0] {
+        let r = file.set_len(len);
+        assert_eq!(
+            r.as_ref().map_err(std::io::Error::raw_os_error),
+            Err(Some(1)),
+            "resizing to {len} fails with EPERM: {r:?}"
+        );
+    }
+    assert_eq!(file.metadata().expect("fstat").len(), 2 * 4096);
+    let punched = rustix::fs::fallocate(
+        &file,
+        rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+        0,
+        4096,
+    );
+    assert_eq!(
+        punched,
+        Err(rustix::io::Errno::PERM),
+        "no hole can be punched"
+    );
+    assert_eq!(
+        rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(0)),
+        Ok(2 * 4096),
+        "backed throughout"
+    );
+    staging.write_slot(1, &[9; 4096]);
+    let mut back = [0u8; 4096];
+    staging.read_slot(1, &mut back);
+    assert_eq!(back, [9; 4096], "the sender's mapping still takes writes");
+    let link = std::fs::read_link(format!(
+        "/proc/self/fd/{}",
+        rustix::fd::AsRawFd::as_raw_fd(&file)
+    ))
+    .expect("fd link");
+    assert!(link.to_string_lossy().starts_with("/memfd:"), "{link:?}");
+    assert_eq!(shm_entries(), shm_before, "nothing created in /dev/shm");
     let credential = listener.access.credential_for(kvx_proto::PeerId(1));
     let conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
         .await
         .expect("connect");
     drop(conn);
-    drop(staging);
-    assert!(!path.exists(), "{path:?} removed with the staging");
+}
+
+/// This process's entries in `/dev/shm` (none is the fabric's).
+fn shm_entries() -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.to_string_lossy().contains("kvx"));
+    v.sort();
+    v
+}
+
+/// A memfd of `len` bytes, written in full, with `seals` added.
+fn memfd(len: u64, sealable: bool, seals: SealFlags) -> OwnedFd {
+    memfd_of(len, sealable, true, seals)
+}
+
+/// `memfd`, or with `filled` false a sparse one (nothing written: one hole throughout).
+fn memfd_of(len: u64, sealable: bool, filled: bool, seals: SealFlags) -> OwnedFd {
+    let flags = if sealable {
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING
+    } else {
+        MemfdFlags::CLOEXEC
+    };
+    let fd = rustix::fs::memfd_create("hostile", flags).expect("memfd");
+    rustix::fs::ftruncate(&fd, len).expect("ftruncate");
+    if filled {
+        let zeros = vec![0u8; 1 << 16];
+        let mut at = 0;
+        while at < len {
+            let n = rustix::io::pwrite(&fd, &zeros[..(len - at).min(1 << 16) as usize], at)
+                .expect("fill");
+            at += n as u64;
+        }
+    }
+    if !seals.is_empty() {
+        rustix::fs::fcntl_add_seals(&fd, seals).expect("seals");
+    }
+    fd
+}
+
+/// A hostile peer (the right credential, this user) offers descriptors the receiver must
+/// not map; each is refused over the handoff socket (status 1) with a reason naming the
+/// check, and the buffer still serves a fabric sender afterwards. The geometry announced is
+/// 2 slots of 4096 bytes unless a case says otherwise.
+#[tokio::test]
+async fn shm_receiver_refuses_unsafe_staging_descriptors() {
+    const LEN: u64 = 2 * 4096;
+    let f = ShmFabric::new();
+    let listener = f.expose(EP, 2, 4096).await.expect("expose");
+    let port = fabric_common::port_of(&listener.local_endpoint);
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let regular = std::env::temp_dir().join(format!("kvx-hostile-{}", std::process::id()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&regular)
+        .expect("regular file");
+    file.set_len(LEN).expect("size");
+    std::fs::remove_file(&regular).expect("unlink");
+    let (socket, _other_end) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+    // A sealable memfd without seals, one sealed only against shrinking (it could still
+    // grow), one open to hole punching, a sparse one, and one never sealable.
+    let cases: Vec<(&str, Vec<OwnedFd>, u32, &str)> = vec![
+        (
+            "an unsealed memfd",
+            vec![memfd(LEN, true, SealFlags::empty())],
+            2,
+            "not sealed",
+        ),
+        (
+            "a memfd sealed against shrinking only",
+            vec![memfd(LEN, true, SealFlags::SHRINK)],
+            2,
+            "not sealed",
+        ),
+        (
+            "a memfd open to hole punching",
+            vec![memfd(
+                LEN,
+                true,
+                SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+            )],
+            2,
+            "not sealed",
+        ),
+        // Sealed and of the geometry's size, but never written: one hole throughout.
+        (
+            "a sparse sealed memfd",
+            vec![memfd_of(LEN, true, false, SEALS)],
+            2,
+            "has a hole at byte 0",
+        ),
+        (
+            "a memfd that cannot be sealed",
+            vec![memfd(LEN, false, SealFlags::empty())],
+            2,
+            "not sealed",
+        ),
+        (
+            "a sealed memfd shorter than the geometry",
+            vec![memfd(LEN - 4096, true, SEALS)],
+            2,
+            "holds 4096 bytes",
+        ),
+        (
+            "a sealed memfd larger than the geometry",
+            vec![memfd(LEN + 4096, true, SEALS)],
+            2,
+            "holds 12288 bytes",
+        ),
+        // 128 GiB of sparse memfd, exactly as announced: beyond the receiver's 64 GiB bound,
+        // refused before it is mapped.
+        (
+            "a huge sparse memfd",
+            vec![memfd_of(128 << 30, true, false, SEALS)],
+            (128u64 << 30).div_ceil(4096) as u32,
+            "exceed",
+        ),
+        ("a regular file", vec![file.into()], 2, ""),
+        ("a socket", vec![socket.into()], 2, "not a memfd"),
+        ("no descriptor", vec![], 2, "carries 0 descriptors"),
+        (
+            "two descriptors",
+            vec![memfd(LEN, true, SEALS), memfd(LEN, true, SEALS)],
+            2,
+            "carries 2 descriptors",
+        ),
+    ];
+    for (what, fds, slots, why) in cases {
+        let (status, ticket, reason) = raw::offer(port, fds, slots, 4096, &credential).await;
+        assert_eq!((status, ticket), (1, 0), "{what} refused: {reason}");
+        assert!(reason.contains(why), "{what}: {reason:?} names {why:?}");
+    }
+    // A made-up credential: refused before the descriptor is looked at.
+    let stranger = kvx_io::FabricAccess::new(1, [3; 16]).credential_for(kvx_proto::PeerId(1));
+    let (status, _, reason) =
+        raw::offer(port, vec![memfd(LEN, true, SEALS)], 2, 4096, &stranger).await;
+    assert_eq!(status, 2, "{reason}");
+    // A sealed memfd of the announced geometry is accepted.
+    let (status, ticket, reason) =
+        raw::offer(port, vec![memfd(LEN, true, SEALS)], 2, 4096, &credential).await;
+    assert_eq!(status, 0, "{reason}");
+    assert_ne!(ticket, 0);
+    // And fabric senders are still served.
+    let staging = f.allocate_staging(2, 4096).expect("staging");
+    f.connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect after the refusals");
+}
+
+/// A receiver whose `staging_bytes_max` is smaller than a sender's staging refuses it
+/// before mapping, and the sender's `connect` reads why.
+#[tokio::test]
+async fn shm_staging_beyond_the_receivers_bound_is_refused() {
+    let receiver = ShmFabric::with_config(ShmFabricConfig {
+        staging_bytes_max: 4 * 4096,
+        ..ShmFabricConfig::default()
+    });
+    let listener = receiver.expose(EP, 2, 4096).await.expect("expose");
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let f = ShmFabric::new();
+    let staging = f.allocate_staging(5, 4096).expect("staging");
+    let r = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await;
+    let Err(FabricError::Incompatible { why, .. }) = &r else {
+        panic!("refused as incompatible: {r:?}");
+    };
+    assert!(why.contains("exceed the 16384"), "{why}");
+    let staging = f.allocate_staging(4, 4096).expect("staging");
+    f.connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("a staging within the bound attaches");
 }
 
 #[tokio::test]
@@ -143,43 +363,56 @@ async fn shm_and_tcp_senders_do_not_mix() {
     assert!(matches!(r, Err(FabricError::Endpoint { .. })), "{r:?}");
 }
 
-/// A sender that names a staging file of its choosing: the receiver maps only kvx files in
-/// its own shm directory, of the declared size, so it cannot be made to read anything else;
-/// it refuses the others (welcome status 5) and leaves them untouched.
+/// A hello's ticket must name a staging the same peer handed over with the hello's
+/// geometry, once: a made-up ticket, another peer's, a geometry other than the offer's, a
+/// ticket used twice and a hello carrying no ticket are refused (welcome status 5).
 #[tokio::test]
-async fn shm_receiver_maps_only_kvx_staging_files() {
-    let foreign = PathBuf::from(format!("/dev/shm/not-kvx-{}", std::process::id()));
-    std::fs::write(&foreign, vec![0u8; 4096]).expect("foreign file");
+async fn shm_receiver_attaches_only_staging_handed_over() {
     let f = ShmFabric::new();
     let listener = f.expose(EP, 2, 4096).await.expect("expose");
-    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
-    let short = f
-        .allocate_staging(1, 2048)
-        .expect("a kvx staging of another size");
-    let short_path = short
-        .path()
-        .expect("file")
-        .to_str()
-        .expect("utf-8")
-        .to_owned();
-    for named in [
-        "/etc/passwd",
-        foreign.to_str().expect("utf-8"),
-        "/dev/shm/kvx-shm-../../etc/passwd",
-        // A real kvx staging file, but not of the geometry the hello declares.
-        short_path.as_str(),
+    let ep = listener.local_endpoint.clone();
+    let port = fabric_common::port_of(&ep);
+    let (alice, mallory) = (
+        listener.access.credential_for(kvx_proto::PeerId(1)),
+        listener.access.credential_for(kvx_proto::PeerId(2)),
+    );
+    let staging = raw_staging(4096);
+    let offer = |credential| {
+        let fd = staging
+            .memfd()
+            .expect("memfd")
+            .try_clone_to_owned()
+            .expect("dup");
+        raw::offer(port, vec![fd], 1, 4096, credential)
+    };
+    let (status, alices, _) = offer(&alice).await;
+    assert_eq!(status, 0);
+    let (status, later, _) = offer(&alice).await;
+    assert_eq!(status, 0);
+    let hello =
+        |credential, slots, extra: &[u8]| raw::hello_with(b"KVXS", slots, 4096, credential, extra);
+    for (what, bytes) in [
+        (
+            "a made-up ticket",
+            hello(&alice, 1, &12345u64.to_le_bytes()),
+        ),
+        (
+            "another peer's ticket",
+            hello(&mallory, 1, &alices.to_le_bytes()),
+        ),
+        (
+            "the ticket used twice",
+            hello(&alice, 1, &alices.to_le_bytes()),
+        ),
+        ("another geometry", hello(&alice, 2, &later.to_le_bytes())),
+        ("no ticket", hello(&alice, 1, b"")),
+        ("a path", hello(&alice, 1, b"/dev/shm/kvx-shm-1-0-0")),
     ] {
-        let mut s = tokio::net::TcpStream::connect(&listener.local_endpoint)
-            .await
-            .expect("connect");
-        let hello = fabric_common::raw::hello_with(b"KVXS", 1, 4096, &credential, named.as_bytes());
-        s.write_all(&hello).await.expect("hello");
+        let mut s = tokio::net::TcpStream::connect(&ep).await.expect("connect");
+        s.write_all(&bytes).await.expect("hello");
         let (status, ..) = fabric_common::raw::welcome(&mut s).await;
-        assert_eq!(status, 5, "a sender naming {named:?} is refused");
+        assert_eq!(status, 5, "{what} is refused");
     }
-    let untouched = std::fs::read(&foreign).expect("read back");
-    std::fs::remove_file(&foreign).expect("cleanup");
-    assert!(untouched.iter().all(|b| *b == 0));
 }
 
 #[tokio::test]
@@ -215,10 +448,7 @@ async fn shm_fabric_checks_checksums() {
 #[tokio::test]
 async fn shm_receiver_checks_grants() {
     let staging = raw_staging(1024);
-    let raw = fabric_common::Raw::Staged {
-        path: staging.path().expect("a file").as_os_str().as_bytes(),
-        memory: &*staging,
-    };
+    let raw = fabric_common::Raw::Staged(&staging);
     fabric_common::receiver_checks_grants(&ShmFabric::new(), EP, b"KVXS", raw).await;
 }
 

@@ -3,12 +3,16 @@
 //! reasoning beside it.
 //!
 //! Two kinds of mapping:
-//! - `ShmMemory`, a `SlotMemory`: a sender's staging (a file under the fabric's directory,
-//!   removed when the memory is dropped) or an exposed buffer (anonymous). In-process access
-//!   goes through one lock per slot (`kvx_io::SlotRegion`), so two threads of this process
-//!   never touch one slot at once.
-//! - `StagingView`: a receiver's read-only mapping of a sender's staging file, from which
-//!   the receiver copies each admitted write into its own buffer.
+//! - `ShmMemory`, a `SlotMemory`: a sender's staging (a sealed `memfd`, never a name in any
+//!   filesystem) or an exposed buffer (anonymous). In-process access goes through one lock
+//!   per slot (`kvx_io::SlotRegion`), so two threads of this process never touch one slot at
+//!   once.
+//! - `StagingView`: a receiver's read-only mapping of a sender's staging descriptor, from
+//!   which the receiver copies each admitted write into its own buffer. `StagingView::sealed`
+//!   maps a descriptor only if its size can never change and equals the announced geometry,
+//!   and every page of it is backed and can never be punched out, so no access through the
+//!   mapping can fault (no SIGBUS, no allocation) and the mapping is no larger than the
+//!   geometry the receiver bounded.
 //!
 //! What no lock can cover is the other side of the mapping: the receiver reads a staging slot
 //! the sender's process wrote. That is sound under the staging discipline every fabric keeps
@@ -19,27 +23,35 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
-
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 
 use kvx_io::{SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
+use rustix::fs::{MemfdFlags, SealFlags};
 
-/// Every file this fabric creates starts with this; a sender maps nothing else.
-pub(crate) const FILE_PREFIX: &str = "kvx-shm-";
+/// The seals a staging descriptor must carry: its size is fixed (it neither shrinks, which
+/// would turn a mapped page into a SIGBUS, nor grows), no page can be punched out of it
+/// (`FUTURE_WRITE` refuses `fallocate(PUNCH_HOLE)` and `MADV_REMOVE`, and `write` and new
+/// writable mappings, while the sender's existing mapping stays writable: it writes its
+/// chunks through that), and no seal can be added or removed any more.
+pub(crate) const STAGING_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::FUTURE_WRITE)
+    .union(SealFlags::SEAL);
 
-/// Registered memory in a mapping: a sender's staging in a shared file, or an exposed buffer
-/// (anonymous). The slots are a `SlotRegion` over the mapping, which the region owns.
+/// `statfs::f_type` of tmpfs, the file system behind every `memfd` without `MFD_HUGETLB`.
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+
+/// Registered memory in a mapping: a sender's staging in a sealed `memfd`, or an exposed
+/// buffer (anonymous). The slots are a `SlotRegion` over the mapping, which the region owns.
 pub struct ShmMemory {
     region: SlotRegion,
-    /// The file the memory lives in; removed on drop.
-    file: Option<PathBuf>,
+    /// The staging's descriptor, passed to each receiver the staging attaches to.
+    memfd: Option<OwnedFd>,
 }
 
 impl fmt::Debug for ShmMemory {
@@ -47,7 +59,7 @@ impl fmt::Debug for ShmMemory {
         f.debug_struct("ShmMemory")
             .field("slots", &self.region.slots())
             .field("slot_bytes", &self.region.slot_bytes())
-            .field("file", &self.file)
+            .field("memfd", &self.memfd)
             .finish()
     }
 }
@@ -64,35 +76,38 @@ impl ShmMemory {
         Ok(Self::from_map(map.into(), slots, slot_bytes, None))
     }
 
-    /// A new file in `dir` (a tmpfs), sized and filled, mapped shared. The caller has checked
-    /// the geometry. Blocking: it writes the whole buffer once.
-    pub(crate) fn create_shared(dir: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
+    /// A sender's staging: a new `memfd` (close-on-exec, sealable), sized and filled (no
+    /// holes), mapped shared, then sealed with `STAGING_SEALS`: sealing last, because
+    /// `FUTURE_WRITE` refuses writable mappings made after it and leaves earlier ones
+    /// writable. The caller has checked the geometry.
+    /// Blocking: it writes the whole buffer once.
+    pub(crate) fn sealed_staging(slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = slots as usize * slot_bytes;
-        let (file, path) = create_unique(dir)?;
-        let mapped = reserve(&file, len)
-            .and_then(|()| MmapOptions::new().len(len).populate().map_raw(&file));
-        match mapped {
-            Ok(map) => Ok(Self::from_map(map, slots, slot_bytes, Some(path))),
-            Err(e) => {
-                // Leave nothing behind for a buffer that never existed.
-                let _ = std::fs::remove_file(&path);
-                Err(e)
-            }
-        }
+        let fd = rustix::fs::memfd_create(
+            "kvx-staging",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        let file = File::from(fd);
+        reserve(&file, len)?;
+        let map = MmapOptions::new().len(len).populate().map_raw(&file)?;
+        rustix::fs::fcntl_add_seals(&file, STAGING_SEALS)?;
+        Ok(Self::from_map(map, slots, slot_bytes, Some(file.into())))
     }
 
-    fn from_map(map: MmapRaw, slots: u32, slot_bytes: usize, file: Option<PathBuf>) -> Self {
+    fn from_map(map: MmapRaw, slots: u32, slot_bytes: usize, memfd: Option<OwnedFd>) -> Self {
         let base = NonNull::new(map.as_mut_ptr()).expect("invariant: a mapping is never at 0");
         // SAFETY: the mapping is `slots × slot_bytes` bytes long (made so above), readable and
         // writable, and lives as long as the region that owns it; what touches it outside
-        // this process is the staging discipline of the module doc.
+        // this process is the staging discipline of the module doc. A staging's `memfd` is
+        // sealed against shrinking, so no page of the mapping can vanish under it.
         let region = unsafe { SlotRegion::over(base, slots, slot_bytes, Box::new(map)) };
-        ShmMemory { region, file }
+        ShmMemory { region, memfd }
     }
 
-    /// The file an exposed buffer lives in (None for staging).
-    pub fn path(&self) -> Option<&Path> {
-        self.file.as_deref()
+    /// The sealed descriptor of a sender's staging (None for an exposed buffer): what
+    /// `connect` hands to the receiver.
+    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        self.memfd.as_ref().map(AsFd::as_fd)
     }
 }
 
@@ -109,57 +124,17 @@ impl SlotMemory for ShmMemory {
         self.region.with_slot(slot, f);
     }
 
-    /// The shm fabric allocates its memory itself (a sender's staging must be a file the
+    /// The shm fabric allocates its memory itself (a sender's staging must be a sealed memfd the
     /// receiver can map), so an embedding program writes and reads it through views of it.
     fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
         Some(self.region.raw())
     }
 }
 
-impl Drop for ShmMemory {
-    fn drop(&mut self) {
-        if let Some(path) = &self.file {
-            // Senders keep their mappings; the name is what must not outlive the buffer.
-            if let Err(e) = std::fs::remove_file(path) {
-                if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot remove shm file");
-                }
-            }
-        }
-    }
-}
-
-/// A fresh file in `dir`, created exclusively (so it can be neither someone else's file nor a
-/// symlink) and readable by this user only.
-fn create_unique(dir: &Path) -> io::Result<(File, PathBuf)> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let mut last = None;
-    for _ in 0..8 {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{FILE_PREFIX}{}-{n}-{nanos:08x}", std::process::id());
-        let path = dir.join(name);
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-        {
-            Ok(f) => return Ok((f, path)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
-            Err(e) => return Err(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| io::Error::other("no free shm file name")))
-}
-
-/// Gives the file its length and backs every page now. On a tmpfs a page that cannot be
-/// allocated on first touch raises SIGBUS in whoever touches it (a sender, mid-copy); writing
-/// the file here turns a full tmpfs into an error at `expose` instead.
+/// Gives the `memfd` its length and backs every page now: a page that cannot be allocated on
+/// first touch would raise SIGBUS in whoever touches it (the sender writing a chunk, or the
+/// receiver copying one); writing it here turns a lack of memory into an error at
+/// `allocate_staging` instead.
 fn reserve(file: &File, len: usize) -> io::Result<()> {
     file.set_len(len as u64)?;
     let zeros = vec![0u8; (1 << 20).min(len)];
@@ -172,7 +147,7 @@ fn reserve(file: &File, len: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// A receiver's read-only mapping of a sender's staging file.
+/// A receiver's read-only mapping of a sender's staging descriptor.
 pub(crate) struct StagingView {
     map: MmapRaw,
     slots: u32,
@@ -189,31 +164,72 @@ impl fmt::Debug for StagingView {
 }
 
 impl StagingView {
-    /// Maps `path` read-only. It must name a regular file (not a symlink) of exactly
-    /// `slots * slot_bytes` bytes, so that every in-bounds copy stays inside the mapping.
-    pub(crate) fn open(path: &Path, slots: u32, slot_bytes: usize) -> io::Result<Self> {
-        let len = (slots as usize)
+    /// Maps a sender's staging descriptor read-only, if it is a tmpfs `memfd` carrying
+    /// `STAGING_SEALS`, exactly `slots × slot_bytes` bytes long, at most `bytes_max`, and
+    /// without holes. The seals make the size and the backed pages permanent, so a copy that
+    /// stays inside the geometry reads pages that exist for as long as the mapping lives:
+    /// reading never allocates (a hole would fault a page in, charged to this process, and
+    /// raise SIGBUS if that allocation failed). `Err` says why the descriptor is refused.
+    pub(crate) fn sealed(
+        fd: OwnedFd,
+        slots: u32,
+        slot_bytes: u64,
+        bytes_max: u64,
+    ) -> Result<Self, String> {
+        let len = u64::from(slots)
             .checked_mul(slot_bytes)
             .filter(|&l| l > 0)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad geometry"))?;
-        // The name must be a regular file itself, and the file opened must be that one: a
-        // symlink swapped in between the two looks shows up as another inode.
-        let named = std::fs::symlink_metadata(path)?;
-        let file = OpenOptions::new().read(true).open(path)?;
-        let meta = file.metadata()?;
-        let same =
-            named.file_type().is_file() && named.dev() == meta.dev() && named.ino() == meta.ino();
-        if !same || meta.len() != len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "{} is not a {len}-byte staging file ({} bytes)",
-                    path.display(),
-                    meta.len()
-                ),
+            .ok_or_else(|| {
+                format!("the geometry {slots} × {slot_bytes} bytes is empty or overflows")
+            })?;
+        // Bounded before anything is mapped: the address space a peer can make this process
+        // reserve is the geometry, and the geometry is at most this.
+        if len > bytes_max {
+            return Err(format!(
+                "the staging's {len} bytes exceed the {bytes_max} this receiver maps"
             ));
         }
-        let map = MmapOptions::new().len(len).map_raw_read_only(&file)?;
+        let fs = rustix::fs::fstatfs(&fd).map_err(|e| format!("fstatfs: {e}"))?;
+        // `f_type`'s integer type differs by architecture.
+        #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+        let fs_type = fs.f_type as u64;
+        if fs_type != TMPFS_MAGIC {
+            return Err(format!(
+                "the descriptor is not a memfd (file system type {fs_type:#x})"
+            ));
+        }
+        // Only a `memfd` created with `MFD_ALLOW_SEALING` can carry these seals; the size
+        // is read after them, as only then it cannot change.
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| format!("F_GET_SEALS: {e}"))?;
+        if !seals.contains(STAGING_SEALS) {
+            return Err(format!(
+                "the memfd is not sealed against shrinking, growing, hole punching and \
+                 resealing (seals {seals:?}, needs {STAGING_SEALS:?})"
+            ));
+        }
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(|e| format!("fstat: {e}"))?;
+        if !meta.is_file() || meta.len() != len {
+            return Err(format!(
+                "the memfd holds {} bytes, the geometry {slots} × {slot_bytes} = {len}",
+                meta.len()
+            ));
+        }
+        // Sealed against punching, a memfd backed everywhere now stays so.
+        let hole = rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(0))
+            .map_err(|e| format!("SEEK_HOLE: {e}"))?;
+        if hole < len {
+            return Err(format!(
+                "the memfd has a hole at byte {hole} of {len} (it must be backed throughout)"
+            ));
+        }
+        let len = usize::try_from(len).map_err(|_| "the staging exceeds the address space")?;
+        let slot_bytes =
+            usize::try_from(slot_bytes).map_err(|_| "slots exceed the address space")?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw_read_only(&file)
+            .map_err(|e| format!("mmap: {e}"))?;
         Ok(StagingView {
             map,
             slots,
@@ -239,10 +255,11 @@ impl StagingView {
         );
         let offset = slot as usize * self.slot_bytes;
         // SAFETY: the bounds check above keeps `offset + dst.len()` within the mapping, which
-        // `open` made exactly `slots * slot_bytes` long and `&self` keeps alive. `dst` is the
-        // receiver's own buffer (anonymous memory of this process), never this mapping, so the
-        // ranges cannot overlap. The source slot is one the sender does not rewrite until this
-        // copy is acked (module doc).
+        // `sealed` made exactly `slots * slot_bytes` long and `&self` keeps alive; the file
+        // under it is sealed at that size, so every page of the range exists (no SIGBUS).
+        // `dst` is the receiver's own buffer (anonymous memory of this process), never this
+        // mapping, so the ranges cannot overlap. The source slot is one the sender does not
+        // rewrite until this copy is acked (module doc).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.map.as_ptr().add(offset),

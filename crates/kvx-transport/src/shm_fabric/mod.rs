@@ -1,28 +1,41 @@
 //! `ShmFabric`: sender and receiver on one host; a write is one `memcpy`, done by the
 //! receiver, from the sender's staging straight into the receiver's slot.
 //!
-//! A sender's staging is a file under the fabric's directory (`/dev/shm` by default, mode
-//! 0600, removed when the staging is dropped). `connect` handshakes as over `TcpFabric` (its
-//! own magic, the credential) and names that file after its hello; the receiver maps it
-//! read-only, checking that it is a kvx file of the declared size in its own directory. For
-//! each posted write the sender sends the 40-byte write header (id, remote slot, len,
+//! A sender's staging is a `memfd` sealed at its size (`map.rs`); it crosses to the receiver
+//! as a descriptor, never as a name, so there is nothing in `/dev/shm` or any other file
+//! system to guess, open or truncate. `connect` opens the control connection (TCP, as
+//! `TcpFabric`'s: its own magic, the credential, the geometry), hands the descriptor over the
+//! receiver's Unix handoff socket (`handoff.rs`: `SCM_RIGHTS`, the peer's uid checked both
+//! ways), then names the ticket it got in its hello. The receiver maps the descriptor
+//! read-only only if it is sealed against shrinking, growing and hole punching, backed
+//! throughout, and exactly as large as the announced geometry, which is bounded
+//! (`ShmFabricConfig::staging_bytes_max`): no access can fault, and a peer cannot make the
+//! receiver reserve more address space than that.
+//!
+//! For each posted write the sender sends the 40-byte write header (id, remote slot, len,
 //! immediate, checksum, staging slot) and nothing else; the receiver checks it against the
 //! sender's grants, then copies the staging slot into its own buffer (which is private memory:
 //! no other process maps it), computes the checksum over the copy while it is in the caches,
 //! announces the landing and acks. The completion follows the ack, so it means the bytes are in
 //! the receiver's memory and the receiver has heard of the write.
 //!
+//! Why a Unix socket beside the TCP control connection rather than instead of it: the
+//! control protocol (handshake, write headers, acks, fences over fresh connections, flushes)
+//! is `TcpFabric`'s, and its sender and receiver machinery is shared code built on TCP
+//! streams; the descriptor is the only thing TCP cannot carry, so only it takes the Unix
+//! socket, once per connection. The handoff checks what only a Unix socket can tell (the
+//! peer's uid) and what the descriptor is; the control handshake keeps every check it makes
+//! for `TcpFabric` and adds that the hello's geometry and credential are the offer's.
+//!
 //! Because the receiver does the copy, a write lands only where its sender holds the grant,
 //! exactly as over TCP, and a fence stops the copies: the connection's task is what makes
 //! them. Reset and broken connections flush as over TCP (`tcp_fabric::sender`). Layout and
 //! notification format: `docs/spec/fabrics.md`.
 
+mod handoff;
 mod map;
 
-use std::ffi::OsStr;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvx_io::{
@@ -37,23 +50,34 @@ use crate::tcp_fabric::link::{self, Geometry, LinkConfig};
 use crate::tcp_fabric::receiver::{self, Greeting, Landing, PullSource, Rules, Source};
 use crate::tcp_fabric::sender::{Pending, SenderLink, Transmit};
 use crate::tcp_fabric::wire::{Hello, WriteHeader, HEADER_LEN, SHM_MAGIC};
+use handoff::{Tickets, Trust, TICKET_LEN};
 pub use map::ShmMemory;
-use map::{StagingView, FILE_PREFIX};
+use map::StagingView;
 
 /// Settings of a `ShmFabric`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShmFabricConfig {
-    /// Where exposed buffers' files are created; a tmpfs, so the buffer is memory.
-    pub dir: PathBuf,
     /// The control channel's timeouts (`socket_buffer` matters little: it carries headers).
+    /// `connect_timeout` also bounds a staging handoff, and `connections_max` the handoffs
+    /// served at once and the offers parked for their control connection.
     pub link: LinkConfig,
+    /// The largest sender staging a receiver maps, in bytes; a larger announced geometry is
+    /// refused before anything is mapped. With `connections_max` it bounds the address space
+    /// senders can make a receiver reserve: `2 × connections_max × staging_bytes_max` (parked
+    /// offers plus attached connections; 32 TiB with the defaults, a quarter of x86-64's user
+    /// address space).
+    pub staging_bytes_max: u64,
+    /// Users besides this process's own effective uid that may attach to its buffers (as a
+    /// receiver) or receive its staging (as a sender); root is one only when listed.
+    pub trusted_uids: Vec<u32>,
 }
 
 impl Default for ShmFabricConfig {
     fn default() -> Self {
         ShmFabricConfig {
-            dir: PathBuf::from("/dev/shm"),
             link: LinkConfig::default(),
+            staging_bytes_max: 64 << 30,
+            trusted_uids: Vec::new(),
         }
     }
 }
@@ -87,10 +111,10 @@ impl Fabric for ShmFabric {
         slot_bytes: usize,
     ) -> Result<Arc<ShmMemory>, FabricError> {
         Geometry::checked(slots, slot_bytes)?;
-        // A file the receiver maps read-only: it copies each admitted write out of it.
-        ShmMemory::create_shared(&self.config.dir, slots, slot_bytes)
+        // A sealed memfd the receiver maps read-only: it copies each admitted write out of it.
+        ShmMemory::sealed_staging(slots, slot_bytes)
             .map(Arc::new)
-            .map_err(|e| alloc_error(&format!("staging in {}", self.config.dir.display()), e))
+            .map_err(|e| alloc_error("sealed memfd staging", e))
     }
 
     async fn expose(
@@ -106,18 +130,44 @@ impl Fabric for ShmFabric {
         );
         let listener = link::bind(endpoint, &self.config.link).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| FabricError::Io(e.to_string()))?
+            .port();
+        let handoff_listener = handoff::bind(port, endpoint).await?;
         let (landed_tx, landed) = kvx_io::landing_channel(slots);
-        let dir = self.config.dir.clone();
+        let access = Arc::new(FabricAccess::with_random_key(slots)?);
+        let refusals_logged = Arc::new(LogLimiter::default());
+        let link_config = &self.config.link;
+        let tickets = Arc::new(Tickets::new(
+            link_config.connections_max,
+            link_config.connect_timeout,
+        ));
+        tokio::spawn(handoff::serve(
+            handoff_listener,
+            landed_tx.clone(),
+            handoff::Rules {
+                access: access.clone(),
+                trust: Trust::new(&self.config.trusted_uids),
+                staging_bytes_max: self.config.staging_bytes_max,
+                tickets: tickets.clone(),
+                timeout: link_config.connect_timeout,
+                connections_max: link_config.connections_max,
+                refusals_logged: refusals_logged.clone(),
+            },
+        ));
+        let claim_access = access.clone();
         let greeting = Greeting {
             magic: SHM_MAGIC,
             extra: Arc::from(&[][..]),
-            config: self.config.link.clone(),
-            accept: Arc::new(move |hello, named| open_staging(&dir, hello, named)),
+            config: link_config.clone(),
+            accept: Arc::new(move |hello, ticket| {
+                claim_staging(&tickets, &claim_access, hello, ticket)
+            }),
         };
-        let access = Arc::new(FabricAccess::with_random_key(slots)?);
         let rules = Rules {
             access: access.clone(),
-            refusals_logged: Arc::new(LogLimiter::default()),
+            refusals_logged,
         };
         // The connection tasks hold `memory` only weakly: it goes with the listener.
         let weak: std::sync::Weak<dyn SlotMemory> = Arc::downgrade(&memory) as _;
@@ -144,23 +194,34 @@ impl Fabric for ShmFabric {
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
         let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
-        let Some(path) = staging.path() else {
+        let Some(memfd) = staging.memfd() else {
             return Err(FabricError::Io(
                 "shm: the staging memory was not allocated by a ShmFabric".into(),
             ));
         };
-        let named = path.as_os_str().as_bytes().to_vec();
         let mut stream = link::connect(endpoint, &self.config.link).await?;
         let peer = stream
             .peer_addr()
             .map_err(|e| FabricError::Io(e.to_string()))?;
+        // The handoff socket is named after the port the control connection reached, so
+        // `localhost:p` and `127.0.0.1:p` find the same one.
+        let ticket = handoff::offer(
+            peer.port(),
+            endpoint,
+            memfd,
+            ours,
+            credential,
+            &Trust::new(&self.config.trusted_uids),
+            self.config.link.connect_timeout,
+        )
+        .await?;
         let welcomed = link::open_handshake(
             &mut stream,
             endpoint,
             SHM_MAGIC,
             ours,
             credential,
-            &named,
+            &ticket.to_le_bytes(),
             &self.config.link,
         )
         .await?;
@@ -188,33 +249,27 @@ impl Fabric for ShmFabric {
     }
 }
 
-/// The receiver's side of a sender's attach: maps the staging file the hello names, if it is
-/// one a `ShmFabric` could have created — directly in our directory, with our prefix, a
-/// regular file of the declared geometry. A sender cannot make the receiver read anything else.
-fn open_staging(dir: &Path, hello: &Hello, named: &[u8]) -> Result<Source, String> {
-    let path = staging_path(dir, named)?;
-    let slot_bytes = usize::try_from(hello.staging_slot_bytes)
-        .map_err(|_| "staging slots exceed the address space".to_owned())?;
-    let view = StagingView::open(&path, hello.staging_slots, slot_bytes)
-        .map_err(|e| format!("cannot map the staging {}: {e}", path.display()))?;
+/// The receiver's side of a sender's attach: the staging its handoff parked under the
+/// ticket the hello names, offered by the same peer with the hello's geometry. A sender
+/// cannot make the receiver read anything it did not hand over as a sealed descriptor.
+fn claim_staging(
+    tickets: &Tickets,
+    access: &FabricAccess,
+    hello: &Hello,
+    ticket: &[u8],
+) -> Result<Source, String> {
+    let ticket: [u8; TICKET_LEN] = ticket
+        .try_into()
+        .map_err(|_| format!("the hello carries {} bytes, not a ticket", ticket.len()))?;
+    let peer = access
+        .authenticate(&hello.credential)
+        .ok_or("the credential was not issued by this receiver")?;
+    let geometry = Geometry {
+        slots: hello.staging_slots,
+        slot_bytes: hello.staging_slot_bytes,
+    };
+    let view = tickets.claim(u64::from_le_bytes(ticket), peer, geometry)?;
     Ok(Some(Box::new(view)))
-}
-
-fn staging_path(dir: &Path, named: &[u8]) -> Result<PathBuf, String> {
-    let path = PathBuf::from(OsStr::from_bytes(named));
-    let ours = path.parent() == Some(dir)
-        && path
-            .file_name()
-            .is_some_and(|n| n.as_bytes().starts_with(FILE_PREFIX.as_bytes()));
-    if ours {
-        Ok(path)
-    } else {
-        Err(format!(
-            "the sender's staging {} is not a kvx file in {}",
-            path.display(),
-            dir.display()
-        ))
-    }
 }
 
 impl PullSource for StagingView {

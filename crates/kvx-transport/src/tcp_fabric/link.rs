@@ -113,7 +113,7 @@ pub(crate) struct Welcomed {
 }
 
 /// The sender's half of the handshake, bounded by `connect_timeout`. `extra` follows the hello
-/// (`ShmFabric`: the path of the staging file the receiver copies from).
+/// (`ShmFabric`: the ticket of the staging descriptor it handed over).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn open_handshake(
     stream: &mut TcpStream,
@@ -207,9 +207,7 @@ pub(crate) async fn open_handshake(
         }
         WelcomeStatus::Staging => {
             return Err(incompatible(
-                "the receiver cannot map this sender's staging (is it on this host, with the \
-                 same shm directory?)"
-                    .into(),
+                "the receiver has no staging handed over under this connection's ticket".into(),
             ))
         }
         WelcomeStatus::FenceTimeout | WelcomeStatus::Unknown(_) => {
@@ -241,14 +239,15 @@ pub(crate) enum Greeted<S> {
 }
 
 /// What a receiver's fabric makes of an attaching sender's hello and the bytes that follow
-/// it, before welcoming it (`ShmFabric` maps the named staging); `Err` refuses it with
+/// it, before welcoming it (`ShmFabric` claims the staging handed over under the ticket that
+/// follows); `Err` refuses it with
 /// `WelcomeStatus::Staging`.
 pub(crate) type Accept<S> = dyn Fn(&Hello, &[u8]) -> Result<S, String> + Send + Sync;
 
 /// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
 /// another fabric, another version, a credential this buffer did not issue, or staging slots
 /// of another size than ours (a smaller chunk would leave each slot's tail stale, a larger
-/// one could not land); `extra` (the shm file's path) follows only an accepting `Welcome`,
+/// one could not land); `extra` follows only an accepting `Welcome`,
 /// which names the connection `conn`. A fence request is returned unanswered.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn accept_handshake<S>(

@@ -23,7 +23,7 @@ pub(crate) const HELLO_LEN: usize = 64;
 pub(crate) const WELCOME_LEN: usize = 32;
 pub(crate) const HEADER_LEN: usize = 40;
 pub(crate) const ACK_LEN: usize = 16;
-/// The most trailing bytes a `Welcome` may announce (the shm file's path).
+/// The most trailing bytes a `Hello` or `Welcome` may announce.
 pub(crate) const WELCOME_EXTRA_MAX: u32 = 4096;
 
 /// Header flag: the write carries an immediate value.
@@ -41,8 +41,8 @@ pub(crate) enum WelcomeStatus {
     Version,
     /// The sender's staging slots are not as large as the receiver's slots.
     Geometry,
-    /// `ShmFabric`: the staging the hello names is not a kvx staging file this receiver can
-    /// map (not in its directory, not a regular file of the declared size).
+    /// `ShmFabric`: the hello's ticket names no staging this peer handed over with the
+    /// hello's geometry (the descriptor's own checks answer over the handoff socket).
     Staging,
     /// A fence: the named connection did not stop within the receiver's fence timeout.
     FenceTimeout,
@@ -122,8 +122,8 @@ pub(crate) struct Hello {
     pub conn: u64,
     /// Whose connection this is (the control peer the receiver issued it to).
     pub credential: FabricCredential,
-    /// Bytes that follow the hello (`ShmFabric`: the path of the sender's staging file;
-    /// at most `WELCOME_EXTRA_MAX`).
+    /// Bytes that follow the hello (`ShmFabric`: the 8-byte ticket of the sender's staging
+    /// handoff; at most `WELCOME_EXTRA_MAX`).
     pub extra_len: u32,
 }
 
@@ -170,7 +170,7 @@ impl Hello {
 }
 
 /// Receiver → sender, the answer to `Hello`: the buffer's geometry and the connection's id,
-/// then `extra_len` bytes (the shm file's path; none over TCP). The answer to a fence names
+/// then `extra_len` bytes (none in this version). The answer to a fence names
 /// the fenced connection and carries no geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Welcome {

@@ -290,6 +290,78 @@ async fn forward(down: TcpStream, up: TcpStream, limit: usize) {
     }
 }
 
+/// For `ShmFabric` senders, which hand their staging over the Unix socket named after the
+/// control port they reached (`@kvx-shm-fabric.<port>`): a thread that answers offers made at
+/// `port`, relaying each one (bytes and descriptors) to the handoff of `upstream` when there
+/// is one, or else accepting it with ticket 1 (a fake receiver). Serves 8 offers at most;
+/// harmless for other fabrics, which never connect to it.
+pub fn handoff_relay(port: u16, upstream: Option<u16>) {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+    let name = |p: u16| SocketAddr::from_abstract_name(format!("kvx-shm-fabric.{p}").as_bytes());
+    let listener = UnixListener::bind_addr(&name(port).expect("name")).expect("handoff bind");
+    std::thread::spawn(move || {
+        for _ in 0..8 {
+            let Ok((mut down, _)) = listener.accept() else {
+                return;
+            };
+            let _ = down.set_read_timeout(Some(STEP));
+            let mut offer = [0u8; 48];
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+            let Ok(msg) = rustix::net::recvmsg(
+                &down,
+                &mut [std::io::IoSliceMut::new(&mut offer)],
+                &mut control,
+                rustix::net::RecvFlags::CMSG_CLOEXEC,
+            ) else {
+                continue;
+            };
+            let mut fds = Vec::new();
+            for m in control.drain() {
+                if let rustix::net::RecvAncillaryMessage::ScmRights(r) = m {
+                    fds.extend(r);
+                }
+            }
+            if msg.bytes < 48 && down.read_exact(&mut offer[msg.bytes..]).is_err() {
+                continue;
+            }
+            let mut reply = Vec::new();
+            match upstream {
+                None => {
+                    reply.extend_from_slice(b"KVXD");
+                    reply.extend_from_slice(&[0; 4]);
+                    reply.extend_from_slice(&1u64.to_le_bytes());
+                }
+                Some(up_port) => {
+                    let Ok(mut up) = UnixStream::connect_addr(&name(up_port).expect("name")) else {
+                        continue;
+                    };
+                    let _ = up.set_read_timeout(Some(STEP));
+                    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+                    let mut space =
+                        [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+                    let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+                    control.push(rustix::net::SendAncillaryMessage::ScmRights(&borrowed));
+                    if rustix::net::sendmsg(
+                        &up,
+                        &[std::io::IoSlice::new(&offer)],
+                        &mut control,
+                        rustix::net::SendFlags::NOSIGNAL,
+                    ) != Ok(48)
+                    {
+                        continue;
+                    }
+                    let _ = up.read_to_end(&mut reply);
+                }
+            }
+            let _ = down.write_all(&reply);
+        }
+    });
+}
+
 /// Sender A goes through a proxy that cuts its connection mid-stream: its writes complete
 /// in order, successes first, then errors, and later posts fail too. Sender B, connected
 /// directly, keeps writing throughout, and a sender C connecting after the cut is served.
@@ -305,6 +377,7 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
     let (pa, pc) = (PeerId(1), PeerId(3));
 
     let via = cutting_proxy(ep.clone(), cut_after).await;
+    handoff_relay(port_of(&via), Some(port_of(&ep)));
     let a_staging = f.allocate_staging(A_WRITES, slot_bytes).expect("staging a");
     let a_conn = f.connect(&via, a_staging.clone(), access.credential_for(pa));
     let mut a = step("connect a", a_conn).await.expect("connect a");
@@ -522,6 +595,7 @@ pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
 ) {
     let fake = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let ep = fake.local_addr().expect("addr").to_string();
+    handoff_relay(port_of(&ep), None);
     let server = tokio::spawn(async move {
         let mut held = Vec::new();
         // The attach, then the fence; both are answered with silence after the handshake.
@@ -564,6 +638,15 @@ pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
     server.abort();
 }
 
+/// The port of `host:port`.
+pub fn port_of(endpoint: &str) -> u16 {
+    endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("host:port")
+}
+
 /// Nothing listening: a prompt, typed error.
 pub async fn nothing_exposed<F: Fabric>(f: &F) {
     // Bind and drop a socket to find a port nobody listens on.
@@ -585,4 +668,5 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
 }
 
 mod raw_peer;
+#[allow(unused_imports)] // each test file uses its own part
 pub use raw_peer::{raw, receiver_checks_bounds, receiver_checks_grants, Raw};

@@ -80,7 +80,7 @@ pub mod raw {
         b
     }
 
-    /// An attaching hello followed by `extra` (`ShmFabric`: the staging file's path).
+    /// An attaching hello followed by `extra` (`ShmFabric`: the ticket of its staging handoff).
     pub fn hello_with(
         magic: &[u8; 4],
         slots: u32,
@@ -92,6 +92,73 @@ pub mod raw {
         b[12..16].copy_from_slice(&(extra.len() as u32).to_le_bytes());
         b.extend_from_slice(extra);
         b
+    }
+
+    /// Offers `fds` as a sender's staging of `slots × slot_bytes` at the shm handoff socket
+    /// of the buffer whose control port is `port` (`docs/spec/fabrics.md` §ShmFabric):
+    /// (status, ticket, reason).
+    pub async fn offer(
+        port: u16,
+        fds: Vec<std::os::fd::OwnedFd>,
+        slots: u32,
+        slot_bytes: u64,
+        credential: &FabricCredential,
+    ) -> (u16, u64, String) {
+        let offer = offer_bytes(slots, slot_bytes, credential);
+        let exchange = tokio::task::spawn_blocking(move || blocking_offer(port, &fds, &offer));
+        step("offer", exchange).await.expect("offer task")
+    }
+
+    /// A 48-byte offer of a staging of `slots × slot_bytes`.
+    pub fn offer_bytes(slots: u32, slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
+        let mut offer = Vec::new();
+        offer.extend_from_slice(b"KVXD");
+        offer.extend_from_slice(&1u16.to_le_bytes());
+        offer.extend_from_slice(&0u16.to_le_bytes());
+        offer.extend_from_slice(&slots.to_le_bytes());
+        offer.extend_from_slice(&0u32.to_le_bytes());
+        offer.extend_from_slice(&slot_bytes.to_le_bytes());
+        offer.extend_from_slice(&credential.to_bytes());
+        offer
+    }
+
+    /// `offer`, on this thread: (status, ticket, reason).
+    pub fn blocking_offer(
+        port: u16,
+        fds: &[std::os::fd::OwnedFd],
+        offer: &[u8],
+    ) -> (u16, u64, String) {
+        use std::io::Read;
+        use std::os::fd::AsFd;
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixStream};
+        let name = format!("kvx-shm-fabric.{port}");
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).expect("abstract name");
+        let mut s = UnixStream::connect_addr(&addr).expect("handoff connect");
+        s.set_read_timeout(Some(STEP)).expect("timeout");
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+        if !borrowed.is_empty() {
+            assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&borrowed)));
+        }
+        let sent = rustix::net::sendmsg(
+            &s,
+            &[std::io::IoSlice::new(offer)],
+            &mut control,
+            rustix::net::SendFlags::NOSIGNAL,
+        );
+        // A receiver replies only once it has read the whole offer.
+        assert_eq!(sent, Ok(offer.len()));
+        let mut reply = [0u8; 16];
+        s.read_exact(&mut reply).expect("reply");
+        assert_eq!(&reply[0..4], b"KVXD");
+        let status = u16::from_le_bytes([reply[4], reply[5]]);
+        let reason_len = u16::from_le_bytes([reply[6], reply[7]]);
+        let ticket = u64::from_le_bytes(reply[8..16].try_into().expect("8 bytes"));
+        let mut reason = vec![0u8; usize::from(reason_len)];
+        s.read_exact(&mut reason).expect("reason");
+        (status, ticket, String::from_utf8(reason).expect("utf-8"))
     }
 
     /// (status, slots, slot_bytes, extra)
@@ -126,11 +193,9 @@ pub mod raw {
 pub enum Raw<'a> {
     /// TCP: they follow the header on the socket.
     Inline,
-    /// Shared memory: they are in the peer's staging (slot 0), whose file the hello names.
-    Staged {
-        path: &'a [u8],
-        memory: &'a dyn SlotMemory,
-    },
+    /// Shared memory: they are in the peer's staging (slot 0), whose descriptor the peer
+    /// hands over first; the hello names the ticket it got.
+    Staged(&'a kvx_transport::shm_fabric::ShmMemory),
 }
 
 impl Raw<'_> {
@@ -138,11 +203,34 @@ impl Raw<'_> {
         matches!(self, Raw::Inline)
     }
 
-    fn hello(&self, magic: &[u8; 4], slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
+    /// The hello to the buffer at `ep`; staged, after handing over the staging (a refused
+    /// offer leaves ticket 0, which names nothing).
+    async fn hello(
+        &self,
+        ep: &str,
+        magic: &[u8; 4],
+        slot_bytes: u64,
+        credential: &FabricCredential,
+    ) -> Vec<u8> {
         match self {
             Raw::Inline => raw::hello(magic, 1, slot_bytes, credential),
-            Raw::Staged { path, memory } => {
-                raw::hello_with(magic, memory.slots(), slot_bytes, credential, path)
+            Raw::Staged(memory) => {
+                let port = port_of(ep);
+                let fd = memory
+                    .memfd()
+                    .expect("staging")
+                    .try_clone_to_owned()
+                    .expect("dup");
+                let (status, ticket, _) =
+                    raw::offer(port, vec![fd], memory.slots(), slot_bytes, credential).await;
+                let ticket = if status == 0 { ticket } else { 0 };
+                raw::hello_with(
+                    magic,
+                    memory.slots(),
+                    slot_bytes,
+                    credential,
+                    &ticket.to_le_bytes(),
+                )
             }
         }
     }
@@ -152,8 +240,8 @@ impl Raw<'_> {
         let mut out = header;
         match self {
             Raw::Inline => out.extend_from_slice(bytes),
-            Raw::Staged { memory, .. } if !bytes.is_empty() => memory.write_slot(0, bytes),
-            Raw::Staged { .. } => {}
+            Raw::Staged(memory) if !bytes.is_empty() => memory.write_slot(0, bytes),
+            Raw::Staged(_) => {}
         }
         out
     }
@@ -175,7 +263,7 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     listener.access.grant(1, me, 3);
     let mut s = TcpStream::connect(&ep).await.expect("raw connect");
     let credential = listener.access.credential_for(me);
-    s.write_all(&raw.hello(magic, 1024, &credential))
+    s.write_all(&raw.hello(&ep, magic, 1024, &credential).await)
         .await
         .expect("hello");
     let (status, slots, slot_bytes, _) = raw::welcome(&mut s).await;
@@ -255,10 +343,12 @@ pub async fn receiver_checks_grants<F: Fabric>(
         (
             "a credential this buffer did not issue",
             raw.hello(
+                &ep,
                 magic,
                 BYTES as u64,
                 &FabricAccess::new(1, [3; 16]).credential_for(victim),
-            ),
+            )
+            .await,
         ),
         ("a version-1 hello", raw::hello_v1(magic, 1, BYTES as u64)),
     ] {
@@ -280,7 +370,7 @@ pub async fn receiver_checks_grants<F: Fabric>(
     // Authenticated as itself, the attacker names the victim's grant.
     let mut s = TcpStream::connect(&ep).await.expect("raw connect");
     let credential = listener.access.credential_for(attacker);
-    s.write_all(&raw.hello(magic, BYTES as u64, &credential))
+    s.write_all(&raw.hello(&ep, magic, BYTES as u64, &credential).await)
         .await
         .expect("hello");
     assert_eq!(raw::welcome(&mut s).await.0, 0);
