@@ -59,6 +59,20 @@ impl Kvx {
     /// flags `extra` (its decoder verifies the synthetic workload unless `--no-verify` is
     /// among them, and logs every corrupt chunk it reads).
     pub fn receiver_with(buffer_chunks: u32, chunk_bytes: u64, extra: &[&str]) -> Kvx {
+        Kvx::receiver_at_log(buffer_chunks, chunk_bytes, extra, "warn")
+    }
+
+    /// `receiver()` logging at `rust_log` (e.g. `debug`, to see everything it could say).
+    pub fn receiver_logging(rust_log: &str) -> Kvx {
+        Kvx::receiver_at_log(1024, 4096, &["--no-verify"], rust_log)
+    }
+
+    fn receiver_at_log(
+        buffer_chunks: u32,
+        chunk_bytes: u64,
+        extra: &[&str],
+        rust_log: &str,
+    ) -> Kvx {
         let (buffer, chunk) = (buffer_chunks.to_string(), chunk_bytes.to_string());
         let mut args = vec![
             "receiver",
@@ -74,29 +88,7 @@ impl Kvx {
             "120",
         ];
         args.extend_from_slice(extra);
-        Kvx::start(&args, "warn", " alloc tcp://")
-    }
-
-    /// `receiver()` logging at `rust_log` (e.g. `debug`, to see everything it could say).
-    pub fn receiver_logging(rust_log: &str) -> Kvx {
-        Kvx::start(
-            &[
-                "receiver",
-                "--alloc-ports",
-                "0",
-                "--fabric-ports",
-                "0",
-                "--buffer-chunks",
-                "1024",
-                "--chunk-bytes",
-                "4096",
-                "--exit-after-s",
-                "120",
-                "--no-verify",
-            ],
-            rust_log,
-            " alloc tcp://",
-        )
+        Kvx::start(&args, rust_log, " alloc tcp://")
     }
 
     /// A receiver's fabric endpoint (its log's `fabric host:port`).
