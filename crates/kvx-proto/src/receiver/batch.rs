@@ -20,6 +20,7 @@ pub(super) fn queued_bytes(msg: &AllocRequest) -> usize {
     let keys: usize = msg.keys.iter().map(|k| k.len() + OVERHEAD).sum();
     128 + msg.req_id.len() + msg.dtype.len() + msg.shape.len() * 8 + keys
 }
+
 /// Why a batch does not say how long its chunks are, if it does not: a kvx sender's batch
 /// declares each chunk's length (`AllocRequest::chunk_bytes`, parallel to `keys`, none of
 /// them 0), so that a write into its slot counts only whole. A legacy sender declares none
