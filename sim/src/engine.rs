@@ -177,6 +177,7 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
             key: format!("{}@{chunk}", job.req_id),
             staging: slot,
             tokens: 256,
+            bytes: buf.len() as u64,
         });
         let last = chunk + 1 == job.chunks;
         if (batch.len() as u32 == job.batch_chunks || last)

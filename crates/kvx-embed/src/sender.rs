@@ -476,6 +476,7 @@ impl Sender {
             key,
             staging: guard.slot,
             tokens,
+            bytes: len as u64,
         };
         self.lock_pending()
             .entry(guard.req_id.clone())

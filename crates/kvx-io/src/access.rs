@@ -11,7 +11,8 @@
 //! - **The grant mirror**: the ledger's grants (`ReceiverLedger::poll_grant_change`), copied
 //!   here before the reply that hands them out is sent. `admit` lets a write through only if
 //!   its connection's peer holds the slot's current grant, its immediate names that slot and
-//!   generation, it carries bytes, and no other write of that grant came before it. The TCP
+//!   generation, it carries exactly the chunk's declared length (`SlotGrant::bytes`), and no
+//!   other write of that grant came before it. The TCP
 //!   and shared-memory fabrics call it before a byte touches the slot; RDMA, where the NIC
 //!   writes first, calls it before announcing the write.
 //!
@@ -141,6 +142,19 @@ pub enum WriteRefusal {
         /// The slot written.
         slot: u32,
     },
+    /// The write's length is not the chunk's, as its batch declared it: a short write would
+    /// leave the previous request's bytes in the rest of the slot, a long one is not the
+    /// chunk, and two halves are two writes of one grant.
+    WrongLength {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+        /// Bytes the write brings.
+        len: u64,
+        /// Bytes the chunk's batch declared.
+        declared: u64,
+    },
 }
 
 impl fmt::Display for WriteRefusal {
@@ -172,6 +186,15 @@ impl fmt::Display for WriteRefusal {
             WriteRefusal::AlreadyWritten { peer, slot } => {
                 write!(f, "{peer} wrote slot {slot} twice under one grant")
             }
+            WriteRefusal::WrongLength {
+                peer,
+                slot,
+                len,
+                declared,
+            } => write!(
+                f,
+                "{peer} wrote {len} bytes into slot {slot}, whose chunk is {declared} bytes"
+            ),
         }
     }
 }
@@ -329,6 +352,14 @@ impl FabricAccess {
         if cell.written {
             return Err(WriteRefusal::AlreadyWritten { peer, slot });
         }
+        if let Some(declared) = grant.bytes.filter(|&d| d != len) {
+            return Err(WriteRefusal::WrongLength {
+                peer,
+                slot,
+                len,
+                declared,
+            });
+        }
         cell.written = true;
         Ok(tag)
     }
@@ -338,12 +369,17 @@ impl FabricAccess {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// Grants `slot` to `peer` under `generation`, as the ledger would (tests, benches and
-    /// tools that drive a fabric without a receiver ledger).
+    /// Grants `slot` to `peer` under `generation` for a write of any length (tests, benches
+    /// and tools that drive a fabric without a receiver ledger; a ledger's grants name the
+    /// chunk's length).
     pub fn grant(&self, slot: u32, peer: PeerId, generation: u32) {
         self.apply(GrantChange {
             slot: SlotIndex(slot),
-            grant: Some(SlotGrant { peer, generation }),
+            grant: Some(SlotGrant {
+                peer,
+                generation,
+                bytes: None,
+            }),
         });
     }
 
@@ -357,6 +393,7 @@ impl FabricAccess {
                 grant: Some(SlotGrant {
                     peer,
                     generation: 0,
+                    bytes: None,
                 }),
                 written: false,
                 standing: true,
@@ -446,5 +483,37 @@ mod tests {
         a.grant(0, q, 2);
         assert!(a.admit(p, 0, 8, imm(0, 2)).is_err());
         assert!(a.admit(q, 0, 8, imm(0, 2)).is_ok());
+    }
+
+    #[test]
+    fn a_grant_with_a_declared_length_admits_that_length_only() {
+        let a = FabricAccess::new(1, [0; 16]);
+        let p = PeerId(1);
+        a.apply(GrantChange {
+            slot: SlotIndex(0),
+            grant: Some(SlotGrant {
+                peer: p,
+                generation: 1,
+                bytes: Some(64),
+            }),
+        });
+        for len in [1, 32, 63, 65, 128] {
+            assert_eq!(
+                a.admit(p, 0, len, imm(0, 1)),
+                Err(WriteRefusal::WrongLength {
+                    peer: p,
+                    slot: 0,
+                    len,
+                    declared: 64
+                })
+            );
+        }
+        // A refused write does not close the grant; the whole chunk still lands, once.
+        assert!(a.admit(p, 0, 64, imm(0, 1)).is_ok());
+        assert_eq!(
+            a.admit(p, 0, 32, imm(0, 1)),
+            Err(WriteRefusal::AlreadyWritten { peer: p, slot: 0 })
+        );
+        assert_eq!(a.refused(), 6);
     }
 }

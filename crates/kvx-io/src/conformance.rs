@@ -556,6 +556,94 @@ pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(
     );
 }
 
+/// A grant that names its chunk's length (as a ledger's do) admits a write of exactly that
+/// length: a short write (one byte, half), a long one, and the halves of a split write are
+/// refused and never announced, and the grant stays open for the whole chunk, which lands
+/// once and is announced with its length. `checked_before_writing` as in
+/// `fabric_refuses_writes_outside_grants`.
+pub async fn fabric_lands_only_whole_chunks<F: Fabric>(
+    f: &F,
+    endpoint: &str,
+    checked_before_writing: bool,
+) {
+    const BYTES: usize = 1024;
+    const CHUNK: usize = 600;
+    let mut listener = f
+        .expose(endpoint, 2, BYTES)
+        .await
+        .expect("conformance: expose");
+    let peer = PeerId(4);
+    listener.access.apply(kvx_proto::slots::GrantChange {
+        slot: SlotIndex(0),
+        grant: Some(kvx_proto::slots::SlotGrant {
+            peer,
+            generation: GEN,
+            bytes: Some(CHUNK as u64),
+        }),
+    });
+    let staging = f.allocate_staging(2, BYTES).expect("conformance: staging");
+    let bytes = pattern(3, BYTES);
+    staging.write_slot(0, &bytes);
+    let mut conn = f
+        .connect(
+            &listener.local_endpoint,
+            staging,
+            listener.access.credential_for(peer),
+        )
+        .await
+        .expect("conformance: connect");
+    let wrong = [1, CHUNK / 2, CHUNK / 2, CHUNK - 1, CHUNK + 1, BYTES];
+    for (i, &len) in wrong.iter().enumerate() {
+        conn.post(granted_write(i as u64 + 1, 0, 0, &bytes[..len]))
+            .expect("conformance: post");
+    }
+    for (i, &len) in wrong.iter().enumerate() {
+        let c = next_completion(&mut conn, "a partial write's completion").await;
+        assert_eq!(c.id, WriteId(i as u64 + 1));
+        assert!(
+            matches!(c.result, Err(FabricError::Refused(_))),
+            "conformance: a write of {len} bytes into a chunk of {CHUNK} is refused: {c:?}"
+        );
+    }
+    let mut got = vec![0u8; BYTES];
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        !checked_before_writing || got.iter().all(|&b| b == 0),
+        "conformance: refused partial writes changed no byte"
+    );
+    conn.post(granted_write(10, 0, 0, &bytes[..CHUNK]))
+        .expect("conformance: post");
+    assert_eq!(
+        next_completion(&mut conn, "the whole chunk's write")
+            .await
+            .result,
+        Ok(())
+    );
+    let landed = step("the whole chunk's notice", listener.landed.recv())
+        .await
+        .expect("conformance: listener open");
+    assert_eq!(
+        (landed.slot, landed.bytes),
+        (SlotIndex(0), CHUNK as u64),
+        "conformance: the one notice is the whole chunk's, with its length"
+    );
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        got[..CHUNK] == bytes[..CHUNK],
+        "conformance: the chunk landed"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), listener.landed.recv())
+            .await
+            .is_err(),
+        "conformance: no partial write is announced"
+    );
+    assert!(
+        listener.access.refused() >= wrong.len() as u64,
+        "conformance: refusals are counted"
+    );
+}
+
 /// A write whose bytes do not match its checksum completes with `Corrupt` and is announced
 /// as a mismatch, so the receiver fails its request.
 pub async fn fabric_checks_checksums<F: Fabric>(f: &F, endpoint: &str) {

@@ -34,6 +34,11 @@ async fn mem_fabric_refuses_writes_outside_grants() {
 }
 
 #[tokio::test]
+async fn mem_fabric_lands_only_whole_chunks() {
+    conformance::fabric_lands_only_whole_chunks(&MemFabric::new(), "buffer", true).await;
+}
+
+#[tokio::test]
 async fn mem_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&MemFabric::new(), "buffer").await;
 }

@@ -197,6 +197,7 @@ pub async fn transfer<E: Env>(
             key,
             staging: slot,
             tokens: 256,
+            bytes: req.chunk_bytes as u64,
         });
         let is_last = chunk + 1 == req.chunks;
         if batch.len() as u32 == req.batch_chunks || is_last {

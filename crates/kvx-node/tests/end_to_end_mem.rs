@@ -309,6 +309,8 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
         key: "k".into(),
         staging: slot,
         tokens: 1,
+        // `SenderHandle::submit` sets it to the staged length.
+        bytes: 0,
     };
     sender.submit(&id, vec![chunk], true).expect("submitted");
     let at_sender = tokio::time::timeout(Duration::from_secs(10), sender.outcome(&id))
@@ -398,6 +400,8 @@ async fn a_younger_request_holding_staging_is_told_to_submit_while_an_older_one_
         key: "younger@0".into(),
         staging: held,
         tokens: 1,
+        // `SenderHandle::submit` sets it to the staged length.
+        bytes: 0,
     };
     sender.stage(held, &[7u8; CHUNK]);
     sender
@@ -516,6 +520,8 @@ async fn blocked_threads_get_freed_slots_by_turn_at_once() {
             key: format!("r0@{c}"),
             staging: slot,
             tokens: 1,
+            // `SenderHandle::submit` sets it to the staged length.
+            bytes: 0,
         });
     }
     // The youngest thread starts first: the order served is the requests', not the threads'.

@@ -326,6 +326,8 @@ async fn cancel_in_flight_fails_everywhere_and_leaks_nothing_over_zmq_and_tcp() 
             key: format!("victim@{chunk}"),
             staging: slot,
             tokens: 256,
+            // `SenderHandle::submit` sets it to the staged length.
+            bytes: 0,
         }];
         s.submit(&victim, batch, false).expect("submitted");
     }

@@ -292,6 +292,8 @@ impl Setup {
                 key: format!("{}@{chunk}", req.req_id),
                 staging: slot,
                 tokens: 256,
+                // `SenderHandle::submit` sets it to the staged length.
+                bytes: 0,
             });
         }
         self.sender

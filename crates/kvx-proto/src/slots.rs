@@ -25,6 +25,10 @@ pub struct SlotGrant {
     pub peer: PeerId,
     /// The grant's generation, as its write's immediate must carry it.
     pub generation: u32,
+    /// The chunk's length as its batch declared it: the one write of the grant must bring
+    /// exactly this many bytes. `None`: any length (a legacy sender's request, which declares
+    /// none).
+    pub bytes: Option<u64>,
 }
 
 /// A slot's grant changed: `Some` when it is handed out, `None` once it is free again.
@@ -165,10 +169,10 @@ impl SlotTable {
         }
     }
 
-    /// Hands a free slot to `owner` (a request of `peer`) under a new generation. None when
-    /// no slot is free, which admission rules out for admitted requests (asserted by the
-    /// ledger).
-    pub fn grant(&mut self, owner: Ticket, peer: PeerId) -> Option<WriteTag> {
+    /// Hands a free slot to `owner` (a request of `peer`) under a new generation, for a
+    /// chunk of `bytes` bytes (`SlotGrant::bytes`). None when no slot is free, which
+    /// admission rules out for admitted requests (asserted by the ledger).
+    pub fn grant(&mut self, owner: Ticket, peer: PeerId, bytes: Option<u64>) -> Option<WriteTag> {
         let slot = self.free.pop()?;
         let i = slot.0 as usize;
         debug_assert_eq!(self.state[i], SlotState::Free);
@@ -179,7 +183,11 @@ impl SlotTable {
         let generation = self.generation[i];
         self.changes.push_back(GrantChange {
             slot,
-            grant: Some(SlotGrant { peer, generation }),
+            grant: Some(SlotGrant {
+                peer,
+                generation,
+                bytes,
+            }),
         });
         Some(WriteTag { slot, generation })
     }
@@ -379,7 +387,7 @@ mod tests {
     #[test]
     fn check_invariants_catches_counters_out_of_step() {
         let mut t = SlotTable::new(2);
-        t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         t.check_invariants();
         for (what, corrupt) in [
             ("slot counters", |t: &mut SlotTable| t.granted += 1),
@@ -398,7 +406,7 @@ mod tests {
     #[test]
     fn a_late_write_clears_quarantine_and_a_stale_one_is_ignored() {
         let mut t = SlotTable::new(2);
-        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         assert!(t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(5)));
         assert_eq!(t.free_count(), 1);
         assert_eq!(t.land(a, PeerId(1)), Landing::QuarantineCleared);
@@ -409,8 +417,8 @@ mod tests {
     #[test]
     fn quarantine_expires_in_order() {
         let mut t = SlotTable::new(2);
-        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
-        let b = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
+        let b = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         t.quarantine(a.slot, Instant::ZERO + Duration::from_secs(1));
         t.quarantine(b.slot, Instant::ZERO + Duration::from_secs(2));
         assert_eq!(
@@ -421,7 +429,10 @@ mod tests {
             t.poll_quarantine_expired(Instant::ZERO + Duration::from_secs(1)),
             None
         );
-        assert_eq!(t.grant(Ticket(2), PeerId(2)).map(|g| g.slot), Some(a.slot));
+        assert_eq!(
+            t.grant(Ticket(2), PeerId(2), None).map(|g| g.slot),
+            Some(a.slot)
+        );
         t.check_invariants();
     }
 
@@ -432,10 +443,12 @@ mod tests {
     fn a_requarantined_slot_waits_for_its_new_quarantine() {
         let at = |s| Instant::ZERO + Duration::from_secs(s);
         let mut t = SlotTable::new(1);
-        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         assert!(t.quarantine(a.slot, at(5)));
         assert_eq!(t.land(a, PeerId(1)), Landing::QuarantineCleared);
-        let b = t.grant(Ticket(2), PeerId(1)).expect("the cleared slot");
+        let b = t
+            .grant(Ticket(2), PeerId(1), None)
+            .expect("the cleared slot");
         assert!(t.quarantine(b.slot, at(10)));
         assert_eq!(t.next_deadline(), Some(at(5)), "the old entry, due first");
         assert_eq!(
@@ -451,9 +464,9 @@ mod tests {
     #[test]
     fn regranting_bumps_the_generation() {
         let mut t = SlotTable::new(1);
-        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         t.release(a.slot);
-        let b = t.grant(Ticket(2), PeerId(2)).expect("free slot");
+        let b = t.grant(Ticket(2), PeerId(2), None).expect("free slot");
         assert_eq!(a.slot, b.slot);
         assert_ne!(a.generation, b.generation);
         assert_eq!(t.land(a, PeerId(1)), Landing::Stale);
@@ -462,7 +475,7 @@ mod tests {
     #[test]
     fn a_write_from_another_peer_is_forged_and_changes_nothing() {
         let mut t = SlotTable::new(2);
-        let a = t.grant(Ticket(1), PeerId(1)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(1), None).expect("free slot");
         assert_eq!(t.land(a, PeerId(2)), Landing::Forged);
         assert_eq!(t.state(a.slot), SlotState::Granted { owner: Ticket(1) });
         // Nor may it clear the quarantine of a rolled-back grant.
@@ -476,7 +489,7 @@ mod tests {
     #[test]
     fn grant_changes_mirror_grants_and_frees_in_order() {
         let mut t = SlotTable::new(1);
-        let a = t.grant(Ticket(1), PeerId(7)).expect("free slot");
+        let a = t.grant(Ticket(1), PeerId(7), Some(64)).expect("free slot");
         t.release(a.slot);
         let changes: Vec<_> = std::iter::from_fn(|| t.poll_grant_change()).collect();
         assert_eq!(
@@ -486,7 +499,8 @@ mod tests {
                     slot: a.slot,
                     grant: Some(SlotGrant {
                         peer: PeerId(7),
-                        generation: a.generation
+                        generation: a.generation,
+                        bytes: Some(64)
                     })
                 },
                 GrantChange {

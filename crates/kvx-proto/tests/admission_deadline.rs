@@ -17,6 +17,7 @@ const WAITER: PeerId = PeerId(2);
 fn first_batch(req: &str, total: u32) -> Message {
     Message::AllocRequest(AllocRequest {
         keys: vec![format!("{req}@0")],
+        chunk_bytes: Some(vec![64]),
         fmt: 1,
         shape: vec![2, 2, 256, 64],
         dtype: "bfloat16".into(),

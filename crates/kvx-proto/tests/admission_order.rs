@@ -60,6 +60,7 @@ fn a_request_that_fits_is_admitted_when_every_waiter_ahead_is_passed_over() {
 fn probe(req: &str, total: u32) -> Message {
     Message::AllocRequest(AllocRequest {
         keys: vec![],
+        chunk_bytes: None,
         fmt: 1,
         shape: vec![2, 2, 256, 64],
         dtype: "bfloat16".into(),

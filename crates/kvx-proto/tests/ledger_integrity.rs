@@ -1,8 +1,8 @@
 //! What a landed write must prove before its request can be ready (`receiver/landing.rs`),
 //! and what becomes of a sender that proves nothing (LMCache's own, no `seq`). Each test is
 //! one of the defects a hostile review found, at the ledger: forged landings, landings from
-//! another peer or for another slot, empty or corrupt chunks, and legacy requests that were
-//! ready before anything was written.
+//! another peer or for another slot, empty, short, long or corrupt chunks, and legacy requests
+//! that were ready before anything was written.
 
 use kvx_proto::receiver::{
     ChecksumCheck, Failure, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
@@ -13,6 +13,8 @@ use kvx_proto::{Instant, LegacySenders, PeerId, ReceiverConfig, ReqId, ReqKey, W
 
 const OWNER: PeerId = PeerId(1);
 const OTHER: PeerId = PeerId(2);
+/// Every chunk's declared length, and what a whole landing brings.
+const CHUNK: u64 = 4096;
 
 fn ledger(cfg: ReceiverConfig) -> ReceiverLedger {
     ReceiverLedger::new(ReceiverConfig {
@@ -33,6 +35,7 @@ fn batch(id: &str, keys: usize, seq: Option<u64>) -> Message {
         is_last_batch: true,
         total_chunks: keys as u32,
         seq,
+        chunk_bytes: seq.map(|_| vec![CHUNK; keys]),
     })
 }
 
@@ -57,7 +60,7 @@ fn landed(peer: PeerId, tag: WriteTag) -> LandedWrite {
         peer,
         slot: tag.slot,
         tag,
-        bytes: 4096,
+        bytes: CHUNK,
         checksum: ChecksumCheck::Match,
     }
 }
@@ -170,6 +173,132 @@ fn an_empty_or_corrupt_chunk_fails_its_request() {
     }
 }
 
+/// A short write left the rest of the slot as the previous request wrote it, and it counted
+/// as the whole chunk: the decoder read the old bytes. A chunk counts only at the length its
+/// batch declared; any other length fails the request.
+#[test]
+fn a_landing_of_another_length_than_declared_fails_its_request() {
+    for (what, bytes) in [
+        ("one byte", 1),
+        ("half", CHUNK / 2),
+        ("one byte short", CHUNK - 1),
+        ("one byte long", CHUNK + 1),
+        ("twice", 2 * CHUNK),
+    ] {
+        let mut l = ledger(ReceiverConfig::default());
+        let tags = granted(&mut l, "r", 2);
+        assert_eq!(
+            l.handle_chunk_landed(Instant::ZERO, landed(OWNER, tags[0])),
+            LandingVerdict::Accepted,
+            "{what}"
+        );
+        let v = l.handle_chunk_landed(
+            Instant::ZERO,
+            LandedWrite {
+                bytes,
+                ..landed(OWNER, tags[1])
+            },
+        );
+        let said = format!("landed {bytes} bytes but its batch declared {CHUNK}");
+        assert!(
+            matches!(&v, LandingVerdict::Corrupt(why) if why.contains("chunk 1 ") && why.contains(&said)),
+            "{what}: {v:?}"
+        );
+        let evs = events(&mut l);
+        assert!(
+            !is_ready(&evs),
+            "{what}: a partial chunk made the request ready"
+        );
+        assert!(
+            matches!(failure(&evs), Some(Failure::Integrity(why)) if why.contains(&said)),
+            "{what}: {evs:?}"
+        );
+        assert!(
+            l.handle_acquire(&key(OWNER, "r")).is_err(),
+            "{what}: nothing to read"
+        );
+        // The same write announced again (or its other half) finds no grant to complete.
+        assert_eq!(
+            l.handle_chunk_landed(Instant::ZERO, landed(OWNER, tags[1])),
+            LandingVerdict::Stale,
+            "{what}"
+        );
+        assert!(!is_ready(&events(&mut l)), "{what}");
+        assert_eq!(l.stats().corrupt_chunks, 1, "{what}: counted");
+        l.check_invariants();
+    }
+}
+
+/// A partial last chunk (LMCache's `last_chunk_toks` tokens) is declared shorter, and lands
+/// whole at that length; at the full length it is refused like any other.
+#[test]
+fn a_partial_last_chunk_lands_whole_at_its_shorter_length() {
+    let partial = |bytes_of_last: u64| {
+        let mut l = ledger(ReceiverConfig::default());
+        let msg = AllocRequest {
+            keys: vec!["k0".into(), "k1".into()],
+            fmt: 1,
+            shape: vec![2, 1, 256, 4],
+            dtype: "bfloat16".into(),
+            last_chunk_toks: 100,
+            req_id: "r".into(),
+            is_last_batch: true,
+            total_chunks: 2,
+            seq: Some(1),
+            chunk_bytes: Some(vec![CHUNK, CHUNK * 100 / 256]),
+        };
+        l.handle_message(Instant::ZERO, OWNER, Message::AllocRequest(msg));
+        while l.poll_transmit().is_some() {}
+        let tags = l.request_slots(&key(OWNER, "r")).expect("tracked").to_vec();
+        l.handle_chunk_landed(Instant::ZERO, landed(OWNER, tags[0]));
+        let v = l.handle_chunk_landed(
+            Instant::ZERO,
+            LandedWrite {
+                bytes: bytes_of_last,
+                ..landed(OWNER, tags[1])
+            },
+        );
+        (v, events(&mut l))
+    };
+    let (v, evs) = partial(CHUNK * 100 / 256);
+    assert_eq!(v, LandingVerdict::Accepted);
+    let tokens = evs.iter().find_map(|e| match e {
+        ReceiverEvent::Ready { tokens, .. } => Some(tokens.clone()),
+        _ => None,
+    });
+    assert_eq!(tokens, Some(vec![None, Some(100)]), "{evs:?}");
+    let (v, evs) = partial(CHUNK);
+    assert!(matches!(v, LandingVerdict::Corrupt(_)), "{v:?}");
+    assert!(!is_ready(&evs));
+}
+
+/// A kvx sender's batch says how long each chunk is; one that does not is refused before
+/// anything is granted, so no write into its slots could count without a length to check.
+#[test]
+fn a_kvx_batch_must_declare_each_chunks_length() {
+    for (what, chunk_bytes) in [
+        ("none", None),
+        ("fewer than keys", Some(vec![CHUNK])),
+        ("more than keys", Some(vec![CHUNK; 3])),
+        ("a zero", Some(vec![CHUNK, 0])),
+    ] {
+        let mut l = ledger(ReceiverConfig::default());
+        let msg = match batch("r", 2, Some(1)) {
+            Message::AllocRequest(m) => AllocRequest { chunk_bytes, ..m },
+            _ => unreachable!(),
+        };
+        l.handle_message(Instant::ZERO, OWNER, Message::AllocRequest(msg));
+        let (_, reply) = l.poll_transmit().expect("a reply");
+        assert!(reply.is_refusal(), "{what}: {reply:?}");
+        assert!(
+            matches!(failure(&events(&mut l)), Some(Failure::ProtocolViolation(why)) if why.contains("chunk_bytes") || why.contains("0 bytes")),
+            "{what}"
+        );
+        assert_eq!(l.free_slots(), 4, "{what}: nothing granted");
+        l.check_invariants();
+    }
+}
+
 #[test]
 fn checksums_are_optional_when_not_required() {
     let mut l = ledger(ReceiverConfig {
@@ -234,7 +363,8 @@ fn grant_changes_follow_grants_and_frees() {
             slot: tags[0].slot,
             grant: Some(SlotGrant {
                 peer: OWNER,
-                generation: tags[0].generation
+                generation: tags[0].generation,
+                bytes: Some(CHUNK),
             })
         }]
     );

@@ -11,6 +11,7 @@ const PEER: PeerId = PeerId(7);
 fn ready_request(ledger: &mut ReceiverLedger, id: &str) -> ReqKey {
     let batch = AllocRequest {
         keys: vec!["k0".into(), "k1".into()],
+        chunk_bytes: None,
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),

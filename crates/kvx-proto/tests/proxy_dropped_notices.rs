@@ -34,6 +34,7 @@ fn every_dropped_notice_is_counted_once() {
     assert_eq!(p.dropped_notices, 2, "a FailNotif with an over-long id");
     let not_a_notice = AllocRequest {
         keys: vec!["k".into()],
+        chunk_bytes: None,
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),

@@ -46,6 +46,7 @@ fn posted(flow: &mut SenderFlow, id: &ReqId) -> WriteOp {
         key: "k0".into(),
         staging: flow.try_allocate(id).expect("staging"),
         tokens: 1,
+        bytes: 64,
     };
     flow.handle_submit(T0, id, vec![chunk], true)
         .expect("submit");
@@ -138,6 +139,7 @@ fn a_missing_reply_fails_the_request_at_its_deadline_and_not_before() {
         key: "k0".into(),
         staging: flow.try_allocate(&id).expect("staging"),
         tokens: 1,
+        bytes: 64,
     };
     let sent = T0 + Duration::from_secs(10);
     flow.handle_submit(sent, &id, vec![chunk], true)
@@ -179,6 +181,7 @@ fn a_reply_without_seq_on_a_pipelined_channel_answers_nothing() {
         key: "k0".into(),
         staging: flow.try_allocate(&id).expect("staging"),
         tokens: 1,
+        bytes: 64,
     };
     flow.handle_submit(T0, &id, vec![chunk], true)
         .expect("submit");
@@ -221,6 +224,7 @@ fn a_chunk_the_receiver_already_holds_counts_as_written() {
             key: format!("k{i}"),
             staging: flow.try_allocate(&id).expect("staging"),
             tokens: 1,
+            bytes: 64,
         })
         .collect();
     flow.handle_submit(T0, &id, chunks, true).expect("submit");
@@ -273,6 +277,7 @@ fn a_queued_batch_of_another_request_leaves_the_answered_chunks_numbers_alone() 
             key: "k0".into(),
             staging: flow.try_allocate(id).expect("staging"),
             tokens: 1,
+            bytes: 64,
         };
         flow.handle_submit(T0, id, vec![chunk], true)
             .expect("submit");
@@ -297,6 +302,7 @@ fn staging_beyond_the_declared_chunks_is_misuse() {
         key: "k0".into(),
         staging: first,
         tokens: 1,
+        bytes: 64,
     };
     flow.handle_submit(T0, &id, vec![chunk], true)
         .expect("a last batch of one chunk");
@@ -381,6 +387,7 @@ fn batches_in_flight_and_queued_behind_leave_the_answered_chunks_numbers_alone()
             key: format!("k{i}"),
             staging: flow.try_allocate(&id).expect("staging"),
             tokens: 1,
+            bytes: 64,
         };
         flow.handle_submit(T0, &id, vec![chunk], i == 2)
             .expect("submit");
@@ -406,6 +413,7 @@ fn a_batch_naming_a_slot_its_request_does_not_hold_is_misuse() {
         key: "k".into(),
         staging,
         tokens: 1,
+        bytes: 64,
     };
     for case in [
         "another request's slot",

@@ -57,6 +57,7 @@ fn a_grant_processed_after_its_deadline_is_not_written() {
         key: "k".into(),
         staging: slot,
         tokens: 1,
+        bytes: 64,
     };
     s.handle_submit(t0, &id, vec![chunk], true).expect("submit");
     let batch = s.poll_transmit().expect("batch");
@@ -122,6 +123,7 @@ fn begin_and_stage(flow: &mut SenderFlow, id: &ReqId) -> Vec<ChunkSpec> {
             key: format!("k{i}"),
             staging: flow.try_allocate(id).expect("staging"),
             tokens: 1,
+            bytes: 64,
         })
         .collect()
 }

@@ -78,6 +78,7 @@ impl Sender {
             key: format!("{id}@{chunk}"),
             staging: slot,
             tokens: 1,
+            bytes: 64,
         };
         self.flow
             .handle_submit(T0, &ReqId(id.into()), vec![c], last)
@@ -214,6 +215,7 @@ fn allocate_or_submit_submits_the_callers_batch_when_it_alone_holds_staging() {
             key: format!("a@{chunk}"),
             staging: slot,
             tokens: 1,
+            bytes: 64,
         });
     }
     assert_eq!(held.len(), 2, "nothing submitted while slots were free");

@@ -57,6 +57,7 @@ fn alloc_request(
         is_last_batch,
         total_chunks,
         seq: None,
+        chunk_bytes: None,
     })
 }
 
@@ -212,6 +213,7 @@ mod worked_examples {
             is_last_batch: false,
             total_chunks: 5,
             seq: None,
+            chunk_bytes: None,
         });
         assert_exact("§2.3 AllocRequest", &bytes, &expected);
     }
@@ -272,6 +274,7 @@ fn extensions_round_trip_and_are_absent_when_unset() {
             is_last_batch: true,
             total_chunks: 1,
             seq: Some(u64::MAX),
+            chunk_bytes: Some(vec![1 << 40]),
         }),
         Message::AllocResponse(AllocResponse::granted(
             vec![4, 5],

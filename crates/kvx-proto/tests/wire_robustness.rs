@@ -574,6 +574,7 @@ fn message() -> impl Strategy<Value = Message> {
                     is_last_batch,
                     total_chunks,
                     seq,
+                    chunk_bytes: None,
                 })
             },
         );

@@ -441,6 +441,11 @@ async fn shm_fabric_refuses_writes_outside_grants() {
 }
 
 #[tokio::test]
+async fn shm_fabric_lands_only_whole_chunks() {
+    conformance::fabric_lands_only_whole_chunks(&ShmFabric::new(), EP, true).await;
+}
+
+#[tokio::test]
 async fn shm_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&ShmFabric::new(), EP).await;
 }

@@ -161,6 +161,11 @@ async fn tcp_fabric_refuses_writes_outside_grants() {
 }
 
 #[tokio::test]
+async fn tcp_fabric_lands_only_whole_chunks() {
+    conformance::fabric_lands_only_whole_chunks(&TcpFabric::new(), EP, true).await;
+}
+
+#[tokio::test]
 async fn tcp_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&TcpFabric::new(), EP).await;
 }

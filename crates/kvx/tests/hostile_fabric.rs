@@ -6,6 +6,8 @@
 //!   transfer whose every byte the receiver's decoder verifies;
 //! - first batches that amplify into a gigabyte of memory while they wait for admission;
 //! - a sender whose chunk size differs from the receiver's;
+//! - writes that would complete a chunk without bringing all of it: one byte, the halves of a
+//!   split write, a longer write than the chunk, a write cut mid-payload;
 //! - fabric hellos of the old version, with a credential the receiver never issued, or junk.
 //!
 //! Everything runs on 127.0.0.1 with ports the OS picks; every wait is bounded.
@@ -28,9 +30,11 @@ use kvx_proto::PeerId;
 const CHUNK: u64 = 64 << 10;
 const BUFFER: u32 = 64;
 
-/// A kvx-style (with `seq`) first batch: `keys`, of a request of `total` chunks.
-fn first_batch(req: &str, keys: Vec<String>, total: u32, seq: u64) -> Vec<u8> {
+/// A kvx-style (with `seq`) first batch: `keys`, of a request of `total` chunks, each
+/// declared `chunk` bytes long (`None`: no lengths declared).
+fn first_batch(req: &str, keys: Vec<String>, total: u32, seq: u64, chunk: Option<u64>) -> Vec<u8> {
     wire::encode(&Message::AllocRequest(AllocRequest {
+        chunk_bytes: chunk.map(|c| vec![c; keys.len()]),
         keys,
         fmt: 1,
         shape: vec![2, 2, 16, 32],
@@ -54,7 +58,7 @@ fn own_credential(receiver: &Kvx) -> (Peer, FabricCredential) {
         .expect("the attacker connects");
     let r = reply(
         &peer
-            .request(&first_batch("attacker-probe", vec![], 1, 1))
+            .request(&first_batch("attacker-probe", vec![], 1, 1, None))
             .expect("its probe is answered"),
     );
     assert!(!r.is_refusal(), "{r:?}");
@@ -207,8 +211,8 @@ fn attack_the_fabric(
 /// 768 chunks, sent while the buffer is held so that each would wait. They used to be kept
 /// whole until admission, and 40 took a receiver from 7 MB to 1.05 GB. Now a list longer than
 /// `LIST_ENTRIES_MAX` is refused by the decoder (half the frames: 500 000 one-byte keys), and
-/// keys beyond the declared total are refused before anything is kept (the other half: 60 000
-/// keys of 15 bytes). The receiver's RSS stays within 64 MiB of where it started, and it
+/// keys beyond the declared total are refused before anything is kept (the other half: 55 000
+/// keys of 15 bytes, with their chunk lengths). The receiver's RSS stays within 64 MiB of where it started, and it
 /// still serves.
 #[test]
 fn first_batches_cannot_amplify_into_memory() {
@@ -218,20 +222,26 @@ fn first_batches_cannot_amplify_into_memory() {
     // A hog holds 768 of the 1024 slots (its share), so the flood's requests would wait.
     let mut hog = Peer::dealer(receiver.addr(), Some(&fresh_identity("hog"))).expect("hog");
     let r = reply(
-        &hog.request(&first_batch("hold", vec![], 768, 1))
+        &hog.request(&first_batch("hold", vec![], 768, 1, None))
             .expect("held"),
     );
     assert!(!r.is_refusal(), "{r:?}");
     let tiny: Vec<String> = (0..500_000)
         .map(|i| ((b'a' + (i % 26) as u8) as char).to_string())
         .collect();
-    let many: Vec<String> = (0..60_000).map(|i| format!("{i:0>15}")).collect();
+    let many: Vec<String> = (0..55_000).map(|i| format!("{i:0>15}")).collect();
     for p in 0..8 {
         let mut peer =
             Peer::dealer(receiver.addr(), Some(&fresh_identity("flood"))).expect("flood");
         for i in 0..5u64 {
-            let keys = if (p + i) % 2 == 0 { &tiny } else { &many };
-            let frame = first_batch(&format!("flood-{p}-{i}"), keys.clone(), 768, i + 1);
+            // The tiny keys' list is refused before any other field is read; the many keys
+            // come with their lengths, as a kvx sender's do (1 byte each, to fit a frame).
+            let (keys, chunk) = if (p + i) % 2 == 0 {
+                (&tiny, None)
+            } else {
+                (&many, Some(1))
+            };
+            let frame = first_batch(&format!("flood-{p}-{i}"), keys.clone(), 768, i + 1, chunk);
             assert!(frame.len() <= 1 << 20, "{} bytes fit a frame", frame.len());
             let r = reply(&peer.request(&frame).expect("answered"));
             assert!(r.is_refusal(), "refused at once: {r:?}");
@@ -313,4 +323,151 @@ fn unauthenticated_fabric_hellos_are_refused() {
     assert!(junk.closed(), "junk is dropped");
     receiver.assert_alive();
     legit_round_trip(&mut receiver);
+}
+
+/// One batch, the request's last, of a kvx sender: chunk `0` of `req`, declared `bytes` long.
+fn one_chunk(req: &str, bytes: u64, seq: u64) -> Vec<u8> {
+    wire::encode(&Message::AllocRequest(AllocRequest {
+        keys: vec![format!("{req}@0")],
+        fmt: 1,
+        shape: vec![2, 2, 16, 32],
+        dtype: "bfloat16".into(),
+        last_chunk_toks: 16,
+        req_id: req.into(),
+        is_last_batch: true,
+        total_chunks: 1,
+        seq: Some(seq),
+        chunk_bytes: Some(vec![bytes]),
+    }))
+}
+
+/// Asks for `req` on `control` and returns its slot and the immediate its write carries.
+fn grant_of(control: &mut Peer, req: &str, bytes: u64, seq: u64) -> (u32, u32) {
+    let r = reply(
+        &control
+            .request(&one_chunk(req, bytes, seq))
+            .expect("answered"),
+    );
+    assert!(!r.is_refusal(), "{req} granted: {r:?}");
+    let slot = u32::try_from(r.remote_indexes[0]).expect("a slot");
+    let generation = r.generations.expect("a kvx sender gets generations")[0];
+    (slot, fabric::imm(slot, generation))
+}
+
+/// A write of `payload` into `slot` under `imm`, with its checksum.
+fn write(id: u64, slot: u32, imm: u32, payload: &[u8]) -> Vec<u8> {
+    let sum = kvx_io::chunk_checksum(payload);
+    let mut b = fabric::header(id, slot, payload.len() as u64, Some(imm), Some(sum));
+    b.extend_from_slice(payload);
+    b
+}
+
+fn attach(addr: SocketAddr, credential: &FabricCredential) -> FabricPeer {
+    let mut peer = FabricPeer::connect(addr).expect("the fabric port answers");
+    peer.send(&fabric::hello(1, CHUNK, credential))
+        .expect("hello");
+    assert_eq!(peer.welcome().expect("welcome").status, 0, "attached");
+    peer
+}
+
+/// A short write completed a chunk: one byte into a granted slot was accepted as the whole
+/// chunk, and the decoder read the previous request's bytes for the rest. Against a receiver
+/// of one slot, whose decoder verifies every chunk it reads, the grant holder itself writes
+/// one byte, the two halves of a split write and a write longer than the slot into the slot
+/// that held the previous request's chunk; a whole slot into a partial chunk declared half as
+/// long; and a write cut mid-payload. Each is refused with a status (ack 2) or ends its
+/// connection, none makes its request ready (the whole chunk still lands after the refused
+/// ones), and the decoder never reads a chunk that is not whole.
+#[test]
+fn a_chunk_lands_whole_or_not_at_all() {
+    let mut receiver = Kvx::receiver_with(1, CHUNK, &[]);
+    let addr = receiver.fabric_addr();
+    let (mut control, credential) = own_credential(&receiver);
+    // The probe that fetched the credential holds the only slot's reservation: let it go.
+    let cancel = |req: &str, seq: u64| {
+        wire::encode(&Message::CancelNotif(CancelNotif {
+            req_id: req.into(),
+            keys: vec![],
+            seq: Some(seq),
+            drained: Some(true),
+        }))
+    };
+    control
+        .request(&cancel("attacker-probe", 2))
+        .expect("cancel acknowledged");
+    let chunk = |req: &str| {
+        let mut b = vec![0u8; CHUNK as usize];
+        kvx_node::synthetic::chunk_bytes(req, 0, &mut b);
+        b
+    };
+    let mut f = attach(addr, &credential);
+    let ack = |f: &mut FabricPeer| f.ack().expect("every write is acked");
+
+    // The previous request: its whole chunk fills the slot and is read.
+    let old = chunk("old");
+    let (slot, imm) = grant_of(&mut control, "old", CHUNK, 3);
+    f.send(&write(1, slot, imm, &old)).expect("sent");
+    assert_eq!(ack(&mut f), (1, 0), "a whole chunk lands");
+
+    // A partial last chunk declared half a slot: a whole slot's write is longer than it.
+    let (slot, imm) = grant_of(&mut control, "partial", CHUNK / 2, 4);
+    f.send(&write(2, slot, imm, &chunk("partial")))
+        .expect("sent");
+    assert_eq!(
+        ack(&mut f),
+        (2, 2),
+        "a write longer than its chunk is refused"
+    );
+    control
+        .request(&cancel("partial", 5))
+        .expect("cancel acknowledged");
+
+    // The next request gets the same slot, still holding the old chunk.
+    let new = chunk("new");
+    let (slot, imm) = grant_of(&mut control, "new", CHUNK, 6);
+    f.send(&write(3, slot, imm, &new[..1])).expect("sent");
+    assert_eq!(ack(&mut f), (3, 2), "one byte is refused");
+    let half = new.len() / 2;
+    f.send(&write(4, slot, imm, &new[..half])).expect("sent");
+    f.send(&write(5, slot, imm, &new[half..])).expect("sent");
+    assert_eq!(
+        ack(&mut f),
+        (4, 2),
+        "the first half of a split write is refused"
+    );
+    assert_eq!(ack(&mut f), (5, 2), "so is the second");
+    // A header that declares more than the slot ends the connection.
+    f.send(&fabric::header(6, slot, CHUNK + 1, Some(imm), None))
+        .expect("sent");
+    assert!(f.closed(), "a write beyond the slot ends its connection");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        receiver.log_count("decoder read corrupt bytes"),
+        0,
+        "no partial chunk was read: {:?}",
+        receiver.lines()
+    );
+    // The whole chunk still lands: no refused write completed the chunk or used its grant.
+    let mut f = attach(addr, &credential);
+    f.send(&write(7, slot, imm, &new)).expect("sent");
+    assert_eq!(ack(&mut f), (7, 0), "the whole chunk lands");
+
+    // A write cut mid-payload never completes: its grant is used (admitted at its header),
+    // nothing is announced, and the request is never ready (its lease runs out).
+    let (slot, imm) = grant_of(&mut control, "cut", CHUNK, 7);
+    let mut cut = attach(addr, &credential);
+    let whole = write(8, slot, imm, &chunk("cut"));
+    cut.send(&whole[..whole.len() / 2]).expect("sent");
+    drop(cut);
+    std::thread::sleep(Duration::from_millis(300));
+    f.send(&write(9, slot, imm, &chunk("cut"))).expect("sent");
+    assert_eq!(ack(&mut f), (9, 2), "the cut write's grant admits no other");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        receiver.log_count("decoder read corrupt bytes"),
+        0,
+        "the decoder read whole chunks only: {:?}",
+        receiver.lines()
+    );
+    receiver.assert_alive();
 }

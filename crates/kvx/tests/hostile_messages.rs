@@ -32,6 +32,7 @@ fn probe(req_id: &str, total: u32) -> Vec<u8> {
         is_last_batch: false,
         total_chunks: total,
         seq: Some(1),
+        chunk_bytes: None,
     }))
 }
 

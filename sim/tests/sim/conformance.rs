@@ -60,6 +60,13 @@ fn fabric_refuses_writes_outside_grants() {
 }
 
 #[test]
+fn fabric_lands_only_whole_chunks() {
+    with_world(9, |w| async move {
+        c::fabric_lands_only_whole_chunks(&fabric(&w), "buffer", true).await
+    });
+}
+
+#[test]
 fn fabric_checks_checksums() {
     with_world(8, |w| async move {
         c::fabric_checks_checksums(&fabric(&w), "buffer").await

@@ -227,13 +227,20 @@ impl<E: Env> SenderHandle<E> {
         &self.memory
     }
 
-    /// Submits staged chunks as one batch.
+    /// Submits staged chunks as one batch. Each chunk's `bytes` is set to the length staged
+    /// in its slot (`stage`, `stage_with`, `staged`; the slot's size if none was): that is
+    /// what its write brings, and the receiver lands a chunk only at its declared length.
     pub fn submit(
         &self,
         req_id: &ReqId,
-        chunks: Vec<ChunkSpec>,
+        mut chunks: Vec<ChunkSpec>,
         is_last: bool,
     ) -> Result<(), SendError> {
+        for c in &mut chunks {
+            if let Some(len) = self.shared.lens.get(c.staging.0 as usize) {
+                c.bytes = len.load(std::sync::atomic::Ordering::Acquire) as u64;
+            }
+        }
         let now = self.now();
         let result = self
             .shared

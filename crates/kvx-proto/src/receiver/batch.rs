@@ -20,6 +20,30 @@ pub(super) fn queued_bytes(msg: &AllocRequest) -> usize {
     let keys: usize = msg.keys.iter().map(|k| k.len() + OVERHEAD).sum();
     128 + msg.req_id.len() + msg.dtype.len() + msg.shape.len() * 8 + keys
 }
+
+/// Why a batch does not say how long its chunks are, if it does not: a kvx sender's batch
+/// declares each chunk's length (`AllocRequest::chunk_bytes`, parallel to `keys`, none of
+/// them 0), so that a write into its slot counts only whole. A legacy sender declares none
+/// (its requests are made ready by the application, not by landings).
+fn undeclared_lengths(msg: &AllocRequest) -> Option<String> {
+    match &msg.chunk_bytes {
+        None if msg.seq.is_some() && !msg.keys.is_empty() => Some(format!(
+            "the batch brings {} keys but declares no chunk_bytes",
+            msg.keys.len()
+        )),
+        None => None,
+        Some(bytes) if bytes.len() != msg.keys.len() => Some(format!(
+            "the batch brings {} keys but {} chunk_bytes",
+            msg.keys.len(),
+            bytes.len()
+        )),
+        Some(bytes) if bytes.contains(&0) => {
+            Some("the batch declares a chunk of 0 bytes".to_owned())
+        }
+        Some(_) => None,
+    }
+}
+
 use crate::admission::Decision;
 use crate::config::LegacySenders;
 use crate::ids::{PeerId, ReqKey};
@@ -44,12 +68,18 @@ impl ReceiverLedger {
             peer,
             req_id: msg.req_id.as_str().into(),
         };
-        if let Some(why) = self.oversize(&msg) {
+        let oversize = self.oversize(&msg).map(|why| (why, true));
+        if let Some((why, too_large)) =
+            oversize.or_else(|| undeclared_lengths(&msg).map(|w| (w, false)))
+        {
             return match self.requests.get(&key).map(|r| &r.phase) {
                 Some(Phase::Waiting { .. } | Phase::Receiving | Phase::Complete | Phase::Ready) => {
                     self.violation(now, &key, &msg, why)
                 }
-                None => self.refuse_and_remember(now, key, &msg, Failure::TooLarge(why)),
+                None if too_large => {
+                    self.refuse_and_remember(now, key, &msg, Failure::TooLarge(why))
+                }
+                None => self.refuse_and_remember(now, key, &msg, Failure::ProtocolViolation(why)),
             };
         }
         if let Some(prior) = self.tombstones.get(&key) {
@@ -138,6 +168,7 @@ impl ReceiverLedger {
             slots: Vec::new(),
             keys: Vec::new(),
             tokens: Vec::new(),
+            bytes: Vec::new(),
             layout: ChunkLayout::default(),
             landed: 0,
             notices: msg.seq.is_some(),
@@ -204,12 +235,14 @@ impl ReceiverLedger {
         }
         let last = msg.keys.len().saturating_sub(1);
         for (i, chunk_key) in msg.keys.into_iter().enumerate() {
+            let bytes = msg.chunk_bytes.as_ref().map(|b| b[i]);
             // Admission guarantees a free slot for every reserved chunk (quarantined and
             // held slots are counted against capacity), so this cannot fail.
             let tag = self
                 .slots
-                .grant(ticket, key.peer)
+                .grant(ticket, key.peer, bytes)
                 .expect("invariant: a reserved chunk always finds a free slot");
+            req.bytes.push(bytes);
             indexes.push(i64::from(tag.slot.0));
             generations.push(tag.generation);
             req.slots.push(tag);

@@ -66,6 +66,8 @@ impl ReceiverLedger {
             enc.len(r.slots.len());
             r.slots.iter().for_each(|&t| enc.tag(t));
             enc.strs(&r.keys);
+            // A declared length decides what a landing does, so it is state.
+            r.bytes.iter().for_each(|b| enc.u(b.map_or(0, |b| b + 1)));
             enc.u(u64::from(r.landed));
             enc.flag(r.notices);
             enc.time(r.deadline);

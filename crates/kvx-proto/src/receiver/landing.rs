@@ -1,7 +1,8 @@
 //! What a landed write must prove before it counts (`docs/spec/protocol.md` §Receiver,
 //! landings): that its immediate names the slot it was written into, that the connection it
-//! came through belongs to the peer holding that slot's current grant, that it brought bytes,
-//! and that they match the checksum its sender computed. A write that fails the first two is
+//! came through belongs to the peer holding that slot's current grant, that it brought
+//! exactly the bytes its batch declared for the chunk (`AllocRequest::chunk_bytes`), and that
+//! they match the checksum its sender computed. A write that fails the first two is
 //! *refused* (counted, never announced, the slot unchanged); one that fails the last two is
 //! *corrupt* and fails its request, so the decoder never reads it.
 
@@ -40,7 +41,8 @@ pub struct LandedWrite {
     pub slot: SlotIndex,
     /// The write's immediate, decoded (`WriteTag::from_imm`).
     pub tag: WriteTag,
-    /// Bytes written; 0 fails the grant holder's request.
+    /// Bytes written, as the fabric counted them landing; anything but the chunk's declared
+    /// length (0 included) fails the grant holder's request.
     pub bytes: u64,
     /// How the carried checksum compared with the landed bytes.
     pub checksum: ChecksumCheck,
@@ -57,7 +59,8 @@ pub enum LandingVerdict {
     Stale,
     /// Not this peer's grant, or not the slot the immediate names: ignored, never announced.
     Refused(String),
-    /// The grant holder's write arrived empty or corrupt: its request failed.
+    /// The grant holder's write arrived empty, not of its chunk's length, or corrupt: its
+    /// request failed.
     Corrupt(String),
 }
 
@@ -130,14 +133,24 @@ impl ReceiverLedger {
     /// Why the grant holder's own write cannot be handed to the decoder, if it cannot.
     fn integrity_problem(&self, key: &crate::ids::ReqKey, w: &LandedWrite) -> Option<String> {
         let req = &self.requests[key];
-        let chunk = req
-            .slots
-            .iter()
-            .position(|t| t.slot == w.slot)
-            .map_or_else(|| "?".to_owned(), |i| i.to_string());
+        let index = req.slots.iter().position(|t| t.slot == w.slot);
+        let chunk = index.map_or_else(|| "?".to_owned(), |i| i.to_string());
         let what = format!("chunk {chunk} of request {key} (slot {})", w.slot.0);
         if w.bytes == 0 {
             return Some(format!("{what} landed with no bytes"));
+        }
+        let declared = index.and_then(|i| req.bytes[i]);
+        if let Some(declared) = declared {
+            if w.bytes != declared {
+                // A short write leaves the rest of the slot as the previous request left it;
+                // a long one is not the chunk its batch described. Either way the decoder
+                // would read bytes the sender never sent as this chunk.
+                return Some(format!(
+                    "{what} landed {} bytes but its batch declared {declared}: a chunk \
+                     counts only whole",
+                    w.bytes
+                ));
+            }
         }
         match w.checksum {
             ChecksumCheck::Mismatch { .. } => Some(format!("{what}: {}", w.checksum)),

@@ -4,7 +4,7 @@
 //! - `mod.rs`: `ReceiverLedger`, its inputs (`handle_*`), outputs (`poll_*`) and timers.
 //! - `batch.rs`: what one `AllocRequest` does to a request.
 //! - `landing.rs`: what a landed write must prove before it counts (grant holder, slot,
-//!   bytes, checksum).
+//!   length, checksum).
 //! - `outcome.rs`: `Failure` / `Outcome` and the reasons a sender reads.
 //! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
@@ -138,6 +138,9 @@ pub(crate) struct Request {
     pub keys: Vec<String>,
     /// Parallel to `keys`: the token count a batch named for its last chunk.
     pub tokens: Vec<Option<u64>>,
+    /// Parallel to `keys`: each chunk's length as its batch declared it (`None`: a legacy
+    /// sender's batch, which declares none). Its one write must bring exactly this many.
+    pub bytes: Vec<Option<u64>>,
     /// From the first batch.
     pub layout: ChunkLayout,
     pub landed: u32,

@@ -34,6 +34,9 @@ pub struct ChunkSpec {
     pub staging: StagingSlot,
     /// Its token count; the last chunk's becomes the batch's `last_chunk_toks`.
     pub tokens: u64,
+    /// Its length in bytes, sent in the batch's `chunk_bytes`: the write of the chunk must
+    /// bring exactly this many (the receiver refuses any other length). At least 1.
+    pub bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

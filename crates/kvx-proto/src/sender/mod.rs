@@ -559,7 +559,10 @@ impl SenderFlow {
         let keys = chunks.iter().map(|c| c.key.clone()).collect();
         let last_toks = chunks.last().map_or(0, |c| c.tokens);
         let spec = req.spec.clone();
-        let msg = self.alloc_request(&spec, keys, last_toks, is_last);
+        let mut msg = self.alloc_request(&spec, keys, last_toks, is_last);
+        if let Message::AllocRequest(m) = &mut msg {
+            m.chunk_bytes = Some(chunks.iter().map(|c| c.bytes).collect());
+        }
         self.enqueue(
             receiver,
             req_id.clone(),
@@ -764,6 +767,9 @@ impl SenderFlow {
         }
         let mut seen = BTreeSet::new();
         for c in chunks {
+            if c.bytes == 0 {
+                return Some(format!("chunk {} declares 0 bytes", c.key));
+            }
             if !req.staged.contains(&c.staging) || !seen.insert(c.staging) {
                 return Some(format!(
                     "staging slot {} is not held by this request",
@@ -791,6 +797,7 @@ impl SenderFlow {
             is_last_batch: is_last,
             total_chunks: spec.total_chunks,
             seq: None, // set when enqueued
+            chunk_bytes: None,
         })
     }
 }

@@ -451,6 +451,8 @@ impl OpWorld {
                     key: format!("{req_id}@{}", done + k),
                     staging: slot,
                     tokens: 1,
+                    // The explorer's landings say 1 byte (`complete_write`).
+                    bytes: 1,
                 }),
                 // Out of staging with nothing staged: wait for it, as a driver's allocate
                 // call does, so that a freed slot comes here first.
@@ -502,6 +504,7 @@ impl OpWorld {
             key: format!("{req_id}@{done}"),
             staging: slot,
             tokens: 1,
+            bytes: 1,
         };
         let last = done + 1 == total;
         if side

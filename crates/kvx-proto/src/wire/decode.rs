@@ -101,6 +101,7 @@ fn decode_alloc_request(r: &mut Reader<'_>, entries: usize) -> Result<AllocReque
         is_last_batch: false,
         total_chunks: 0,
         seq: None,
+        chunk_bytes: None,
     };
     for _ in 0..entries {
         match r.key(M)? {
@@ -114,6 +115,9 @@ fn decode_alloc_request(r: &mut Reader<'_>, entries: usize) -> Result<AllocReque
             b"is_last_batch" => m.is_last_batch = r.bool("AllocRequest.is_last_batch")?,
             b"total_chunks" => m.total_chunks = r.u32("AllocRequest.total_chunks")?,
             b"seq" => m.seq = r.optional("AllocRequest.seq", Reader::u64)?,
+            b"chunk_bytes" => {
+                m.chunk_bytes = r.optional("AllocRequest.chunk_bytes", Reader::u64_list)?;
+            }
             unknown => r.skip_unknown(M, unknown)?,
         }
     }
@@ -454,6 +458,10 @@ impl<'a> Reader<'a> {
 
     fn u32_list(&mut self, path: Path) -> Result<Vec<u32>> {
         self.list(path, Reader::u32)
+    }
+
+    fn u64_list(&mut self, path: Path) -> Result<Vec<u64>> {
+        self.list(path, Reader::u64)
     }
 
     /// Skips one value of any type, iteratively: a frame of nested one-element arrays costs

@@ -43,7 +43,8 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) {
 }
 
 fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
-    header(out, 8 + count_some(&[m.seq.is_some()]), "AllocRequest");
+    let extensions = [m.seq.is_some(), m.chunk_bytes.is_some()];
+    header(out, 8 + count_some(&extensions), "AllocRequest");
     field_list(out, "keys", &m.keys, |out, k| write_str(out, k));
     field_uint(out, "fmt", u64::from(m.fmt));
     field_list(out, "shape", &m.shape, |out, &dim| write_uint(out, dim));
@@ -54,6 +55,9 @@ fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
     field_uint(out, "total_chunks", u64::from(m.total_chunks));
     if let Some(seq) = m.seq {
         field_uint(out, "seq", seq);
+    }
+    if let Some(bytes) = &m.chunk_bytes {
+        field_list(out, "chunk_bytes", bytes, |out, &b| write_uint(out, b));
     }
 }
 
@@ -103,7 +107,10 @@ fn encoded_len_hint(msg: &Message) -> usize {
     let strs = |v: &[String]| v.iter().map(|s| s.len() + 2).sum::<usize>();
     match msg {
         Message::AllocRequest(m) => {
-            160 + strs(&m.keys) + m.shape.len() * 9 + m.dtype.len() + m.req_id.len()
+            160 + strs(&m.keys)
+                + (m.shape.len() + m.chunk_bytes.as_ref().map_or(0, Vec::len)) * 9
+                + m.dtype.len()
+                + m.req_id.len()
         }
         Message::AllocResponse(m) => {
             96 + (m.remote_indexes.len() + m.already_sent_indexes.len()) * 9

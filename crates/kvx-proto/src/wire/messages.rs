@@ -33,6 +33,11 @@ pub struct AllocRequest {
     /// kvx extension: correlates the reply; its presence marks a kvx sender.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
+    /// kvx extension: each chunk's length in bytes, parallel to `keys` (the last one of a
+    /// partial chunk shorter). A kvx sender must send it: a write into a chunk's slot lands
+    /// only if it brings exactly this many bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_bytes: Option<Vec<u64>>,
 }
 
 /// Receiver → sender: the slots to write, or `[-1]` entries on failure.

