@@ -94,6 +94,8 @@ fn admission(c: &mut Criterion) {
                 is_last_batch: false,
                 total_chunks: 16,
                 seq: Some(n),
+                // A probe carries no keys, so no lengths.
+                chunk_bytes: None,
             };
             let now = Instant::ZERO;
             ledger.handle_message(now, PeerId(1), Message::AllocRequest(probe));
