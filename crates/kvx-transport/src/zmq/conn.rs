@@ -48,8 +48,8 @@ impl<T> Drop for AbortOnDrop<T> {
 /// Reads the next message, skipping commands (ZMTP 3.0 peers send none after READY; PING
 /// and the like are ignored). `Ok(None)`: a message arrived but was dropped (counted and
 /// logged): over `frame_max_bytes`, or too many frames. `Err` says why the connection is
-/// over: closed, broken, too slow (`message_timeout`) or its stream can no longer be
-/// trusted; the last two are counted and logged sparsely.
+/// over: closed, broken, too slow (`message_timeout`), its stream can no longer be trusted,
+/// or (CURVE) a box failed authentication; the last three are counted and logged sparsely.
 pub(super) async fn next_message(
     shared: &Shared,
     socket: &'static str,
@@ -84,6 +84,12 @@ pub(super) async fn next_message(
                     &e,
                 );
                 return Err(format!("the peer's stream broke the limits: {e}"));
+            }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                // A CURVE MESSAGE box that does not authenticate, or replays a nonce.
+                let c = &shared.counters.curve_refused;
+                shared.refused(c, socket, "peer disconnected: a CURVE box failed", &e);
+                return Err(format!("the peer's stream failed authentication: {e}"));
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 let c = &shared.counters.messages_timed_out;

@@ -124,7 +124,11 @@ impl Dealer {
     /// One connection's life. Returns only after the reader task has ended, so no reply of
     /// this connection can follow the `Disconnected` sent next.
     async fn serve(&mut self, link: Link) -> End {
-        let Link { reader, writer } = link;
+        let Link {
+            reader,
+            writer,
+            sealer,
+        } = link;
         let heard_on = SharedHeard::new(Mutex::new(Heard {
             replies: 0,
             last: Instant::now(),
@@ -135,7 +139,9 @@ impl Dealer {
             self.events.clone(),
             heard_on.clone(),
         )));
-        let (end, reader_joined) = self.write_requests(writer, &mut reading, &heard_on).await;
+        let (end, reader_joined) = self
+            .write_requests(writer, sealer, &mut reading, &heard_on)
+            .await;
         if !reader_joined {
             // Aborting only asks: wait until the reader is really gone.
             reading.0.abort();
@@ -151,6 +157,7 @@ impl Dealer {
     async fn write_requests(
         &mut self,
         mut writer: tokio::net::tcp::OwnedWriteHalf,
+        mut sealer: zmtp::Sealer,
         reading: &mut AbortOnDrop<End>,
         heard_on: &SharedHeard,
     ) -> (End, bool) {
@@ -159,8 +166,8 @@ impl Dealer {
         let mut sent = 0u64;
         let mut silent_since = Instant::now();
         let mut buf = Vec::with_capacity(1024);
-        let encode = |payload: &[u8], out: &mut Vec<u8>| {
-            zmtp::encode_message(&framing::enveloped_out(payload), out);
+        let mut encode = |payload: &[u8], out: &mut Vec<u8>| {
+            sealer.message(&framing::enveloped_out(payload), out);
         };
         loop {
             let outstanding = sent > heard(heard_on).replies;
@@ -170,7 +177,7 @@ impl Dealer {
                     let end = ended.unwrap_or_else(|e| End::Broken(format!("reader task: {e}")));
                     return (end, true);
                 }
-                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, encode) => {
+                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, &mut encode) => {
                     let Some(taken) = taken else { return (End::HandleGone, false) };
                     // Read again: replies may have come since the loop began.
                     if sent == heard(heard_on).replies {

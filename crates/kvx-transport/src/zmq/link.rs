@@ -31,7 +31,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::conn::watch_liveness;
-use super::zmtp::{self, FrameReader, ReadLimits};
+use super::zmtp::{self, FrameReader, ReadLimits, Sealer};
 use super::{bad_endpoint, bump, worth_logging, Shared};
 
 /// Which socket a connection is for: its type, its routing identity (DEALER), and the
@@ -47,6 +47,8 @@ pub(super) struct Role {
 pub(super) struct Link {
     pub(super) reader: FrameReader<OwnedReadHalf>,
     pub(super) writer: OwnedWriteHalf,
+    /// How messages are written: plain, or boxed under CURVE.
+    pub(super) sealer: Sealer,
 }
 
 /// The most messages one write gathers from the queue: enough to pay one system call for a
@@ -178,12 +180,18 @@ async fn open_unbounded(
     let _ = stream.set_nodelay(true);
     let (rd, mut writer) = stream.into_split();
     let mut reader = FrameReader::new(rd, ReadLimits::of(&shared.config));
-    zmtp::handshake(
+    let curve = shared
+        .config
+        .curve
+        .as_ref()
+        .and_then(|c| Some((&c.keys, c.server_key.as_ref()?)));
+    let (_, sealer) = zmtp::handshake(
         &mut reader,
         &mut writer,
         role.ours,
         role.identity.as_deref(),
         role.peers,
+        curve,
     )
     .await
     .map_err(|e| match e {
@@ -191,11 +199,26 @@ async fn open_unbounded(
             endpoint: endpoint.to_owned(),
             why,
         },
+        why @ (zmtp::HandshakeError::Unauthenticated(_) | zmtp::HandshakeError::NotAllowed(_)) => {
+            let n = bump(&shared.counters.curve_refused);
+            if worth_logging(n) {
+                tracing::warn!(socket = role.ours, %endpoint, so_far = n, %why,
+                    "connection refused by security (CURVE)");
+            }
+            TransportError::Refused {
+                endpoint: endpoint.to_owned(),
+                why: why.to_string(),
+            }
+        }
         zmtp::HandshakeError::Failed(why) => {
             TransportError::Io(format!("ZMTP handshake with {endpoint}: {why}"))
         }
     })?;
-    Ok(Link { reader, writer })
+    Ok(Link {
+        reader,
+        writer,
+        sealer,
+    })
 }
 
 /// Waits for the next payload and takes whatever else is queued behind it (up to
@@ -205,7 +228,7 @@ pub(super) async fn next_batch(
     shared: &Shared,
     outgoing: &mut Outgoing,
     buf: &mut Vec<u8>,
-    encode: impl Fn(&[u8], &mut Vec<u8>),
+    mut encode: impl FnMut(&[u8], &mut Vec<u8>),
 ) -> Option<u64> {
     let first = outgoing.recv(shared).await?;
     buf.clear();

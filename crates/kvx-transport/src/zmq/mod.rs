@@ -20,8 +20,14 @@
 //! `ZmqConfig::frame_max_bytes` (checked before a frame is buffered), `frame_refuse_bytes`
 //! and `message_timeout`, and a bound socket's connections by `connections_max` and
 //! `handshake_timeout`. What a hostile peer meets is `docs/spec/zmq.md` §8.
+//!
+//! - `curve`: the CURVE mechanism (`ZmqConfig::curve`, off by default): bound sockets as
+//!   CURVE servers with an allow-list of client keys, connecting sockets as CURVE clients;
+//!   `ZmqTransport::peer_public_key` names the client key each ROUTER peer proved
+//!   (`docs/spec/zmq.md` §9).
 
 mod conn;
+mod curve;
 mod dealer;
 mod framing;
 mod inbound;
@@ -29,8 +35,15 @@ mod link;
 mod peers;
 mod push;
 mod server;
+mod z85;
 mod zmtp;
 
+pub use curve::{
+    decode_key, fingerprint, load_public_key, AllowList, CurveConfigError, CurveKeyPair,
+    KEY_BYTES,
+};
+
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -104,6 +117,26 @@ pub struct ZmqConfig {
     /// peers meet TCP backpressure. Default 64 MiB: 64 messages of `frame_max_bytes`, against
     /// `CHANNEL_DEPTH` (1024) of them without it. At most 4 GiB.
     pub inbound_bytes_max: usize,
+    /// CURVE (RFC 26) on this transport's sockets; `None` (the default) speaks the NULL
+    /// mechanism, unauthenticated and in the clear.
+    pub curve: Option<CurveConfig>,
+}
+
+/// CURVE settings of a `ZmqTransport` (`docs/spec/zmq.md` §9). Each side is on where its
+/// field is set: a transport that both binds and connects (a proxy) may be a CURVE server
+/// and client at once, with one key pair. A peer speaking NULL to a CURVE socket, or CURVE to
+/// a NULL one, is refused (`ZmqStats::curve_refused`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurveConfig {
+    /// This end's long-term key pair (`CurveKeyPair::load` reads a `.key_secret` file).
+    pub keys: CurveKeyPair,
+    /// Server side: when set, the bound sockets (ROUTER, PULL) are CURVE servers that accept
+    /// a client only if its long-term public key is on this list (`AllowList::load_dir`).
+    pub allowed_clients: Option<AllowList>,
+    /// Client side: when set, the connecting sockets (DEALER, PUSH) are CURVE clients of a
+    /// server holding this public key (`load_public_key` reads its `.key` file). Every
+    /// server this transport connects to holds the same key.
+    pub server_key: Option<[u8; KEY_BYTES]>,
 }
 
 impl Default for ZmqConfig {
@@ -122,6 +155,7 @@ impl Default for ZmqConfig {
             handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(5),
             inbound_bytes_max: 64 << 20,
+            curve: None,
         }
     }
 }
@@ -202,6 +236,19 @@ impl ZmqConfig {
                 "frame_refuse_bytes must be at least frame_max_bytes".into(),
             ));
         }
+        if let Some(curve) = &self.curve {
+            if curve.allowed_clients.is_none() && curve.server_key.is_none() {
+                return Err(ZmqConfigError(
+                    "curve needs allowed_clients (to serve) or server_key (to connect), or both"
+                        .into(),
+                ));
+            }
+            if curve.allowed_clients.as_ref().is_some_and(AllowList::is_empty) {
+                return Err(ZmqConfigError(
+                    "curve.allowed_clients is empty: every client would be refused".into(),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -241,6 +288,11 @@ pub struct ZmqStats {
     /// Connections closed because their stream broke the framing rules: reserved flags, a
     /// frame announced over `frame_refuse_bytes`, a command inside a message.
     pub protocol_violations: u64,
+    /// Connections refused or ended by security: a peer speaking NULL to a CURVE socket or
+    /// CURVE to a NULL one, a CURVE handshake box, cookie or vouch that does not open (a
+    /// wrong server key, a forgery), a client key not on the allow-list, and after the
+    /// handshake a MESSAGE box that does not authenticate or replays a nonce.
+    pub curve_refused: u64,
 }
 
 #[derive(Debug, Default)]
@@ -257,6 +309,7 @@ struct Counters {
     identities_refused: AtomicU64,
     messages_timed_out: AtomicU64,
     protocol_violations: AtomicU64,
+    curve_refused: AtomicU64,
 }
 
 /// Adds one; returns the new count.
@@ -384,6 +437,7 @@ impl ZmqTransport {
             identities_refused: get(&c.identities_refused),
             messages_timed_out: get(&c.messages_timed_out),
             protocol_violations: get(&c.protocol_violations),
+            curve_refused: get(&c.curve_refused),
         }
     }
 
@@ -391,6 +445,21 @@ impl ZmqTransport {
     /// read `"{sender}-to-{receiver}"`), while the transport remembers it.
     pub fn peer_identity(&self, peer: PeerId) -> Option<Bytes> {
         self.shared.peers().identity_of(peer)
+    }
+
+    /// The long-term CURVE public key `peer`'s connection to a ROUTER proved (it holds the
+    /// secret half: RFC 26's vouch), while that connection lasts; `None` without CURVE, or
+    /// when no connection holds the peer's identity now. With CURVE on, this is the peer's
+    /// authenticated principal: the key, not the identity it chose, nor its address.
+    pub fn peer_public_key(&self, peer: PeerId) -> Option<[u8; KEY_BYTES]> {
+        self.shared.peers().principal_of(peer)?.key
+    }
+
+    /// The source address of `peer`'s connection to a ROUTER, while that connection lasts.
+    /// Without CURVE this is all there is to tell peers apart by (identities are chosen by
+    /// the peer), and it holds only as far as the network is trusted (`docs/operations.md`).
+    pub fn peer_source(&self, peer: PeerId) -> Option<IpAddr> {
+        Some(self.shared.peers().principal_of(peer)?.source)
     }
 }
 

@@ -15,6 +15,7 @@
 //! a zero byte), held to a peer's READY as well as to kvx's own DEALER.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 
 use bytes::Bytes;
 use kvx_proto::PeerId;
@@ -52,6 +53,14 @@ pub(crate) fn announced_identity(props: &[(String, Bytes)]) -> Result<Option<Byt
     }
 }
 
+/// Who holds a connection: its source address, and under CURVE the long-term public key it
+/// proved (`ZmqTransport::peer_public_key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Principal {
+    pub(crate) source: IpAddr,
+    pub(crate) key: Option<[u8; 32]>,
+}
+
 #[derive(Debug)]
 struct Entry {
     id: PeerId,
@@ -71,6 +80,8 @@ pub(crate) struct PeerTable {
     /// of one transport share the table). Never forgotten while held: a peer cycling through
     /// new identities must not make a connected sender lose its `PeerId` mid-request.
     held: HashMap<Bytes, u32>,
+    /// Who holds each held identity's connection (the latest, should two servers share it).
+    principals: HashMap<Bytes, Principal>,
     next_id: u64,
     /// A logical clock: one tick per lookup, so eviction order needs no system time.
     clock: u64,
@@ -85,6 +96,7 @@ impl PeerTable {
             by_id: HashMap::new(),
             by_age: BTreeMap::new(),
             held: HashMap::new(),
+            principals: HashMap::new(),
             next_id: 1,
             clock: 0,
             max: max.max(1),
@@ -122,10 +134,16 @@ impl PeerTable {
         self.by_id.get(&id).cloned()
     }
 
-    /// A connection now holds `identity` (a ROUTER claimed it): it is not forgotten until
-    /// `released`.
-    pub(crate) fn held(&mut self, identity: &Bytes) {
+    /// A connection of `principal` now holds `identity` (a ROUTER claimed it): it is not
+    /// forgotten until `released`.
+    pub(crate) fn held(&mut self, identity: &Bytes, principal: Principal) {
         *self.held.entry(identity.clone()).or_insert(0) += 1;
+        self.principals.insert(identity.clone(), principal);
+    }
+
+    /// Who holds the connection of `id`'s identity now, if one does.
+    pub(crate) fn principal_of(&self, id: PeerId) -> Option<Principal> {
+        self.principals.get(self.by_id.get(&id)?).copied()
     }
 
     /// The connection holding `identity` ended.
@@ -134,6 +152,7 @@ impl PeerTable {
             *n -= 1;
             if *n == 0 {
                 self.held.remove(identity);
+                self.principals.remove(identity);
             }
         }
     }
@@ -235,7 +254,13 @@ mod tests {
     #[test]
     fn identities_held_by_a_connection_are_never_forgotten() {
         let mut t = PeerTable::new(3);
-        t.held(&b("sender"));
+        let who = Principal {
+            source: IpAddr::from([127, 0, 0, 1]),
+            key: Some([7; 32]),
+        };
+        t.held(&b("sender"), who);
+        let id = t.peer_for(&b("sender"));
+        assert_eq!(t.principal_of(id), Some(who));
         let sender = t.peer_for(&b("sender"));
         for i in 0..1000 {
             t.peer_for(&Bytes::from(format!("cycling-{i}")));
@@ -243,6 +268,7 @@ mod tests {
         assert_eq!(t.len(), 3);
         assert_eq!(t.peer_for(&b("sender")), sender, "kept its PeerId");
         t.released(&b("sender"));
+        assert_eq!(t.principal_of(id), None, "no connection holds it now");
         for i in 0..3 {
             t.peer_for(&Bytes::from(format!("later-{i}")));
         }

@@ -14,7 +14,7 @@ use super::link::{
     discard_queued, next_batch, note_broken, open, reconnect, write_bounded, Backoff, End, Link,
     Outgoing, Role,
 };
-use super::{framing, zmtp, Shared};
+use super::{framing, Shared};
 
 const ROLE: Role = Role {
     ours: "PUSH",
@@ -82,6 +82,7 @@ impl Pusher {
         let Link {
             mut reader,
             mut writer,
+            mut sealer,
         } = link;
         let shared = self.shared.clone();
         // Anything a PULL sends is ignored; the read ends when the connection does.
@@ -93,15 +94,15 @@ impl Pusher {
             }
         }));
         let mut buf = Vec::with_capacity(1024);
-        let encode = |payload: &[u8], out: &mut Vec<u8>| {
-            zmtp::encode_message(&framing::notice_out(payload), out);
+        let mut encode = |payload: &[u8], out: &mut Vec<u8>| {
+            sealer.message(&framing::notice_out(payload), out);
         };
         loop {
             tokio::select! {
                 why = &mut watching.0 => {
                     return End::Broken(why.unwrap_or_else(|e| format!("reader task: {e}")));
                 }
-                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, encode) => {
+                taken = next_batch(&self.shared, &mut self.outgoing, &mut buf, &mut encode) => {
                     if taken.is_none() {
                         return End::HandleGone;
                     }

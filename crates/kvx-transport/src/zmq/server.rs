@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use super::inbound::InboundBudget;
 
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
-use super::zmtp::{self, FrameReader, ReadLimits};
+use super::zmtp::{self, FrameReader, HandshakeError, Handshaken, ReadLimits, Sealer};
 use super::{bump, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
@@ -113,20 +113,37 @@ async fn accept_loop<F, Fut>(
 }
 
 /// The peer's half of the handshake within `handshake_timeout` (our greeting out, its
-/// greeting and READY in: `zmtp::handshake_server`); `None` (counted, logged sparsely) when
-/// the peer fails it. The caller answers with `accept` or `refuse`.
+/// greeting and READY in, or CURVE's HELLO to INITIATE: `zmtp::handshake_server`); `None`
+/// (counted, logged sparsely) when the peer fails it. A peer refused for security (the other
+/// mechanism, a CURVE box that does not open, a key off the allow-list) is told why in an
+/// ERROR command and counted in `curve_refused`. The caller answers with `accept` or
+/// `refuse`.
 async fn handshake(
     shared: &Shared,
     reader: &mut FrameReader<tokio::net::tcp::OwnedReadHalf>,
     writer: &mut OwnedWriteHalf,
     ours: &'static str,
     peers: &[&str],
-) -> Option<Vec<(String, Bytes)>> {
+) -> Option<Handshaken> {
     let bound = shared.config.handshake_timeout;
-    let why = match tokio::time::timeout(bound, zmtp::handshake_server(reader, writer, ours, peers))
-        .await
-    {
-        Ok(Ok(props)) => return Some(props),
+    let curve = shared
+        .config
+        .curve
+        .as_ref()
+        .and_then(|c| Some((&c.keys, c.allowed_clients.as_ref()?)));
+    let handshake = zmtp::handshake_server(reader, writer, ours, peers, curve);
+    let why = match tokio::time::timeout(bound, handshake).await {
+        Ok(Ok(handshaken)) => return Some(handshaken),
+        Ok(Err(why @ (HandshakeError::Unauthenticated(_) | HandshakeError::NotAllowed(_)))) => {
+            shared.refused(
+                &shared.counters.curve_refused,
+                ours,
+                "connection refused by security (CURVE); connection closed",
+                &why,
+            );
+            refuse(shared, writer, &why.to_string()).await;
+            return None;
+        }
         Ok(Err(why)) => why.to_string(),
         Err(_) => format!("not done within {bound:?}"),
     };
@@ -139,11 +156,16 @@ async fn handshake(
     None
 }
 
-/// Completes the handshake with our READY, within `handshake_timeout`; false when the peer
-/// did not take it (the connection is then closed).
-async fn accept(shared: &Shared, writer: &mut OwnedWriteHalf, ours: &'static str) -> bool {
+/// Completes the handshake with our READY (in a CURVE box, under CURVE), within
+/// `handshake_timeout`; false when the peer did not take it (the connection is then closed).
+async fn accept(
+    shared: &Shared,
+    writer: &mut OwnedWriteHalf,
+    sealer: &mut Sealer,
+    ours: &'static str,
+) -> bool {
     use tokio::io::AsyncWriteExt;
-    let ready = zmtp::ready(ours, None);
+    let ready = sealer.ready(ours);
     let bound = shared.config.handshake_timeout;
     matches!(
         tokio::time::timeout(bound, writer.write_all(&ready)).await,
@@ -289,8 +311,15 @@ async fn router_conn(
     stream: TcpStream,
     held: Arc<Held>,
 ) {
+    let source = stream
+        .peer_addr()
+        .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
     let (mut reader, mut writer) = reader_for(&shared, stream);
-    let Some(props) = handshake(
+    let Some(Handshaken {
+        props,
+        mut sealer,
+        client_key,
+    }) = handshake(
         &shared,
         &mut reader,
         &mut writer,
@@ -326,13 +355,23 @@ async fn router_conn(
         refuse(&shared, &mut writer, IDENTITY_HELD).await;
         return;
     };
-    if !accept(&shared, &mut writer, "ROUTER").await {
+    if !accept(&shared, &mut writer, &mut sealer, "ROUTER").await {
         lock(&routes).release(&identity, conn);
         return;
     }
-    // While this connection holds the identity, its `PeerId` is not forgotten (`peers`).
-    shared.peers().held(&identity);
-    let mut writing = AbortOnDrop(tokio::spawn(write_replies(shared.clone(), writer, queue)));
+    // While this connection holds the identity, its `PeerId` is not forgotten (`peers`), and
+    // who holds it is known (`ZmqTransport::peer_public_key`, `peer_source`).
+    let principal = peers::Principal {
+        source,
+        key: client_key,
+    };
+    shared.peers().held(&identity, principal);
+    let mut writing = AbortOnDrop(tokio::spawn(write_replies(
+        shared.clone(),
+        writer,
+        sealer,
+        queue,
+    )));
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
@@ -369,6 +408,7 @@ async fn router_conn(
 async fn write_replies(
     shared: Arc<Shared>,
     mut writer: OwnedWriteHalf,
+    mut sealer: Sealer,
     mut queue: mpsc::Receiver<Bytes>,
 ) {
     use tokio::io::AsyncWriteExt;
@@ -376,9 +416,9 @@ async fn write_replies(
     let mut buf = Vec::new();
     while let Some(payload) = queue.recv().await {
         buf.clear();
-        zmtp::encode_message(&framing::enveloped_out(&payload), &mut buf);
+        sealer.message(&framing::enveloped_out(&payload), &mut buf);
         while let Ok(more) = queue.try_recv() {
-            zmtp::encode_message(&framing::enveloped_out(&more), &mut buf);
+            sealer.message(&framing::enveloped_out(&more), &mut buf);
         }
         match tokio::time::timeout(after, writer.write_all(&buf)).await {
             Ok(Ok(())) => {}
@@ -483,11 +523,11 @@ async fn pull_conn(
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
     let (mut reader, mut writer) = reader_for(&shared, stream);
-    if handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"])
-        .await
-        .is_none()
-        || !accept(&shared, &mut writer, "PULL").await
-    {
+    let Some(mut handshaken) = handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"]).await
+    else {
+        return;
+    };
+    if !accept(&shared, &mut writer, &mut handshaken.sealer, "PULL").await {
         return;
     }
     let max = shared.config.frame_max_bytes;

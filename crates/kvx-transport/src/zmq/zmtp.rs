@@ -1,5 +1,6 @@
-//! The ZMTP 3 subset kvx speaks on every socket (RFC 23, NULL mechanism): the greeting, the
-//! READY command, and multipart messages of `flags, length, body` frames.
+//! The ZMTP 3 subset kvx speaks on every socket (RFC 23, the NULL mechanism, and CURVE through
+//! `curve`): the greeting, the READY command, and multipart messages of `flags, length, body`
+//! frames (under CURVE, each frame in a MESSAGE box: `Sealer` and `FrameReader` here).
 //!
 //! Why kvx reads and writes ZMTP itself instead of through the `zeromq` crate (0.7): its codec
 //! reserves a frame's announced length before reading it and has no maximum message size, so
@@ -19,10 +20,11 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::curve::{self, CurveKeyPair, CurveRx, CurveTx, MESSAGE_OVERHEAD};
 use super::PeerBytes;
 
 const MORE: u8 = 0x01;
-const LONG: u8 = 0x02;
+pub(super) const LONG: u8 = 0x02;
 const COMMAND: u8 = 0x04;
 
 /// The most frames of one message that are buffered. No shape kvx accepts has more than
@@ -30,33 +32,58 @@ const COMMAND: u8 = 0x04;
 /// without end, each frame within `frame_max_bytes`.
 pub(super) const FRAMES_MAX: u64 = 4;
 
-/// kvx's greeting: signature (with libzmq's padding), ZMTP 3.0, NULL, as-server 0, filler.
-/// 3.0 rather than 3.1: a 3.1 peer then never sends heartbeats, and the framing is the same.
-pub(super) fn greeting() -> [u8; 64] {
+/// The security mechanisms kvx speaks, as the greeting names them.
+pub(super) const NULL: &[u8] = b"NULL";
+pub(super) const CURVE: &[u8] = b"CURVE";
+
+/// kvx's greeting: signature (with libzmq's padding), ZMTP 3.0, the `mechanism`, the
+/// as-server flag (1 for a CURVE server), filler. 3.0 rather than 3.1: a 3.1 peer then never
+/// sends heartbeats, and the framing is the same.
+pub(super) fn greeting(mechanism: &[u8], as_server: bool) -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xff;
     g[8] = 0x01;
     g[9] = 0x7f;
     g[10] = 3;
     g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
+    g[12..12 + mechanism.len()].copy_from_slice(mechanism);
+    g[32] = u8::from(as_server);
     g
 }
 
-/// Checks a peer's greeting: a ZMTP 3 signature and the NULL mechanism.
-pub(super) fn check_greeting(g: &[u8; 64]) -> Result<(), String> {
+/// The mechanism a greeting names, as it may appear in a message.
+fn mechanism_name(g: &[u8; 64]) -> String {
+    let m = &g[12..32];
+    let end = m.iter().position(|&b| b == 0).unwrap_or(m.len());
+    PeerBytes(&m[..end]).to_string()
+}
+
+/// Checks a peer's greeting: a ZMTP 3 signature, and the `ours` mechanism. A peer speaking
+/// another mechanism (NULL against CURVE, or the other way round) is `Unauthenticated`.
+pub(super) fn check_greeting(g: &[u8; 64], ours: &[u8]) -> Result<(), HandshakeError> {
     if g[0] != 0xff || g[9] & 0x01 != 0x01 {
-        return Err("not a ZMTP greeting".into());
+        return Err(HandshakeError::Failed("not a ZMTP greeting".into()));
     }
     if g[10] < 3 {
-        return Err(format!(
+        return Err(HandshakeError::Failed(format!(
             "ZMTP {}.{} is too old (3.0 or later)",
             g[10], g[11]
-        ));
+        )));
     }
-    let mechanism = &g[12..32];
-    if !mechanism.starts_with(b"NULL") || mechanism[4..].iter().any(|&b| b != 0) {
-        return Err("only the NULL mechanism is supported".into());
+    let named = |m: &[u8]| g[12..12 + m.len()] == *m && g[12 + m.len()..32].iter().all(|&b| b == 0);
+    if !named(NULL) && !named(CURVE) {
+        return Err(HandshakeError::Failed(format!(
+            "the {} security mechanism is not supported (NULL or CURVE)",
+            mechanism_name(g)
+        )));
+    }
+    if !named(ours) {
+        return Err(HandshakeError::Unauthenticated(format!(
+            "the peer speaks the {} security mechanism, this socket {} (CURVE is on at both \
+             ends or at neither)",
+            mechanism_name(g),
+            String::from_utf8_lossy(ours)
+        )));
     }
     Ok(())
 }
@@ -64,9 +91,15 @@ pub(super) fn check_greeting(g: &[u8; 64]) -> Result<(), String> {
 /// A READY command announcing `socket_type` (and, for a DEALER, its routing `identity`, as
 /// libzmq sends it), as one frame on the wire.
 pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
+    let mut body = b"\x05READY".to_vec();
+    body.extend_from_slice(&metadata(socket_type, identity));
+    command_frame(&body)
+}
+
+/// The properties a READY (or CURVE's INITIATE and READY boxes) carry: `Socket-Type`, and
+/// a DEALER's `Identity`.
+pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     let mut body = Vec::with_capacity(32 + identity.map_or(0, <[u8]>::len));
-    body.push(5);
-    body.extend_from_slice(b"READY");
     let mut property = |name: &[u8], value: &[u8]| {
         body.push(name.len() as u8);
         body.extend_from_slice(name);
@@ -77,7 +110,7 @@ pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     if let Some(identity) = identity {
         property(b"Identity", identity);
     }
-    command_frame(&body)
+    body
 }
 
 /// The properties of a READY command body; an error for anything else.
@@ -167,6 +200,8 @@ pub(super) struct FrameReader<R> {
     io: R,
     buf: BytesMut,
     limits: ReadLimits,
+    /// Under CURVE, after the handshake: every frame is a MESSAGE box, opened here.
+    curve: Option<CurveRx>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -175,7 +210,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             io,
             buf: BytesMut::with_capacity(READ_CHUNK),
             limits,
+            curve: None,
         }
+    }
+
+    /// From now on, every frame is a CURVE MESSAGE box (`curve::client`, `curve::server`).
+    pub(super) fn set_curve(&mut self, rx: CurveRx) {
+        self.curve = Some(rx);
     }
 
     /// One read into the buffer (at most its free room); the byte count, 0 at end of stream.
@@ -270,7 +311,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             u64::from(self.buf[1])
         };
         self.buf.advance(header);
-        if len > self.limits.refuse_above_bytes {
+        // Under CURVE a frame carries its box's overhead too.
+        let overhead = if self.curve.is_some() {
+            MESSAGE_OVERHEAD as u64
+        } else {
+            0
+        };
+        if len > self.limits.refuse_above_bytes.saturating_add(overhead) {
             return Err(invalid(format!(
                 "a frame of {len} bytes announced (limit {})",
                 self.limits.refuse_above_bytes
@@ -306,7 +353,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             return Ok(Incoming::Closed);
         }
         let bound = self.limits.message_timeout;
-        match tokio::time::timeout(bound, self.message()).await {
+        let message = async {
+            if self.curve.is_some() {
+                self.curve_message().await
+            } else {
+                self.message().await
+            }
+        };
+        match tokio::time::timeout(bound, message).await {
             Ok(incoming) => incoming,
             Err(_) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -350,6 +404,92 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// One message under CURVE: MESSAGE boxes, one per frame, the MORE bit inside each. A box
+    /// holds a frame whole, and its MORE bit is known only once it is open, so a frame cannot
+    /// stream past unread: one over `frame_max_bytes` ends the connection (`InvalidData`),
+    /// where without CURVE it is skipped. Frames past the message's limits are opened and
+    /// dropped. A box that does not open, or replays a nonce, ends it too
+    /// (`PermissionDenied`).
+    async fn curve_message(&mut self) -> io::Result<Incoming> {
+        let mut frames = Vec::new();
+        let mut count = 0u64;
+        let mut total = 0u64;
+        let mut oversize = None;
+        loop {
+            let (flags, len) = self.header(0).await?;
+            if flags & (MORE | COMMAND) != 0 {
+                return Err(invalid(format!(
+                    "a frame with flags {flags:#04x} under CURVE (every frame is one MESSAGE)"
+                )));
+            }
+            if len > self.limits.message_max_bytes + MESSAGE_OVERHEAD as u64 {
+                return Err(invalid(format!(
+                    "a CURVE frame of {len} bytes (over frame_max_bytes {} and its box)",
+                    self.limits.message_max_bytes
+                )));
+            }
+            let command = self.body(len as usize).await?;
+            let rx = self.curve.as_mut().expect("invariant: under CURVE");
+            let (inner, frame) = rx.open(&command)?;
+            count += 1;
+            if inner & 0x02 != 0 {
+                // A command inside the box (ZMTP 3.1's PING, from libzmq with heartbeats
+                // on): ignored, as without CURVE. Never part of a message.
+                if count > 1 || inner & MORE != 0 {
+                    return Err(invalid("a command frame inside a multipart message".into()));
+                }
+                return Ok(Incoming::Command);
+            }
+            total = total.saturating_add(frame.len() as u64);
+            if total > self.limits.message_max_bytes {
+                oversize.get_or_insert(total);
+            }
+            if oversize.is_none() && count <= FRAMES_MAX {
+                frames.push(frame);
+            }
+            if inner & MORE == 0 {
+                return Ok(match oversize {
+                    Some(total) => Incoming::Oversize(total),
+                    None if count > FRAMES_MAX => Incoming::TooManyFrames(count),
+                    None => Incoming::Message(frames),
+                });
+            }
+        }
+    }
+}
+
+/// How a connection writes messages: plain frames (NULL), or each frame in a CURVE MESSAGE
+/// box with the connection's next nonce.
+#[derive(Debug, Default)]
+pub(super) enum Sealer {
+    #[default]
+    Null,
+    Curve(CurveTx),
+}
+
+impl Sealer {
+    /// Appends `frames` as one message to `out` (`encode_message`, or boxed).
+    pub(super) fn message(&mut self, frames: &[&[u8]], out: &mut Vec<u8>) {
+        match self {
+            Self::Null => encode_message(frames, out),
+            Self::Curve(tx) => {
+                for (i, frame) in frames.iter().enumerate() {
+                    tx.message(i + 1 < frames.len(), frame, out);
+                }
+            }
+        }
+    }
+
+    /// A bound socket's READY of type `ours`, accepting the peer.
+    pub(super) fn ready(&mut self, ours: &str) -> Vec<u8> {
+        match self {
+            Self::Null => ready(ours, None),
+            Self::Curve(tx) => curve::ready(tx, &metadata(ours, None)),
+        }
+    }
+}
+
 fn invalid(why: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why)
 }
@@ -387,7 +527,7 @@ pub(super) fn error_command(reason: &str) -> Vec<u8> {
 }
 
 /// `body` as one command frame: short below 256 bytes, long from there.
-fn command_frame(body: &[u8]) -> Vec<u8> {
+pub(super) fn command_frame(body: &[u8]) -> Vec<u8> {
     let mut frame = Vec::with_capacity(body.len() + 9);
     if body.len() < 256 {
         frame.extend_from_slice(&[COMMAND, body.len() as u8]);
@@ -412,6 +552,12 @@ fn parse_error(body: &[u8]) -> Option<String> {
 pub(super) enum HandshakeError {
     /// The peer sent ERROR instead of READY: it refused this connection, for this reason.
     Refused(String),
+    /// Security: the peer speaks another mechanism (NULL against CURVE), or a CURVE box,
+    /// cookie or vouch did not open (a wrong key, a forged or tampered command).
+    Unauthenticated(String),
+    /// CURVE: the client proved its long-term key, and the key (its fingerprint here) is not
+    /// on the allow-list.
+    NotAllowed(String),
     /// Anything else: not ZMTP, a socket type that cannot talk to ours, a broken stream.
     Failed(String),
 }
@@ -420,36 +566,84 @@ impl std::fmt::Display for HandshakeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Refused(why) => write!(f, "refused by the peer: {why}"),
+            Self::Unauthenticated(why) => write!(f, "CURVE: {why}"),
+            Self::NotAllowed(key) => {
+                write!(f, "CURVE: client key {key}… is not on the allow-list")
+            }
             Self::Failed(why) => f.write_str(why),
         }
     }
 }
 
+/// `Refused`, with its reason, when `body` is an ERROR command.
+pub(super) fn refused_by_peer(body: &[u8]) -> Result<(), HandshakeError> {
+    match parse_error(body) {
+        Some(reason) => Err(HandshakeError::Refused(reason)),
+        None => Ok(()),
+    }
+}
+
+/// A CURVE client's keys: its own pair and the server's public key.
+pub(super) type ClientCurve<'a> = Option<(&'a CurveKeyPair, &'a [u8; curve::KEY_BYTES])>;
+
+/// A CURVE server's keys: its own pair and the client keys it accepts.
+pub(super) type ServerCurve<'a> = Option<(&'a CurveKeyPair, &'a curve::AllowList)>;
+
+/// What a bound socket's handshake established (`handshake_server`).
+#[derive(Debug)]
+pub(super) struct Handshaken {
+    /// The peer's READY properties (under CURVE, from its INITIATE).
+    pub(super) props: Vec<(String, Bytes)>,
+    /// How this connection writes; its first use is the READY accepting the peer.
+    pub(super) sealer: Sealer,
+    /// The client's long-term public key, under CURVE.
+    pub(super) client_key: Option<[u8; curve::KEY_BYTES]>,
+}
+
 /// The handshake of a connecting socket of type `ours` (with `identity` in its READY, for a
 /// DEALER): our greeting and READY out, the peer's checked (greeting, then READY with a
-/// `Socket-Type` in `peers`). Returns the peer's READY properties; `Refused` when the peer
-/// answered with ERROR. The caller bounds it in time.
+/// `Socket-Type` in `peers`). Under CURVE (`curve` set), the greeting names CURVE and READY
+/// is CURVE's handshake (`curve::client`). Returns the peer's READY properties and how to
+/// write to it; `Refused` when the peer answered with ERROR. The caller bounds it in time.
 pub(super) async fn handshake<R, W>(
     reader: &mut FrameReader<R>,
     writer: &mut W,
     ours: &str,
     identity: Option<&[u8]>,
     peers: &[&str],
-) -> Result<Vec<(String, Bytes)>, HandshakeError>
+    curve: ClientCurve<'_>,
+) -> Result<(Vec<(String, Bytes)>, Sealer), HandshakeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut hello = greeting().to_vec();
-    hello.extend_from_slice(&ready(ours, identity));
     let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    writer.write_all(&hello).await.map_err(failed)?;
-    peer_ready(reader, ours, peers).await
+    let Some((keys, server)) = curve else {
+        let mut hello = greeting(NULL, false).to_vec();
+        hello.extend_from_slice(&ready(ours, identity));
+        writer.write_all(&hello).await.map_err(failed)?;
+        let greeting = reader.greeting().await.map_err(failed)?;
+        check_greeting(&greeting, NULL)?;
+        let props = peer_ready(reader).await?;
+        check_socket_type(&props, ours, peers)?;
+        return Ok((props, Sealer::Null));
+    };
+    writer
+        .write_all(&greeting(CURVE, false))
+        .await
+        .map_err(failed)?;
+    let greeting = reader.greeting().await.map_err(failed)?;
+    check_greeting(&greeting, CURVE)?;
+    let (props, tx) =
+        curve::client(reader, writer, keys, server, &metadata(ours, identity)).await?;
+    check_socket_type(&props, ours, peers)?;
+    Ok((props, Sealer::Curve(tx)))
 }
 
 /// The first half of a bound socket's handshake: our greeting out, then the peer's greeting
-/// and READY in and checked, as in `handshake`. Our READY waits for the caller's verdict on
-/// the peer's properties: it sends it (`ready`) to accept the peer, or an ERROR
+/// and READY in and checked, as in `handshake` (under CURVE, `curve::server` up to and
+/// including the allow-list). Our READY waits for the caller's verdict on the peer's
+/// properties: it sends it (`Sealer::ready`) to accept the peer, or an ERROR
 /// (`error_command`) to refuse it with a reason the peer can report. ZMTP lets a server
 /// answer after the client's READY: a client sends its READY without waiting for ours.
 pub(super) async fn handshake_server<R, W>(
@@ -457,30 +651,54 @@ pub(super) async fn handshake_server<R, W>(
     writer: &mut W,
     ours: &str,
     peers: &[&str],
-) -> Result<Vec<(String, Bytes)>, HandshakeError>
+    curve: ServerCurve<'_>,
+) -> Result<Handshaken, HandshakeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    writer.write_all(&greeting()).await.map_err(failed)?;
-    peer_ready(reader, ours, peers).await
+    let mechanism = if curve.is_some() { CURVE } else { NULL };
+    writer
+        .write_all(&greeting(mechanism, curve.is_some()))
+        .await
+        .map_err(failed)?;
+    let greeting = reader.greeting().await.map_err(failed)?;
+    check_greeting(&greeting, mechanism)?;
+    let Some((keys, allowed)) = curve else {
+        let props = peer_ready(reader).await?;
+        check_socket_type(&props, ours, peers)?;
+        return Ok(Handshaken {
+            props,
+            sealer: Sealer::Null,
+            client_key: None,
+        });
+    };
+    let accepted = curve::server(reader, writer, keys, allowed).await?;
+    check_socket_type(&accepted.props, ours, peers)?;
+    Ok(Handshaken {
+        props: accepted.props,
+        sealer: Sealer::Curve(accepted.tx),
+        client_key: Some(accepted.client_key),
+    })
 }
 
-/// The peer's greeting and READY, checked; its READY properties.
+/// The peer's READY (NULL mechanism); its properties.
 async fn peer_ready<R: AsyncRead + Unpin>(
     reader: &mut FrameReader<R>,
-    ours: &str,
-    peers: &[&str],
 ) -> Result<Vec<(String, Bytes)>, HandshakeError> {
     let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    let greeting = reader.greeting().await.map_err(failed)?;
-    check_greeting(&greeting).map_err(HandshakeError::Failed)?;
     let body = reader.handshake_command().await.map_err(failed)?;
-    if let Some(reason) = parse_error(&body) {
-        return Err(HandshakeError::Refused(reason));
-    }
-    let props = parse_ready(&body).map_err(HandshakeError::Failed)?;
+    refused_by_peer(&body)?;
+    parse_ready(&body).map_err(HandshakeError::Failed)
+}
+
+/// Checks that the peer's `Socket-Type` is one of `peers`.
+fn check_socket_type(
+    props: &[(String, Bytes)],
+    ours: &str,
+    peers: &[&str],
+) -> Result<(), HandshakeError> {
     let kind = props
         .iter()
         .find(|(k, _)| k.eq_ignore_ascii_case("Socket-Type"))
@@ -492,7 +710,7 @@ async fn peer_ready<R: AsyncRead + Unpin>(
             PeerBytes(&kind)
         )));
     }
-    Ok(props)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -721,13 +939,22 @@ mod tests {
 
     #[test]
     fn greeting_and_ready_round_trip() {
-        assert_eq!(check_greeting(&greeting()), Ok(()));
-        let mut old = greeting();
+        assert_eq!(check_greeting(&greeting(NULL, false), NULL), Ok(()));
+        let mut old = greeting(NULL, false);
         old[10] = 2;
-        assert!(check_greeting(&old).is_err());
-        let mut curve = greeting();
-        curve[12..17].copy_from_slice(b"CURVE");
-        assert!(check_greeting(&curve).is_err());
+        assert!(check_greeting(&old, NULL).is_err());
+        let curve = greeting(CURVE, true);
+        assert_eq!(&curve[12..18], b"CURVE\0");
+        assert_eq!(curve[32], 1, "as-server");
+        assert!(matches!(
+            check_greeting(&curve, NULL),
+            Err(HandshakeError::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            check_greeting(&greeting(NULL, false), CURVE),
+            Err(HandshakeError::Unauthenticated(_))
+        ));
+        assert_eq!(check_greeting(&curve, CURVE), Ok(()));
         let frame = ready("ROUTER", None);
         assert_eq!(frame[0], COMMAND);
         let props = parse_ready(&frame[2..]).expect("parses");

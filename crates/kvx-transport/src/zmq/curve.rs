@@ -1,0 +1,766 @@
+//! CURVE (CurveZMQ, ZeroMQ RFC 26; the ZMTP 3 mechanism of RFC 23 §"The CURVE Security
+//! Mechanism"): the handshake of a bound socket (the CURVE server: ROUTER, PULL) and of a
+//! connecting one (the CURVE client: DEALER, PUSH), and the MESSAGE boxes every frame travels
+//! in afterwards. Byte for byte as libzmq 4.3 writes them, so a pyzmq/libzmq peer with
+//! `curve_server` or `curve_serverkey` set talks to kvx, both ways (`docs/spec/zmq.md` §9).
+//!
+//! The handshake, with `C`/`c` the client's long-term public/secret key, `S`/`s` the server's,
+//! and `C'`/`c'`, `S'`/`s'` keys made for one connection (Box[x](A->B) is NaCl's
+//! `crypto_box` from A's secret key to B's public key; nonces are a 16- or 8-byte prefix and
+//! an 8-byte big-endian counter, or 16 random bytes):
+//!
+//! | command | from | body |
+//! |---|---|---|
+//! | HELLO (200 bytes) | client | version 1.0, 72 zero bytes, `C'`, nonce, Box[64 zeros](C'->S), prefix `CurveZMQHELLO---` |
+//! | WELCOME (168) | server | 16-byte nonce, Box[S' + cookie](S->C'), prefix `WELCOME-`; cookie = 16-byte nonce + secretbox[C' + s'] under a key made for this connection, prefix `COOKIE--` |
+//! | INITIATE | client | cookie, nonce, Box[C + vouch + metadata](C'->S'), prefix `CurveZMQINITIATE`; vouch = 16-byte nonce + Box[C' + S](C->S'), prefix `VOUCH---` |
+//! | READY | server | nonce, Box[metadata](S'->C'), prefix `CurveZMQREADY---` |
+//! | MESSAGE | both | nonce, Box[flags + frame](C'<->S'), prefix `CurveZMQMESSAGEC` from the client, `CurveZMQMESSAGES` from the server |
+//!
+//! Every short nonce a side sends is one more than its last (the client's HELLO is 1, its
+//! INITIATE 2, its first MESSAGE 3; the server's READY is 1), and a side refuses any nonce not
+//! above the last it received, so a recorded box cannot be replayed. Each MESSAGE command is
+//! one ZMTP frame with no flags of its own (libzmq marks it neither MORE nor COMMAND); the
+//! frame's MORE bit travels inside the box, in its first byte.
+//!
+//! What a bound socket checks, in order: the greeting names CURVE; HELLO opens with its
+//! secret key (the client knows its public key); the cookie in INITIATE opens and holds this
+//! connection's `C'` and `s'`; INITIATE's box opens; the vouch opens with the client's
+//! long-term key `C` and holds `C'` and this server's `S` (the client holds `c`); `C` is on the
+//! allow-list. Any failure ends the connection (`ZmqStats::curve_refused`), after an ERROR
+//! command where the peer can read one. Nothing secret reaches a log: keys appear at most as
+//! `fingerprint`, the first 8 Z85 characters of a public key.
+//!
+//! The crypto is RustCrypto's `crypto_box` (`SalsaBox`: X25519 and XSalsa20-Poly1305, NaCl's
+//! `crypto_box`) and `crypto_secretbox` (`XSalsa20Poly1305`, NaCl's `crypto_secretbox`, for the
+//! cookie): pure Rust, so no libsodium to find and link, the same primitives libzmq uses (with
+//! libsodium or tweetnacl), constant-time tag checks, and secret keys zeroed on drop. Boxes are
+//! written as NaCl's "easy" form, the 16-byte tag before the ciphertext, as libzmq puts them on
+//! the wire.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use crypto_box::aead::rand_core::RngCore;
+use crypto_box::aead::{AeadInPlace, OsRng};
+use crypto_box::{PublicKey, SalsaBox, SecretKey};
+use crypto_secretbox::{KeyInit, XSalsa20Poly1305};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+
+use super::z85;
+use super::zmtp::{self, FrameReader, HandshakeError};
+
+/// Bytes of a CURVE key, public or secret.
+pub const KEY_BYTES: usize = 32;
+
+/// The bytes a MESSAGE command adds to a frame: `\x07MESSAGE`, the 8-byte nonce, the 16-byte
+/// tag and the flags byte.
+pub(super) const MESSAGE_OVERHEAD: usize = 8 + 8 + 16 + 1;
+
+const TAG: usize = 16;
+
+/// A public key as it may appear in a log line: the first 8 of its 40 Z85 characters.
+pub fn fingerprint(public: &[u8; KEY_BYTES]) -> String {
+    let mut z = z85::encode(public).expect("invariant: 32 bytes");
+    z.truncate(8);
+    z
+}
+
+/// A long-term CURVE key pair. Its `Debug` shows the public key's fingerprint only; the secret
+/// key is zeroed when the last copy is dropped.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CurveKeyPair {
+    public: [u8; KEY_BYTES],
+    secret: SecretKey,
+}
+
+impl CurveKeyPair {
+    /// A fresh key pair from the operating system's random numbers.
+    pub fn generate() -> Self {
+        Self::from_secret(SecretKey::generate(&mut OsRng))
+    }
+
+    fn from_secret(secret: SecretKey) -> Self {
+        Self {
+            public: secret.public_key().to_bytes(),
+            secret,
+        }
+    }
+
+    pub fn public(&self) -> [u8; KEY_BYTES] {
+        self.public
+    }
+
+    /// The public key in Z85, as certificate files and libzmq's `curve_publickey` hold it.
+    pub fn public_z85(&self) -> String {
+        z85::encode(&self.public).expect("invariant: 32 bytes")
+    }
+
+    /// Reads a secret certificate (`NAME.key_secret`, ZPL as pyzmq's `zmq.auth` writes it):
+    /// its `secret-key`, checked against its `public-key`.
+    pub fn load(path: &Path) -> Result<Self, CurveConfigError> {
+        let cert = Certificate::read(path)?;
+        let Some(secret) = cert.secret else {
+            return Err(CurveConfigError::new(
+                path,
+                "no secret-key in it (a public .key file? the secret one is .key_secret)",
+            ));
+        };
+        let pair = Self::from_secret(SecretKey::from_bytes(secret));
+        if pair.public != cert.public {
+            return Err(CurveConfigError::new(
+                path,
+                "its public-key is not the public half of its secret-key",
+            ));
+        }
+        Ok(pair)
+    }
+
+    /// Writes `DIR/NAME.key` (the public certificate) and `DIR/NAME.key_secret` (the pair,
+    /// mode 0600, created anew: an existing file is an error), in the form pyzmq's
+    /// `zmq.auth.create_certificates` writes and `zmq.auth.load_certificate` reads. Returns the
+    /// two paths.
+    pub fn write_certificates(&self, dir: &Path, name: &str) -> io::Result<(PathBuf, PathBuf)> {
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not a certificate name (a file name, no path)"),
+            ));
+        }
+        let public_path = dir.join(format!("{name}.key"));
+        let secret_path = dir.join(format!("{name}.key_secret"));
+        let public_z85 = self.public_z85();
+        let secret_z85 = z85::encode(&self.secret.to_bytes()).expect("invariant: 32 bytes");
+        let banner = |kind: &str| {
+            format!(
+                "#   ****  Generated by kvx keygen  ****\n\
+                 #   ZeroMQ CURVE {kind} Certificate\n\
+                 #   Exchange securely, or use a secure mechanism to verify the contents\n\
+                 #   of this file after exchange. Store public certificates in your home\n\
+                 #   directory, in the .curve subdirectory.\n\n\
+                 metadata\n\
+                 curve\n"
+            )
+        };
+        let public_text = format!("{}    public-key = \"{public_z85}\"\n", banner("Public"));
+        let secret_text = format!(
+            "{}    public-key = \"{public_z85}\"\n    secret-key = \"{secret_z85}\"\n",
+            banner("**Secret**")
+        );
+        write_new(&secret_path, secret_text.as_bytes(), 0o600)?;
+        write_new(&public_path, public_text.as_bytes(), 0o644)?;
+        Ok((public_path, secret_path))
+    }
+
+    fn secret(&self) -> &SecretKey {
+        &self.secret
+    }
+}
+
+fn write_new(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    options.mode(mode);
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut file = options
+        .open(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+impl fmt::Debug for CurveKeyPair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CurveKeyPair")
+            .field("public", &fingerprint(&self.public))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The client public keys a CURVE server accepts.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct AllowList(Arc<BTreeSet<[u8; KEY_BYTES]>>);
+
+/// The most certificate files an allow-list directory may hold, and the longest one: both far
+/// past any deployment, and a bound on what reading a wrong directory costs.
+const ALLOW_FILES_MAX: usize = 65_536;
+const CERTIFICATE_MAX_BYTES: u64 = 64 << 10;
+
+impl AllowList {
+    pub fn new(keys: impl IntoIterator<Item = [u8; KEY_BYTES]>) -> Self {
+        Self(Arc::new(keys.into_iter().collect()))
+    }
+
+    /// The public keys of every `*.key` certificate in `dir` (as pyzmq's
+    /// `zmq.auth.load_certificates` reads a directory; `.key_secret` files are skipped). An
+    /// unreadable or malformed certificate is an error, and so is a directory without any.
+    pub fn load_dir(dir: &Path) -> Result<Self, CurveConfigError> {
+        let entries = std::fs::read_dir(dir).map_err(|e| CurveConfigError::new(dir, e))?;
+        let mut keys = BTreeSet::new();
+        let mut files = 0usize;
+        for entry in entries {
+            let path = entry.map_err(|e| CurveConfigError::new(dir, e))?.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("key") {
+                continue;
+            }
+            files += 1;
+            if files > ALLOW_FILES_MAX {
+                return Err(CurveConfigError::new(
+                    dir,
+                    format!("more than {ALLOW_FILES_MAX} certificates"),
+                ));
+            }
+            keys.insert(Certificate::read(&path)?.public);
+        }
+        if keys.is_empty() {
+            return Err(CurveConfigError::new(
+                dir,
+                "no public certificate (NAME.key) in it: every client would be refused",
+            ));
+        }
+        Ok(Self(Arc::new(keys)))
+    }
+
+    pub fn contains(&self, key: &[u8; KEY_BYTES]) -> bool {
+        self.0.contains(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for AllowList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AllowList({} keys)", self.0.len())
+    }
+}
+
+/// Reads the public key of a public certificate (`NAME.key`; a `.key_secret` file has it too).
+pub fn load_public_key(path: &Path) -> Result<[u8; KEY_BYTES], CurveConfigError> {
+    Ok(Certificate::read(path)?.public)
+}
+
+/// A key in Z85 text (40 characters), as libzmq's socket options and certificates hold it.
+pub fn decode_key(z85_text: &str) -> Result<[u8; KEY_BYTES], String> {
+    let bytes = z85::decode(z85_text)?;
+    bytes.try_into().map_err(|b: Vec<u8>| {
+        format!(
+            "a CURVE key is {KEY_BYTES} bytes (40 Z85 characters), not {}",
+            b.len()
+        )
+    })
+}
+
+/// A certificate file that cannot be used, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CURVE certificate {path}: {why}")]
+pub struct CurveConfigError {
+    path: String,
+    why: String,
+}
+
+impl CurveConfigError {
+    fn new(path: &Path, why: impl fmt::Display) -> Self {
+        Self {
+            path: path.display().to_string(),
+            why: why.to_string(),
+        }
+    }
+}
+
+/// The keys of a certificate file. ZPL as pyzmq writes it: `public-key = "…"` and, in a secret
+/// certificate, `secret-key = "…"`, indented under a `curve` section; found as pyzmq's
+/// `load_certificate` finds them (a line beginning with the name, after its indent), with the
+/// quotes optional.
+struct Certificate {
+    public: [u8; KEY_BYTES],
+    secret: Option<[u8; KEY_BYTES]>,
+}
+
+impl Certificate {
+    fn read(path: &Path) -> Result<Self, CurveConfigError> {
+        let err = |why: String| CurveConfigError::new(path, why);
+        let len = std::fs::metadata(path)
+            .map_err(|e| err(e.to_string()))?
+            .len();
+        if len > CERTIFICATE_MAX_BYTES {
+            return Err(err(format!(
+                "{len} bytes: not a certificate (at most {CERTIFICATE_MAX_BYTES})"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        let mut public = None;
+        let mut secret = None;
+        for line in text.lines().map(str::trim) {
+            let (slot, value) = if let Some(v) = line.strip_prefix("public-key") {
+                (&mut public, v)
+            } else if let Some(v) = line.strip_prefix("secret-key") {
+                (&mut secret, v)
+            } else {
+                continue;
+            };
+            let Some(value) = value.trim_start().strip_prefix('=') else {
+                return Err(err(format!("malformed line {:?}", cut(line))));
+            };
+            if slot.is_some() {
+                return Err(err(format!("a second {:?} line", cut(line))));
+            }
+            let value = value.trim().trim_matches(['"', '\'']);
+            *slot = Some(decode_key(value).map_err(&err)?);
+        }
+        let public = public.ok_or_else(|| err("no public-key line".into()))?;
+        Ok(Self { public, secret })
+    }
+}
+
+/// A line of a file as it may appear in an error: short, and without what follows an `=` (a
+/// secret key never reaches a message).
+fn cut(line: &str) -> String {
+    let shown = line.split('=').next().unwrap_or_default();
+    shown.chars().take(40).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// The handshake
+
+fn nonce(prefix: &[u8], tail: &[u8]) -> [u8; 24] {
+    debug_assert_eq!(prefix.len() + tail.len(), 24);
+    let mut n = [0u8; 24];
+    n[..prefix.len()].copy_from_slice(prefix);
+    n[prefix.len()..].copy_from_slice(tail);
+    n
+}
+
+/// Appends Box[`plain`] (tag, then ciphertext) to `out`.
+fn seal<A: AeadInPlace>(cipher: &A, nonce: &[u8; 24], plain: &[u8], out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; TAG]);
+    out.extend_from_slice(plain);
+    let tag = cipher
+        .encrypt_in_place_detached(
+            crypto_box::aead::Nonce::<A>::from_slice(nonce),
+            b"",
+            &mut out[start + TAG..],
+        )
+        .expect("invariant: XSalsa20-Poly1305 seals any length without associated data");
+    out[start..start + TAG].copy_from_slice(&tag);
+}
+
+/// The plaintext of `boxed` (tag, then ciphertext); `None` when it does not authenticate.
+fn open<A: AeadInPlace>(cipher: &A, nonce: &[u8; 24], boxed: &[u8]) -> Option<Vec<u8>> {
+    let (tag, sealed) = (boxed.get(..TAG)?, boxed.get(TAG..)?);
+    let mut plain = sealed.to_vec();
+    cipher
+        .decrypt_in_place_detached(
+            crypto_box::aead::Nonce::<A>::from_slice(nonce),
+            b"",
+            &mut plain,
+            crypto_box::aead::Tag::<A>::from_slice(tag),
+        )
+        .ok()?;
+    Some(plain)
+}
+
+fn salsa(public: &[u8; KEY_BYTES], secret: &SecretKey) -> SalsaBox {
+    SalsaBox::new(&PublicKey::from_bytes(*public), secret)
+}
+
+fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    OsRng.fill_bytes(&mut b);
+    b
+}
+
+fn refused(why: impl Into<String>) -> HandshakeError {
+    HandshakeError::Unauthenticated(why.into())
+}
+
+fn failed(e: io::Error) -> HandshakeError {
+    HandshakeError::Failed(e.to_string())
+}
+
+fn short_nonce(bytes: &[u8]) -> u64 {
+    u64::from_be_bytes(bytes.try_into().expect("invariant: 8 bytes"))
+}
+
+/// The sending half of a connection's boxes: the key shared by the two short-term keys and
+/// the next short nonce.
+pub(super) struct CurveTx {
+    cipher: SalsaBox,
+    prefix: &'static [u8; 16],
+    next: u64,
+}
+
+impl fmt::Debug for CurveTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CurveTx")
+            .field("next", &self.next)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CurveTx {
+    fn take_nonce(&mut self) -> [u8; 8] {
+        let n = self.next;
+        // 2^64 boxes are never sent; a wrapped counter would reuse nonces, so it stops there.
+        self.next = n.checked_add(1).expect("CURVE nonce space exhausted");
+        n.to_be_bytes()
+    }
+
+    /// Appends one frame as a MESSAGE command (itself one ZMTP frame without flags): `more`
+    /// is the frame's MORE bit, carried inside the box.
+    pub(super) fn message(&mut self, more: bool, frame: &[u8], out: &mut Vec<u8>) {
+        let len = MESSAGE_OVERHEAD + frame.len();
+        if len < 256 {
+            out.extend_from_slice(&[0, len as u8]);
+        } else {
+            out.push(zmtp::LONG);
+            out.extend_from_slice(&(len as u64).to_be_bytes());
+        }
+        let short = self.take_nonce();
+        out.extend_from_slice(b"\x07MESSAGE");
+        out.extend_from_slice(&short);
+        let start = out.len();
+        out.extend_from_slice(&[0u8; TAG]);
+        out.push(u8::from(more));
+        out.extend_from_slice(frame);
+        let tag = self
+            .cipher
+            .encrypt_in_place_detached(
+                (&nonce(self.prefix, &short)).into(),
+                b"",
+                &mut out[start + TAG..],
+            )
+            .expect("invariant: XSalsa20-Poly1305 seals any length without associated data");
+        out[start..start + TAG].copy_from_slice(&tag);
+    }
+
+    /// The server's READY command: `metadata` in a box, as one command frame.
+    fn ready(&mut self, metadata: &[u8]) -> Vec<u8> {
+        let short = self.take_nonce();
+        let mut body = b"\x05READY".to_vec();
+        body.extend_from_slice(&short);
+        seal(
+            &self.cipher,
+            &nonce(b"CurveZMQREADY---", &short),
+            metadata,
+            &mut body,
+        );
+        zmtp::command_frame(&body)
+    }
+}
+
+/// The receiving half: the shared key and the last short nonce heard.
+pub(super) struct CurveRx {
+    cipher: SalsaBox,
+    prefix: &'static [u8; 16],
+    last: u64,
+}
+
+impl fmt::Debug for CurveRx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CurveRx")
+            .field("last", &self.last)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a MESSAGE command was refused: the connection cannot be trusted past it.
+pub(super) fn unauthentic(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, format!("CURVE: {why}"))
+}
+
+impl CurveRx {
+    /// A MESSAGE command's flags byte and frame; an error (`PermissionDenied`) for anything
+    /// else, a nonce not above the last, or a box that does not open.
+    pub(super) fn open(&mut self, command: &[u8]) -> io::Result<(u8, Bytes)> {
+        if command.len() < MESSAGE_OVERHEAD || !command.starts_with(b"\x07MESSAGE") {
+            return Err(unauthentic("a frame that is no MESSAGE command"));
+        }
+        let short = &command[8..16];
+        let n = short_nonce(short);
+        if n <= self.last {
+            return Err(unauthentic("a MESSAGE nonce not above the last (a replay?)"));
+        }
+        let plain = open(&self.cipher, &nonce(self.prefix, short), &command[16..])
+            .ok_or_else(|| unauthentic("a MESSAGE box that does not authenticate"))?;
+        self.last = n;
+        let (&flags, frame) = plain.split_first().expect("invariant: the flags byte");
+        Ok((flags, Bytes::copy_from_slice(frame)))
+    }
+}
+
+/// The properties of a metadata block (`name-len name value-len value`…), as in READY.
+fn properties(metadata: &[u8]) -> Result<Vec<(String, Bytes)>, HandshakeError> {
+    let mut body = b"\x05READY".to_vec();
+    body.extend_from_slice(metadata);
+    zmtp::parse_ready(&body).map_err(HandshakeError::Failed)
+}
+
+/// A client's handshake (after the greetings): HELLO, WELCOME, INITIATE, READY. The peer's
+/// READY properties and the sending half; `reader` opens the peer's boxes from here on.
+pub(super) async fn client<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    keys: &CurveKeyPair,
+    server: &[u8; KEY_BYTES],
+    metadata: &[u8],
+) -> Result<(Vec<(String, Bytes)>, CurveTx), HandshakeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let transient = SecretKey::generate(&mut OsRng);
+    let transient_public = transient.public_key().to_bytes();
+    // HELLO: nonce 1.
+    let to_server = salsa(server, &transient);
+    let mut hello = b"\x05HELLO\x01\x00".to_vec();
+    hello.extend_from_slice(&[0u8; 72]);
+    hello.extend_from_slice(&transient_public);
+    let short = 1u64.to_be_bytes();
+    hello.extend_from_slice(&short);
+    seal(
+        &to_server,
+        &nonce(b"CurveZMQHELLO---", &short),
+        &[0u8; 64],
+        &mut hello,
+    );
+    debug_assert_eq!(hello.len(), 200);
+    writer
+        .write_all(&zmtp::command_frame(&hello))
+        .await
+        .map_err(failed)?;
+
+    // WELCOME
+    let welcome = reader.handshake_command().await.map_err(failed)?;
+    zmtp::refused_by_peer(&welcome)?;
+    if welcome.len() != 168 || !welcome.starts_with(b"\x07WELCOME") {
+        return Err(HandshakeError::Failed(
+            "expected a WELCOME command (168 bytes)".into(),
+        ));
+    }
+    let plain = open(
+        &to_server,
+        &nonce(b"WELCOME-", &welcome[8..24]),
+        &welcome[24..],
+    )
+    .ok_or_else(|| {
+        refused(format!(
+            "the server's WELCOME does not open: it does not hold the secret key of the \
+             server key configured here ({})",
+            fingerprint(server)
+        ))
+    })?;
+    let server_transient: [u8; KEY_BYTES] = plain[..32].try_into().expect("invariant: 128 bytes");
+    let cookie = &plain[32..128];
+    let session = salsa(&server_transient, &transient);
+
+    // INITIATE: nonce 2, with the vouch made by the long-term key.
+    let vouch_nonce: [u8; 16] = random();
+    let mut vouch_plain = transient_public.to_vec();
+    vouch_plain.extend_from_slice(server);
+    let mut initiate_plain = keys.public.to_vec();
+    initiate_plain.extend_from_slice(&vouch_nonce);
+    seal(
+        &salsa(&server_transient, keys.secret()),
+        &nonce(b"VOUCH---", &vouch_nonce),
+        &vouch_plain,
+        &mut initiate_plain,
+    );
+    initiate_plain.extend_from_slice(metadata);
+    let short = 2u64.to_be_bytes();
+    let mut initiate = b"\x08INITIATE".to_vec();
+    initiate.extend_from_slice(cookie);
+    initiate.extend_from_slice(&short);
+    seal(
+        &session,
+        &nonce(b"CurveZMQINITIATE", &short),
+        &initiate_plain,
+        &mut initiate,
+    );
+    writer
+        .write_all(&zmtp::command_frame(&initiate))
+        .await
+        .map_err(failed)?;
+
+    // READY
+    let ready = reader.handshake_command().await.map_err(failed)?;
+    zmtp::refused_by_peer(&ready)?;
+    if ready.len() < 14 + TAG || !ready.starts_with(b"\x05READY") {
+        return Err(HandshakeError::Failed("expected a READY command".into()));
+    }
+    let short = &ready[6..14];
+    let metadata = open(&session, &nonce(b"CurveZMQREADY---", short), &ready[14..])
+        .ok_or_else(|| refused("the server's READY does not open"))?;
+    let props = properties(&metadata)?;
+    let last = short_nonce(short);
+    reader.set_curve(CurveRx {
+        // The same key again (`SalsaBox` is not `Clone`): one X25519 per direction.
+        cipher: salsa(&server_transient, &transient),
+        prefix: b"CurveZMQMESSAGES",
+        last,
+    });
+    Ok((
+        props,
+        CurveTx {
+            cipher: session,
+            prefix: b"CurveZMQMESSAGEC",
+            next: 3,
+        },
+    ))
+}
+
+/// What a server's handshake established: the client's READY properties (from INITIATE), its
+/// long-term public key, and the sending half, whose first box is the READY.
+pub(super) struct Accepted {
+    pub(super) props: Vec<(String, Bytes)>,
+    pub(super) client_key: [u8; KEY_BYTES],
+    pub(super) tx: CurveTx,
+}
+
+/// A server's handshake (after the greetings): HELLO, WELCOME, INITIATE, up to the allow-list
+/// check. The caller answers with `ready` (or refuses with an ERROR); `reader` opens the
+/// client's boxes from here on.
+pub(super) async fn server<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    keys: &CurveKeyPair,
+    allowed: &AllowList,
+) -> Result<Accepted, HandshakeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    // HELLO
+    let hello = reader.handshake_command().await.map_err(failed)?;
+    if hello.len() != 200 || !hello.starts_with(b"\x05HELLO") {
+        return Err(refused("expected a CURVE HELLO command (200 bytes)"));
+    }
+    if hello[6..8] != [1, 0] {
+        return Err(refused(format!(
+            "CurveZMQ version {}.{} (1.0 here)",
+            hello[6], hello[7]
+        )));
+    }
+    let client_transient: [u8; KEY_BYTES] = hello[80..112].try_into().expect("invariant");
+    let hello_nonce = short_nonce(&hello[112..120]);
+    let from_client = salsa(&client_transient, keys.secret());
+    let signature = open(
+        &from_client,
+        &nonce(b"CurveZMQHELLO---", &hello[112..120]),
+        &hello[120..200],
+    );
+    if signature.is_none_or(|s| s.iter().any(|&b| b != 0)) {
+        return Err(refused(
+            "the client's HELLO does not open: it was made for another server key",
+        ));
+    }
+
+    // WELCOME, with the cookie: C' and s' under a key that lives only as long as this
+    // handshake.
+    let transient = SecretKey::generate(&mut OsRng);
+    let cookie_key = XSalsa20Poly1305::new(&random::<32>().into());
+    let cookie_nonce: [u8; 16] = random();
+    let mut cookie_plain = client_transient.to_vec();
+    cookie_plain.extend_from_slice(&transient.to_bytes());
+    let mut welcome_plain = transient.public_key().to_bytes().to_vec();
+    welcome_plain.extend_from_slice(&cookie_nonce);
+    seal(
+        &cookie_key,
+        &nonce(b"COOKIE--", &cookie_nonce),
+        &cookie_plain,
+        &mut welcome_plain,
+    );
+    cookie_plain.fill(0);
+    let welcome_nonce: [u8; 16] = random();
+    let mut welcome = b"\x07WELCOME".to_vec();
+    welcome.extend_from_slice(&welcome_nonce);
+    seal(
+        &from_client,
+        &nonce(b"WELCOME-", &welcome_nonce),
+        &welcome_plain,
+        &mut welcome,
+    );
+    debug_assert_eq!(welcome.len(), 168);
+    writer
+        .write_all(&zmtp::command_frame(&welcome))
+        .await
+        .map_err(failed)?;
+
+    // INITIATE
+    let initiate = reader.handshake_command().await.map_err(failed)?;
+    if initiate.len() < 257 || !initiate.starts_with(b"\x08INITIATE") {
+        return Err(refused("expected a CURVE INITIATE command"));
+    }
+    let cookie = open(
+        &cookie_key,
+        &nonce(b"COOKIE--", &initiate[9..25]),
+        &initiate[25..105],
+    )
+    .ok_or_else(|| refused("the INITIATE cookie does not open"))?;
+    if cookie[..32] != client_transient || cookie[32..] != transient.to_bytes() {
+        return Err(refused("the INITIATE cookie is not this connection's"));
+    }
+    let short = &initiate[105..113];
+    let initiate_nonce = short_nonce(short);
+    if initiate_nonce <= hello_nonce {
+        return Err(refused("an INITIATE nonce not above HELLO's"));
+    }
+    let session = salsa(&client_transient, &transient);
+    let plain = open(
+        &session,
+        &nonce(b"CurveZMQINITIATE", short),
+        &initiate[113..],
+    )
+    .ok_or_else(|| refused("the INITIATE box does not open"))?;
+    // `plain` is at least 128 bytes: INITIATE is at least 257.
+    let client_key: [u8; KEY_BYTES] = plain[..32].try_into().expect("invariant");
+    let vouch = open(
+        &salsa(&client_key, &transient),
+        &nonce(b"VOUCH---", &plain[32..48]),
+        &plain[48..128],
+    )
+    .ok_or_else(|| refused("the vouch does not open: the client does not hold its key"))?;
+    if vouch[..32] != client_transient || vouch[32..] != keys.public {
+        return Err(refused(
+            "the vouch names another connection key or server key",
+        ));
+    }
+    let props = properties(&plain[128..])?;
+    if !allowed.contains(&client_key) {
+        return Err(HandshakeError::NotAllowed(fingerprint(&client_key)));
+    }
+    reader.set_curve(CurveRx {
+        cipher: salsa(&client_transient, &transient),
+        prefix: b"CurveZMQMESSAGEC",
+        last: initiate_nonce,
+    });
+    Ok(Accepted {
+        props,
+        client_key,
+        tx: CurveTx {
+            cipher: session,
+            prefix: b"CurveZMQMESSAGES",
+            next: 1,
+        },
+    })
+}
+
+/// The server's READY, answering an `Accepted` client.
+pub(super) fn ready(tx: &mut CurveTx, metadata: &[u8]) -> Vec<u8> {
+    tx.ready(metadata)
+}
