@@ -764,3 +764,253 @@ where
 pub(super) fn ready(tx: &mut CurveTx, metadata: &[u8]) -> Vec<u8> {
     tx.ready(metadata)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+
+    use super::*;
+    use crate::zmq::zmtp::{Handshaken, Incoming, ReadLimits, Sealer};
+
+    type Reader = FrameReader<ReadHalf<DuplexStream>>;
+    type Writer = WriteHalf<DuplexStream>;
+
+    const BOUND: Duration = Duration::from_secs(10);
+
+    fn ends() -> ((Reader, Writer), (Reader, Writer)) {
+        let limits = ReadLimits {
+            message_max_bytes: 1 << 20,
+            refuse_above_bytes: 16 << 20,
+            message_timeout: BOUND,
+        };
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (ar, aw) = tokio::io::split(a);
+        let (br, bw) = tokio::io::split(b);
+        (
+            (FrameReader::new(ar, limits), aw),
+            (FrameReader::new(br, limits), bw),
+        )
+    }
+
+    /// A ROUTER's handshake answered with READY (or, refused, with an ERROR), against a
+    /// DEALER's; both results, and both ends for what follows.
+    async fn connect(
+        server: ServerCurveOwned,
+        client: Option<(CurveKeyPair, [u8; KEY_BYTES])>,
+    ) -> (
+        Result<Handshaken, HandshakeError>,
+        Result<Sealer, HandshakeError>,
+        (Reader, Writer),
+        (Reader, Writer),
+    ) {
+        let ((mut sr, mut sw), (mut cr, mut cw)) = ends();
+        let serving = async {
+            let curve = server.as_ref().map(|(k, a)| (k, a));
+            let got = zmtp::handshake_server(&mut sr, &mut sw, "ROUTER", &["DEALER"], curve).await;
+            match got {
+                Ok(mut h) => {
+                    sw.write_all(&h.sealer.ready("ROUTER")).await.expect("write");
+                    Ok(h)
+                }
+                Err(e) => {
+                    sw.write_all(&zmtp::error_command(&e.to_string()))
+                        .await
+                        .expect("write");
+                    Err(e)
+                }
+            }
+        };
+        let connecting = async {
+            let curve = client.as_ref().map(|(k, s)| (k, s));
+            zmtp::handshake(
+                &mut cr,
+                &mut cw,
+                "DEALER",
+                Some(b"s0-to-r0"),
+                &["ROUTER"],
+                curve,
+            )
+            .await
+            .map(|(props, sealer)| {
+                assert!(props.iter().any(|(k, v)| k == "Socket-Type" && v == "ROUTER"));
+                sealer
+            })
+        };
+        let (s, c) = tokio::time::timeout(BOUND, async { tokio::join!(serving, connecting) })
+            .await
+            .expect("both handshakes end");
+        (s, c, (sr, sw), (cr, cw))
+    }
+
+    type ServerCurveOwned = Option<(CurveKeyPair, AllowList)>;
+
+    async fn next(reader: &mut Reader) -> io::Result<Incoming> {
+        tokio::time::timeout(BOUND, reader.next())
+            .await
+            .expect("bounded")
+    }
+
+    #[tokio::test]
+    async fn handshake_and_messages_both_ways() {
+        let (server, client) = (CurveKeyPair::generate(), CurveKeyPair::generate());
+        let allowed = AllowList::new([client.public()]);
+        let (s, c, (mut sr, mut sw), (mut cr, mut cw)) = connect(
+            Some((server.clone(), allowed)),
+            Some((client.clone(), server.public())),
+        )
+        .await;
+        let mut s = s.expect("the server accepts");
+        let mut c = c.expect("the client completes");
+        assert_eq!(s.client_key, Some(client.public()), "the proven key");
+        assert!(s
+            .props
+            .iter()
+            .any(|(k, v)| k == "Identity" && v == "s0-to-r0"));
+
+        let mut out = Vec::new();
+        c.message(&[b"", b"request"], &mut out);
+        c.message(&[b"", &[7u8; 300]], &mut out);
+        assert!(
+            !out.windows(7).any(|w| w == b"request"),
+            "nothing in the clear"
+        );
+        cw.write_all(&out).await.expect("write");
+        assert_eq!(
+            next(&mut sr).await.expect("read"),
+            Incoming::Message(vec![Bytes::new(), Bytes::from_static(b"request")])
+        );
+        assert_eq!(
+            next(&mut sr).await.expect("read"),
+            Incoming::Message(vec![Bytes::new(), Bytes::from(vec![7u8; 300])])
+        );
+        let mut out = Vec::new();
+        s.sealer.message(&[b"", b"reply"], &mut out);
+        sw.write_all(&out).await.expect("write");
+        assert_eq!(
+            next(&mut cr).await.expect("read"),
+            Incoming::Message(vec![Bytes::new(), Bytes::from_static(b"reply")])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_key_off_the_allow_list_is_refused() {
+        let (server, client) = (CurveKeyPair::generate(), CurveKeyPair::generate());
+        let others = AllowList::new([CurveKeyPair::generate().public()]);
+        let (s, c, ..) = connect(
+            Some((server.clone(), others)),
+            Some((client.clone(), server.public())),
+        )
+        .await;
+        assert_eq!(
+            s.expect_err("refused"),
+            HandshakeError::NotAllowed(fingerprint(&client.public()))
+        );
+        assert!(
+            matches!(c, Err(HandshakeError::Refused(ref why)) if why.contains("allow-list")),
+            "{c:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_with_the_wrong_server_key_is_refused() {
+        let (server, client) = (CurveKeyPair::generate(), CurveKeyPair::generate());
+        let allowed = AllowList::new([client.public()]);
+        let wrong = CurveKeyPair::generate().public();
+        let (s, c, ..) = connect(Some((server, allowed)), Some((client, wrong))).await;
+        assert!(
+            matches!(s, Err(HandshakeError::Unauthenticated(ref why)) if why.contains("HELLO")),
+            "{s:?}"
+        );
+        assert!(matches!(c, Err(HandshakeError::Refused(_))), "{c:?}");
+    }
+
+    #[tokio::test]
+    async fn null_against_curve_is_refused_both_ways() {
+        let (server, client) = (CurveKeyPair::generate(), CurveKeyPair::generate());
+        let allowed = AllowList::new([client.public()]);
+        let (s, c, ..) = connect(Some((server.clone(), allowed)), None).await;
+        assert!(
+            matches!(s, Err(HandshakeError::Unauthenticated(ref why)) if why.contains("NULL")),
+            "{s:?}"
+        );
+        assert!(matches!(c, Err(HandshakeError::Unauthenticated(_))), "{c:?}");
+        let (s, c, ..) = connect(None, Some((client, server.public()))).await;
+        assert!(matches!(s, Err(HandshakeError::Unauthenticated(_))), "{s:?}");
+        assert!(
+            matches!(c, Err(HandshakeError::Unauthenticated(ref why)) if why.contains("NULL")),
+            "{c:?}"
+        );
+    }
+
+    /// A MESSAGE box changed in flight, or sent twice, ends the connection.
+    #[tokio::test]
+    async fn a_tampered_or_replayed_box_is_refused() {
+        let (server, client) = (CurveKeyPair::generate(), CurveKeyPair::generate());
+        let allowed = AllowList::new([client.public()]);
+        for tamper in [true, false] {
+            let (s, c, (mut sr, _sw), (_cr, mut cw)) = connect(
+                Some((server.clone(), allowed.clone())),
+                Some((client.clone(), server.public())),
+            )
+            .await;
+            s.expect("accepted");
+            let mut c = c.expect("connected");
+            let mut one = Vec::new();
+            c.message(&[b"payload"], &mut one);
+            let mut stream = one.clone();
+            if tamper {
+                let last = stream.len() - 1;
+                stream[last] ^= 0x01;
+            } else {
+                stream.extend_from_slice(&one);
+                cw.write_all(&stream[..one.len()]).await.expect("write");
+                assert_eq!(
+                    next(&mut sr).await.expect("the first copy"),
+                    Incoming::Message(vec![Bytes::from_static(b"payload")])
+                );
+                stream.drain(..one.len());
+            }
+            cw.write_all(&stream).await.expect("write");
+            let err = next(&mut sr).await.expect_err("refused");
+            assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        }
+    }
+
+    /// Certificates as pyzmq's `zmq.auth` writes them read back; a public one has no secret
+    /// key, a bad key is refused with the file named, and nothing secret is in any error.
+    #[test]
+    fn certificates_round_trip() {
+        let dir = std::env::temp_dir().join(format!("kvx-curve-certs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let pair = CurveKeyPair::generate();
+        let (public, secret) = pair.write_certificates(&dir, "server").expect("written");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&secret).expect("stat").permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        assert!(pair.write_certificates(&dir, "server").is_err(), "never overwrites");
+        assert_eq!(CurveKeyPair::load(&secret).expect("loads"), pair);
+        assert_eq!(load_public_key(&public).expect("loads"), pair.public());
+        let err = CurveKeyPair::load(&public).expect_err("no secret in a public file");
+        assert!(err.to_string().contains("no secret-key"), "{err}");
+        assert_eq!(AllowList::load_dir(&dir).expect("loads").len(), 1);
+
+        let bad = dir.join("bad.key");
+        std::fs::write(&bad, "curve\n    public-key = \"abc\"\n").expect("write");
+        let err = AllowList::load_dir(&dir).expect_err("a bad certificate");
+        assert!(err.to_string().contains("bad.key"), "{err}");
+        let z = pair.public_z85();
+        std::fs::write(&bad, format!("curve\n    public-key = \"{z}\"\n    secret-key = \"{z}\"\n"))
+            .expect("write");
+        let err = CurveKeyPair::load(&bad).expect_err("mismatched halves");
+        assert!(!err.to_string().contains(&z[8..]), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(AllowList::load_dir(&dir).is_err(), "a missing directory");
+        assert!(format!("{pair:?}").len() < 60, "{pair:?}");
+    }
+}
