@@ -396,13 +396,10 @@ async fn kvx_dealer_and_push_against_pyzmq_curve_servers() {
         sink.send(Bytes::from_static(b"ready")).await.expect("send");
     };
     step("kvx against pyzmq", run).await;
-    let notice = tokio::time::timeout(
-        STEP,
-        tokio::task::spawn_blocking(move || lines.next()),
-    )
-    .await
-    .expect("bounded")
-    .expect("reader");
+    let notice = tokio::time::timeout(STEP, tokio::task::spawn_blocking(move || lines.next()))
+        .await
+        .expect("bounded")
+        .expect("reader");
     let _ = peer.kill();
     let _ = peer.wait();
     assert_eq!(

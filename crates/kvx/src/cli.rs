@@ -42,6 +42,48 @@ pub enum Command {
     /// Decode or encode wire messages (msgpack ⇄ JSON).
     #[command(subcommand)]
     Wire(WireCommand),
+    /// Write a CURVE key pair as ZeroMQ certificates: NAME.key (public: hand it to peers) and
+    /// NAME.key_secret (mode 0600), as pyzmq's zmq.auth writes and reads them.
+    Keygen(KeygenArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct KeygenArgs {
+    /// The certificates' name: the files are NAME.key and NAME.key_secret.
+    pub name: String,
+    /// Directory to write them into (created if missing); existing files are never
+    /// overwritten.
+    #[arg(long, default_value = ".")]
+    pub dir: PathBuf,
+}
+
+/// CURVE (CurveZMQ) on a bound control socket: the receiver's alloc ROUTER, the proxy's
+/// notice PULL. Off unless both flags are given; then only clients whose keys are allowed
+/// connect, and everything they send is encrypted (docs/operations.md, "CURVE").
+#[derive(Debug, Clone, Default, Args)]
+pub struct CurveServerArgs {
+    /// This process's CURVE key pair: a secret certificate (NAME.key_secret, from `kvx
+    /// keygen` or pyzmq's zmq.auth.create_certificates).
+    #[arg(long, value_name = "FILE.key_secret", requires = "curve_allow")]
+    pub curve_secret_key: Option<PathBuf>,
+    /// Directory of the public certificates (NAME.key) of the clients allowed to connect,
+    /// read at start.
+    #[arg(long, value_name = "DIR", requires = "curve_secret_key")]
+    pub curve_allow: Option<PathBuf>,
+}
+
+/// CURVE (CurveZMQ) on a connecting control socket: the sender's DEALER to each receiver
+/// and PUSH to the proxy. Off unless both flags are given.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CurveClientArgs {
+    /// This process's CURVE key pair: a secret certificate (NAME.key_secret); its public
+    /// half must be in the receivers' and proxy's --curve-allow directories.
+    #[arg(long, value_name = "FILE.key_secret", requires = "curve_server_key")]
+    pub curve_secret_key: Option<PathBuf>,
+    /// The public certificate (NAME.key) of the servers it connects to: the receivers and
+    /// the proxy, which share that key pair.
+    #[arg(long, value_name = "FILE.key", requires = "curve_secret_key")]
+    pub curve_server_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -125,6 +167,8 @@ pub struct ReceiverArgs {
     pub exit_after_s: Option<u64>,
     #[command(flatten)]
     pub protocol: crate::knobs::ReceiverKnobs,
+    #[command(flatten)]
+    pub curve: CurveServerArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -182,6 +226,8 @@ pub struct SenderArgs {
     pub workload: WorkloadArgs,
     #[command(flatten)]
     pub protocol: crate::knobs::SenderKnobs,
+    #[command(flatten)]
+    pub curve: CurveClientArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -211,6 +257,8 @@ pub struct ProxyArgs {
     pub exit_after_s: Option<u64>,
     #[command(flatten)]
     pub protocol: crate::knobs::ProxyKnobs,
+    #[command(flatten)]
+    pub curve: CurveServerArgs,
 }
 
 /// Whether chunks carry an end-to-end checksum (XXH3, 32 bits) that the receiver checks before a
@@ -427,5 +475,50 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
         Ok(f)
     } else {
         Err(format!("a fraction is between 0 and 1, got {f}"))
+    }
+}
+
+impl CurveServerArgs {
+    /// The CURVE settings the flags give, the files read and checked now; `None` when off.
+    pub fn load(&self) -> anyhow::Result<Option<kvx_transport::zmq::CurveConfig>> {
+        use kvx_transport::zmq::{AllowList, CurveConfig, CurveKeyPair};
+        let (Some(secret), Some(allow)) = (&self.curve_secret_key, &self.curve_allow) else {
+            return Ok(None);
+        };
+        let keys = CurveKeyPair::load(secret)?;
+        let allowed = AllowList::load_dir(allow)?;
+        tracing::info!(
+            public_key = %kvx_transport::zmq::fingerprint(&keys.public()),
+            allowed_clients = allowed.len(),
+            "CURVE on: only allowed clients connect"
+        );
+        Ok(Some(CurveConfig {
+            keys,
+            allowed_clients: Some(allowed),
+            server_key: None,
+        }))
+    }
+}
+
+impl CurveClientArgs {
+    /// The CURVE settings the flags give, the files read and checked now; `None` when off.
+    pub fn load(&self) -> anyhow::Result<Option<kvx_transport::zmq::CurveConfig>> {
+        use kvx_transport::zmq::{load_public_key, CurveConfig, CurveKeyPair};
+        let (Some(secret), Some(server)) = (&self.curve_secret_key, &self.curve_server_key)
+        else {
+            return Ok(None);
+        };
+        let keys = CurveKeyPair::load(secret)?;
+        let server_key = load_public_key(server)?;
+        tracing::info!(
+            public_key = %kvx_transport::zmq::fingerprint(&keys.public()),
+            server_key = %kvx_transport::zmq::fingerprint(&server_key),
+            "CURVE on"
+        );
+        Ok(Some(CurveConfig {
+            keys,
+            allowed_clients: None,
+            server_key: Some(server_key),
+        }))
     }
 }

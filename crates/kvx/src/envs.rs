@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use kvx_embed::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::Env;
-use kvx_transport::zmq::ZmqConfig;
+use kvx_transport::zmq::{CurveConfig, ZmqConfig};
 
 use crate::cli::{
     DemoArgs, FabricKind, ProxyArgs, RdmaArgs, ReceiverArgs, SenderArgs, TransportKind,
@@ -26,13 +26,18 @@ const ZMQ_STYLE: Style = Style {
 type Run<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
 
 /// The choice the flags make. In-process parts share one `MemTransport`/`MemFabric`.
+/// `curve`: the ZMQ transport's CURVE settings (`--curve-*`), `None` for NULL.
 fn choice(
     transport: TransportKind,
     fabric: FabricKind,
     rdma: &RdmaArgs,
+    curve: Option<CurveConfig>,
 ) -> anyhow::Result<EnvChoice> {
     let transport = match transport {
-        TransportKind::Zmq => TransportChoice::Zmq(ZmqConfig::default()),
+        TransportKind::Zmq => TransportChoice::Zmq(ZmqConfig {
+            curve,
+            ..ZmqConfig::default()
+        }),
         TransportKind::Mem => TransportChoice::Mem(MemTransport::new()),
     };
     let fabric = match fabric {
@@ -109,7 +114,7 @@ impl EnvVisitor for Demo {
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let json = args.workload.json;
-    let choice = choice(args.transport, args.fabric, &args.rdma)?;
+    let choice = choice(args.transport, args.fabric, &args.rdma, None)?;
     let (transport_name, fabric_name) = choice.names();
     let in_process = matches!(choice.transport, TransportChoice::Mem(_));
     let endpoints = Endpoints {
@@ -154,7 +159,7 @@ impl EnvVisitor for Receiver {
 
 pub async fn receiver(args: ReceiverArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
-    let choice = choice(TransportKind::Zmq, fabric, &args.rdma)?;
+    let choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
     choice.visit(Receiver(args))?.await
 }
 
@@ -169,7 +174,7 @@ impl EnvVisitor for Sender {
 
 pub async fn sender(args: SenderArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
-    let choice = choice(TransportKind::Zmq, fabric, &args.rdma)?;
+    let choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
     choice.visit(Sender(args))?.await
 }
 
@@ -185,8 +190,24 @@ impl EnvVisitor for Proxy {
 pub async fn proxy(args: ProxyArgs) -> anyhow::Result<ExitCode> {
     // The proxy moves no KV bytes; the in-process fabric will do for its environment.
     let choice = EnvChoice {
-        transport: TransportChoice::Zmq(ZmqConfig::default()),
+        transport: TransportChoice::Zmq(ZmqConfig {
+            curve: args.curve.load()?,
+            ..ZmqConfig::default()
+        }),
         fabric: FabricChoice::Mem(MemFabric::new()),
     };
     choice.visit(Proxy(args))?.await
+}
+
+/// `kvx keygen`: a fresh key pair written as certificates; prints where, and the public key.
+pub fn keygen(args: &crate::cli::KeygenArgs) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let keys = kvx_transport::zmq::CurveKeyPair::generate();
+    let (public, secret) = keys.write_certificates(&args.dir, &args.name)?;
+    println!("public key {}", keys.public_z85());
+    println!("wrote {} (public: hand it to peers)", public.display());
+    println!("wrote {} (secret, mode 0600: keep it here)", secret.display());
+    Ok(ExitCode::SUCCESS)
 }

@@ -82,6 +82,7 @@ fn main() -> ExitCode {
     raise_open_files_limit();
     let result = match cli.command {
         cli::Command::Wire(args) => wire_cmd::run(args),
+        cli::Command::Keygen(args) => envs::keygen(&args),
         cli::Command::Demo(args) => runtime().and_then(|rt| rt.block_on(envs::demo(args))),
         cli::Command::Receiver(args) => runtime().and_then(|rt| rt.block_on(envs::receiver(args))),
         cli::Command::Sender(args) => runtime().and_then(|rt| rt.block_on(envs::sender(args))),

@@ -494,7 +494,9 @@ impl CurveRx {
         let short = &command[8..16];
         let n = short_nonce(short);
         if n <= self.last {
-            return Err(unauthentic("a MESSAGE nonce not above the last (a replay?)"));
+            return Err(unauthentic(
+                "a MESSAGE nonce not above the last (a replay?)",
+            ));
         }
         let plain = open(&self.cipher, &nonce(self.prefix, short), &command[16..])
             .ok_or_else(|| unauthentic("a MESSAGE box that does not authenticate"))?;
@@ -811,7 +813,9 @@ mod tests {
             let got = zmtp::handshake_server(&mut sr, &mut sw, "ROUTER", &["DEALER"], curve).await;
             match got {
                 Ok(mut h) => {
-                    sw.write_all(&h.sealer.ready("ROUTER")).await.expect("write");
+                    sw.write_all(&h.sealer.ready("ROUTER"))
+                        .await
+                        .expect("write");
                     Ok(h)
                 }
                 Err(e) => {
@@ -834,7 +838,9 @@ mod tests {
             )
             .await
             .map(|(props, sealer)| {
-                assert!(props.iter().any(|(k, v)| k == "Socket-Type" && v == "ROUTER"));
+                assert!(props
+                    .iter()
+                    .any(|(k, v)| k == "Socket-Type" && v == "ROUTER"));
                 sealer
             })
         };
@@ -935,9 +941,15 @@ mod tests {
             matches!(s, Err(HandshakeError::Unauthenticated(ref why)) if why.contains("NULL")),
             "{s:?}"
         );
-        assert!(matches!(c, Err(HandshakeError::Unauthenticated(_))), "{c:?}");
+        assert!(
+            matches!(c, Err(HandshakeError::Unauthenticated(_))),
+            "{c:?}"
+        );
         let (s, c, ..) = connect(None, Some((client, server.public()))).await;
-        assert!(matches!(s, Err(HandshakeError::Unauthenticated(_))), "{s:?}");
+        assert!(
+            matches!(s, Err(HandshakeError::Unauthenticated(_))),
+            "{s:?}"
+        );
         assert!(
             matches!(c, Err(HandshakeError::Unauthenticated(ref why)) if why.contains("NULL")),
             "{c:?}"
@@ -990,10 +1002,16 @@ mod tests {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(&secret).expect("stat").permissions().mode();
+            let mode = std::fs::metadata(&secret)
+                .expect("stat")
+                .permissions()
+                .mode();
             assert_eq!(mode & 0o777, 0o600);
         }
-        assert!(pair.write_certificates(&dir, "server").is_err(), "never overwrites");
+        assert!(
+            pair.write_certificates(&dir, "server").is_err(),
+            "never overwrites"
+        );
         assert_eq!(CurveKeyPair::load(&secret).expect("loads"), pair);
         assert_eq!(load_public_key(&public).expect("loads"), pair.public());
         let err = CurveKeyPair::load(&public).expect_err("no secret in a public file");
@@ -1005,8 +1023,11 @@ mod tests {
         let err = AllowList::load_dir(&dir).expect_err("a bad certificate");
         assert!(err.to_string().contains("bad.key"), "{err}");
         let z = pair.public_z85();
-        std::fs::write(&bad, format!("curve\n    public-key = \"{z}\"\n    secret-key = \"{z}\"\n"))
-            .expect("write");
+        std::fs::write(
+            &bad,
+            format!("curve\n    public-key = \"{z}\"\n    secret-key = \"{z}\"\n"),
+        )
+        .expect("write");
         let err = CurveKeyPair::load(&bad).expect_err("mismatched halves");
         assert!(!err.to_string().contains(&z[8..]), "{err}");
         let _ = std::fs::remove_dir_all(&dir);

@@ -39,8 +39,7 @@ mod z85;
 mod zmtp;
 
 pub use curve::{
-    decode_key, fingerprint, load_public_key, AllowList, CurveConfigError, CurveKeyPair,
-    KEY_BYTES,
+    decode_key, fingerprint, load_public_key, AllowList, CurveConfigError, CurveKeyPair, KEY_BYTES,
 };
 
 use std::net::IpAddr;
@@ -243,7 +242,11 @@ impl ZmqConfig {
                         .into(),
                 ));
             }
-            if curve.allowed_clients.as_ref().is_some_and(AllowList::is_empty) {
+            if curve
+                .allowed_clients
+                .as_ref()
+                .is_some_and(AllowList::is_empty)
+            {
                 return Err(ZmqConfigError(
                     "curve.allowed_clients is empty: every client would be refused".into(),
                 ));

@@ -523,7 +523,8 @@ async fn pull_conn(
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
     let (mut reader, mut writer) = reader_for(&shared, stream);
-    let Some(mut handshaken) = handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"]).await
+    let Some(mut handshaken) =
+        handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"]).await
     else {
         return;
     };

@@ -9,7 +9,7 @@ const ALPHABET: &[u8; 85] =
 
 /// `bytes` (a multiple of 4 long) as Z85 text.
 pub(crate) fn encode(bytes: &[u8]) -> Option<String> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     let mut out = String::with_capacity(bytes.len() / 4 * 5);
@@ -29,7 +29,7 @@ pub(crate) fn encode(bytes: &[u8]) -> Option<String> {
 /// group over 2^32 - 1).
 pub(crate) fn decode(text: &str) -> Result<Vec<u8>, String> {
     let text = text.as_bytes();
-    if text.len() % 5 != 0 {
+    if !text.len().is_multiple_of(5) {
         return Err(format!(
             "{} characters is not a multiple of 5 (Z85)",
             text.len()
@@ -62,7 +62,10 @@ mod tests {
         assert_eq!(encode(&bytes).as_deref(), Some("HelloWorld"));
         assert_eq!(decode("HelloWorld").expect("decodes"), bytes);
         let all: Vec<u8> = (0..=255).collect();
-        assert_eq!(decode(&encode(&all).expect("encodes")).expect("decodes"), all);
+        assert_eq!(
+            decode(&encode(&all).expect("encodes")).expect("decodes"),
+            all
+        );
     }
 
     #[test]
