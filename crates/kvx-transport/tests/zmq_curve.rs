@@ -23,7 +23,7 @@ async fn step<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
 
 fn transport(curve: Option<CurveConfig>) -> ZmqTransport {
     ZmqTransport::new(ZmqConfig {
-        curve,
+        curve: curve.map(Box::new),
         connect_timeout: Duration::from_secs(3),
         ..ZmqConfig::default()
     })
@@ -150,20 +150,20 @@ async fn refusals_are_counted_and_say_why() {
 fn curve_settings_are_validated() {
     let keys = CurveKeyPair::generate();
     let neither = ZmqConfig {
-        curve: Some(CurveConfig {
+        curve: Some(Box::new(CurveConfig {
             keys: keys.clone(),
             allowed_clients: None,
             server_key: None,
-        }),
+        })),
         ..ZmqConfig::default()
     };
     assert!(neither.validate().is_err());
     let empty = ZmqConfig {
-        curve: Some(CurveConfig {
+        curve: Some(Box::new(CurveConfig {
             keys,
             allowed_clients: Some(AllowList::new([])),
             server_key: None,
-        }),
+        })),
         ..ZmqConfig::default()
     };
     assert!(empty.validate().is_err());

@@ -504,8 +504,7 @@ impl CurveClientArgs {
     /// The CURVE settings the flags give, the files read and checked now; `None` when off.
     pub fn load(&self) -> anyhow::Result<Option<kvx_transport::zmq::CurveConfig>> {
         use kvx_transport::zmq::{load_public_key, CurveConfig, CurveKeyPair};
-        let (Some(secret), Some(server)) = (&self.curve_secret_key, &self.curve_server_key)
-        else {
+        let (Some(secret), Some(server)) = (&self.curve_secret_key, &self.curve_server_key) else {
             return Ok(None);
         };
         let keys = CurveKeyPair::load(secret)?;

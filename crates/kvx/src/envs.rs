@@ -35,7 +35,7 @@ fn choice(
 ) -> anyhow::Result<EnvChoice> {
     let transport = match transport {
         TransportKind::Zmq => TransportChoice::Zmq(ZmqConfig {
-            curve,
+            curve: curve.map(Box::new),
             ..ZmqConfig::default()
         }),
         TransportKind::Mem => TransportChoice::Mem(MemTransport::new()),
@@ -191,7 +191,7 @@ pub async fn proxy(args: ProxyArgs) -> anyhow::Result<ExitCode> {
     // The proxy moves no KV bytes; the in-process fabric will do for its environment.
     let choice = EnvChoice {
         transport: TransportChoice::Zmq(ZmqConfig {
-            curve: args.curve.load()?,
+            curve: args.curve.load()?.map(Box::new),
             ..ZmqConfig::default()
         }),
         fabric: FabricChoice::Mem(MemFabric::new()),
@@ -208,6 +208,9 @@ pub fn keygen(args: &crate::cli::KeygenArgs) -> anyhow::Result<ExitCode> {
     let (public, secret) = keys.write_certificates(&args.dir, &args.name)?;
     println!("public key {}", keys.public_z85());
     println!("wrote {} (public: hand it to peers)", public.display());
-    println!("wrote {} (secret, mode 0600: keep it here)", secret.display());
+    println!(
+        "wrote {} (secret, mode 0600: keep it here)",
+        secret.display()
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -149,6 +149,7 @@ fn a_curve_cluster_serves_its_senders_and_refuses_others() {
     // A sender without keys speaks NULL: refused, and told why.
     let out = finish(sender(false), Duration::from_secs(60));
     let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("the NULL sender: {err}");
     assert!(!out.status.success(), "a NULL sender is refused");
     assert!(err.contains("CURVE"), "the reason names CURVE: {err}");
     let _ = std::fs::remove_dir_all(&dir);

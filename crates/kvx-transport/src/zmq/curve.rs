@@ -75,7 +75,8 @@ pub fn fingerprint(public: &[u8; KEY_BYTES]) -> String {
 #[derive(Clone, PartialEq, Eq)]
 pub struct CurveKeyPair {
     public: [u8; KEY_BYTES],
-    secret: SecretKey,
+    /// Shared by the copies (configurations are cloned into every socket task).
+    secret: Arc<SecretKey>,
 }
 
 impl CurveKeyPair {
@@ -87,7 +88,7 @@ impl CurveKeyPair {
     fn from_secret(secret: SecretKey) -> Self {
         Self {
             public: secret.public_key().to_bytes(),
-            secret,
+            secret: Arc::new(secret),
         }
     }
 

@@ -117,8 +117,8 @@ pub struct ZmqConfig {
     /// `CHANNEL_DEPTH` (1024) of them without it. At most 4 GiB.
     pub inbound_bytes_max: usize,
     /// CURVE (RFC 26) on this transport's sockets; `None` (the default) speaks the NULL
-    /// mechanism, unauthenticated and in the clear.
-    pub curve: Option<CurveConfig>,
+    /// mechanism, unauthenticated and in the clear. (Boxed: it is large, and rarely set.)
+    pub curve: Option<Box<CurveConfig>>,
 }
 
 /// CURVE settings of a `ZmqTransport` (`docs/spec/zmq.md` §9). Each side is on where its

@@ -79,8 +79,8 @@ pub(super) fn check_greeting(g: &[u8; 64], ours: &[u8]) -> Result<(), HandshakeE
     }
     if !named(ours) {
         return Err(HandshakeError::Unauthenticated(format!(
-            "the peer speaks the {} security mechanism, this socket {} (CURVE is on at both \
-             ends or at neither)",
+            "the peer speaks the {} security mechanism and this socket {} (CURVE must be on \
+             at both ends or at neither)",
             mechanism_name(g),
             String::from_utf8_lossy(ours)
         )));
