@@ -423,6 +423,14 @@ fn a_greeting_of_an_older_zmtp_version_is_refused() {
 #[test]
 fn a_greeting_with_an_unknown_mechanism_is_refused() {
     let mut g = zmtp::greeting();
+    g[12..17].copy_from_slice(b"PLAIN");
+    closed_at_once(&g);
+}
+
+/// CURVE against a receiver started without CURVE keys: refused (an ERROR says why), closed.
+#[test]
+fn a_curve_greeting_against_a_null_receiver_is_refused() {
+    let mut g = zmtp::greeting();
     g[12..17].copy_from_slice(b"CURVE");
     closed_at_once(&g);
 }
