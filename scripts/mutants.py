@@ -5,6 +5,11 @@ Copies the workspace to a scratch folder, applies one mutation at a time, runs t
 and property tests there, and reports whether they failed (caught) or passed (missed).
 Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
 The simulation issue turns these into `--break` variants of the swarm runner.
+
+`python3 scripts/mutants.py --curve [NAME ...]` runs instead the broken variants of the ZMQ
+transport's CURVE mechanism (`CURVE_MUTANTS`) against kvx-transport's unit tests and
+`tests/zmq_curve.rs` (which needs python3 with pyzmq: KVX_REQUIRE_PYTHON=1 is set, so a
+missing pyzmq is a failure, not a skip).
 """
 import os, re, shutil, subprocess, sys
 
@@ -112,6 +117,52 @@ MUTANTS = {
         "count a notice the proxy drops (over-long id, not a notice) down instead of up"),
 }
 
+ZMQ = "crates/kvx-transport/src/zmq/"
+
+# The CURVE mechanism's variants: name: (file, [(old, new), ...] each replaced everywhere,
+# what it breaks). The ones changed "on both sides" stay consistent between two kvx ends:
+# only libzmq (pyzmq) notices them.
+CURVE_MUTANTS = {
+    "server-opens-with-the-servers-prefix": (ZMQ + "curve.rs",
+        [("cipher: salsa(&client_transient, &transient),\n        prefix: b\"CurveZMQMESSAGEC\",",
+          "cipher: salsa(&client_transient, &transient),\n        prefix: b\"CurveZMQMESSAGES\",")],
+        "a CURVE server opens its client's MESSAGE boxes with the server's nonce prefix"),
+    "message-prefixes-swapped-on-both-sides": (ZMQ + "curve.rs",
+        [('b"CurveZMQMESSAGEC"', 'b"@@"'), ('b"CurveZMQMESSAGES"', 'b"CurveZMQMESSAGEC"'),
+         ('b"@@"', 'b"CurveZMQMESSAGES"')],
+        "the client's and the server's MESSAGE nonce prefixes swapped, at both ends"),
+    "vouch-prefix-changed-on-both-sides": (ZMQ + "curve.rs",
+        [('b"VOUCH---"', 'b"VOUCH--+"')],
+        "the vouch's nonce prefix changed, at both ends"),
+    "no-allow-list": (ZMQ + "curve.rs",
+        [("if !allowed.contains(&client_key)", "if false && !allowed.contains(&client_key)")],
+        "a CURVE server accepts any client key that proves itself"),
+    "no-replay-check": (ZMQ + "curve.rs",
+        [("if n <= self.last {", "if false && n <= self.last {")],
+        "a MESSAGE whose nonce is not above the last is opened (a replayed box accepted)"),
+    "box-opened-without-its-tag": (ZMQ + "curve.rs",
+        [("crypto_box::aead::Tag::<A>::from_slice(tag),\n        )\n        .ok()?;",
+          "crypto_box::aead::Tag::<A>::from_slice(tag),\n        )\n        .ok();")],
+        "a box whose tag does not authenticate is opened all the same"),
+    "mechanism-not-checked": (ZMQ + "zmtp.rs",
+        [("    if !named(ours) {", "    if false && !named(ours) {")],
+        "a peer greeting with the other mechanism (NULL against CURVE) goes on to the handshake"),
+}
+
+def run_curve(name):
+    path, pairs, what = CURVE_MUTANTS[name]
+    target = os.path.join(SCRATCH, path)
+    shutil.copy(os.path.join(ROOT, path), target)
+    text = open(target).read()
+    for old, new in pairs:
+        if old not in text:
+            return name, "STALE (pattern not found: update scripts/mutants.py)", what
+        text = text.replace(old, new)
+    open(target, "w").write(text)
+    env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", KVX_REQUIRE_PYTHON="1")
+    cmd = ["cargo", "test", "-q", "--no-fail-fast", "-p", "kvx-transport", "--lib", "--test", "zmq_curve"]
+    return verdict(name, what, path, target, cmd, env)
+
 def run(name):
     path, old, new, what = MUTANTS[name]
     target = os.path.join(SCRATCH, path)
@@ -123,6 +174,9 @@ def run(name):
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
     cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
+    return verdict(name, what, path, target, cmd, env)
+
+def verdict(name, what, path, target, cmd, env):
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     out = proc.stdout + proc.stderr
@@ -141,12 +195,16 @@ def run(name):
     return name, ("caught by " + ", ".join(failed)) if proc.returncode else "MISSED", what
 
 def main():
-    names = sys.argv[1:] or list(MUTANTS)
+    args = sys.argv[1:]
+    curve = "--curve" in args
+    args = [a for a in args if a != "--curve"]
+    table, runner = (CURVE_MUTANTS, run_curve) if curve else (MUTANTS, run)
+    names = args or list(table)
     shutil.rmtree(SCRATCH, ignore_errors=True)
     shutil.copytree(ROOT, SCRATCH, ignore=shutil.ignore_patterns("target", ".git"))
     missed = False
     for name in names:
-        name, verdict, what = run(name)
+        name, verdict, what = runner(name)
         missed |= not verdict.startswith("caught")
         print(f"{name:28} {verdict}\n{'':28} ({what})", flush=True)
     sys.exit(1 if missed else 0)

@@ -39,10 +39,11 @@ pub(crate) fn decode(text: &str) -> Result<Vec<u8>, String> {
     for group in text.chunks_exact(5) {
         let mut value = 0u64;
         for &c in group {
+            // The character is not named: the text may be a secret key.
             let digit = ALPHABET
                 .iter()
                 .position(|&a| a == c)
-                .ok_or_else(|| format!("{:?} is not a Z85 character", char::from(c)))?;
+                .ok_or_else(|| "a character outside the Z85 alphabet".to_owned())?;
             value = value * 85 + digit as u64;
         }
         let value = u32::try_from(value).map_err(|_| "a Z85 group over 2^32 - 1".to_owned())?;
