@@ -1,13 +1,17 @@
 """Type stubs of kvx's native module (crates/kvx-py)."""
 
 from asyncio import Future
-from typing import Any, Dict, List, Optional, Sequence, Tuple, final
+from os import PathLike
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
 
 # Anything with the writable buffer protocol: bytearray, a NumPy array, mmap; or a CPU
 # torch.Tensor (through .numpy()).
 _Buffer = Any
+
+# A certificate file or directory (CURVE): `kvx keygen`'s or pyzmq's zmq.auth's.
+_Path = Union[str, PathLike[str]]
 
 __all__ = [
     "CancelledError",
@@ -90,7 +94,11 @@ class Proxy:
         *,
         kv_ready_timeout: Optional[float] = None,
         standalone_tp_ranks: Optional[int] = None,
-    ) -> Self: ...
+        curve_secret_key: Optional[_Path] = None,
+        curve_allow: Optional[_Path] = None,
+    ) -> Self:
+        """``curve_secret_key`` and ``curve_allow`` (both or neither): CURVE on the notice
+        channel, as for ``Receiver``."""
     @property
     def endpoint(self) -> str: ...
     def expect(self, req_id: str, tp_ranks: int = 1) -> ProxyWait: ...
@@ -139,8 +147,12 @@ class Sender:
         write_timeout: Optional[float] = None,
         checksums: Optional[bool] = None,
         failure_notices: Optional[bool] = None,
+        curve_secret_key: Optional[_Path] = None,
+        curve_server_key: Optional[_Path] = None,
     ) -> Self:
-        """A protocol setting given as ``None`` is kvx's default (``defaults()["sender"]``)."""
+        """A protocol setting given as ``None`` is kvx's default (``defaults()["sender"]``).
+        ``curve_secret_key`` (this sender's ``NAME.key_secret``) and ``curve_server_key`` (the
+        receivers' and proxy's ``NAME.key``), both or neither: CURVE on the control channels."""
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
         """Connects to a receiver; returns its id for ``begin``. ``IdentityRefusedError`` when
         the receiver refuses this sender's identity (another sender's connection holds it)."""
@@ -251,8 +263,13 @@ class Receiver:
         admission_timeout: Optional[float] = None,
         unconsumed_ttl: Optional[float] = None,
         require_checksums: Optional[bool] = None,
+        curve_secret_key: Optional[_Path] = None,
+        curve_allow: Optional[_Path] = None,
     ) -> Self:
-        """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``)."""
+        """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``).
+        ``curve_secret_key`` (this receiver's ``NAME.key_secret``) and ``curve_allow`` (the
+        directory of allowed senders' ``NAME.key``), both or neither: CURVE on the alloc
+        channel."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property

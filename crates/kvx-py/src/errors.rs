@@ -128,6 +128,11 @@ pub(crate) fn embed(e: &kvx_embed::EmbedError) -> PyErr {
     use kvx_embed::EmbedError as E;
     let msg = e.to_string();
     if e.is_refused() {
+        // A CURVE refusal (no key, a key off the allow-list, the wrong server key) is no
+        // identity's: every CURVE reason begins "CURVE:" (kvx_transport's, sent or heard).
+        if msg.contains("CURVE:") {
+            return RefusedError::new_err(msg);
+        }
         return IdentityRefusedError::new_err(msg);
     }
     match e {

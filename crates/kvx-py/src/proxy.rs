@@ -1,6 +1,7 @@
 //! `kvx.Proxy`: awaits each request's notices from every decoder TP rank, as a serving
 //! router does before it dispatches the decode.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -10,17 +11,19 @@ use kvx_proto::ProxyConfig;
 use kvx_transport::zmq::ZmqConfig;
 use pyo3::prelude::*;
 
-use crate::{errors, runtime, wait};
+use crate::{env, errors, runtime, wait};
 
 /// The notice channel of a proxy (a ZeroMQ PULL socket LMCache's and kvx's senders push
 /// ``ProxyNotif`` and ``FailNotif`` to).
 ///
-/// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=None, standalone_tp_ranks=None)``:
+/// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=None, standalone_tp_ranks=None,
+/// curve_secret_key=None, curve_allow=None)``:
 /// binds ``endpoint`` (port 0: the OS picks; read ``endpoint`` back). ``kv_ready_timeout``
 /// ``None`` is kvx's default, the one ``kvx proxy`` runs with (``kvx.defaults()["proxy"]``). With
 /// ``standalone_tp_ranks`` set, every request id is awaited from its first notice, from that
 /// many TP ranks, and outcomes come from ``next_event``; otherwise call ``expect`` for each
-/// request before its prefill starts.
+/// request before its prefill starts. ``curve_secret_key``, ``curve_allow``: CURVE on the
+/// notice channel (both or neither), as for ``Receiver``.
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Proxy {
     inner: kvx_embed::Proxy,
@@ -36,13 +39,17 @@ pub(crate) struct ProxyWait {
 #[pymethods]
 impl Proxy {
     #[new]
-    #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = None, standalone_tp_ranks = None))]
+    #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = None,
+        standalone_tp_ranks = None, curve_secret_key = None, curve_allow = None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         kv_ready_timeout: Option<f64>,
         standalone_tp_ranks: Option<u32>,
+        curve_secret_key: Option<PathBuf>,
+        curve_allow: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let curve = env::curve_server(curve_secret_key, curve_allow)?;
         let core = ProxyConfig::default();
         let kv_ready_timeout = match kv_ready_timeout {
             Some(s) => wait::positive_seconds(s, "kv_ready_timeout")?,
@@ -54,7 +61,10 @@ impl Proxy {
             ..core
         };
         let rt = runtime::get()?;
-        let transport = TransportChoice::Zmq(ZmqConfig::default());
+        let transport = TransportChoice::Zmq(ZmqConfig {
+            curve: curve.map(Box::new),
+            ..ZmqConfig::default()
+        });
         let inner = py
             .detach(|| kvx_embed::Proxy::start(rt, transport, endpoint, cfg))
             .map_err(errors::start)?;

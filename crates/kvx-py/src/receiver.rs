@@ -1,5 +1,6 @@
 //! `kvx.Receiver` and `kvx.ReadLease`: a decode worker's side, over `kvx_embed::Receiver`.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -17,7 +18,8 @@ use crate::{aio, env, errors, memory, runtime, wait};
 ///
 /// ``Receiver(*, slots, slot_bytes, buffer=None, transport="zmq", fabric="tcp",
 /// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=None,
-/// admission_timeout=None, unconsumed_ttl=None, require_checksums=None)``
+/// admission_timeout=None, unconsumed_ttl=None, require_checksums=None,
+/// curve_secret_key=None, curve_allow=None)``
 ///
 /// A protocol setting given as ``None`` is kvx's default, the one ``kvx receiver`` runs with
 /// (``kvx.defaults()["receiver"]``: a 75 % share, 30 s admission timeout, 300 s unconsumed
@@ -30,6 +32,9 @@ use crate::{aio, env, errors, memory, runtime, wait};
 /// ``peer_share_percent``: the most of the buffer one sender may hold, in percent (1-100).
 /// ``require_checksums``: a kvx sender's chunk without a checksum fails its request; turn off
 /// only for senders that cannot send one.
+/// ``curve_secret_key``, ``curve_allow``: CURVE on the alloc channel (both or neither): this
+/// receiver's secret certificate (``NAME.key_secret``) and the directory of the public
+/// certificates of the senders allowed to connect (``docs/operations.md``, "CURVE").
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Receiver {
     inner: kvx_embed::Receiver,
@@ -56,7 +61,7 @@ impl Receiver {
     #[pyo3(signature = (*, slots, slot_bytes, buffer = None, transport = "zmq", fabric = "tcp",
         alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
         peer_share_percent = None, admission_timeout = None, unconsumed_ttl = None,
-        require_checksums = None))]
+        require_checksums = None, curve_secret_key = None, curve_allow = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -71,8 +76,11 @@ impl Receiver {
         admission_timeout: Option<f64>,
         unconsumed_ttl: Option<f64>,
         require_checksums: Option<bool>,
+        curve_secret_key: Option<PathBuf>,
+        curve_allow: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let choice = env::choice(transport, fabric)?;
+        let curve = env::curve_server(curve_secret_key, curve_allow)?;
+        let choice = env::choice(transport, fabric, curve)?;
         let own = env::needs_own_mapping(&choice);
         let (memory, view) = memory::choose(py, buffer, slots, slot_bytes, own)?;
         let core = ReceiverConfig::default();

@@ -1,5 +1,6 @@
 //! `kvx.Sender` and `kvx.StagingSlot`: a prefill worker's side, over `kvx_embed::Sender`.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 ///
 /// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
 /// local_id=None, staging_timeout=None, reply_timeout=None, write_timeout=None,
-/// checksums=None, failure_notices=None)``
+/// checksums=None, failure_notices=None, curve_secret_key=None, curve_server_key=None)``
 ///
 /// A protocol setting given as ``None`` is kvx's default, the one ``kvx sender`` runs with
 /// (``kvx.defaults()["sender"]``: 30 s staging timeout, 10 s reply and write timeouts,
@@ -37,6 +38,10 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 /// ``local_id``: this sender's identity on every receiver; ``None``: one of its own, unique
 /// per ``Sender`` (several in one process too). Two senders given the same one cannot use
 /// the same receiver at once: the second's ``add_receiver`` raises ``IdentityRefusedError``.
+/// ``curve_secret_key``, ``curve_server_key``: CURVE on the alloc and notice channels (both
+/// or neither): this sender's secret certificate (``NAME.key_secret``), whose public half is
+/// on the receivers' and proxy's allow-lists, and the public certificate (``NAME.key``) of the
+/// receivers and proxy, which share that key pair (``docs/operations.md``, "CURVE").
 ///
 /// A request: ``begin`` → ``wait_admitted`` → per chunk ``allocate`` a slot, write it,
 /// ``add`` it → ``submit`` batches (the last with ``last=True``) → ``wait_outcome`` or
@@ -64,7 +69,8 @@ impl Sender {
     #[new]
     #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
         proxy = None, local_id = None, staging_timeout = None, reply_timeout = None,
-        write_timeout = None, checksums = None, failure_notices = None))]
+        write_timeout = None, checksums = None, failure_notices = None, curve_secret_key = None,
+        curve_server_key = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,8 +86,11 @@ impl Sender {
         write_timeout: Option<f64>,
         checksums: Option<bool>,
         failure_notices: Option<bool>,
+        curve_secret_key: Option<PathBuf>,
+        curve_server_key: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let choice = env::choice(transport, fabric)?;
+        let curve = env::curve_client(curve_secret_key, curve_server_key)?;
+        let choice = env::choice(transport, fabric, curve)?;
         let own = env::needs_own_mapping(&choice);
         let (memory, view) = memory::choose(py, staging, slots, slot_bytes, own)?;
         let core = SenderConfig::default();

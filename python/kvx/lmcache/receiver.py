@@ -54,6 +54,8 @@ class ReceiverRole:
             admission_timeout=settings.allocation_timeout_sec,
             unconsumed_ttl=extra["kvx_unconsumed_ttl_sec"],
             require_checksums=extra["kvx_checksums"],
+            curve_secret_key=extra["kvx_curve_secret_key"],
+            curve_allow=extra["kvx_curve_allow"],
         )
         self.buffer = lent if lent is not None else over_kvx_memory(self.receiver.buffer)
         self.data: Dict[CacheEngineKey, MemoryObj] = {}

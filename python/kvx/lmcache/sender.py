@@ -97,6 +97,8 @@ class SenderRole:
             write_timeout=extra["kvx_write_timeout_sec"],
             checksums=extra["kvx_checksums"],
             failure_notices=extra["kvx_failure_notices"],
+            curve_secret_key=extra["kvx_curve_secret_key"],
+            curve_server_key=extra["kvx_curve_server_key"],
         )
         self.staging = lent if lent is not None else over_kvx_memory(self.sender.staging)
         self.slots = StagingSlots(self.staging, settings.chunk_bytes)

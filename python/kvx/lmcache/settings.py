@@ -90,6 +90,27 @@ KVX_EXTRA_KEYS: Dict[str, tuple] = {
         5.0,
         "receiver: how long get_blocking waits for a key whose request is still arriving",
     ),
+    # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak ZeroMQ's
+    # NULL mechanism, as LMCache does, and the network is trusted.
+    "kvx_curve_secret_key": (
+        str,
+        None,
+        "CURVE: this worker's secret certificate (NAME.key_secret, from `kvx keygen` or "
+        "zmq.auth.create_certificates); with kvx_curve_allow (receiver) or "
+        "kvx_curve_server_key (sender)",
+    ),
+    "kvx_curve_allow": (
+        str,
+        None,
+        "receiver, CURVE: the directory of the public certificates (NAME.key) of the senders "
+        "allowed to connect",
+    ),
+    "kvx_curve_server_key": (
+        str,
+        None,
+        "sender, CURVE: the public certificate (NAME.key) of the receivers and the proxy, "
+        "which share that key pair",
+    ),
 }
 
 
@@ -159,6 +180,9 @@ def _extra(config: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, (kind, default, _) in KVX_EXTRA_KEYS.items():
         value = given.get(name, default)
+        if value is None:  # an optional setting left unset (the CURVE files)
+            out[name] = None
+            continue
         try:
             if kind is bool and isinstance(value, str):
                 value = value.strip().lower() in ("1", "true", "yes", "on")

@@ -568,7 +568,10 @@ impl std::fmt::Display for HandshakeError {
             Self::Refused(why) => write!(f, "refused by the peer: {why}"),
             Self::Unauthenticated(why) => write!(f, "CURVE: {why}"),
             Self::NotAllowed(key) => {
-                write!(f, "CURVE: client key {key}… is not on the allow-list")
+                write!(
+                    f,
+                    "CURVE: the client key {key} (a fingerprint) is not on the allow-list"
+                )
             }
             Self::Failed(why) => f.write_str(why),
         }
