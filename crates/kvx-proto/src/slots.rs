@@ -207,7 +207,7 @@ impl SlotTable {
     /// Whether `peer` holds any slot (granted to one of its requests, or quarantined after
     /// its rollback). Linear in the slots.
     pub fn holds_any(&self, peer: PeerId) -> bool {
-        self.holder.iter().any(|&h| h == Some(peer))
+        self.holder.contains(&Some(peer))
     }
 
     /// A write notice arrived for `tag` from a connection of `peer`.
