@@ -99,7 +99,7 @@ mod tests {
     fn bindings_of_idle_peers_are_swept_as_the_map_doubles() {
         let mut p = Principals::default();
         // Every tenth peer holds something once bound; the others go idle.
-        let busy = |q: PeerId| q.0 % 10 == 0;
+        let busy = |q: PeerId| q.0.is_multiple_of(10);
         let mut most = 0;
         for i in 0..10_000u64 {
             assert!(p.bind(PeerId(i), Principal::new(i % 3), |q| q != PeerId(i)
