@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Deliberately broken variants of kvx-proto, each of which the tests must catch.
+"""Deliberately broken variants of kvx-proto (and of the fabrics' access rules), each of which
+the tests must catch.
 
 Copies the workspace to a scratch folder, applies one mutation at a time, runs the scenario
-and property tests there, and reports whether they failed (caught) or passed (missed).
+and property tests there (or, for a variant outside kvx-proto, the tests it names), and
+reports whether they failed (caught) or passed (missed).
 Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
 The simulation issue turns these into `--break` variants of the swarm runner.
 
@@ -17,7 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/kvx-mutants"
 SRC = "crates/kvx-proto/src/"
 
-# name: (file, old, new, what it breaks)
+# The tests a variant of kvx-proto runs against.
+PROTO_TESTS = ["-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
+
+# name: (file, old, new, what it breaks[, the `cargo test` selection that must catch it])
 MUTANTS = {
     "no-reservation": (SRC + "admission.rs",
         "if next == Some(behind) && need <= self.available() {",
@@ -115,6 +120,11 @@ MUTANTS = {
         "_ => self.dropped_notices += 1,",
         "_ => self.dropped_notices -= 1,",
         "count a notice the proxy drops (over-long id, not a notice) down instead of up"),
+    "write-outlives-grant": ("crates/kvx-io/src/access.rs",
+        "if cell.epoch != write.epoch {",
+        "if false && cell.epoch != write.epoch {",
+        "let an admitted write go on landing bytes after its grant was revoked: a write stopped half-way and finished after the slot was granted again overwrites the new holder's chunk",
+        ["-p", "kvx-io", "-p", "kvx-transport", "--lib", "--test", "fabric_tcp"]),
 }
 
 ZMQ = "crates/kvx-transport/src/zmq/"
@@ -164,7 +174,8 @@ def run_curve(name):
     return verdict(name, what, path, target, cmd, env)
 
 def run(name):
-    path, old, new, what = MUTANTS[name]
+    path, old, new, what, *selection = MUTANTS[name]
+    selection = selection[0] if selection else PROTO_TESTS
     target = os.path.join(SCRATCH, path)
     shutil.copy(os.path.join(ROOT, path), target)
     text = open(target).read()
@@ -173,7 +184,7 @@ def run(name):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
-    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast", "-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
+    cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast"] + selection
     return verdict(name, what, path, target, cmd, env)
 
 def verdict(name, what, path, target, cmd, env):

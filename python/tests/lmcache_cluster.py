@@ -251,8 +251,8 @@ def interleave(cluster, plans, batch, step_timeout=None):
     return stored
 
 
-def run_seed_example(timeout):
-    """The seed example: one sender, one thread, two 8-chunk requests interleaved in
+def run_interleaved_on_one_thread(timeout):
+    """The interleaved deadlock case: one sender, one thread, two 8-chunk requests interleaved in
     batches of 2 into a receiver buffer of 10 chunks (each fits, both do not)."""
     cluster = Cluster(buffer_chunks=10, timeout=timeout)
     plans = {"a": 8, "b": 8}

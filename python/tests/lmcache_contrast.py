@@ -1,5 +1,5 @@
-"""The contrast of ``test_lmcache.py``: the seed example and four concurrent requests per
-sender against LMCache's own ``PDBackendAsync`` (its ``mock_memory`` transfer channel), in a
+"""The contrast of ``test_lmcache.py``: two requests interleaved on one thread and four
+concurrent requests per sender against LMCache's own ``PDBackendAsync`` (its ``mock_memory`` transfer channel), in a
 process of their own. Prints one JSON line with what each delivered, what failed with a
 notice, and how long it took; then exits without waiting for LMCache's close, which can
 hang on its wedged sockets."""
@@ -14,15 +14,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 logging.disable(logging.CRITICAL)
 
-from lmcache_cluster import Cluster, four_concurrent, run_seed_example  # noqa: E402
+from lmcache_cluster import Cluster, four_concurrent, run_interleaved_on_one_thread  # noqa: E402
 
 TIMEOUT = 2.0
 
 
 def main() -> None:
     result = {}
-    cluster, decoder, took, stuck = run_seed_example(timeout=TIMEOUT)
-    result["seed"] = {
+    cluster, decoder, took, stuck = run_interleaved_on_one_thread(timeout=TIMEOUT)
+    result["interleaved"] = {
         "backend": type(cluster.senders[0].allocator_backend).__name__,
         "delivered": decoder.delivered, "failed": decoder.failed, "took": took,
         "stuck": stuck, "timeout": TIMEOUT,

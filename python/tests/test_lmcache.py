@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="torch is needed for the LMCache bac
 
 import kvx  # noqa: E402
 import kvx.lmcache  # noqa: E402
-from lmcache_cluster import CHUNK_BYTES, CHUNK_TOKENS, Cluster, Decoder, four_concurrent, run_seed_example  # noqa: E402
+from lmcache_cluster import CHUNK_BYTES, CHUNK_TOKENS, Cluster, Decoder, four_concurrent, run_interleaved_on_one_thread  # noqa: E402
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def kvx_backend():
     kvx.lmcache.uninstall()
 
 
-def test_the_seed_example_completes_through_kvx(kvx_backend):
-    cluster, decoder, took, stuck = run_seed_example(timeout=10.0)
+def test_two_requests_interleaved_on_one_thread_complete_through_kvx(kvx_backend):
+    cluster, decoder, took, stuck = run_interleaved_on_one_thread(timeout=10.0)
     try:
         assert not stuck
         assert decoder.delivered == {"a": True, "b": True}, (decoder.delivered, decoder.failed)
@@ -110,16 +110,16 @@ def test_the_mem_and_shm_fabrics_complete_four_concurrent_requests_byte_exact(kv
         assert cluster.close() == 0
 
 
-def test_the_seed_example_wedges_lmcaches_own_backend(lmcaches_own):
+def test_two_requests_interleaved_on_one_thread_wedge_lmcaches_own_backend(lmcaches_own):
     """LMCache's sender holds the receiver's only channel while the second request waits
     for admission, so the first request's remaining batches cannot go: nothing moves until
     the admission wait times out, and then the second request is lost without a word to
     the proxy."""
-    seed = lmcaches_own["seed"]
-    assert seed["backend"] == "PDBackendAsync"
-    assert seed["delivered"].get("b") is not True, seed
-    assert "b" not in seed["failed"], seed  # No failure notice: the proxy waits for ever.
-    assert seed["took"] >= seed["timeout"], seed
+    case = lmcaches_own["interleaved"]
+    assert case["backend"] == "PDBackendAsync"
+    assert case["delivered"].get("b") is not True, case
+    assert "b" not in case["failed"], case  # No failure notice: the proxy waits for ever.
+    assert case["took"] >= case["timeout"], case
 
 
 def test_four_concurrent_requests_per_sender_wedge_lmcaches_own_backend(lmcaches_own):

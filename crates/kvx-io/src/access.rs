@@ -18,6 +18,17 @@
 //!
 //! The first write of a grant closes it: a grant admits one write. So at most one landing
 //! notice per grant is ever announced, which bounds the notice channel by the buffer's size.
+//!
+//! **No write outlives its grant.** A write's bytes may take a while to arrive (over TCP they
+//! follow their header, piece by piece). Admission is not a licence for the rest of them:
+//! every piece goes into the slot through `land`, which runs it under the slot's cell lock and
+//! only while the grant that admitted the write is still the slot's current one. `apply`, which
+//! revokes or replaces a grant, takes the same lock. So once the driver has mirrored a
+//! revocation (cancel, timeout, quarantine expiry, peer loss) — which it does before it sends
+//! the reply that grants the slot again — no byte of an earlier write can reach the slot: a
+//! piece already being copied finishes first, every later one is refused (`Revoked`), and the
+//! fabric reads the rest of that write past. Nothing has to wait for a hostile peer to finish
+//! or stop its write before the slot is reused.
 
 use std::fmt;
 use std::hash::Hasher;
@@ -155,6 +166,14 @@ pub enum WriteRefusal {
         /// Bytes the chunk's batch declared.
         declared: u64,
     },
+    /// The grant that admitted the write was revoked or replaced before this piece of its
+    /// bytes arrived: they are read past, and the slot keeps its new holder's bytes.
+    Revoked {
+        /// The peer the connection authenticated as.
+        peer: PeerId,
+        /// The slot written.
+        slot: u32,
+    },
 }
 
 impl fmt::Display for WriteRefusal {
@@ -195,12 +214,30 @@ impl fmt::Display for WriteRefusal {
                 f,
                 "{peer} wrote {len} bytes into slot {slot}, whose chunk is {declared} bytes"
             ),
+            WriteRefusal::Revoked { peer, slot } => write!(
+                f,
+                "{peer} was still writing slot {slot} after its grant was revoked"
+            ),
         }
     }
 }
 
+/// A write `FabricAccess::admit` let through: the grant it names, and which mirror of that
+/// grant admitted it, so that `FabricAccess::land` can tell when the grant is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmittedWrite {
+    /// The grant the write lands under (its immediate, as announced).
+    pub tag: WriteTag,
+    peer: PeerId,
+    /// The slot's `Cell::epoch` at admission.
+    epoch: u64,
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct Cell {
+    /// Counts every change mirrored into this slot: a write admitted under one epoch may land
+    /// bytes only while the epoch is still the same.
+    epoch: u64,
     grant: Option<SlotGrant>,
     /// A write of this grant was admitted.
     written: bool,
@@ -282,9 +319,13 @@ impl FabricAccess {
     }
 
     /// Mirrors one change of the ledger's grants.
+    /// Once it returns, no byte of a write admitted under the slot's previous grant can land
+    /// (`land`).
     pub fn apply(&self, change: GrantChange) {
         if let Some(cell) = self.cells.get(change.slot.0 as usize) {
-            *lock(cell) = Cell {
+            let mut cell = lock(cell);
+            *cell = Cell {
+                epoch: cell.epoch.wrapping_add(1),
                 grant: change.grant,
                 written: false,
                 standing: false,
@@ -293,20 +334,44 @@ impl FabricAccess {
     }
 
     /// Whether a write of `len` bytes into `slot` with immediate `imm`, arriving on a
-    /// connection of `peer`, may land. An admitted write closes its grant. A refusal is
-    /// counted (`refused`).
+    /// connection of `peer`, may land. An admitted write closes its grant; its bytes then go
+    /// into the slot through `land`, which stops them once the grant is revoked. A refusal
+    /// is counted (`refused`).
     pub fn admit(
         &self,
         peer: PeerId,
         slot: u32,
         len: u64,
         imm: Option<u32>,
-    ) -> Result<WriteTag, WriteRefusal> {
+    ) -> Result<AdmittedWrite, WriteRefusal> {
         let result = self.check(peer, slot, len, imm);
         if result.is_err() {
             self.refused.fetch_add(1, Ordering::Relaxed);
         }
         result
+    }
+
+    /// Runs `f` — which puts (some of) an admitted write's bytes into its slot — under the
+    /// slot's cell lock, if the grant that admitted the write is still the slot's current
+    /// one; refuses (`Revoked`, counted) once it was revoked or replaced. A fabric that lands
+    /// bytes itself (TCP, shared memory, in memory) puts every byte in through here, so a
+    /// revocation mirrored by `apply` cannot be outrun by a write in flight.
+    pub fn land<R>(&self, write: &AdmittedWrite, f: impl FnOnce() -> R) -> Result<R, WriteRefusal> {
+        let slot = write.tag.slot.0;
+        let cell = self
+            .cells
+            .get(slot as usize)
+            .ok_or(WriteRefusal::OutOfRange { slot })?;
+        let cell = lock(cell);
+        if cell.epoch != write.epoch {
+            drop(cell);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(WriteRefusal::Revoked {
+                peer: write.peer,
+                slot,
+            });
+        }
+        Ok(f())
     }
 
     fn check(
@@ -315,7 +380,7 @@ impl FabricAccess {
         slot: u32,
         len: u64,
         imm: Option<u32>,
-    ) -> Result<WriteTag, WriteRefusal> {
+    ) -> Result<AdmittedWrite, WriteRefusal> {
         let Some(imm) = imm else {
             return Err(WriteRefusal::NoImmediate { slot });
         };
@@ -339,8 +404,13 @@ impl FabricAccess {
         if grant.peer != peer {
             return Err(WriteRefusal::NotHolder { peer, slot });
         }
+        let admitted = AdmittedWrite {
+            tag,
+            peer,
+            epoch: cell.epoch,
+        };
         if cell.standing {
-            return Ok(tag);
+            return Ok(admitted);
         }
         let current = WriteTag {
             slot: SlotIndex(slot),
@@ -361,7 +431,7 @@ impl FabricAccess {
             });
         }
         cell.written = true;
-        Ok(tag)
+        Ok(admitted)
     }
 
     /// Writes refused since the buffer was exposed.
@@ -389,7 +459,9 @@ impl FabricAccess {
     /// not hold for such a slot.
     pub fn grant_standing(&self, slot: u32, peer: PeerId) {
         if let Some(cell) = self.cells.get(slot as usize) {
-            *lock(cell) = Cell {
+            let mut cell = lock(cell);
+            *cell = Cell {
+                epoch: cell.epoch.wrapping_add(1),
                 grant: Some(SlotGrant {
                     peer,
                     generation: 0,
@@ -515,5 +587,41 @@ mod tests {
             Err(WriteRefusal::AlreadyWritten { peer: p, slot: 0 })
         );
         assert_eq!(a.refused(), 6);
+    }
+
+    #[test]
+    fn no_byte_of_a_write_lands_once_its_grant_is_revoked() {
+        let a = FabricAccess::new(1, [0; 16]);
+        let (p, q) = (PeerId(1), PeerId(2));
+        a.grant(0, p, 1);
+        let w = a.admit(p, 0, 8, imm(0, 1)).expect("admitted");
+        assert_eq!(a.land(&w, || 1), Ok(1), "a piece while the grant stands");
+        assert_eq!(a.land(&w, || 2), Ok(2), "and the next");
+        // Revoked (a cancel, a timeout, a quarantine's end), then granted to another peer.
+        a.apply(GrantChange {
+            slot: SlotIndex(0),
+            grant: None,
+        });
+        assert_eq!(
+            a.land(&w, || unreachable!("no piece after the revocation")),
+            Err(WriteRefusal::Revoked { peer: p, slot: 0 })
+        );
+        a.grant(0, q, 2);
+        let v = a.admit(q, 0, 8, imm(0, 2)).expect("the new holder's write");
+        assert_eq!(a.land(&v, || 3), Ok(3));
+        assert!(
+            a.land(&w, || ()).is_err(),
+            "nor after the slot was granted again"
+        );
+        // Granted back to the same peer under a new generation: the old write stays cut off.
+        a.grant(0, p, 3);
+        assert!(a.land(&w, || ()).is_err());
+        assert_eq!(a.refused(), 3, "each cut-off piece is counted");
+        // A standing grant (the fabric bench) lands every piece of every write.
+        a.grant_standing(0, p);
+        let s = a.admit(p, 0, 8, imm(0, 9)).expect("standing");
+        for _ in 0..3 {
+            assert!(a.land(&s, || ()).is_ok());
+        }
     }
 }

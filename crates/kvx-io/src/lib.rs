@@ -53,7 +53,7 @@ pub mod conformance;
 #[cfg(feature = "sockets")]
 pub mod sockets;
 
-pub use access::{FabricAccess, FabricCredential, WriteRefusal};
+pub use access::{AdmittedWrite, FabricAccess, FabricCredential, WriteRefusal};
 pub use budget::{ConnectionBudget, Evicted, Held};
 pub use checksum::{chunk_checksum, ChecksumState};
 pub use env::{Env, TokioEnv};

@@ -314,19 +314,26 @@ fn land(
     if !fits {
         return Err(FabricError::OutOfBounds(w.id.0, format!("{w:?}")));
     }
-    let tag = access
+    let refused = |r: crate::WriteRefusal| FabricError::Refused(r.to_string());
+    let admitted = access
         .admit(peer, w.remote.0, w.len as u64, w.imm)
-        .map_err(|r| FabricError::Refused(r.to_string()))?;
-    // Straight from slot to slot, the checksum over the bytes as they landed.
+        .map_err(refused)?;
+    // Straight from slot to slot, while the grant still stands, the checksum over the bytes
+    // as they landed.
     let mut landed = 0;
-    staging.inspect_slot(w.local.0, w.len, &mut |src| {
-        remote.fill_slot(w.remote.0, w.len, &mut |dst| {
-            dst.copy_from_slice(src);
-            if w.checksum.is_some() {
-                landed = chunk_checksum(dst);
-            }
-        });
-    });
+    access
+        .land(&admitted, || {
+            staging.inspect_slot(w.local.0, w.len, &mut |src| {
+                remote.fill_slot(w.remote.0, w.len, &mut |dst| {
+                    dst.copy_from_slice(src);
+                    if w.checksum.is_some() {
+                        landed = chunk_checksum(dst);
+                    }
+                });
+            });
+        })
+        .map_err(refused)?;
+    let tag = admitted.tag;
     let checksum = match w.checksum {
         None => ChecksumCheck::Absent,
         Some(carried) => {

@@ -6,10 +6,11 @@
 //! cancel-safe, so drivers can `select!` over a handle and their timers freely.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_proto::PeerId;
+use kvx_proto::{PeerId, Principal};
 use tokio::sync::{mpsc, watch};
 
 /// Depth of every handle's channels.
@@ -66,13 +67,25 @@ pub enum TransportError {
     Io(String),
 }
 
+/// Who stands behind a connected peer (`kvx_proto::Principal`), as a transport knows it.
+pub type PrincipalOf = Arc<dyn Fn(PeerId) -> Option<Principal> + Send + Sync>;
+
 /// The receiver's side of the alloc channel (LMCache: a ROUTER bound to the alloc port):
 /// payloads from many senders, each tagged with the sender's `PeerId`, and replies to them.
-#[derive(Debug)]
 pub struct ControlServer {
     local_endpoint: String,
     incoming: mpsc::Receiver<(PeerId, Bytes)>,
     outgoing: mpsc::Sender<(PeerId, Bytes)>,
+    principal_of: Option<PrincipalOf>,
+}
+
+impl std::fmt::Debug for ControlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlServer")
+            .field("local_endpoint", &self.local_endpoint)
+            .field("principals", &self.principal_of.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ControlServer {
@@ -86,7 +99,21 @@ impl ControlServer {
             local_endpoint,
             incoming,
             outgoing,
+            principal_of: None,
         }
+    }
+
+    /// For implementations that know who stands behind a peer (its public key, or the
+    /// address it connects from): `principal` answers for a connected peer.
+    pub fn with_principals(mut self, principal_of: PrincipalOf) -> Self {
+        self.principal_of = Some(principal_of);
+        self
+    }
+
+    /// Who stands behind `peer`, when the transport knows (`kvx_proto::Principal`); the
+    /// receiver binds its share to that (`ReceiverLedger::bind_principal`).
+    pub fn principal(&self, peer: PeerId) -> Option<Principal> {
+        self.principal_of.as_ref().and_then(|f| f(peer))
     }
 
     /// The endpoint actually bound (a port chosen by the OS is filled in).

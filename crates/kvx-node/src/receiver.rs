@@ -324,6 +324,11 @@ impl<E: Env> Driver<E> {
                 Some(landed) = self.listener.landed.recv() => self.on_landed(landed),
                 msg = self.server.recv() => {
                     let Some((peer, bytes)) = msg else { return };
+                    // Shares count per principal: who stands behind this peer, as the
+                    // transport knows it (its public key, or its source address).
+                    if let Some(principal) = self.server.principal(peer) {
+                        self.ledger.bind_principal(peer, principal);
+                    }
                     self.on_message(peer, bytes, &replies).await;
                 }
                 cmd = self.cmds.recv() => match cmd {

@@ -7,6 +7,29 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PeerId(pub u64);
 
+/// Who stands behind a control peer, for fair shares (`docs/spec/protocol.md` §Principals):
+/// the client's public key when the control channel authenticates it (CURVE), else the
+/// address it connects from. Peers of one principal share one share, so extra identities buy
+/// nothing. The transport makes it from those bytes with a keyed hash (an attacker cannot
+/// aim at another principal's value); 63 bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Principal(u64);
+
+impl Principal {
+    /// A principal from a transport's 64-bit keyed hash of what identifies it (the top bit
+    /// is dropped: `share_key` uses it).
+    pub fn new(hash: u64) -> Self {
+        Self(hash & !(1 << 63))
+    }
+
+    /// The key admission counts the principal's share under. Peers a transport names are
+    /// counters well below 2⁶³, and an unbound peer counts under its own id, so the top bit
+    /// keeps the two apart.
+    pub fn share_key(self) -> PeerId {
+        PeerId(self.0 | 1 << 63)
+    }
+}
+
 /// The proxy's request id, as it travels on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ReqId(pub String);

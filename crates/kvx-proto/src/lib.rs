@@ -42,7 +42,9 @@ pub mod time;
 pub mod wire;
 
 pub use config::{ConfigError, LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
-pub use ids::{PeerId, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag};
+pub use ids::{
+    PeerId, Principal, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag,
+};
 pub use time::Instant;
 
 #[cfg(feature = "testing")]

@@ -204,6 +204,12 @@ impl SlotTable {
         self.holder.get(slot.0 as usize).copied().flatten()
     }
 
+    /// Whether `peer` holds any slot (granted to one of its requests, or quarantined after
+    /// its rollback). Linear in the slots.
+    pub fn holds_any(&self, peer: PeerId) -> bool {
+        self.holder.contains(&Some(peer))
+    }
+
     /// A write notice arrived for `tag` from a connection of `peer`.
     pub fn land(&mut self, tag: WriteTag, peer: PeerId) -> Landing {
         let Some(&state) = self.state.get(tag.slot.0 as usize) else {

@@ -181,6 +181,11 @@ async fn tcp_receiver_checks_grants() {
     .await;
 }
 
+#[tokio::test]
+async fn tcp_write_never_outlives_its_grant() {
+    fabric_common::a_write_never_outlives_its_grant(&TcpFabric::new(), EP, b"KVXT").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_fabric_uses_memory_the_caller_owns() {
     conformance::fabric_uses_memory_the_caller_owns(&TcpFabric::new(), EP, true).await;

@@ -134,9 +134,12 @@ impl ReceiverLedger {
         }
         let ticket = self.new_ticket();
         let deadline = now + self.cfg.admission_timeout;
-        let decision = self
-            .admission
-            .request(ticket, key.peer, msg.total_chunks, deadline);
+        let decision = self.admission.request(
+            ticket,
+            self.principals.share_key(key.peer),
+            msg.total_chunks,
+            deadline,
+        );
         let (phase, reservation) = match decision {
             Decision::Refused(refusal) => {
                 return self.refuse_and_remember(now, key, &msg, refusal.into())
@@ -260,7 +263,8 @@ impl ReceiverLedger {
                 unused
             };
             req.reservation -= unused;
-            self.admission.release(key.peer, unused);
+            self.admission
+                .release(self.principals.share_key(key.peer), unused);
         }
         let generations = msg.seq.map(|_| generations);
         self.transmits.push_back((

@@ -112,7 +112,7 @@ impl ReceiverLedger {
             }
             Landing::QuarantineCleared => {
                 // A slot came back: the head of the admission queue may fit now.
-                self.admission.unpin(w.peer, 1);
+                self.admission.unpin(self.principals.share_key(w.peer), 1);
                 self.drain_admitted(now);
                 LandingVerdict::QuarantineCleared
             }

@@ -14,6 +14,7 @@ mod batch;
 mod canon;
 mod landing;
 mod outcome;
+mod principals;
 mod tombstones;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -21,7 +22,7 @@ use std::time::Duration;
 
 use crate::admission::Admission;
 use crate::config::{ConfigError, ReceiverConfig};
-use crate::ids::{PeerId, ReqKey, SlotIndex, Ticket, WriteTag};
+use crate::ids::{PeerId, Principal, ReqId, ReqKey, SlotIndex, Ticket, WriteTag};
 use crate::slots::{GrantChange, SlotTable};
 use crate::time::{earliest, Instant};
 use crate::wire::{AllocRequest, AllocResponse, CancelNotif, Message};
@@ -188,6 +189,8 @@ pub struct ReceiverLedger {
     timers: BTreeSet<(Instant, Ticket)>,
     next_ticket: u64,
     tombstones: Tombstones,
+    /// Which principal each peer's share counts under.
+    principals: principals::Principals,
     /// What the first batches waiting for admission hold (`batch::queued_bytes`).
     queued_bytes: usize,
     transmits: VecDeque<(PeerId, AllocResponse)>,
@@ -209,6 +212,7 @@ impl ReceiverLedger {
                 cfg.tombstones_bytes_max,
             ),
             queued_bytes: 0,
+            principals: principals::Principals::default(),
             cfg,
             requests: BTreeMap::new(),
             tickets: BTreeMap::new(),
@@ -223,6 +227,26 @@ impl ReceiverLedger {
     /// The configuration it was built with.
     pub fn config(&self) -> &ReceiverConfig {
         &self.cfg
+    }
+
+    /// Tells the ledger who stands behind `peer` (a transport's `Principal`: the client's
+    /// public key, or its source address), before `peer`'s messages are handled. Its
+    /// requests, quarantined slots and waiters then count against that principal's share
+    /// and queue bound (§Principals). A peer that holds something keeps the key it took it
+    /// under until it holds nothing; returns whether `peer` is bound to `principal` now.
+    pub fn bind_principal(&mut self, peer: PeerId, principal: Principal) -> bool {
+        let (requests, slots) = (&self.requests, &self.slots);
+        self.principals.bind(peer, principal, |p| {
+            let first = ReqKey {
+                peer: p,
+                req_id: ReqId(String::new()),
+            };
+            requests
+                .range(first..)
+                .next()
+                .is_some_and(|(k, _)| k.peer == p)
+                || slots.holds_any(p)
+        })
     }
 
     /// A decoded control message from `peer`. Messages a receiver never receives
@@ -332,7 +356,7 @@ impl ReceiverLedger {
         }
         let mut unpinned = false;
         while let Some((_, holder)) = self.slots.poll_quarantine_expired(now) {
-            self.admission.unpin(holder, 1);
+            self.admission.unpin(self.principals.share_key(holder), 1);
             unpinned = true;
         }
         if unpinned {
@@ -576,8 +600,10 @@ impl ReceiverLedger {
             }
         }
         self.admission.pin_from_reservation(quarantined);
-        self.admission
-            .release(key.peer, req.reservation - quarantined);
+        self.admission.release(
+            self.principals.share_key(key.peer),
+            req.reservation - quarantined,
+        );
         self.tombstones.insert(now, key.clone(), outcome.clone());
         self.events.push_back(ReceiverEvent::Ended {
             key: key.clone(),

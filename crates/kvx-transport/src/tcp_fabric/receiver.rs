@@ -13,8 +13,11 @@
 //! Every connection authenticates as a control peer in its hello (`FabricAccess`), and every
 //! write is checked against that peer's grants before a byte of it touches the slot: a write
 //! outside them is read past (at most one slot's worth), acked as refused, counted, and
-//! never announced. A write's checksum is computed over its bytes as they arrive and
-//! compared once the last one is in.
+//! never announced. Every piece of an admitted write's bytes goes into the slot through
+//! `FabricAccess::land`, so once its grant is revoked the rest of the write is read past
+//! (acked as refused), never into a slot that may hold another sender's chunk by then. A
+//! write's checksum is computed over its bytes as they arrive and compared once the last one
+//! is in.
 
 use std::collections::HashMap;
 use std::io::{self, IoSliceMut};
@@ -22,7 +25,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{
-    ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory, LogLimiter, SlotMemory,
+    AdmittedWrite, ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory,
+    LogLimiter, SlotMemory,
 };
 use kvx_proto::{PeerId, SlotIndex};
 use tokio::io::Interest;
@@ -284,7 +288,7 @@ enum RecvState {
         slot: u32,
         len: usize,
         got: usize,
-        imm: u32,
+        admitted: AdmittedWrite,
         carried: Option<u32>,
     },
     /// Skipping the payload of a refused write; `status` is its ack.
@@ -375,7 +379,14 @@ impl Conn {
     fn read_once(&mut self) -> io::Result<Option<usize>> {
         let n = match self.state {
             RecvState::Header { filled } => self.stream.try_read(&mut self.header[filled..])?,
-            RecvState::Payload { slot, len, got, .. } => {
+            RecvState::Payload {
+                id,
+                slot,
+                len,
+                got,
+                admitted,
+                ..
+            } => {
                 let Landing::Inline(memory) = &self.landing else {
                     unreachable!("invariant: shared landings never stream payloads")
                 };
@@ -383,15 +394,35 @@ impl Conn {
                 let checksum = &mut self.payload_checksum;
                 // Read the rest of the payload and, in the same call, the next header, which
                 // halves the syscalls for small writes. The checksum takes the new bytes
-                // while they are still in the CPU's caches.
-                memory.with_slot(slot, |s| {
-                    let mut bufs = [IoSliceMut::new(&mut s[got..len]), IoSliceMut::new(header)];
-                    let n = stream.try_read_vectored(&mut bufs)?;
-                    if let Some(c) = checksum {
-                        c.update(&s[got..got + n.min(len - got)]);
+                // while they are still in the CPU's caches. All of it only while the write's
+                // grant stands (a non-blocking read: the cell lock is held for no longer
+                // than a copy).
+                let landed = self.rules.access.land(&admitted, || {
+                    memory.with_slot(slot, |s| {
+                        let mut bufs = [IoSliceMut::new(&mut s[got..len]), IoSliceMut::new(header)];
+                        let n = stream.try_read_vectored(&mut bufs)?;
+                        if let Some(c) = checksum {
+                            c.update(&s[got..got + n.min(len - got)]);
+                        }
+                        Ok::<_, io::Error>(n)
+                    })
+                });
+                match landed {
+                    Ok(read) => read?,
+                    Err(refusal) => {
+                        // Revoked mid-write: the rest of its bytes are read past.
+                        if let Some(left_out) = self.rules.refusals_logged.allow() {
+                            warn!(%refusal, left_out, "fabric write cut off");
+                        }
+                        self.payload_checksum = None;
+                        self.state = RecvState::Discard {
+                            id,
+                            left: (len - got) as u64,
+                            status: AckStatus::Refused,
+                        };
+                        return self.read_once();
                     }
-                    Ok::<_, io::Error>(n)
-                })?
+                }
             }
             RecvState::Discard { left, .. } => {
                 if self.scratch.is_empty() {
@@ -434,7 +465,7 @@ impl Conn {
                 slot,
                 len,
                 got,
-                imm,
+                admitted,
                 carried,
             } => {
                 let got = got + n;
@@ -444,7 +475,7 @@ impl Conn {
                         slot,
                         len,
                         got,
-                        imm,
+                        admitted,
                         carried,
                     };
                 } else {
@@ -452,7 +483,7 @@ impl Conn {
                     self.state = RecvState::Header { filled: got - len };
                     let computed = self.payload_checksum.take().map(|c| c.value());
                     let check = compare(carried, computed);
-                    self.landed(id, slot, len as u64, imm, check)?;
+                    self.landed(id, slot, len as u64, admitted.tag.to_imm(), check)?;
                     if got - len == HEADER_LEN {
                         self.start_write()?;
                     }
@@ -493,8 +524,8 @@ impl Conn {
             self.refuse(&h, inline, AckStatus::OutOfBounds);
             return Ok(());
         }
-        let tag = match self.rules.access.admit(self.peer, h.remote, h.len, h.imm()) {
-            Ok(tag) => tag,
+        let admitted = match self.rules.access.admit(self.peer, h.remote, h.len, h.imm()) {
+            Ok(admitted) => admitted,
             Err(refusal) => {
                 if let Some(left_out) = self.rules.refusals_logged.allow() {
                     warn!(%refusal, left_out, "fabric write refused");
@@ -503,7 +534,7 @@ impl Conn {
                 return Ok(());
             }
         };
-        let imm = tag.to_imm();
+        let imm = admitted.tag.to_imm();
         match &self.landing {
             Landing::Pulled(memory, _) => {
                 let memory = memory.upgrade().ok_or("the listener is gone")?;
@@ -511,15 +542,27 @@ impl Conn {
                     .source
                     .as_ref()
                     .ok_or("a pulled landing without a staging")?;
-                // Admitted: copy the bytes out of the sender's staging into the slot, and
-                // take the checksum while they are in the CPU's caches.
+                // Admitted: copy the bytes out of the sender's staging into the slot while
+                // the grant stands, and take the checksum while they are in the CPU's caches.
                 let mut computed = None;
-                memory.fill_slot(h.remote, h.len as usize, &mut |dst| {
-                    source.copy_out(h.local, dst);
-                    if h.checksum().is_some() {
-                        computed = Some(kvx_io::chunk_checksum(dst));
-                    }
+                let copied = self.rules.access.land(&admitted, || {
+                    memory.fill_slot(h.remote, h.len as usize, &mut |dst| {
+                        source.copy_out(h.local, dst);
+                        if h.checksum().is_some() {
+                            computed = Some(kvx_io::chunk_checksum(dst));
+                        }
+                    });
                 });
+                if let Err(refusal) = copied {
+                    if let Some(left_out) = self.rules.refusals_logged.allow() {
+                        warn!(%refusal, left_out, "fabric write cut off");
+                    }
+                    self.acks.push(Ack {
+                        id: h.id,
+                        status: AckStatus::Refused,
+                    });
+                    return Ok(());
+                }
                 let check = compare(h.checksum(), computed);
                 self.landed(h.id, h.remote, h.len, imm, check)?;
             }
@@ -530,7 +573,7 @@ impl Conn {
                     slot: h.remote,
                     len: h.len as usize,
                     got: 0,
-                    imm,
+                    admitted,
                     carried: h.checksum(),
                 };
             }

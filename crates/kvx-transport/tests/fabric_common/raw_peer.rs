@@ -469,3 +469,96 @@ pub async fn receiver_checks_grants<F: Fabric>(
     listener.memory.read_slot(0, &mut got);
     assert!(got == mine);
 }
+
+/// A write outliving its grant (the defect a second hostile review found: 188 corrupt chunks
+/// read by a decoder in a run of 3,000 requests). A peer starts a write into the slot it
+/// holds, stops half-way, and its grant is revoked (a cancel claiming `drained`, or a
+/// quarantine's end); the slot is granted to another sender, whose whole chunk lands and
+/// passes its checksum; then the first peer sends the rest of its payload. That rest is read
+/// past and acked as refused (2): the slot holds the second sender's bytes, and only its write
+/// is announced. Deterministic: each step waits (bounded) for the one before it to be seen.
+/// Over TCP only, where a payload follows its header and can stop half-way.
+pub async fn a_write_never_outlives_its_grant<F: Fabric>(f: &F, endpoint: &str, magic: &[u8; 4]) {
+    const BYTES: usize = 64 << 10;
+    let mut listener = f.expose(endpoint, 1, BYTES).await.expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let (attacker, victim) = (PeerId(1), PeerId(2));
+    listener.access.grant(0, attacker, 1);
+
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    let credential = listener.access.credential_for(attacker);
+    s.write_all(&raw::hello(magic, 1, BYTES as u64, &credential))
+        .await
+        .expect("hello");
+    assert_eq!(raw::welcome(&mut s).await.0, 0, "attached");
+    let junk = vec![0xEEu8; BYTES];
+    let half = BYTES / 2;
+    let mut first = raw::header(1, 0, BYTES as u64, imm(0, 1));
+    first.extend_from_slice(&junk[..half]);
+    s.write_all(&first).await.expect("half a write");
+    // The receiver has read the first half into the slot (its grant stood then).
+    step("the first half to land", async {
+        let mut got = vec![0u8; BYTES];
+        loop {
+            listener.memory.read_slot(0, &mut got);
+            if got[..half].iter().all(|&b| b == 0xEE) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+
+    // Revoked, then granted to the victim, whose whole chunk lands and checks out.
+    listener.access.apply(kvx_proto::slots::GrantChange {
+        slot: SlotIndex(0),
+        grant: None,
+    });
+    let staging = f.allocate_staging(1, BYTES).expect("staging");
+    let mine = pattern(2, BYTES);
+    staging.write_slot(0, &mine);
+    let mut conn = step(
+        "connect",
+        f.connect(&ep, staging, listener.access.credential_for(victim)),
+    )
+    .await
+    .expect("connect");
+    conn.post(granted(&listener.access, victim, 1, 0, 0, 2, &mine))
+        .expect("post");
+    assert_eq!(completion(&mut conn, "victim's write").await.result, Ok(()));
+    let l = step("landed", listener.landed.recv()).await.expect("open");
+    assert_eq!((l.peer, l.slot), (victim, SlotIndex(0)));
+    assert_eq!(l.checksum, kvx_io::ChecksumCheck::Match);
+
+    // The rest of the revoked write arrives.
+    s.write_all(&junk[half..]).await.expect("the rest");
+    assert_eq!(
+        raw::ack(&mut s).await,
+        (1, 2),
+        "the rest of a revoked write is refused"
+    );
+    let mut got = vec![0u8; BYTES];
+    listener.memory.read_slot(0, &mut got);
+    assert!(
+        got == mine,
+        "the slot holds the victim's chunk: {} bytes differ",
+        got.iter().zip(&mine).filter(|(a, b)| a != b).count()
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), listener.landed.recv())
+            .await
+            .is_err(),
+        "the revoked write is not announced"
+    );
+    // The connection stays usable: the attacker's next write under a grant of its own lands.
+    listener.access.grant(0, attacker, 3);
+    let own = pattern(3, BYTES);
+    let mut next = raw::header(2, 0, BYTES as u64, imm(0, 3));
+    next.extend_from_slice(&own);
+    s.write_all(&next).await.expect("next write");
+    assert_eq!(
+        raw::ack(&mut s).await,
+        (2, 0),
+        "its next write, under a grant of its own"
+    );
+}
