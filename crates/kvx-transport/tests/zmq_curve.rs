@@ -160,6 +160,59 @@ async fn refusals_are_counted_and_say_why() {
     counted("the NULL server", 1, || tn.stats().curve_refused).await;
 }
 
+/// The principal a ROUTER names for each peer (`ControlServer::principal`, what the receiver
+/// binds shares to): under CURVE one per proven key, whatever the identity; without CURVE one
+/// per source address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn principals_follow_the_key_not_the_identity() {
+    let (server_keys, a, b) = (
+        CurveKeyPair::generate(),
+        CurveKeyPair::generate(),
+        CurveKeyPair::generate(),
+    );
+    for curve in [true, false] {
+        let ts = transport(if curve {
+            server_side(&server_keys, &[&a, &b])
+        } else {
+            None
+        });
+        let mut server = ts.serve("tcp://127.0.0.1:0").await.expect("bind");
+        let endpoint = server.local_endpoint().to_owned();
+        let (mut principals, mut connected) = (Vec::new(), Vec::new());
+        for (keys, identity) in [(&a, "a-1"), (&a, "a-2"), (&b, "b-1")] {
+            let t = transport(curve.then(|| client_side(keys, &server_keys)).flatten());
+            let client = step("connect", t.connect(&endpoint, identity))
+                .await
+                .expect("connect");
+            client.send(Bytes::from_static(b"hi")).await.expect("send");
+            let (peer, _) = step("request", server.recv()).await.expect("a request");
+            principals.push(server.principal(peer).expect("a principal"));
+            assert_eq!(
+                ts.peer_public_key(peer),
+                curve.then(|| keys.public()),
+                "the key it proved"
+            );
+            assert_eq!(
+                ts.peer_source(peer),
+                Some(std::net::IpAddr::from([127, 0, 0, 1]))
+            );
+            connected.push(client); // each stays connected, holding its identity
+        }
+        assert_eq!(
+            principals[0], principals[1],
+            "one key (or address), one principal"
+        );
+        if curve {
+            assert_ne!(
+                principals[0], principals[2],
+                "another key, another principal"
+            );
+        } else {
+            assert_eq!(principals[0], principals[2], "one address, one principal");
+        }
+    }
+}
+
 #[test]
 fn curve_settings_are_validated() {
     let keys = CurveKeyPair::generate();

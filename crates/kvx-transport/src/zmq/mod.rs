@@ -42,6 +42,8 @@ pub use curve::{
     decode_key, fingerprint, load_public_key, AllowList, CurveConfigError, CurveKeyPair, KEY_BYTES,
 };
 
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,7 +53,7 @@ use bytes::Bytes;
 use kvx_io::transport::{ControlClient, ControlServer, NotifySink, NotifySource, TransportError};
 use kvx_io::Transport;
 use kvx_proto::wire::DEFAULT_FRAME_MAX_BYTES;
-use kvx_proto::PeerId;
+use kvx_proto::{PeerId, Principal};
 
 use framing::Reject;
 use peers::PeerTable;
@@ -350,9 +352,36 @@ struct Shared {
     config: ZmqConfig,
     counters: Counters,
     peers: Mutex<PeerTable>,
+    /// The key of this process's principal hashes (SipHash, random keys per process).
+    principal_key: RandomState,
 }
 
 impl Shared {
+    /// Who stands behind `peer` for fair shares (`kvx_proto::Principal`,
+    /// `docs/spec/protocol.md` §Principals), while a ROUTER connection holds its identity: a
+    /// keyed hash of the CURVE public key it proved, or without CURVE of the address it
+    /// connects from (an IPv4-mapped IPv6 address as the IPv4 one). The key is this
+    /// process's, so no peer can choose a value that lands it in another principal's share.
+    fn principal(&self, peer: PeerId) -> Option<Principal> {
+        let who = self.peers().principal_of(peer)?;
+        let mut h = self.principal_key.build_hasher();
+        match (who.key, who.source.to_canonical()) {
+            (Some(key), _) => {
+                h.write_u8(b'k');
+                h.write(&key);
+            }
+            (None, IpAddr::V4(a)) => {
+                h.write_u8(b'4');
+                h.write(&a.octets());
+            }
+            (None, IpAddr::V6(a)) => {
+                h.write_u8(b'6');
+                h.write(&a.octets());
+            }
+        }
+        Some(Principal::new(h.finish()))
+    }
+
     fn peers(&self) -> MutexGuard<'_, PeerTable> {
         // The table has no invariant a panicking holder could break halfway.
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
@@ -416,6 +445,7 @@ impl ZmqTransport {
                 config,
                 counters: Counters::default(),
                 peers,
+                principal_key: RandomState::new(),
             }),
         }
     }

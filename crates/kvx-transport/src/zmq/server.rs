@@ -269,6 +269,8 @@ pub(super) async fn serve(
 ) -> Result<ControlServer, TransportError> {
     let listener = listen(endpoint, zmq_endpoint).await?;
     let local = local_endpoint(&listener)?;
+    // The receiver binds each peer's share to its principal (`Shared::principal`).
+    let principals = shared.clone();
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
@@ -300,7 +302,8 @@ pub(super) async fn serve(
         },
     ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
-    Ok(ControlServer::new(local, in_rx, out_tx))
+    Ok(ControlServer::new(local, in_rx, out_tx)
+        .with_principals(Arc::new(move |peer| principals.principal(peer))))
 }
 
 /// One DEALER's connection: handshake, then its requests in, its replies out.
