@@ -105,6 +105,18 @@ impl CurveKeyPair {
     /// its `secret-key`, checked against its `public-key`.
     pub fn load(path: &Path) -> Result<Self, CurveConfigError> {
         let cert = Certificate::read(path)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode());
+            if mode & 0o077 != 0 && cert.secret.is_some() {
+                tracing::warn!(
+                    path = %path.display(),
+                    mode = format!("{:o}", mode & 0o777),
+                    "a CURVE secret certificate others can read: chmod 600 it"
+                );
+            }
+        }
         let Some(secret) = cert.secret else {
             return Err(CurveConfigError::new(
                 path,
