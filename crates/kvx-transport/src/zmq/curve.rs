@@ -671,7 +671,9 @@ where
             hello[6], hello[7]
         )));
     }
-    let client_transient: [u8; KEY_BYTES] = hello[80..112].try_into().expect("invariant");
+    let client_transient: [u8; KEY_BYTES] = hello[80..112]
+        .try_into()
+        .expect("invariant: HELLO is 200 bytes");
     let hello_nonce = short_nonce(&hello[112..120]);
     let from_client = salsa(&client_transient, keys.secret());
     let signature = open(
@@ -743,7 +745,9 @@ where
     )
     .ok_or_else(|| refused("the INITIATE box does not open"))?;
     // `plain` is at least 128 bytes: INITIATE is at least 257.
-    let client_key: [u8; KEY_BYTES] = plain[..32].try_into().expect("invariant");
+    let client_key: [u8; KEY_BYTES] = plain[..32]
+        .try_into()
+        .expect("invariant: INITIATE holds at least 128 bytes");
     let vouch = open(
         &salsa(&client_key, &transient),
         &nonce(b"VOUCH---", &plain[32..48]),
