@@ -4,55 +4,82 @@
 //! can never lock a legitimate peer out: the listener never refuses a newcomer for lack of
 //! room, it closes the quietest connection instead.
 //!
-//! The quietest is the one that has gone longest without being heard (a message, a request):
-//! one never heard from at all goes first, the oldest of those first, so a flood of sockets
-//! that connect and wait loses to a peer that talks. A cap per source address keeps one
-//! address from taking the whole table, so that evictions fall on its own connections first.
+//! The quietest is chosen by standing first, then by how long it has gone without being heard
+//! (a message, a request, a write that landed): a connection never heard from at all goes
+//! first (the oldest of those first), then one heard from but not authenticated, then an
+//! authenticated one (`Held::authenticated`: a fabric connection whose hello carried a valid
+//! credential). So a flood of sockets that connect and wait, or that greet without a
+//! credential, loses to a peer that authenticated, and among peers that did, an idle one goes
+//! before one that is writing. A cap per source keeps one address (or, for a Unix socket, one
+//! user) from taking the whole table, so that evictions fall on its own connections first.
 //!
 //! A connection's task runs its work through `Held::run`, which ends it when it is evicted;
 //! dropping the `Held` (its task ended) gives its place back.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use tokio::sync::Notify;
 
-/// A listener's connections and its caps.
+/// A listener's connections and its caps; `K` is what the per-source cap counts by (the peer's
+/// address for TCP listeners).
 #[derive(Debug, Clone)]
-pub struct ConnectionBudget {
-    inner: Arc<Inner>,
+pub struct ConnectionBudget<K = IpAddr> {
+    inner: Arc<Inner<K>>,
 }
 
 #[derive(Debug)]
-struct Inner {
+struct Inner<K> {
     total_max: usize,
     per_source_max: usize,
     started: Instant,
-    table: Mutex<Table>,
-}
-
-#[derive(Debug, Default)]
-struct Table {
-    next: u64,
-    held: BTreeMap<u64, Entry>,
+    table: Mutex<Table<K>>,
 }
 
 #[derive(Debug)]
-struct Entry {
-    from: IpAddr,
-    heard: Arc<AtomicU64>,
+struct Table<K> {
+    next: u64,
+    held: BTreeMap<u64, Entry<K>>,
+}
+
+#[derive(Debug)]
+struct Entry<K> {
+    from: K,
+    mark: Arc<Mark>,
     evicted: Arc<Notify>,
+}
+
+/// How a connection stands: what it has shown, and when it was last heard.
+#[derive(Debug, Default)]
+struct Mark {
+    /// `NEVER_HEARD`, `HEARD` or `AUTHENTICATED`; it only rises.
+    standing: AtomicU8,
+    /// Milliseconds since the budget began, plus one, when last heard; 0 never.
+    heard: AtomicU64,
+}
+
+const HEARD: u8 = 1;
+const AUTHENTICATED: u8 = 2;
+
+impl Mark {
+    /// The eviction order: lowest first.
+    fn key(&self) -> (u8, u64) {
+        (
+            self.standing.load(Ordering::Relaxed),
+            self.heard.load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// One held connection's place; give it back by dropping it.
 #[derive(Debug)]
-pub struct Held {
+pub struct Held<K = IpAddr> {
     id: u64,
-    budget: Arc<Inner>,
-    heard: Arc<AtomicU64>,
+    budget: Arc<Inner<K>>,
+    mark: Arc<Mark>,
     evicted: Arc<Notify>,
 }
 
@@ -60,22 +87,25 @@ pub struct Held {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Evicted(pub usize);
 
-impl ConnectionBudget {
-    /// At most `total_max` connections, `per_source_max` from one address (both at least 1).
+impl<K: Copy + Eq> ConnectionBudget<K> {
+    /// At most `total_max` connections, `per_source_max` from one source (both at least 1).
     pub fn new(total_max: usize, per_source_max: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
                 total_max: total_max.max(1),
                 per_source_max: per_source_max.clamp(1, total_max.max(1)),
                 started: Instant::now(),
-                table: Mutex::new(Table::default()),
+                table: Mutex::new(Table {
+                    next: 0,
+                    held: BTreeMap::new(),
+                }),
             }),
         }
     }
 
     /// Takes a place for a connection from `from`, first closing the quietest connection
     /// from there past the per-source cap, then the quietest of all past the total cap.
-    pub fn open(&self, from: IpAddr) -> (Held, Evicted) {
+    pub fn open(&self, from: K) -> (Held<K>, Evicted) {
         let inner = &self.inner;
         let mut table = lock(&inner.table);
         let mut evicted = 0;
@@ -87,19 +117,19 @@ impl ConnectionBudget {
         }
         table.next += 1;
         let id = table.next;
-        let (heard, notify) = (Arc::new(AtomicU64::new(0)), Arc::new(Notify::new()));
+        let (mark, notify) = (Arc::new(Mark::default()), Arc::new(Notify::new()));
         table.held.insert(
             id,
             Entry {
                 from,
-                heard: heard.clone(),
+                mark: mark.clone(),
                 evicted: notify.clone(),
             },
         );
         let held = Held {
             id,
             budget: inner.clone(),
-            heard,
+            mark,
             evicted: notify,
         };
         (held, Evicted(evicted))
@@ -116,14 +146,14 @@ impl ConnectionBudget {
     }
 }
 
-impl Table {
+impl<K: Copy + Eq> Table<K> {
     /// Closes the quietest connection (from `from`, if given). False when there is none.
-    fn evict(&mut self, from: Option<IpAddr>) -> bool {
+    fn evict(&mut self, from: Option<K>) -> bool {
         let quietest = self
             .held
             .iter()
             .filter(|(_, e)| from.is_none_or(|f| e.from == f))
-            .min_by_key(|(id, e)| (e.heard.load(Ordering::Relaxed), **id))
+            .min_by_key(|(id, e)| (e.mark.key(), **id))
             .map(|(id, _)| *id);
         match quietest.and_then(|id| self.held.remove(&id)) {
             Some(entry) => {
@@ -136,11 +166,26 @@ impl Table {
     }
 }
 
-impl Held {
-    /// The connection was heard from: it moves to the back of the eviction order.
+impl<K> Held<K> {
+    /// The connection was heard from: it moves behind every connection of its standing heard
+    /// from less recently, and behind every one never heard from.
     pub fn heard(&self) {
+        self.mark.standing.fetch_max(HEARD, Ordering::Relaxed);
+        self.stamp();
+    }
+
+    /// The connection authenticated (and was heard from): from now on it goes only after every
+    /// connection that did not, and among authenticated ones by how recently each was heard.
+    pub fn authenticated(&self) {
+        self.mark
+            .standing
+            .fetch_max(AUTHENTICATED, Ordering::Relaxed);
+        self.stamp();
+    }
+
+    fn stamp(&self) {
         let since = self.budget.started.elapsed().as_millis() as u64;
-        self.heard.store(since + 1, Ordering::Relaxed);
+        self.mark.heard.store(since + 1, Ordering::Relaxed);
     }
 
     /// Runs `work` until it ends or this connection is evicted; `None` when evicted.
@@ -153,13 +198,13 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl<K> Drop for Held<K> {
     fn drop(&mut self) {
         lock(&self.budget.table).held.remove(&self.id);
     }
 }
 
-fn lock(m: &Mutex<Table>) -> MutexGuard<'_, Table> {
+fn lock<K>(m: &Mutex<Table<K>>) -> MutexGuard<'_, Table<K>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -211,6 +256,60 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!(budget.len(), 2);
+    }
+
+    /// Never heard goes before heard-but-unauthenticated, which goes before authenticated,
+    /// however recently each was heard; among the authenticated, the one heard longest ago.
+    #[tokio::test]
+    async fn standing_comes_before_quietness() {
+        let pause = || tokio::time::sleep(std::time::Duration::from_millis(5));
+        let budget = ConnectionBudget::new(4, 4);
+        let (writer, _) = budget.open(ip(1));
+        writer.authenticated();
+        let (idle_authenticated, _) = budget.open(ip(2));
+        idle_authenticated.authenticated();
+        let (greeted, _) = budget.open(ip(3));
+        let (silent, _) = budget.open(ip(4));
+        pause().await;
+        greeted.heard();
+        writer.heard(); // a write landed: still authenticated, heard last
+        let gone = |h: &Held| futures_now(h.run(std::future::pending::<()>())) == Some(None);
+        let (n1, _) = budget.open(ip(9));
+        assert!(gone(&silent) && !gone(&greeted), "never heard goes first");
+        let (n2, _) = budget.open(ip(9));
+        assert!(
+            gone(&n1) && !gone(&greeted),
+            "a silent newcomer before the greeted one"
+        );
+        n2.authenticated();
+        let (n3, _) = budget.open(ip(9));
+        assert!(
+            gone(&greeted) && !gone(&idle_authenticated),
+            "then the unauthenticated"
+        );
+        pause().await;
+        n3.authenticated();
+        let (n4, _) = budget.open(ip(9));
+        assert!(
+            gone(&idle_authenticated) && !gone(&writer),
+            "then the authenticated one heard longest ago"
+        );
+        let (_n5, _) = budget.open(ip(9));
+        assert!(
+            gone(&n4) && !gone(&writer),
+            "idle newcomers never close the writer"
+        );
+    }
+
+    /// The per-source cap counts by any key: a Unix listener counts by user.
+    #[test]
+    fn sources_may_be_any_key() {
+        let budget: ConnectionBudget<u32> = ConnectionBudget::new(8, 1);
+        let (_a, _) = budget.open(1000);
+        let (_b, evicted) = budget.open(1000);
+        assert_eq!(evicted, Evicted(1));
+        let (_c, evicted) = budget.open(1001);
+        assert_eq!((evicted, budget.len()), (Evicted(0), 2));
     }
 
     /// Polls `f` once: its output if it is ready at once.

@@ -22,7 +22,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{
-    ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory, LogLimiter, SlotMemory,
+    ChecksumCheck, ChecksumState, ConnectionBudget, Evicted, FabricAccess, Held, LandedWrite,
+    LocalMemory, LogLimiter, SlotMemory,
 };
 use kvx_proto::{PeerId, SlotIndex};
 use tokio::io::Interest;
@@ -99,16 +100,20 @@ impl std::fmt::Debug for Greeting {
 }
 
 /// The connection tasks of one exposed buffer, by connection id, with the peer each one
-/// authenticated as, for fences and the connection cap.
+/// authenticated as, for fences.
 type Registry = Arc<Mutex<HashMap<u64, (Option<PeerId>, JoinHandle<()>)>>>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-/// Accepts senders until the listener's owner drops its `landed` receiver. At most
-/// `connections_max` connections are served at once (handshaking ones included); more are
-/// closed as they arrive, so a flood of idle sockets costs a descriptor each only briefly.
+/// Accepts senders until the listener's owner drops its `landed` receiver. Every connection
+/// takes a place in the buffer's `ConnectionBudget` (`connections_max` in all,
+/// `connections_per_source_max` from one address): past a cap a newcomer is still taken and
+/// the quietest connection is closed for it (never greeted first, then unauthenticated, then
+/// the authenticated one whose last write landed longest ago), so a flood of idle sockets
+/// can neither lock a sender out nor close one that is writing. An evicted connection's task
+/// ends as a fenced one does (at its next await), so nothing of it lands afterwards.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     landing: Landing,
@@ -117,6 +122,10 @@ pub(crate) async fn accept_loop(
     rules: Rules,
 ) {
     let registry: Registry = Arc::default();
+    let budget = ConnectionBudget::new(
+        greeting.config.connections_max,
+        greeting.config.connections_per_source_max,
+    );
     // Ids start at a random base: a receiver restarted at the same address must not take a
     // fence meant for its previous incarnation's connection as one for a live connection.
     let mut next_conn = random_u64();
@@ -128,17 +137,17 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let live = {
-                    let mut reg = lock(&registry);
-                    reg.retain(|_, (_, t)| !t.is_finished());
-                    reg.len()
-                };
-                if live >= greeting.config.connections_max {
+                lock(&registry).retain(|_, (_, t)| !t.is_finished());
+                let (held, Evicted(evicted)) = budget.open(peer.ip());
+                if evicted > 0 {
                     if let Some(left_out) = rules.refusals_logged.allow() {
-                        warn!(%peer, live, left_out, "fabric connection refused: connections_max reached");
+                        warn!(
+                            %peer, evicted, left_out,
+                            "fabric connection closed for a newcomer: the buffer holds \
+                             connections_max connections (or connections_per_source_max from \
+                             one address), and it was the quietest"
+                        );
                     }
-                    drop(stream);
-                    continue;
                 }
                 // 0 is what an attaching hello carries; never an id.
                 if next_conn == 0 {
@@ -151,16 +160,20 @@ pub(crate) async fn accept_loop(
                 let greeting = greeting.clone();
                 let reg = registry.clone();
                 let rules = rules.clone();
+                let held = Arc::new(held);
                 let task = tokio::spawn(async move {
                     let addr = peer.to_string();
                     let logged = rules.refusals_logged.clone();
-                    match serve_sender(stream, landing, landed, &greeting, conn, reg, rules).await {
-                        Ok(()) => debug!(%addr, conn, "fabric sender left"),
-                        Err(why) => {
+                    let serving =
+                        serve_sender(stream, landing, landed, &greeting, conn, reg, rules, &held);
+                    match held.run(serving).await {
+                        Some(Ok(())) => debug!(%addr, conn, "fabric sender left"),
+                        Some(Err(why)) => {
                             if let Some(left_out) = logged.allow() {
                                 warn!(%addr, conn, %why, left_out, "fabric sender dropped");
                             }
                         }
+                        None => debug!(%addr, conn, "fabric connection closed for a newcomer"),
                     }
                 });
                 // No await between spawn and insert: a fence naming `conn` is accepted by this
@@ -185,6 +198,7 @@ fn random_u64() -> u64 {
         .finish()
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve_sender(
     mut stream: TcpStream,
     landing: Landing,
@@ -193,6 +207,7 @@ async fn serve_sender(
     conn: u64,
     registry: Registry,
     rules: Rules,
+    held: &Arc<Held>,
 ) -> Result<(), String> {
     tune(&stream).map_err(|e| e.to_string())?;
     let ours = landing.geometry();
@@ -207,6 +222,8 @@ async fn serve_sender(
         &greeting.config,
     )
     .await?;
+    // A valid credential came: this connection goes only after every one that has shown none.
+    held.authenticated();
     let (peer, source) = match greeted {
         Greeted::Attached(peer, source) => (peer, source),
         Greeted::Fence(target, asker) => {
@@ -228,6 +245,7 @@ async fn serve_sender(
         peer,
         source,
         rules,
+        held: held.clone(),
         header: [0; HEADER_LEN],
         state: RecvState::Header { filled: 0 },
         payload_checksum: None,
@@ -311,6 +329,8 @@ struct Conn {
     /// Its staging, under `Landing::Pulled`.
     source: Source,
     rules: Rules,
+    /// Its place in the buffer's `ConnectionBudget`: a landed write marks it heard.
+    held: Arc<Held>,
     header: [u8; HEADER_LEN],
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.
@@ -562,6 +582,7 @@ impl Conn {
         imm: u32,
         checksum: ChecksumCheck,
     ) -> Result<(), String> {
+        self.held.heard();
         let notice = LandedWrite {
             peer: self.peer,
             slot: SlotIndex(slot),

@@ -165,12 +165,15 @@ async fn refuse(shared: &Shared, writer: &mut OwnedWriteHalf, reason: &str) {
     .await;
 }
 
+/// A connection's reader (its large frames within the socket's `large` budget) and writer.
 fn reader_for(
     shared: &Shared,
     stream: TcpStream,
+    large: InboundBudget,
 ) -> (FrameReader<tokio::net::tcp::OwnedReadHalf>, OwnedWriteHalf) {
     let (rd, wr) = stream.into_split();
-    (FrameReader::new(rd, ReadLimits::of(&shared.config)), wr)
+    let reader = FrameReader::new(rd, ReadLimits::of(&shared.config)).with_budget(large);
+    (reader, wr)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -250,6 +253,7 @@ pub(super) async fn serve(
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
+    let large = InboundBudget::new(shared.config.unfinished_bytes_max);
     let routes = SharedRoutes::default();
     // Replies run in their own task, so a reply stuck behind one slow peer (up to
     // `send_timeout`) never stops requests from everyone else.
@@ -273,7 +277,7 @@ pub(super) async fn serve(
         listener,
         closed,
         move |stream, held| {
-            let incoming = (in_tx.clone(), budget.clone());
+            let incoming = (in_tx.clone(), budget.clone(), large.clone());
             router_conn(shared.clone(), routes.clone(), incoming, stream, held)
         },
     ));
@@ -285,11 +289,11 @@ pub(super) async fn serve(
 async fn router_conn(
     shared: Arc<Shared>,
     routes: SharedRoutes,
-    (incoming, budget): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget, InboundBudget),
     stream: TcpStream,
     held: Arc<Held>,
 ) {
-    let (mut reader, mut writer) = reader_for(&shared, stream);
+    let (mut reader, mut writer) = reader_for(&shared, stream, large);
     let Some(props) = handshake(
         &shared,
         &mut reader,
@@ -455,6 +459,7 @@ pub(super) async fn notify_source(
     let local = local_endpoint(&listener)?;
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
+    let large = InboundBudget::new(shared.config.unfinished_bytes_max);
     let closed = {
         let tx = tx.clone();
         async move {
@@ -467,7 +472,10 @@ pub(super) async fn notify_source(
         "PULL",
         listener,
         closed,
-        move |stream, held| pull_conn(shared.clone(), (tx.clone(), budget.clone()), stream, held),
+        move |stream, held| {
+            let incoming = (tx.clone(), budget.clone(), large.clone());
+            pull_conn(shared.clone(), incoming, stream, held)
+        },
     ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
@@ -476,13 +484,13 @@ pub(super) async fn notify_source(
 /// One PUSH's connection: handshake, then one notice per message.
 async fn pull_conn(
     shared: Arc<Shared>,
-    (incoming, budget): (mpsc::Sender<Bytes>, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<Bytes>, InboundBudget, InboundBudget),
     stream: TcpStream,
     held: Arc<Held>,
 ) {
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
-    let (mut reader, mut writer) = reader_for(&shared, stream);
+    let (mut reader, mut writer) = reader_for(&shared, stream, large);
     if handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"])
         .await
         .is_none()

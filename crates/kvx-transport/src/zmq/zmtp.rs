@@ -19,6 +19,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::inbound::InboundBudget;
 use super::PeerBytes;
 
 const MORE: u8 = 0x01;
@@ -119,6 +120,10 @@ pub(super) const READY_MAX_BYTES: u64 = 4096;
 /// exactly its length, so the buffer never grows.
 const READ_CHUNK: usize = 8 << 10;
 
+/// Frame bodies up to this long are read on the connection's own account; longer ones first
+/// reserve their length in the socket's budget of large frames (`FrameReader::with_budget`).
+pub(super) const SMALL_FRAME: usize = 16 << 10;
+
 /// What reading one message found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Incoming {
@@ -161,12 +166,15 @@ impl ReadLimits {
 ///
 /// What a connection holds at any time is bounded: the read buffer (`READ_CHUNK`) plus the
 /// bodies of the message being read, at most `message_max_bytes` together, for at most
-/// `message_timeout`.
+/// `message_timeout`. With a budget of large frames (`with_budget`), what all the readers
+/// sharing it hold in bodies longer than `SMALL_FRAME` is bounded too, from a body's header
+/// until the last reference to its bytes is dropped.
 #[derive(Debug)]
 pub(super) struct FrameReader<R> {
     io: R,
     buf: BytesMut,
     limits: ReadLimits,
+    large: Option<InboundBudget>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -175,7 +183,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             io,
             buf: BytesMut::with_capacity(READ_CHUNK),
             limits,
+            large: None,
         }
+    }
+
+    /// Bodies longer than `SMALL_FRAME` wait for their length in `budget` before they are
+    /// allocated, and give it back when their bytes are dropped (with the connection, at the
+    /// latest). The wait counts against `message_timeout`.
+    pub(super) fn with_budget(mut self, budget: InboundBudget) -> Self {
+        self.large = Some(budget);
+        self
     }
 
     /// One read into the buffer (at most its free room); the byte count, 0 at end of stream.
@@ -237,6 +254,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.buf.advance(len);
             return Ok(body);
         }
+        let permit = match &self.large {
+            Some(budget) if len > SMALL_FRAME => budget.reserve(len).await,
+            _ => None,
+        };
         let mut body = BytesMut::with_capacity(len);
         body.extend_from_slice(&self.buf);
         self.buf.clear();
@@ -246,7 +267,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
-        Ok(body.freeze())
+        Ok(match permit {
+            Some(permit) => InboundBudget::holding(body.freeze(), permit),
+            None => body.freeze(),
+        })
     }
 
     /// The next frame's flags and length, checked: no reserved flags, no command inside a
@@ -624,6 +648,41 @@ mod tests {
         assert_eq!(frames[1].len(), max);
         assert!(r.buf.capacity() <= READ_CHUNK, "{}", r.buf.capacity());
         assert_eq!(r.next().await.expect("read"), Incoming::Closed);
+    }
+
+    /// Readers sharing a budget of large frames: a body longer than `SMALL_FRAME` holds its
+    /// length from its header until its bytes are dropped; a second one waits (here past
+    /// its message's timeout) while the budget is spent; small bodies never wait.
+    #[tokio::test]
+    async fn large_bodies_share_one_budget_and_give_it_back() {
+        let budget = InboundBudget::new(100 << 10);
+        let large = vec![1u8; 80 << 10];
+        let mut s = Vec::new();
+        encode_message(&[b"", &large], &mut s);
+        let mut a = FrameReader::new(&s[..], limits(1 << 20, 1 << 20)).with_budget(budget.clone());
+        let Incoming::Message(held) = a.next().await.expect("read") else {
+            panic!("a message");
+        };
+        assert_eq!(budget.available(), 20 << 10, "its body holds 80 KiB");
+        let quick = ReadLimits {
+            message_timeout: Duration::from_millis(100),
+            ..limits(1 << 20, 1 << 20)
+        };
+        let mut b = FrameReader::new(&s[..], quick).with_budget(budget.clone());
+        let waited = b.next().await.expect_err("the budget is spent");
+        assert_eq!(waited.kind(), io::ErrorKind::TimedOut);
+        let mut small = Vec::new();
+        encode_message(&[b"", &[2u8; 12 << 10]], &mut small);
+        let mut c = FrameReader::new(&small[..], quick).with_budget(budget.clone());
+        assert!(matches!(c.next().await, Ok(Incoming::Message(_))));
+        drop(held);
+        assert_eq!(
+            budget.available(),
+            100 << 10,
+            "dropping the bytes gives it back"
+        );
+        let mut d = FrameReader::new(&s[..], quick).with_budget(budget.clone());
+        assert!(matches!(d.next().await, Ok(Incoming::Message(_))));
     }
 
     /// Many small messages in a row: the read buffer never grows past one chunk.
