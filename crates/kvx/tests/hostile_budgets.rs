@@ -7,7 +7,8 @@
 //! §6, `docs/spec/zmq.md` §5):
 //!
 //! - the sender's 50 requests all complete, within 2× the time the same run takes unattacked
-//!   (measured in the same test, before the attack: a ratio, not a time, on a shared host);
+//!   (measured in the same test, the mean of a run before the attack and one after it: a
+//!   ratio, not a time, on a shared host; the sender's whole run, connecting included);
 //! - `GET /ready` answers throughout (its slowest time is printed; the goal is under 100 ms,
 //!   the bound asserted is a generous 2 s, which only a locked-out probe misses);
 //! - the receiver's RSS stays under its buffer plus 64 MiB during the attack, and is there
@@ -19,7 +20,7 @@
 mod hostile;
 mod processes;
 
-use std::io::{ErrorKind, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -62,13 +63,16 @@ enum Kind {
 }
 
 /// How many connections of each kind are held at once, and how long each lives before it is
-/// closed and opened again (spread over [min, min + spread)).
+/// closed and opened again (spread over [min, min + spread), in ms). On the fabric port, 300
+/// connections for its 256 places, each connected again as soon as the receiver closes it:
+/// the authenticated idle ones stay for the whole run (what locked senders out when a full
+/// table refused newcomers), the others churn.
 const MIX: [(Kind, usize, u64, u64); 7] = [
     (Kind::AllocIdle, 250, 2_000, 2_000),
     (Kind::AllocUnfinished, 250, 1_000, 2_000),
-    (Kind::FabricSilent, 150, 2_000, 2_000),
-    (Kind::FabricHalfHello, 50, 1_000, 2_000),
-    (Kind::FabricIdleAuthenticated, 100, 3_000, 3_000),
+    (Kind::FabricSilent, 20, 4_000, 2_000),
+    (Kind::FabricHalfHello, 20, 4_000, 2_000),
+    (Kind::FabricIdleAuthenticated, 260, 20_000, 10_000),
     (Kind::MetricsSilent, 100, 1_000, 2_000),
     (Kind::MetricsHalfRequest, 100, 1_000, 2_000),
 ];
@@ -94,6 +98,21 @@ fn connect_from(to: SocketAddr, source: [u8; 4]) -> Option<TcpStream> {
     stream.set_nonblocking(true).ok()?;
     let _ = stream.set_nodelay(true);
     Some(stream)
+}
+
+/// Whether the other end has closed `stream` (what it sent meanwhile is read and dropped).
+fn closed_by_peer(stream: &mut TcpStream) -> bool {
+    let mut b = [0u8; 256];
+    // Bounded: a welcome is 32 bytes; a few reads drain whatever came.
+    for _ in 0..8 {
+        match stream.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 /// Writes what the socket takes of `bytes` now, without waiting.
@@ -147,7 +166,7 @@ fn churn(
     let began = Instant::now();
     let mut held: Vec<Option<(TcpStream, Instant)>> = (0..count).map(|_| None).collect();
     let mut opened = 0u64;
-    // Bounded by `ATTACK_MAX` and by a count of passes (each at least 5 ms apart).
+    // Bounded by `ATTACK_MAX` and by a count of passes (each at least 10 ms apart).
     for _ in 0..100_000 {
         if stop.load(Ordering::Relaxed) || began.elapsed() > ATTACK_MAX {
             break;
@@ -169,7 +188,7 @@ fn churn(
                 *slot = Some((stream, until));
             }
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(10));
     }
     opened
 }
@@ -208,10 +227,13 @@ fn attackers_credential(receiver: &Kvx) -> (zmtp::Peer, FabricCredential) {
     )
 }
 
-/// The outcome of a `kvx sender` run: its JSON summary, if it printed one, and its stderr.
+/// The outcome of a `kvx sender` run: its JSON summary, if it printed one, its stderr, and
+/// how long the process took, start to exit (connecting included: what a locked-out sender
+/// loses is there).
 struct Run {
     summary: Option<serde_json::Value>,
     stderr: String,
+    took: Duration,
 }
 
 impl Run {
@@ -226,19 +248,20 @@ impl Run {
         self.summary
             .as_ref()
             .and_then(|s| s["makespan_s"].as_f64())
-            .unwrap_or(f64::INFINITY)
+            .unwrap_or(f64::NAN)
     }
 }
 
-/// `kvx sender`, 50 requests of 4 to 8 chunks, to completion (its own bound: 60 s).
+/// `kvx sender`, 50 requests of 4 to 8 chunks, to completion (its own bound: 30 s).
 fn legit_run(receiver: &Kvx, proxy: &Kvx) -> Run {
     let alloc = receiver.addr().port().to_string();
     let fabric = receiver.fabric_addr().port().to_string();
     let proxy = proxy.addr().to_string();
     let chunk = CHUNK.to_string();
+    let began = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_kvx"))
         .args(["sender", "--alloc-ports", &alloc, "--fabric-ports", &fabric])
-        .args(["--proxy", &proxy, "--json", "--timeout-s", "60"])
+        .args(["--proxy", &proxy, "--json", "--timeout-s", "30"])
         .args([
             "--chunk-bytes",
             &chunk,
@@ -253,7 +276,17 @@ fn legit_run(receiver: &Kvx, proxy: &Kvx) -> Run {
     Run {
         summary: serde_json::from_slice(&out.stdout).ok(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        took: began.elapsed(),
     }
+}
+
+/// The last 4,000 bytes of `text` (on a character boundary).
+fn tail(text: &str) -> &str {
+    let mut from = text.len().saturating_sub(4_000);
+    while !text.is_char_boundary(from) {
+        from += 1;
+    }
+    &text[from..]
 }
 
 /// `GET /ready` on `port`: its status (None when it did not answer within 5 s) and time.
@@ -352,18 +385,33 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
         std::thread::sleep(Duration::from_millis(50));
         rss_after = receiver.rss_kib();
     }
+    // Unattacked once more: the time to beat is the mean of the runs before and after, so
+    // that a host busier (or idler) at one moment than at the other weighs less.
+    let calm_after = legit_run(&receiver, &proxy);
+    assert_eq!(
+        calm_after.completed(),
+        50,
+        "unattacked again: {}",
+        calm_after.stderr
+    );
+    let calm_s = (calm.took.as_secs_f64() + calm_after.took.as_secs_f64()) / 2.0;
     let peak = peak_kib.load(Ordering::Relaxed).max(rss_during);
-    let ratio = attacked.makespan_s() / calm.makespan_s();
+    let ratio = attacked.took.as_secs_f64() / calm_s;
     let slowest = times.last().copied().unwrap_or_default();
     let median = times.get(times.len() / 2).copied().unwrap_or_default();
     eprintln!(
-        "1,000 hostile connections ({opened} opened in all): the sender's 50 requests took \
-         {:.3} s unattacked, {:.3} s attacked (x{ratio:.2}), {} completed; GET /ready \
+        "1,000 hostile connections ({opened} opened in all): the sender's run of 50 requests \
+         took {:.3} s unattacked before and {:.3} s after (requests {:.3} s, {:.3} s), \
+         {:.3} s attacked (requests {:.3} s; x{ratio:.2} the mean), {} completed; GET /ready \
          answered {} times, median {median:?}, slowest {slowest:?}, {unanswered} unanswered; \
          receiver RSS {rss_before} KiB before, peak {peak} KiB, under the bound again \
          {back_after:?} after the attack and {rss_after} KiB 5 s after (bound {bound_kib} KiB: \
          buffer {buffer_kib} KiB + 64 MiB)",
+        calm.took.as_secs_f64(),
+        calm_after.took.as_secs_f64(),
         calm.makespan_s(),
+        calm_after.makespan_s(),
+        attacked.took.as_secs_f64(),
         attacked.makespan_s(),
         attacked.completed(),
         times.len(),
@@ -377,7 +425,9 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
     );
     assert!(
         ratio < 2.0,
-        "under attack the sender took {ratio:.2}x its unattacked time (goal: under 2x)"
+        "under attack the sender took {ratio:.2}x its unattacked time (goal: under 2x); its \
+         log: {}",
+        tail(&attacked.stderr)
     );
     assert!(!times.is_empty(), "/ready was probed during the attack");
     assert_eq!(unanswered, 0, "/ready answered every probe");
