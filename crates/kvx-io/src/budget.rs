@@ -57,7 +57,7 @@ struct Entry<K> {
 struct Mark {
     /// `NEVER_HEARD`, `HEARD` or `AUTHENTICATED`; it only rises.
     standing: AtomicU8,
-    /// Milliseconds since the budget began, plus one, when last heard; 0 never.
+    /// Microseconds since the budget began, plus one, when last heard; 0 never.
     heard: AtomicU64,
 }
 
@@ -103,17 +103,28 @@ impl<K: Copy + Eq> ConnectionBudget<K> {
         }
     }
 
-    /// Takes a place for a connection from `from`, first closing the quietest connection
-    /// from there past the per-source cap, then the quietest of all past the total cap.
+    /// Takes a place for a connection from `from`, first closing, past the per-source cap, the
+    /// quietest connection from there, then, past the total cap, the quietest of all; but a
+    /// newcomer never closes an authenticated connection. Where only authenticated ones are
+    /// left to close, it is taken beyond the cap while it greets (with at most a quarter of
+    /// `total_max` others, `pending_max`; past that the oldest of them goes), and it is its own
+    /// authentication that closes the quietest authenticated connection (`Held::authenticated`).
+    /// A listener whose connections never authenticate keeps exactly `total_max`.
     pub fn open(&self, from: K) -> (Held<K>, Evicted) {
         let inner = &self.inner;
         let mut table = lock(&inner.table);
         let mut evicted = 0;
         if table.held.values().filter(|e| e.from == from).count() >= inner.per_source_max {
-            evicted += usize::from(table.evict(Some(from)));
+            evicted += usize::from(table.evict(Some(from), UNAUTHENTICATED));
         }
-        if table.held.len() >= inner.total_max {
-            evicted += usize::from(table.evict(None));
+        let unauthenticated = table.unauthenticated();
+        let authenticated = table.held.len() - unauthenticated;
+        let room = inner
+            .total_max
+            .saturating_sub(authenticated)
+            .max(inner.pending_max());
+        if unauthenticated >= room {
+            evicted += usize::from(table.evict(None, UNAUTHENTICATED));
         }
         table.next += 1;
         let id = table.next;
@@ -146,13 +157,48 @@ impl<K: Copy + Eq> ConnectionBudget<K> {
     }
 }
 
+impl<K> Inner<K> {
+    /// Newcomers taken beyond `total_max` while they greet, when every connection it holds
+    /// is authenticated.
+    fn pending_max(&self) -> usize {
+        (self.total_max / 4).max(1)
+    }
+}
+
+/// Which connections `Table::evict` may close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Among {
+    /// Connections that have not authenticated.
+    Unauthenticated,
+    /// Authenticated connections other than this one.
+    AuthenticatedBut(u64),
+}
+
+const UNAUTHENTICATED: Among = Among::Unauthenticated;
+
 impl<K: Copy + Eq> Table<K> {
-    /// Closes the quietest connection (from `from`, if given). False when there is none.
-    fn evict(&mut self, from: Option<K>) -> bool {
+    /// Connections not authenticated.
+    fn unauthenticated(&self) -> usize {
+        self.held
+            .values()
+            .filter(|e| e.mark.standing.load(Ordering::Relaxed) < AUTHENTICATED)
+            .count()
+    }
+
+    /// Closes the quietest connection of `among` (from `from`, if given). False when there is
+    /// none.
+    fn evict(&mut self, from: Option<K>, among: Among) -> bool {
         let quietest = self
             .held
             .iter()
             .filter(|(_, e)| from.is_none_or(|f| e.from == f))
+            .filter(|(id, e)| {
+                let authenticated = e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED;
+                match among {
+                    Among::Unauthenticated => !authenticated,
+                    Among::AuthenticatedBut(this) => authenticated && **id != this,
+                }
+            })
             .min_by_key(|(id, e)| (e.mark.key(), **id))
             .map(|(id, _)| *id);
         match quietest.and_then(|id| self.held.remove(&id)) {
@@ -174,17 +220,8 @@ impl<K> Held<K> {
         self.stamp();
     }
 
-    /// The connection authenticated (and was heard from): from now on it goes only after every
-    /// connection that did not, and among authenticated ones by how recently each was heard.
-    pub fn authenticated(&self) {
-        self.mark
-            .standing
-            .fetch_max(AUTHENTICATED, Ordering::Relaxed);
-        self.stamp();
-    }
-
     fn stamp(&self) {
-        let since = self.budget.started.elapsed().as_millis() as u64;
+        let since = self.budget.started.elapsed().as_micros() as u64;
         self.mark.heard.store(since + 1, Ordering::Relaxed);
     }
 
@@ -195,6 +232,41 @@ impl<K> Held<K> {
             () = self.evicted.notified() => None,
             out = work => Some(out),
         }
+    }
+}
+
+impl<K: Copy + Eq> Held<K> {
+    /// The connection authenticated (and was heard from): from now on no newcomer closes it,
+    /// and it goes only for another authenticated connection, by how recently each was heard.
+    /// If that takes the authenticated connections past the total cap, or its source's past
+    /// the per-source cap, the quietest of those others is closed now (counted in the answer).
+    pub fn authenticated(&self) -> Evicted {
+        self.mark
+            .standing
+            .fetch_max(AUTHENTICATED, Ordering::Relaxed);
+        self.stamp();
+        let inner = &self.budget;
+        let mut table = lock(&inner.table);
+        let Some(from) = table.held.get(&self.id).map(|e| e.from) else {
+            return Evicted(0); // already closed for a newcomer
+        };
+        let others = Among::AuthenticatedBut(self.id);
+        let mut evicted = 0;
+        let authenticated_from = |table: &Table<K>| {
+            table
+                .held
+                .values()
+                .filter(|e| e.from == from)
+                .filter(|e| e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED)
+                .count()
+        };
+        if authenticated_from(&table) > inner.per_source_max {
+            evicted += usize::from(table.evict(Some(from), others));
+        }
+        if table.held.len() - table.unauthenticated() > inner.total_max {
+            evicted += usize::from(table.evict(None, others));
+        }
+        Evicted(evicted)
     }
 }
 
@@ -289,16 +361,24 @@ mod tests {
         );
         pause().await;
         n3.authenticated();
-        let (n4, _) = budget.open(ip(9));
+        // Only authenticated ones are left: a newcomer is taken beyond the cap while it
+        // greets, and its authentication closes the authenticated one heard longest ago.
+        let (n4, evicted) = budget.open(ip(9));
+        assert_eq!((evicted, budget.len()), (Evicted(0), 5));
+        assert_eq!(n4.authenticated(), Evicted(1));
         assert!(
             gone(&idle_authenticated) && !gone(&writer),
             "then the authenticated one heard longest ago"
         );
-        let (_n5, _) = budget.open(ip(9));
+        // Newcomers that do not authenticate close one another, never the writer.
+        let (n5, _) = budget.open(ip(9));
+        let (_n6, evicted) = budget.open(ip(9));
+        assert_eq!(evicted, Evicted(1));
         assert!(
-            gone(&n4) && !gone(&writer),
+            gone(&n5) && !gone(&writer),
             "idle newcomers never close the writer"
         );
+        assert_eq!(budget.len(), 5);
     }
 
     /// The per-source cap counts by any key: a Unix listener counts by user.

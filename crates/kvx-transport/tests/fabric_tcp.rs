@@ -211,3 +211,12 @@ async fn tcp_a_silent_or_slow_hello_is_cut_off() {
     });
     fabric_common::a_silent_or_slow_hello_is_cut_off(&f, EP).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_authenticated_idlers_never_lock_a_writer_out() {
+    fabric_common::authenticated_idlers_never_lock_a_writer_out(
+        &TcpFabric::with_config(capped()),
+        EP,
+    )
+    .await;
+}

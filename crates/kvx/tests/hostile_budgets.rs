@@ -166,16 +166,19 @@ fn churn(
     let began = Instant::now();
     let mut held: Vec<Option<(TcpStream, Instant)>> = (0..count).map(|_| None).collect();
     let mut opened = 0u64;
-    // Bounded by `ATTACK_MAX` and by a count of passes (each at least 10 ms apart).
+    // Bounded by `ATTACK_MAX` and by a count of passes (each at least 50 ms apart).
     for _ in 0..100_000 {
         if stop.load(Ordering::Relaxed) || began.elapsed() > ATTACK_MAX {
             break;
         }
         for (i, slot) in held.iter_mut().enumerate() {
-            if slot
-                .as_ref()
-                .is_some_and(|(_, until)| Instant::now() < *until)
-            {
+            let alive = match slot {
+                Some((stream, until)) => {
+                    Instant::now() < *until && !(to == targets.fabric && closed_by_peer(stream))
+                }
+                None => false,
+            };
+            if alive {
                 continue;
             }
             *slot = None;
@@ -188,7 +191,7 @@ fn churn(
                 *slot = Some((stream, until));
             }
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(50));
     }
     opened
 }

@@ -447,7 +447,7 @@ async fn judge(
                 "the credential was not issued by this receiver".to_owned(),
             )
         })?;
-    held.authenticated();
+    let _ = held.authenticated();
     let n = fds.len();
     let mut fds = fds.into_iter();
     let (Some(fd), None, false) = (fds.next(), fds.next(), truncated) else {

@@ -222,11 +222,19 @@ async fn serve_sender(
         &greeting.config,
     )
     .await?;
-    // A valid credential came: this connection goes only after every one that has shown none.
-    held.authenticated();
     let (peer, source) = match greeted {
-        Greeted::Attached(peer, source) => (peer, source),
+        Greeted::Attached(peer, source) => {
+            // A valid credential came: no newcomer closes this connection from now on; past
+            // the caps it is what closes the quietest authenticated one.
+            let Evicted(evicted) = held.authenticated();
+            if evicted > 0 {
+                debug!(conn, %peer, evicted, "fabric connection closed for an attaching sender");
+            }
+            (peer, source)
+        }
         Greeted::Fence(target, asker) => {
+            // A fence lives for one answer: heard, but it closes no attached sender.
+            held.heard();
             let status = fence(&registry, target, asker, greeting.config.fence_timeout).await;
             debug!(conn, target, %asker, ?status, "fabric fence");
             return answer_fence(&mut stream, greeting.magic, target, status)

@@ -884,3 +884,85 @@ pub async fn a_silent_or_slow_hello_is_cut_off<F: Fabric>(f: &F, endpoint: &str)
     drop(conn);
     drain.abort();
 }
+
+/// A raw attach from `source` with `credential`, welcomed (TCP: `KVXT`, no ticket).
+async fn idle_attach(
+    addr: std::net::SocketAddr,
+    source: [u8; 4],
+    slot_bytes: usize,
+    credential: &FabricCredential,
+) -> TcpStream {
+    let mut s = silent_from(addr, source).await;
+    let hello = raw::hello(b"KVXT", 1, slot_bytes as u64, credential);
+    s.write_all(&hello).await.expect("hello");
+    assert_eq!(raw::welcome(&mut s).await.0, 0, "welcomed");
+    s
+}
+
+/// Every place taken by authenticated connections that idle (`connections_max` 8, the
+/// caller's config), and more of them attaching all the time: a sender still attaches (a
+/// newcomer is taken beyond the cap while it greets, and its authentication closes the idle
+/// one heard from longest ago), and while it writes, newcomers close idle ones, never it.
+pub async fn authenticated_idlers_never_lock_a_writer_out<F: Fabric>(f: &F, endpoint: &str) {
+    const SLOT: usize = 4096;
+    let mut listener = f.expose(endpoint, 16, SLOT).await.expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let addr: std::net::SocketAddr = ep
+        .trim_start_matches("tcp://")
+        .parse()
+        .expect("an ip:port endpoint");
+    let access = listener.access.clone();
+    let drain = tokio::spawn(async move { while listener.landed.recv().await.is_some() {} });
+    // The attacker is somebody too: a credential of its own.
+    let idler = access.credential_for(PeerId(9));
+    let mut old = Vec::new();
+    for i in 0..8u8 {
+        old.push(idle_attach(addr, [127, 0, 0, 2 + i / 4], SLOT, &idler).await);
+    }
+    let a = PeerId(1);
+    let staging = f.allocate_staging(1, SLOT).expect("staging");
+    let mut conn = step(
+        "A connects",
+        f.connect(&ep, staging.clone(), access.credential_for(a)),
+    )
+    .await
+    .expect("A attaches while idle authenticated connections fill every place");
+    one_write(
+        &mut conn,
+        &*staging,
+        &access,
+        a,
+        (1, 0, 1),
+        "A's first write",
+    )
+    .await;
+    let mut new = Vec::new();
+    for i in 0..8u8 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        new.push(idle_attach(addr, [127, 0, 0, 4 + i / 4], SLOT, &idler).await);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let w = u64::from(i) + 2;
+        one_write(
+            &mut conn,
+            &*staging,
+            &access,
+            a,
+            (w, w as u32, 1),
+            "A amid them",
+        )
+        .await;
+    }
+    let closed = closed_of(&mut old, 8).await;
+    assert!(
+        closed.iter().all(|c| *c),
+        "every older idler went: {closed:?}"
+    );
+    let closed = closed_of(&mut new, 1).await;
+    assert_eq!(
+        closed,
+        [true, false, false, false, false, false, false, false],
+        "then the idler heard from longest ago; never the writer"
+    );
+    drop(conn);
+    drain.abort();
+}
