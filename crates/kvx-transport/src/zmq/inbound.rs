@@ -9,10 +9,12 @@
 //! budget spent waits, reading nothing more, so the peer meets TCP backpressure and nothing
 //! is dropped. The semaphore is fair, so connections are served in the order they asked.
 //!
-//! The same type bounds a bound socket's large frame bodies (`ZmqConfig::unfinished_bytes_max`,
-//! `zmtp::FrameReader`): a body longer than `zmtp::SMALL_FRAME` reserves its length before it
-//! is allocated and read (`reserve`), so a thousand connections that each announce a 1 MiB
-//! frame and send most of it hold that budget's worth, not a gigabyte, and the others wait.
+//! The same type bounds a bound socket's large frame bodies while they are read
+//! (`ZmqConfig::unfinished_bytes_max`, `zmtp::FrameReader`): a body longer than
+//! `zmtp::SMALL_FRAME` reserves its length before it is allocated (`reserve`) and holds it until
+//! its message is handed on into this budget, so a thousand connections that each announce a
+//! 1 MiB frame and send most of it hold that budget's worth, not a gigabyte, and the others
+//! wait.
 
 use std::sync::Arc;
 
@@ -53,19 +55,10 @@ impl InboundBudget {
     }
 
     /// A share of `len` bytes (at most the whole budget), taken before the bytes exist: a frame
-    /// body about to be read. Waits as long as the budget is spent. Give it to `holding` with
-    /// the bytes, or drop it.
+    /// body about to be read. Waits as long as the budget is spent; dropping it gives it back.
     pub(super) async fn reserve(&self, len: usize) -> Option<OwnedSemaphorePermit> {
         let need = u32::try_from(len).unwrap_or(u32::MAX).min(self.max);
         self.permits.clone().acquire_many_owned(need).await.ok()
-    }
-
-    /// `payload`, returning `permit` to the budget when its last reference is dropped.
-    pub(super) fn holding(payload: Bytes, permit: OwnedSemaphorePermit) -> Bytes {
-        Bytes::from_owner(Held {
-            payload,
-            _permit: permit,
-        })
     }
 
     /// Bytes of the budget not in use (for tests).

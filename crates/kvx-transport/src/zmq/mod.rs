@@ -105,10 +105,10 @@ pub struct ZmqConfig {
     /// `CHANNEL_DEPTH` (1024) of them without it. At most 4 GiB.
     pub inbound_bytes_max: usize,
     /// Bytes of frame bodies longer than 16 KiB that a bound socket's connections hold in
-    /// all, from each body's header until the last reference to its bytes is dropped
-    /// (`zmtp::FrameReader::with_budget`): a body that finds it spent waits, within
-    /// `message_timeout`, before anything of it is allocated or read. Without it every
-    /// connection may hold an unfinished message of `frame_max_bytes`, about 1 GiB over
+    /// all while they read them, from each body's header until its message is handed on into
+    /// `inbound_bytes_max` (`zmtp::FrameReader::with_budget`): a body that finds it spent
+    /// waits, within `message_timeout`, before anything of it is allocated or read. Without it
+    /// every connection may hold an unfinished message of `frame_max_bytes`, about 1 GiB over
     /// `connections_max` connections; with it a flood of unfinished large frames holds this
     /// much, and when its connections go, what they held goes with them. Smaller frames (every
     /// message a kvx or LMCache sender sends in practice) never wait for it. Default 16 MiB;

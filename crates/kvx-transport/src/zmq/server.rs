@@ -356,12 +356,16 @@ async fn router_conn(
                     () = incoming.closed() => break,
                     payload = budget.admit(payload) => payload,
                 };
+                // Its bytes are in the inbound budget now: their share of the unfinished
+                // one goes back.
+                reader.release_reserved();
                 if incoming.send((peer, payload)).await.is_err() {
                     break;
                 }
             }
             Err(reject) => shared.rejected("ROUTER", &reject),
         }
+        reader.release_reserved();
     }
     lock(&routes).release(&identity, conn);
     shared.peers().released(&identity);
@@ -513,12 +517,14 @@ async fn pull_conn(
                     () = incoming.closed() => break,
                     payload = budget.admit(payload) => payload,
                 };
+                reader.release_reserved();
                 if incoming.send(payload).await.is_err() {
                     break;
                 }
             }
             Err(reject) => shared.rejected("PULL", &reject),
         }
+        reader.release_reserved();
     }
     drop(writer);
 }

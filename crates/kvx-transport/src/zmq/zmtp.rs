@@ -19,6 +19,8 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use tokio::sync::OwnedSemaphorePermit;
+
 use super::inbound::InboundBudget;
 use super::PeerBytes;
 
@@ -168,13 +170,16 @@ impl ReadLimits {
 /// bodies of the message being read, at most `message_max_bytes` together, for at most
 /// `message_timeout`. With a budget of large frames (`with_budget`), what all the readers
 /// sharing it hold in bodies longer than `SMALL_FRAME` is bounded too, from a body's header
-/// until the last reference to its bytes is dropped.
+/// until its message is handed on (`release_reserved`), the next message begins, or the
+/// reader is dropped.
 #[derive(Debug)]
 pub(super) struct FrameReader<R> {
     io: R,
     buf: BytesMut,
     limits: ReadLimits,
     large: Option<InboundBudget>,
+    /// The shares of `large` the bodies of the current message hold.
+    reserved: Vec<OwnedSemaphorePermit>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -184,15 +189,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             buf: BytesMut::with_capacity(READ_CHUNK),
             limits,
             large: None,
+            reserved: Vec::new(),
         }
     }
 
     /// Bodies longer than `SMALL_FRAME` wait for their length in `budget` before they are
-    /// allocated, and give it back when their bytes are dropped (with the connection, at the
-    /// latest). The wait counts against `message_timeout`.
+    /// allocated, and hold it until `release_reserved` (the caller has handed the message on,
+    /// into a budget of its own), the next message, or the end of the connection. The wait
+    /// counts against `message_timeout`.
     pub(super) fn with_budget(mut self, budget: InboundBudget) -> Self {
         self.large = Some(budget);
         self
+    }
+
+    /// Gives back what the last message's large bodies reserved.
+    pub(super) fn release_reserved(&mut self) {
+        self.reserved.clear();
     }
 
     /// One read into the buffer (at most its free room); the byte count, 0 at end of stream.
@@ -254,10 +266,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.buf.advance(len);
             return Ok(body);
         }
-        let permit = match &self.large {
-            Some(budget) if len > SMALL_FRAME => budget.reserve(len).await,
-            _ => None,
-        };
+        if let Some(budget) = self.large.as_ref().filter(|_| len > SMALL_FRAME) {
+            self.reserved.extend(budget.reserve(len).await);
+        }
         let mut body = BytesMut::with_capacity(len);
         body.extend_from_slice(&self.buf);
         self.buf.clear();
@@ -267,10 +278,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
-        Ok(match permit {
-            Some(permit) => InboundBudget::holding(body.freeze(), permit),
-            None => body.freeze(),
-        })
+        Ok(body.freeze())
     }
 
     /// The next frame's flags and length, checked: no reserved flags, no command inside a
@@ -340,6 +348,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     async fn message(&mut self) -> io::Result<Incoming> {
+        self.release_reserved();
         let mut frames = Vec::new();
         let mut count = 0u64;
         let mut total = 0u64;
@@ -651,7 +660,7 @@ mod tests {
     }
 
     /// Readers sharing a budget of large frames: a body longer than `SMALL_FRAME` holds its
-    /// length from its header until its bytes are dropped; a second one waits (here past
+    /// length from its header until its message is handed on; a second one waits (here past
     /// its message's timeout) while the budget is spent; small bodies never wait.
     #[tokio::test]
     async fn large_bodies_share_one_budget_and_give_it_back() {
@@ -660,9 +669,10 @@ mod tests {
         let mut s = Vec::new();
         encode_message(&[b"", &large], &mut s);
         let mut a = FrameReader::new(&s[..], limits(1 << 20, 1 << 20)).with_budget(budget.clone());
-        let Incoming::Message(held) = a.next().await.expect("read") else {
+        let Incoming::Message(frames) = a.next().await.expect("read") else {
             panic!("a message");
         };
+        assert_eq!(frames[1].len(), 80 << 10);
         assert_eq!(budget.available(), 20 << 10, "its body holds 80 KiB");
         let quick = ReadLimits {
             message_timeout: Duration::from_millis(100),
@@ -675,14 +685,16 @@ mod tests {
         encode_message(&[b"", &[2u8; 12 << 10]], &mut small);
         let mut c = FrameReader::new(&small[..], quick).with_budget(budget.clone());
         assert!(matches!(c.next().await, Ok(Incoming::Message(_))));
-        drop(held);
+        a.release_reserved();
+        assert_eq!(budget.available(), 100 << 10, "handing it on gives it back");
+        let mut d = FrameReader::new(&s[..], quick).with_budget(budget.clone());
+        assert!(matches!(d.next().await, Ok(Incoming::Message(_))));
+        drop(d);
         assert_eq!(
             budget.available(),
             100 << 10,
-            "dropping the bytes gives it back"
+            "and so does the connection's end"
         );
-        let mut d = FrameReader::new(&s[..], quick).with_budget(budget.clone());
-        assert!(matches!(d.next().await, Ok(Incoming::Message(_))));
     }
 
     /// Many small messages in a row: the read buffer never grows past one chunk.
