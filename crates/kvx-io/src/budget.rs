@@ -1,8 +1,9 @@
 //! `ConnectionBudget`: how many connections a listener holds, and which one goes when a new
-//! one arrives past the cap. Every listener kvx opens to peers (the ZMQ sockets, the HTTP
-//! `--metrics` server) takes each accepted connection through one, so that idle connections
-//! can never lock a legitimate peer out: the listener never refuses a newcomer for lack of
-//! room, it closes the quietest connection instead.
+//! one arrives past the cap. Every listener kvx opens to peers (the ZMQ sockets, the fabric
+//! listeners and the shm handoff socket, the HTTP `--metrics` server) takes each accepted
+//! connection through one, so that idle connections can never lock a legitimate peer out: the
+//! listener never refuses a newcomer for lack of room, it closes the quietest connection
+//! instead.
 //!
 //! The quietest is chosen by standing first, then by how long it has gone without being heard
 //! (a message, a request, a write that landed): a connection never heard from at all goes
@@ -10,7 +11,9 @@
 //! authenticated one (`Held::authenticated`: a fabric connection whose hello carried a valid
 //! credential). So a flood of sockets that connect and wait, or that greet without a
 //! credential, loses to a peer that authenticated, and among peers that did, an idle one goes
-//! before one that is writing. A cap per source keeps one address (or, for a Unix socket, one
+//! before one that is writing. A newcomer never closes an authenticated connection itself:
+//! when only those are left it is taken beyond the cap while it greets (`open`), and its own
+//! authentication closes the quietest of them. A cap per source keeps one address (or, for a Unix socket, one
 //! user) from taking the whole table, so that evictions fall on its own connections first.
 //!
 //! A connection's task runs its work through `Held::run`, which ends it when it is evicted;

@@ -644,8 +644,10 @@ struct AckWriter {
 impl AckWriter {
     fn new() -> Self {
         AckWriter {
-            // `read` stops at the high water mark, and one read finishes at most two writes.
-            buf: Vec::with_capacity(ACKS_HIGH_WATER + 2 * ACK_LEN),
+            // Grown as the connection's bursts need, once: `read` stops at the high water
+            // mark and one read finishes at most two writes, so it never holds more than
+            // `ACKS_HIGH_WATER` + 2 acks; a connection that never writes holds none.
+            buf: Vec::new(),
             sent: 0,
         }
     }
