@@ -461,3 +461,61 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
         "RSS {rss_after} KiB 5 s after the attack (bound {bound_kib} KiB)"
     );
 }
+
+/// 1,000 connections to the alloc port, each leaving a 1 MiB frame unfinished (about 900 KiB
+/// of it sent), closed after 1–3 s and opened again, for 10 s: the receiver's RSS stays under
+/// its buffer plus 64 MiB throughout and after, and a legitimate sender is answered amid them.
+#[test]
+fn a_thousand_reconnecting_unfinished_frames_hold_the_receiver_to_its_budget() {
+    hostile::raise_open_files_limit(4 * 1_000 + 1_024);
+    let mut receiver = Kvx::receiver_with(BUFFER_CHUNKS, CHUNK, &[]);
+    hostile::legit_round_trip(&mut receiver);
+    let buffer_kib = u64::from(BUFFER_CHUNKS) * CHUNK / 1024;
+    let bound_kib = buffer_kib + HEADROOM_KIB;
+    let rss_before = receiver.rss_kib();
+    let targets = Targets {
+        alloc: receiver.addr(),
+        fabric: receiver.addr(),
+        metrics: receiver.addr(),
+        credential: FabricCredential::from_bytes(&[0; FabricCredential::LEN]),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let attacker = {
+        let (targets, stop) = (targets.clone(), stop.clone());
+        std::thread::spawn(move || {
+            churn(Kind::AllocUnfinished, 1_000, (1_000, 2_000), targets, stop)
+        })
+    };
+    let began = Instant::now();
+    let mut peak = 0;
+    let mut answered = 0;
+    // Bounded: 10 s of samples 50 ms apart, a legitimate round trip each second.
+    while began.elapsed() < Duration::from_secs(10) {
+        peak = peak.max(receiver.rss_kib());
+        if began.elapsed().as_millis() / 1_000 >= answered {
+            hostile::legit_round_trip(&mut receiver);
+            answered += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let opened = attacker.join().expect("the attacker ran");
+    let ended = Instant::now();
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(ended.elapsed()));
+    let after = receiver.rss_kib();
+    eprintln!(
+        "1,000 reconnecting connections with unfinished 1 MiB frames ({opened} opened in 10 s, \
+         {answered} legitimate round trips answered amid them): receiver RSS {rss_before} KiB \
+         before, peak {peak} KiB, {after} KiB 5 s after (bound {bound_kib} KiB: buffer \
+         {buffer_kib} KiB + 64 MiB)"
+    );
+    receiver.assert_alive();
+    assert!(
+        peak < bound_kib,
+        "RSS peaked at {peak} KiB (bound {bound_kib} KiB)"
+    );
+    assert!(
+        after < bound_kib,
+        "RSS {after} KiB 5 s after (bound {bound_kib} KiB)"
+    );
+}

@@ -122,6 +122,10 @@ pub(super) const READY_MAX_BYTES: u64 = 4096;
 /// exactly its length, so the buffer never grows.
 const READ_CHUNK: usize = 8 << 10;
 
+/// Frame bodies from this long on are read into a mapping of their own
+/// (`FrameReader::mapped_body`), unmapped when their bytes are dropped.
+const MAPPED_BODY: usize = 128 << 10;
+
 /// Frame bodies up to this long are read on the connection's own account; longer ones first
 /// reserve their length in the socket's budget of large frames (`FrameReader::with_budget`).
 pub(super) const SMALL_FRAME: usize = 16 << 10;
@@ -259,7 +263,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// A frame body of `len` bytes (already held to the limits). Copied out of the read
     /// buffer when it is all there (so a small payload never pins the buffer); otherwise read
-    /// into an allocation of exactly `len`.
+    /// into an allocation of exactly `len`: from `MAPPED_BODY` on, a mapping of its own.
     async fn body(&mut self, len: usize) -> io::Result<Bytes> {
         if self.buf.len() >= len {
             let body = Bytes::copy_from_slice(&self.buf[..len]);
@@ -268,6 +272,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
         if let Some(budget) = self.large.as_ref().filter(|_| len > SMALL_FRAME) {
             self.reserved.extend(budget.reserve(len).await);
+        }
+        if len >= MAPPED_BODY {
+            return self.mapped_body(len).await;
         }
         let mut body = BytesMut::with_capacity(len);
         body.extend_from_slice(&self.buf);
@@ -279,6 +286,26 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
         }
         Ok(body.freeze())
+    }
+
+    /// A large body, read into an anonymous mapping of exactly `len` bytes (pages are
+    /// committed only as its bytes arrive) that goes back to the system whole when its last
+    /// reference is dropped. From the allocator, megabyte bodies freed by connections that come
+    /// and go stay with it (glibc raises its mapping threshold past the largest block freed,
+    /// and keeps freed heap blocks): a thousand reconnecting peers would leave a receiver tens
+    /// of MiB larger than their budget, long after they are gone.
+    async fn mapped_body(&mut self, len: usize) -> io::Result<Bytes> {
+        let mut body = memmap2::MmapMut::map_anon(len)?;
+        let mut got = self.buf.len();
+        body[..got].copy_from_slice(&self.buf);
+        self.buf.clear();
+        while got < len {
+            match self.io.read(&mut body[got..]).await? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => got += n,
+            }
+        }
+        Ok(Bytes::from_owner(body))
     }
 
     /// The next frame's flags and length, checked: no reserved flags, no command inside a
