@@ -92,6 +92,9 @@ struct Targets {
     credential: FabricCredential,
 }
 
+/// The tests here run one at a time: each is an attack of its own on a two-core host.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A connection from `source` (127.x.y.z) to `to`, non-blocking once connected; `None` when
 /// it could not connect within a second.
 fn connect_from(to: SocketAddr, source: [u8; 4]) -> Option<TcpStream> {
@@ -307,6 +310,7 @@ fn ready(port: u16) -> (Option<u16>, Duration) {
 
 #[test]
 fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let total: usize = MIX.iter().map(|(_, n, _, _)| n).sum();
     assert_eq!(total, 1_000);
     hostile::raise_open_files_limit(4 * total as u64 + 1_024);
@@ -467,6 +471,7 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
 /// its buffer plus 64 MiB throughout and after, and a legitimate sender is answered amid them.
 #[test]
 fn a_thousand_reconnecting_unfinished_frames_hold_the_receiver_to_its_budget() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     hostile::raise_open_files_limit(4 * 1_000 + 1_024);
     let mut receiver = Kvx::receiver_with(BUFFER_CHUNKS, CHUNK, &[]);
     hostile::legit_round_trip(&mut receiver);

@@ -111,7 +111,7 @@ pub struct ZmqConfig {
     /// every connection may hold an unfinished message of `frame_max_bytes`, about 1 GiB over
     /// `connections_max` connections; with it a flood of unfinished large frames holds this
     /// much, and when its connections go, what they held goes with them. Smaller frames (every
-    /// message a kvx or LMCache sender sends in practice) never wait for it. Default 16 MiB;
+    /// message a kvx or LMCache sender sends in practice) never wait for it. Default 8 MiB;
     /// at least `frame_max_bytes`, at most 4 GiB.
     pub unfinished_bytes_max: usize,
 }
@@ -132,7 +132,7 @@ impl Default for ZmqConfig {
             handshake_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(5),
             inbound_bytes_max: 64 << 20,
-            unfinished_bytes_max: 16 << 20,
+            unfinished_bytes_max: 8 << 20,
         }
     }
 }
