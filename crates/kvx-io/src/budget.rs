@@ -384,6 +384,35 @@ mod tests {
         assert_eq!(budget.len(), 5);
     }
 
+    /// Every place authenticated and idlers reconnecting all the time: a sender greeting
+    /// amid them is not closed by the next newcomer (up to a quarter of the cap greet beyond
+    /// it), and once it authenticates it closes the idler heard from longest ago.
+    #[tokio::test]
+    async fn a_greeting_sender_outlasts_reconnecting_idlers() {
+        let budget = ConnectionBudget::new(8, 8);
+        let idlers: Vec<_> = (0..8)
+            .map(|i| {
+                let (h, _) = budget.open(ip(10 + i));
+                h.authenticated();
+                h
+            })
+            .collect();
+        let gone = |h: &Held| futures_now(h.run(std::future::pending::<()>())) == Some(None);
+        let (sender, evicted) = budget.open(ip(1));
+        assert_eq!(evicted, Evicted(0), "taken beyond the cap while it greets");
+        let (reconnecting, evicted) = budget.open(ip(20));
+        assert_eq!(evicted, Evicted(0));
+        assert!(
+            !gone(&sender),
+            "another newcomer does not close a greeting sender"
+        );
+        assert_eq!(sender.authenticated(), Evicted(1));
+        assert!(gone(&idlers[0]) && !gone(&sender));
+        assert_eq!(reconnecting.authenticated(), Evicted(1));
+        assert!(gone(&idlers[1]) && !gone(&sender));
+        assert_eq!(budget.len(), 8);
+    }
+
     /// The per-source cap counts by any key: a Unix listener counts by user.
     #[test]
     fn sources_may_be_any_key() {
