@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::inbound::InboundBudget;
+use super::inbound::{read_mapped, InboundBudget};
 use super::PeerBytes;
 
 const MORE: u8 = 0x01;
@@ -123,7 +123,7 @@ pub(super) const READY_MAX_BYTES: u64 = 4096;
 const READ_CHUNK: usize = 8 << 10;
 
 /// Frame bodies from this long on are read into a mapping of their own
-/// (`FrameReader::mapped_body`), unmapped when their bytes are dropped.
+/// (`inbound::read_mapped`), unmapped when their bytes are dropped.
 const MAPPED_BODY: usize = 128 << 10;
 
 /// Frame bodies up to this long are read on the connection's own account; longer ones first
@@ -274,7 +274,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.reserved.extend(budget.reserve(len).await);
         }
         if len >= MAPPED_BODY {
-            return self.mapped_body(len).await;
+            return read_mapped(&mut self.io, &mut self.buf, len).await;
         }
         let mut body = BytesMut::with_capacity(len);
         body.extend_from_slice(&self.buf);
@@ -286,26 +286,6 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
         }
         Ok(body.freeze())
-    }
-
-    /// A large body, read into an anonymous mapping of exactly `len` bytes (pages are
-    /// committed only as its bytes arrive) that goes back to the system whole when its last
-    /// reference is dropped. From the allocator, megabyte bodies freed by connections that come
-    /// and go stay with it (glibc raises its mapping threshold past the largest block freed,
-    /// and keeps freed heap blocks): a thousand reconnecting peers would leave a receiver tens
-    /// of MiB larger than their budget, long after they are gone.
-    async fn mapped_body(&mut self, len: usize) -> io::Result<Bytes> {
-        let mut body = memmap2::MmapMut::map_anon(len)?;
-        let mut got = self.buf.len();
-        body[..got].copy_from_slice(&self.buf);
-        self.buf.clear();
-        while got < len {
-            match self.io.read(&mut body[got..]).await? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => got += n,
-            }
-        }
-        Ok(Bytes::from_owner(body))
     }
 
     /// The next frame's flags and length, checked: no reserved flags, no command inside a
@@ -684,44 +664,6 @@ mod tests {
         assert_eq!(frames[1].len(), max);
         assert!(r.buf.capacity() <= READ_CHUNK, "{}", r.buf.capacity());
         assert_eq!(r.next().await.expect("read"), Incoming::Closed);
-    }
-
-    /// Readers sharing a budget of large frames: a body longer than `SMALL_FRAME` holds its
-    /// length from its header until its message is handed on; a second one waits (here past
-    /// its message's timeout) while the budget is spent; small bodies never wait.
-    #[tokio::test]
-    async fn large_bodies_share_one_budget_and_give_it_back() {
-        let budget = InboundBudget::new(100 << 10);
-        let large = vec![1u8; 80 << 10];
-        let mut s = Vec::new();
-        encode_message(&[b"", &large], &mut s);
-        let mut a = FrameReader::new(&s[..], limits(1 << 20, 1 << 20)).with_budget(budget.clone());
-        let Incoming::Message(frames) = a.next().await.expect("read") else {
-            panic!("a message");
-        };
-        assert_eq!(frames[1].len(), 80 << 10);
-        assert_eq!(budget.available(), 20 << 10, "its body holds 80 KiB");
-        let quick = ReadLimits {
-            message_timeout: Duration::from_millis(100),
-            ..limits(1 << 20, 1 << 20)
-        };
-        let mut b = FrameReader::new(&s[..], quick).with_budget(budget.clone());
-        let waited = b.next().await.expect_err("the budget is spent");
-        assert_eq!(waited.kind(), io::ErrorKind::TimedOut);
-        let mut small = Vec::new();
-        encode_message(&[b"", &[2u8; 12 << 10]], &mut small);
-        let mut c = FrameReader::new(&small[..], quick).with_budget(budget.clone());
-        assert!(matches!(c.next().await, Ok(Incoming::Message(_))));
-        a.release_reserved();
-        assert_eq!(budget.available(), 100 << 10, "handing it on gives it back");
-        let mut d = FrameReader::new(&s[..], quick).with_budget(budget.clone());
-        assert!(matches!(d.next().await, Ok(Incoming::Message(_))));
-        drop(d);
-        assert_eq!(
-            budget.available(),
-            100 << 10,
-            "and so does the connection's end"
-        );
     }
 
     /// Many small messages in a row: the read buffer never grows past one chunk.
