@@ -45,11 +45,13 @@ pub struct LinkConfig {
     /// held a core (`docs/spec/fabrics.md` §3); measure on the target host before enabling.
     pub zero_copy: bool,
     /// Connections one exposed buffer serves at once, handshaking ones included. Past it a
-    /// newcomer is still taken and the quietest connection is closed for it
-    /// (`kvx_io::ConnectionBudget`): one that never completed a hello first (the oldest of
-    /// those first), then one that did not authenticate, then the authenticated one whose
-    /// last write landed longest ago; so idle sockets never lock a sender out, and a sender
-    /// that is writing is never closed for an idle newcomer. A sender holds one (plus one for
+    /// newcomer is still taken (`kvx_io::ConnectionBudget`) and a connection that did not
+    /// authenticate is closed for it: one that never completed a hello first (the oldest of
+    /// those first), then one that greeted without a credential. When every place is
+    /// authenticated, the newcomer greets beyond the cap (with at most a quarter of it
+    /// others), and its own authentication closes the authenticated connection whose last
+    /// write landed longest ago; so idle sockets never lock a sender out, and a sender that
+    /// is writing is never closed for an idle newcomer. A sender holds one (plus one for
     /// a moment while it fences), so the default of 256 serves 255 senders per TP rank and
     /// bounds what a flood of sockets can hold (each connection buffers at most one header,
     /// 64 KiB of acks and, while it discards a refused payload, 64 KiB). Also bounds the shm
