@@ -313,7 +313,7 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let total: usize = MIX.iter().map(|(_, n, _, _)| n).sum();
     assert_eq!(total, 1_000);
-    hostile::raise_open_files_limit(4 * total as u64 + 1_024);
+    hostile::raise_open_files_limit(2 * total as u64 + 1_024);
     let metrics_port = processes::free_port();
     let metrics_flag = format!("127.0.0.1:{metrics_port}");
     let mut receiver = Kvx::receiver_with(BUFFER_CHUNKS, CHUNK, &["--metrics", &metrics_flag]);
@@ -472,7 +472,7 @@ fn a_thousand_hostile_connections_on_every_listener_cost_a_sender_little() {
 #[test]
 fn a_thousand_reconnecting_unfinished_frames_hold_the_receiver_to_its_budget() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    hostile::raise_open_files_limit(4 * 1_000 + 1_024);
+    hostile::raise_open_files_limit(2 * 1_000 + 1_024);
     let mut receiver = Kvx::receiver_with(BUFFER_CHUNKS, CHUNK, &[]);
     hostile::legit_round_trip(&mut receiver);
     let buffer_kib = u64::from(BUFFER_CHUNKS) * CHUNK / 1024;
