@@ -22,8 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{
-    ChecksumCheck, ChecksumState, ConnectionBudget, Evicted, FabricAccess, Held, LandedWrite,
-    LocalMemory, LogLimiter, SlotMemory,
+    ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory, LogLimiter, SlotMemory,
 };
 use kvx_proto::{PeerId, SlotIndex};
 use tokio::io::Interest;
@@ -122,7 +121,7 @@ pub(crate) async fn accept_loop(
     rules: Rules,
 ) {
     let registry: Registry = Arc::default();
-    let budget = ConnectionBudget::new(
+    let budget = kvx_io::ConnectionBudget::new(
         greeting.config.connections_max,
         greeting.config.connections_per_source_max,
     );
@@ -138,7 +137,7 @@ pub(crate) async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 lock(&registry).retain(|_, (_, t)| !t.is_finished());
-                let (held, Evicted(evicted)) = budget.open(peer.ip());
+                let (held, kvx_io::Evicted(evicted)) = budget.open(peer.ip());
                 if evicted > 0 {
                     if let Some(left_out) = rules.refusals_logged.allow() {
                         warn!(
@@ -207,7 +206,7 @@ async fn serve_sender(
     conn: u64,
     registry: Registry,
     rules: Rules,
-    held: &Arc<Held>,
+    held: &Arc<kvx_io::Held>,
 ) -> Result<(), String> {
     tune(&stream).map_err(|e| e.to_string())?;
     let ours = landing.geometry();
@@ -226,7 +225,7 @@ async fn serve_sender(
         Greeted::Attached(peer, source) => {
             // A valid credential came: no newcomer closes this connection from now on; past
             // the caps it is what closes the quietest authenticated one.
-            let Evicted(evicted) = held.authenticated();
+            let kvx_io::Evicted(evicted) = held.authenticated();
             if evicted > 0 {
                 debug!(conn, %peer, evicted, "fabric connection closed for an attaching sender");
             }
@@ -338,7 +337,7 @@ struct Conn {
     source: Source,
     rules: Rules,
     /// Its place in the buffer's `ConnectionBudget`: a landed write marks it heard.
-    held: Arc<Held>,
+    held: Arc<kvx_io::Held>,
     header: [u8; HEADER_LEN],
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.

@@ -18,6 +18,14 @@ use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+mod budget;
+// Each test binary uses a part of them (authenticated idlers: TCP only).
+#[allow(unused_imports)]
+pub use budget::{
+    a_silent_or_slow_hello_is_cut_off, authenticated_idlers_never_lock_a_writer_out,
+    idle_connections_never_lock_a_sender_out,
+};
+
 pub const STEP: Duration = Duration::from_secs(20);
 
 pub async fn step<F: std::future::Future>(what: &str, fut: F) -> F::Output {
@@ -671,12 +679,3 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
 mod raw_peer;
 #[allow(unused_imports)] // each test file uses its own part
 pub use raw_peer::{raw, receiver_checks_bounds, receiver_checks_grants, Raw};
-
-mod budget;
-
-// Each test binary uses a part of them (authenticated idlers: TCP only).
-#[allow(unused_imports)]
-pub use budget::{
-    a_silent_or_slow_hello_is_cut_off, authenticated_idlers_never_lock_a_writer_out,
-    idle_connections_never_lock_a_sender_out,
-};
