@@ -1,58 +1,88 @@
 //! `ConnectionBudget`: how many connections a listener holds, and which one goes when a new
-//! one arrives past the cap. Every listener kvx opens to peers (the ZMQ sockets, the HTTP
-//! `--metrics` server) takes each accepted connection through one, so that idle connections
-//! can never lock a legitimate peer out: the listener never refuses a newcomer for lack of
-//! room, it closes the quietest connection instead.
+//! one arrives past the cap. Every listener kvx opens to peers (the ZMQ sockets, the fabric
+//! listeners and the shm handoff socket, the HTTP `--metrics` server) takes each accepted
+//! connection through one, so that idle connections can never lock a legitimate peer out: the
+//! listener never refuses a newcomer for lack of room, it closes the quietest connection
+//! instead.
 //!
-//! The quietest is the one that has gone longest without being heard (a message, a request):
-//! one never heard from at all goes first, the oldest of those first, so a flood of sockets
-//! that connect and wait loses to a peer that talks. A cap per source address keeps one
-//! address from taking the whole table, so that evictions fall on its own connections first.
+//! The quietest is chosen by standing first, then by how long it has gone without being heard
+//! (a message, a request, a write that landed): a connection never heard from at all goes
+//! first (the oldest of those first), then one heard from but not authenticated, then an
+//! authenticated one (`Held::authenticated`: a fabric connection whose hello carried a valid
+//! credential). So a flood of sockets that connect and wait, or that greet without a
+//! credential, loses to a peer that authenticated, and among peers that did, an idle one goes
+//! before one that is writing. A newcomer never closes an authenticated connection itself:
+//! when only those are left it is taken beyond the cap while it greets (`open`), and its own
+//! authentication closes the quietest of them. A cap per source keeps one address (or, for a Unix socket, one
+//! user) from taking the whole table, so that evictions fall on its own connections first.
 //!
 //! A connection's task runs its work through `Held::run`, which ends it when it is evicted;
 //! dropping the `Held` (its task ended) gives its place back.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use tokio::sync::Notify;
 
-/// A listener's connections and its caps.
+/// A listener's connections and its caps; `K` is what the per-source cap counts by (the peer's
+/// address for TCP listeners).
 #[derive(Debug, Clone)]
-pub struct ConnectionBudget {
-    inner: Arc<Inner>,
+pub struct ConnectionBudget<K = IpAddr> {
+    inner: Arc<Inner<K>>,
 }
 
 #[derive(Debug)]
-struct Inner {
+struct Inner<K> {
     total_max: usize,
     per_source_max: usize,
     started: Instant,
-    table: Mutex<Table>,
-}
-
-#[derive(Debug, Default)]
-struct Table {
-    next: u64,
-    held: BTreeMap<u64, Entry>,
+    table: Mutex<Table<K>>,
 }
 
 #[derive(Debug)]
-struct Entry {
-    from: IpAddr,
-    heard: Arc<AtomicU64>,
+struct Table<K> {
+    next: u64,
+    held: BTreeMap<u64, Entry<K>>,
+}
+
+#[derive(Debug)]
+struct Entry<K> {
+    from: K,
+    mark: Arc<Mark>,
     evicted: Arc<Notify>,
+}
+
+/// How a connection stands: what it has shown, and when it was last heard.
+#[derive(Debug, Default)]
+struct Mark {
+    /// `NEVER_HEARD`, `HEARD` or `AUTHENTICATED`; it only rises.
+    standing: AtomicU8,
+    /// Microseconds since the budget began, plus one, when last heard; 0 never.
+    heard: AtomicU64,
+}
+
+const HEARD: u8 = 1;
+const AUTHENTICATED: u8 = 2;
+
+impl Mark {
+    /// The eviction order: lowest first.
+    fn key(&self) -> (u8, u64) {
+        (
+            self.standing.load(Ordering::Relaxed),
+            self.heard.load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// One held connection's place; give it back by dropping it.
 #[derive(Debug)]
-pub struct Held {
+pub struct Held<K = IpAddr> {
     id: u64,
-    budget: Arc<Inner>,
-    heard: Arc<AtomicU64>,
+    budget: Arc<Inner<K>>,
+    mark: Arc<Mark>,
     evicted: Arc<Notify>,
 }
 
@@ -60,46 +90,60 @@ pub struct Held {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Evicted(pub usize);
 
-impl ConnectionBudget {
-    /// At most `total_max` connections, `per_source_max` from one address (both at least 1).
+impl<K: Copy + Eq> ConnectionBudget<K> {
+    /// At most `total_max` connections, `per_source_max` from one source (both at least 1).
     pub fn new(total_max: usize, per_source_max: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
                 total_max: total_max.max(1),
                 per_source_max: per_source_max.clamp(1, total_max.max(1)),
                 started: Instant::now(),
-                table: Mutex::new(Table::default()),
+                table: Mutex::new(Table {
+                    next: 0,
+                    held: BTreeMap::new(),
+                }),
             }),
         }
     }
 
-    /// Takes a place for a connection from `from`, first closing the quietest connection
-    /// from there past the per-source cap, then the quietest of all past the total cap.
-    pub fn open(&self, from: IpAddr) -> (Held, Evicted) {
+    /// Takes a place for a connection from `from`, first closing, past the per-source cap, the
+    /// quietest connection from there, then, past the total cap, the quietest of all; but a
+    /// newcomer never closes an authenticated connection. Where only authenticated ones are
+    /// left to close, it is taken beyond the cap while it greets (with at most a quarter of
+    /// `total_max` others, `pending_max`; past that the oldest of them goes), and it is its own
+    /// authentication that closes the quietest authenticated connection (`Held::authenticated`).
+    /// A listener whose connections never authenticate keeps exactly `total_max`.
+    pub fn open(&self, from: K) -> (Held<K>, Evicted) {
         let inner = &self.inner;
         let mut table = lock(&inner.table);
         let mut evicted = 0;
         if table.held.values().filter(|e| e.from == from).count() >= inner.per_source_max {
-            evicted += usize::from(table.evict(Some(from)));
+            evicted += usize::from(table.evict(Some(from), UNAUTHENTICATED));
         }
-        if table.held.len() >= inner.total_max {
-            evicted += usize::from(table.evict(None));
+        let unauthenticated = table.unauthenticated();
+        let authenticated = table.held.len() - unauthenticated;
+        let room = inner
+            .total_max
+            .saturating_sub(authenticated)
+            .max(inner.pending_max());
+        if unauthenticated >= room {
+            evicted += usize::from(table.evict(None, UNAUTHENTICATED));
         }
         table.next += 1;
         let id = table.next;
-        let (heard, notify) = (Arc::new(AtomicU64::new(0)), Arc::new(Notify::new()));
+        let (mark, notify) = (Arc::new(Mark::default()), Arc::new(Notify::new()));
         table.held.insert(
             id,
             Entry {
                 from,
-                heard: heard.clone(),
+                mark: mark.clone(),
                 evicted: notify.clone(),
             },
         );
         let held = Held {
             id,
             budget: inner.clone(),
-            heard,
+            mark,
             evicted: notify,
         };
         (held, Evicted(evicted))
@@ -116,14 +160,49 @@ impl ConnectionBudget {
     }
 }
 
-impl Table {
-    /// Closes the quietest connection (from `from`, if given). False when there is none.
-    fn evict(&mut self, from: Option<IpAddr>) -> bool {
+impl<K> Inner<K> {
+    /// Newcomers taken beyond `total_max` while they greet, when every connection it holds
+    /// is authenticated.
+    fn pending_max(&self) -> usize {
+        (self.total_max / 4).max(1)
+    }
+}
+
+/// Which connections `Table::evict` may close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Among {
+    /// Connections that have not authenticated.
+    Unauthenticated,
+    /// Authenticated connections other than this one.
+    AuthenticatedBut(u64),
+}
+
+const UNAUTHENTICATED: Among = Among::Unauthenticated;
+
+impl<K: Copy + Eq> Table<K> {
+    /// Connections not authenticated.
+    fn unauthenticated(&self) -> usize {
+        self.held
+            .values()
+            .filter(|e| e.mark.standing.load(Ordering::Relaxed) < AUTHENTICATED)
+            .count()
+    }
+
+    /// Closes the quietest connection of `among` (from `from`, if given). False when there is
+    /// none.
+    fn evict(&mut self, from: Option<K>, among: Among) -> bool {
         let quietest = self
             .held
             .iter()
             .filter(|(_, e)| from.is_none_or(|f| e.from == f))
-            .min_by_key(|(id, e)| (e.heard.load(Ordering::Relaxed), **id))
+            .filter(|(id, e)| {
+                let authenticated = e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED;
+                match among {
+                    Among::Unauthenticated => !authenticated,
+                    Among::AuthenticatedBut(this) => authenticated && **id != this,
+                }
+            })
+            .min_by_key(|(id, e)| (e.mark.key(), **id))
             .map(|(id, _)| *id);
         match quietest.and_then(|id| self.held.remove(&id)) {
             Some(entry) => {
@@ -136,11 +215,17 @@ impl Table {
     }
 }
 
-impl Held {
-    /// The connection was heard from: it moves to the back of the eviction order.
+impl<K> Held<K> {
+    /// The connection was heard from: it moves behind every connection of its standing heard
+    /// from less recently, and behind every one never heard from.
     pub fn heard(&self) {
-        let since = self.budget.started.elapsed().as_millis() as u64;
-        self.heard.store(since + 1, Ordering::Relaxed);
+        self.mark.standing.fetch_max(HEARD, Ordering::Relaxed);
+        self.stamp();
+    }
+
+    fn stamp(&self) {
+        let since = self.budget.started.elapsed().as_micros() as u64;
+        self.mark.heard.store(since + 1, Ordering::Relaxed);
     }
 
     /// Runs `work` until it ends or this connection is evicted; `None` when evicted.
@@ -153,13 +238,48 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl<K: Copy + Eq> Held<K> {
+    /// The connection authenticated (and was heard from): from now on no newcomer closes it,
+    /// and it goes only for another authenticated connection, by how recently each was heard.
+    /// If that takes the authenticated connections past the total cap, or its source's past
+    /// the per-source cap, the quietest of those others is closed now (counted in the answer).
+    pub fn authenticated(&self) -> Evicted {
+        self.mark
+            .standing
+            .fetch_max(AUTHENTICATED, Ordering::Relaxed);
+        self.stamp();
+        let inner = &self.budget;
+        let mut table = lock(&inner.table);
+        let Some(from) = table.held.get(&self.id).map(|e| e.from) else {
+            return Evicted(0); // already closed for a newcomer
+        };
+        let others = Among::AuthenticatedBut(self.id);
+        let mut evicted = 0;
+        let authenticated_from = |table: &Table<K>| {
+            table
+                .held
+                .values()
+                .filter(|e| e.from == from)
+                .filter(|e| e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED)
+                .count()
+        };
+        if authenticated_from(&table) > inner.per_source_max {
+            evicted += usize::from(table.evict(Some(from), others));
+        }
+        if table.held.len() - table.unauthenticated() > inner.total_max {
+            evicted += usize::from(table.evict(None, others));
+        }
+        Evicted(evicted)
+    }
+}
+
+impl<K> Drop for Held<K> {
     fn drop(&mut self) {
         lock(&self.budget.table).held.remove(&self.id);
     }
 }
 
-fn lock(m: &Mutex<Table>) -> MutexGuard<'_, Table> {
+fn lock<K>(m: &Mutex<Table<K>>) -> MutexGuard<'_, Table<K>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -211,6 +331,97 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!(budget.len(), 2);
+    }
+
+    /// Never heard goes before heard-but-unauthenticated, which goes before authenticated,
+    /// however recently each was heard; among the authenticated, the one heard longest ago.
+    #[tokio::test]
+    async fn standing_comes_before_quietness() {
+        let pause = || tokio::time::sleep(std::time::Duration::from_millis(5));
+        let budget = ConnectionBudget::new(4, 4);
+        let (writer, _) = budget.open(ip(1));
+        writer.authenticated();
+        let (idle_authenticated, _) = budget.open(ip(2));
+        idle_authenticated.authenticated();
+        let (greeted, _) = budget.open(ip(3));
+        let (silent, _) = budget.open(ip(4));
+        pause().await;
+        greeted.heard();
+        writer.heard(); // a write landed: still authenticated, heard last
+        let gone = |h: &Held| futures_now(h.run(std::future::pending::<()>())) == Some(None);
+        let (n1, _) = budget.open(ip(9));
+        assert!(gone(&silent) && !gone(&greeted), "never heard goes first");
+        let (n2, _) = budget.open(ip(9));
+        assert!(
+            gone(&n1) && !gone(&greeted),
+            "a silent newcomer before the greeted one"
+        );
+        n2.authenticated();
+        let (n3, _) = budget.open(ip(9));
+        assert!(
+            gone(&greeted) && !gone(&idle_authenticated),
+            "then the unauthenticated"
+        );
+        pause().await;
+        n3.authenticated();
+        // Only authenticated ones are left: a newcomer is taken beyond the cap while it
+        // greets, and its authentication closes the authenticated one heard longest ago.
+        let (n4, evicted) = budget.open(ip(9));
+        assert_eq!((evicted, budget.len()), (Evicted(0), 5));
+        assert_eq!(n4.authenticated(), Evicted(1));
+        assert!(
+            gone(&idle_authenticated) && !gone(&writer),
+            "then the authenticated one heard longest ago"
+        );
+        // Newcomers that do not authenticate close one another, never the writer.
+        let (n5, _) = budget.open(ip(9));
+        let (_n6, evicted) = budget.open(ip(9));
+        assert_eq!(evicted, Evicted(1));
+        assert!(
+            gone(&n5) && !gone(&writer),
+            "idle newcomers never close the writer"
+        );
+        assert_eq!(budget.len(), 5);
+    }
+
+    /// Every place authenticated and idlers reconnecting all the time: a sender greeting
+    /// amid them is not closed by the next newcomer (up to a quarter of the cap greet beyond
+    /// it), and once it authenticates it closes the idler heard from longest ago.
+    #[tokio::test]
+    async fn a_greeting_sender_outlasts_reconnecting_idlers() {
+        let budget = ConnectionBudget::new(8, 8);
+        let idlers: Vec<_> = (0..8)
+            .map(|i| {
+                let (h, _) = budget.open(ip(10 + i));
+                h.authenticated();
+                h
+            })
+            .collect();
+        let gone = |h: &Held| futures_now(h.run(std::future::pending::<()>())) == Some(None);
+        let (sender, evicted) = budget.open(ip(1));
+        assert_eq!(evicted, Evicted(0), "taken beyond the cap while it greets");
+        let (reconnecting, evicted) = budget.open(ip(20));
+        assert_eq!(evicted, Evicted(0));
+        assert!(
+            !gone(&sender),
+            "another newcomer does not close a greeting sender"
+        );
+        assert_eq!(sender.authenticated(), Evicted(1));
+        assert!(gone(&idlers[0]) && !gone(&sender));
+        assert_eq!(reconnecting.authenticated(), Evicted(1));
+        assert!(gone(&idlers[1]) && !gone(&sender));
+        assert_eq!(budget.len(), 8);
+    }
+
+    /// The per-source cap counts by any key: a Unix listener counts by user.
+    #[test]
+    fn sources_may_be_any_key() {
+        let budget: ConnectionBudget<u32> = ConnectionBudget::new(8, 1);
+        let (_a, _) = budget.open(1000);
+        let (_b, evicted) = budget.open(1000);
+        assert_eq!(evicted, Evicted(1));
+        let (_c, evicted) = budget.open(1001);
+        assert_eq!((evicted, budget.len()), (Evicted(0), 2));
     }
 
     /// Polls `f` once: its output if it is ready at once.

@@ -22,7 +22,8 @@
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
 //! - `budget`: `ConnectionBudget`, the connections a listener holds and which one goes past
-//!   its caps (the quietest; never a newcomer).
+//!   its caps (the quietest, by standing first: never greeted, unauthenticated,
+//!   authenticated; never a newcomer).
 //! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `secret_label`: `SecretLabel`, how an identity or credential shows in logs (a short

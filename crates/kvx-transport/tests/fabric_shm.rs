@@ -461,3 +461,29 @@ async fn shm_receiver_checks_grants() {
 async fn shm_fabric_refuses_memory_the_caller_owns() {
     conformance::fabric_uses_memory_the_caller_owns(&ShmFabric::new(), EP, false).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_idle_connections_never_lock_a_sender_out() {
+    let f = ShmFabric::with_config(ShmFabricConfig {
+        link: TcpFabricConfig {
+            connections_max: 8,
+            connections_per_source_max: 4,
+            hello_timeout: Duration::from_secs(20),
+            ..TcpFabricConfig::default()
+        },
+        ..ShmFabricConfig::default()
+    });
+    fabric_common::idle_connections_never_lock_a_sender_out(&f, EP).await;
+}
+
+#[tokio::test]
+async fn shm_a_silent_or_slow_hello_is_cut_off() {
+    let f = ShmFabric::with_config(ShmFabricConfig {
+        link: TcpFabricConfig {
+            hello_timeout: Duration::from_millis(300),
+            ..TcpFabricConfig::default()
+        },
+        ..ShmFabricConfig::default()
+    });
+    fabric_common::a_silent_or_slow_hello_is_cut_off(&f, EP).await;
+}

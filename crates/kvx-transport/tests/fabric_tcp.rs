@@ -190,3 +190,38 @@ async fn tcp_write_never_outlives_its_grant() {
 async fn tcp_fabric_uses_memory_the_caller_owns() {
     conformance::fabric_uses_memory_the_caller_owns(&TcpFabric::new(), EP, true).await;
 }
+
+/// Caps small enough to flood in a test: 8 connections, 4 from one address, and a hello
+/// deadline long enough that only the caps close the silent ones.
+fn capped() -> TcpFabricConfig {
+    TcpFabricConfig {
+        connections_max: 8,
+        connections_per_source_max: 4,
+        hello_timeout: Duration::from_secs(20),
+        ..TcpFabricConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_idle_connections_never_lock_a_sender_out() {
+    fabric_common::idle_connections_never_lock_a_sender_out(&TcpFabric::with_config(capped()), EP)
+        .await;
+}
+
+#[tokio::test]
+async fn tcp_a_silent_or_slow_hello_is_cut_off() {
+    let f = TcpFabric::with_config(TcpFabricConfig {
+        hello_timeout: Duration::from_millis(300),
+        ..TcpFabricConfig::default()
+    });
+    fabric_common::a_silent_or_slow_hello_is_cut_off(&f, EP).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_authenticated_idlers_never_lock_a_writer_out() {
+    fabric_common::authenticated_idlers_never_lock_a_writer_out(
+        &TcpFabric::with_config(capped()),
+        EP,
+    )
+    .await;
+}

@@ -40,7 +40,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_io::sockets::bad_endpoint;
-use kvx_io::{FabricAccess, FabricCredential, FabricError, LandedWrite, LogLimiter};
+use kvx_io::{
+    ConnectionBudget, Evicted, FabricAccess, FabricCredential, FabricError, Held, LandedWrite,
+    LogLimiter,
+};
 use kvx_proto::PeerId;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
@@ -48,7 +51,7 @@ use rustix::net::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::map::StagingView;
@@ -291,8 +294,10 @@ pub(crate) struct Rules {
     pub tickets: Arc<Tickets>,
     /// Bounds each handoff connection, start to reply.
     pub timeout: Duration,
-    /// Handoff connections served at once; more are closed as they arrive.
+    /// Handoff connections served at once, and from one user; past either the quietest is
+    /// closed for a newcomer (`kvx_io::ConnectionBudget`, by uid).
     pub connections_max: usize,
+    pub connections_per_user_max: usize,
     pub refusals_logged: Arc<LogLimiter>,
 }
 
@@ -325,7 +330,9 @@ pub(crate) async fn bind(port: u16, endpoint: &str) -> Result<UnixListener, Fabr
 /// Serves offers until the buffer's owner drops its `landed` receiver (as the control accept
 /// loop does).
 pub(crate) async fn serve(listener: UnixListener, landed: mpsc::Sender<LandedWrite>, rules: Rules) {
-    let live = Arc::new(Semaphore::new(rules.connections_max));
+    // By user: a Unix socket has no source address, and `SO_PEERCRED` is known at accept.
+    let budget: ConnectionBudget<u32> =
+        ConnectionBudget::new(rules.connections_max, rules.connections_per_user_max);
     loop {
         let accepted = tokio::select! {
             biased;
@@ -334,20 +341,31 @@ pub(crate) async fn serve(listener: UnixListener, landed: mpsc::Sender<LandedWri
         };
         match accepted {
             Ok((stream, _)) => {
-                let Ok(permit) = live.clone().try_acquire_owned() else {
+                let uid = stream.peer_cred().map_or(u32::MAX, |c| c.uid());
+                let (held, Evicted(evicted)) = budget.open(uid);
+                if evicted > 0 {
                     if let Some(left_out) = rules.refusals_logged.allow() {
-                        warn!(left_out, "shm handoff refused: connections_max reached");
+                        warn!(
+                            uid,
+                            evicted,
+                            left_out,
+                            "shm handoff closed for a newcomer: connections_max reached"
+                        );
                     }
-                    continue;
-                };
+                }
                 let rules = rules.clone();
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    let served = tokio::time::timeout(rules.timeout, answer(stream, &rules)).await;
+                    let served = held
+                        .run(tokio::time::timeout(
+                            rules.timeout,
+                            answer(stream, &rules, &held),
+                        ))
+                        .await;
                     let why = match served {
-                        Ok(Ok(())) => return,
-                        Ok(Err(why)) => why,
-                        Err(_) => format!("no offer within {:?}", rules.timeout),
+                        Some(Ok(Ok(()))) => return,
+                        Some(Ok(Err(why))) => why,
+                        Some(Err(_)) => format!("no offer within {:?}", rules.timeout),
+                        None => "closed for a newcomer".to_owned(),
                     };
                     if let Some(left_out) = rules.refusals_logged.allow() {
                         warn!(%why, left_out, "shm staging refused");
@@ -365,8 +383,8 @@ pub(crate) async fn serve(listener: UnixListener, landed: mpsc::Sender<LandedWri
 
 /// One handoff connection: judge the offer, reply. `Err` is a refusal (already answered
 /// when the peer could still read it), for the log.
-async fn answer(mut stream: UnixStream, rules: &Rules) -> Result<(), String> {
-    let (status, ticket, reason) = match judge(&stream, rules).await {
+async fn answer(mut stream: UnixStream, rules: &Rules, held: &Held<u32>) -> Result<(), String> {
+    let (status, ticket, reason) = match judge(&stream, rules, held).await {
         Ok(ticket) => (HandoffStatus::Ok, ticket, String::new()),
         Err((status, reason)) => (status, 0, reason),
     };
@@ -383,13 +401,18 @@ async fn answer(mut stream: UnixStream, rules: &Rules) -> Result<(), String> {
     }
 }
 
-async fn judge(stream: &UnixStream, rules: &Rules) -> Result<u64, (HandoffStatus, String)> {
+async fn judge(
+    stream: &UnixStream,
+    rules: &Rules,
+    held: &Held<u32>,
+) -> Result<u64, (HandoffStatus, String)> {
     // The offer is read before anything is judged, an untrusted peer's too (its descriptors
     // are closed unexamined): a reply sent before the offer was read could close the socket
     // under the sender's `sendmsg`, which would then fail without the reason.
     let (bytes, fds, truncated) = recv_offer(stream)
         .await
         .map_err(|e| (HandoffStatus::Staging, format!("reading the offer: {e}")))?;
+    held.heard();
     let cred = stream
         .peer_cred()
         .map_err(|e| (HandoffStatus::Unauthorized, format!("SO_PEERCRED: {e}")))?;
@@ -424,6 +447,7 @@ async fn judge(stream: &UnixStream, rules: &Rules) -> Result<u64, (HandoffStatus
                 "the credential was not issued by this receiver".to_owned(),
             )
         })?;
+    let _ = held.authenticated();
     let n = fds.len();
     let mut fds = fds.into_iter();
     let (Some(fd), None, false) = (fds.next(), fds.next(), truncated) else {

@@ -58,8 +58,9 @@ use map::StagingView;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShmFabricConfig {
     /// The control channel's timeouts (`socket_buffer` matters little: it carries headers).
-    /// `connect_timeout` also bounds a staging handoff, and `connections_max` the handoffs
-    /// served at once and the offers parked for their control connection.
+    /// `hello_timeout` also bounds a staging handoff (the receiver's side), `connections_max`
+    /// the handoffs served at once and the offers parked for their control connection, and
+    /// `connections_per_source_max` the handoffs from one user.
     pub link: LinkConfig,
     /// The largest sender staging a receiver maps, in bytes; a larger announced geometry is
     /// refused before anything is mapped. With `connections_max` it bounds the address space
@@ -151,8 +152,9 @@ impl Fabric for ShmFabric {
                 trust: Trust::new(&self.config.trusted_uids),
                 staging_bytes_max: self.config.staging_bytes_max,
                 tickets: tickets.clone(),
-                timeout: link_config.connect_timeout,
+                timeout: link_config.hello_timeout,
                 connections_max: link_config.connections_max,
+                connections_per_user_max: link_config.connections_per_source_max,
                 refusals_logged: refusals_logged.clone(),
             },
         ));

@@ -22,8 +22,14 @@ use super::wire::{
 /// Settings of the TCP connections a fabric makes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkConfig {
-    /// Bounds a sender's connect and handshake, and a receiver's wait for a `Hello`.
+    /// Bounds a sender's connect and handshake.
     pub connect_timeout: Duration,
+    /// How long a receiver waits for an accepted connection's whole `Hello` (and the bytes
+    /// that follow it) and takes to write its `Welcome`; a connection that says nothing, or
+    /// trickles its hello, is closed then. Short, because a connection that has not greeted
+    /// holds a place among `connections_max` (it is the first to go for a newcomer, but a
+    /// place all the same). Also bounds a shm staging handoff. Default 3 s.
+    pub hello_timeout: Duration,
     /// How long a flush waits for the receiver to confirm (over a fresh connection) that it
     /// stopped applying the old connection's writes before flushing anyway; also how long a
     /// receiver waits for a fenced connection to stop. See `docs/spec/fabrics.md` §Flush.
@@ -38,21 +44,36 @@ pub struct LinkConfig {
     /// it measured no faster in `kvx demo` and 25–30 % slower in `kvx bench` while another job
     /// held a core (`docs/spec/fabrics.md` §3); measure on the target host before enabling.
     pub zero_copy: bool,
-    /// Connections one exposed buffer serves at once, handshaking ones included; more are
-    /// closed as they arrive. A sender holds one (plus one for a moment while it fences), so
-    /// the default of 256 serves 255 senders per TP rank and bounds what a flood of sockets
-    /// can hold (each connection buffers at most one header and 64 KiB of acks).
+    /// Connections one exposed buffer serves at once, handshaking ones included. Past it a
+    /// newcomer is still taken (`kvx_io::ConnectionBudget`) and a connection that did not
+    /// authenticate is closed for it: one that never completed a hello first (the oldest of
+    /// those first), then one that greeted without a credential. When every place is
+    /// authenticated, the newcomer greets beyond the cap (with at most a quarter of it
+    /// others), and its own authentication closes the authenticated connection whose last
+    /// write landed longest ago; so idle sockets never lock a sender out, and a sender that
+    /// is writing is never closed for an idle newcomer. A sender holds one (plus one for
+    /// a moment while it fences), so the default of 256 serves 255 senders per TP rank and
+    /// bounds what a flood of sockets can hold (each connection buffers at most one header,
+    /// 64 KiB of acks and, while it discards a refused payload, 64 KiB). Also bounds the shm
+    /// handoff connections and the offers parked for their control connection.
     pub connections_max: usize,
+    /// Connections from one source address at most (for the shm handoff, from one user);
+    /// past it the quietest of that source's connections is closed for the newcomer, so that
+    /// one address's flood evicts its own connections first. Default 64; above
+    /// `connections_max` it is `connections_max`.
+    pub connections_per_source_max: usize,
 }
 
 impl Default for LinkConfig {
     fn default() -> Self {
         LinkConfig {
             connect_timeout: Duration::from_secs(5),
+            hello_timeout: Duration::from_secs(3),
             fence_timeout: Duration::from_secs(5),
             socket_buffer: None,
             zero_copy: false,
             connections_max: 256,
+            connections_per_source_max: 64,
         }
     }
 }
@@ -244,7 +265,7 @@ pub(crate) enum Greeted<S> {
 /// `WelcomeStatus::Staging`.
 pub(crate) type Accept<S> = dyn Fn(&Hello, &[u8]) -> Result<S, String> + Send + Sync;
 
-/// The receiver's half of the handshake, bounded by `connect_timeout`. Refuses a sender of
+/// The receiver's half of the handshake, bounded by `hello_timeout`. Refuses a sender of
 /// another fabric, another version, a credential this buffer did not issue, or staging slots
 /// of another size than ours (a smaller chunk would leave each slot's tail stale, a larger
 /// one could not land); `extra` follows only an accepting `Welcome`,
@@ -330,9 +351,9 @@ pub(crate) async fn accept_handshake<S>(
         stream.write_all(extra).await.map_err(|e| e.to_string())?;
         Ok(Greeted::Attached(peer, s))
     };
-    match tokio::time::timeout(config.connect_timeout, exchange).await {
+    match tokio::time::timeout(config.hello_timeout, exchange).await {
         Ok(r) => r,
-        Err(_) => Err(format!("no handshake within {:?}", config.connect_timeout)),
+        Err(_) => Err(format!("no hello within {:?}", config.hello_timeout)),
     }
 }
 

@@ -103,16 +103,20 @@ impl std::fmt::Debug for Greeting {
 }
 
 /// The connection tasks of one exposed buffer, by connection id, with the peer each one
-/// authenticated as, for fences and the connection cap.
+/// authenticated as, for fences.
 type Registry = Arc<Mutex<HashMap<u64, (Option<PeerId>, JoinHandle<()>)>>>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-/// Accepts senders until the listener's owner drops its `landed` receiver. At most
-/// `connections_max` connections are served at once (handshaking ones included); more are
-/// closed as they arrive, so a flood of idle sockets costs a descriptor each only briefly.
+/// Accepts senders until the listener's owner drops its `landed` receiver. Every connection
+/// takes a place in the buffer's `ConnectionBudget` (`connections_max` in all,
+/// `connections_per_source_max` from one address): past a cap a newcomer is still taken and
+/// the quietest connection is closed for it (never greeted first, then unauthenticated, then
+/// the authenticated one whose last write landed longest ago), so a flood of idle sockets
+/// can neither lock a sender out nor close one that is writing. An evicted connection's task
+/// ends as a fenced one does (at its next await), so nothing of it lands afterwards.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     landing: Landing,
@@ -121,6 +125,10 @@ pub(crate) async fn accept_loop(
     rules: Rules,
 ) {
     let registry: Registry = Arc::default();
+    let budget = kvx_io::ConnectionBudget::new(
+        greeting.config.connections_max,
+        greeting.config.connections_per_source_max,
+    );
     // Ids start at a random base: a receiver restarted at the same address must not take a
     // fence meant for its previous incarnation's connection as one for a live connection.
     let mut next_conn = random_u64();
@@ -132,17 +140,17 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let live = {
-                    let mut reg = lock(&registry);
-                    reg.retain(|_, (_, t)| !t.is_finished());
-                    reg.len()
-                };
-                if live >= greeting.config.connections_max {
+                lock(&registry).retain(|_, (_, t)| !t.is_finished());
+                let (held, kvx_io::Evicted(evicted)) = budget.open(peer.ip());
+                if evicted > 0 {
                     if let Some(left_out) = rules.refusals_logged.allow() {
-                        warn!(%peer, live, left_out, "fabric connection refused: connections_max reached");
+                        warn!(
+                            %peer, evicted, left_out,
+                            "fabric connection closed for a newcomer: the buffer holds \
+                             connections_max connections (or connections_per_source_max from \
+                             one address), and it was the quietest"
+                        );
                     }
-                    drop(stream);
-                    continue;
                 }
                 // 0 is what an attaching hello carries; never an id.
                 if next_conn == 0 {
@@ -155,16 +163,20 @@ pub(crate) async fn accept_loop(
                 let greeting = greeting.clone();
                 let reg = registry.clone();
                 let rules = rules.clone();
+                let held = Arc::new(held);
                 let task = tokio::spawn(async move {
                     let addr = peer.to_string();
                     let logged = rules.refusals_logged.clone();
-                    match serve_sender(stream, landing, landed, &greeting, conn, reg, rules).await {
-                        Ok(()) => debug!(%addr, conn, "fabric sender left"),
-                        Err(why) => {
+                    let serving =
+                        serve_sender(stream, landing, landed, &greeting, conn, reg, rules, &held);
+                    match held.run(serving).await {
+                        Some(Ok(())) => debug!(%addr, conn, "fabric sender left"),
+                        Some(Err(why)) => {
                             if let Some(left_out) = logged.allow() {
                                 warn!(%addr, conn, %why, left_out, "fabric sender dropped");
                             }
                         }
+                        None => debug!(%addr, conn, "fabric connection closed for a newcomer"),
                     }
                 });
                 // No await between spawn and insert: a fence naming `conn` is accepted by this
@@ -189,6 +201,7 @@ fn random_u64() -> u64 {
         .finish()
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve_sender(
     mut stream: TcpStream,
     landing: Landing,
@@ -197,6 +210,7 @@ async fn serve_sender(
     conn: u64,
     registry: Registry,
     rules: Rules,
+    held: &Arc<kvx_io::Held>,
 ) -> Result<(), String> {
     tune(&stream).map_err(|e| e.to_string())?;
     let ours = landing.geometry();
@@ -212,8 +226,18 @@ async fn serve_sender(
     )
     .await?;
     let (peer, source) = match greeted {
-        Greeted::Attached(peer, source) => (peer, source),
+        Greeted::Attached(peer, source) => {
+            // A valid credential came: no newcomer closes this connection from now on; past
+            // the caps it is what closes the quietest authenticated one.
+            let kvx_io::Evicted(evicted) = held.authenticated();
+            if evicted > 0 {
+                debug!(conn, %peer, evicted, "fabric connection closed for an attaching sender");
+            }
+            (peer, source)
+        }
         Greeted::Fence(target, asker) => {
+            // A fence lives for one answer: heard, but it closes no attached sender.
+            held.heard();
             let status = fence(&registry, target, asker, greeting.config.fence_timeout).await;
             debug!(conn, target, %asker, ?status, "fabric fence");
             return answer_fence(&mut stream, greeting.magic, target, status)
@@ -232,6 +256,7 @@ async fn serve_sender(
         peer,
         source,
         rules,
+        held: held.clone(),
         header: [0; HEADER_LEN],
         state: RecvState::Header { filled: 0 },
         payload_checksum: None,
@@ -315,6 +340,8 @@ struct Conn {
     /// Its staging, under `Landing::Pulled`.
     source: Source,
     rules: Rules,
+    /// Its place in the buffer's `ConnectionBudget`: a landed write marks it heard.
+    held: Arc<kvx_io::Held>,
     header: [u8; HEADER_LEN],
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.
@@ -605,6 +632,7 @@ impl Conn {
         imm: u32,
         checksum: ChecksumCheck,
     ) -> Result<(), String> {
+        self.held.heard();
         let notice = LandedWrite {
             peer: self.peer,
             slot: SlotIndex(slot),
@@ -658,8 +686,10 @@ struct AckWriter {
 impl AckWriter {
     fn new() -> Self {
         AckWriter {
-            // `read` stops at the high water mark, and one read finishes at most two writes.
-            buf: Vec::with_capacity(ACKS_HIGH_WATER + 2 * ACK_LEN),
+            // Grown as the connection's bursts need, once: `read` stops at the high water
+            // mark and one read finishes at most two writes, so it never holds more than
+            // `ACKS_HIGH_WATER` + 2 acks; a connection that never writes holds none.
+            buf: Vec::new(),
             sent: 0,
         }
     }

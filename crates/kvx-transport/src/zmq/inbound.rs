@@ -8,10 +8,20 @@
 //! it: the budget follows the bytes, not the queue. A connection whose message finds the
 //! budget spent waits, reading nothing more, so the peer meets TCP backpressure and nothing
 //! is dropped. The semaphore is fair, so connections are served in the order they asked.
+//!
+//! The same type bounds a bound socket's large frame bodies while they are read
+//! (`ZmqConfig::unfinished_bytes_max`, `zmtp::FrameReader`): a body longer than
+//! `zmtp::SMALL_FRAME` reserves its length before it is allocated (`reserve`) and holds it until
+//! its message is handed on into this budget, so a thousand connections that each announce a
+//! 1 MiB frame and send most of it hold that budget's worth, not a gigabyte, and the others
+//! wait. Bodies from 128 KiB on are read into mappings of their own (`read_mapped`), which go
+//! back to the system when the bodies do.
 
+use std::io;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Bytes in flight from a bound socket's connections to its handle.
@@ -47,9 +57,16 @@ impl InboundBudget {
         })
     }
 
+    /// A share of `len` bytes (at most the whole budget), taken before the bytes exist: a frame
+    /// body about to be read. Waits as long as the budget is spent; dropping it gives it back.
+    pub(super) async fn reserve(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+        let need = u32::try_from(len).unwrap_or(u32::MAX).min(self.max);
+        self.permits.clone().acquire_many_owned(need).await.ok()
+    }
+
     /// Bytes of the budget not in use (for tests).
     #[cfg(test)]
-    fn available(&self) -> usize {
+    pub(super) fn available(&self) -> usize {
         self.permits.available_permits()
     }
 }
@@ -66,9 +83,44 @@ impl AsRef<[u8]> for Held {
     }
 }
 
+/// A large frame body of `len` bytes, of which `head` holds the first (and is emptied), the
+/// rest read from `io`: into an anonymous mapping of exactly `len` bytes (pages are committed
+/// only as its bytes arrive) that goes back to the system whole when the body's last reference
+/// is dropped. From the allocator, megabyte bodies freed by connections that come and go stay
+/// with it (glibc raises its mapping threshold past the largest block freed, and keeps freed
+/// heap blocks): a thousand reconnecting peers would leave a receiver tens of MiB larger than
+/// their budget, long after they are gone.
+pub(super) async fn read_mapped<R: AsyncRead + Unpin>(
+    io: &mut R,
+    head: &mut BytesMut,
+    len: usize,
+) -> io::Result<Bytes> {
+    let mut body = memmap2::MmapMut::map_anon(len)?;
+    let mut got = head.len().min(len);
+    body[..got].copy_from_slice(&head[..got]);
+    head.clear();
+    while got < len {
+        match io.read(&mut body[got..]).await? {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
+    Ok(Bytes::from_owner(body))
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::zmtp::{encode_message, FrameReader, Incoming, ReadLimits};
     use super::*;
+    use std::time::Duration;
+
+    fn limits() -> ReadLimits {
+        ReadLimits {
+            message_max_bytes: 1 << 20,
+            refuse_above_bytes: 1 << 20,
+            message_timeout: Duration::from_secs(5),
+        }
+    }
 
     #[tokio::test]
     async fn the_budget_follows_the_bytes_until_their_last_reference_drops() {
@@ -102,5 +154,43 @@ mod tests {
         assert_eq!((big.len(), budget.available()), (1000, 0));
         drop(big);
         assert_eq!(budget.available(), 100);
+    }
+
+    /// Readers sharing a budget of large frames: a body longer than `SMALL_FRAME` holds its
+    /// length from its header until its message is handed on; a second one waits (here past
+    /// its message's timeout) while the budget is spent; small bodies never wait.
+    #[tokio::test]
+    async fn large_bodies_share_one_budget_and_give_it_back() {
+        let budget = InboundBudget::new(100 << 10);
+        let large = vec![1u8; 80 << 10];
+        let mut s = Vec::new();
+        encode_message(&[b"", &large], &mut s);
+        let mut a = FrameReader::new(&s[..], limits()).with_budget(budget.clone());
+        let Incoming::Message(frames) = a.next().await.expect("read") else {
+            panic!("a message");
+        };
+        assert_eq!(frames[1].len(), 80 << 10);
+        assert_eq!(budget.available(), 20 << 10, "its body holds 80 KiB");
+        let quick = ReadLimits {
+            message_timeout: Duration::from_millis(100),
+            ..limits()
+        };
+        let mut b = FrameReader::new(&s[..], quick).with_budget(budget.clone());
+        let waited = b.next().await.expect_err("the budget is spent");
+        assert_eq!(waited.kind(), io::ErrorKind::TimedOut);
+        let mut small = Vec::new();
+        encode_message(&[b"", &[2u8; 12 << 10]], &mut small);
+        let mut c = FrameReader::new(&small[..], quick).with_budget(budget.clone());
+        assert!(matches!(c.next().await, Ok(Incoming::Message(_))));
+        a.release_reserved();
+        assert_eq!(budget.available(), 100 << 10, "handing it on gives it back");
+        let mut d = FrameReader::new(&s[..], quick).with_budget(budget.clone());
+        assert!(matches!(d.next().await, Ok(Incoming::Message(_))));
+        drop(d);
+        assert_eq!(
+            budget.available(),
+            100 << 10,
+            "and so does the connection's end"
+        );
     }
 }

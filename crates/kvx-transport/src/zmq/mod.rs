@@ -118,6 +118,16 @@ pub struct ZmqConfig {
     /// peers meet TCP backpressure. Default 64 MiB: 64 messages of `frame_max_bytes`, against
     /// `CHANNEL_DEPTH` (1024) of them without it. At most 4 GiB.
     pub inbound_bytes_max: usize,
+    /// Bytes of frame bodies longer than 16 KiB that a bound socket's connections hold in
+    /// all while they read them, from each body's header until its message is handed on into
+    /// `inbound_bytes_max` (`zmtp::FrameReader::with_budget`): a body that finds it spent
+    /// waits, within `message_timeout`, before anything of it is allocated or read. Without it
+    /// every connection may hold an unfinished message of `frame_max_bytes`, about 1 GiB over
+    /// `connections_max` connections; with it a flood of unfinished large frames holds this
+    /// much, and when its connections go, what they held goes with them. Smaller frames (every
+    /// message a kvx or LMCache sender sends in practice) never wait for it. Default 8 MiB;
+    /// at least `frame_max_bytes`, at most 4 GiB.
+    pub unfinished_bytes_max: usize,
     /// CURVE (RFC 26) on this transport's sockets; `None` (the default) speaks the NULL
     /// mechanism, unauthenticated and in the clear. (Boxed: it is large, and rarely set.)
     pub curve: Option<Box<CurveConfig>>,
@@ -157,6 +167,7 @@ impl Default for ZmqConfig {
             message_timeout: Duration::from_secs(5),
             inbound_bytes_max: 64 << 20,
             curve: None,
+            unfinished_bytes_max: 8 << 20,
         }
     }
 }
@@ -230,6 +241,13 @@ impl ZmqConfig {
         if self.inbound_bytes_max == 0 || u32::try_from(self.inbound_bytes_max).is_err() {
             return Err(ZmqConfigError(
                 "inbound_bytes_max must be 1 byte to 4 GiB".into(),
+            ));
+        }
+        if self.unfinished_bytes_max < self.frame_max_bytes
+            || u32::try_from(self.unfinished_bytes_max).is_err()
+        {
+            return Err(ZmqConfigError(
+                "unfinished_bytes_max must be frame_max_bytes to 4 GiB".into(),
             ));
         }
         if self.frame_refuse_bytes < self.frame_max_bytes {

@@ -187,12 +187,15 @@ async fn refuse(shared: &Shared, writer: &mut OwnedWriteHalf, reason: &str) {
     .await;
 }
 
+/// A connection's reader (its large frames within the socket's `large` budget) and writer.
 fn reader_for(
     shared: &Shared,
     stream: TcpStream,
+    large: InboundBudget,
 ) -> (FrameReader<tokio::net::tcp::OwnedReadHalf>, OwnedWriteHalf) {
     let (rd, wr) = stream.into_split();
-    (FrameReader::new(rd, ReadLimits::of(&shared.config)), wr)
+    let reader = FrameReader::new(rd, ReadLimits::of(&shared.config)).with_budget(large);
+    (reader, wr)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -274,6 +277,7 @@ pub(super) async fn serve(
     let (in_tx, in_rx) = mpsc::channel(CHANNEL_DEPTH);
     let (out_tx, out_rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
+    let large = InboundBudget::new(shared.config.unfinished_bytes_max);
     let routes = SharedRoutes::default();
     // Replies run in their own task, so a reply stuck behind one slow peer (up to
     // `send_timeout`) never stops requests from everyone else.
@@ -297,7 +301,7 @@ pub(super) async fn serve(
         listener,
         closed,
         move |stream, held| {
-            let incoming = (in_tx.clone(), budget.clone());
+            let incoming = (in_tx.clone(), budget.clone(), large.clone());
             router_conn(shared.clone(), routes.clone(), incoming, stream, held)
         },
     ));
@@ -310,14 +314,14 @@ pub(super) async fn serve(
 async fn router_conn(
     shared: Arc<Shared>,
     routes: SharedRoutes,
-    (incoming, budget): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget, InboundBudget),
     stream: TcpStream,
     held: Arc<Held>,
 ) {
     let source = stream
         .peer_addr()
         .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
-    let (mut reader, mut writer) = reader_for(&shared, stream);
+    let (mut reader, mut writer) = reader_for(&shared, stream, large);
     let Some(Handshaken {
         props,
         mut sealer,
@@ -394,12 +398,16 @@ async fn router_conn(
                     () = incoming.closed() => break,
                     payload = budget.admit(payload) => payload,
                 };
+                // Its bytes are in the inbound budget now: their share of the unfinished
+                // one goes back.
+                reader.release_reserved();
                 if incoming.send((peer, payload)).await.is_err() {
                     break;
                 }
             }
             Err(reject) => shared.rejected("ROUTER", &reject),
         }
+        reader.release_reserved();
     }
     lock(&routes).release(&identity, conn);
     shared.peers().released(&identity);
@@ -498,6 +506,7 @@ pub(super) async fn notify_source(
     let local = local_endpoint(&listener)?;
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
+    let large = InboundBudget::new(shared.config.unfinished_bytes_max);
     let closed = {
         let tx = tx.clone();
         async move {
@@ -510,7 +519,10 @@ pub(super) async fn notify_source(
         "PULL",
         listener,
         closed,
-        move |stream, held| pull_conn(shared.clone(), (tx.clone(), budget.clone()), stream, held),
+        move |stream, held| {
+            let incoming = (tx.clone(), budget.clone(), large.clone());
+            pull_conn(shared.clone(), incoming, stream, held)
+        },
     ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
@@ -519,13 +531,13 @@ pub(super) async fn notify_source(
 /// One PUSH's connection: handshake, then one notice per message.
 async fn pull_conn(
     shared: Arc<Shared>,
-    (incoming, budget): (mpsc::Sender<Bytes>, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<Bytes>, InboundBudget, InboundBudget),
     stream: TcpStream,
     held: Arc<Held>,
 ) {
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
-    let (mut reader, mut writer) = reader_for(&shared, stream);
+    let (mut reader, mut writer) = reader_for(&shared, stream, large);
     let Some(mut handshaken) =
         handshake(&shared, &mut reader, &mut writer, "PULL", &["PUSH"]).await
     else {
@@ -549,12 +561,14 @@ async fn pull_conn(
                     () = incoming.closed() => break,
                     payload = budget.admit(payload) => payload,
                 };
+                reader.release_reserved();
                 if incoming.send(payload).await.is_err() {
                     break;
                 }
             }
             Err(reject) => shared.rejected("PULL", &reject),
         }
+        reader.release_reserved();
     }
     drop(writer);
 }

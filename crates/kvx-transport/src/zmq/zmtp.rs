@@ -21,6 +21,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::curve::{self, CurveKeyPair, CurveRx, CurveTx, MESSAGE_OVERHEAD};
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::inbound::{read_mapped, InboundBudget};
 use super::PeerBytes;
 
 const MORE: u8 = 0x01;
@@ -152,6 +155,14 @@ pub(super) const READY_MAX_BYTES: u64 = 4096;
 /// exactly its length, so the buffer never grows.
 const READ_CHUNK: usize = 8 << 10;
 
+/// Frame bodies from this long on are read into a mapping of their own
+/// (`inbound::read_mapped`), unmapped when their bytes are dropped.
+const MAPPED_BODY: usize = 128 << 10;
+
+/// Frame bodies up to this long are read on the connection's own account; longer ones first
+/// reserve their length in the socket's budget of large frames (`FrameReader::with_budget`).
+pub(super) const SMALL_FRAME: usize = 16 << 10;
+
 /// What reading one message found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Incoming {
@@ -194,7 +205,10 @@ impl ReadLimits {
 ///
 /// What a connection holds at any time is bounded: the read buffer (`READ_CHUNK`) plus the
 /// bodies of the message being read, at most `message_max_bytes` together, for at most
-/// `message_timeout`.
+/// `message_timeout`. With a budget of large frames (`with_budget`), what all the readers
+/// sharing it hold in bodies longer than `SMALL_FRAME` is bounded too, from a body's header
+/// until its message is handed on (`release_reserved`), the next message begins, or the
+/// reader is dropped.
 #[derive(Debug)]
 pub(super) struct FrameReader<R> {
     io: R,
@@ -202,6 +216,9 @@ pub(super) struct FrameReader<R> {
     limits: ReadLimits,
     /// Under CURVE, after the handshake: every frame is a MESSAGE box, opened here.
     curve: Option<CurveRx>,
+    large: Option<InboundBudget>,
+    /// The shares of `large` the bodies of the current message hold.
+    reserved: Vec<OwnedSemaphorePermit>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -211,12 +228,28 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             buf: BytesMut::with_capacity(READ_CHUNK),
             limits,
             curve: None,
+            large: None,
+            reserved: Vec::new(),
         }
     }
 
     /// From now on, every frame is a CURVE MESSAGE box (`curve::client`, `curve::server`).
     pub(super) fn set_curve(&mut self, rx: CurveRx) {
         self.curve = Some(rx);
+    }
+
+    /// Bodies longer than `SMALL_FRAME` wait for their length in `budget` before they are
+    /// allocated, and hold it until `release_reserved` (the caller has handed the message on,
+    /// into a budget of its own), the next message, or the end of the connection. The wait
+    /// counts against `message_timeout`.
+    pub(super) fn with_budget(mut self, budget: InboundBudget) -> Self {
+        self.large = Some(budget);
+        self
+    }
+
+    /// Gives back what the last message's large bodies reserved.
+    pub(super) fn release_reserved(&mut self) {
+        self.reserved.clear();
     }
 
     /// One read into the buffer (at most its free room); the byte count, 0 at end of stream.
@@ -271,12 +304,18 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// A frame body of `len` bytes (already held to the limits). Copied out of the read
     /// buffer when it is all there (so a small payload never pins the buffer); otherwise read
-    /// into an allocation of exactly `len`.
+    /// into an allocation of exactly `len`: from `MAPPED_BODY` on, a mapping of its own.
     async fn body(&mut self, len: usize) -> io::Result<Bytes> {
         if self.buf.len() >= len {
             let body = Bytes::copy_from_slice(&self.buf[..len]);
             self.buf.advance(len);
             return Ok(body);
+        }
+        if let Some(budget) = self.large.as_ref().filter(|_| len > SMALL_FRAME) {
+            self.reserved.extend(budget.reserve(len).await);
+        }
+        if len >= MAPPED_BODY {
+            return read_mapped(&mut self.io, &mut self.buf, len).await;
         }
         let mut body = BytesMut::with_capacity(len);
         body.extend_from_slice(&self.buf);
@@ -370,6 +409,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     async fn message(&mut self) -> io::Result<Incoming> {
+        self.release_reserved();
         let mut frames = Vec::new();
         let mut count = 0u64;
         let mut total = 0u64;

@@ -1,6 +1,7 @@
 //! Test bodies both socket fabrics run (`fabric_tcp.rs`, `fabric_shm.rs`), beyond kvx-io's
 //! conformance suite: concurrent senders, a connection cut mid-stream, large slots, a
-//! dropped listener; and (`raw_peer`) a hand-written peer that checks the receiver's bounds and
+//! dropped listener; (`budget`) floods of idle connections against a listener's budget; and
+//! (`raw_peer`) a hand-written peer that checks the receiver's bounds and
 //! grants. Every wait is bounded by `STEP`; every loop by a count.
 
 #![allow(dead_code)]
@@ -16,6 +17,14 @@ use kvx_io::{
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+mod budget;
+// Each test binary uses a part of them (authenticated idlers: TCP only).
+#[allow(unused_imports)]
+pub use budget::{
+    a_silent_or_slow_hello_is_cut_off, authenticated_idlers_never_lock_a_writer_out,
+    idle_connections_never_lock_a_sender_out,
+};
 
 pub const STEP: Duration = Duration::from_secs(20);
 
