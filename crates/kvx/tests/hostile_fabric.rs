@@ -343,6 +343,17 @@ fn one_chunk(req: &str, bytes: u64, seq: u64) -> Vec<u8> {
     }))
 }
 
+/// A cancel of `req` claiming that nothing of it is in flight (`drained`), which frees its
+/// slots at once.
+fn cancel(req: &str, seq: u64) -> Vec<u8> {
+    wire::encode(&Message::CancelNotif(CancelNotif {
+        req_id: req.into(),
+        keys: vec![],
+        seq: Some(seq),
+        drained: Some(true),
+    }))
+}
+
 /// Asks for `req` on `control` and returns its slot and the immediate its write carries.
 fn grant_of(control: &mut Peer, req: &str, bytes: u64, seq: u64) -> (u32, u32) {
     let r = reply(
@@ -386,14 +397,6 @@ fn a_chunk_lands_whole_or_not_at_all() {
     let addr = receiver.fabric_addr();
     let (mut control, credential) = own_credential(&receiver);
     // The probe that fetched the credential holds the only slot's reservation: let it go.
-    let cancel = |req: &str, seq: u64| {
-        wire::encode(&Message::CancelNotif(CancelNotif {
-            req_id: req.into(),
-            keys: vec![],
-            seq: Some(seq),
-            drained: Some(true),
-        }))
-    };
     control
         .request(&cancel("attacker-probe", 2))
         .expect("cancel acknowledged");
@@ -486,14 +489,6 @@ fn a_chunk_lands_whole_or_not_at_all() {
 fn a_write_never_outlives_its_grant() {
     let mut receiver = Kvx::receiver_with(1, CHUNK, &[]);
     let addr = receiver.fabric_addr();
-    let cancel = |req: &str, seq: u64| {
-        wire::encode(&Message::CancelNotif(CancelNotif {
-            req_id: req.into(),
-            keys: vec![],
-            seq: Some(seq),
-            drained: Some(true),
-        }))
-    };
     let chunk = |req: &str| {
         let mut b = vec![0u8; CHUNK as usize];
         kvx_node::synthetic::chunk_bytes(req, 0, &mut b);
