@@ -272,13 +272,18 @@ pub(crate) fn land(
         ),
     );
     drop(g);
-    let tag = match admitted {
-        Ok(tag) => tag,
+    let admitted = match admitted {
+        Ok(admitted) => admitted,
         Err(refusal) => return Ok(Some(FabricError::Refused(refusal.to_string()))),
     };
     let mut buf = vec![0u8; w.len];
     staging.read_slot(w.local.0, &mut buf);
-    remote.write_slot(w.remote.0, &buf);
+    // Through the access rules' `land`, as every fabric lands bytes: the copy is one step
+    // here, so it never meets a revocation half-way.
+    if let Err(refusal) = access.land(&admitted, || remote.write_slot(w.remote.0, &buf)) {
+        return Ok(Some(FabricError::Refused(refusal.to_string())));
+    }
+    let tag = admitted.tag;
     let checksum = match w.checksum {
         None => ChecksumCheck::Absent,
         Some(carried) => match kvx_io::chunk_checksum(&buf) {
