@@ -22,7 +22,7 @@ MUTANTS = {
     "worker-waits-for-admission": (PKG + "sender.py",
         'timeout=self.settings.extra["kvx_admission_grace_sec"])',
         "timeout=self.settings.allocation_timeout_sec)",
-        "a store waits for its request's admission on the worker thread (the seed deadlock, moved into the worker)"),
+        "a store waits for its request's admission on the worker thread (the interleaved deadlock, moved into the worker)"),
     "waiting-chunk-not-copied": (PKG + "sender.py",
         "self.staging[start : start + size].copy_(obj.raw_data[:size])",
         "pass",
