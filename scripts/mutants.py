@@ -125,6 +125,16 @@ MUTANTS = {
         "if false && cell.epoch != write.epoch {",
         "let an admitted write go on landing bytes after its grant was revoked: a write stopped half-way and finished after the slot was granted again overwrites the new holder's chunk",
         ["-p", "kvx-io", "-p", "kvx-transport", "--lib", "--test", "fabric_tcp"]),
+    "checksum-ahead-of-landing": ("crates/kvx-io/src/checksum/xxh3_long.rs",
+        "let upto = (landed.len() / STRIPE).min(self.normal_stripes());",
+        "let upto = (landed.len() / STRIPE + 1).min(self.normal_stripes());",
+        "fold a stripe into a landing chunk's checksum before all of its bytes have landed: the checksum covers stale slot bytes",
+        ["-p", "kvx-io", "--lib", "checksum"]),
+    "checksum-copy-skips-scramble": ("crates/kvx-io/src/checksum/xxh3_long.rs",
+        "            if s % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1 {\n                for (i, lane)",
+        "            if false {\n                for (i, lane)",
+        "leave out the AVX2 kernel's scramble: the checksum taken during a copy is no longer XXH3, so it never matches a sender's",
+        ["-p", "kvx-io", "--lib", "checksum"]),
 }
 
 ZMQ = "crates/kvx-transport/src/zmq/"

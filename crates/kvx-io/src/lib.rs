@@ -24,7 +24,8 @@
 //! - `budget`: `ConnectionBudget`, the connections a listener holds and which one goes past
 //!   its caps (the quietest, by standing first: never greeted, unauthenticated,
 //!   authenticated; never a newcomer).
-//! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits).
+//! - `checksum`: the end-to-end chunk checksum (XXH3-64 folded to 32 bits), computed one-shot,
+//!   during a copy, or as bytes land.
 //! - `log_limit`: `LogLimiter`, one log line per interval for what peers trigger at will.
 //! - `secret_label`: `SecretLabel`, how an identity or credential shows in logs (a short
 //!   hash keyed per process, never the bytes).
@@ -56,7 +57,7 @@ pub mod sockets;
 
 pub use access::{AdmittedWrite, FabricAccess, FabricCredential, WriteRefusal};
 pub use budget::{ConnectionBudget, Evicted, Held};
-pub use checksum::{chunk_checksum, ChecksumState};
+pub use checksum::{chunk_checksum, copy_with_checksum, LandingChecksum};
 pub use env::{Env, TokioEnv};
 pub use fabric::{
     landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, LocalMemory,

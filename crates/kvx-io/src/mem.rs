@@ -10,7 +10,7 @@ use kvx_proto::PeerId;
 use tokio::sync::mpsc;
 
 use crate::access::{FabricAccess, FabricCredential};
-use crate::checksum::chunk_checksum;
+use crate::checksum::copy_with_checksum;
 use crate::fabric::{
     landing_channel, Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener,
     LocalMemory, SlotMemory,
@@ -325,9 +325,10 @@ fn land(
         .land(&admitted, || {
             staging.inspect_slot(w.local.0, w.len, &mut |src| {
                 remote.fill_slot(w.remote.0, w.len, &mut |dst| {
-                    dst.copy_from_slice(src);
                     if w.checksum.is_some() {
-                        landed = chunk_checksum(dst);
+                        landed = copy_with_checksum(dst, src);
+                    } else {
+                        dst.copy_from_slice(src);
                     }
                 });
             });

@@ -245,9 +245,10 @@ impl StagingView {
         self.slot_bytes
     }
 
-    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`. Panics when out
-    /// of bounds: the receiver checks every write first.
-    pub(crate) fn copy_out(&self, slot: u32, dst: &mut [u8]) {
+    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`, and returns
+    /// the checksum of the copy when `checksum` asks for it (taken during the copy, one pass
+    /// over the bytes). Panics when out of bounds: the receiver checks every write first.
+    pub(crate) fn copy_out(&self, slot: u32, dst: &mut [u8], checksum: bool) -> Option<u32> {
         assert!(
             slot < self.slots && dst.len() <= self.slot_bytes,
             "invariant: the receiver bounds-checked a copy of {} bytes from slot {slot}",
@@ -259,13 +260,16 @@ impl StagingView {
         // under it is sealed at that size, so every page of the range exists (no SIGBUS).
         // `dst` is the receiver's own buffer (anonymous memory of this process), never this
         // mapping, so the ranges cannot overlap. The source slot is one the sender does not
-        // rewrite until this copy is acked (module doc).
+        // rewrite until this copy is acked (module doc); if it does, the checksum is of what
+        // `dst` received, and it fails its own request.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
+            let src = self.map.as_ptr().add(offset);
+            if checksum {
+                Some(kvx_io::checksum::copy_shared_with_checksum(dst, src))
+            } else {
+                std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+                None
+            }
         }
     }
 }

@@ -282,8 +282,8 @@ impl PullSource for StagingView {
         }
     }
 
-    fn copy_out(&self, slot: u32, dst: &mut [u8]) {
-        StagingView::copy_out(self, slot, dst);
+    fn copy_out(&self, slot: u32, dst: &mut [u8], checksum: bool) -> Option<u32> {
+        StagingView::copy_out(self, slot, dst, checksum)
     }
 }
 

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvx_io::{
-    AdmittedWrite, ChecksumCheck, ChecksumState, FabricAccess, LandedWrite, LocalMemory,
+    AdmittedWrite, ChecksumCheck, FabricAccess, LandedWrite, LandingChecksum, LocalMemory,
     LogLimiter, SlotMemory,
 };
 use kvx_proto::{PeerId, SlotIndex};
@@ -65,9 +65,10 @@ impl Landing {
 /// read-only by this process (`shm_fabric::map::StagingView`).
 pub(crate) trait PullSource: Send + Sync {
     fn geometry(&self) -> Geometry;
-    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`; the caller has
-    /// checked the bounds against `geometry`.
-    fn copy_out(&self, slot: u32, dst: &mut [u8]);
+    /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`, with the
+    /// checksum of the copy when `checksum` asks for it; the caller has checked the bounds
+    /// against `geometry`.
+    fn copy_out(&self, slot: u32, dst: &mut [u8], checksum: bool) -> Option<u32>;
 }
 
 /// What a fabric makes of an attaching sender's hello: a staging to pull from (shared
@@ -260,6 +261,7 @@ async fn serve_sender(
         header: [0; HEADER_LEN],
         state: RecvState::Header { filled: 0 },
         payload_checksum: None,
+        payload_computed: None,
         acks: AckWriter::new(),
         scratch: Vec::new(),
     };
@@ -345,7 +347,9 @@ struct Conn {
     header: [u8; HEADER_LEN],
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.
-    payload_checksum: Option<ChecksumState>,
+    payload_checksum: Option<LandingChecksum>,
+    /// The current payload's checksum, once its last byte has landed.
+    payload_computed: Option<u32>,
     acks: AckWriter,
     /// Only for discarding refused payloads; allocated the first time one comes.
     scratch: Vec<u8>,
@@ -418,7 +422,7 @@ impl Conn {
                     unreachable!("invariant: shared landings never stream payloads")
                 };
                 let (stream, header) = (&self.stream, &mut self.header);
-                let checksum = &mut self.payload_checksum;
+                let (checksum, computed) = (&mut self.payload_checksum, &mut self.payload_computed);
                 // Read the rest of the payload and, in the same call, the next header, which
                 // halves the syscalls for small writes. The checksum takes the new bytes
                 // while they are still in the CPU's caches. All of it only while the write's
@@ -429,7 +433,11 @@ impl Conn {
                         let mut bufs = [IoSliceMut::new(&mut s[got..len]), IoSliceMut::new(header)];
                         let n = stream.try_read_vectored(&mut bufs)?;
                         if let Some(c) = checksum {
-                            c.update(&s[got..got + n.min(len - got)]);
+                            let end = got + n.min(len - got);
+                            c.advance(&s[..end]);
+                            if end == len {
+                                *computed = Some(c.value(&s[..len]));
+                            }
                         }
                         Ok::<_, io::Error>(n)
                     })
@@ -508,7 +516,8 @@ impl Conn {
                 } else {
                     // Whatever went past the payload is the start of the next header.
                     self.state = RecvState::Header { filled: got - len };
-                    let computed = self.payload_checksum.take().map(|c| c.value());
+                    self.payload_checksum = None;
+                    let computed = self.payload_computed.take();
                     let check = compare(carried, computed);
                     self.landed(id, slot, len as u64, admitted.tag.to_imm(), check)?;
                     if got - len == HEADER_LEN {
@@ -570,14 +579,11 @@ impl Conn {
                     .as_ref()
                     .ok_or("a pulled landing without a staging")?;
                 // Admitted: copy the bytes out of the sender's staging into the slot while
-                // the grant stands, and take the checksum while they are in the CPU's caches.
+                // the grant stands, taking the checksum during the copy.
                 let mut computed = None;
                 let copied = self.rules.access.land(&admitted, || {
                     memory.fill_slot(h.remote, h.len as usize, &mut |dst| {
-                        source.copy_out(h.local, dst);
-                        if h.checksum().is_some() {
-                            computed = Some(kvx_io::chunk_checksum(dst));
-                        }
+                        computed = source.copy_out(h.local, dst, h.checksum().is_some());
                     });
                 });
                 if let Err(refusal) = copied {
@@ -594,7 +600,8 @@ impl Conn {
                 self.landed(h.id, h.remote, h.len, imm, check)?;
             }
             Landing::Inline(_) => {
-                self.payload_checksum = h.checksum().map(|_| ChecksumState::default());
+                self.payload_checksum = h.checksum().map(|_| LandingChecksum::new(h.len as usize));
+                self.payload_computed = None;
                 self.state = RecvState::Payload {
                     id: h.id,
                     slot: h.remote,
