@@ -264,55 +264,116 @@ mod avx2 {
         from: usize,
         upto: usize,
     ) {
-        let key = SECRET.as_ptr();
+        // Two copies of the loop, so that neither tests `dst` per stripe.
+        if dst.is_null() {
+            // SAFETY: the caller's contract.
+            unsafe { run_lanes::<false>(acc, src, dst, from, upto) }
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { run_lanes::<true>(acc, src, dst, from, upto) }
+        }
+    }
+
+    /// # Safety
+    /// As `run`; with `COPY`, `dst` is writable for the stripes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn run_lanes<const COPY: bool>(
+        acc: &mut [u64; 8],
+        src: *const u8,
+        dst: *mut u8,
+        from: usize,
+        upto: usize,
+    ) {
         // SAFETY (every load and store below): `acc` holds 8 u64 = two 32-byte vectors; the
         // secret's keys at `8 * (s % 16) + 32 * i` and at `SCRAMBLE_KEY + 32 * i` end within
-        // its 192 bytes; stripe `s < upto` is within `src` and `dst` by the caller.
+        // its 192 bytes; stripe `s < upto` is within `src` (and `dst`) by the caller.
         let mut lanes = unsafe {
             [
                 _mm256_loadu_si256(acc.as_ptr().cast::<__m256i>()),
                 _mm256_loadu_si256(acc.as_ptr().add(4).cast::<__m256i>()),
             ]
         };
-        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
-        for s in from..upto {
-            let at = s * STRIPE;
-            let key_at = (s % STRIPES_PER_BLOCK) * 8;
-            for (i, lane) in lanes.iter_mut().enumerate() {
-                let (data, k) = unsafe {
-                    let data = _mm256_loadu_si256(src.add(at + 32 * i).cast::<__m256i>());
-                    if !dst.is_null() {
-                        _mm256_storeu_si256(dst.add(at + 32 * i).cast::<__m256i>(), data);
-                    }
-                    (
-                        data,
-                        _mm256_loadu_si256(key.add(key_at + 32 * i).cast::<__m256i>()),
-                    )
-                };
-                let data_key = _mm256_xor_si256(data, k);
-                let product = _mm256_mul_epu32(data_key, _mm256_srli_epi64::<32>(data_key));
-                // Each 64-bit lane gets its neighbour's data: swap the halves of every
-                // 128-bit half.
-                let swapped = _mm256_shuffle_epi32::<0b01_00_11_10>(data);
-                *lane = _mm256_add_epi64(product, _mm256_add_epi64(*lane, swapped));
-            }
-            if s % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1 {
-                for (i, lane) in lanes.iter_mut().enumerate() {
-                    let a = _mm256_xor_si256(*lane, _mm256_srli_epi64::<47>(*lane));
-                    let k = unsafe {
-                        _mm256_loadu_si256(key.add(SCRAMBLE_KEY + 32 * i).cast::<__m256i>())
+        let mut s = from;
+        while s < upto {
+            // The stripes up to the end of this block (or `upto`), then the block's scramble
+            // when it is whole: the inner loop's key offsets repeat every block.
+            let block_end = (s / STRIPES_PER_BLOCK + 1) * STRIPES_PER_BLOCK;
+            let end = block_end.min(upto);
+            if end - s == STRIPES_PER_BLOCK {
+                // A whole block: a loop of known length, which the compiler unrolls.
+                let block = s * STRIPE;
+                for j in 0..STRIPES_PER_BLOCK {
+                    let at = block + j * STRIPE;
+                    unsafe {
+                        accumulate::<COPY>(&mut lanes, src.add(at), dst.wrapping_add(at), j * 8)
                     };
-                    let x = _mm256_xor_si256(a, k);
-                    // x * PRIME32_1 in 64 bits, from two 32 × 32 → 64 products.
-                    let lo = _mm256_mul_epu32(x, prime);
-                    let hi = _mm256_mul_epu32(_mm256_srli_epi64::<32>(x), prime);
-                    *lane = _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(hi));
+                }
+            } else {
+                for stripe in s..end {
+                    let at = stripe * STRIPE;
+                    let key_at = (stripe % STRIPES_PER_BLOCK) * 8;
+                    unsafe {
+                        accumulate::<COPY>(&mut lanes, src.add(at), dst.wrapping_add(at), key_at)
+                    };
                 }
             }
+            if end == block_end {
+                scramble(&mut lanes);
+            }
+            s = end;
         }
         unsafe {
             _mm256_storeu_si256(acc.as_mut_ptr().cast::<__m256i>(), lanes[0]);
             _mm256_storeu_si256(acc.as_mut_ptr().add(4).cast::<__m256i>(), lanes[1]);
+        }
+    }
+
+    /// One stripe into the lanes (and, with `COPY`, into `dst`).
+    ///
+    /// # Safety
+    /// `src` readable and, with `COPY`, `dst` writable for 64 bytes; `key_at <= 128`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn accumulate<const COPY: bool>(
+        lanes: &mut [__m256i; 2],
+        src: *const u8,
+        dst: *mut u8,
+        key_at: usize,
+    ) {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            // SAFETY: the contract above; the key ends within the secret's 192 bytes.
+            let (data, k) = unsafe {
+                let data = _mm256_loadu_si256(src.add(32 * i).cast::<__m256i>());
+                if COPY {
+                    _mm256_storeu_si256(dst.add(32 * i).cast::<__m256i>(), data);
+                }
+                let k = _mm256_loadu_si256(SECRET.as_ptr().add(key_at + 32 * i).cast::<__m256i>());
+                (data, k)
+            };
+            let data_key = _mm256_xor_si256(data, k);
+            let product = _mm256_mul_epu32(data_key, _mm256_srli_epi64::<32>(data_key));
+            // Each 64-bit lane gets its neighbour's data: swap the halves of every 128 bits.
+            let swapped = _mm256_shuffle_epi32::<0b01_00_11_10>(data);
+            *lane = _mm256_add_epi64(product, _mm256_add_epi64(*lane, swapped));
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn scramble(lanes: &mut [__m256i; 2]) {
+        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let a = _mm256_xor_si256(*lane, _mm256_srli_epi64::<47>(*lane));
+            // SAFETY: `SCRAMBLE_KEY + 32 * i + 32 <= 192`.
+            let k = unsafe {
+                _mm256_loadu_si256(SECRET.as_ptr().add(SCRAMBLE_KEY + 32 * i).cast::<__m256i>())
+            };
+            let x = _mm256_xor_si256(a, k);
+            // x * PRIME32_1 in 64 bits, from two 32 × 32 → 64 products.
+            let lo = _mm256_mul_epu32(x, prime);
+            let hi = _mm256_mul_epu32(_mm256_srli_epi64::<32>(x), prime);
+            *lane = _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(hi));
         }
     }
 }
