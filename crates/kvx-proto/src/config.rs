@@ -282,7 +282,7 @@ pub struct SenderConfig {
     pub notify_proxy_on_failure: bool,
     /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with
     /// the write, so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
-    /// §Checksums). Off only for fabrics that cannot carry one (RDMA).
+    /// §5b). Off only for fabrics that cannot carry one (RDMA).
     pub checksums: bool,
 }
 
