@@ -27,6 +27,10 @@ for _ in $(seq 1 "$rounds"); do
 import json, sys
 args, out, times = sys.argv[1:]
 d = json.load(open(out))
+# A baseline build may predate a field: it shows as nan.
+d.setdefault("request_latency_ms_p50", float("nan"))
+d.setdefault("request_latency_ms_p99", float("nan"))
+d.setdefault("transfer_ms_p99", d.get("latency_ms_p99", float("nan")))
 user, system = map(float, open(times).read().split()[-2:])
 print(f"{args:45s} {d['bytes_per_sec'] / 1e9:5.2f} GB/s  p50 {d['request_latency_ms_p50']:6.1f} ms  "
       f"p99 {d['request_latency_ms_p99']:6.1f} ms  transfer p99 {d['transfer_ms_p99']:6.1f} ms  CPU/GB {(user + system) / (d['bytes_verified'] / 1e9):.3f}  "

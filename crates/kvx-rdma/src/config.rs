@@ -101,8 +101,21 @@ pub struct RdmaConfig {
     pub service_level: u8,
     /// Traffic class of the GRH (RoCE: DSCP << 2, for PFC/ECN classes).
     pub traffic_class: u8,
-    /// Bounds the side channel's connect and each handshake step.
+    /// Bounds the side channel's connect and each handshake step of a sender.
     pub connect_timeout: Duration,
+    /// How long a receiver waits for an accepted side-channel connection's whole hello; a
+    /// connection that says nothing, or trickles its hello, is closed then. Short, because a
+    /// connection that has not greeted holds a place among `connections_max`. Default 3 s.
+    pub hello_timeout: Duration,
+    /// Side-channel connections one exposed buffer serves at once, handshaking ones included;
+    /// past it a newcomer is still taken and the quietest connection is closed for it (never
+    /// greeted first, then one that greeted without a valid credential, then the
+    /// authenticated sender whose last write was announced longest ago), as over TCP
+    /// (`kvx_io::ConnectionBudget`, docs/spec/fabrics.md §6). Default 256.
+    pub connections_max: usize,
+    /// Side-channel connections from one source address at most; past it the quietest of
+    /// that address's connections is closed for the newcomer. Default 64.
+    pub connections_per_source_max: usize,
     /// Bounds a sender's fence (and its wait for flush completions after it).
     pub fence_timeout: Duration,
     /// Local ACK timeout, 4.096 µs × 2^`ack_timeout` (14 ≈ 67 ms): 0–31 (a larger value is
@@ -129,6 +142,9 @@ impl Default for RdmaConfig {
             service_level: 0,
             traffic_class: 0,
             connect_timeout: Duration::from_secs(5),
+            hello_timeout: Duration::from_secs(3),
+            connections_max: 256,
+            connections_per_source_max: 64,
             fence_timeout: Duration::from_secs(5),
             ack_timeout: 14,
             retry_count: 7,

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_io::{FabricAccess, LandedWrite, LogLimiter};
+use kvx_io::{ConnectionBudget, Evicted, FabricAccess, Held, LandedWrite, LogLimiter};
 use kvx_proto::PeerId;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -29,7 +29,11 @@ use crate::wire::{
 /// most this many: beyond, a write with immediate waits (RNR retry) for a re-posted receive.
 const RECV_DEPTH_MAX: u32 = 4096;
 
-/// Accepts sender connections until the listener's `landed` receiver is dropped.
+/// Accepts sender connections until the listener's `landed` receiver is dropped. Every
+/// connection takes a place in the buffer's `ConnectionBudget` (`connections_max` in all,
+/// `connections_per_source_max` from one address); past a cap the newcomer is still taken and
+/// the quietest connection is closed for it (never greeted, then unauthenticated, then the
+/// authenticated one announced longest ago), so idle sockets cannot lock a sender out.
 pub(crate) async fn accept_loop<V: Verbs>(
     listener: TcpListener,
     device: Arc<Device<V>>,
@@ -38,11 +42,27 @@ pub(crate) async fn accept_loop<V: Verbs>(
     access: Arc<FabricAccess>,
 ) {
     let refusals_logged = Arc::new(LogLimiter::default());
+    let budget = ConnectionBudget::new(
+        device.config.connections_max,
+        device.config.connections_per_source_max,
+    );
     loop {
         tokio::select! {
             () = landed.closed() => return,
             accepted = listener.accept() => match accepted {
                 Ok((side, peer)) => {
+                    let (held, Evicted(evicted)) = budget.open(peer.ip());
+                    if evicted > 0 {
+                        if let Some(left_out) = refusals_logged.allow() {
+                            warn!(
+                                %peer, evicted, left_out,
+                                "rdma side channel: a connection closed for a newcomer (the \
+                                 buffer holds connections_max, or connections_per_source_max \
+                                 from one address, and it was the quietest)"
+                            );
+                        }
+                    }
+                    let held = Arc::new(held);
                     let conn = Connection {
                         side,
                         peer,
@@ -51,8 +71,13 @@ pub(crate) async fn accept_loop<V: Verbs>(
                         landed: landed.clone(),
                         access: access.clone(),
                         refusals_logged: refusals_logged.clone(),
+                        held: held.clone(),
                     };
-                    tokio::spawn(conn.serve());
+                    tokio::spawn(async move {
+                        if held.run(conn.serve()).await.is_none() {
+                            debug!(%peer, "rdma side channel: closed for a newcomer");
+                        }
+                    });
                 }
                 Err(e) => {
                     // Out of descriptors and the like: wait instead of spinning.
@@ -72,6 +97,9 @@ struct Connection<V: Verbs> {
     landed: mpsc::Sender<LandedWrite>,
     access: Arc<FabricAccess>,
     refusals_logged: Arc<LogLimiter>,
+    /// Its place in the buffer's `ConnectionBudget`: authenticated by a valid credential,
+    /// heard from with every write it announces.
+    held: Arc<Held>,
 }
 
 /// Why a connection's task ended.
@@ -87,7 +115,10 @@ impl<V: Verbs> Connection<V> {
     async fn serve(mut self) {
         let _ = self.side.set_nodelay(true);
         let timeout = self.device.config.connect_timeout;
-        let base = match link::read_frame::<HELLO_BASE_LEN>(&mut self.side, timeout).await {
+        // The whole hello within `hello_timeout`, however it trickles.
+        let hello_by = tokio::time::Instant::now() + self.device.config.hello_timeout;
+        let left = || hello_by.saturating_duration_since(tokio::time::Instant::now());
+        let base = match link::read_frame::<HELLO_BASE_LEN>(&mut self.side, left()).await {
             Ok(b) => b,
             Err(e) => return debug!(peer = %self.peer, error = %e, "rdma side channel: no hello"),
         };
@@ -98,7 +129,7 @@ impl<V: Verbs> Connection<V> {
         if base_hello.version != VERSION {
             return self.refuse(WelcomeStatus::VersionMismatch).await;
         }
-        let rest = match link::read_frame::<{ HELLO_LEN - HELLO_BASE_LEN }>(&mut self.side, timeout)
+        let rest = match link::read_frame::<{ HELLO_LEN - HELLO_BASE_LEN }>(&mut self.side, left())
             .await
         {
             Ok(b) => b,
@@ -116,6 +147,12 @@ impl<V: Verbs> Connection<V> {
             }
             return self.refuse(WelcomeStatus::Unauthorized).await;
         };
+        // A valid credential: no newcomer closes this connection from now on; past the caps
+        // it is what closes the quietest authenticated one.
+        let Evicted(evicted) = self.held.authenticated();
+        if evicted > 0 {
+            debug!(peer = %self.peer, evicted, "rdma side channel: a connection closed for an attaching sender");
+        }
         if hello.staging.slot_bytes != self.memory.geometry().slot_bytes {
             return self.refuse(WelcomeStatus::StagingMismatch).await;
         }
@@ -366,6 +403,7 @@ impl<V: Verbs> Connection<V> {
             }
             return;
         }
+        self.held.heard();
         let notice = LandedWrite {
             peer,
             slot: tag.slot,

@@ -459,3 +459,100 @@ async fn a_write_after_an_idle_spell_completes_at_once() {
         .expect("open");
     assert_eq!(landed.slot, SlotIndex(0));
 }
+
+/// The side channel's budget: idle sockets past `connections_max` (some that never greet,
+/// some that sent part of a hello) are closed for newcomers long before their hello deadline,
+/// so at most `connections_max` stay open, a sender still attaches and its writes land, and
+/// it is never closed for an idle newcomer afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_side_channel_connections_go_for_newcomers() {
+    use tokio::io::AsyncWriteExt;
+    let config = RdmaConfig {
+        hello_timeout: Duration::from_secs(60),
+        connections_max: 8,
+        connections_per_source_max: 8,
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(FakeVerbs::new(), config).expect("fabric");
+    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let addr = listener
+        .local_endpoint
+        .trim_start_matches("tcp://")
+        .to_owned();
+    let mut idle = Vec::new();
+    for i in 0..24 {
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        if i % 2 == 1 {
+            s.write_all(&[0u8; 3]).await.expect("part of a hello");
+        }
+        idle.push(s);
+    }
+    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("a sender attaches past idle sockets");
+    conn.post(write(1, 0, 1)).expect("post");
+    assert_eq!(completions(&mut conn, 1).await, vec![(1, Ok(()))]);
+    let landed = tokio::time::timeout(STEP, listener.landed.recv())
+        .await
+        .expect("announced")
+        .expect("open");
+    assert_eq!(landed.slot, SlotIndex(0));
+    // 25 connections came and 8 places exist: at least 17 idle ones were closed, well
+    // before their 60 s hello deadline.
+    let closed = closed_within(&mut idle, Duration::from_secs(2)).await;
+    assert!(closed >= 17, "only {closed} of 24 idle connections closed");
+    // More idle newcomers close idle ones, never the attached sender: it still writes.
+    for _ in 0..16 {
+        idle.push(
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    conn.post(write(2, 1, 1)).expect("post");
+    assert_eq!(completions(&mut conn, 1).await, vec![(2, Ok(()))]);
+}
+
+/// A side-channel connection that sends part of its hello and then nothing is closed at
+/// `hello_timeout`, however long `connect_timeout` is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_that_never_ends_is_closed_at_the_hello_deadline() {
+    use tokio::io::AsyncWriteExt;
+    let config = RdmaConfig {
+        hello_timeout: Duration::from_millis(500),
+        connect_timeout: Duration::from_secs(60),
+        ..RdmaConfig::default()
+    };
+    let f = RdmaFabric::with_verbs(FakeVerbs::new(), config).expect("fabric");
+    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let addr = listener
+        .local_endpoint
+        .trim_start_matches("tcp://")
+        .to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    s.write_all(&[0u8; 3]).await.expect("part of a hello");
+    let mut one = vec![s];
+    assert_eq!(closed_within(&mut one, Duration::from_secs(5)).await, 1);
+}
+
+/// How many of `sockets` the other side has closed (EOF or reset) within `wait` in all.
+async fn closed_within(sockets: &mut [tokio::net::TcpStream], wait: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let by = tokio::time::Instant::now() + wait;
+    let mut closed = 0;
+    for s in sockets {
+        let mut b = [0u8; 64];
+        let left = by.saturating_duration_since(tokio::time::Instant::now());
+        if let Ok(Ok(0) | Err(_)) = tokio::time::timeout(left, s.read(&mut b)).await {
+            closed += 1;
+        }
+    }
+    closed
+}
