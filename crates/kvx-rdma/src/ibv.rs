@@ -197,8 +197,9 @@ impl IbvVerbs {
         };
         tracing::info!(
             device = %name, port = cfg.port, gid_index, ethernet, mtu = port_attr.active_mtu,
-            max_qp_wr = attr.max_qp_wr(), max_cqe = attr.max_cqe(),
+            max_qp_wr = attr.max_qp_wr(), max_cqe = attr.max_cqe(), cq_entries = capacity,
             max_msg_sz = port_attr.max_msg_sz, max_mr_size = attr.max_mr_size(),
+            memlock = ?crate::limits::memlock_limit(),
             "rdma device opened"
         );
         Ok(IbvVerbs {
@@ -212,8 +213,10 @@ impl IbvVerbs {
             limits: DeviceLimits {
                 max_qp_wr: attr.max_qp_wr().max(1) as u32,
                 max_cqe: attr.max_cqe().max(1) as u32,
+                cq_entries: capacity,
                 max_msg_sz: u64::from(port_attr.max_msg_sz),
                 max_mr_size: attr.max_mr_size(),
+                memlock_bytes: crate::limits::memlock_limit(),
             },
             settings: QpSettings {
                 port_num: cfg.port,

@@ -23,8 +23,10 @@ use crate::{DeviceLimits, RdmaConfig, RdmaFabric};
 const LIMITS: DeviceLimits = DeviceLimits {
     max_qp_wr: 8,
     max_cqe: 1024,
+    cq_entries: 1024,
     max_msg_sz: 4096,
     max_mr_size: 64 * 4096,
+    memlock_bytes: None,
 };
 
 fn fabric() -> RdmaFabric<FakeVerbs> {
@@ -60,6 +62,36 @@ async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
     );
     assert!(f.allocate_staging(8, 4096).is_ok());
     assert!(f.expose("127.0.0.1:0", 64, 4096).await.is_ok());
+
+    // A completion queue smaller than max_qp_wr allows (rxe: max_qp_wr 2^20, max_cqe
+    // 32767): the staging is refused before anything is pinned, not at connect.
+    let small_cq = fabric_on(FakeVerbs::new().with_limits(DeviceLimits {
+        cq_entries: 6,
+        ..LIMITS
+    }));
+    refused(
+        small_cq.allocate_staging(6, 1024).map(|_| ()),
+        "completion queue",
+    );
+    assert!(small_cq.allocate_staging(5, 1024).is_ok());
+
+    // The process's locked-memory limit: the error says which limit and what to set.
+    let memlock = fabric_on(FakeVerbs::new().with_limits(DeviceLimits {
+        memlock_bytes: Some(16 * 4096),
+        ..LIMITS
+    }));
+    refused(
+        memlock.expose("127.0.0.1:0", 17, 4096).await.map(|_| ()),
+        "RLIMIT_MEMLOCK",
+    );
+    refused(
+        memlock
+            .allocate_staging(8, 4096)
+            .and(memlock.allocate_staging(5, 8192))
+            .map(|_| ()),
+        "max_msg_sz",
+    );
+    assert!(memlock.expose("127.0.0.1:0", 16, 4096).await.is_ok());
 }
 
 /// The receiver wants a receive per staging slot plus `recv_slack` (4 + 16) but the device
