@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::RdmaConfig;
 use crate::route::Router;
-use crate::verbs::{DeviceEvent, Verbs, Wc};
+use crate::verbs::{DeviceEvent, EventWait, Verbs, Wc};
 use crate::wake::{IdleWait, PollerWake};
 
 /// Room for a poll's completions, reused.
@@ -71,29 +71,44 @@ impl<V: Verbs> Device<V> {
     /// Acts on one asynchronous event of the device.
     pub(crate) fn on_event(&self, event: DeviceEvent) {
         if let Some(why) = event.fatal_to_the_device() {
-            tracing::error!(?event, "rdma device failed: every connection is broken");
-            let _ = self.unusable.set(why.to_owned());
-            self.router.break_all(why);
+            self.fail(why);
+            return;
+        }
+        if let Some((qpn, name)) = event.broken_qp() {
+            let why = format!("queue pair {qpn} failed ({name})");
+            let known = self.router.break_qp(qpn, &why);
+            tracing::error!(qpn, known, event = name, "rdma queue pair failed");
             return;
         }
         match event {
-            DeviceEvent::QpFatal { qpn } => {
-                let why = format!("queue pair {qpn} failed (QP_FATAL)");
-                let known = self.router.break_qp(qpn, &why);
-                tracing::error!(qpn, known, "rdma queue pair failed");
-            }
             DeviceEvent::PortError { port } => {
                 tracing::error!(port, "rdma port down: writes fail until it is back")
             }
             DeviceEvent::PortActive { port } => tracing::info!(port, "rdma port active"),
-            DeviceEvent::GidChange { port } => {
-                tracing::warn!(
-                    port,
-                    "rdma GID table changed: new connections use the GID chosen at open"
-                )
-            }
+            DeviceEvent::GidChange { port }
+            | DeviceEvent::LidChange { port }
+            | DeviceEvent::SmChange { port } => match self.verbs.refresh_port() {
+                Ok(now) => tracing::warn!(
+                    port, event = ?event, lid = now.lid, gid = ?now.gid,
+                    "rdma port address changed: new connections advertise it; connected \
+                     queue pairs keep their path"
+                ),
+                Err(e) => tracing::warn!(
+                    port, event = ?event, error = %e,
+                    "rdma port address changed and could not be read again: new connections \
+                     advertise the old one"
+                ),
+            },
             other => tracing::info!(event = ?other, "rdma device event"),
         }
+    }
+
+    /// The device failed: every connection is broken, and no new connection, buffer or
+    /// staging is taken on it (receivers refuse new senders saying `why`).
+    fn fail(&self, why: &str) {
+        tracing::error!(why, "rdma device failed: every connection is broken");
+        let _ = self.unusable.set(why.to_owned());
+        self.router.break_all(why);
     }
 }
 
@@ -102,8 +117,15 @@ fn event_loop<V: Verbs>(device: Weak<Device<V>>) {
         let Some(dev) = device.upgrade() else {
             return;
         };
-        if let Some(event) = dev.verbs.next_event(EVENT_WAIT) {
-            dev.on_event(event);
+        match dev.verbs.next_event(EVENT_WAIT) {
+            EventWait::Event(event) => dev.on_event(event),
+            EventWait::Quiet => {}
+            EventWait::Gone(why) => {
+                // Removed or reset: its event channel answers at once from now on, so
+                // waiting on it again would spin. The device is done; so is this thread.
+                dev.fail(&why);
+                return;
+            }
         }
     }
 }

@@ -38,8 +38,8 @@ use kvx_io::SlotMemory;
 
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    DeviceEvent, DeviceLimits, MrKeys, PortInfo, QpState, RemoteAccess, Transition, Verbs,
-    VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
+    DeviceEvent, DeviceLimits, EventWait, MrKeys, PortInfo, QpState, RemoteAccess, Transition,
+    Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
 };
 use crate::wire::GidKind;
 
@@ -78,6 +78,28 @@ pub(crate) struct FakeVerbs {
     slow: std::time::Duration,
     /// Asynchronous events waiting to be read (`inject_event`), this device's own.
     events: Arc<Mutex<VecDeque<DeviceEvent>>>,
+    /// The port's addresses: as the hardware has them now (`move_port`), and as last read
+    /// (`port`, refreshed by `refresh_port`).
+    addresses: Arc<Mutex<PortAddresses>>,
+    /// Set by `remove`: the event channel fails at once, as after a hot-unplug.
+    removed: Arc<std::sync::atomic::AtomicBool>,
+    /// Calls of `next_event`, to see that a removed device's event reader does not spin.
+    event_waits: Arc<AtomicU64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PortAddresses {
+    hardware: (u16, [u8; 16]),
+    read: (u16, [u8; 16]),
+}
+
+impl Default for PortAddresses {
+    fn default() -> Self {
+        PortAddresses {
+            hardware: (0, [0xAA; 16]),
+            read: (0, [0xAA; 16]),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -148,7 +170,30 @@ impl FakeVerbs {
             limits: DeviceLimits::UNLIMITED,
             slow: std::time::Duration::ZERO,
             events: Arc::default(),
+            addresses: Arc::default(),
+            removed: Arc::default(),
+            event_waits: Arc::default(),
         }
+    }
+
+    /// The port gets another LID and GID, as a subnet manager or an address change gives
+    /// it; what `port` says changes only once `refresh_port` reads them.
+    pub(crate) fn move_port(&self, lid: u16, gid: [u8; 16]) {
+        self.addresses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .hardware = (lid, gid);
+    }
+
+    /// The device is removed (hot-unplug, or reset after DEVICE_FATAL): its event channel
+    /// fails at once from now on.
+    pub(crate) fn remove(&self) {
+        self.removed.store(true, Ordering::Relaxed);
+    }
+
+    /// How many times `next_event` was called.
+    pub(crate) fn event_waits(&self) -> u64 {
+        self.event_waits.load(Ordering::Relaxed)
     }
 
     /// Raises an asynchronous event on this device, as the driver would.
@@ -209,6 +254,9 @@ impl FakeVerbs {
             limits: self.limits,
             slow: self.slow,
             events: Arc::default(),
+            addresses: Arc::default(),
+            removed: Arc::default(),
+            event_waits: Arc::default(),
         }
     }
 
@@ -262,12 +310,25 @@ impl Verbs for FakeVerbs {
     }
 
     fn port(&self) -> PortInfo {
+        let (lid, gid) = self
+            .addresses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .read;
         PortInfo {
-            lid: 0,
-            gid: [0xAA; 16],
+            lid,
+            gid,
             mtu: self.port_mtu,
             gid_kind: self.gid_kind,
         }
+    }
+
+    fn refresh_port(&self) -> Result<PortInfo, VerbsError> {
+        {
+            let mut a = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
+            a.read = a.hardware;
+        }
+        Ok(self.port())
     }
 
     fn limits(&self) -> DeviceLimits {
@@ -325,16 +386,23 @@ impl Verbs for FakeVerbs {
         })
     }
 
-    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent> {
+    fn next_event(&self, wait: std::time::Duration) -> EventWait {
+        self.event_waits.fetch_add(1, Ordering::Relaxed);
         let until = std::time::Instant::now() + wait;
         loop {
+            if self.removed.load(Ordering::Relaxed) {
+                return EventWait::Gone("the device's event channel failed (removed)".into());
+            }
             let next = self
                 .events
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .pop_front();
-            if next.is_some() || std::time::Instant::now() >= until {
-                return next;
+            if let Some(event) = next {
+                return EventWait::Event(event);
+            }
+            if std::time::Instant::now() >= until {
+                return EventWait::Quiet;
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }

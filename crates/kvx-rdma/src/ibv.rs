@@ -30,8 +30,8 @@ use crate::config::RdmaConfig;
 use crate::fabric::RdmaError;
 use crate::memory::RdmaMemory;
 use crate::verbs::{
-    wc_status_name, DeviceEvent, DeviceLimits, PortInfo, RemoteAccess, Transition, Verbs,
-    VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
+    wc_status_name, DeviceEvent, DeviceLimits, EventWait, PortInfo, RemoteAccess, Transition,
+    Verbs, VerbsError, VerbsQp, Wc, WcKind, WcStatus, WriteWr,
 };
 use crate::wire::GidKind;
 
@@ -86,13 +86,14 @@ struct CqBudget {
 pub struct IbvVerbs {
     name: String,
     id: u64,
-    port: PortInfo,
+    /// As new connections advertise it: read at open, and again by `refresh_port`.
+    port: std::sync::RwLock<PortInfo>,
     limits: DeviceLimits,
     settings: QpSettings,
     budget: Arc<CqBudget>,
     cq: GenericCompletionQueue,
     pd: Arc<ProtectionDomain>,
-    _ctx: Arc<DeviceContext>,
+    ctx: Arc<DeviceContext>,
 }
 
 impl fmt::Debug for IbvVerbs {
@@ -101,7 +102,7 @@ impl fmt::Debug for IbvVerbs {
             .field("name", &self.name)
             .field("port", &self.settings.port_num)
             .field("gid_index", &self.settings.gid_index)
-            .field("mtu", &self.port.mtu)
+            .field("port_info", &self.port())
             .finish()
     }
 }
@@ -174,11 +175,7 @@ impl IbvVerbs {
         })?;
         let gid_index = entry.gid_index();
         let gid = entry.gid();
-        let gid_kind = match entry.gid_type() {
-            GidType::InfiniBand => GidKind::InfiniBand,
-            GidType::RoceV1 => GidKind::RoceV1,
-            GidType::RoceV2 => GidKind::RoceV2,
-        };
+        let gid_kind = gid_kind_of(&entry);
         let netdev = entry.netdev_name().unwrap_or_else(|_| "-".into());
         tracing::info!(device = %name, port = cfg.port, gid_index, kind = %gid_kind, %netdev, "rdma GID chosen");
         let pd = ctx
@@ -204,12 +201,12 @@ impl IbvVerbs {
         );
         Ok(IbvVerbs {
             id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
-            port: PortInfo {
+            port: std::sync::RwLock::new(PortInfo {
                 lid: port_attr.lid,
                 gid: gid.raw,
                 mtu: port_attr.active_mtu as u8,
                 gid_kind,
-            },
+            }),
             limits: DeviceLimits {
                 max_qp_wr: attr.max_qp_wr().max(1) as u32,
                 max_cqe: attr.max_cqe().max(1) as u32,
@@ -238,7 +235,7 @@ impl IbvVerbs {
             name,
             cq,
             pd,
-            _ctx: ctx,
+            ctx,
         })
     }
 
@@ -268,6 +265,15 @@ impl IbvVerbs {
     /// The opened device's name.
     pub fn device_name(&self) -> &str {
         &self.name
+    }
+}
+
+/// What kind of GID `entry` holds, as the side channel says it.
+fn gid_kind_of(entry: &GidEntry) -> GidKind {
+    match entry.gid_type() {
+        GidType::InfiniBand => GidKind::InfiniBand,
+        GidType::RoceV1 => GidKind::RoceV1,
+        GidType::RoceV2 => GidKind::RoceV2,
     }
 }
 
@@ -348,7 +354,32 @@ impl Verbs for IbvVerbs {
     }
 
     fn port(&self) -> PortInfo {
-        self.port
+        *self.port.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn refresh_port(&self) -> Result<PortInfo, VerbsError> {
+        let port = self.settings.port_num;
+        let attr = self
+            .ctx
+            .query_port(port)
+            .map_err(|e| VerbsError::new("ibv_query_port", chain(&e)))?
+            .attr;
+        let ethernet = attr.link_layer == LINK_LAYER_ETHERNET;
+        let entry = pick_gid(
+            &self.ctx,
+            port,
+            Some(u32::from(self.settings.gid_index)),
+            ethernet,
+        )
+        .map_err(|e| VerbsError::new("ibv_query_gid_table", e))?;
+        let now = PortInfo {
+            lid: attr.lid,
+            gid: entry.gid().raw,
+            mtu: attr.active_mtu as u8,
+            gid_kind: gid_kind_of(&entry),
+        };
+        *self.port.write().unwrap_or_else(|p| p.into_inner()) = now;
+        Ok(now)
     }
 
     fn limits(&self) -> DeviceLimits {
@@ -402,10 +433,10 @@ impl Verbs for IbvVerbs {
     }
 
     #[allow(unsafe_code)]
-    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent> {
+    fn next_event(&self, wait: std::time::Duration) -> EventWait {
         use rdma_mummy_sys::{ibv_ack_async_event, ibv_async_event, ibv_get_async_event};
-        // SAFETY: the context stays open while `self._ctx` lives, which `&self` keeps.
-        let ctx = unsafe { self._ctx.context() };
+        // SAFETY: the context stays open while `self.ctx` lives, which `&self` keeps.
+        let ctx = unsafe { self.ctx.context() };
         // SAFETY: `ctx` points at a live `ibv_context`; `async_fd` is a plain field of it.
         let fd = unsafe { (*ctx.as_ptr()).async_fd };
         let mut pfd = libc::pollfd {
@@ -415,14 +446,32 @@ impl Verbs for IbvVerbs {
         };
         let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: one valid `pollfd`, for the duration of the call.
-        if unsafe { libc::poll(&mut pfd, 1, ms) } <= 0 || pfd.revents & libc::POLLIN == 0 {
-            return None;
+        let ready = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if ready <= 0 {
+            return EventWait::Quiet;
+        }
+        // A removed (disassociated) device's event channel reports an error at once, every
+        // time: the device is gone.
+        if pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            return EventWait::Gone(format!(
+                "the device's event channel failed (revents {:#x}): the device was removed or reset",
+                pfd.revents
+            ));
+        }
+        if pfd.revents & libc::POLLIN == 0 {
+            return EventWait::Quiet;
         }
         let mut event = std::mem::MaybeUninit::<ibv_async_event>::zeroed();
         // SAFETY: `ctx` is live and `event` is writable; the fd is readable, so this does not
         // block.
         if unsafe { ibv_get_async_event(ctx.as_ptr(), event.as_mut_ptr()) } != 0 {
-            return None;
+            let error = std::io::Error::last_os_error();
+            return match error.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => EventWait::Quiet,
+                _ => EventWait::Gone(format!(
+                    "reading the device's events failed ({error}): the device was removed or reset"
+                )),
+            };
         }
         let e = event.as_mut_ptr();
         // SAFETY: filled in by `ibv_get_async_event`. The type is read as the C enum's `u32`
@@ -431,21 +480,24 @@ impl Verbs for IbvVerbs {
         let kind = unsafe {
             let code = std::ptr::addr_of!((*e).event_type).cast::<u32>().read();
             let port = || (*e).element.port_num.max(0) as u32;
+            let qpn = || (*(*e).element.qp).qp_num;
             match code {
                 0 => DeviceEvent::CqError,
-                1 => DeviceEvent::QpFatal {
-                    qpn: (*(*e).element.qp).qp_num,
-                },
+                1 => DeviceEvent::QpFatal { qpn: qpn() },
+                2 => DeviceEvent::QpRequestError { qpn: qpn() },
+                3 => DeviceEvent::QpAccessError { qpn: qpn() },
                 8 => DeviceEvent::DeviceFatal,
                 9 => DeviceEvent::PortActive { port: port() },
                 10 => DeviceEvent::PortError { port: port() },
+                11 => DeviceEvent::LidChange { port: port() },
+                13 => DeviceEvent::SmChange { port: port() },
                 18 => DeviceEvent::GidChange { port: port() },
                 other => DeviceEvent::Other(other),
             }
         };
         // SAFETY: the event `ibv_get_async_event` returned, acknowledged once.
         unsafe { ibv_ack_async_event(e) };
-        Some(kind)
+        EventWait::Event(kind)
     }
 
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<(), VerbsError> {

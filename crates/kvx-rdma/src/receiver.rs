@@ -141,6 +141,12 @@ impl<V: Verbs> Connection<V> {
         let Ok(hello) = Hello::decode(&whole) else {
             return debug!(peer = %self.peer, "rdma side channel: not a kvx hello");
         };
+        if let Some(why) = self.device.unusable() {
+            if let Some(left_out) = self.refusals_logged.allow() {
+                warn!(peer = %self.peer, why, left_out, "rdma sender refused: the device failed");
+            }
+            return self.refuse(WelcomeStatus::DeviceUnusable).await;
+        }
         let Some(control_peer) = self.access.authenticate(&hello.credential) else {
             if let Some(left_out) = self.refusals_logged.allow() {
                 warn!(peer = %self.peer, left_out, "rdma sender refused: its credential was not issued here");

@@ -157,6 +157,12 @@ fn check_welcome(
             return Err(incompatible(gid_mismatch(our_gid, w.qp.gid_kind)))
         }
         WelcomeStatus::NoResources => return Err(refused("it could not set up a queue pair")),
+        WelcomeStatus::DeviceUnusable => {
+            return Err(refused(
+                "its RDMA device failed and takes no new senders (the receiver's log says why; \
+                 it must be restarted once the device is back)",
+            ))
+        }
         WelcomeStatus::Unknown(c) => return Err(refused(&format!("unknown status {c}"))),
     }
     if our_gid.clashes_with(w.qp.gid_kind) {

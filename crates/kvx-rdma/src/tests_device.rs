@@ -351,9 +351,20 @@ async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
     assert!(e.contains("unusable"), "{e}");
 }
 
-/// A queue pair's fatal error (QP_FATAL) breaks its own connection only.
+/// A queue pair's fatal error (QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR) breaks its own connection
+/// only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
+    for event in [
+        |qpn| DeviceEvent::QpFatal { qpn },
+        |qpn| DeviceEvent::QpRequestError { qpn },
+        |qpn| DeviceEvent::QpAccessError { qpn },
+    ] {
+        a_queue_pair_event_breaks_its_own_connection_only(event).await;
+    }
+}
+
+async fn a_queue_pair_event_breaks_its_own_connection_only(event: fn(u32) -> DeviceEvent) {
     let verbs = FakeVerbs::new();
     let f = fabric_on(verbs.clone());
     let listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
@@ -376,7 +387,7 @@ async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
         )
         .await
         .expect("connect");
-    verbs.inject_event(DeviceEvent::QpFatal { qpn: broken_qpn });
+    verbs.inject_event(event(broken_qpn));
     tokio::time::sleep(Duration::from_millis(300)).await;
     broken.post(write(1, 0, 1)).expect("post");
     let out = completions(&mut broken, 1).await;
@@ -387,4 +398,81 @@ async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
         f.allocate_staging(1, 64).is_ok(),
         "the device is still usable"
     );
+}
+
+/// A receiver whose device failed refuses a sender on another device with the reason, instead
+/// of setting up a queue pair on the dead completion queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_on_a_failed_device_refuses_new_senders_saying_so() {
+    let receiving = FakeVerbs::new();
+    let sending = receiving.another_device();
+    let r = fabric_on(receiving.clone());
+    let s = fabric_on(sending);
+    let listener = r.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let credential = attach(&listener, 0..4, 1);
+    receiving.inject_event(DeviceEvent::DeviceFatal);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while r.allocate_staging(1, 64).is_ok() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the receiving device is marked unusable");
+    let staging = s
+        .allocate_staging(2, 1024)
+        .expect("the sender's device is fine");
+    let e = s
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("RDMA device failed"), "{e}");
+}
+
+/// A removed device's event channel fails at once, every time: the event reader marks the
+/// device unusable and ends instead of asking again in a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_device_ends_its_event_reader_instead_of_spinning() {
+    let verbs = FakeVerbs::new();
+    let f = fabric_on(verbs.clone());
+    verbs.remove();
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match f.allocate_staging(1, 64) {
+                Err(e) => return e.to_string(),
+                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    })
+    .await
+    .expect("the device is marked unusable");
+    assert!(refused.contains("removed"), "{refused}");
+    let waits = verbs.event_waits();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        verbs.event_waits(),
+        waits,
+        "the event reader still asks a removed device"
+    );
+}
+
+/// LID_CHANGE (and GID_CHANGE, SM_CHANGE) make the device read its port again: new
+/// connections advertise the new address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lid_change_refreshes_what_new_connections_advertise() {
+    let verbs = FakeVerbs::new();
+    let _f = fabric_on(verbs.clone());
+    assert_eq!(verbs.port().lid, 0);
+    verbs.move_port(7, [0xBB; 16]);
+    assert_eq!(verbs.port().lid, 0, "nothing read before the event");
+    verbs.inject_event(DeviceEvent::LidChange { port: 1 });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while verbs.port().lid != 7 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the port is read again");
+    assert_eq!(verbs.port().gid, [0xBB; 16]);
 }

@@ -119,7 +119,14 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     /// with one fabric is not posted on another's queue pairs.
     fn device_id(&self) -> u64;
 
+    /// The port as new connections advertise it: read at open, read again by
+    /// `refresh_port` after an event that changes it.
     fn port(&self) -> PortInfo;
+
+    /// Reads the port's LID, GID (at the index chosen at open) and MTU again, after a
+    /// LID_CHANGE, GID_CHANGE or SM_CHANGE, so that new connections advertise what is true;
+    /// existing queue pairs keep the path they were connected with.
+    fn refresh_port(&self) -> Result<PortInfo, VerbsError>;
 
     /// The device's limits that a geometry can exceed (read when it opened).
     fn limits(&self) -> DeviceLimits;
@@ -135,8 +142,9 @@ pub trait Verbs: fmt::Debug + Send + Sync + 'static {
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<Self::Qp, VerbsError>;
 
     /// The device's next asynchronous event, waiting at most `wait` for one (acknowledged
-    /// before it is returned).
-    fn next_event(&self, wait: std::time::Duration) -> Option<DeviceEvent>;
+    /// before it is returned); `EventWait::Gone` once the device's event channel reports an
+    /// error (the device was removed or reset: `poll` says POLLERR at once, ever after).
+    fn next_event(&self, wait: std::time::Duration) -> EventWait;
 
     /// Moves the completions now in the completion queue into `out`, at most `max` of them
     /// (the rest wait for the next poll), so that a busy queue cannot keep the poller from
@@ -151,6 +159,12 @@ pub enum DeviceEvent {
     CqError,
     /// A queue pair hit an error no work completion reports.
     QpFatal { qpn: u32 },
+    /// A queue pair's peer sent a request it could not take (QP_REQ_ERR: a transport error
+    /// on the responder side); the queue pair is in ERROR.
+    QpRequestError { qpn: u32 },
+    /// A peer's request broke the queue pair's access rules (QP_ACCESS_ERR: a write outside
+    /// a registration or with a wrong key); the queue pair is in ERROR.
+    QpAccessError { qpn: u32 },
     /// The device failed: nothing on it works any more.
     DeviceFatal,
     /// A port went down.
@@ -159,11 +173,36 @@ pub enum DeviceEvent {
     PortActive { port: u32 },
     /// A port's GID table changed (an address moved).
     GidChange { port: u32 },
+    /// A port's LID changed (InfiniBand: the subnet manager gave it another).
+    LidChange { port: u32 },
+    /// A port's subnet manager changed (InfiniBand): LIDs may follow.
+    SmChange { port: u32 },
     /// Any other event, by its verbs number.
     Other(u32),
 }
 
+/// What waiting for the device's next asynchronous event gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventWait {
+    Event(DeviceEvent),
+    /// None came within the wait.
+    Quiet,
+    /// The event channel failed: the device is gone (removed, or reset after a fatal
+    /// error), and no event will come; why, for the log and for refusals.
+    Gone(String),
+}
+
 impl DeviceEvent {
+    /// The queue pair it puts in ERROR, and why, when it is about one.
+    pub fn broken_qp(&self) -> Option<(u32, &'static str)> {
+        match *self {
+            DeviceEvent::QpFatal { qpn } => Some((qpn, "QP_FATAL")),
+            DeviceEvent::QpRequestError { qpn } => Some((qpn, "QP_REQ_ERR")),
+            DeviceEvent::QpAccessError { qpn } => Some((qpn, "QP_ACCESS_ERR")),
+            _ => None,
+        }
+    }
+
     /// Why it breaks every connection and the fabric, when it does.
     pub fn fatal_to_the_device(&self) -> Option<&'static str> {
         match self {

@@ -181,6 +181,9 @@ pub(crate) enum WelcomeStatus {
     /// The sender's GID is of another kind than the receiver's (the welcome's `qp.gid_kind`
     /// says the receiver's).
     GidMismatch,
+    /// The receiver's device failed (a completion queue or device error, or the device was
+    /// removed): it takes no new senders.
+    DeviceUnusable,
     Unknown(u16),
 }
 
@@ -193,6 +196,7 @@ impl WelcomeStatus {
             WelcomeStatus::NoResources => 3,
             WelcomeStatus::Unauthorized => 4,
             WelcomeStatus::GidMismatch => 5,
+            WelcomeStatus::DeviceUnusable => 6,
             WelcomeStatus::Unknown(c) => c,
         }
     }
@@ -205,6 +209,7 @@ impl WelcomeStatus {
             3 => WelcomeStatus::NoResources,
             4 => WelcomeStatus::Unauthorized,
             5 => WelcomeStatus::GidMismatch,
+            6 => WelcomeStatus::DeviceUnusable,
             c => WelcomeStatus::Unknown(c),
         }
     }
