@@ -126,14 +126,21 @@ async fn all_ok(conn: &mut FabricConn, n: usize) -> usize {
     ok
 }
 
-/// An MTU cap on the receiver only: both queue pairs must run at it, or every chunk larger
-/// than one packet fails ("remote invalid request").
+/// An MTU cap on the receiver only, one step below the port's active MTU whatever it is (a
+/// cap at or above it would change nothing: RoCE behind a 1500-byte netdev runs at 1024):
+/// both queue pairs must run at it, or every chunk larger than one packet fails ("remote
+/// invalid request").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_mtu_cap_on_the_receiver_only() {
     let Some(tx) = open() else { return };
-    let Some(rx) = open_with(Some(PathMtu::Mtu1024)) else {
+    let active = tx.verbs().port().mtu;
+    let Some(cap) = PathMtu::from_code(active.saturating_sub(1)) else {
+        panic!("the port's active MTU (verbs code {active}) has no smaller MTU to cap at");
+    };
+    let Some(rx) = open_with(Some(cap)) else {
         return;
     };
+
     let mut listener = rx.expose("127.0.0.1:0", 8, 1 << 20).await.expect("expose");
     let staging = tx.allocate_staging(8, 1 << 20).expect("staging");
     let credential = attach(&listener, 0..8, 1);
