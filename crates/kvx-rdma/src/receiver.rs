@@ -260,7 +260,8 @@ impl<V: Verbs> Connection<V> {
     ) {
         let mut control = [0u8; CONTROL_LEN];
         let mut have = 0usize;
-        // Set when the device broke the connection: its completions will not come.
+        // Set when the device broke the connection so that its completions will not come (a
+        // completion queue or device failure; a failed queue pair's still do).
         let mut device_broke = false;
         let end = loop {
             tokio::select! {
@@ -274,8 +275,8 @@ impl<V: Verbs> Connection<V> {
                             RouteEvent::Wc(wc) => {
                                 self.on_wc(&mut qp, &mut posted, &wc, control_peer).err()
                             }
-                            RouteEvent::Broken(why) => {
-                                device_broke = true;
+                            RouteEvent::Broken { why, completions_follow } => {
+                                device_broke = !completions_follow;
                                 Some(why)
                             }
                         };
@@ -319,7 +320,7 @@ impl<V: Verbs> Connection<V> {
             self.drain(&mut wcs, posted, control_peer).await
         };
         if left > 0 && !device_broke {
-            warn!(peer = %self.peer, left, "rdma receives not drained within the fence timeout");
+            warn!(peer = %self.peer, left, "rdma receives not drained within half the fence timeout");
         }
         if let End::Fenced = end {
             let timeout = self.device.config.connect_timeout;
@@ -371,7 +372,7 @@ impl<V: Verbs> Connection<V> {
     }
 
     /// Takes the completions of the `posted` receives left after the queue pair went to
-    /// ERROR, announcing the writes that landed, for at most the fence timeout; returns how
+    /// ERROR, announcing the writes that landed, for at most half the fence timeout; returns how
     /// many did not come.
     async fn drain(
         &self,
@@ -379,11 +380,18 @@ impl<V: Verbs> Connection<V> {
         mut posted: u32,
         peer: PeerId,
     ) -> u32 {
-        let deadline = tokio::time::Instant::now() + self.device.config.fence_timeout;
+        // Half the fence timeout: the sender waits `fence_timeout` for `Fenced`, which is
+        // sent after the drain, so a slow drain still leaves time for the answer.
+        let deadline = tokio::time::Instant::now() + self.device.config.fence_timeout / 2;
         while posted > 0 {
             match tokio::time::timeout_at(deadline, wcs.recv()).await {
                 // The device broke the connection: its completions will not come.
-                Ok(Some(RouteEvent::Broken(_))) => break,
+                Ok(Some(RouteEvent::Broken {
+                    completions_follow: false,
+                    ..
+                })) => break,
+                // Its queue pair failed: the rest of its receives still complete.
+                Ok(Some(RouteEvent::Broken { .. })) => {}
                 Ok(Some(RouteEvent::Wc(wc))) => {
                     posted -= 1;
                     if let (WcStatus::Success, WcKind::RecvImm { imm, byte_len }) =

@@ -29,9 +29,14 @@ pub(crate) fn split(wr_id: u64) -> (u32, u32) {
 pub(crate) enum RouteEvent {
     /// One of its work completions.
     Wc(Wc),
-    /// The device broke the connection (a completion queue error, a fatal queue pair or
-    /// device error): its completions will not come.
-    Broken(String),
+    /// The device broke the connection, and why. `completions_follow`: its queue pair
+    /// failed (QP_FATAL and kin) but the completion queue works, so the queue pair's posted
+    /// work still completes (flushed, or landed before the error) and can be drained; not
+    /// after a completion queue or device failure, whose completions will not come.
+    Broken {
+        why: String,
+        completions_follow: bool,
+    },
 }
 
 /// The routes of one device.
@@ -105,7 +110,10 @@ impl Router {
     /// Breaks every route (the completion queue or the device failed).
     pub(crate) fn break_all(&self, why: &str) {
         for tx in self.table().by_key.values() {
-            let _ = tx.send(RouteEvent::Broken(why.to_owned()));
+            let _ = tx.send(RouteEvent::Broken {
+                why: why.to_owned(),
+                completions_follow: false,
+            });
         }
     }
 
@@ -115,7 +123,10 @@ impl Router {
         let Some(tx) = t.by_qpn.get(&qpn).and_then(|key| t.by_key.get(key)) else {
             return false;
         };
-        let _ = tx.send(RouteEvent::Broken(why.to_owned()));
+        let _ = tx.send(RouteEvent::Broken {
+            why: why.to_owned(),
+            completions_follow: true,
+        });
         true
     }
 
@@ -198,7 +209,7 @@ mod tests {
         router.dispatch(&[wc(a.wr_id(1)), wc(b.wr_id(7)), wc(a.wr_id(2))]);
         let seq = |e: RouteEvent| match e {
             RouteEvent::Wc(w) => split(w.wr_id).1,
-            RouteEvent::Broken(why) => panic!("broken: {why}"),
+            RouteEvent::Broken { why, .. } => panic!("broken: {why}"),
         };
         assert_eq!(ra.try_recv().map(seq), Ok(1));
         assert_eq!(ra.try_recv().map(seq), Ok(2));
@@ -228,10 +239,20 @@ mod tests {
         assert!(router.break_qp(0x102, "fatal"));
         assert!(!router.break_qp(0x999, "no such queue pair"));
         assert!(ra.try_recv().is_err());
-        assert_eq!(rb.try_recv(), Ok(RouteEvent::Broken("fatal".into())));
+        assert_eq!(
+            rb.try_recv(),
+            Ok(RouteEvent::Broken {
+                why: "fatal".into(),
+                completions_follow: true
+            })
+        );
         router.break_all("cq error");
-        assert_eq!(ra.try_recv(), Ok(RouteEvent::Broken("cq error".into())));
-        assert_eq!(rb.try_recv(), Ok(RouteEvent::Broken("cq error".into())));
+        let cq_error = RouteEvent::Broken {
+            why: "cq error".into(),
+            completions_follow: false,
+        };
+        assert_eq!(ra.try_recv(), Ok(cq_error.clone()));
+        assert_eq!(rb.try_recv(), Ok(cq_error));
         drop(b);
         assert!(!router.break_qp(0x102, "gone with its route"));
     }

@@ -239,7 +239,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
                 RouteEvent::Wc(wc) => self.engine.handle_wc(&wc),
                 // The device broke it: fence and flush as for a broken side channel (the
                 // flush completions may never come; `await_flushes` is bounded).
-                RouteEvent::Broken(why) => self.engine.handle_broken(why),
+                RouteEvent::Broken { why, .. } => self.engine.handle_broken(why),
             }
             next = self.wcs.try_recv().ok();
         }

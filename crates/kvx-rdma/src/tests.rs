@@ -556,3 +556,43 @@ async fn closed_within(sockets: &mut [tokio::net::TcpStream], wait: Duration) ->
     }
     closed
 }
+
+/// A queue pair's fatal error (QP_FATAL) still lets the receiver drain its receive queue: the
+/// completion queue works, so every write the sender saw succeed before the error is
+/// announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_queue_pair_still_announces_the_writes_that_landed_before_it() {
+    let sender_nic = FakeVerbs::new();
+    let receiver_nic = sender_nic.another_device();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
+    let mut listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let staging = tx.allocate_staging(4, 1024).expect("staging");
+    let credential = attach(&listener, 0..4, 1);
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    receiver_nic.hold_completions(true);
+    for i in 0..4 {
+        conn.post(write(i, i as u32, 1)).expect("post");
+    }
+    let done = completions(&mut conn, 4).await;
+    assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+    // The receiver's queue pair fails with the four receive completions still queued.
+    let receiving_qpn = receiver_nic.qpns()[0];
+    receiver_nic.inject_event(crate::verbs::DeviceEvent::QpFatal { qpn: receiving_qpn });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    receiver_nic.hold_completions(false);
+    for slot in 0..4 {
+        let landed = tokio::time::timeout(STEP, listener.landed.recv())
+            .await
+            .expect("every write that landed is announced")
+            .expect("open");
+        assert_eq!(landed.slot, SlotIndex(slot));
+    }
+}
