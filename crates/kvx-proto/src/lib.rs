@@ -31,6 +31,8 @@ macro_rules! broken_variant {
 }
 
 pub mod admission;
+#[cfg(feature = "testing")]
+mod canon;
 pub mod config;
 pub mod ids;
 pub mod proxy;
