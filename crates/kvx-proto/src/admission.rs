@@ -433,7 +433,7 @@ impl Admission {
     /// The explorer's canonical encoding (feature `testing`); capacity and queue bound are
     /// fixed by the configuration.
     #[cfg(feature = "testing")]
-    pub(crate) fn canon(&self, enc: &mut crate::testing::Canon) {
+    pub(crate) fn canon(&self, enc: &mut crate::canon::Canon) {
         enc.u(u64::from(self.reserved));
         enc.u(u64::from(self.pinned));
         enc.len(self.waiting.len());

@@ -14,6 +14,8 @@
 //! - `rng`: `SeededRng`, the deterministic generator of whatever kvx draws from a seed (the
 //!   harness, the simulation, the demo's workload); the core itself draws nothing.
 //! - `testing` (feature): `Cluster`, a synchronous harness with virtual time.
+//! - `canon` (feature `testing`): `Canon`, the explorer's canonical encoding of a state, which
+//!   each core type above writes its own fields into.
 //! - `broken_variants` (feature, simulation only): deliberately broken behaviours.
 
 #![warn(missing_docs)]
@@ -31,6 +33,8 @@ macro_rules! broken_variant {
 }
 
 pub mod admission;
+#[cfg(feature = "testing")]
+mod canon;
 pub mod config;
 pub mod ids;
 pub mod proxy;

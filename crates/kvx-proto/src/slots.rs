@@ -308,7 +308,7 @@ impl SlotTable {
     /// The explorer's canonical encoding (feature `testing`), first part: each slot's current
     /// generation for the encoder, and the free stack in order (`grant` takes its top).
     #[cfg(feature = "testing")]
-    pub(crate) fn canon_free(&self, enc: &mut crate::testing::Canon) {
+    pub(crate) fn canon_free(&self, enc: &mut crate::canon::Canon) {
         let free = |(s, g): (&SlotState, &u32)| (*s != SlotState::Free).then_some(*g);
         enc.set_generations(self.state.iter().zip(&self.generation).map(free));
         enc.len(self.free.len());
@@ -319,7 +319,7 @@ impl SlotTable {
     /// queue (entries already cleared included: they still set `next_deadline`), then each
     /// slot's state in the order of its name. The counters follow from the states.
     #[cfg(feature = "testing")]
-    pub(crate) fn canon_rest(&self, enc: &mut crate::testing::Canon) {
+    pub(crate) fn canon_rest(&self, enc: &mut crate::canon::Canon) {
         enc.len(self.quarantine.len());
         for &(until, slot, generation) in &self.quarantine {
             enc.time(until);

@@ -27,6 +27,8 @@
 //!   `unsafe`, but for two calls in `ibv` that sideway does not wrap: the fork query
 //!   (`ibv_is_fork_initialized`) and the event reader (`ibv_get_async_event`).
 //! - `verbs_error`: `VerbsError`, a failed verbs call (a leaf under `verbs` and `memory`).
+//! - `remote_access`: `RemoteAccess`, what a peer may do to a region or queue pair (a leaf
+//!   under `verbs` and `memory`).
 //! - `wire`: the side channel's frames (hello, welcome, fence), `Geometry` and `GidKind`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
 //!   bounded reads and writes of its frames.
@@ -48,6 +50,7 @@ mod limits;
 mod link;
 mod memory;
 mod receiver;
+mod remote_access;
 mod route;
 mod sender;
 pub mod verbs;

@@ -155,7 +155,7 @@ mod ibv {
     use sideway::ibverbs::AccessFlags;
 
     use super::{MrKeys, RdmaMemory};
-    use crate::verbs::RemoteAccess;
+    use crate::remote_access::RemoteAccess;
     use crate::verbs_error::VerbsError;
 
     impl RdmaMemory {

@@ -16,9 +16,11 @@ use crate::memory::RdmaMemory;
 use crate::wire::{GidKind, QpAddr};
 
 // The seam's vocabulary, defined where `memory` can import it without importing this module
-// (which names `RdmaMemory`): `MrKeys` beside the memory that keeps them, `VerbsError` in a leaf.
+// (which names `RdmaMemory`): `MrKeys` beside the memory that keeps them, `VerbsError` and
+// `RemoteAccess` in leaves.
 pub use crate::limits::DeviceLimits;
 pub use crate::memory::MrKeys;
+pub use crate::remote_access::RemoteAccess;
 pub use crate::verbs_error::VerbsError;
 
 /// How a work request ended.
@@ -219,16 +221,6 @@ pub struct RtrParams {
     pub remote: QpAddr,
     /// Path MTU, as the verbs code.
     pub mtu: u8,
-}
-
-/// What a peer may do to this side's memory and queue pair: least privilege, so that a
-/// peer — or a bug — can write nothing but a receiver's buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemoteAccess {
-    /// Nothing: a sender's staging (the NIC only reads it for its own writes) and queue pair.
-    None,
-    /// RDMA WRITE: a receiver's buffer and queue pair.
-    Write,
 }
 
 /// A state change of a queue pair.

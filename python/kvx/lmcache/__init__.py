@@ -10,8 +10,9 @@ LMCache's own ``pd_*`` configuration keys keep their meaning; kvx's own settings
 
 Map:
 
-- ``context.py``: ``install``/``uninstall``, and ``transfer(spec)``: which request a staging
-  allocation is for (LMCache's ``allocate`` does not say; its ``store`` does).
+- ``switch.py``: ``install``/``uninstall``, which put kvx's backend in LMCache.
+- ``context.py``: ``transfer(spec)``: which request a staging allocation is for (LMCache's
+  ``allocate`` does not say; its ``store`` does).
 - ``settings.py``: the configuration, read and checked (errors name the key).
 - ``backend.py``: ``KvxPDBackend``, the class LMCache builds.
 - ``sender.py`` / ``receiver.py``: the prefill and decode sides.
@@ -21,8 +22,9 @@ Requires ``lmcache`` and ``torch`` (not dependencies of ``kvx`` itself).
 """
 
 from .backend import KvxPDBackend
-from .context import current_transfer, install, installed, transfer, uninstall
+from .context import current_transfer, transfer
 from .settings import KVX_EXTRA_KEYS, ConfigError, KvxPDSettings
+from .switch import install, installed, uninstall
 
 __all__ = [
     "KVX_EXTRA_KEYS",

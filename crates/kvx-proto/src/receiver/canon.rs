@@ -1,5 +1,5 @@
 //! The receiver's hooks for the explorer (feature `testing`): its canonical encoding (see
-//! `testing/explore/canon.rs` for what is renamed and why that is sound), and two questions
+//! the crate's `canon.rs` for what is renamed and why that is sound), and two questions
 //! the explorer's world asks of it.
 //!
 //! Left out, because no later step reads them: `cfg` (fixed), `stats`, `next_ticket` (it only
@@ -9,8 +9,8 @@
 //! are written all the same.
 
 use super::{Phase, ReceiverLedger};
+use crate::canon::Canon;
 use crate::ids::ReqKey;
-use crate::testing::Canon;
 
 impl ReceiverLedger {
     /// Whether `key` is ready to be consumed (the decoder's acquire would succeed).

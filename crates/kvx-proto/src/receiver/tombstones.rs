@@ -90,7 +90,7 @@ impl Tombstones {
     /// batch's refusal quotes one only as text (`Failure::AlreadyEnded`), which its sender
     /// only words its failure with.
     #[cfg(feature = "testing")]
-    pub(crate) fn canon(&self, enc: &mut crate::testing::Canon) {
+    pub(crate) fn canon(&self, enc: &mut crate::canon::Canon) {
         enc.len(self.ended.len());
         for (key, (at, _)) in &self.ended {
             enc.u(key.peer.0);

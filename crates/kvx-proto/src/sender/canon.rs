@@ -1,5 +1,5 @@
 //! The sender's canonical encoding for the explorer (feature `testing`; see
-//! `testing/explore/canon.rs` for what is renamed and why that is sound).
+//! the crate's `canon.rs` for what is renamed and why that is sound).
 //!
 //! Left out, because no later step reads them: `cfg` (fixed), `stats`, `next_write` and
 //! `next_seq` (they only hand out fresh values; the encoder renames the live ones by rank),
@@ -10,8 +10,8 @@
 
 use super::channel::Kind;
 use super::{SenderFlow, State};
+use crate::canon::Canon;
 use crate::ids::ReqId;
-use crate::testing::Canon;
 
 impl SenderFlow {
     /// Whether a cancel of `req_id` would do anything: it is tracked and not failing yet.

@@ -80,7 +80,7 @@ impl StagingPool {
 
     /// The free stack in order (the explorer's canonical encoding, feature `testing`).
     #[cfg(feature = "testing")]
-    pub(crate) fn canon_free(&self, enc: &mut crate::testing::Canon) {
+    pub(crate) fn canon_free(&self, enc: &mut crate::canon::Canon) {
         enc.len(self.free.len());
         self.free.iter().for_each(|&s| enc.staging(s));
     }

@@ -24,7 +24,6 @@ mod workload;
 
 pub use checker::Violation;
 pub use cluster::{Cluster, End, PlanReport, Report, Stuck};
-pub(crate) use explore::Canon;
 pub use explore::{
     check_abstraction, explore, explore_from, explore_shares, AbstractionCheck, Exploration, Order,
     SharesPlan,

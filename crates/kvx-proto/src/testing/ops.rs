@@ -17,7 +17,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use super::checker::Checker;
-use super::Canon;
+use crate::canon::Canon;
 use crate::config::{ReceiverConfig, SenderConfig};
 use crate::ids::StagingSlot;
 use crate::ids::{PeerId, ReqId, ReqKey};
@@ -348,7 +348,7 @@ impl OpWorld {
         events
     }
 
-    /// The explorer's canonical encoding of the world (`explore/canon.rs`). Left out: `now`
+    /// The explorer's canonical encoding of the world (`canon.rs`). Left out: `now`
     /// (every time is written relative to it); `begun` (the explorer's position in its plan,
     /// which it hashes itself); the checker (its violations are empty, or `check` panicked,
     /// and `writes_landed` is read only by `Cluster`'s delivery check, never here); and

@@ -17,7 +17,6 @@
 //! - `reference.rs`: `check_abstraction`, the encoding checked against the whole state.
 //! - `shares.rs`: `explore_shares`, admission alone where shares bind, with liveness.
 
-mod canon;
 mod reference;
 mod shares;
 
@@ -25,12 +24,12 @@ use std::collections::{HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
-pub(crate) use canon::Canon;
 pub use reference::{check_abstraction, AbstractionCheck};
 pub use shares::{explore_shares, SharesPlan};
 
 use super::ops::{Event, OpWorld};
 use super::panic_text;
+use crate::canon::Canon;
 
 /// What an exploration covered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

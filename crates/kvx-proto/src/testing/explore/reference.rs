@@ -14,7 +14,8 @@ use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
-use super::{explore_from, Canon, Order};
+use super::{explore_from, Order};
+use crate::canon::Canon;
 use crate::testing::ops::{Event, OpWorld};
 
 /// What [`check_abstraction`] found.
