@@ -45,23 +45,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use crypto_box::aead::rand_core::RngCore;
-use crypto_box::aead::{AeadInPlace, OsRng};
-use crypto_box::{PublicKey, SalsaBox, SecretKey};
+use crypto_box::aead::OsRng;
+use crypto_box::SecretKey;
 use crypto_secretbox::{KeyInit, XSalsa20Poly1305};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
+pub use super::curve_box::KEY_BYTES;
+use super::curve_box::{nonce, open, random, salsa, seal, short_nonce, CurveRx, CurveTx, TAG};
+use super::frames::command_frame;
 use super::z85;
 use super::zmtp::{self, FrameReader, HandshakeError};
-
-/// Bytes of a CURVE key, public or secret.
-pub const KEY_BYTES: usize = 32;
-
-/// The bytes a MESSAGE command adds to a frame: `\x07MESSAGE`, the 8-byte nonce, the 16-byte
-/// tag and the flags byte.
-pub(super) const MESSAGE_OVERHEAD: usize = 8 + 8 + 16 + 1;
-
-const TAG: usize = 16;
 
 /// A public key as it may appear in a log line: the first 8 of its 40 Z85 characters.
 pub fn fingerprint(public: &[u8; KEY_BYTES]) -> String {
@@ -350,173 +343,12 @@ fn cut(line: &str) -> String {
 // ---------------------------------------------------------------------------------------
 // The handshake
 
-fn nonce(prefix: &[u8], tail: &[u8]) -> [u8; 24] {
-    debug_assert_eq!(prefix.len() + tail.len(), 24);
-    let mut n = [0u8; 24];
-    n[..prefix.len()].copy_from_slice(prefix);
-    n[prefix.len()..].copy_from_slice(tail);
-    n
-}
-
-/// Appends Box[`plain`] (tag, then ciphertext) to `out`.
-fn seal<A: AeadInPlace>(cipher: &A, nonce: &[u8; 24], plain: &[u8], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.extend_from_slice(&[0u8; TAG]);
-    out.extend_from_slice(plain);
-    let tag = cipher
-        .encrypt_in_place_detached(
-            crypto_box::aead::Nonce::<A>::from_slice(nonce),
-            b"",
-            &mut out[start + TAG..],
-        )
-        .expect("invariant: XSalsa20-Poly1305 seals any length without associated data");
-    out[start..start + TAG].copy_from_slice(&tag);
-}
-
-/// The plaintext of `boxed` (tag, then ciphertext); `None` when it does not authenticate.
-fn open<A: AeadInPlace>(cipher: &A, nonce: &[u8; 24], boxed: &[u8]) -> Option<Vec<u8>> {
-    let (tag, sealed) = (boxed.get(..TAG)?, boxed.get(TAG..)?);
-    let mut plain = sealed.to_vec();
-    cipher
-        .decrypt_in_place_detached(
-            crypto_box::aead::Nonce::<A>::from_slice(nonce),
-            b"",
-            &mut plain,
-            crypto_box::aead::Tag::<A>::from_slice(tag),
-        )
-        .ok()?;
-    Some(plain)
-}
-
-fn salsa(public: &[u8; KEY_BYTES], secret: &SecretKey) -> SalsaBox {
-    SalsaBox::new(&PublicKey::from_bytes(*public), secret)
-}
-
-fn random<const N: usize>() -> [u8; N] {
-    let mut b = [0u8; N];
-    OsRng.fill_bytes(&mut b);
-    b
-}
-
 fn refused(why: impl Into<String>) -> HandshakeError {
     HandshakeError::Unauthenticated(why.into())
 }
 
 fn failed(e: io::Error) -> HandshakeError {
     HandshakeError::Failed(e.to_string())
-}
-
-fn short_nonce(bytes: &[u8]) -> u64 {
-    u64::from_be_bytes(bytes.try_into().expect("invariant: 8 bytes"))
-}
-
-/// The sending half of a connection's boxes: the key shared by the two short-term keys and
-/// the next short nonce.
-pub(super) struct CurveTx {
-    cipher: SalsaBox,
-    prefix: &'static [u8; 16],
-    next: u64,
-}
-
-impl fmt::Debug for CurveTx {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CurveTx")
-            .field("next", &self.next)
-            .finish_non_exhaustive()
-    }
-}
-
-impl CurveTx {
-    fn take_nonce(&mut self) -> [u8; 8] {
-        let n = self.next;
-        // 2^64 boxes are never sent; a wrapped counter would reuse nonces, so it stops there.
-        self.next = n.checked_add(1).expect("CURVE nonce space exhausted");
-        n.to_be_bytes()
-    }
-
-    /// Appends one frame as a MESSAGE command (itself one ZMTP frame without flags): `more`
-    /// is the frame's MORE bit, carried inside the box.
-    pub(super) fn message(&mut self, more: bool, frame: &[u8], out: &mut Vec<u8>) {
-        let len = MESSAGE_OVERHEAD + frame.len();
-        if len < 256 {
-            out.extend_from_slice(&[0, len as u8]);
-        } else {
-            out.push(zmtp::LONG);
-            out.extend_from_slice(&(len as u64).to_be_bytes());
-        }
-        let short = self.take_nonce();
-        out.extend_from_slice(b"\x07MESSAGE");
-        out.extend_from_slice(&short);
-        let start = out.len();
-        out.extend_from_slice(&[0u8; TAG]);
-        out.push(u8::from(more));
-        out.extend_from_slice(frame);
-        let tag = self
-            .cipher
-            .encrypt_in_place_detached(
-                (&nonce(self.prefix, &short)).into(),
-                b"",
-                &mut out[start + TAG..],
-            )
-            .expect("invariant: XSalsa20-Poly1305 seals any length without associated data");
-        out[start..start + TAG].copy_from_slice(&tag);
-    }
-
-    /// The server's READY command: `metadata` in a box, as one command frame.
-    fn ready(&mut self, metadata: &[u8]) -> Vec<u8> {
-        let short = self.take_nonce();
-        let mut body = b"\x05READY".to_vec();
-        body.extend_from_slice(&short);
-        seal(
-            &self.cipher,
-            &nonce(b"CurveZMQREADY---", &short),
-            metadata,
-            &mut body,
-        );
-        zmtp::command_frame(&body)
-    }
-}
-
-/// The receiving half: the shared key and the last short nonce heard.
-pub(super) struct CurveRx {
-    cipher: SalsaBox,
-    prefix: &'static [u8; 16],
-    last: u64,
-}
-
-impl fmt::Debug for CurveRx {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CurveRx")
-            .field("last", &self.last)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Why a MESSAGE command was refused: the connection cannot be trusted past it.
-pub(super) fn unauthentic(why: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::PermissionDenied, format!("CURVE: {why}"))
-}
-
-impl CurveRx {
-    /// A MESSAGE command's flags byte and frame; an error (`PermissionDenied`) for anything
-    /// else, a nonce not above the last, or a box that does not open.
-    pub(super) fn open(&mut self, command: &[u8]) -> io::Result<(u8, Bytes)> {
-        if command.len() < MESSAGE_OVERHEAD || !command.starts_with(b"\x07MESSAGE") {
-            return Err(unauthentic("a frame that is no MESSAGE command"));
-        }
-        let short = &command[8..16];
-        let n = short_nonce(short);
-        if n <= self.last {
-            return Err(unauthentic(
-                "a MESSAGE nonce not above the last (a replay?)",
-            ));
-        }
-        let plain = open(&self.cipher, &nonce(self.prefix, short), &command[16..])
-            .ok_or_else(|| unauthentic("a MESSAGE box that does not authenticate"))?;
-        self.last = n;
-        let (&flags, frame) = plain.split_first().expect("invariant: the flags byte");
-        Ok((flags, Bytes::copy_from_slice(frame)))
-    }
 }
 
 /// The properties of a metadata block (`name-len name value-len value`…), as in READY.
@@ -556,7 +388,7 @@ where
     );
     debug_assert_eq!(hello.len(), 200);
     writer
-        .write_all(&zmtp::command_frame(&hello))
+        .write_all(&command_frame(&hello))
         .await
         .map_err(failed)?;
 
@@ -608,7 +440,7 @@ where
         &mut initiate,
     );
     writer
-        .write_all(&zmtp::command_frame(&initiate))
+        .write_all(&command_frame(&initiate))
         .await
         .map_err(failed)?;
 
@@ -714,7 +546,7 @@ where
     );
     debug_assert_eq!(welcome.len(), 168);
     writer
-        .write_all(&zmtp::command_frame(&welcome))
+        .write_all(&command_frame(&welcome))
         .await
         .map_err(failed)?;
 
@@ -779,11 +611,6 @@ where
     })
 }
 
-/// The server's READY, answering an `Accepted` client.
-pub(super) fn ready(tx: &mut CurveTx, metadata: &[u8]) -> Vec<u8> {
-    tx.ready(metadata)
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -791,7 +618,9 @@ mod tests {
     use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 
     use super::*;
-    use crate::zmq::zmtp::{Handshaken, Incoming, ReadLimits, Sealer};
+    use crate::zmq::frames::error_command;
+    use crate::zmq::handshake::{handshake, handshake_server, Handshaken};
+    use crate::zmq::zmtp::{Incoming, ReadLimits, Sealer};
 
     type Reader = FrameReader<ReadHalf<DuplexStream>>;
     type Writer = WriteHalf<DuplexStream>;
@@ -827,7 +656,7 @@ mod tests {
         let ((mut sr, mut sw), (mut cr, mut cw)) = ends();
         let serving = async {
             let curve = server.as_ref().map(|(k, a)| (k, a));
-            let got = zmtp::handshake_server(&mut sr, &mut sw, "ROUTER", &["DEALER"], curve).await;
+            let got = handshake_server(&mut sr, &mut sw, "ROUTER", &["DEALER"], curve).await;
             match got {
                 Ok(mut h) => {
                     sw.write_all(&h.sealer.ready("ROUTER"))
@@ -836,7 +665,7 @@ mod tests {
                     Ok(h)
                 }
                 Err(e) => {
-                    sw.write_all(&zmtp::error_command(&e.to_string()))
+                    sw.write_all(&error_command(&e.to_string()))
                         .await
                         .expect("write");
                     Err(e)
@@ -845,7 +674,7 @@ mod tests {
         };
         let connecting = async {
             let curve = client.as_ref().map(|(k, s)| (k, s));
-            zmtp::handshake(
+            handshake(
                 &mut cr,
                 &mut cw,
                 "DEALER",

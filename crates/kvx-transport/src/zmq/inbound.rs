@@ -110,7 +110,8 @@ pub(super) async fn read_mapped<R: AsyncRead + Unpin>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::zmtp::{encode_message, FrameReader, Incoming, ReadLimits};
+    use super::super::frames::encode_message;
+    use super::super::zmtp::{FrameReader, Incoming, ReadLimits};
     use super::*;
     use std::time::Duration;
 

@@ -31,6 +31,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::conn::watch_liveness;
+use super::handshake::handshake;
 use super::zmtp::{self, FrameReader, ReadLimits, Sealer};
 use super::{bad_endpoint, bump, worth_logging, Shared};
 
@@ -185,7 +186,7 @@ async fn open_unbounded(
         .curve
         .as_ref()
         .and_then(|c| Some((&c.keys, c.server_key.as_ref()?)));
-    let (_, sealer) = zmtp::handshake(
+    let (_, sealer) = handshake(
         &mut reader,
         &mut writer,
         role.ours,

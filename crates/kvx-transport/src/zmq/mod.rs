@@ -25,11 +25,19 @@
 //!   CURVE servers with an allow-list of client keys, connecting sockets as CURVE clients;
 //!   `ZmqTransport::peer_public_key` names the client key each ROUTER peer proved
 //!   (`docs/spec/zmq.md` §9).
+//!
+//! The layers, each using only those below it: `frames` (writing frames) → `curve_box`
+//! (CURVE's MESSAGE boxes) → `zmtp` (greeting, READY, the frame reader, the `Sealer`) →
+//! `curve` (the CURVE handshake) → `handshake` (a connection's handshake, NULL or CURVE) →
+//! the sockets (`server`, `dealer`, `push`, `link`, `conn`).
 
 mod conn;
 mod curve;
+mod curve_box;
 mod dealer;
+mod frames;
 mod framing;
+mod handshake;
 mod inbound;
 mod link;
 mod peers;

@@ -25,7 +25,9 @@ use tokio::sync::mpsc;
 use super::inbound::InboundBudget;
 
 use super::conn::{next_message, watch_liveness, AbortOnDrop};
-use super::zmtp::{self, FrameReader, HandshakeError, Handshaken, ReadLimits, Sealer};
+use super::frames::error_command;
+use super::handshake::{handshake_server, Handshaken};
+use super::zmtp::{FrameReader, HandshakeError, ReadLimits, Sealer};
 use super::{bump, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
@@ -131,7 +133,7 @@ async fn handshake(
         .curve
         .as_ref()
         .and_then(|c| Some((&c.keys, c.allowed_clients.as_ref()?)));
-    let handshake = zmtp::handshake_server(reader, writer, ours, peers, curve);
+    let handshake = handshake_server(reader, writer, ours, peers, curve);
     let why = match tokio::time::timeout(bound, handshake).await {
         Ok(Ok(handshaken)) => return Some(handshaken),
         Ok(Err(why @ (HandshakeError::Unauthenticated(_) | HandshakeError::NotAllowed(_)))) => {
@@ -178,7 +180,7 @@ async fn accept(
 /// `handshake_timeout`, and best effort: a peer that does not read it is closed all the same.
 async fn refuse(shared: &Shared, writer: &mut OwnedWriteHalf, reason: &str) {
     use tokio::io::AsyncWriteExt;
-    let error = zmtp::error_command(reason);
+    let error = error_command(reason);
     let bound = shared.config.handshake_timeout;
     let _ = tokio::time::timeout(bound, async {
         writer.write_all(&error).await?;

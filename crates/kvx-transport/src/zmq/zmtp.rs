@@ -18,17 +18,14 @@ use std::io;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::curve::{self, CurveKeyPair, CurveRx, CurveTx, MESSAGE_OVERHEAD};
+use super::curve_box::{CurveRx, CurveTx, MESSAGE_OVERHEAD};
+use super::frames::{command_frame, encode_message, COMMAND, LONG, MORE};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::inbound::{read_mapped, InboundBudget};
 use super::PeerBytes;
-
-const MORE: u8 = 0x01;
-pub(super) const LONG: u8 = 0x02;
-const COMMAND: u8 = 0x04;
 
 /// The most frames of one message that are buffered. No shape kvx accepts has more than
 /// three; without a limit, a peer sending frames with MORE set forever would grow one message
@@ -525,58 +522,13 @@ impl Sealer {
     pub(super) fn ready(&mut self, ours: &str) -> Vec<u8> {
         match self {
             Self::Null => ready(ours, None),
-            Self::Curve(tx) => curve::ready(tx, &metadata(ours, None)),
+            Self::Curve(tx) => tx.ready(&metadata(ours, None)),
         }
     }
 }
 
 fn invalid(why: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why)
-}
-
-/// Appends `frames` as one message to `out`: MORE on all but the last, long frames from 256
-/// bytes, as libzmq frames them.
-pub(super) fn encode_message(frames: &[&[u8]], out: &mut Vec<u8>) {
-    for (i, frame) in frames.iter().enumerate() {
-        let more = if i + 1 < frames.len() { MORE } else { 0 };
-        if frame.len() < 256 {
-            out.extend_from_slice(&[more, frame.len() as u8]);
-        } else {
-            out.push(more | LONG);
-            out.extend_from_slice(&(frame.len() as u64).to_be_bytes());
-        }
-        out.extend_from_slice(frame);
-    }
-}
-
-/// An ERROR command (RFC 23: `command-size %d5 "ERROR" error-reason`), which a server sends
-/// instead of its READY to refuse the peer, with `reason` (cut to the 255 bytes the reason
-/// may have, at a character boundary).
-pub(super) fn error_command(reason: &str) -> Vec<u8> {
-    let mut cut = reason.len().min(255);
-    while !reason.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let reason = &reason.as_bytes()[..cut];
-    let mut body = Vec::with_capacity(reason.len() + 7);
-    body.push(5);
-    body.extend_from_slice(b"ERROR");
-    body.push(reason.len() as u8);
-    body.extend_from_slice(reason);
-    command_frame(&body)
-}
-
-/// `body` as one command frame: short below 256 bytes, long from there.
-pub(super) fn command_frame(body: &[u8]) -> Vec<u8> {
-    let mut frame = Vec::with_capacity(body.len() + 9);
-    if body.len() < 256 {
-        frame.extend_from_slice(&[COMMAND, body.len() as u8]);
-    } else {
-        frame.push(COMMAND | LONG);
-        frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
-    }
-    frame.extend_from_slice(body);
-    frame
 }
 
 /// The reason of an ERROR command body, if `body` is one (escaped: it is the peer's text).
@@ -626,139 +578,12 @@ pub(super) fn refused_by_peer(body: &[u8]) -> Result<(), HandshakeError> {
     }
 }
 
-/// A CURVE client's keys: its own pair and the server's public key.
-pub(super) type ClientCurve<'a> = Option<(&'a CurveKeyPair, &'a [u8; curve::KEY_BYTES])>;
-
-/// A CURVE server's keys: its own pair and the client keys it accepts.
-pub(super) type ServerCurve<'a> = Option<(&'a CurveKeyPair, &'a curve::AllowList)>;
-
-/// What a bound socket's handshake established (`handshake_server`).
-#[derive(Debug)]
-pub(super) struct Handshaken {
-    /// The peer's READY properties (under CURVE, from its INITIATE).
-    pub(super) props: Vec<(String, Bytes)>,
-    /// How this connection writes; its first use is the READY accepting the peer.
-    pub(super) sealer: Sealer,
-    /// The client's long-term public key, under CURVE.
-    pub(super) client_key: Option<[u8; curve::KEY_BYTES]>,
-}
-
-/// The handshake of a connecting socket of type `ours` (with `identity` in its READY, for a
-/// DEALER): our greeting and READY out, the peer's checked (greeting, then READY with a
-/// `Socket-Type` in `peers`). Under CURVE (`curve` set), the greeting names CURVE and READY
-/// is CURVE's handshake (`curve::client`). Returns the peer's READY properties and how to
-/// write to it; `Refused` when the peer answered with ERROR. The caller bounds it in time.
-pub(super) async fn handshake<R, W>(
-    reader: &mut FrameReader<R>,
-    writer: &mut W,
-    ours: &str,
-    identity: Option<&[u8]>,
-    peers: &[&str],
-    curve: ClientCurve<'_>,
-) -> Result<(Vec<(String, Bytes)>, Sealer), HandshakeError>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    let Some((keys, server)) = curve else {
-        let mut hello = greeting(NULL, false).to_vec();
-        hello.extend_from_slice(&ready(ours, identity));
-        writer.write_all(&hello).await.map_err(failed)?;
-        let greeting = reader.greeting().await.map_err(failed)?;
-        check_greeting(&greeting, NULL)?;
-        let props = peer_ready(reader).await?;
-        check_socket_type(&props, ours, peers)?;
-        return Ok((props, Sealer::Null));
-    };
-    writer
-        .write_all(&greeting(CURVE, false))
-        .await
-        .map_err(failed)?;
-    let greeting = reader.greeting().await.map_err(failed)?;
-    check_greeting(&greeting, CURVE)?;
-    let (props, tx) =
-        curve::client(reader, writer, keys, server, &metadata(ours, identity)).await?;
-    check_socket_type(&props, ours, peers)?;
-    Ok((props, Sealer::Curve(tx)))
-}
-
-/// The first half of a bound socket's handshake: our greeting out, then the peer's greeting
-/// and READY in and checked, as in `handshake` (under CURVE, `curve::server` up to and
-/// including the allow-list). Our READY waits for the caller's verdict on the peer's
-/// properties: it sends it (`Sealer::ready`) to accept the peer, or an ERROR
-/// (`error_command`) to refuse it with a reason the peer can report. ZMTP lets a server
-/// answer after the client's READY: a client sends its READY without waiting for ours.
-pub(super) async fn handshake_server<R, W>(
-    reader: &mut FrameReader<R>,
-    writer: &mut W,
-    ours: &str,
-    peers: &[&str],
-    curve: ServerCurve<'_>,
-) -> Result<Handshaken, HandshakeError>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    let mechanism = if curve.is_some() { CURVE } else { NULL };
-    writer
-        .write_all(&greeting(mechanism, curve.is_some()))
-        .await
-        .map_err(failed)?;
-    let greeting = reader.greeting().await.map_err(failed)?;
-    check_greeting(&greeting, mechanism)?;
-    let Some((keys, allowed)) = curve else {
-        let props = peer_ready(reader).await?;
-        check_socket_type(&props, ours, peers)?;
-        return Ok(Handshaken {
-            props,
-            sealer: Sealer::Null,
-            client_key: None,
-        });
-    };
-    let accepted = curve::server(reader, writer, keys, allowed).await?;
-    check_socket_type(&accepted.props, ours, peers)?;
-    Ok(Handshaken {
-        props: accepted.props,
-        sealer: Sealer::Curve(accepted.tx),
-        client_key: Some(accepted.client_key),
-    })
-}
-
-/// The peer's READY (NULL mechanism); its properties.
-async fn peer_ready<R: AsyncRead + Unpin>(
-    reader: &mut FrameReader<R>,
-) -> Result<Vec<(String, Bytes)>, HandshakeError> {
-    let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
-    let body = reader.handshake_command().await.map_err(failed)?;
-    refused_by_peer(&body)?;
-    parse_ready(&body).map_err(HandshakeError::Failed)
-}
-
-/// Checks that the peer's `Socket-Type` is one of `peers`.
-fn check_socket_type(
-    props: &[(String, Bytes)],
-    ours: &str,
-    peers: &[&str],
-) -> Result<(), HandshakeError> {
-    let kind = props
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case("Socket-Type"))
-        .map(|(_, v)| v.clone())
-        .unwrap_or_default();
-    if !peers.iter().any(|p| p.as_bytes() == kind) {
-        return Err(HandshakeError::Failed(format!(
-            "a {} socket cannot talk to a {ours}",
-            PeerBytes(&kind)
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    use crate::zmq::frames::{encode_message, error_command, COMMAND, LONG, MORE};
 
     fn limits(max: usize, refuse: usize) -> ReadLimits {
         ReadLimits {
