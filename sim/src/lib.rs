@@ -14,8 +14,8 @@
 //!   verdicts per request (exactly-once ends, bytes read back, liveness).
 //! - `commands`: what the router and the run hand a node's application (jobs, verdicts,
 //!   queries), and each node's channel.
-//! - `net::state`, `fabric::state` (over `fabric::memory`): the transport's and the fabric's
-//!   tables, and what a break does to them.
+//! - `tables`: the transport's and the fabric's tables (`tables::net`, `tables::fabric`, over
+//!   `tables::memory`, a node's registered memory), and what a break does to them.
 //! - `world`: the shared simulated world (nodes, faults, latency model, those tables, the
 //!   checker, outcomes, channels, trace) and the faults' effect on connections.
 //! - `net`: `SimTransport` — ZMQ-over-TCP ordering: FIFO per connection, loss only on a break.
@@ -43,6 +43,7 @@ pub mod outcomes;
 pub mod plan;
 pub mod router;
 pub mod run;
+pub mod tables;
 pub mod trace;
 pub mod world;
 

@@ -1,6 +1,6 @@
 //! The simulated world that every node shares: which nodes are up, the network's faults and
-//! latency model, the transport's and fabric's connection tables (`net::state`,
-//! `fabric::state`), each node's command channel, the checker, the request outcomes and the
+//! latency model, the transport's and fabric's connection tables (`tables::net`,
+//! `tables::fabric`), each node's command channel, the checker, the request outcomes and the
 //! trace. One lock; nothing awaits while holding it (madsim runs one task
 //! at a time, so the lock never contends — it only keeps the code safe Rust).
 //!
@@ -21,9 +21,9 @@ use tokio::time::Instant;
 use crate::checker::Checker;
 use crate::commands::{DecoderCmd, EngineCmd, Mailboxes};
 use crate::config::LinkModel;
-use crate::fabric::state::FabricState;
+use crate::tables::fabric::FabricState;
 use crate::known_bugs::KnownBug;
-use crate::net::state::NetState;
+use crate::tables::net::NetState;
 use crate::outcomes::Outcomes;
 use crate::trace::Trace;
 

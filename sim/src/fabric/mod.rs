@@ -25,13 +25,11 @@
 //! Inside: `memory` (`SimMemory`), `qp` (one queue pair's task), `state` (the fabric's tables
 //! in the `World` and what a break does to them).
 
-mod memory;
 mod qp;
-pub mod state;
 
-pub use memory::SimMemory;
+pub use crate::tables::memory::SimMemory;
 use qp::QueuePair;
-use state::{Conn, Exposed};
+use crate::tables::fabric::{Conn, Exposed};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,7 +9,7 @@ use kvx_io::{ClientEvent, TransportError};
 use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
-use super::state::Session;
+use crate::tables::net::Session;
 use super::{describe, endpoint_error};
 use crate::world::{Inner, World};
 

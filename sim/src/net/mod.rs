@@ -15,10 +15,9 @@
 //! `infra` node (`link`: sessions, pipes, the client's reconnect loop).
 
 mod link;
-pub mod state;
 
 use link::{client_task, open_session, route_reply};
-use state::{Link, Server, Source};
+use crate::tables::net::{Link, Server, Source};
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -14,37 +14,37 @@ use super::memory::SimMemory;
 use crate::trace::Trace;
 
 #[derive(Debug)]
-pub(super) struct Exposed {
-    pub(super) node: String,
-    pub(super) memory: Arc<SimMemory>,
-    pub(super) landed: mpsc::Sender<LandedWrite>,
-    pub(super) access: Arc<FabricAccess>,
+pub(crate) struct Exposed {
+    pub(crate) node: String,
+    pub(crate) memory: Arc<SimMemory>,
+    pub(crate) landed: mpsc::Sender<LandedWrite>,
+    pub(crate) access: Arc<FabricAccess>,
 }
 
 #[derive(Debug)]
-pub(super) struct Conn {
-    pub(super) sender: String,
-    pub(super) receiver: String,
-    pub(super) endpoint: String,
+pub(crate) struct Conn {
+    pub(crate) sender: String,
+    pub(crate) receiver: String,
+    pub(crate) endpoint: String,
     /// The control peer the connection authenticated as.
-    pub(super) peer: PeerId,
-    pub(super) broken: Option<String>,
-    pub(super) signal: watch::Sender<bool>,
-    pub(super) last_land: Duration,
+    pub(crate) peer: PeerId,
+    pub(crate) broken: Option<String>,
+    pub(crate) signal: watch::Sender<bool>,
+    pub(crate) last_land: Duration,
 }
 
 /// The fabric's tables, inside the `World`.
 #[derive(Debug, Default)]
 pub struct FabricState {
-    pub(super) exposed: BTreeMap<String, Exposed>,
-    pub(super) conns: BTreeMap<u64, Conn>,
-    pub(super) next_conn: u64,
-    pub(super) egress_free: BTreeMap<String, Duration>,
+    pub(crate) exposed: BTreeMap<String, Exposed>,
+    pub(crate) conns: BTreeMap<u64, Conn>,
+    pub(crate) next_conn: u64,
+    pub(crate) egress_free: BTreeMap<String, Duration>,
 }
 
 impl FabricState {
     /// Puts queue pair `id` in error (once): its task flushes what is outstanding.
-    pub(super) fn break_conn(&mut self, trace: &mut Trace, now: Duration, id: u64, why: &str) {
+    pub(crate) fn break_conn(&mut self, trace: &mut Trace, now: Duration, id: u64, why: &str) {
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };

@@ -12,47 +12,47 @@ use tokio::sync::{mpsc, watch};
 use crate::trace::Trace;
 
 #[derive(Debug)]
-pub(super) struct Server {
-    pub(super) node: String,
-    pub(super) incoming: mpsc::Sender<(PeerId, Bytes)>,
-    pub(super) peers: BTreeMap<String, PeerId>,
-    pub(super) routes: BTreeMap<PeerId, u64>,
+pub(crate) struct Server {
+    pub(crate) node: String,
+    pub(crate) incoming: mpsc::Sender<(PeerId, Bytes)>,
+    pub(crate) peers: BTreeMap<String, PeerId>,
+    pub(crate) routes: BTreeMap<PeerId, u64>,
 }
 
 #[derive(Debug)]
-pub(super) struct Source {
-    pub(super) node: String,
-    pub(super) incoming: mpsc::Sender<Bytes>,
+pub(crate) struct Source {
+    pub(crate) node: String,
+    pub(crate) incoming: mpsc::Sender<Bytes>,
 }
 
 #[derive(Debug)]
-pub(super) struct Session {
-    pub(super) peer: PeerId,
-    pub(super) server_node: String,
-    pub(super) up: mpsc::UnboundedSender<(Duration, Bytes)>,
-    pub(super) down: mpsc::UnboundedSender<(Duration, Bytes)>,
-    pub(super) up_last: Duration,
-    pub(super) down_last: Duration,
+pub(crate) struct Session {
+    pub(crate) peer: PeerId,
+    pub(crate) server_node: String,
+    pub(crate) up: mpsc::UnboundedSender<(Duration, Bytes)>,
+    pub(crate) down: mpsc::UnboundedSender<(Duration, Bytes)>,
+    pub(crate) up_last: Duration,
+    pub(crate) down_last: Duration,
 }
 
 #[derive(Debug)]
-pub(super) struct Link {
-    pub(super) client: String,
-    pub(super) endpoint: String,
-    pub(super) identity: String,
+pub(crate) struct Link {
+    pub(crate) client: String,
+    pub(crate) endpoint: String,
+    pub(crate) identity: String,
     /// Bumped on every break; a pipe delivers only while its session's epoch is current.
-    pub(super) epoch: u64,
-    pub(super) session: Option<Session>,
-    pub(super) broken: watch::Sender<u64>,
+    pub(crate) epoch: u64,
+    pub(crate) session: Option<Session>,
+    pub(crate) broken: watch::Sender<u64>,
 }
 
 /// The transport's tables, inside the `World`.
 #[derive(Debug, Default)]
 pub struct NetState {
-    pub(super) servers: BTreeMap<String, Server>,
-    pub(super) sources: BTreeMap<String, Source>,
-    pub(super) links: BTreeMap<u64, Link>,
-    pub(super) next_link: u64,
+    pub(crate) servers: BTreeMap<String, Server>,
+    pub(crate) sources: BTreeMap<String, Source>,
+    pub(crate) links: BTreeMap<u64, Link>,
+    pub(crate) next_link: u64,
 }
 
 impl NetState {
