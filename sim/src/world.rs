@@ -21,10 +21,10 @@ use tokio::time::Instant;
 use crate::checker::Checker;
 use crate::commands::{DecoderCmd, EngineCmd, Mailboxes};
 use crate::config::LinkModel;
-use crate::tables::fabric::FabricState;
 use crate::known_bugs::KnownBug;
-use crate::tables::net::NetState;
 use crate::outcomes::Outcomes;
+use crate::tables::fabric::FabricState;
+use crate::tables::net::NetState;
 use crate::trace::Trace;
 
 #[derive(Debug, Clone, Copy, Default)]

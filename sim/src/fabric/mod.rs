@@ -27,9 +27,9 @@
 
 mod qp;
 
+use crate::tables::fabric::{Conn, Exposed};
 pub use crate::tables::memory::SimMemory;
 use qp::QueuePair;
-use crate::tables::fabric::{Conn, Exposed};
 
 use std::sync::Arc;
 use std::time::Duration;

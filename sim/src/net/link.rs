@@ -9,8 +9,8 @@ use kvx_io::{ClientEvent, TransportError};
 use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
-use crate::tables::net::Session;
 use super::{describe, endpoint_error};
+use crate::tables::net::Session;
 use crate::world::{Inner, World};
 
 /// Connects `link` afresh if its server is bound and reachable: a new session with its own

@@ -16,8 +16,8 @@
 
 mod link;
 
-use link::{client_task, open_session, route_reply};
 use crate::tables::net::{Link, Server, Source};
+use link::{client_task, open_session, route_reply};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
