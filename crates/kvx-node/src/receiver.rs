@@ -225,15 +225,24 @@ impl<M: SlotMemory> ChunkReader<M> {
 
     /// Leases a ready request for reading and returns its slots in chunk order: until
     /// `consume`, its slots stay put even if the request is cancelled meanwhile. A request
-    /// that ended after its Ready notice gives `Unknown`: skip it.
+    /// that ended after its Ready notice gives `Unknown`: skip it. `Stopped` once the
+    /// driver has ended.
     pub async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
+        self.ask(|tx| Cmd::Acquire(key.clone(), tx)).await
+    }
+
+    /// Sends the driver a command and awaits its answer; `Stopped` when the driver has
+    /// ended (before taking the command, or with it unanswered).
+    async fn ask<T>(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<T, ConsumeError>>) -> Cmd,
+    ) -> Result<T, ConsumeError> {
         let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
         self.cmds
-            .send(Cmd::Acquire(key.clone(), tx))
+            .send(cmd(tx))
             .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+            .map_err(|_| ConsumeError::Stopped)?;
+        rx.await.map_err(|_| ConsumeError::Stopped)?
     }
 
     /// The receive buffer (for its slot count and size, or to reach a slot in place).
@@ -247,7 +256,7 @@ impl<M: SlotMemory> ChunkReader<M> {
     }
 
     /// Stops the receiver: its alloc channel and fabric listener close, and calls on any
-    /// reader fail as if the request were unknown. Also happens once every reader is gone.
+    /// reader fail with `ConsumeError::Stopped`. Also happens once every reader is gone.
     pub async fn shutdown(&self) {
         let _ = self.cmds.send(Cmd::Shutdown).await;
     }
@@ -262,13 +271,7 @@ impl<M: SlotMemory> ChunkReader<M> {
     /// Marks a legacy (LMCache) sender's allocated request ready, because the proxy reported
     /// it written (`LegacySenders::AfterProxy`); its `Ready` notice follows.
     pub async fn legacy_ready(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
-        self.cmds
-            .send(Cmd::ExternalReady(key.clone(), tx))
-            .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.ask(|tx| Cmd::ExternalReady(key.clone(), tx)).await
     }
 
     /// `consume` without waiting for the driver's answer: the release is queued for the
@@ -281,14 +284,9 @@ impl<M: SlotMemory> ChunkReader<M> {
     }
 
     /// Releases a ready request's slots and reservation after the decoder read it.
+    /// `Stopped` once the driver has ended.
     pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
-        self.cmds
-            .send(Cmd::Consume(key.clone(), tx))
-            .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.ask(|tx| Cmd::Consume(key.clone(), tx)).await
     }
 }
 
