@@ -55,7 +55,7 @@ enum Cmd {
     ),
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     ExternalReady(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
-    Snapshot(oneshot::Sender<BufferSnapshot>),
+    Snapshot(oneshot::Sender<Result<BufferSnapshot, ConsumeError>>),
     Shutdown,
 }
 
@@ -261,11 +261,10 @@ impl<M: SlotMemory> ChunkReader<M> {
         let _ = self.cmds.send(Cmd::Shutdown).await;
     }
 
-    /// The buffer's accounting now (for leak checks and monitoring).
-    pub async fn snapshot(&self) -> Option<BufferSnapshot> {
-        let (tx, rx) = oneshot::channel();
-        self.cmds.send(Cmd::Snapshot(tx)).await.ok()?;
-        rx.await.ok()
+    /// The buffer's accounting now (for leak checks and monitoring); `Stopped` once the
+    /// driver has ended.
+    pub async fn snapshot(&self) -> Result<BufferSnapshot, ConsumeError> {
+        self.ask(Cmd::Snapshot).await
     }
 
     /// Marks a legacy (LMCache) sender's allocated request ready, because the proxy reported
@@ -343,7 +342,7 @@ impl<E: Env> Driver<E> {
                     }
                     Some(Cmd::Snapshot(reply)) => {
                         let l = &self.ledger;
-                        let _ = reply.send(BufferSnapshot {
+                        let _ = reply.send(Ok(BufferSnapshot {
                             capacity: l.capacity(),
                             free: l.free_slots(),
                             held: l.held_slots(),
@@ -351,7 +350,7 @@ impl<E: Env> Driver<E> {
                             quarantined: l.quarantined_slots(),
                             tracked_requests: l.tracked_requests(),
                             admission_queue_len: l.admission_queue_len(),
-                        });
+                        }));
                     }
                     // The decoder is gone, or asked to stop: nobody will read what arrives.
                     Some(Cmd::Shutdown) | None => return,

@@ -115,6 +115,7 @@ async fn a_shut_down_receiver_answers_stopped() {
             reader.legacy_ready(&key()).await,
             Err(ConsumeError::Stopped)
         );
+        assert_eq!(reader.snapshot().await, Err(ConsumeError::Stopped));
     }
     assert_eq!(
         ConsumeError::Stopped.to_string(),
