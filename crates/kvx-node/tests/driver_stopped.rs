@@ -77,12 +77,8 @@ async fn assert_sender_stopped(tx: &SenderHandle<Env>, addr: ReceiverAddr, req_i
             .expect("answers"),
         Err(SendFailure::Stopped)
     );
-    assert_eq!(
-        tokio::time::timeout(BOUND, tx.admitted(req_id))
-            .await
-            .expect("answers"),
-        Err(SendFailure::Stopped)
-    );
+    // (`admitted` shares `outcome`'s wait, and may rightly answer Ok: the request may
+    // have been admitted before the driver stopped.)
     let mut held = Vec::new();
     assert_eq!(
         tokio::time::timeout(BOUND, tx.allocate_within(req_id, &mut held, BOUND))
