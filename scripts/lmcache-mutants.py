@@ -2,9 +2,10 @@
 """Deliberately broken variants of kvx.lmcache (the LMCache backend), each of which
 python/tests/test_lmcache.py must catch.
 
-Copies python/ to a scratch folder, applies one mutation at a time to the copy, and runs the
+Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
+the test environment beside it, applies one mutation at a time to the copy, and runs the
 LMCache tests against it (the copy comes first on PYTHONPATH). Needs the test environment of
-scripts/python-tests.sh (target/pyenv with lmcache==0.5.6 and torch).
+scripts/python-tests.sh (target/pyenv with the kvx wheel, lmcache==0.5.6 and torch).
 Usage: python3 scripts/lmcache-mutants.py [NAME ...]   (default: all). Exit status 1 if any
 is missed.
 """
@@ -72,6 +73,13 @@ def main():
     names = sys.argv[1:] or list(MUTANTS)
     shutil.rmtree(SCRATCH, ignore_errors=True)
     shutil.copytree(os.path.join(ROOT, "python"), os.path.join(SCRATCH, "python"))
+    # The checkout holds kvx's Python sources only; the copy, which shadows the installed
+    # package, needs the installed wheel's compiled module too. Asked from / with no
+    # PYTHONPATH, so that nothing but the environment's own kvx answers.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    native = subprocess.run([python, "-c", "import kvx._kvx; print(kvx._kvx.__file__)"],
+                            cwd="/", env=env, capture_output=True, text=True, check=True)
+    shutil.copy(native.stdout.strip(), os.path.join(SCRATCH, "python/kvx"))
     missed = False
     for name in names:
         verdict, what = run(name, python)

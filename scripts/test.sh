@@ -2,8 +2,8 @@
 # The whole test suite, the README's one command (CI runs it too, inside .ci/run):
 #   1. `cargo test --workspace`: unit, golden-wire, scenario, property, conformance,
 #      end-to-end (ZeroMQ + TCP / shared memory) and Python-interop tests;
-#   2. the kvx Python package's tests (scripts/python-tests.sh: built with maturin into
-#      target/pyenv, run with pytest);
+#   2. the kvx Python package's tests (scripts/python-tests.sh: a wheel built with
+#      `maturin build --release`, installed into target/pyenv, run with pytest);
 #   3. the madsim simulation (sim/, its own cargo project and target directory): its
 #      scenario test binary, then a 500-seed swarm sweep with faults.
 # Needs the Rust toolchain; the Python parts are skipped with a message without python3 and

@@ -27,6 +27,7 @@ __all__ = [
     "Sender",
     "StagingSlot",
     "StartError",
+    "StoppedError",
     "TimedOutError",
     "__version__",
     "configure",
@@ -54,6 +55,9 @@ class CancelledError(KvxError):
 
 class ReceiverLostError(KvxError):
     """The connection to the receiver (or the proxy) was lost, or it has stopped."""
+
+class StoppedError(KvxError):
+    """This sender or receiver has stopped: its driver ended (shutdown, close, or the process's kvx runtime went away), so no call on it can succeed. Make a new one."""
 
 class MisuseError(KvxError):
     """A call broke the API's contract (an unknown request, more chunks than declared, ...)."""
@@ -202,7 +206,8 @@ class Sender:
     def staging(self) -> Optional[memoryview]:
         """The whole staging as a byte memoryview (with the shm fabric, of kvx's mapping)."""
     def close(self, timeout: float = 5.0) -> bool:
-        """Stops the sender; running requests fail with ``ReceiverLostError``. Waits (at
+        """Stops the sender; waits on running requests, and later calls, raise
+        ``StoppedError``. Waits (at
         most ``timeout`` seconds, GIL released) until the notices already due to the proxy
         are written, so that a process exiting next does not lose them; returns whether
         they were."""
@@ -239,7 +244,8 @@ class ReadLease:
         """A copy of a chunk's first ``nbytes`` bytes (None: the whole slot)."""
     def consume(self, timeout: float = 10.0, *, wait: bool = True) -> None:
         """Releases the request's slots (``wait=False``: without waiting for kvx's driver to
-        confirm); ``MisuseError`` when consumed already."""
+        confirm); ``MisuseError`` when consumed already, ``StoppedError`` when the receiver has
+        stopped."""
     def __enter__(self) -> "ReadLease": ...
     def __exit__(self, *exc: object) -> None: ...
     def __len__(self) -> int: ...
@@ -284,7 +290,9 @@ class Receiver:
         nothing: leases it had taken go to the next ``ready``/``next_ready``."""
     def snapshot(self, timeout: float = 5.0) -> Dict[str, int]:
         """The buffer's accounting: capacity, free, held, reserved_unallocated,
-        quarantined, tracked_requests, admission_queue_len."""
+        quarantined, tracked_requests, admission_queue_len. ``TimedOutError`` when kvx's
+        driver does not answer within ``timeout`` seconds, ``StoppedError`` when the
+        receiver has stopped."""
     @property
     def slots(self) -> int: ...
     @property

@@ -44,7 +44,7 @@ impl Decoder {
                     }
                     Some(DecoderCmd::Consume(req_id)) => self.consume(&req_id).await,
                     Some(DecoderCmd::Snapshot(reply)) => {
-                        if let Some(s) = self.handle.reader().snapshot().await {
+                        if let Ok(s) = self.handle.reader().snapshot().await {
                             let now = self.world.now();
                             self.world.lock().checker.on_snapshot(now, &self.name, &s);
                             let _ = reply.send(s);

@@ -36,7 +36,9 @@ pub enum FabricChoice {
 /// A transport and a fabric.
 #[derive(Debug, Clone)]
 pub struct EnvChoice {
+    /// What carries the control messages (alloc requests and replies, proxy notices).
     pub transport: TransportChoice,
+    /// What carries the chunks' bytes into the receiver's buffer.
     pub fabric: FabricChoice,
 }
 
@@ -44,8 +46,12 @@ pub struct EnvChoice {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EnvError {
+    /// The ZeroMQ settings cannot work (a zero or over-long timeout, a limit out of range;
+    /// the message says which): fix the configuration.
     #[error("ZeroMQ transport: {0}")]
     Zmq(#[source] kvx_transport::zmq::ZmqConfigError),
+    /// The RDMA fabric could not be opened (no device, no device of the configured name,
+    /// one that cannot be used as configured).
     #[cfg(feature = "rdma")]
     #[error("RDMA fabric: {0}")]
     Rdma(#[source] kvx_rdma::RdmaError),
@@ -53,7 +59,9 @@ pub enum EnvError {
 
 /// Generic code run on the environment a choice names.
 pub trait EnvVisitor {
+    /// What the visit yields (a started driver's handle, typically a boxed future of it).
     type Output;
+    /// Runs on the concrete environment the choice made; called once.
     fn visit<E: Env>(self, env: E) -> Self::Output;
 }
 

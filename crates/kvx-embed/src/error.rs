@@ -11,7 +11,7 @@ pub enum EmbedError {
     /// A driver could not start (a port in use, an invalid configuration, …).
     #[error(transparent)]
     Start(#[from] kvx_node::StartError),
-    /// Releasing a read lease failed (the receiver stopped).
+    /// Releasing a read lease failed: the receiver has stopped (`ConsumeError::Stopped`).
     #[error(transparent)]
     Consume(kvx_proto::receiver::ConsumeError),
     /// A blocking call gave up after its timeout.
@@ -32,6 +32,17 @@ impl EmbedError {
             Self::Start(kvx_node::StartError::Transport(
                 kvx_io::TransportError::Refused { .. }
             ))
+        )
+    }
+
+    /// Whether the sender or receiver asked has stopped: its driver task ended (a shutdown,
+    /// a close, or its runtime went away). Nothing more on that object can succeed; a new
+    /// one must be started.
+    pub fn is_stopped(&self) -> bool {
+        matches!(
+            self,
+            Self::Start(kvx_node::StartError::Stopped)
+                | Self::Consume(kvx_proto::receiver::ConsumeError::Stopped)
         )
     }
 }

@@ -17,6 +17,8 @@
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
 
+#![warn(missing_docs)]
+
 pub mod choice;
 pub mod defaults;
 pub mod error;

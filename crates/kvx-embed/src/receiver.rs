@@ -53,7 +53,7 @@ trait ReaderApi: Send + Sync {
     ) -> BoxFuture<'a, Result<Vec<SlotIndex>, ConsumeError>>;
     fn consume<'a>(&'a self, key: &'a ReqKey) -> BoxFuture<'a, Result<(), ConsumeError>>;
     fn consume_queued(&self, key: &ReqKey) -> bool;
-    fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>>;
+    fn snapshot(&self) -> BoxFuture<'_, Result<BufferSnapshot, ConsumeError>>;
     fn shutdown(&self) -> BoxFuture<'_, ()>;
     fn inspect(&self, slot: SlotIndex, f: &mut dyn FnMut(&[u8]));
     fn memory_view(&self) -> Option<MemoryView>;
@@ -74,7 +74,7 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     fn consume_queued(&self, key: &ReqKey) -> bool {
         ChunkReader::consume_queued(self, key)
     }
-    fn snapshot(&self) -> BoxFuture<'_, Option<BufferSnapshot>> {
+    fn snapshot(&self) -> BoxFuture<'_, Result<BufferSnapshot, ConsumeError>> {
         Box::pin(ChunkReader::snapshot(self))
     }
     fn shutdown(&self) -> BoxFuture<'_, ()> {
@@ -448,11 +448,12 @@ impl Receiver {
     }
 
     /// The buffer's accounting now (for leak checks and monitoring), waiting at most
-    /// `timeout`.
-    pub fn snapshot(&self, timeout: Duration) -> Option<BufferSnapshot> {
+    /// `timeout`: `TimedOut` after it, `Consume(Stopped)` when the receiver has stopped.
+    pub fn snapshot(&self, timeout: Duration) -> Result<BufferSnapshot, EmbedError> {
         self.runtime
             .block_on_for(timeout, self.reader.snapshot())
-            .flatten()
+            .ok_or(EmbedError::TimedOut(timeout))?
+            .map_err(EmbedError::Consume)
     }
 
     /// Stops the receiver now (its sockets close), waiting at most `timeout` for the driver

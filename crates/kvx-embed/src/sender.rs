@@ -554,7 +554,8 @@ impl Sender {
         self.api.memory_view()
     }
 
-    /// Stops the driver; waiters get `ChannelLost`. Also done on drop. The notices already
+    /// Stops the driver; waiters, and every later call that needs it, get
+    /// `SendFailure::Stopped`. Also done on drop. The notices already
     /// due to the proxy are still written while the runtime runs; `close` waits for them.
     pub fn shutdown(&self) {
         self.api.shutdown();

@@ -57,8 +57,7 @@ pub enum StartError {
     Config(#[from] kvx_proto::ConfigError),
     // Not `#[from]`: that would make the inner error a `source` as well, and error chains
     // (`{:#}`) would print it twice.
-    /// Binding or connecting the control channel failed; `Transport(Closed)` also when the
-    /// sender's driver has stopped (`SenderHandle::add_receiver`).
+    /// Binding or connecting the control channel failed.
     #[error("transport: {0}")]
     Transport(kvx_io::TransportError),
     /// Exposing the receive buffer or allocating staging failed.
@@ -67,6 +66,12 @@ pub enum StartError {
     /// Memory the caller lent does not fit the configuration (its slot count or size).
     #[error("memory: {0}")]
     Memory(String),
+    /// The sender's driver has ended (shut down, closed, or its runtime went away), so it
+    /// can connect to no receiver (`SenderHandle::add_receiver`): make a new sender.
+    #[error(
+        "this sender has stopped (shut down, closed, or its runtime ended): make a new sender"
+    )]
+    Stopped,
 }
 
 impl From<kvx_io::TransportError> for StartError {

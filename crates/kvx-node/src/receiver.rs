@@ -55,7 +55,7 @@ enum Cmd {
     ),
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     ExternalReady(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
-    Snapshot(oneshot::Sender<BufferSnapshot>),
+    Snapshot(oneshot::Sender<Result<BufferSnapshot, ConsumeError>>),
     Shutdown,
 }
 
@@ -225,15 +225,24 @@ impl<M: SlotMemory> ChunkReader<M> {
 
     /// Leases a ready request for reading and returns its slots in chunk order: until
     /// `consume`, its slots stay put even if the request is cancelled meanwhile. A request
-    /// that ended after its Ready notice gives `Unknown`: skip it.
+    /// that ended after its Ready notice gives `Unknown`: skip it. `Stopped` once the
+    /// driver has ended.
     pub async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
+        self.ask(|tx| Cmd::Acquire(key.clone(), tx)).await
+    }
+
+    /// Sends the driver a command and awaits its answer; `Stopped` when the driver has
+    /// ended (before taking the command, or with it unanswered).
+    async fn ask<T>(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<T, ConsumeError>>) -> Cmd,
+    ) -> Result<T, ConsumeError> {
         let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
         self.cmds
-            .send(Cmd::Acquire(key.clone(), tx))
+            .send(cmd(tx))
             .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+            .map_err(|_| ConsumeError::Stopped)?;
+        rx.await.map_err(|_| ConsumeError::Stopped)?
     }
 
     /// The receive buffer (for its slot count and size, or to reach a slot in place).
@@ -247,28 +256,21 @@ impl<M: SlotMemory> ChunkReader<M> {
     }
 
     /// Stops the receiver: its alloc channel and fabric listener close, and calls on any
-    /// reader fail as if the request were unknown. Also happens once every reader is gone.
+    /// reader fail with `ConsumeError::Stopped`. Also happens once every reader is gone.
     pub async fn shutdown(&self) {
         let _ = self.cmds.send(Cmd::Shutdown).await;
     }
 
-    /// The buffer's accounting now (for leak checks and monitoring).
-    pub async fn snapshot(&self) -> Option<BufferSnapshot> {
-        let (tx, rx) = oneshot::channel();
-        self.cmds.send(Cmd::Snapshot(tx)).await.ok()?;
-        rx.await.ok()
+    /// The buffer's accounting now (for leak checks and monitoring); `Stopped` once the
+    /// driver has ended.
+    pub async fn snapshot(&self) -> Result<BufferSnapshot, ConsumeError> {
+        self.ask(Cmd::Snapshot).await
     }
 
     /// Marks a legacy (LMCache) sender's allocated request ready, because the proxy reported
     /// it written (`LegacySenders::AfterProxy`); its `Ready` notice follows.
     pub async fn legacy_ready(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
-        self.cmds
-            .send(Cmd::ExternalReady(key.clone(), tx))
-            .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.ask(|tx| Cmd::ExternalReady(key.clone(), tx)).await
     }
 
     /// `consume` without waiting for the driver's answer: the release is queued for the
@@ -281,14 +283,9 @@ impl<M: SlotMemory> ChunkReader<M> {
     }
 
     /// Releases a ready request's slots and reservation after the decoder read it.
+    /// `Stopped` once the driver has ended.
     pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        let (tx, rx) = oneshot::channel();
-        let gone = || ConsumeError::Unknown(key.clone());
-        self.cmds
-            .send(Cmd::Consume(key.clone(), tx))
-            .await
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+        self.ask(|tx| Cmd::Consume(key.clone(), tx)).await
     }
 }
 
@@ -345,7 +342,7 @@ impl<E: Env> Driver<E> {
                     }
                     Some(Cmd::Snapshot(reply)) => {
                         let l = &self.ledger;
-                        let _ = reply.send(BufferSnapshot {
+                        let _ = reply.send(Ok(BufferSnapshot {
                             capacity: l.capacity(),
                             free: l.free_slots(),
                             held: l.held_slots(),
@@ -353,7 +350,7 @@ impl<E: Env> Driver<E> {
                             quarantined: l.quarantined_slots(),
                             tracked_requests: l.tracked_requests(),
                             admission_queue_len: l.admission_queue_len(),
-                        });
+                        }));
                     }
                     // The decoder is gone, or asked to stop: nobody will read what arrives.
                     Some(Cmd::Shutdown) | None => return,

@@ -125,7 +125,7 @@ async fn receiver<E: Env>(env: &E, alloc: &str, fabric: &str, buffer: u32) -> De
             tokio::select! {
                 _ = &mut stop_rx => return, // dropping `node` stops the receiver
                 Some(reply) = snapshot_rx.recv() => {
-                    let _ = reply.send(node.reader().snapshot().await);
+                    let _ = reply.send(node.reader().snapshot().await.ok());
                 }
                 notice = node.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {

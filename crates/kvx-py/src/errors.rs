@@ -40,6 +40,13 @@ create_exception!(
 );
 create_exception!(
     kvx,
+    StoppedError,
+    KvxError,
+    "This sender or receiver has stopped: its driver ended (shutdown, close, or the process's \
+     kvx runtime went away), so no call on it can succeed. Make a new one."
+);
+create_exception!(
+    kvx,
     MisuseError,
     KvxError,
     "A call broke the API's contract (an unknown request, more chunks than declared, …)."
@@ -62,6 +69,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TimedOutError", py.get_type::<TimedOutError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add("ReceiverLostError", py.get_type::<ReceiverLostError>())?;
+    m.add("StoppedError", py.get_type::<StoppedError>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("StartError", py.get_type::<StartError>())?;
     Ok(())
@@ -107,6 +115,7 @@ fn failure_with(f: &kvx_proto::sender::SendFailure, msg: String) -> PyErr {
         F::ReplyTimeout | F::WriteTimeout => TimedOutError::new_err(msg),
         F::ChannelLost | F::WriteFailed(_) => ReceiverLostError::new_err(msg),
         F::Misuse(_) => MisuseError::new_err(msg),
+        F::Stopped => StoppedError::new_err(msg),
         _ => KvxError::new_err(msg),
     }
 }
@@ -134,6 +143,9 @@ pub(crate) fn embed(e: &kvx_embed::EmbedError) -> PyErr {
             return RefusedError::new_err(msg);
         }
         return IdentityRefusedError::new_err(msg);
+    }
+    if e.is_stopped() {
+        return StoppedError::new_err(msg);
     }
     match e {
         E::TimedOut(_) => TimedOutError::new_err(msg),

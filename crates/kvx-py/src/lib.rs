@@ -15,6 +15,8 @@
 //! - `env`: transport and fabric by name.
 //! - `synthetic`: kvx's synthetic workload bytes, filled and checked in place (tests, benchmarks).
 
+#![warn(missing_docs)]
+
 use pyo3::prelude::*;
 
 mod aio;

@@ -161,13 +161,14 @@ impl Receiver {
 
     /// The buffer's accounting now: ``capacity``, ``free``, ``held``,
     /// ``reserved_unallocated``, ``quarantined``, ``tracked_requests``,
-    /// ``admission_queue_len``.
+    /// ``admission_queue_len``. ``TimedOutError`` when kvx's driver does not answer within
+    /// ``timeout`` seconds, ``StoppedError`` when the receiver has stopped.
     #[pyo3(signature = (timeout = 5.0))]
     fn snapshot<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let timeout = wait::positive_seconds(timeout, "timeout")?;
         let snap = py
             .detach(|| self.inner.snapshot(timeout))
-            .ok_or_else(|| errors::ReceiverLostError::new_err("the receiver did not answer"))?;
+            .map_err(|e| errors::embed(&e))?;
         let d = PyDict::new(py);
         d.set_item("capacity", snap.capacity)?;
         d.set_item("free", snap.free)?;
@@ -386,7 +387,8 @@ impl ReadLease {
     /// Releases the request's slots for other requests, waiting at most ``timeout`` seconds
     /// for kvx's driver to confirm; ``wait=False`` hands the release to the driver and
     /// returns at once, unconfirmed (it can fail only when the receiver stopped, which frees
-    /// everything anyway). Raises ``MisuseError`` when it was consumed already.
+    /// everything anyway). Raises ``MisuseError`` when it was consumed already,
+    /// ``StoppedError`` when the receiver has stopped.
     #[pyo3(signature = (timeout = 10.0, *, wait = true))]
     fn consume(&self, py: Python<'_>, timeout: f64, wait: bool) -> PyResult<()> {
         let timeout = wait::positive_seconds(timeout, "timeout")?;

@@ -406,7 +406,8 @@ impl Sender {
         self.view.as_ref().map(|v| v.clone_ref(py))
     }
 
-    /// Stops the sender; running requests fail with ``ReceiverLostError``. Waits (at most
+    /// Stops the sender; waits on running requests, and later calls, raise
+    /// ``StoppedError``. Waits (at most
     /// ``timeout`` seconds, GIL released) until the notices already due to the proxy are
     /// written, so that a process exiting next does not lose them; returns whether they were.
     #[pyo3(signature = (timeout = 5.0))]

@@ -137,7 +137,7 @@ pub async fn run_on<E: Env>(
                     Some(ReceiverNotice::Ended { .. }) => {}
                     None => return,
                 },
-                Some(reply) = snap_rx.recv() => { let _ = reply.send(receiver.reader().snapshot().await); }
+                Some(reply) = snap_rx.recv() => { let _ = reply.send(receiver.reader().snapshot().await.ok()); }
             }
         }
     });

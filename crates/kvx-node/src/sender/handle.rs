@@ -61,23 +61,40 @@ impl<E: Env> SenderHandle<E> {
         self.env.now()
     }
 
-    /// Connects to a receiver (once; later calls return the same id).
+    /// Whether this sender has stopped: shut down, or its driver task ended (it returned,
+    /// panicked, or its runtime went away), so nothing it is asked can happen any more.
+    fn stopped(&self, core: &super::Core) -> bool {
+        core.shutdown || self.driver.has_changed().is_err()
+    }
+
+    /// Resolves once the driver task has ended.
+    async fn driver_ended(&self) {
+        let mut driver = self.driver.clone();
+        while driver.changed().await.is_ok() {}
+    }
+
+    /// Connects to a receiver (once; later calls return the same id). `StartError::Stopped`
+    /// once the driver has ended.
     pub async fn add_receiver(&self, addr: ReceiverAddr) -> Result<PeerId, StartError> {
         // Always through the driver: only it knows whether a known receiver's channel is
         // up yet, and a caller must not get the id before it is.
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.cmds
             .send(Cmd::AddReceiver(addr, tx))
-            .map_err(|_| closed())?;
-        rx.await.map_err(|_| closed())?
+            .map_err(|_| StartError::Stopped)?;
+        rx.await.map_err(|_| StartError::Stopped)?
     }
 
     /// Begins a request: its admission probe goes out; await `admitted` before staging.
+    /// `Failed(_, Stopped)` once the sender has stopped: no driver would send it.
     pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
         let now = self.now();
         {
             let mut core = self.shared.lock();
             let req_id = spec.req_id.clone();
+            if self.stopped(&core) {
+                return Err(SendError::Failed(req_id, SendFailure::Stopped));
+            }
             core.flow.handle_begin(now, spec)?;
             core.begun_at.insert(req_id, now);
         }
@@ -98,7 +115,7 @@ impl<E: Env> SenderHandle<E> {
     }
 
     /// Waits until `done` holds or the request has an outcome (the outcome wins when it is
-    /// a failure).
+    /// a failure); `Stopped` once the sender has stopped without either.
     async fn wait_for(
         &self,
         req_id: &ReqId,
@@ -119,12 +136,17 @@ impl<E: Env> SenderHandle<E> {
                         "request {req_id} is not known"
                     )));
                 }
-                if core.shutdown {
-                    return Err(SendFailure::ChannelLost);
+                if self.stopped(&core) {
+                    return Err(SendFailure::Stopped);
                 }
             }
-            if version.changed().await.is_err() {
-                return Err(SendFailure::ChannelLost);
+            tokio::select! {
+                changed = version.changed() => if changed.is_err() {
+                    return Err(SendFailure::Stopped);
+                },
+                // A driver that ended without a shutdown (a panic, its runtime dropped)
+                // changes no status: its end is heard here.
+                () = self.driver_ended() => return Err(SendFailure::Stopped),
             }
         }
     }
@@ -149,6 +171,10 @@ impl<E: Env> SenderHandle<E> {
         let mut turn = StagingTurn::new(&self.shared);
         let mut core = self.shared.lock();
         loop {
+            if self.stopped(&core) {
+                turn.leave(&mut core);
+                return Err(SendError::Failed(req_id.clone(), SendFailure::Stopped));
+            }
             if let Some(result) = turn.attempt(&mut core, self.now(), req_id, held) {
                 return result;
             }
@@ -188,13 +214,23 @@ impl<E: Env> SenderHandle<E> {
         let mut version = self.shared.staging.subscribe();
         let mut turn = StagingTurn::new(&self.shared);
         let attempt = async {
+            let stopped = || Err(SendError::Failed(req_id.clone(), SendFailure::Stopped));
             loop {
                 let now = self.now();
-                if let Some(result) = turn.attempt(&mut self.shared.lock(), now, req_id, held) {
-                    return result;
+                {
+                    let mut core = self.shared.lock();
+                    if self.stopped(&core) {
+                        return stopped();
+                    }
+                    if let Some(result) = turn.attempt(&mut core, now, req_id, held) {
+                        return result;
+                    }
                 }
-                if version.changed().await.is_err() {
-                    return Err(SendError::Failed(req_id.clone(), SendFailure::ChannelLost));
+                tokio::select! {
+                    changed = version.changed() => if changed.is_err() {
+                        return stopped();
+                    },
+                    () = self.driver_ended() => return stopped(),
                 }
             }
         };
@@ -301,24 +337,18 @@ impl<E: Env> SenderHandle<E> {
     /// does not take its last notices with it.
     pub async fn close(&self, within: Duration) -> bool {
         self.shutdown();
-        let mut driver = self.driver.clone();
-        let ended = async move { while driver.changed().await.is_ok() {} };
         let deadline = self.now() + within;
         tokio::select! {
-            () = ended => true,
+            () = self.driver_ended() => true,
             () = self.env.sleep_until(deadline) => false,
         }
     }
 
-    /// Stops the driver task; waiters get `ChannelLost`. It goes on writing the notices
+    /// Stops the driver task; waiters get `SendFailure::Stopped`. It goes on writing the notices
     /// already due to the proxy (for at most `NOTICE_LINGER`); `close` waits for that.
     pub fn shutdown(&self) {
         self.shared.lock().shutdown = true;
         self.shared.poke.notify_one();
         self.shared.wake_all();
     }
-}
-
-fn closed() -> StartError {
-    StartError::Transport(kvx_io::TransportError::Closed)
 }

@@ -93,6 +93,12 @@ pub enum ConsumeError {
     /// request, or its last batch is not allocated yet). Wait for its `Ready` event.
     #[error("request {0} is not ready: its chunks are not all written yet")]
     NotReady(ReqKey),
+    /// The receiver itself has stopped: the task that drives this ledger (kvx-node's driver)
+    /// ended, after a shutdown or because its runtime went away. Never from the ledger; the
+    /// handles' answer once no driver can serve them. Nothing on this receiver can succeed
+    /// any more: make a new one.
+    #[error("this receiver has stopped (shut down, or its runtime ended): make a new receiver")]
+    Stopped,
 }
 
 /// Counters since start, for metrics.

@@ -119,6 +119,11 @@ pub enum SendFailure {
     WriteTimeout,
     /// The caller broke the API contract (more chunks than declared, …).
     Misuse(String),
+    /// The sender itself has stopped: the task that drives it (kvx-node's driver) ended,
+    /// after a shutdown or close, or because its runtime went away. Never a request's
+    /// outcome in the core; the handles' answer to any wait once no driver can end it.
+    /// Nothing on this sender can succeed any more: make a new one.
+    Stopped,
 }
 
 impl SendFailure {
@@ -133,6 +138,7 @@ impl SendFailure {
             SendFailure::WriteFailed(_) => "write_failed",
             SendFailure::WriteTimeout => "write_timeout",
             SendFailure::Misuse(_) => "misuse",
+            SendFailure::Stopped => "stopped",
         }
     }
 }
@@ -150,6 +156,10 @@ impl fmt::Display for SendFailure {
                 f.write_str("a write did not complete within write_timeout")
             }
             SendFailure::Misuse(why) => write!(f, "{why}"),
+            SendFailure::Stopped => f.write_str(
+                "this sender has stopped (shut down, closed, or its runtime ended): make a new \
+                 sender",
+            ),
         }
     }
 }

@@ -49,6 +49,7 @@ fn every_failure_kind_is_a_distinct_label() {
         SendFailure::WriteFailed(String::new()),
         SendFailure::WriteTimeout,
         SendFailure::Misuse(String::new()),
+        SendFailure::Stopped,
     ];
     let kinds: std::collections::BTreeSet<_> = all.iter().map(SendFailure::kind).collect();
     assert_eq!(kinds.len(), all.len(), "{kinds:?}");

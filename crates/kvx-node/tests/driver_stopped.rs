@@ -1,0 +1,151 @@
+//! Handles whose driver task is gone answer with the typed "stopped" errors
+//! (`ConsumeError::Stopped`, `SendFailure::Stopped`, `StartError::Stopped`), never a request's
+//! error (`Unknown`) or a transport's (`ChannelLost`, `Closed`), and never hang: both when the
+//! driver was shut down and when it died with its runtime.
+
+use std::time::Duration;
+
+use kvx_io::mem::{MemFabric, MemTransport};
+use kvx_io::TokioEnv;
+use kvx_node::{ReceiverAddr, ReceiverHandle, ReceiverNode, SenderHandle, SenderNode, StartError};
+use kvx_proto::receiver::ConsumeError;
+use kvx_proto::sender::{RequestSpec, SendError, SendFailure};
+use kvx_proto::{PeerId, ReceiverConfig, ReqId, ReqKey, SenderConfig};
+
+const CHUNK: usize = 4096;
+/// Every call under test answers at once; this only keeps a regression from hanging.
+const BOUND: Duration = Duration::from_secs(10);
+
+type Env = TokioEnv<MemTransport, MemFabric>;
+
+async fn receiver(env: &Env) -> Rx {
+    let cfg = ReceiverConfig {
+        buffer_slots: 4,
+        ..ReceiverConfig::default()
+    };
+    ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
+        .await
+        .expect("receiver starts")
+}
+
+type Rx = ReceiverHandle<<MemFabric as kvx_io::Fabric>::Memory>;
+
+/// A sender connected to a fresh receiver (kept running by the handle returned), and a
+/// begun request of one chunk that is never staged (it does not end on its own).
+async fn sender_with_request(env: &Env) -> (SenderHandle<Env>, ReceiverAddr, ReqId, Rx) {
+    let rx = receiver(env).await;
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        ..SenderConfig::default()
+    };
+    let tx = SenderNode::start(env.clone(), cfg, CHUNK, "s0".into(), None)
+        .await
+        .expect("sender starts");
+    let peer = tx.add_receiver(addr.clone()).await.expect("connects");
+    let req_id = ReqId("r".into());
+    tx.begin(spec(peer, &req_id)).expect("begins");
+    (tx, addr, req_id, rx)
+}
+
+fn spec(peer: PeerId, req_id: &ReqId) -> RequestSpec {
+    RequestSpec {
+        req_id: req_id.clone(),
+        receiver: peer,
+        total_chunks: 1,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bfloat16".into(),
+    }
+}
+
+fn key() -> ReqKey {
+    ReqKey {
+        peer: PeerId(0),
+        req_id: ReqId("r".into()),
+    }
+}
+
+/// Every sender call that needs the driver says `Stopped`.
+async fn assert_sender_stopped(tx: &SenderHandle<Env>, addr: ReceiverAddr, req_id: &ReqId) {
+    assert_eq!(
+        tokio::time::timeout(BOUND, tx.outcome(req_id))
+            .await
+            .expect("answers"),
+        Err(SendFailure::Stopped)
+    );
+    // (`admitted` shares `outcome`'s wait, and may rightly answer Ok: the request may
+    // have been admitted before the driver stopped.)
+    let mut held = Vec::new();
+    assert_eq!(
+        tokio::time::timeout(BOUND, tx.allocate_within(req_id, &mut held, BOUND))
+            .await
+            .expect("answers"),
+        Err(SendError::Failed(req_id.clone(), SendFailure::Stopped))
+    );
+    let other = ReqId("later".into());
+    assert_eq!(
+        tx.begin(spec(PeerId(0), &other)),
+        Err(SendError::Failed(other, SendFailure::Stopped))
+    );
+    let added = tokio::time::timeout(BOUND, tx.add_receiver(addr))
+        .await
+        .expect("answers");
+    assert!(matches!(added, Err(StartError::Stopped)), "{added:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_down_receiver_answers_stopped() {
+    let env = Env::new(MemTransport::new(), MemFabric::new());
+    let rx = receiver(&env).await;
+    let reader = rx.reader().clone();
+    reader.shutdown().await;
+    for _ in 0..2 {
+        // Whether the driver took the command before it stopped or not.
+        assert_eq!(reader.consume(&key()).await, Err(ConsumeError::Stopped));
+        assert_eq!(reader.acquire(&key()).await, Err(ConsumeError::Stopped));
+        assert_eq!(
+            reader.legacy_ready(&key()).await,
+            Err(ConsumeError::Stopped)
+        );
+        assert_eq!(reader.snapshot().await, Err(ConsumeError::Stopped));
+    }
+    assert_eq!(
+        ConsumeError::Stopped.to_string(),
+        "this receiver has stopped (shut down, or its runtime ended): make a new receiver"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_down_sender_answers_stopped() {
+    let env = Env::new(MemTransport::new(), MemFabric::new());
+    let (tx, addr, req_id, _rx) = sender_with_request(&env).await;
+    assert!(tx.close(BOUND).await, "the driver ends");
+    assert_sender_stopped(&tx, addr, &req_id).await;
+}
+
+/// A driver that dies without a shutdown (its runtime dropped, as when an embedding program
+/// tears its runtime down) is noticed too: no wait is left hanging on it.
+#[test]
+fn handles_whose_runtime_is_gone_answer_stopped() {
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let env = Env::new(MemTransport::new(), MemFabric::new());
+    let (tx, addr, req_id, rx) = first.block_on(sender_with_request(&env));
+    let reader = rx.reader().clone();
+    drop(first);
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    second.block_on(async {
+        assert_eq!(reader.consume(&key()).await, Err(ConsumeError::Stopped));
+        assert_sender_stopped(&tx, addr, &req_id).await;
+    });
+}
