@@ -9,7 +9,7 @@ use crate::device::Device;
 use crate::memory::RdmaMemory;
 use crate::verbs::{RemoteAccess, Verbs};
 use crate::wire::Geometry;
-use crate::{device, link, receiver, sender};
+use crate::{link, receiver, sender};
 
 /// Why an RDMA fabric could not be opened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -133,13 +133,15 @@ impl<V: Verbs> RdmaFabric<V> {
             .check_memory(memory.slots(), memory.slot_bytes())
             .map_err(FabricError::Allocation)?;
         let memory = Arc::new(memory);
-        device::off_the_runtime(|| self.device.verbs.register(&memory, access)).map_err(|e| {
-            FabricError::Allocation(format!(
-                "registering {} x {} B: {e}",
-                memory.slots(),
-                memory.slot_bytes()
-            ))
-        })?;
+        crate::blocking::off_the_runtime(|| self.device.verbs.register(&memory, access)).map_err(
+            |e| {
+                FabricError::Allocation(format!(
+                    "registering {} x {} B: {e}",
+                    memory.slots(),
+                    memory.slot_bytes()
+                ))
+            },
+        )?;
         Ok(memory)
     }
 

@@ -217,9 +217,9 @@ impl FakeVerbs {
         qpns
     }
 
-    /// The same device, each of its blocking verbs calls (registering memory, creating,
-    /// connecting and destroying a queue pair) taking `slow`, as pinning a large buffer or
-    /// resolving an address does on hardware.
+    /// The same device, each of its blocking verbs calls (registering and deregistering
+    /// memory, creating a queue pair, every transition of one, destroying it) taking `slow`,
+    /// as pinning a large buffer, a firmware command or resolving an address does on hardware.
     pub(crate) fn with_slow_verbs(mut self, slow: std::time::Duration) -> Self {
         self.slow = slow;
         self
@@ -353,7 +353,8 @@ impl Verbs for FakeVerbs {
             addr: memory.region().0,
             device_id: self.id,
         };
-        memory.set_registration(keys, Box::new(()))
+        // Deregistering unpins the region: as slow as registering.
+        memory.set_registration(keys, Box::new(SlowDrop(self.slow)))
     }
 
     fn create_qp(&self, send_depth: u32, recv_depth: u32) -> Result<FakeQp, VerbsError> {
@@ -418,6 +419,17 @@ impl Verbs for FakeVerbs {
             out.extend(cq.drain(..n).map(|(_, wc)| wc));
         }
         Ok(())
+    }
+}
+
+/// Sleeps when dropped, as `ibv_dereg_mr` takes a while on a large region.
+struct SlowDrop(std::time::Duration);
+
+impl Drop for SlowDrop {
+    fn drop(&mut self) {
+        if !self.0.is_zero() {
+            std::thread::sleep(self.0);
+        }
     }
 }
 
@@ -601,9 +613,8 @@ impl VerbsQp for FakeQp {
     }
 
     fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
-        if matches!(to, Transition::Rtr(_)) {
-            self.verbs.block();
-        }
+        // Every `ibv_modify_qp` is a firmware command.
+        self.verbs.block();
         let mut s = self.verbs.lock();
         let qp = s.qp(self.qpn)?;
         let next = qp

@@ -34,6 +34,7 @@
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
 //! - `device`: an opened device and its completion poller thread.
+//! - `blocking`: `off_the_runtime`, where every verbs call that can block runs (a leaf).
 //! - `wake`: how the poller waits when idle, and how a post wakes it.
 //! - `limits`: `DeviceLimits`, the device's maxima a geometry can exceed, and their checks.
 //! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).
@@ -42,6 +43,7 @@
 //!
 //! Operations (devices, GIDs, MTU, ports, TP ranks): `docs/operations.md`.
 
+mod blocking;
 mod config;
 mod device;
 mod engine;

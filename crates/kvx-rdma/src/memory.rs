@@ -57,6 +57,17 @@ pub struct RdmaMemory {
     geometry: Geometry,
 }
 
+impl Drop for RdmaMemory {
+    /// `ibv_dereg_mr` unpins the whole region and can take as long as pinning did: the last
+    /// handle may go on a tokio worker, so the registration goes off the runtime's workers
+    /// (before the mapping, which the fields drop after this).
+    fn drop(&mut self) {
+        if let Some(registration) = self.registration.take() {
+            crate::blocking::off_the_runtime(|| drop(registration));
+        }
+    }
+}
+
 impl fmt::Debug for RdmaMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RdmaMemory")

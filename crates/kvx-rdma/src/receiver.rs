@@ -13,8 +13,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::blocking::off_the_runtime;
 use crate::config::{offered_mtu, path_mtu};
-use crate::device::{off_the_runtime, Device};
+use crate::device::Device;
 use crate::link;
 use crate::memory::RdmaMemory;
 use crate::route::{Route, RouteEvent};
@@ -335,7 +336,7 @@ impl<V: Verbs> Connection<V> {
             other => debug!(peer = %self.peer, end = ?other, "rdma sender connection ended"),
         }
         // The queue pair is destroyed before this task lets go of the buffer.
-        off_the_runtime(|| drop(qp));
+        drop(qp);
         drop(route);
         drop(self);
     }

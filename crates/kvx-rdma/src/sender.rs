@@ -13,8 +13,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::blocking::off_the_runtime;
 use crate::config::{offered_mtu, path_mtu};
-use crate::device::{off_the_runtime, Device};
+use crate::device::Device;
 use crate::engine::{Phase, RemoteBuffer, SendEngine};
 use crate::link;
 use crate::memory::RdmaMemory;
@@ -81,13 +82,11 @@ pub(crate) async fn connect<V: Verbs>(
     let remote = check_welcome(&welcome, endpoint, ours, port.gid_kind)?;
     let mtu = path_mtu(offer, welcome.qp.mtu)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent MTU code {}", welcome.qp.mtu)))?;
-    off_the_runtime(|| {
-        qp.modify(Transition::Rtr(RtrParams {
-            remote: welcome.qp,
-            mtu,
-        }))?;
-        qp.modify(Transition::Rts { psn })
-    })
+    qp.modify(Transition::Rtr(RtrParams {
+        remote: welcome.qp,
+        mtu,
+    }))
+    .and_then(|()| qp.modify(Transition::Rts { psn }))
     .map_err(verbs_err)?;
     debug!(
         endpoint,
@@ -359,9 +358,9 @@ impl<V: Verbs> SenderTask<V> {
                 }
             }
         }
-        // The queue pair (in the engine) is destroyed before the staging it may read and the
-        // device it belongs to are let go.
-        off_the_runtime(|| drop(conn));
+        // The queue pair (in the engine) is destroyed (off the runtime's workers, `Qp`'s drop)
+        // before the staging it may read and the device it belongs to are let go.
+        drop(conn);
         drop(side);
         drop(device);
     }

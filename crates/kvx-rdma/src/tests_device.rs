@@ -263,7 +263,8 @@ async fn gids_of_different_kinds_are_refused_naming_both() {
 /// The verbs calls that block on hardware run off the runtime's workers: with one worker,
 /// and each such call taking 300 ms in the model, a task ticking every 10 ms on that worker
 /// is never held up by as much while a buffer is exposed, staging allocated, a connection
-/// made and dropped.
+/// made, another refused after its queue pair exists, the first dropped, and a staging's last
+/// handle let go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -288,7 +289,10 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
             worst
         }
     });
-    // On the runtime's one worker, as the drivers' tasks are.
+    // On the runtime's one worker, as the drivers' tasks are: registration, a connection
+    // (queue pairs created and moved to INIT, RTR and RTS on both sides), a handshake refused
+    // after the sender's queue pair exists (destroyed on the error path), the connection's end
+    // (ERROR, then destroy, on both sides) and the last handles of the memory (deregistered).
     tokio::spawn(async move {
         let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
         let staging = f.allocate_staging(2, 1024).expect("staging");
@@ -297,8 +301,16 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
             .connect(&listener.local_endpoint, staging, credential)
             .await
             .expect("connect");
+        let other_size = f.allocate_staging(2, 512).expect("staging");
+        assert!(f
+            .connect(&listener.local_endpoint, other_size, credential)
+            .await
+            .is_err());
         drop(conn);
         tokio::time::sleep(Duration::from_secs(1)).await;
+        // A staging whose one handle goes here: deregistered as it drops.
+        drop(f.allocate_staging(1, 1024).expect("staging"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     })
     .await
     .expect("the scenario ran");

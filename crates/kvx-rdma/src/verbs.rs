@@ -272,17 +272,38 @@ impl QpState {
 /// A queue pair with its state tracked: transitions out of order and posts in the wrong
 /// state are refused before reaching verbs.
 #[derive(Debug)]
-pub struct Qp<Q> {
-    inner: Q,
+pub struct Qp<Q: VerbsQp> {
+    /// Always `Some` until the queue pair is destroyed, in `drop`, off the runtime.
+    inner: Option<Q>,
     state: QpState,
+}
+
+impl<Q: VerbsQp> Drop for Qp<Q> {
+    /// `ibv_destroy_qp` waits for the device: off the runtime's workers.
+    fn drop(&mut self) {
+        let inner = self.inner.take();
+        crate::blocking::off_the_runtime(|| drop(inner));
+    }
 }
 
 impl<Q: VerbsQp> Qp<Q> {
     pub fn new(inner: Q) -> Self {
         Qp {
-            inner,
+            inner: Some(inner),
             state: QpState::Reset,
         }
+    }
+
+    fn q(&self) -> &Q {
+        self.inner
+            .as_ref()
+            .expect("invariant: a queue pair is destroyed only when dropped")
+    }
+
+    fn q_mut(&mut self) -> &mut Q {
+        self.inner
+            .as_mut()
+            .expect("invariant: a queue pair is destroyed only when dropped")
     }
 
     pub fn state(&self) -> QpState {
@@ -290,7 +311,7 @@ impl<Q: VerbsQp> Qp<Q> {
     }
 
     pub fn qpn(&self) -> u32 {
-        self.inner.qpn()
+        self.q().qpn()
     }
 
     pub fn modify(&mut self, to: Transition) -> Result<(), VerbsError> {
@@ -300,7 +321,9 @@ impl<Q: VerbsQp> Qp<Q> {
                 format!("{to:?} is not a transition from {:?}", self.state),
             ));
         };
-        match self.inner.modify(to) {
+        // Every transition is a firmware command: off the runtime's workers.
+        let inner = self.q_mut();
+        match crate::blocking::off_the_runtime(|| inner.modify(to)) {
             Ok(()) => {
                 self.state = next;
                 Ok(())
@@ -334,17 +357,17 @@ impl<Q: VerbsQp> Qp<Q> {
                 format!("the queue pair is in {:?}, not RTS", self.state),
             ));
         }
-        self.inner.post_write(wr)
+        self.q_mut().post_write(wr)
     }
 
     #[cfg(test)]
     pub(crate) fn inner_for_tests(&self) -> &Q {
-        &self.inner
+        self.q()
     }
 
     #[cfg(test)]
     pub(crate) fn inner_mut_for_tests(&mut self) -> &mut Q {
-        &mut self.inner
+        self.q_mut()
     }
 
     /// Receives may be posted from INIT on (before the peer can write), not after an error.
@@ -355,7 +378,7 @@ impl<Q: VerbsQp> Qp<Q> {
                 format!("the queue pair is in {:?}", self.state),
             ));
         }
-        self.inner.post_recv(wr_id)
+        self.q_mut().post_recv(wr_id)
     }
 }
 
@@ -433,24 +456,24 @@ mod tests {
         assert!(qp.post_write(&wr).is_err(), "no writes after an error");
         assert!(qp.post_recv(2).is_err(), "no receives after an error");
         assert_eq!(
-            qp.inner
+            qp.q()
                 .calls
                 .iter()
                 .filter(|c| c.as_str() == "Error")
                 .count(),
             1,
             "to_error is idempotent: {:?}",
-            qp.inner.calls
+            qp.q().calls
         );
     }
 
     #[test]
     fn a_failed_transition_keeps_the_state_but_a_failed_error_is_final() {
         let mut qp = Qp::new(Recorder::default());
-        qp.inner.fail_next = true;
+        qp.q_mut().fail_next = true;
         assert!(qp.modify(Transition::Init(RemoteAccess::Write)).is_err());
         assert_eq!(qp.state(), QpState::Reset);
-        qp.inner.fail_next = true;
+        qp.q_mut().fail_next = true;
         qp.move_to_error();
         assert_eq!(qp.state(), QpState::Error);
     }
