@@ -283,11 +283,13 @@ class Receiver:
     def next_ready(self, max: int = 16, timeout: Optional[float] = None) -> List[ReadLease]:
         """Up to ``max`` ready requests, leased, waiting at most ``timeout`` seconds for the
         first (None: as long as it takes); ``[]`` when none came. Ended requests' notices
-        (consumed ones too) do not end the wait."""
+        (consumed ones too) do not end the wait. ``StoppedError`` once the receiver has
+        stopped."""
     def ready(self, max: int = 16) -> Future[List[ReadLease]]:
         """Awaitable ``next_ready``: up to ``max`` ready requests once the first is ready.
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
-        nothing: leases it had taken go to the next ``ready``/``next_ready``."""
+        nothing: leases it had taken go to the next ``ready``/``next_ready``.
+        ``StoppedError`` once the receiver has stopped."""
     def snapshot(self, timeout: float = 5.0) -> Dict[str, int]:
         """The buffer's accounting: capacity, free, held, reserved_unallocated,
         quarantined, tracked_requests, admission_queue_len. ``TimedOutError`` when kvx's

@@ -55,3 +55,25 @@ def test_a_closed_receiver_raises_stopped_error():
     with pytest.raises(kvx.StoppedError):
         rx.snapshot(timeout=WAIT)
     tx.close()
+
+
+def test_a_stopped_receivers_next_ready_raises_at_once():
+    """Not ``[]`` again and again (a decoder polling it would spin), nor a wait without end
+    (``timeout=None``): ``StoppedError`` at once, from the call and from the awaitable."""
+    import asyncio
+    import time
+
+    rx = kvx.Receiver(slots=4, slot_bytes=SLOT)
+    rx.close()
+    started = time.monotonic()
+    with pytest.raises(kvx.StoppedError):
+        rx.next_ready(max=4, timeout=None)
+    with pytest.raises(kvx.StoppedError):
+        rx.next_ready(max=4, timeout=WAIT)
+    assert time.monotonic() - started < WAIT / 2
+
+    async def ready():
+        return await asyncio.wait_for(rx.ready(max=4), WAIT)
+
+    with pytest.raises(kvx.StoppedError):
+        asyncio.run(ready())

@@ -186,6 +186,19 @@ impl Returned {
 /// The leases of ready requests already off the stream, on their way from the task that
 /// leases them to the caller. Dropped before they arrive (the caller stopped waiting), it
 /// closes the way and puts back whatever had arrived: the task then puts back the rest.
+/// What the wait for a ready request found first.
+enum First {
+    /// Leases a caller gave back, handed out again first.
+    GivenBack(Vec<ReadLease>),
+    /// A request's ready notice, and the stream of them, held for the leasing.
+    Notice(
+        ReceiverNotice,
+        tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    ),
+    /// The notice stream ended: the driver is gone.
+    Stopped,
+}
+
 struct Handover {
     leases: oneshot::Receiver<Vec<ReadLease>>,
     returned: Arc<Returned>,
@@ -362,10 +375,11 @@ impl Receiver {
     }
 
     /// Up to `max` ready requests, leased, waiting at most `timeout` for the first; empty
-    /// when none came (or the receiver stopped). A request that ended between its ready
-    /// notice and its lease (the sender cancelled) is skipped, and if it was the only one
-    /// the call returns empty before its timeout. Shared by every caller.
-    pub fn next_ready(&self, max: usize, timeout: Duration) -> Vec<ReadLease> {
+    /// when none came. A request that ended between its ready notice and its lease (the
+    /// sender cancelled) is skipped, and if it was the only one the call returns empty before
+    /// its timeout. `Consume(Stopped)` once the receiver has stopped and no lease given back
+    /// is left to hand out. Shared by every caller.
+    pub fn next_ready(&self, max: usize, timeout: Duration) -> Result<Vec<ReadLease>, EmbedError> {
         let deadline = tokio::time::Instant::now() + timeout;
         self.runtime.block_on(self.take_ready(max, Some(deadline)))
     }
@@ -373,7 +387,7 @@ impl Receiver {
     /// The async form of `next_ready`, waiting for the first as long as it takes. Dropping
     /// it (a timeout, a cancelled task) loses nothing: leases it had taken go to the next
     /// call.
-    pub async fn ready(&self, max: usize) -> Vec<ReadLease> {
+    pub async fn ready(&self, max: usize) -> Result<Vec<ReadLease>, EmbedError> {
         self.take_ready(max, None).await
     }
 
@@ -390,9 +404,9 @@ impl Receiver {
         &self,
         max: usize,
         deadline: Option<tokio::time::Instant>,
-    ) -> Vec<ReadLease> {
+    ) -> Result<Vec<ReadLease>, EmbedError> {
         if max == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         // Waiting for the first notice can be cancelled at any point without losing one.
         let first = async {
@@ -404,27 +418,32 @@ impl Receiver {
                 arrived.as_mut().enable();
                 let returned = self.returned.take(max);
                 if !returned.is_empty() {
-                    return Some(Err(returned));
+                    return First::GivenBack(returned);
                 }
                 tokio::select! {
                     first = notices.recv() => match first {
                         // Every request's end is noticed, consumed ones too; an end leases
                         // nothing, so it must not end the wait for a ready one.
                         Some(ReceiverNotice::Ended { .. }) => {}
-                        first => return first.map(|n| Ok((n, notices))),
+                        Some(first) => return First::Notice(first, notices),
+                        // The driver is gone: no notice will come.
+                        None => return First::Stopped,
                     },
                     () = &mut arrived => {}
                 }
             }
         };
         let first = match deadline {
-            Some(at) => tokio::time::timeout_at(at, first).await.ok().flatten(),
+            Some(at) => match tokio::time::timeout_at(at, first).await {
+                Ok(first) => first,
+                Err(_) => return Ok(Vec::new()),
+            },
             None => first.await,
         };
         let (first, notices) = match first {
-            None => return Vec::new(),
-            Some(Err(returned)) => return returned,
-            Some(Ok(first)) => first,
+            First::Stopped => return Err(EmbedError::Consume(ConsumeError::Stopped)),
+            First::GivenBack(returned) => return Ok(returned),
+            First::Notice(first, notices) => (first, notices),
         };
         // From here the notices are off the stream: they are leased by a task that the
         // caller cannot cancel, and handed over, or put back if the caller left.
@@ -440,11 +459,11 @@ impl Receiver {
                 returned.give_back(out);
             }
         });
-        Handover {
+        Ok(Handover {
             leases,
             returned: self.returned.clone(),
         }
-        .await
+        .await)
     }
 
     /// The buffer's accounting now (for leak checks and monitoring), waiting at most

@@ -96,7 +96,10 @@ fn four_senders_in_one_process_with_default_identities_all_deliver() {
     let mut consumed = 0;
     let deadline = Instant::now() + WAIT;
     while consumed < 4 && Instant::now() < deadline {
-        for lease in rx.next_ready(4, Duration::from_millis(200)) {
+        for lease in rx
+            .next_ready(4, Duration::from_millis(200))
+            .expect("the receiver runs")
+        {
             lease.consume(WAIT).expect("consumed");
             consumed += 1;
         }

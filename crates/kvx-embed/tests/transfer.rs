@@ -129,7 +129,11 @@ fn two_interleaved_requests_arrive_byte_exact_in_a_buffer_smaller_than_both() {
         let decoder = scope.spawn(|| {
             let mut seen = Vec::new();
             for _ in 0..100 {
-                for lease in p.receiver.next_ready(4, Duration::from_millis(200)) {
+                for lease in p
+                    .receiver
+                    .next_ready(4, Duration::from_millis(200))
+                    .expect("the receiver runs")
+                {
                     let id = lease.key().req_id.0.clone();
                     for chunk in 0..lease.slots().len() {
                         let slot = lease.slots()[chunk].0 as usize;
@@ -297,7 +301,11 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
     );
     let mut read = 0;
     for _ in 0..50 {
-        for lease in p.receiver.next_ready(8, Duration::from_millis(100)) {
+        for lease in p
+            .receiver
+            .next_ready(8, Duration::from_millis(100))
+            .expect("the receiver runs")
+        {
             lease.consume(WAIT).expect("consumed");
             read += 1;
         }
@@ -380,6 +388,7 @@ fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
         let mut ready = Box::pin(p.receiver.ready(4));
         let mut cx = Context::from_waker(Waker::noop());
         if let Poll::Ready(leases) = ready.as_mut().poll(&mut cx) {
+            let leases = leases.expect("the receiver runs");
             assert_eq!(leases.len(), 1);
             leases
                 .into_iter()
@@ -387,7 +396,7 @@ fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
             continue;
         }
         drop(ready);
-        let leases = p.receiver.next_ready(4, WAIT);
+        let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");
         assert_eq!(leases.len(), 1, "the dropped call's request is lost");
         assert_eq!(leases[0].key().req_id, req);
         let mut bytes = Vec::new();
@@ -416,7 +425,7 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
                 .expect("added");
         }
         p.sender.submit(&req, true).expect("submitted");
-        let leases = p.receiver.next_ready(4, WAIT);
+        let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");
         assert_eq!(leases.len(), 1, "round {round}");
         drop(leases);
         let snap = p.receiver.snapshot(WAIT).expect("a snapshot");
@@ -442,7 +451,7 @@ fn an_ended_requests_notice_does_not_end_a_wait_early() {
     let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
     p.sender.add(guard, "e@0".into(), SLOT, 1).expect("added");
     p.sender.submit(&req, true).expect("submitted");
-    let leases = p.receiver.next_ready(4, WAIT);
+    let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");
     assert_eq!(leases.len(), 1);
     leases
         .into_iter()
@@ -450,10 +459,39 @@ fn an_ended_requests_notice_does_not_end_a_wait_early() {
     // The consumed request's end notice is queued now; nothing else will come.
     let wait = Duration::from_millis(400);
     let started = Instant::now();
-    assert!(p.receiver.next_ready(4, wait).is_empty());
+    assert!(p
+        .receiver
+        .next_ready(4, wait)
+        .expect("the receiver runs")
+        .is_empty());
     assert!(
         started.elapsed() >= wait,
         "returned after {:?}, before its timeout",
         started.elapsed()
     );
+}
+
+/// A stopped receiver's `next_ready` answers `Stopped` at once, not an empty list again and
+/// again (a decoder polling it would spin) or after its timeout; `ready` too.
+#[test]
+fn a_stopped_receivers_next_ready_answers_stopped_at_once() {
+    let p = pair(4, 2);
+    p.receiver.shutdown(WAIT);
+    let started = std::time::Instant::now();
+    let e = p.receiver.next_ready(4, WAIT).expect_err("stopped");
+    assert!(e.is_stopped(), "{e}");
+    assert!(
+        started.elapsed() < WAIT / 2,
+        "answered only after {:?}",
+        started.elapsed()
+    );
+    let mut ready = Box::pin(p.receiver.ready(4));
+    let mut cx = Context::from_waker(Waker::noop());
+    match ready.as_mut().poll(&mut cx) {
+        Poll::Ready(Err(e)) => assert!(e.is_stopped(), "{e}"),
+        other => panic!(
+            "ready on a stopped receiver: {:?}",
+            other.map(|r| r.map(|l| l.len()))
+        ),
+    }
 }

@@ -130,7 +130,7 @@ impl Receiver {
 
     /// Up to ``max`` ready requests, leased, waiting at most ``timeout`` seconds for the first
     /// (None: as long as it takes); ``[]`` when none came. Ended requests' notices (consumed
-    /// ones too) do not end the wait.
+    /// ones too) do not end the wait. ``StoppedError`` once the receiver has stopped.
     #[pyo3(signature = (max = 16, timeout = None))]
     fn next_ready(
         &self,
@@ -139,22 +139,32 @@ impl Receiver {
         timeout: Option<f64>,
     ) -> PyResult<Vec<ReadLease>> {
         let leases = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
-            let got = self.inner.next_ready(max, slice);
-            (!got.is_empty()).then_some(got)
+            match self.inner.next_ready(max, slice) {
+                Ok(got) if got.is_empty() => None,
+                got => Some(got),
+            }
         })?
+        .transpose()
+        .map_err(|e| errors::embed(&e))?
         .unwrap_or_default();
         Ok(leases.into_iter().map(|l| self.lease(py, l)).collect())
     }
 
     /// Awaitable ``next_ready``: up to ``max`` ready requests, leased, once the first is
-    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when the
-    /// receiver stopped, or its one request ended before it was leased. Cancelled, it loses
-    /// nothing: leases it had taken go to the next ``ready``/``next_ready`` call.
+    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when its
+    /// one request ended before it was leased; ``StoppedError`` once the receiver has
+    /// stopped. Cancelled, it loses nothing: leases it had taken go to the next
+    /// ``ready``/``next_ready`` call.
     #[pyo3(signature = (max = 16))]
     fn ready<'py>(slf: &Bound<'py, Self>, max: usize) -> PyResult<Bound<'py, PyAny>> {
         let owner: Py<Self> = slf.clone().unbind();
         aio::spawn(slf.py(), async move {
-            let leases = owner.get().inner.ready(max).await;
+            let leases = owner
+                .get()
+                .inner
+                .ready(max)
+                .await
+                .map_err(|e| errors::embed(&e))?;
             Ok(Leased { owner, leases })
         })
     }
