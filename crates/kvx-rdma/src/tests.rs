@@ -392,6 +392,25 @@ async fn an_mtu_cap_on_one_side_is_the_path_mtu_of_both() {
 /// pair before destroying it (destroying it would purge them, as mlx5 does, and the model).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_still_announces_the_writes_that_landed_before_it() {
+    let mut held = four_writes_held_at_the_receiver().await;
+    // The fence: the receiver's queue pair goes to ERROR with the four receive completions
+    // still in its queue.
+    drop(held.conn.take());
+    held.announced_after_release().await;
+}
+
+/// Four writes that completed at the sender, their receive completions held in the
+/// receiver's completion queue (two devices on one wire: `hold_completions` holds the
+/// receiver's only).
+struct HeldWrites {
+    receiver_nic: FakeVerbs,
+    listener: kvx_io::FabricListener<crate::RdmaMemory>,
+    /// The sender's connection; dropping it fences.
+    conn: Option<FabricConn>,
+    _fabrics: (RdmaFabric<FakeVerbs>, RdmaFabric<FakeVerbs>),
+}
+
+async fn four_writes_held_at_the_receiver() -> HeldWrites {
     let sender_nic = FakeVerbs::new();
     let receiver_nic = sender_nic.another_device();
     let config = RdmaConfig {
@@ -400,7 +419,7 @@ async fn a_fence_still_announces_the_writes_that_landed_before_it() {
     };
     let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
-    let mut listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
     let staging = tx.allocate_staging(4, 1024).expect("staging");
     let credential = attach(&listener, 0..4, 1);
     let mut conn = tx
@@ -413,17 +432,27 @@ async fn a_fence_still_announces_the_writes_that_landed_before_it() {
     }
     let done = completions(&mut conn, 4).await;
     assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
-    // The fence: the receiver's queue pair goes to ERROR with the four receive completions
-    // still in its queue.
-    drop(conn);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    receiver_nic.hold_completions(false);
-    for slot in 0..4 {
-        let landed = tokio::time::timeout(STEP, listener.landed.recv())
-            .await
-            .expect("every write that landed is announced")
-            .expect("open");
-        assert_eq!(landed.slot, SlotIndex(slot));
+    HeldWrites {
+        receiver_nic,
+        listener,
+        conn: Some(conn),
+        _fabrics: (rx, tx),
+    }
+}
+
+impl HeldWrites {
+    /// After whatever broke the connection has had its effect, the completions go on to
+    /// the receiver: each of the four writes is announced.
+    async fn announced_after_release(mut self) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.receiver_nic.hold_completions(false);
+        for slot in 0..4 {
+            let landed = tokio::time::timeout(STEP, self.listener.landed.recv())
+                .await
+                .expect("every write that landed is announced")
+                .expect("open");
+            assert_eq!(landed.slot, SlotIndex(slot));
+        }
     }
 }
 
@@ -562,37 +591,10 @@ async fn closed_within(sockets: &mut [tokio::net::TcpStream], wait: Duration) ->
 /// announced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_queue_pair_still_announces_the_writes_that_landed_before_it() {
-    let sender_nic = FakeVerbs::new();
-    let receiver_nic = sender_nic.another_device();
-    let config = RdmaConfig {
-        fence_timeout: Duration::from_secs(2),
-        ..RdmaConfig::default()
-    };
-    let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
-    let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
-    let mut listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = tx.allocate_staging(4, 1024).expect("staging");
-    let credential = attach(&listener, 0..4, 1);
-    let mut conn = tx
-        .connect(&listener.local_endpoint, staging, credential)
-        .await
-        .expect("connect");
-    receiver_nic.hold_completions(true);
-    for i in 0..4 {
-        conn.post(write(i, i as u32, 1)).expect("post");
-    }
-    let done = completions(&mut conn, 4).await;
-    assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+    let held = four_writes_held_at_the_receiver().await;
     // The receiver's queue pair fails with the four receive completions still queued.
-    let receiving_qpn = receiver_nic.qpns()[0];
-    receiver_nic.inject_event(crate::verbs::DeviceEvent::QpFatal { qpn: receiving_qpn });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    receiver_nic.hold_completions(false);
-    for slot in 0..4 {
-        let landed = tokio::time::timeout(STEP, listener.landed.recv())
-            .await
-            .expect("every write that landed is announced")
-            .expect("open");
-        assert_eq!(landed.slot, SlotIndex(slot));
-    }
+    let receiving_qpn = held.receiver_nic.qpns()[0];
+    held.receiver_nic
+        .inject_event(crate::verbs::DeviceEvent::QpFatal { qpn: receiving_qpn });
+    held.announced_after_release().await;
 }

@@ -338,16 +338,7 @@ async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
     conn.post(write(1, 0, 1)).expect("post");
     assert_eq!(completions(&mut conn, 1).await, vec![(1, Ok(()))]);
     verbs.inject_event(DeviceEvent::CqError);
-    let refused = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match f.allocate_staging(1, 64) {
-                Err(e) => return e.to_string(),
-                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        }
-    })
-    .await
-    .expect("the device is marked unusable");
+    let refused = refusal_once_unusable(&f).await;
     assert!(refused.contains("CQ_ERR"), "{refused}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     conn.post(write(2, 1, 1))
@@ -423,13 +414,7 @@ async fn a_receiver_on_a_failed_device_refuses_new_senders_saying_so() {
     let listener = r.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
     let credential = attach(&listener, 0..4, 1);
     receiving.inject_event(DeviceEvent::DeviceFatal);
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while r.allocate_staging(1, 64).is_ok() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the receiving device is marked unusable");
+    refusal_once_unusable(&r).await;
     let staging = s
         .allocate_staging(2, 1024)
         .expect("the sender's device is fine");
@@ -449,16 +434,7 @@ async fn a_removed_device_ends_its_event_reader_instead_of_spinning() {
     let verbs = FakeVerbs::new();
     let f = fabric_on(verbs.clone());
     verbs.remove();
-    let refused = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match f.allocate_staging(1, 64) {
-                Err(e) => return e.to_string(),
-                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        }
-    })
-    .await
-    .expect("the device is marked unusable");
+    let refused = refusal_once_unusable(&f).await;
     assert!(refused.contains("removed"), "{refused}");
     let waits = verbs.event_waits();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -479,12 +455,34 @@ async fn a_lid_change_refreshes_what_new_connections_advertise() {
     verbs.move_port(7, [0xBB; 16]);
     assert_eq!(verbs.port().lid, 0, "nothing read before the event");
     verbs.inject_event(DeviceEvent::LidChange { port: 1 });
+    within_10_s("the port is read again", || verbs.port().lid == 7).await;
+    assert_eq!(verbs.port().gid, [0xBB; 16]);
+}
+
+/// Waits (10 s at most) until `f`'s device is marked unusable; what a new staging is refused
+/// with then.
+async fn refusal_once_unusable(f: &RdmaFabric<FakeVerbs>) -> String {
+    let mut refused = String::new();
+    within_10_s("the device is marked unusable", || {
+        match f.allocate_staging(1, 64) {
+            Err(e) => {
+                refused = e.to_string();
+                true
+            }
+            Ok(_) => false,
+        }
+    })
+    .await;
+    refused
+}
+
+/// Waits until `done` holds, 10 s at most (then fails saying `what`), looking every 5 ms.
+async fn within_10_s(what: &str, mut done: impl FnMut() -> bool) {
     tokio::time::timeout(Duration::from_secs(10), async {
-        while verbs.port().lid != 7 {
+        while !done() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await
-    .expect("the port is read again");
-    assert_eq!(verbs.port().gid, [0xBB; 16]);
+    .unwrap_or_else(|_| panic!("not within 10 s: {what}"));
 }
