@@ -91,18 +91,28 @@ impl Proxy {
     /// The next outcome of a request no `expect` awaits (a standalone proxy), waiting at most
     /// `timeout`; `None` when none came.
     pub fn next_event(&self, timeout: Duration) -> Option<ProxyEvent> {
-        self.runtime
-            .block_on_for(timeout, async { self.events.lock().await.next().await })
-            .flatten()
+        self.runtime.block_on_for(timeout, self.event()).flatten()
+    }
+
+    /// The async form of `next_event`, unbounded: `None` once the proxy has stopped.
+    /// Dropping it loses no event.
+    pub async fn event(&self) -> Option<ProxyEvent> {
+        self.events.lock().await.next().await
     }
 }
 
 impl ProxyWait {
     /// The outcome, waiting at most `timeout`: `None` when it has not come yet (call again).
     pub fn wait(&mut self, runtime: &Runtime, timeout: Duration) -> Option<ProxyOutcome> {
-        runtime
-            .block_on_for(timeout, &mut self.outcome)
-            .map(|r| r.unwrap_or(Err(kvx_proto::proxy::ProxyFailure::ProxyGone)))
+        runtime.block_on_for(timeout, self.next_outcome())
+    }
+
+    /// The outcome, awaited without giving the wait up: dropped before it came, the next
+    /// call awaits the same outcome.
+    pub async fn next_outcome(&mut self) -> ProxyOutcome {
+        (&mut self.outcome)
+            .await
+            .unwrap_or(Err(kvx_proto::proxy::ProxyFailure::ProxyGone))
     }
 
     /// The outcome, awaited.

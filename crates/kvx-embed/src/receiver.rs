@@ -380,8 +380,7 @@ impl Receiver {
     /// its timeout. `Consume(Stopped)` once the receiver has stopped and no lease given back
     /// is left to hand out. Shared by every caller.
     pub fn next_ready(&self, max: usize, timeout: Duration) -> Result<Vec<ReadLease>, EmbedError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        self.runtime.block_on(self.take_ready(max, Some(deadline)))
+        self.runtime.block_on(self.take_ready(max, Some(timeout)))
     }
 
     /// The async form of `next_ready`, waiting for the first as long as it takes. Dropping
@@ -397,13 +396,13 @@ impl Receiver {
         self.returned.give_back(leases);
     }
 
-    /// Only the wait for the first notice is bounded by `deadline`: once a request is taken
+    /// Only the wait for the first notice is bounded by `timeout`: once a request is taken
     /// off the stream it is leased and returned, never dropped by a timeout (a lease is
     /// answered at once by a running driver, and with an error by a stopped one).
     async fn take_ready(
         &self,
         max: usize,
-        deadline: Option<tokio::time::Instant>,
+        timeout: Option<Duration>,
     ) -> Result<Vec<ReadLease>, EmbedError> {
         if max == 0 {
             return Ok(Vec::new());
@@ -433,8 +432,8 @@ impl Receiver {
                 }
             }
         };
-        let first = match deadline {
-            Some(at) => match tokio::time::timeout_at(at, first).await {
+        let first = match timeout {
+            Some(limit) => match tokio::time::timeout(limit, first).await {
                 Ok(first) => first,
                 Err(_) => return Ok(Vec::new()),
             },

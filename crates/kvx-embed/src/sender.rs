@@ -6,15 +6,14 @@
 //! write the chunk into its slot (`with_slot`, or the caller's own view of its memory),
 //! `add` it to the request's pending batch → `submit` the batch (the last with
 //! `last = true`) → its end comes from `wait_outcome` or, for many requests at once, from
-//! `next_ends`. The pending batch lives here, so `allocate` can submit it itself when the
-//! request's own chunks alone hold staging (`SenderFlow::allocate_or_submit`). A guard
-//! dropped before `add` hands its slot back.
+//! `next_ends`. The pending batches live in the core (`SenderFlow::handle_add`), which
+//! submits them itself when only they hold staging (`docs/invariants.md` S11): this type
+//! only asks. A guard dropped before `add` hands its slot back.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::{Env, SlotMemory};
@@ -64,10 +63,6 @@ pub fn unique_local_id(prefix: &str) -> Result<String, EmbedError> {
     Ok(format!("{prefix}-{}-{n}-{hex}", std::process::id()))
 }
 
-/// How long `allocate` waits without a slot before it checks whether pending batches hold
-/// the staging (`Sender::submit_pending_if_they_hold_staging`).
-const STALL: Duration = Duration::from_millis(20);
-
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// `SenderHandle<E>` for any `E`, as one type.
@@ -91,7 +86,8 @@ trait SenderApi: Send + Sync {
     fn with_slot(&self, slot: StagingSlot, f: &mut dyn FnMut(&mut [u8]));
     fn memory_view(&self) -> Option<MemoryView>;
     fn staged(&self, slot: StagingSlot, len: usize);
-    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError>;
+    fn add(&self, req_id: &ReqId, chunk: ChunkSpec) -> Result<(), SendError>;
+    fn submit_added(&self, req_id: &ReqId, last: bool) -> Result<(), SendError>;
     fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError>;
     fn cancel(&self, req_id: &ReqId) -> Result<(), SendError>;
     fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd>;
@@ -140,8 +136,11 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     fn staged(&self, slot: StagingSlot, len: usize) {
         SenderHandle::staged(self, slot, len);
     }
-    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError> {
-        SenderHandle::submit(self, req_id, chunks, last)
+    fn add(&self, req_id: &ReqId, chunk: ChunkSpec) -> Result<(), SendError> {
+        SenderHandle::add(self, req_id, chunk)
+    }
+    fn submit_added(&self, req_id: &ReqId, last: bool) -> Result<(), SendError> {
+        SenderHandle::submit_added(self, req_id, last)
     }
     fn release(&self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
         SenderHandle::release(self, req_id, slot)
@@ -203,8 +202,6 @@ impl EnvVisitor for Start {
 pub struct Sender {
     runtime: Runtime,
     api: Arc<dyn SenderApi>,
-    /// Each request's chunks added and not yet submitted (`add`, `submit`).
-    pending: Mutex<BTreeMap<ReqId, Vec<ChunkSpec>>>,
     ends: tokio::sync::Mutex<mpsc::UnboundedReceiver<RequestEnd>>,
     staging_timeout: Duration,
 }
@@ -279,7 +276,6 @@ impl Sender {
         Ok(Self {
             runtime: runtime.clone(),
             api,
-            pending: Mutex::new(BTreeMap::new()),
             ends,
             staging_timeout,
         })
@@ -331,63 +327,17 @@ impl Sender {
     }
 
     /// Takes a staging slot for `req_id`, blocking at most `timeout` (None: the configured
-    /// `staging_timeout`). When the request's own added chunks alone hold staging, they are
-    /// submitted first as a batch that is not the last.
+    /// `staging_timeout`): one bounded wait. When no slot is free and only unsubmitted
+    /// chunks hold staging, the core submits the pending batches (none as the last) first.
     pub fn allocate(
         &self,
         req_id: &ReqId,
         timeout: Option<Duration>,
     ) -> Result<StagingGuard, SendError> {
         let timeout = timeout.unwrap_or(self.staging_timeout);
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let mut held = self.lend_pending(req_id);
-            let result = self
-                .api
-                .allocate_blocking(req_id, &mut held.batch, left.min(STALL));
-            drop(held);
-            if let Some(done) = self.after_slice(req_id, result, left, timeout) {
-                return done;
-            }
-        }
-    }
-
-    /// What one slice of an allocate call came to: `Some` when the call is over (a slot, an
-    /// error, or `timeout` spent); `None` after a stall, once the pending batches were
-    /// submitted if they hold the staging: try another slice.
-    fn after_slice(
-        &self,
-        req_id: &ReqId,
-        result: Result<StagingSlot, SendError>,
-        left: Duration,
-        timeout: Duration,
-    ) -> Option<Result<StagingGuard, SendError>> {
-        match result {
-            Err(SendError::StagingTimedOut(_)) if !left.is_zero() => {
-                self.submit_pending_if_they_hold_staging();
-                None
-            }
-            Err(SendError::StagingTimedOut(_)) => Some(Err(SendError::StagingTimedOut(timeout))),
-            other => Some(other.map(|slot| self.guard(req_id, slot))),
-        }
-    }
-
-    /// When every staging slot is taken and the pending batches hold some of them, submits
-    /// them all (none as the last): a caller that interleaves several requests on one thread
-    /// would otherwise wait for staging that only its own other requests' unsubmitted chunks
-    /// hold — for ever. The core submits a request's own batch when that alone stands in
-    /// the way (`allocate_or_submit`); this does the same across the requests of this
-    /// sender, whose pending batches it alone knows. Costs only batching, after a stall.
-    fn submit_pending_if_they_hold_staging(&self) {
-        if self.api.staging_free() > 0 {
-            return;
-        }
-        let batches = std::mem::take(&mut *self.lock_pending());
-        for (req_id, batch) in batches {
-            // An error means the request ended; its end is reported as usual.
-            let _ = self.api.submit(&req_id, batch, false);
-        }
+        self.api
+            .allocate_blocking(req_id, &mut Vec::new(), timeout)
+            .map(|slot| self.guard(req_id, slot))
     }
 
     /// The async form of `allocate`.
@@ -397,20 +347,10 @@ impl Sender {
         timeout: Option<Duration>,
     ) -> Result<StagingGuard, SendError> {
         let timeout = timeout.unwrap_or(self.staging_timeout);
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            // Lent, and given back however the await ends (the future may be dropped).
-            let mut held = self.lend_pending(req_id);
-            let result = self
-                .api
-                .allocate(req_id, &mut held.batch, left.min(STALL))
-                .await;
-            drop(held);
-            if let Some(done) = self.after_slice(req_id, result, left, timeout) {
-                return done;
-            }
-        }
+        self.api
+            .allocate(req_id, &mut Vec::new(), timeout)
+            .await
+            .map(|slot| self.guard(req_id, slot))
     }
 
     fn guard(&self, req_id: &ReqId, slot: StagingSlot) -> StagingGuard {
@@ -420,36 +360,6 @@ impl Sender {
             slot,
             armed: true,
         }
-    }
-
-    /// `req_id`'s pending batch, lent to one call and put back when the loan is dropped.
-    fn lend_pending<'a>(&'a self, req_id: &'a ReqId) -> PendingLoan<'a> {
-        PendingLoan {
-            sender: self,
-            req_id,
-            batch: self.take_pending(req_id),
-        }
-    }
-
-    /// The pending batch of `req_id`, taken out while a call works on it (a second call for
-    /// the same request meanwhile sees an empty one: the core then says what to do).
-    fn take_pending(&self, req_id: &ReqId) -> Vec<ChunkSpec> {
-        self.lock_pending().remove(req_id).unwrap_or_default()
-    }
-
-    /// Puts back what is left of a pending batch, ahead of anything added meanwhile.
-    fn put_back_pending(&self, req_id: &ReqId, mut held: Vec<ChunkSpec>) {
-        if held.is_empty() {
-            return;
-        }
-        let mut pending = self.lock_pending();
-        let entry = pending.entry(req_id.clone()).or_default();
-        held.append(entry);
-        *entry = held;
-    }
-
-    fn lock_pending(&self) -> std::sync::MutexGuard<'_, BTreeMap<ReqId, Vec<ChunkSpec>>> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Adds the chunk written into `guard`'s slot to its request's pending batch: its first
@@ -471,6 +381,8 @@ impl Sender {
             });
         }
         self.api.staged(guard.slot, len);
+        // Added or refused, the slot is the core's to account for now (a refusal cancels
+        // the request, which frees its staging).
         guard.armed = false;
         let chunk = ChunkSpec {
             key,
@@ -478,27 +390,18 @@ impl Sender {
             tokens,
             bytes: len as u64,
         };
-        self.lock_pending()
-            .entry(guard.req_id.clone())
-            .or_default()
-            .push(chunk);
-        Ok(())
+        self.api.add(&guard.req_id, chunk)
     }
 
     /// Submits `req_id`'s pending batch (`last`: it completes the request, whose declared
     /// chunk count must then be reached). An empty batch that is not the last is a no-op.
     pub fn submit(&self, req_id: &ReqId, last: bool) -> Result<(), SendError> {
-        let batch = self.take_pending(req_id);
-        if batch.is_empty() && !last {
-            return Ok(());
-        }
-        self.api.submit(req_id, batch, last)
+        self.api.submit_added(req_id, last)
     }
 
     /// Aborts a request from any state; its pending batch is dropped (its staging freed by
     /// the core) and waiters get an error.
     pub fn cancel(&self, req_id: &ReqId) -> Result<(), SendError> {
-        self.lock_pending().remove(req_id);
         self.api.cancel(req_id)
     }
 
@@ -510,21 +413,30 @@ impl Sender {
         if max == 0 {
             return Vec::new();
         }
-        let take = async {
-            let mut ends = self.ends.lock().await;
-            let mut out = Vec::new();
-            if let Some(end) = ends.recv().await {
-                out.push(end);
-                while out.len() < max {
-                    match ends.try_recv() {
-                        Ok(end) => out.push(end),
-                        Err(_) => break,
-                    }
+        self.runtime
+            .block_on_for(timeout, self.ends(max))
+            .unwrap_or_default()
+    }
+
+    /// The async form of `next_ends`, unbounded: up to `max` request ends once the first
+    /// came; empty once the sender has stopped and every end was taken. Dropping it loses
+    /// no end.
+    pub async fn ends(&self, max: usize) -> Vec<RequestEnd> {
+        let mut out = Vec::new();
+        if max == 0 {
+            return out;
+        }
+        let mut ends = self.ends.lock().await;
+        if let Some(end) = ends.recv().await {
+            out.push(end);
+            while out.len() < max {
+                match ends.try_recv() {
+                    Ok(end) => out.push(end),
+                    Err(_) => break,
                 }
             }
-            out
-        };
-        self.runtime.block_on_for(timeout, take).unwrap_or_default()
+        }
+        out
     }
 
     /// The configured bound of `allocate` when it is given none.
@@ -574,21 +486,6 @@ impl Sender {
 impl Drop for Sender {
     fn drop(&mut self) {
         self.api.shutdown();
-    }
-}
-
-/// A pending batch lent to an allocate call: what the core did not submit goes back to the
-/// request's pending batch when the loan ends, even if the call's future is dropped.
-struct PendingLoan<'a> {
-    sender: &'a Sender,
-    req_id: &'a ReqId,
-    batch: Vec<ChunkSpec>,
-}
-
-impl Drop for PendingLoan<'_> {
-    fn drop(&mut self) {
-        let batch = std::mem::take(&mut self.batch);
-        self.sender.put_back_pending(self.req_id, batch);
     }
 }
 

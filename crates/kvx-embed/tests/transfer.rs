@@ -4,6 +4,10 @@
 //! ends polled in batches, guards that hand back what they hold when dropped, and a `ready`
 //! future dropped mid-lease that leaves its request to the next call.
 
+// A test bounds and measures its own waits with the wall clock; the crate's rule against
+// clock reads (`clippy.toml`) is for the library.
+#![allow(clippy::disallowed_methods)]
+
 #![allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
 
 use std::cell::UnsafeCell;
@@ -254,9 +258,9 @@ fn a_dropped_guard_hands_its_slot_back_and_a_cancel_ends_the_request() {
 
 /// One thread interleaving five requests chunk by chunk, batches of four, over four staging
 /// slots: the first four requests' first chunks take every slot, unsubmitted, and the fifth,
-/// holding none, asks for one. The sender submits the pending batches itself after
-/// a short stall, rather than letting the call wait for staging only its own caller can
-/// free (it timed out after `staging_timeout` before).
+/// holding none, asks for one. The core submits the pending batches itself, at once, since
+/// only they hold staging (S11), rather than letting the call wait out its timeout for
+/// staging only its own caller can free.
 #[test]
 fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
     let p = pair(40, 4);
@@ -314,6 +318,48 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
         }
     }
     assert_eq!(read, ids.len());
+}
+
+/// A call waits for staging while another thread holds every slot; that thread then adds
+/// its chunks and never submits them. The add submits them (S11): the waiting call gets a
+/// slot once their writes complete, not after its timeout.
+#[test]
+fn a_waiting_allocate_gets_staging_when_another_thread_adds_and_never_submits() {
+    let p = pair(40, 4);
+    for id in ["holder", "waiter"] {
+        p.sender.begin(spec(id, p.peer, 8)).expect("begins");
+        assert!(p
+            .sender
+            .wait_admitted(&ReqId(id.into()), WAIT)
+            .expect("admitted"));
+    }
+    let holder = ReqId("holder".into());
+    let guards: Vec<_> = (0..4)
+        .map(|_| p.sender.allocate(&holder, None).expect("a free slot"))
+        .collect();
+    let timeout = Duration::from_secs(5);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let started = Instant::now();
+            let got = p.sender.allocate(&ReqId("waiter".into()), Some(timeout));
+            (got.map(|g| g.index()), started.elapsed())
+        });
+        // Time for the waiter to wait: the add must find it waiting to matter.
+        std::thread::sleep(Duration::from_millis(300));
+        for (chunk, guard) in guards.into_iter().enumerate() {
+            let bytes = pattern("holder", chunk);
+            guard.with_slot(&mut |slot| slot.copy_from_slice(&bytes));
+            p.sender
+                .add(guard, format!("holder@{chunk}"), SLOT, 256)
+                .expect("added");
+        }
+        let (got, waited) = waiter.join().expect("the waiter ends");
+        assert!(got.is_ok(), "the waiting allocate got staging: {got:?}");
+        assert!(
+            waited < timeout,
+            "the waiting allocate did not wait out its timeout ({waited:?})"
+        );
+    });
 }
 
 #[test]

@@ -94,6 +94,30 @@ fn the_abstraction_loses_no_state_of_one_request() {
     assert_eq!(c.image, c.canonical_states, "{c:?}");
 }
 
+/// Pending batches (`handle_add`): one sender interleaves two three-chunk requests on two
+/// staging slots, adding chunks without submitting them; when only those chunks hold
+/// staging, the core submits them (S11), or healing could not finish.
+#[test]
+fn pending_batches_never_hold_staging_for_ever() {
+    let r = complete(
+        "6 slots, 2 staging,",
+        OpWorld::with_slots(6, 2),
+        &[(0, 1), (0, 3)],
+    );
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// `pending_batches_never_hold_staging_for_ever` with two three-chunk requests.
+#[test]
+#[ignore]
+fn exhaustive_pending_batches_of_two_three_chunk_requests() {
+    complete(
+        "6 slots, 2 staging,",
+        OpWorld::with_slots(6, 2),
+        &[(0, 3), (0, 3)],
+    );
+}
+
 /// The full size: 2 senders, 3 requests, 6 buffer slots, 4 staging slots per sender
 /// (one chunk each: every chunk more multiplies the states by about four).
 #[test]

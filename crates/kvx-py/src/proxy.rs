@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use kvx_embed::TransportChoice;
 use kvx_proto::proxy::ProxyEvent;
@@ -99,8 +98,7 @@ impl Proxy {
         timeout: Option<f64>,
     ) -> PyResult<Option<(String, Option<String>)>> {
         let timeout = wait::seconds(timeout)?;
-        let event =
-            wait::interruptibly(py, timeout, |slice: Duration| self.inner.next_event(slice))?;
+        let event = wait::interruptibly(py, timeout, self.inner.event())?.flatten();
         Ok(event.map(|ev| match ev {
             ProxyEvent::Ready { req_id } => (req_id.0, None),
             ProxyEvent::Failed { req_id, failure } => (req_id.0, Some(failure.to_string())),
@@ -127,8 +125,7 @@ impl ProxyWait {
                 self.req_id
             )));
         };
-        let rt = runtime::get()?;
-        let outcome = wait::interruptibly(py, timeout, |slice| waiting.wait(rt, slice))?;
+        let outcome = wait::interruptibly(py, timeout, waiting.next_outcome())?;
         match outcome {
             None => Err(errors::TimedOutError::new_err(format!(
                 "no outcome for {} within the timeout",

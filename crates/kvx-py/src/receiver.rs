@@ -138,15 +138,19 @@ impl Receiver {
         max: usize,
         timeout: Option<f64>,
     ) -> PyResult<Vec<ReadLease>> {
-        let leases = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
-            match self.inner.next_ready(max, slice) {
-                Ok(got) if got.is_empty() => None,
-                got => Some(got),
+        // A request that ended between its notice and its lease leases nothing: wait on.
+        let first_leases = async {
+            loop {
+                match self.inner.ready(max).await {
+                    Ok(got) if got.is_empty() && max > 0 => {}
+                    got => return got,
+                }
             }
-        })?
-        .transpose()
-        .map_err(|e| errors::embed(&e))?
-        .unwrap_or_default();
+        };
+        let leases = wait::interruptibly(py, wait::seconds(timeout)?, first_leases)?
+            .transpose()
+            .map_err(|e| errors::embed(&e))?
+            .unwrap_or_default();
         Ok(leases.into_iter().map(|l| self.lease(py, l)).collect())
     }
 

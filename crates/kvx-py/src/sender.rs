@@ -185,15 +185,10 @@ impl Sender {
         timeout: Option<f64>,
     ) -> PyResult<bool> {
         let id = ReqId(req_id);
-        let done = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
-            match self.inner.wait_admitted(&id, slice) {
-                Ok(false) => None,
-                other => Some(other),
-            }
-        })?;
+        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.admitted(&id))?;
         match done {
             None => Ok(false),
-            Some(Ok(_)) => Ok(true),
+            Some(Ok(())) => Ok(true),
             Some(Err(f)) => Err(errors::send_failure(&f)),
         }
     }
@@ -248,15 +243,8 @@ impl Sender {
         };
         let got = match first {
             Some(done) => Some(done),
-            None => wait::interruptibly(py, Some(limit), |slice| {
-                match self
-                    .inner
-                    .allocate(&id, Some(slice.max(Duration::from_millis(1))))
-                {
-                    Err(SendError::StagingTimedOut(_)) => None,
-                    other => Some(other),
-                }
-            })?,
+            // One wait, bounded by `limit` in the core's driver.
+            None => wait::interruptibly(py, None, self.inner.allocate_async(&id, Some(limit)))?,
         };
         match got {
             Some(Ok(guard)) => Ok(StagingSlot::new(guard, req_id, self.view(py))),
@@ -344,9 +332,7 @@ impl Sender {
     #[pyo3(signature = (req_id, timeout = None))]
     fn wait_outcome(&self, py: Python<'_>, req_id: String, timeout: Option<f64>) -> PyResult<()> {
         let id = ReqId(req_id.clone());
-        let done = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
-            self.inner.wait_outcome(&id, slice)
-        })?;
+        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.outcome(&id))?;
         match done {
             Some(Ok(())) => Ok(()),
             Some(Err(f)) => Err(errors::send_failure(&f)),
@@ -366,11 +352,8 @@ impl Sender {
         max: usize,
         timeout: Option<f64>,
     ) -> PyResult<Vec<(String, Option<PyErr>)>> {
-        let ends = wait::interruptibly(py, wait::seconds(timeout)?, |slice| {
-            let got = self.inner.next_ends(max, slice);
-            (!got.is_empty()).then_some(got)
-        })?
-        .unwrap_or_default();
+        let ends = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.ends(max))?
+            .unwrap_or_default();
         Ok(ends
             .into_iter()
             .map(|end| {

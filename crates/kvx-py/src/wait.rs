@@ -1,34 +1,50 @@
-//! Waiting without holding the GIL, and without deafness to Ctrl-C: a wait runs in slices of
-//! at most `SLICE` with the GIL released, and between slices Python's signal handlers run
-//! (a KeyboardInterrupt then ends the wait with that exception).
+//! Waiting without holding the GIL, and without deafness to Ctrl-C: each blocking call is one
+//! future with its own bound (the core's staging timeout, the caller's `timeout`), run on
+//! kvx's runtime with the GIL released. Every `SIGNAL_CHECK` the thread takes the GIL back
+//! for a moment so that Python's signal handlers run (a KeyboardInterrupt ends the wait with
+//! that exception, dropping the future), then goes on with the same future: the wait is
+//! one, however many layers it crosses, and its bound is never restarted.
 
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::time::Duration;
 
 use pyo3::prelude::*;
 
-/// The longest a blocking call goes without checking for signals.
-const SLICE: Duration = Duration::from_millis(50);
+use crate::runtime;
 
-/// Runs `step` (which waits at most the duration it is given) until it yields a value or
-/// `timeout` passes (`None`: no limit). `Ok(None)` when the time ran out.
-pub(crate) fn interruptibly<T: Send>(
+/// The longest a blocking call goes without letting Python's signal handlers run.
+const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+
+/// Runs `fut` to its end, or until `timeout` passes (`None`: no limit; `Ok(None)` then).
+pub(crate) fn interruptibly<F>(
     py: Python<'_>,
     timeout: Option<Duration>,
-    mut step: impl FnMut(Duration) -> Option<T> + Send,
-) -> PyResult<Option<T>> {
-    let deadline = timeout.map(|t| Instant::now() + t);
+    fut: F,
+) -> PyResult<Option<F::Output>>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let rt = runtime::get()?;
+    let bounded = async move {
+        match timeout {
+            Some(limit) => tokio::time::timeout(limit, fut).await.ok(),
+            None => Some(fut.await),
+        }
+    };
+    let mut bounded = std::pin::pin!(bounded);
     loop {
-        let slice = match deadline {
-            Some(at) => at.saturating_duration_since(Instant::now()).min(SLICE),
-            None => SLICE,
-        };
-        if let Some(value) = py.detach(|| step(slice)) {
-            return Ok(Some(value));
+        let polled = py.detach(|| {
+            rt.block_on(async {
+                tokio::time::timeout(SIGNAL_CHECK, bounded.as_mut())
+                    .await
+                    .ok()
+            })
+        });
+        if let Some(out) = polled {
+            return Ok(out);
         }
         py.check_signals()?;
-        if deadline.is_some_and(|at| Instant::now() >= at) {
-            return Ok(None);
-        }
     }
 }
 

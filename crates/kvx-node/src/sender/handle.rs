@@ -263,9 +263,10 @@ impl<E: Env> SenderHandle<E> {
         &self.memory
     }
 
-    /// Submits staged chunks as one batch. Each chunk's `bytes` is set to the length staged
-    /// in its slot (`stage`, `stage_with`, `staged`; the slot's size if none was): that is
-    /// what its write brings, and the receiver lands a chunk only at its declared length.
+    /// Submits staged chunks as one batch, after the request's pending batch (`add`). Each
+    /// chunk's `bytes` is set to the length staged in its slot (`stage`, `stage_with`,
+    /// `staged`; the slot's size if none was): that is what its write brings, and the
+    /// receiver lands a chunk only at its declared length.
     pub fn submit(
         &self,
         req_id: &ReqId,
@@ -283,6 +284,44 @@ impl<E: Env> SenderHandle<E> {
             .lock()
             .flow
             .handle_submit(now, req_id, chunks, is_last);
+        self.shared.poke.notify_one();
+        result
+    }
+
+    /// Adds a chunk staged in a slot the caller holds for `req_id` to the request's pending
+    /// batch, which its next `submit` (or `submit_added`) sends first
+    /// (`SenderFlow::handle_add`). The chunk's `bytes` is set to the length staged in its
+    /// slot, as `submit` does. Stage the slot first: its checksum is taken then. When
+    /// allocate calls wait and only unsubmitted chunks hold staging, the core submits every
+    /// pending batch now.
+    pub fn add(&self, req_id: &ReqId, mut chunk: ChunkSpec) -> Result<(), SendError> {
+        if let Some(len) = self.shared.lens.get(chunk.staging.0 as usize) {
+            chunk.bytes = len.load(std::sync::atomic::Ordering::Acquire) as u64;
+        }
+        let now = self.now();
+        let mut core = self.shared.lock();
+        if self.stopped(&core) {
+            return Err(SendError::Failed(req_id.clone(), SendFailure::Stopped));
+        }
+        let flushed = core.flow.stats().flushed_batches;
+        let result = core.flow.handle_add(now, req_id, chunk);
+        let poke = result.is_err() || core.flow.stats().flushed_batches != flushed;
+        drop(core);
+        if poke {
+            self.shared.poke.notify_one();
+        }
+        result
+    }
+
+    /// Submits `req_id`'s pending batch (`add`); `is_last`: it completes the request. An
+    /// empty batch that is not the last is a no-op.
+    pub fn submit_added(&self, req_id: &ReqId, is_last: bool) -> Result<(), SendError> {
+        let now = self.now();
+        let result = self
+            .shared
+            .lock()
+            .flow
+            .submit_added(now, req_id, is_last);
         self.shared.poke.notify_one();
         result
     }

@@ -37,9 +37,10 @@ impl<'a> StagingTurn<'a> {
         held: &mut Vec<ChunkSpec>,
     ) -> Option<Result<StagingSlot, SendError>> {
         let holding = !held.is_empty();
+        let flushed = core.flow.stats().flushed_batches;
         let result = core.flow.allocate_or_submit(now, req_id, held);
-        if holding && held.is_empty() {
-            // Submitted: the driver has writes to post.
+        if (holding && held.is_empty()) || core.flow.stats().flushed_batches != flushed {
+            // Submitted (the caller's batch, or pending ones): the driver has work.
             self.shared.poke.notify_one();
         }
         match result {

@@ -36,6 +36,13 @@ impl SenderFlow {
             });
             enc.len(r.staged.len());
             r.staged.iter().for_each(|&s| enc.staging(s));
+            enc.len(r.added.len());
+            for c in &r.added {
+                enc.str(&c.key);
+                enc.staging(c.staging);
+                enc.u(c.tokens);
+                enc.u(c.bytes);
+            }
             enc.u(u64::from(r.submitted));
             enc.u(u64::from(r.written));
             enc.u(u64::from(r.writes_in_flight));

@@ -1,4 +1,4 @@
-//! The sender's invariants (`docs/invariants.md` S1–S4, S7), checked after every step of
+//! The sender's invariants (`docs/invariants.md` S1–S4, S7, S11), checked after every step of
 //! every harness.
 
 use super::channel::Kind;
@@ -6,11 +6,25 @@ use super::{SenderFlow, State};
 
 impl SenderFlow {
     /// Panics if staging, writes, channels and requests disagree (`docs/invariants.md`
-    /// S1–S4, S7). The harness calls it after every step.
+    /// S1–S4, S7, S11). The harness calls it after every step.
     pub fn check_invariants(&self) {
         self.staging.check_invariants();
         let mut owned = 0usize;
         for (id, req) in &self.requests {
+            // S11: a pending batch holds only slots the request holds, each once; a failing
+            // request has none.
+            let mut added = std::collections::BTreeSet::new();
+            for c in &req.added {
+                assert!(
+                    req.staged.contains(&c.staging) && added.insert(c.staging),
+                    "invariant: {id} added a chunk in staging slot {} it does not hold once",
+                    c.staging.0
+                );
+            }
+            assert!(
+                req.state != State::Failing || req.added.is_empty(),
+                "invariant: {id} keeps a pending batch while failing"
+            );
             let in_writes = self.writes.values().filter(|w| &w.req_id == id).count();
             assert_eq!(
                 in_writes as u32, req.writes_in_flight,

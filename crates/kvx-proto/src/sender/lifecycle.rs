@@ -114,6 +114,7 @@ impl SenderFlow {
         let receiver = req.spec.receiver;
         // It takes no more staging: its waiting calls stop holding back younger requests.
         self.waiters.remove_all(req.age);
+        req.added.clear();
         for slot in std::mem::take(&mut req.staged) {
             self.staging.give_back(slot);
         }

@@ -2,6 +2,8 @@
 //! control channels, writes, and exactly-once `ProxyNotif` (`docs/spec/protocol.md` §Sender).
 //!
 //! - `mod.rs`: `SenderFlow`, its inputs and outputs.
+//! - `batching.rs`: each request's pending batch (`handle_add`), and the flush rule that
+//!   submits pending batches when only they hold staging (`allocate_or_submit`).
 //! - `lifecycle.rs`: channel sends, failure and clean-up, delivery, channel reset.
 //! - `invariants.rs`: `check_invariants`.
 //! - `channel.rs`: one control channel to one receiver (pipelined or serial).
@@ -15,9 +17,9 @@
 //! `CancelNotif` once its posted writes have completed (so it can say `drained`), then
 //! leaves no state behind but its outcome, remembered (`outcomes_kept`) for `outcome`.
 //!
-//! Contract: a driver feeds `handle_begin`, `handle_submit`, `handle_cancel` (its caller's
-//! calls), `handle_message` (every decoded reply), `handle_write_done` (every posted write's
-//! completion, exactly once), `handle_receiver_lost` and `handle_timeout` (at
+//! Contract: a driver feeds `handle_begin`, `handle_add`, `handle_submit`, `handle_cancel`
+//! (its caller's calls), `handle_message` (every decoded reply), `handle_write_done` (every
+//! posted write's completion, exactly once), `handle_receiver_lost` and `handle_timeout` (at
 //! `poll_timeout`); after each it drains `poll_transmit` (messages to send, in order),
 //! `poll_write` (writes to post, in order) and `poll_event`. Staging: `try_allocate` takes a
 //! slot or says why not; a caller that will wait for one (`WouldBlock`) registers with
@@ -26,6 +28,7 @@
 
 #[cfg(feature = "testing")]
 mod canon;
+mod batching;
 mod channel;
 mod invariants;
 mod lifecycle;
@@ -274,6 +277,9 @@ struct SendRequest {
     state: State,
     /// Staging slots handed to the caller and not yet submitted.
     staged: BTreeSet<StagingSlot>,
+    /// Chunks the caller added (`handle_add`) and has not submitted, in the order added:
+    /// the request's pending batch. Their slots are in `staged`.
+    added: Vec<ChunkSpec>,
     submitted: u32,
     written: u32,
     writes_in_flight: u32,
@@ -306,6 +312,9 @@ pub struct SenderStats {
     pub delivered: u64,
     /// Requests failed.
     pub failed: u64,
+    /// Pending batches submitted by the flush rule (`allocate_or_submit`, `handle_add`)
+    /// rather than by their caller.
+    pub flushed_batches: u64,
     /// Messages dropped: not an `AllocResponse`, from a receiver with no channel, or
     /// answering nothing in flight.
     pub stale_replies: u64,
@@ -395,6 +404,7 @@ impl SenderFlow {
                 age,
                 state: State::Admitting,
                 staged: BTreeSet::new(),
+                added: Vec::new(),
                 submitted: 0,
                 written: 0,
                 writes_in_flight: 0,
@@ -453,28 +463,6 @@ impl SenderFlow {
         Ok(slot)
     }
 
-    /// Takes a staging slot for `req_id` as `try_allocate` does; when every slot holds an
-    /// unsubmitted chunk and some are this request's (`StagingHeldByCaller`), first submits
-    /// `held` (the chunks the caller staged and has not submitted) as a batch that is not the
-    /// last, which frees staging once written, and tries again (usually `WouldBlock` then).
-    /// The one form of the "allocate; when my own chunks hold staging, submit them; retry"
-    /// step every caller needs: a caller that waited holding its chunks would wait on
-    /// itself. `held` is left empty when it was submitted; that submit's error is returned.
-    pub fn allocate_or_submit(
-        &mut self,
-        now: Instant,
-        req_id: &ReqId,
-        held: &mut Vec<ChunkSpec>,
-    ) -> Result<StagingSlot, SendError> {
-        match self.try_allocate(req_id) {
-            Err(SendError::StagingHeldByCaller(_)) if !held.is_empty() => {
-                self.handle_submit(now, req_id, std::mem::take(held), false)?;
-                self.try_allocate(req_id)
-            }
-            other => other,
-        }
-    }
-
     /// Registers one allocate call of `req_id` as waiting for staging (after `WouldBlock`),
     /// so that a freed slot goes to the oldest request waiting. Returns the request's age,
     /// for `stop_waiting_for_staging`.
@@ -525,6 +513,13 @@ impl SenderFlow {
             .requests
             .get_mut(req_id)
             .ok_or_else(|| SendError::Unknown(req_id.clone()))?;
+        if req.added.iter().any(|c| c.staging == slot) {
+            let why = format!("staging slot {} holds a chunk already added", slot.0);
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why,
+            });
+        }
         if !req.staged.remove(&slot) {
             let why = format!("staging slot {} is not held by this request", slot.0);
             return Err(SendError::Misuse {
@@ -536,17 +531,24 @@ impl SenderFlow {
         Ok(())
     }
 
-    /// Submits one batch of staged chunks (empty only as the last batch). Misuse — more
+    /// Submits one batch: the request's added chunks (`handle_add`), then `chunks` (empty
+    /// only as the last batch). Misuse — more
     /// chunks than declared, a slot the request does not hold, a batch after the last —
     /// cancels the request, since its declared shape can no longer be trusted.
     pub fn handle_submit(
         &mut self,
         now: Instant,
         req_id: &ReqId,
-        chunks: Vec<ChunkSpec>,
+        mut chunks: Vec<ChunkSpec>,
         is_last: bool,
     ) -> Result<(), SendError> {
         let req = self.admitted(req_id)?;
+        if !req.added.is_empty() {
+            // The pending batch goes first, in the order its chunks were added.
+            let mut batch = req.added.clone();
+            batch.append(&mut chunks);
+            chunks = batch;
+        }
         if let Some(why) = Self::misuse_of(req, &chunks, is_last) {
             self.fail(now, req_id, SendFailure::Misuse(why.clone()));
             return Err(SendError::Misuse {
@@ -560,6 +562,7 @@ impl SenderFlow {
             .requests
             .get_mut(req_id)
             .expect("invariant: checked above");
+        req.added.clear();
         for c in &chunks {
             req.staged.remove(&c.staging);
         }

@@ -64,6 +64,14 @@ pub enum Event {
         /// 0 or 1.
         sender: usize,
     },
+    /// One chunk of the youngest admitted request with two or more chunks left is staged
+    /// and added to its pending batch, not submitted: a caller that interleaves requests
+    /// and submits later, whose pending batches the core flushes when only they hold
+    /// staging (S11).
+    Add {
+        /// 0 or 1.
+        sender: usize,
+    },
     /// The oldest message from this sender to the receiver arrives.
     ToReceiver(usize),
     /// The oldest message from the receiver to this sender arrives.
@@ -101,7 +109,7 @@ fn through_the_wire(msg: &Message) -> Rc<Message> {
 #[derive(Debug, Clone)]
 struct Side {
     flow: SenderFlow,
-    /// Requests begun here: id, declared total, chunks submitted so far.
+    /// Requests begun here: id, declared total, chunks given staging so far (added or submitted).
     requests: Vec<(ReqId, u32, u32)>,
     to_receiver: VecDeque<Rc<Message>>,
     to_sender: VecDeque<Rc<Message>>,
@@ -244,6 +252,7 @@ impl OpWorld {
             6 => Event::Advance(Duration::from_millis(100 * u64::from(arg))),
             7 => Event::Consume(usize::from(arg)),
             8 if arg > 240 => Event::LoseConnection(sender),
+            8 if arg.is_multiple_of(2) => Event::Add { sender },
             9 => Event::SubmitYoungest { sender },
             _ => Event::ToReceiver(sender),
         };
@@ -256,6 +265,7 @@ impl OpWorld {
             Event::Begin { sender, total } => self.begin(sender, total),
             Event::Submit { sender, chunks } => self.submit(sender, chunks),
             Event::SubmitYoungest { sender } => self.submit_youngest(sender),
+            Event::Add { sender } => self.add(sender),
             Event::ToReceiver(s) => self.deliver_to_receiver(s),
             Event::ToSender(s) => self.deliver_to_sender(s),
             Event::Write { sender, fail } => self.complete_write(sender, fail),
@@ -305,6 +315,17 @@ impl OpWorld {
                 .rfind(|(id, total, done)| done < total && side.flow.is_admitted(id));
             if free > 0 && youngest.map(|y| &y.0) != oldest.map(|o| &o.0) {
                 events.push(Event::SubmitYoungest { sender: s });
+            }
+            // `add` takes the youngest admitted request with two or more chunks left.
+            let adds_to = side
+                .requests
+                .iter()
+                .rfind(|(id, total, done)| done + 1 < *total && side.flow.is_admitted(id));
+            let add_waits = adds_to.is_some_and(|(id, _, _)| {
+                side.flow.staging_waiters().iter().any(|(_, w, _)| w == id)
+            });
+            if adds_to.is_some() && (free > 0 || !add_waits) {
+                events.push(Event::Add { sender: s });
             }
             if left > 1 && free > 1 {
                 events.push(Event::Submit {
@@ -446,7 +467,7 @@ impl OpWorld {
         let (req_id, total, done) = side.requests[i].clone();
         let mut chunks = Vec::new();
         for k in 0..n.min(total - done) {
-            match allocate_in_order(&mut side.flow, &req_id) {
+            match allocate_in_order(self.now, &mut side.flow, &req_id) {
                 Ok(slot) => chunks.push(ChunkSpec {
                     key: format!("{req_id}@{}", done + k),
                     staging: slot,
@@ -497,7 +518,7 @@ impl OpWorld {
             return;
         };
         let (req_id, total, done) = side.requests[i].clone();
-        let Ok(slot) = allocate_in_order(&mut side.flow, &req_id) else {
+        let Ok(slot) = allocate_in_order(self.now, &mut side.flow, &req_id) else {
             return;
         };
         let chunk = ChunkSpec {
@@ -513,6 +534,48 @@ impl OpWorld {
             .is_ok()
         {
             side.requests[i].2 += 1;
+        }
+    }
+
+    /// Stages one chunk of the youngest admitted request with two or more chunks left and
+    /// adds it to the request's pending batch (`handle_add`) without submitting; out of
+    /// staging, waits for it as `submit` does.
+    fn add(&mut self, s: usize) {
+        let now = self.now;
+        let side = &mut self.sides[s];
+        let Some(i) = side
+            .requests
+            .iter()
+            .rposition(|(id, total, done)| done + 1 < *total && side.flow.is_admitted(id))
+        else {
+            return;
+        };
+        let (req_id, _, done) = side.requests[i].clone();
+        match allocate_in_order(now, &mut side.flow, &req_id) {
+            Ok(slot) => {
+                let chunk = ChunkSpec {
+                    key: format!("{req_id}@{done}"),
+                    staging: slot,
+                    tokens: 1,
+                    bytes: 1,
+                };
+                if side.flow.handle_add(now, &req_id, chunk).is_ok() {
+                    side.requests[i].2 += 1;
+                }
+            }
+            Err(SendError::WouldBlock) => {
+                let waits = side
+                    .flow
+                    .staging_waiters()
+                    .iter()
+                    .any(|(_, id, _)| *id == req_id);
+                if !waits {
+                    side.flow
+                        .wait_for_staging(&req_id)
+                        .expect("invariant: an admitted request may wait for staging");
+                }
+            }
+            Err(_) => {}
         }
     }
 
@@ -739,15 +802,21 @@ impl OpWorld {
     }
 }
 
-/// `try_allocate`, checking the staging order (S9): a slot never goes to a request while an
+/// `allocate_or_submit`, checking the staging order (S9): a slot never goes to a request while an
 /// older one waits for staging. A request that gets one stops waiting.
-fn allocate_in_order(flow: &mut SenderFlow, req_id: &ReqId) -> Result<StagingSlot, SendError> {
+fn allocate_in_order(
+    now: Instant,
+    flow: &mut SenderFlow,
+    req_id: &ReqId,
+) -> Result<StagingSlot, SendError> {
     let age = flow.age(req_id);
     let older_waits = match (flow.staging_waiters().oldest(), age) {
         (Some(oldest), Some(age)) => oldest < age,
         _ => false,
     };
-    let result = flow.try_allocate(req_id);
+    // With no caller-held batch: the core's pending batches are flushed when they alone
+    // hold staging (S11).
+    let result = flow.allocate_or_submit(now, req_id, &mut Vec::new());
     if result.is_ok() {
         assert!(
             !older_waits,
