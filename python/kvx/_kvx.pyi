@@ -78,6 +78,11 @@ def synthetic_fill(slot: StagingSlot, req_id: str, chunk: int, nbytes: Optional[
 def synthetic_check(lease: ReadLease, chunk: int, nbytes: Optional[int] = None) -> bool:
     """True when the leased chunk holds exactly its request's synthetic bytes."""
 
+def lmcache_pd_buffer_slots(pd_buffer_size: int, chunk_bytes: int) -> int:
+    """LMCache's ``pd_buffer_size`` (bytes) as kvx's count of whole slots of ``chunk_bytes``
+    (the mapping the ``kvx`` binary uses too); ``ValueError`` saying what to set when no
+    chunk fits or more than a buffer may hold."""
+
 @final
 class ProxyWait:
     """One awaited request's outcome, to come (from ``Proxy.expect``)."""
@@ -178,8 +183,9 @@ class Sender:
         (bound it with ``asyncio.timeout``/``wait_for``). Needs a running event loop."""
     def allocate(self, req_id: str, timeout: Optional[float] = None) -> StagingSlot:
         """Takes a staging slot (``TimedOutError`` after ``timeout``, default
-        ``staging_timeout``); submits the request's own added chunks first when they alone
-        hold every slot."""
+        ``staging_timeout``). When no slot is free and only added, unsubmitted chunks hold
+        staging (this request's or others'), they are submitted first, none as the last
+        batch."""
     def allocate_async(self, req_id: str, timeout: Optional[float] = None) -> Future[StagingSlot]:
         """Awaitable ``allocate``, without blocking the event loop: already done when a slot
         is free. Cancelled, it hands back a slot it got."""

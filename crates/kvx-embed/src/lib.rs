@@ -6,6 +6,9 @@
 //! Map:
 //! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), and `EnvVisitor`, the
 //!   one `match` from a choice to a concrete `Env`.
+//! - `named`: transports and fabrics by the names users write (`EnvChoice::named`,
+//!   `InProcess` for the "mem" ones), the one mapping the binary and Python share.
+//! - `lmcache`: LMCache's `pd_buffer_size` as kvx's slot count, for the binary and Python.
 //! - `defaults`: the defaults of node-level settings the core's configs do not hold (chunk
 //!   size, connect timeout).
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
@@ -22,7 +25,9 @@
 pub mod choice;
 pub mod defaults;
 pub mod error;
+pub mod lmcache;
 pub mod memory;
+pub mod named;
 pub mod proxy;
 pub mod receiver;
 pub mod runtime;
@@ -31,6 +36,7 @@ pub mod sender;
 pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, TransportChoice};
 pub use error::EmbedError;
 pub use memory::{Memory, MemoryView};
+pub use named::{InProcess, NameError, FABRIC_NAMES, TRANSPORT_NAMES};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;

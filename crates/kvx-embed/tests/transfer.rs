@@ -7,7 +7,6 @@
 // A test bounds and measures its own waits with the wall clock; the crate's rule against
 // clock reads (`clippy.toml`) is for the library.
 #![allow(clippy::disallowed_methods)]
-
 #![allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
 
 use std::cell::UnsafeCell;

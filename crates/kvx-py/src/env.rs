@@ -1,6 +1,7 @@
-//! Transport and fabric by name, as Python passes them: `transport` "zmq" (separate
-//! processes, LMCache's wire) or "mem" (this process only); `fabric` "tcp", "shm" (one host,
-//! kvx's own shared mapping) or "mem" (this process only). The "mem" ones are one instance
+//! Transport and fabric by name, as Python passes them, through `kvx_embed::named` (the one
+//! mapping, which the `kvx` binary uses too): `transport` "zmq" (separate processes,
+//! LMCache's wire) or "mem" (this process only); `fabric` "tcp", "shm" (one host, kvx's own
+//! shared mapping) or "mem" (this process only). The "mem" ones are one instance
 //! per process, so every object made with them reaches the others. CURVE on the "zmq"
 //! transport: `curve_server`, `curve_client` (certificate files, as `kvx keygen` and pyzmq's
 //! `zmq.auth` write them).
@@ -8,17 +9,16 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use kvx_embed::{EnvChoice, FabricChoice, TransportChoice};
-use kvx_io::mem::{MemFabric, MemTransport};
-use kvx_transport::tcp_fabric::TcpFabricConfig;
-use kvx_transport::zmq::{load_public_key, AllowList, CurveConfig, CurveKeyPair, ZmqConfig};
+use kvx_embed::{EnvChoice, FabricChoice, InProcess, NameError};
+use kvx_transport::zmq::{load_public_key, AllowList, CurveConfig, CurveKeyPair};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-static MEM: OnceLock<(MemTransport, MemFabric)> = OnceLock::new();
+static IN_PROCESS: OnceLock<InProcess> = OnceLock::new();
 
-fn mem() -> &'static (MemTransport, MemFabric) {
-    MEM.get_or_init(|| (MemTransport::new(), MemFabric::new()))
+/// The process's in-process transport and fabric ("mem"): one pair per process.
+fn in_process() -> &'static InProcess {
+    IN_PROCESS.get_or_init(InProcess::new)
 }
 
 /// CURVE for a bound socket (a `Receiver`'s ROUTER, a `Proxy`'s PULL): this end's secret
@@ -61,50 +61,23 @@ pub(crate) fn curve_client(
     }
 }
 
-/// The transport named `name`, with CURVE when `curve` is set ("zmq" only).
-pub(crate) fn transport(name: &str, curve: Option<CurveConfig>) -> PyResult<TransportChoice> {
-    if curve.is_some() && name != "zmq" {
-        return Err(PyValueError::new_err(format!(
-            "CURVE keys with transport {name:?}: CURVE is for the \"zmq\" transport"
-        )));
-    }
-    match name {
-        "zmq" => Ok(TransportChoice::Zmq(ZmqConfig {
-            curve: curve.map(Box::new),
-            ..ZmqConfig::default()
-        })),
-        "mem" => Ok(TransportChoice::Mem(mem().0.clone())),
-        other => Err(PyValueError::new_err(format!(
-            "transport {other:?}: choose \"zmq\" (between processes) or \"mem\" (this process)"
-        ))),
-    }
-}
-
 /// The environment named by `transport` (with `curve`, from `curve_server` or
-/// `curve_client`) and `fabric`.
+/// `curve_client`) and `fabric` (`kvx_embed::named`, the mapping the `kvx` binary uses).
 pub(crate) fn choice(
     transport_name: &str,
     fabric: &str,
     curve: Option<CurveConfig>,
 ) -> PyResult<EnvChoice> {
-    let fabric = match fabric {
-        "tcp" => FabricChoice::Tcp(TcpFabricConfig::default()),
-        "shm" => FabricChoice::Shm,
-        "mem" => FabricChoice::Mem(mem().1.clone()),
-        "rdma" => {
-            return Err(PyValueError::new_err(
-                "fabric \"rdma\": this build of the kvx package has no RDMA support",
-            ))
+    EnvChoice::named(transport_name, fabric, curve, in_process()).map_err(bad_name)
+}
+
+fn bad_name(e: NameError) -> PyErr {
+    PyValueError::new_err(match e {
+        // The package is built without RDMA: the binary's rebuild hint does not apply.
+        NameError::NoRdma => {
+            "fabric \"rdma\": this build of the kvx package has no RDMA support".into()
         }
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "fabric {other:?}: choose \"tcp\", \"shm\" (one host) or \"mem\" (this process)"
-            )))
-        }
-    };
-    Ok(EnvChoice {
-        transport: transport(transport_name, curve)?,
-        fabric,
+        other => other.to_string(),
     })
 }
 

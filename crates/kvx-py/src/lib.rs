@@ -1,7 +1,7 @@
 //! `kvx._kvx`: the native half of the `kvx` Python package (`python/kvx`), over kvx-embed.
-//! Every blocking call releases the GIL and waits in short slices, checking for signals
-//! between them, so Ctrl-C interrupts it; the waits also come as asyncio awaitables (`aio`);
-//! errors are the typed exceptions of `errors`.
+//! Every blocking call is one bounded future waited on with the GIL released, and Python's
+//! signal handlers run every 50 ms meanwhile, so Ctrl-C interrupts it (`wait`); the waits also
+//! come as asyncio awaitables (`aio`); errors are the typed exceptions of `errors`.
 //!
 //! Map:
 //! - `defaults`: `defaults()`, every setting's default, read from the core and kvx-embed.
@@ -13,6 +13,7 @@
 //! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`.
 //! - `memory`: Python buffers lent to kvx, and zero-copy slot views of them.
 //! - `env`: transport and fabric by name.
+//! - `lmcache`: LMCache's `pd_buffer_size` as a slot count, for `kvx.lmcache`.
 //! - `synthetic`: kvx's synthetic workload bytes, filled and checked in place (tests, benchmarks).
 
 #![warn(missing_docs)]
@@ -23,6 +24,7 @@ mod aio;
 mod defaults;
 mod env;
 mod errors;
+mod lmcache;
 mod memory;
 mod proxy;
 mod receiver;
@@ -45,5 +47,6 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_fill, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_check, m)?)?;
+    m.add_function(wrap_pyfunction!(lmcache::lmcache_pd_buffer_slots, m)?)?;
     Ok(())
 }

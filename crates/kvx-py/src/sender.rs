@@ -220,8 +220,9 @@ impl Sender {
     }
 
     /// Takes a staging slot for ``req_id``, waiting at most ``timeout`` seconds (None: the
-    /// sender's ``staging_timeout``); raises ``TimedOutError`` then. When the request's own
-    /// added chunks alone hold every slot, they are submitted first (not as the last batch).
+    /// sender's ``staging_timeout``); raises ``TimedOutError`` then. When no slot is free and
+    /// only added, unsubmitted chunks hold staging (this request's or others'), they are
+    /// submitted first, none as the last batch.
     #[pyo3(signature = (req_id, timeout = None))]
     fn allocate(
         &self,

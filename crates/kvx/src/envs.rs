@@ -6,8 +6,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::process::ExitCode;
 
-use kvx_embed::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
-use kvx_io::mem::{MemFabric, MemTransport};
+use kvx_embed::{EnvChoice, EnvVisitor, FabricChoice, InProcess, TransportChoice};
+use kvx_io::mem::MemFabric;
 use kvx_io::Env;
 use kvx_transport::zmq::{CurveConfig, ZmqConfig};
 
@@ -25,28 +25,37 @@ const ZMQ_STYLE: Style = Style {
 /// What a visitor hands back: the run, to await.
 type Run<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
 
-/// The choice the flags make. In-process parts share one `MemTransport`/`MemFabric`.
-/// `curve`: the ZMQ transport's CURVE settings (`--curve-*`), `None` for NULL.
+/// The choice the flags make, through `kvx_embed::named` (the mapping Python uses too).
+/// In-process parts share one `InProcess`. `curve`: the ZMQ transport's CURVE settings
+/// (`--curve-*`), `None` for NULL.
 fn choice(
     transport: TransportKind,
     fabric: FabricKind,
     rdma: &RdmaArgs,
     curve: Option<CurveConfig>,
 ) -> anyhow::Result<EnvChoice> {
-    let transport = match transport {
-        TransportKind::Zmq => TransportChoice::Zmq(ZmqConfig {
-            curve: curve.map(Box::new),
-            ..ZmqConfig::default()
-        }),
-        TransportKind::Mem => TransportChoice::Mem(MemTransport::new()),
-    };
-    let fabric = match fabric {
-        FabricKind::Tcp => FabricChoice::Tcp(Default::default()),
-        FabricKind::Shm => FabricChoice::Shm,
-        FabricKind::Mem => FabricChoice::Mem(MemFabric::new()),
-        FabricKind::Rdma => rdma_choice(rdma)?,
-    };
-    Ok(EnvChoice { transport, fabric })
+    let in_process = InProcess::new();
+    if fabric == FabricKind::Rdma {
+        // The RDMA settings come from their flags (and a build without RDMA says how to
+        // get one).
+        return Ok(EnvChoice {
+            transport: TransportChoice::named(&value_name(transport), curve, &in_process)?,
+            fabric: rdma_choice(rdma)?,
+        });
+    }
+    Ok(EnvChoice::named(
+        &value_name(transport),
+        &value_name(fabric),
+        curve,
+        &in_process,
+    )?)
+}
+
+/// The name a flag's value goes by on the command line (clap's `ValueEnum`).
+fn value_name(kind: impl clap::ValueEnum) -> String {
+    kind.to_possible_value()
+        .map(|v| v.get_name().to_owned())
+        .expect("invariant: every kind has a name on the command line")
 }
 
 /// The RDMA fabric on the configured device.
@@ -213,4 +222,26 @@ pub fn keygen(args: &crate::cli::KeygenArgs) -> anyhow::Result<ExitCode> {
         secret.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::ValueEnum;
+
+    use super::*;
+
+    /// The flags offer exactly the names `kvx_embed::named` maps: no second spelling.
+    #[test]
+    fn the_flags_offer_the_names_kvx_embed_maps() {
+        let transports: Vec<String> = TransportKind::value_variants()
+            .iter()
+            .map(|k| value_name(*k))
+            .collect();
+        assert_eq!(transports, kvx_embed::TRANSPORT_NAMES);
+        let fabrics: Vec<String> = FabricKind::value_variants()
+            .iter()
+            .map(|k| value_name(*k))
+            .collect();
+        assert_eq!(fabrics, kvx_embed::FABRIC_NAMES);
+    }
 }

@@ -56,26 +56,15 @@ pub struct LmcachePd {
 }
 
 impl LmcachePd {
-    /// `pd_buffer_size` in whole chunks of `chunk_bytes`; an error naming the key when it
-    /// holds none.
+    /// `pd_buffer_size` in whole chunks of `chunk_bytes` (`kvx_embed::lmcache`, the mapping
+    /// `kvx.lmcache` uses too); an error naming the key when it holds none or too many.
     pub fn buffer_chunks(&self, chunk_bytes: u64) -> anyhow::Result<Option<u32>> {
         let Some(bytes) = self.buffer_bytes else {
             return Ok(None);
         };
-        let chunks = bytes / chunk_bytes.max(1);
-        if chunks == 0 {
-            bail!(
-                "pd_buffer_size {bytes} holds no chunk of {chunk_bytes} bytes (--chunk-bytes): \
-                 raise it to at least {chunk_bytes}"
-            );
-        }
-        u32::try_from(chunks)
-            .ok()
-            .filter(|&c| c <= 1_000_000)
-            .map(Some)
-            .with_context(|| {
-                format!("pd_buffer_size {bytes} is over 1,000,000 chunks of {chunk_bytes} bytes")
-            })
+        let slots = kvx_embed::lmcache::pd_buffer_slots(bytes, chunk_bytes)
+            .map_err(|e| anyhow::anyhow!("{e} (chunks of --chunk-bytes)"))?;
+        Ok(Some(slots))
     }
 
     /// The proxy's notice endpoint as `host:port`, when the file names both.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from kvx._kvx import defaults as _native_defaults
+from kvx._kvx import lmcache_pd_buffer_slots
 
 logger = logging.getLogger("kvx.lmcache")
 
@@ -229,14 +230,10 @@ def settings_from(config: Any, metadata: Any, chunk_bytes: int, chunk_tokens: in
     size = getattr(config, "pd_buffer_size", None)
     if size is None or int(size) <= 0:
         raise ConfigError("pd_buffer_size is required: the buffer's size in bytes")
-    slots = int(size) // chunk_bytes
-    if slots == 0:
-        raise ConfigError(
-            f"pd_buffer_size={size} is smaller than one chunk ({chunk_bytes} bytes): give at "
-            f"least {chunk_bytes}"
-        )
-    if slots > 2**31:
-        raise ConfigError(f"pd_buffer_size={size}: more than 2^31 chunks")
+    try:
+        slots = lmcache_pd_buffer_slots(int(size), chunk_bytes)
+    except (ValueError, OverflowError) as e:
+        raise ConfigError(str(e)) from None
     max_prefill = int(getattr(config, "pd_max_prefill_len", 0) or 0)
     if max_prefill > 0 and slots * chunk_tokens < max_prefill:
         raise ConfigError(

@@ -317,11 +317,7 @@ impl<E: Env> SenderHandle<E> {
     /// empty batch that is not the last is a no-op.
     pub fn submit_added(&self, req_id: &ReqId, is_last: bool) -> Result<(), SendError> {
         let now = self.now();
-        let result = self
-            .shared
-            .lock()
-            .flow
-            .submit_added(now, req_id, is_last);
+        let result = self.shared.lock().flow.submit_added(now, req_id, is_last);
         self.shared.poke.notify_one();
         result
     }

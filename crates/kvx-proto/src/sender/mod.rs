@@ -26,9 +26,9 @@
 //! `wait_for_staging` and leaves with `stop_waiting_for_staging`, and retries on every event
 //! (a completed write frees staging without one, so a driver retries after completions too).
 
+mod batching;
 #[cfg(feature = "testing")]
 mod canon;
-mod batching;
 mod channel;
 mod invariants;
 mod lifecycle;
