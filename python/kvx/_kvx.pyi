@@ -67,7 +67,9 @@ class StartError(KvxError):
 
 def defaults() -> Dict[str, Dict[str, Any]]:
     """The default of every setting, from kvx's core: ``{"receiver": ..., "sender": ...,
-    "proxy": ..., "node": ...}``, each keyed by the core's field name (durations in seconds)."""
+    "proxy": ..., "node": ...}``, each keyed by the core's field name (durations in seconds);
+    ``node`` also lists the names ``transport=`` and ``fabric=`` take in this build
+    (``"transports"``, ``"fabrics"``)."""
 
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""

@@ -84,3 +84,28 @@ def test_a_config_builds_the_objects():
     with pytest.raises(ValueError, match="staging_timeout"):
         kvx.Sender(slots=2, slot_bytes=4096, **kvx.SenderConfig(staging_timeout=0.0).kwargs())
     rx.close()
+
+
+def test_transport_and_fabric_names_come_from_the_native_mapping():
+    """One mapping from names to transports and fabrics (``kvx_embed::named``): the names
+    this build takes are the native module's, and a wrong one is refused saying what to
+    write instead."""
+    node = NATIVE["node"]
+    assert node["transports"] == ["zmq", "mem"]
+    assert node["fabrics"][:3] == ["tcp", "shm", "mem"]
+    with pytest.raises(ValueError, match='"zmq"'):
+        kvx.Receiver(slots=1, slot_bytes=64, transport="zeromq")
+    with pytest.raises(ValueError, match='"shm"'):
+        kvx.Receiver(slots=1, slot_bytes=64, fabric="infiniband")
+
+
+def test_pd_buffer_size_becomes_slots_as_the_binary_maps_it():
+    """LMCache's ``pd_buffer_size`` → slots exists once, in Rust (``kvx_embed::lmcache``)."""
+    from kvx._kvx import lmcache_pd_buffer_slots
+
+    assert lmcache_pd_buffer_slots(64 << 20, 1 << 20) == 64
+    assert lmcache_pd_buffer_slots((1 << 20) + 5, 1 << 20) == 1
+    with pytest.raises(ValueError, match="pd_buffer_size=100 holds no chunk"):
+        lmcache_pd_buffer_slots(100, 4096)
+    with pytest.raises(ValueError, match="slots a buffer may have"):
+        lmcache_pd_buffer_slots((1 << 20) * 8 + 8, 4)

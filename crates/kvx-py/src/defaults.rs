@@ -127,6 +127,16 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         secs(kvx_embed::defaults::CONNECT_TIMEOUT),
     )?;
 
+    // The names `transport=`/`fabric=` take (`kvx_embed::named`), the fabrics only as far
+    // as this build has them.
+    node.set_item("transports", kvx_embed::TRANSPORT_NAMES.to_vec())?;
+    let in_process = kvx_embed::InProcess::new();
+    let fabrics: Vec<&str> = kvx_embed::FABRIC_NAMES
+        .into_iter()
+        .filter(|name| kvx_embed::FabricChoice::named(name, &in_process).is_ok())
+        .collect();
+    node.set_item("fabrics", fabrics)?;
+
     let all = PyDict::new(py);
     all.set_item("receiver", receiver)?;
     all.set_item("sender", sender)?;
