@@ -149,3 +149,52 @@ fn handles_whose_runtime_is_gone_answer_stopped() {
         assert_sender_stopped(&tx, addr, &req_id).await;
     });
 }
+
+/// A blocking allocate call asleep on staging hears its driver die with the runtime at once,
+/// not at its timeout: the driver wakes every sleeper however it ends.
+#[test]
+fn a_blocking_allocate_hears_its_driver_die_with_the_runtime() {
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let env = Env::new(MemTransport::new(), MemFabric::new());
+    let (tx, addr, holder, _rx) = first.block_on(sender_with_request(&env));
+    let (other, waiter) = (ReqId("other".into()), ReqId("waiter".into()));
+    first.block_on(async {
+        let peer = tx.add_receiver(addr).await.expect("the same receiver");
+        for id in [&other, &waiter] {
+            tx.begin(spec(peer, id)).expect("begins");
+        }
+        for id in [&holder, &other, &waiter] {
+            tokio::time::timeout(BOUND, tx.admitted(id))
+                .await
+                .expect("answers")
+                .expect("admitted");
+        }
+    });
+    // Two requests' chunks fill staging (2 slots) and nobody submits them: the third
+    // request's call sleeps.
+    for id in [&holder, &other] {
+        tx.allocate_blocking(id, &mut Vec::new(), BOUND)
+            .expect("a free slot");
+    }
+    let started = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(first);
+        });
+        let got = tx.allocate_blocking(&waiter, &mut Vec::new(), BOUND);
+        assert!(
+            matches!(got, Err(SendError::Failed(_, SendFailure::Stopped))),
+            "{got:?}"
+        );
+    });
+    assert!(
+        started.elapsed() < BOUND / 2,
+        "the call waited {:?} for a driver that was gone",
+        started.elapsed()
+    );
+}

@@ -534,6 +534,17 @@ impl<E: Env> Driver<E> {
     }
 }
 
+impl<E: Env> Drop for Driver<E> {
+    /// However the driver ends (it returned, panicked, or its runtime went away), every call
+    /// waiting on it learns now, not at its timeout: `alive` closes (the async waits hear
+    /// that) and the blocked threads are woken (they see the driver gone and answer
+    /// `Stopped`).
+    fn drop(&mut self) {
+        drop(self.alive.take());
+        self.shared.wake_all();
+    }
+}
+
 /// The routing identity of this sender's control connection to `alloc`: LMCache's
 /// `"{local_id}-to-{receiver}"`, cut to ZMTP's 255 bytes when a long host name would make it
 /// longer (the cut keeps the identity unique: a hash of the whole replaces the tail).
