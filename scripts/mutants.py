@@ -117,7 +117,7 @@ MUTANTS = {
         "Err(SendError::StagingHeldByCaller(_)) if false => {",
         "allocate_or_submit answers StagingHeldByCaller instead of submitting the caller's batch: every caller must write the submit-and-retry step itself"),
     "pending-batches-never-flushed": (SRC + "sender/batching.rs",
-        "if self.staging.free_count() > 0 || !self.staging_held_by_callers() {",
+        "if broken_variant!(NoPendingFlush)\n            || self.staging.free_count() > 0\n            || !self.staging_held_by_callers()\n        {",
         "if true {",
         "never submit the pending batches (handle_add) when only they hold staging: an allocate call waits on chunks its own caller added (S11)"),
     "add-leaves-waiters-waiting": (SRC + "sender/batching.rs",

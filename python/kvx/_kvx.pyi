@@ -32,6 +32,7 @@ __all__ = [
     "__version__",
     "configure",
     "defaults",
+    "lmcache_pd_buffer_slots",
     "synthetic_check",
     "synthetic_fill",
 ]

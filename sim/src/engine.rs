@@ -139,22 +139,15 @@ async fn connected(peers: &Peers, d: usize) -> Option<PeerId> {
 async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: usize, job: &Job) {
     let req_id = ReqId(job.req_id.clone());
     let mut buf = vec![0u8; cfg.chunk_bytes];
-    let mut batch: Vec<ChunkSpec> = Vec::new();
+    // Each chunk goes to the request's pending batch in the core (`add`), the batching the
+    // Python package's callers use; the core submits pending batches itself when only they
+    // hold staging (S11), so the engine never submits early to avoid waiting on itself.
     for chunk in 0..job.chunks {
         if !cfg.prefill_chunk_time.is_zero() {
             tokio::time::sleep(cfg.prefill_chunk_time).await;
         }
-        // Never wait for staging while holding unsubmitted chunks: that wait could be on
-        // ourselves. Submit what is staged first.
-        if !batch.is_empty()
-            && h.staging_free() == 0
-            && h.submit(&req_id, std::mem::take(&mut batch), false)
-                .is_err()
-        {
-            return;
-        }
         let timeout = cfg.prefill[p].sender.staging_timeout;
-        let Some(slot) = allocate(world, h, &req_id, &mut batch, timeout).await else {
+        let Some(slot) = allocate(world, h, &req_id, timeout).await else {
             return;
         };
         // S2, checked from outside: staging goes only to admitted requests, so `admitted`
@@ -173,33 +166,33 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
         }
         content(&job.req_id, job.rank, chunk, &mut buf);
         h.stage(slot, &buf);
-        batch.push(ChunkSpec {
+        let added = ChunkSpec {
             key: format!("{}@{chunk}", job.req_id),
             staging: slot,
             tokens: 256,
             bytes: buf.len() as u64,
-        });
+        };
+        if h.add(&req_id, added).is_err() {
+            return;
+        }
+        let pending = h.added_count(&req_id) as u32;
         let last = chunk + 1 == job.chunks;
-        if (batch.len() as u32 == job.batch_chunks || last)
-            && h.submit(&req_id, std::mem::take(&mut batch), last).is_err()
-        {
+        if (pending == job.batch_chunks || last) && h.submit_added(&req_id, last).is_err() {
             return;
         }
     }
 }
 
-/// Takes a staging slot for the request, bounded by `staging_timeout`, submitting `batch`
-/// first when our own unsubmitted chunks alone hold staging (`SenderHandle::allocate`). On
-/// any failure the request is cancelled (a no-op when it already ended) so that it never
-/// lingers.
+/// Takes a staging slot for the request, bounded by `staging_timeout`; the core submits
+/// pending batches first when only they hold staging (S11). On any failure the request is
+/// cancelled (a no-op when it already ended) so that it never lingers.
 async fn allocate(
     world: &World,
     h: &SenderHandle<SimEnv>,
     req_id: &ReqId,
-    batch: &mut Vec<ChunkSpec>,
     timeout: Duration,
 ) -> Option<StagingSlot> {
-    match h.allocate_within(req_id, batch, timeout).await {
+    match h.allocate_within(req_id, &mut Vec::new(), timeout).await {
         Ok(slot) => return Some(slot),
         Err(e) => world.record(format_args!("engine: allocate for {req_id}: {e}")),
     }

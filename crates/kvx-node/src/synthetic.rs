@@ -172,13 +172,14 @@ pub async fn transfer<E: Env>(
     admission_wait: Duration,
 ) -> Result<PrefillTiming, SendFailure> {
     let mut first_submit = None;
-    let mut batch = Vec::new();
     let mut stopped = None;
+    // Each chunk is added to the request's pending batch in the core, which submits pending
+    // batches itself when only they hold staging (S11): the batching Python's callers use.
+    let mut pending = 0;
     for chunk in 0..req.chunks {
-        // Submits our own staged chunks first when they alone hold staging.
-        let holding = !batch.is_empty();
-        let allocated = sender.allocate(&req.req_id, &mut batch).await;
-        if holding && batch.is_empty() {
+        let allocated = sender.allocate(&req.req_id, &mut Vec::new()).await;
+        if pending > 0 && sender.added_count(&req.req_id) == 0 {
+            // The core submitted our pending chunks while we waited for staging.
             first_submit.get_or_insert_with(tokio::time::Instant::now);
         }
         let slot = match allocated {
@@ -192,20 +193,25 @@ pub async fn transfer<E: Env>(
         sender.stage_with(slot, req.chunk_bytes, &mut |out| {
             chunk_bytes(&req.req_id.0, chunk, out)
         });
-        let key = format!("{}@{chunk}", req.req_id);
-        batch.push(ChunkSpec {
-            key,
+        let added = ChunkSpec {
+            key: format!("{}@{chunk}", req.req_id),
             staging: slot,
             tokens: 256,
             bytes: req.chunk_bytes as u64,
-        });
+        };
+        if let Err(e) = sender.add(&req.req_id, added) {
+            stopped = Some(e);
+            break;
+        }
+        pending = sender.added_count(&req.req_id);
         let is_last = chunk + 1 == req.chunks;
-        if batch.len() as u32 == req.batch_chunks || is_last {
+        if pending as u32 == req.batch_chunks || is_last {
             first_submit.get_or_insert_with(tokio::time::Instant::now);
-            if let Err(e) = sender.submit(&req.req_id, std::mem::take(&mut batch), is_last) {
+            if let Err(e) = sender.submit_added(&req.req_id, is_last) {
                 stopped = Some(e);
                 break;
             }
+            pending = 0;
         }
     }
     if let Some(e) = stopped {

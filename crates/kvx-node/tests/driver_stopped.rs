@@ -153,6 +153,7 @@ fn handles_whose_runtime_is_gone_answer_stopped() {
 /// A blocking allocate call asleep on staging hears its driver die with the runtime at once,
 /// not at its timeout: the driver wakes every sleeper however it ends.
 #[test]
+#[allow(clippy::disallowed_methods)] // the test measures the wait with the wall clock
 fn a_blocking_allocate_hears_its_driver_die_with_the_runtime() {
     let first = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

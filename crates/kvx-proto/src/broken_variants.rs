@@ -24,17 +24,20 @@ pub enum Variant {
     NoCancelRelease,
     /// Free a rolled-back request's slots at once, though a write may still land.
     ReuseSlotEarly,
+    /// Never submit the pending batches (`handle_add`) when only they hold staging (S11).
+    NoPendingFlush,
 }
 
 impl Variant {
     /// Every variant, in declaration order.
-    pub const ALL: [Variant; 6] = [
+    pub const ALL: [Variant; 7] = [
         Variant::NoReservation,
         Variant::ReleaseBeforeComplete,
         Variant::StageBeforeAdmit,
         Variant::LockAcrossAdmission,
         Variant::NoCancelRelease,
         Variant::ReuseSlotEarly,
+        Variant::NoPendingFlush,
     ];
 
     /// The name `--break` takes (and `scripts/mutants.py` uses).
@@ -46,6 +49,7 @@ impl Variant {
             Variant::LockAcrossAdmission => "lock-across-admission",
             Variant::NoCancelRelease => "no-cancel-release",
             Variant::ReuseSlotEarly => "reuse-slot-early",
+            Variant::NoPendingFlush => "no-pending-flush",
         }
     }
 

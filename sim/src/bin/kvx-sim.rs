@@ -33,7 +33,7 @@ struct Args {
 
 fn usage() -> &'static str {
     "usage: kvx-sim [--seeds N] [--start S] [--faults] [--break VARIANT] [--trace] [--determinism] [--jobs J] [--first] [--keep-going] [--expose BUG]\n\
-     variants: no-reservation release-before-complete stage-before-admit lock-across-admission no-cancel-release reuse-slot-early\n\
+     variants: no-reservation release-before-complete stage-before-admit lock-across-admission no-cancel-release reuse-slot-early no-pending-flush\n\
      known bugs (worked around unless exposed): tp-admission-cycle"
 }
 

@@ -361,6 +361,12 @@ impl<E: Env> SenderHandle<E> {
         result
     }
 
+    /// Chunks in `req_id`'s pending batch (`add`) now: 0 once they were submitted, by the
+    /// caller or by the core (a snapshot).
+    pub fn added_count(&self, req_id: &ReqId) -> usize {
+        self.shared.lock().flow.added_count(req_id)
+    }
+
     /// Staging slots free now (a snapshot: other callers may take them first).
     pub fn staging_free(&self) -> u32 {
         self.shared.lock().flow.staging_free()

@@ -117,7 +117,10 @@ impl SenderFlow {
     /// S11: when no staging slot is free and every taken one holds an unsubmitted chunk,
     /// submits every request's pending batch (none as the last). True when one went.
     fn flush_when_only_callers_hold_staging(&mut self, now: Instant) -> bool {
-        if self.staging.free_count() > 0 || !self.staging_held_by_callers() {
+        if broken_variant!(NoPendingFlush)
+            || self.staging.free_count() > 0
+            || !self.staging_held_by_callers()
+        {
             return false;
         }
         let pending: Vec<ReqId> = self
