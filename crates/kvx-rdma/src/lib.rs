@@ -74,6 +74,8 @@ mod fake;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_checksum;
+#[cfg(test)]
 mod tests_device;
 #[cfg(test)]
 mod tests_node;
