@@ -76,6 +76,8 @@ mod tests;
 #[cfg(test)]
 mod tests_checksum;
 #[cfg(test)]
+mod tests_cost;
+#[cfg(test)]
 mod tests_device;
 #[cfg(test)]
 mod tests_node;

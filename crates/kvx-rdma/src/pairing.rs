@@ -90,7 +90,7 @@ impl Pairing {
         if self.waiting.is_empty() {
             if let Some(at) = self.frames.iter().position(|f| f.imm == r.imm) {
                 // Frames before it are of writes posted before it that never landed.
-                let f = self.frames.drain(..=at).last().expect("at least one");
+                let f = self.frames.drain(..=at).next_back().expect("at least one");
                 return Some((r, f));
             }
         }

@@ -209,6 +209,9 @@ async fn a_byte_flipped_after_landing_fails_its_request_with_a_checksum_mismatch
     }
     assert_eq!(rig.one_that_goes_through().await, Outcome::Consumed);
     while let Ok(id) = rig.ready.try_recv() {
-        assert_ne!(id, corrupt.req_id, "the decoder was handed the corrupt request");
+        assert_ne!(
+            id, corrupt.req_id,
+            "the decoder was handed the corrupt request"
+        );
     }
 }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use kvx_io::{conformance, Fabric, FabricConn, FabricListener, PostWrite};
+use kvx_io::{conformance, Fabric, FabricConn, FabricListener, PostWrite, SlotMemory};
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use kvx_rdma::verbs::Verbs;
 use kvx_rdma::{IbvFabric, PathMtu, RdmaConfig, RdmaError, RdmaFabric, RdmaMemory};

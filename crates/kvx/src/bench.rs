@@ -122,11 +122,29 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         #[cfg(feature = "rdma")]
         FabricKind::Rdma => {
             let fabric = rdma.context("invariant: the RDMA device was opened above")?;
-            fabric_rate(fabric, endpoint, credential, chunk, args.window, writes, sums).await?
+            fabric_rate(
+                fabric,
+                endpoint,
+                credential,
+                chunk,
+                args.window,
+                writes,
+                sums,
+            )
+            .await?
         }
         _ => {
             let fabric = ShmFabric::new();
-            fabric_rate(fabric, endpoint, credential, chunk, args.window, writes, sums).await?
+            fabric_rate(
+                fabric,
+                endpoint,
+                credential,
+                chunk,
+                args.window,
+                writes,
+                sums,
+            )
+            .await?
         }
     };
     drop(child.stdin.take()); // tells the child to exit
