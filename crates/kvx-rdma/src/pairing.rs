@@ -15,10 +15,12 @@
 //!   of letting it time out, and one that does not takes it as it takes any write without
 //!   one. Its frame, should it still come, is recognised and dropped (`given_up`).
 //!
-//! Memory is bounded by what the peer may have in flight, `in_flight_max` (the receiver's
-//! slots: a sender's writes in flight each fill a slot the receiver granted it): more frames
-//! ahead of their writes is a broken or hostile peer, and ends the connection; more
-//! completions waiting for their frames gives the oldest up at once, as if overdue.
+//! Memory is bounded by what the peer may have in flight, `in_flight_max`: the receives the
+//! connection keeps posted (a landed write holds one until its completion is taken here) plus
+//! the receiver's slots (a posted write not yet landed fills a slot granted to its sender).
+//! More frames ahead of their completions is a broken or hostile peer, and ends the
+//! connection; more completions waiting for their frames gives the oldest up at once, as if
+//! overdue (a sender that sends frames first has none waiting but for a moment).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -61,9 +63,11 @@ impl Pairing {
     /// A frame came. Returns the completion it pairs with, if one waited for it; an error
     /// when the peer sent more frames ahead than it can have writes in flight.
     pub(crate) fn frame(&mut self, f: WriteFrame) -> Result<Option<(Recv, WriteFrame)>, String> {
-        if let Some(at) = self.given_up.iter().position(|&imm| imm == f.imm) {
-            // The frame of a completion already announced without it.
-            self.given_up.drain(..=at);
+        if self.given_up.front() == Some(&f.imm) {
+            // The frame of a completion already announced without it: the next to come, as
+            // frames come in posting order (only the front is compared, since a slot's
+            // immediate comes back with its next grant of the same generation).
+            self.given_up.pop_front();
             return Ok(None);
         }
         if let Some((head, _)) = self.waiting.front() {

@@ -200,8 +200,11 @@ impl<V: Verbs> Connection<V> {
             return debug!(peer = %self.peer, error = %e, "rdma side channel: welcome not sent");
         }
         debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, %control_peer, "rdma sender connected");
-        // A sender's writes in flight each fill a slot granted to it: at most the buffer's.
-        let in_flight_max = self.memory.slots() as usize;
+        // The most writes a sender can have sent frames for that this task has not taken the
+        // completions of: landed ones, each holding one of the `posted` receives until it is
+        // taken and the receive posted again (beyond, the NIC makes the sender wait), plus
+        // posted ones not landed, each into a slot granted to it (at most the buffer's).
+        let in_flight_max = self.memory.slots() as usize + posted as usize;
         self.run(qp, posted, wcs, route, control_peer, in_flight_max)
             .await;
     }
@@ -278,16 +281,23 @@ impl<V: Verbs> Connection<V> {
         // Set when the device broke the connection so that its completions will not come (a
         // completion queue or device failure; a failed queue pair's still do).
         let mut device_broke = false;
-        let end = 'serve: loop {
+        let end = loop {
+            // Frames already read: a write frame pairs, a control frame ends the loop.
+            if let Some(end) = self.take_frames(&mut inbound, &mut pairing, control_peer, true) {
+                break end;
+            }
             let overdue_at = pairing.deadline(frame_bound);
             tokio::select! {
                 biased;
                 () = self.landed.closed() => break End::ListenerDropped,
                 Some(event) = wcs.recv() => {
+                    // These writes' frames were sent before the writes were posted: take what
+                    // the socket holds now, so that each pairs at once rather than waiting
+                    // behind a stream of completions (this branch goes first).
+                    let mut failed = self.take_ready_frames(&mut inbound, &mut pairing, control_peer);
                     let mut next = Some(event);
-                    let mut failed = None;
                     while let Some(event) = next.take() {
-                        failed = match event {
+                        let why = match event {
                             RouteEvent::Wc(wc) => self
                                 .on_wc(&mut qp, &mut posted, &wc, control_peer, &mut pairing)
                                 .err(),
@@ -296,34 +306,21 @@ impl<V: Verbs> Connection<V> {
                                 Some(why)
                             }
                         };
-                        if failed.is_some() {
+                        if let Some(why) = why {
+                            failed = Some(End::Failed(why));
                             break;
                         }
                         next = wcs.try_recv().ok();
                     }
-                    if let Some(why) = failed {
-                        break End::Failed(why);
+                    if let Some(end) = failed {
+                        break end;
                     }
                 }
+                // What is read is taken at the loop's top: in order, so a fence follows the
+                // frames of every write posted before it.
                 read = self.side.read(inbound.space()) => match read {
                     Ok(0) => break End::SideClosed,
-                    Ok(n) => {
-                        inbound.filled(n);
-                        // In order: a fence follows the frames of every write posted before it.
-                        while let Some(frame) = inbound.next_frame() {
-                            match frame {
-                                InboundFrame::Write(f) => match pairing.frame(f) {
-                                    Ok(Some((recv, f))) => self.announce(control_peer, recv, Some(f)),
-                                    Ok(None) => {}
-                                    Err(why) => break 'serve End::Failed(why),
-                                },
-                                InboundFrame::Control(Control::Fence) => break 'serve End::Fenced,
-                                InboundFrame::Control(other) => {
-                                    break 'serve End::Failed(format!("unexpected {other:?} from the sender"))
-                                }
-                            }
-                        }
-                    }
+                    Ok(n) => inbound.filled(n),
                     Err(e) => break End::Failed(format!("side channel: {e}")),
                 },
                 () = sleep_until_some(overdue_at) => {
@@ -372,6 +369,58 @@ impl<V: Verbs> Connection<V> {
         drop(qp);
         drop(route);
         drop(self);
+    }
+
+    /// Takes the whole frames `inbound` holds: a write frame pairs (and the write is
+    /// announced if its completion came first); with `controls`, a control frame ends the
+    /// connection (the fence, or anything else), else it stays for later. Returns the end.
+    fn take_frames(
+        &self,
+        inbound: &mut Inbound,
+        pairing: &mut Pairing,
+        peer: PeerId,
+        controls: bool,
+    ) -> Option<End> {
+        while let Some(frame) = inbound.next_frame(controls) {
+            match frame {
+                InboundFrame::Write(f) => match pairing.frame(f) {
+                    Ok(Some((recv, f))) => self.announce(peer, recv, Some(f)),
+                    Ok(None) => {}
+                    Err(why) => return Some(End::Failed(why)),
+                },
+                InboundFrame::Control(Control::Fence) => return Some(End::Fenced),
+                InboundFrame::Control(other) => {
+                    return Some(End::Failed(format!("unexpected {other:?} from the sender")))
+                }
+            }
+        }
+        None
+    }
+
+    /// Reads what the side channel holds now, without waiting, and takes its write frames
+    /// (`take_frames` without controls). Its end of file or error is left for the loop's
+    /// read, which sees it again. A `recv` that does not wait, not tokio's `try_read`: that
+    /// one reads only once the runtime's reactor has seen the socket readable, which it may
+    /// not have yet while completions keep this task busy.
+    fn take_ready_frames(
+        &self,
+        inbound: &mut Inbound,
+        pairing: &mut Pairing,
+        peer: PeerId,
+    ) -> Option<End> {
+        loop {
+            if let Some(end) = self.take_frames(inbound, pairing, peer, false) {
+                return Some(end);
+            }
+            match rustix::net::recv(
+                &self.side,
+                inbound.space(),
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((n, _)) if n > 0 => inbound.filled(n),
+                _ => return None,
+            }
+        }
     }
 
     /// One routed completion of this connection's receive queue. The NIC wrote before anyone

@@ -109,6 +109,59 @@ async fn each_write_lands_with_its_checksum_compared() {
     );
 }
 
+/// A steady stream of writes, each slot written again as soon as its last write completed
+/// (standing grants, as `kvx bench` runs): the receiver's completions never pause, and every
+/// write still pairs with its frame and is announced `Match` — none goes without its checksum
+/// because the frames waited on the socket behind the completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_writes_pairs_every_write_with_its_frame() {
+    let (f, _) = fabric(RdmaConfig::default());
+    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    for slot in 0..4 {
+        listener.access.grant_standing(slot, kvx_proto::PeerId(1));
+    }
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let staging = f.allocate_staging(4, 1024).expect("staging");
+    for slot in 0..4 {
+        staging.write_slot(slot, &pattern(slot));
+    }
+    let mut conn = f
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    const WRITES: u64 = 3000;
+    let (mut posted, mut done, mut matched) = (0u64, 0u64, 0u64);
+    while matched < WRITES {
+        while posted < WRITES && posted - done < 4 {
+            let slot = (posted % 4) as u32;
+            conn.post(PostWrite {
+                imm: Some(
+                    kvx_proto::WriteTag {
+                        slot: SlotIndex(slot),
+                        generation: 0,
+                    }
+                    .to_imm(),
+                ),
+                ..summed(posted, slot)
+            })
+            .expect("post");
+            posted += 1;
+        }
+        tokio::select! {
+            c = conn.next_completion() => {
+                assert!(c.expect("open").result.is_ok());
+                done += 1;
+            }
+            l = listener.landed.recv() => {
+                let l = l.expect("open");
+                assert_eq!(l.checksum, ChecksumCheck::Match, "write {matched}");
+                matched += 1;
+            }
+            () = tokio::time::sleep(STEP) => panic!("stalled after {matched} announced"),
+        }
+    }
+}
+
 /// A write with immediate whose frame never comes (a peer that posts without one) is
 /// announced without a checksum once the frame's bound (`connect_timeout`) has passed —
 /// never held for ever — and the frame, should it come after all, changes nothing.

@@ -446,8 +446,9 @@ impl Inbound {
         self.end = (self.end + n).min(Inbound::CAPACITY);
     }
 
-    /// The next whole frame, if one has arrived.
-    pub fn next_frame(&mut self) -> Option<InboundFrame> {
+    /// The next whole frame, if one has arrived; a control frame only with `controls` (else it
+    /// stays, and so does everything behind it).
+    pub fn next_frame(&mut self, controls: bool) -> Option<InboundFrame> {
         let b = &self.buf[self.start..self.end];
         if b.len() < CONTROL_LEN {
             return None;
@@ -464,6 +465,9 @@ impl Inbound {
             };
             self.start += WRITE_FRAME_LEN;
             return Some(InboundFrame::Write(frame));
+        }
+        if !controls {
+            return None;
         }
         let mut c = [0u8; CONTROL_LEN];
         c.copy_from_slice(&b[..CONTROL_LEN]);
@@ -599,7 +603,13 @@ mod tests {
             for piece in bytes.chunks(cut) {
                 inbound.space()[..piece.len()].copy_from_slice(piece);
                 inbound.filled(piece.len());
-                while let Some(f) = inbound.next_frame() {
+                // Write frames alone first, as a receiver takes them with completions: a
+                // control frame stops them.
+                while let Some(f) = inbound.next_frame(false) {
+                    assert!(matches!(f, InboundFrame::Write(_)));
+                    got.push(f);
+                }
+                while let Some(f) = inbound.next_frame(true) {
                     got.push(f);
                 }
             }
