@@ -18,8 +18,8 @@ use crate::{RdmaConfig, RdmaFabric};
 
 const CHUNK: usize = 1 << 20;
 const WINDOW: u32 = 16;
-const WRITES: u64 = 256;
-const ROUNDS: usize = 9;
+const WRITES: u64 = 1024;
+const ROUNDS: usize = 21;
 
 /// Seconds to move `WRITES` chunks, `WINDOW` in flight, until the receiver announced them
 /// all; each write carries its chunk's checksum when `sums`.
