@@ -162,9 +162,127 @@ async fn a_stream_of_writes_pairs_every_write_with_its_frame() {
     }
 }
 
+/// A peer that speaks the side channel's handshake and then posts its writes and sends their
+/// frames as a test says, in either order or not at all.
+struct RawPeer {
+    side: tokio::net::TcpStream,
+    qp: Qp<crate::fake::FakeQp>,
+    staging: std::sync::Arc<crate::RdmaMemory>,
+    welcome: Welcome,
+}
+
+impl RawPeer {
+    /// Attached to `listener` (slots 0..4 granted to it under generation 1), on `verbs`.
+    async fn attach(
+        f: &RdmaFabric<FakeVerbs>,
+        verbs: &FakeVerbs,
+        listener: &kvx_io::FabricListener<crate::RdmaMemory>,
+    ) -> RawPeer {
+        let credential = attach(listener, 0..4, 1);
+        let staging = f.allocate_staging(4, 1024).expect("staging");
+        for slot in 0..4 {
+            staging.write_slot(slot, &pattern(slot));
+        }
+        let addr = listener.local_endpoint.trim_start_matches("tcp://");
+        let mut side = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let mut qp = Qp::new(verbs.create_qp(4, 1).expect("qp"));
+        qp.modify(Transition::Init(RemoteAccess::None))
+            .expect("init");
+        let port = verbs.port();
+        let hello: [u8; HELLO_LEN] = Hello {
+            version: VERSION,
+            staging: staging.geometry(),
+            qp: QpAddr {
+                qpn: qp.qpn(),
+                psn: 1,
+                lid: port.lid,
+                mtu: port.mtu,
+                gid: port.gid,
+                gid_kind: port.gid_kind,
+            },
+            credential,
+        }
+        .encode();
+        crate::link::write_frame(&mut side, &hello, STEP)
+            .await
+            .expect("hello");
+        let welcome = crate::link::read_frame::<WELCOME_LEN>(&mut side, STEP)
+            .await
+            .expect("welcome");
+        let welcome = Welcome::decode(&welcome).expect("a welcome");
+        assert_eq!(welcome.status, WelcomeStatus::Ok);
+        qp.modify(Transition::Rtr(RtrParams {
+            remote: welcome.qp,
+            mtu: welcome.qp.mtu,
+        }))
+        .and_then(|()| qp.modify(Transition::Rts { psn: 1 }))
+        .expect("connected");
+        RawPeer {
+            side,
+            qp,
+            staging,
+            welcome,
+        }
+    }
+
+    /// Writes staging slot `slot` into the receiver's slot `slot`, with its immediate.
+    fn post(&mut self, slot: u32) {
+        self.qp
+            .post_write(&WriteWr {
+                wr_id: u64::from(slot),
+                staging: &self.staging,
+                local_slot: slot,
+                len: 1024,
+                remote_addr: self.welcome.addr + u64::from(slot) * 1024,
+                rkey: self.welcome.rkey,
+                imm: write(0, slot, 1).imm,
+            })
+            .expect("posted");
+    }
+
+    /// Sends the frame of the write into `slot`, with its checksum.
+    async fn frame(&mut self, slot: u32) {
+        let frame = crate::wire::WriteFrame {
+            imm: write(0, slot, 1).imm.expect("an immediate"),
+            len: 1024,
+            checksum: Some(kvx_io::chunk_checksum(&pattern(slot))),
+        };
+        crate::link::write_frame(&mut self.side, &frame.encode(), STEP)
+            .await
+            .expect("frame");
+    }
+}
+
+/// A write whose frame comes after it landed, within the bound, pairs with it: the receiver
+/// holds the write until the frame comes, then announces it `Match`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_that_comes_after_its_write_landed_still_pairs() {
+    let (f, verbs) = fabric(RdmaConfig::default());
+    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut peer = RawPeer::attach(&f, &verbs, &listener).await;
+    peer.post(0);
+    peer.post(1);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), listener.landed.recv())
+            .await
+            .is_err(),
+        "nothing is announced before its frame"
+    );
+    peer.frame(0).await;
+    peer.frame(1).await;
+    for slot in 0..2 {
+        let landed = next_landed(&mut listener.landed).await;
+        assert_eq!(
+            (landed.slot, landed.checksum),
+            (SlotIndex(slot), ChecksumCheck::Match)
+        );
+    }
+}
+
 /// A write with immediate whose frame never comes (a peer that posts without one) is
 /// announced without a checksum once the frame's bound (`connect_timeout`) has passed —
-/// never held for ever — and the frame, should it come after all, changes nothing.
+/// never held for ever — and the frame, should it come after all, changes nothing; the next
+/// write, frame first, still pairs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_frame_never_comes_is_announced_without_a_checksum_after_the_bound() {
     let bound = Duration::from_millis(300);
@@ -173,56 +291,9 @@ async fn a_write_whose_frame_never_comes_is_announced_without_a_checksum_after_t
         ..RdmaConfig::default()
     });
     let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let credential = attach(&listener, 0..4, 1);
-    let staging = f.allocate_staging(4, 1024).expect("staging");
-    staging.write_slot(0, &pattern(0));
-
-    // A peer that speaks the side channel's handshake but sends no write frames.
-    let addr = listener.local_endpoint.trim_start_matches("tcp://");
-    let mut side = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut qp = Qp::new(verbs.create_qp(4, 1).expect("qp"));
-    qp.modify(Transition::Init(RemoteAccess::None))
-        .expect("init");
-    let port = verbs.port();
-    let hello = Hello {
-        version: VERSION,
-        staging: staging.geometry(),
-        qp: QpAddr {
-            qpn: qp.qpn(),
-            psn: 1,
-            lid: port.lid,
-            mtu: port.mtu,
-            gid: port.gid,
-            gid_kind: port.gid_kind,
-        },
-        credential,
-    };
-    let hello: [u8; HELLO_LEN] = hello.encode();
-    crate::link::write_frame(&mut side, &hello, STEP)
-        .await
-        .expect("hello");
-    let welcome = crate::link::read_frame::<WELCOME_LEN>(&mut side, STEP)
-        .await
-        .expect("welcome");
-    let welcome = Welcome::decode(&welcome).expect("a welcome");
-    assert_eq!(welcome.status, WelcomeStatus::Ok);
-    qp.modify(Transition::Rtr(RtrParams {
-        remote: welcome.qp,
-        mtu: welcome.qp.mtu,
-    }))
-    .and_then(|()| qp.modify(Transition::Rts { psn: 1 }))
-    .expect("connected");
+    let mut peer = RawPeer::attach(&f, &verbs, &listener).await;
     let started = tokio::time::Instant::now();
-    qp.post_write(&WriteWr {
-        wr_id: 1,
-        staging: &staging,
-        local_slot: 0,
-        len: 1024,
-        remote_addr: welcome.addr,
-        rkey: welcome.rkey,
-        imm: write(0, 0, 1).imm,
-    })
-    .expect("posted");
+    peer.post(0);
     let landed = next_landed(&mut listener.landed).await;
     assert_eq!(
         (landed.slot, landed.checksum),
@@ -234,19 +305,18 @@ async fn a_write_whose_frame_never_comes_is_announced_without_a_checksum_after_t
         "announced after {waited:?}, the bound {bound:?}"
     );
     // Its frame comes late: dropped, nothing more is announced, and the connection lives on.
-    let late = crate::wire::WriteFrame {
-        imm: write(0, 0, 1).imm.expect("an immediate"),
-        len: 1024,
-        checksum: Some(kvx_io::chunk_checksum(&pattern(0))),
-    };
-    crate::link::write_frame(&mut side, &late.encode(), STEP)
-        .await
-        .expect("late frame");
+    peer.frame(0).await;
     assert!(
         tokio::time::timeout(Duration::from_millis(200), listener.landed.recv())
             .await
             .is_err(),
         "a late frame announces nothing"
     );
-    drop(qp);
+    peer.frame(1).await;
+    peer.post(1);
+    let landed = next_landed(&mut listener.landed).await;
+    assert_eq!(
+        (landed.slot, landed.checksum),
+        (SlotIndex(1), ChecksumCheck::Match)
+    );
 }
