@@ -6,6 +6,9 @@ Copies the workspace to a scratch folder, applies one mutation at a time, runs t
 and property tests there (or, for a variant outside kvx-proto, the tests it names), and
 reports whether they failed (caught) or passed (missed).
 Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
+`--list` prints the names and what each breaks. KVX_MUTANTS_SCRATCH sets the scratch folder
+(default /tmp/kvx-mutants; its target folder is the same path with `-target`), so that two
+checkouts can run mutants at once.
 The simulation issue turns these into `--break` variants of the swarm runner.
 
 `python3 scripts/mutants.py --curve [NAME ...]` runs instead the broken variants of the ZMQ
@@ -16,7 +19,7 @@ missing pyzmq is a failure, not a skip).
 import os, re, shutil, subprocess, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRATCH = "/tmp/kvx-mutants"
+SCRATCH = os.environ.get("KVX_MUTANTS_SCRATCH", "/tmp/kvx-mutants")
 SRC = "crates/kvx-proto/src/"
 
 # The tests a variant of kvx-proto runs against.
@@ -174,6 +177,16 @@ MUTANTS = {
         "drop(registration);",
         "deregister memory (unpinning it) on the tokio worker that drops its last handle",
         ["-p", "kvx-rdma", "--lib", "blocking_verbs_calls"]),
+    "rdma-checksum-not-compared": ("crates/kvx-rdma/src/receiver.rs",
+        "if computed == carried && len == byte_len {",
+        "if true {",
+        "announce every RDMA write's checksum as matching without comparing it with the landed bytes: a byte that changed after the NIC wrote it reaches the decoder",
+        ["-p", "kvx-rdma", "--lib", "checksum"]),
+    "rdma-frames-bound-by-slots-alone": ("crates/kvx-rdma/src/receiver.rs",
+        "let in_flight_max = self.memory.slots() as usize + posted as usize;",
+        "let in_flight_max = self.memory.slots() as usize;",
+        "bound an RDMA connection's unpaired write frames by the buffer's slots alone, forgetting the landed writes whose completions are not yet taken: under a steady stream writes go unchecked (announced without their checksum)",
+        ["-p", "kvx-rdma", "--lib", "a_stream_of_writes"]),
     "checksum-ahead-of-landing": ("crates/kvx-io/src/checksum/xxh3_long.rs",
         "let upto = (landed.len() / STRIPE).min(self.normal_stripes());",
         "let upto = (landed.len() / STRIPE + 1).min(self.normal_stripes());",
@@ -270,6 +283,14 @@ def verdict(name, what, path, target, cmd, env):
 
 def main():
     args = sys.argv[1:]
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return
+    if "--list" in args:
+        table = CURVE_MUTANTS if "--curve" in args else MUTANTS
+        for name, entry in table.items():
+            print(f"{name:28} {entry[3] if table is MUTANTS else entry[2]}")
+        return
     curve = "--curve" in args
     args = [a for a in args if a != "--curve"]
     table, runner = (CURVE_MUTANTS, run_curve) if curve else (MUTANTS, run)

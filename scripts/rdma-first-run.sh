@@ -8,8 +8,10 @@
 #   1. the hardware conformance tests with the defaults (KVX_REQUIRE_RDMA=1: no skipping), one
 #      at a time, among them an MTU cap on the receiver only, a staging pool at the most slots
 #      the device takes, and a fence after an idle receiver counting Landed notices against Ok
-#      completions;
-#   2. `kvx bench --fabric rdma` against `kvx bench --fabric tcp` on the same host.
+#      completions, and a fence with writes outstanding;
+#   2. `kvx bench --fabric rdma` against `kvx bench --fabric tcp` on the same host, and
+#      `kvx bench --fabric rdma --checksums off` (the receiver's check is the difference:
+#      docs/PERFORMANCE.md, "Over RDMA"; one round each: alternate several for a ratio).
 # kvx's own lines about the device (GID chosen, limits, fork safety) are logged at info and
 # kept in the step logs and in kvx-device.txt.
 # Exits 0 only when every step passed, 1 when one failed (or the memlock limit is too low to
@@ -99,6 +101,7 @@ fi
 step conformance env KVX_REQUIRE_RDMA=1 cargo test --release -p kvx-rdma --features rdma \
   --test conformance_hw -- --nocapture --test-threads=1
 step bench-rdma ./target/release/kvx bench --fabric rdma "${rdma_flags[@]}"
+step bench-rdma-checksums-off ./target/release/kvx bench --fabric rdma --checksums off "${rdma_flags[@]}"
 step bench-tcp ./target/release/kvx bench --fabric tcp
 grep -h -e "rdma device opened" -e "rdma GID chosen" -e "fork" "$out"/*.log >"$out/kvx-device.txt" 2>/dev/null || true
 

@@ -58,8 +58,9 @@ pub struct ReceiverConfig {
     /// Ended request ids remembered at most; the oldest is forgotten first.
     pub tombstones_max: usize,
     /// A kvx sender's chunk must carry a checksum, checked against the landed bytes before its
-    /// request is ready; one without fails its request. Turn off only where the fabric cannot
-    /// carry checksums and its own CRC is trusted (RDMA: the NIC's ICRC covers the wire).
+    /// request is ready; one without fails its request. Every fabric carries them (RDMA in
+    /// the side channel's write frame); turn off with the senders' where the CPU must not read
+    /// the chunks (GPU memory registered with an RDMA NIC), or to trust the fabric's own CRC.
     pub require_checksums: bool,
     /// Senders without `seq` (LMCache's).
     pub legacy_senders: LegacySenders,
@@ -282,7 +283,8 @@ pub struct SenderConfig {
     pub notify_proxy_on_failure: bool,
     /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with
     /// the write, so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
-    /// §5b). Off only for fabrics that cannot carry one (RDMA).
+    /// §5b; over RDMA in the side channel's write frame). Off where the CPU must not read the
+    /// chunks (GPU memory registered with an RDMA NIC), or to trust the fabric's own CRC alone.
     pub checksums: bool,
 }
 

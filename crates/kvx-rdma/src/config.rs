@@ -101,7 +101,9 @@ pub struct RdmaConfig {
     pub service_level: u8,
     /// Traffic class of the GRH (RoCE: DSCP << 2, for PFC/ECN classes).
     pub traffic_class: u8,
-    /// Bounds the side channel's connect and each handshake step of a sender.
+    /// Bounds the side channel's connect and each handshake step of a sender, the sending of
+    /// its write frames, and a receiver's wait for a write's frame once the write landed
+    /// (beyond, the write is announced without its checksum: `pairing`).
     pub connect_timeout: Duration,
     /// How long a receiver waits for an accepted side-channel connection's whole hello; a
     /// connection that says nothing, or trickles its hello, is closed then. Short, because a

@@ -126,6 +126,11 @@ impl<Q: VerbsQp> SendEngine<Q> {
         }
     }
 
+    /// Whether `handle_post` would post `write` now (rather than complete it at once).
+    pub(crate) fn would_post(&self, write: &PostWrite) -> bool {
+        self.phase == Phase::Live && self.check(write).is_ok()
+    }
+
     pub(crate) fn handle_post(&mut self, write: PostWrite) {
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);

@@ -28,7 +28,9 @@
 //!   write beyond `max_msg_sz` with a "local length error" completion.
 //!
 //! Faults: `fail_write_after(n)` fails the (n+1)-th write from now with "retry counter
-//! exceeded", as a link going down would.
+//! exceeded", as a link going down would; `corrupt_write_after(n, k)` flips byte `k` of the
+//! (n+1)-th write from now once it landed, as memory or a DMA path past the link's CRC could:
+//! the write succeeds, and only kvx's checksum can tell.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -120,6 +122,9 @@ struct NicState {
     next_key: u32,
     /// Writes left before the next one fails (`fail_write_after`).
     fail_after: Option<u64>,
+    /// Writes left before the next one lands with a byte flipped, and which byte
+    /// (`corrupt_write_after`).
+    corrupt_after: Option<(u64, usize)>,
     writes_applied: u64,
 }
 
@@ -267,6 +272,12 @@ impl FakeVerbs {
     /// Fails the write applied after `n` more successful ones.
     pub(crate) fn fail_write_after(&self, n: u64) {
         self.lock().fail_after = Some(n);
+    }
+
+    /// Flips byte `byte` of the write applied after `n` more, in the target's memory, once
+    /// it landed (its completions say success).
+    pub(crate) fn corrupt_write_after(&self, n: u64, byte: usize) {
+        self.lock().corrupt_after = Some((n, byte));
     }
 
     pub(crate) fn writes_applied(&self) -> u64 {
@@ -531,7 +542,18 @@ impl NicState {
                 return;
             };
             let status = if status == WcStatus::Success {
-                self.apply(&w)
+                let flip = match self.corrupt_after {
+                    Some((0, byte)) => {
+                        self.corrupt_after = None;
+                        Some(byte)
+                    }
+                    Some((n, byte)) => {
+                        self.corrupt_after = Some((n - 1, byte));
+                        None
+                    }
+                    None => None,
+                };
+                self.apply(&w, flip)
             } else {
                 status
             };
@@ -582,8 +604,9 @@ impl NicState {
         }
     }
 
-    /// Copies a write into its region; a bad key or range is a remote access error.
-    fn apply(&self, w: &PendingWrite) -> WcStatus {
+    /// Copies a write into its region, then flips its byte `flip` if given; a bad key or
+    /// range is a remote access error.
+    fn apply(&self, w: &PendingWrite, flip: Option<usize>) -> WcStatus {
         let Some(region) = self
             .regions
             .get(&w.rkey)
@@ -603,6 +626,9 @@ impl NicState {
             return REMOTE_ACCESS;
         }
         region.write_slot(slot as u32, &w.data);
+        if let Some(k) = flip.filter(|&k| k < w.data.len()) {
+            region.with_slot(slot as u32, |s| s[k] ^= 0xFF);
+        }
         WcStatus::Success
     }
 }

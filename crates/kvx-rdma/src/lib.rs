@@ -7,8 +7,10 @@
 //! reliable-connected queue pair per (sender, receiver) pair. A write is an RDMA WRITE from a
 //! staging slot into a remote slot, with the caller's immediate (kvx's `WriteTag`: 20-bit slot,
 //! 12-bit generation) when it has one; the receiver hears of it from the receive completion
-//! that immediate consumes. Completions are polled on a dedicated thread and routed to each
-//! connection's task. A failed work request moves the queue pair to ERROR; the connection then
+//! that immediate consumes. Ahead of each such write the sender sends, on the side channel, a
+//! frame with the chunk's checksum (when it computed one); the receiver checks the landed
+//! bytes against it before it announces the write. Completions are polled on a dedicated
+//! thread and routed to each connection's task. A failed work request moves the queue pair to ERROR; the connection then
 //! fences the receiver over the side channel and flushes every outstanding write with an
 //! error, so that nothing lands after the flush; the receiver drains its queue pair's
 //! completions before it answers and destroys it.
@@ -29,7 +31,8 @@
 //! - `verbs_error`: `VerbsError`, a failed verbs call (a leaf under `verbs` and `memory`).
 //! - `remote_access`: `RemoteAccess`, what a peer may do to a region or queue pair (a leaf
 //!   under `verbs` and `memory`).
-//! - `wire`: the side channel's frames (hello, welcome, fence), `Geometry` and `GidKind`.
+//! - `wire`: the side channel's frames (hello, welcome, fence, the write frame ahead of each
+//!   write with immediate), `Geometry` and `GidKind`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
@@ -38,6 +41,8 @@
 //! - `wake`: how the poller waits when idle, and how a post wakes it.
 //! - `limits`: `DeviceLimits`, the device's maxima a geometry can exceed, and their checks.
 //! - `engine`: a sender connection's logic without IO (order, failure, fence, flush).
+//! - `pairing`: a receiver connection's pairing of each landed write with its write frame
+//!   (either may come first), without IO.
 //! - `sender`, `receiver`: the connection tasks on either side.
 //! - `ibv` (feature `rdma`): `IbvVerbs`, the sideway backend.
 //!
@@ -51,6 +56,7 @@ mod fabric;
 mod limits;
 mod link;
 mod memory;
+mod pairing;
 mod receiver;
 mod remote_access;
 mod route;
@@ -67,6 +73,10 @@ mod ibv;
 mod fake;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_checksum;
+#[cfg(test)]
+mod tests_cost;
 #[cfg(test)]
 mod tests_device;
 #[cfg(test)]

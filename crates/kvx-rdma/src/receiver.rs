@@ -1,12 +1,17 @@
 //! A receiver's side: the accept loop on the side channel's port, and one task per sender
-//! connection that sets up its queue pair, announces each write with immediate that lands
-//! (`Landed`), re-posts the receive it consumed, and answers the fence.
+//! connection that sets up its queue pair, pairs each write with immediate that lands with
+//! the frame its sender sent ahead of it (`pairing`), checks the landed bytes against the
+//! frame's checksum and announces the write (`Landed`), re-posts the receive it consumed, and
+//! answers the fence.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_io::{ConnectionBudget, Evicted, FabricAccess, Held, LandedWrite, LogLimiter};
+use kvx_io::{
+    ChecksumCheck, ConnectionBudget, Evicted, FabricAccess, Held, LandedWrite, LogLimiter,
+    SlotMemory,
+};
 use kvx_proto::PeerId;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -18,12 +23,14 @@ use crate::config::{offered_mtu, path_mtu};
 use crate::device::Device;
 use crate::link;
 use crate::memory::RdmaMemory;
+use crate::pairing::{Pairing, Recv};
 use crate::route::{Route, RouteEvent};
 use crate::verbs::{
     Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError, Wc, WcKind, WcStatus,
 };
 use crate::wire::{
-    Control, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, HELLO_BASE_LEN, HELLO_LEN, VERSION,
+    Control, Hello, Inbound, InboundFrame, QpAddr, Welcome, WelcomeStatus, WriteFrame,
+    HELLO_BASE_LEN, HELLO_LEN, VERSION,
 };
 
 /// Receives a connection keeps posted are the sender's staging slots plus `recv_slack`, at
@@ -193,7 +200,13 @@ impl<V: Verbs> Connection<V> {
             return debug!(peer = %self.peer, error = %e, "rdma side channel: welcome not sent");
         }
         debug!(peer = %self.peer, qpn = qp_addr.qpn, remote_qpn = hello.qp.qpn, %control_peer, "rdma sender connected");
-        self.run(qp, posted, wcs, route, control_peer).await;
+        // The most writes a sender can have sent frames for that this task has not taken the
+        // completions of: landed ones, each holding one of the `posted` receives until it is
+        // taken and the receive posted again (beyond, the NIC makes the sender wait), plus
+        // posted ones not landed, each into a slot granted to it (at most the buffer's).
+        let in_flight_max = self.memory.slots() as usize + posted as usize;
+        self.run(qp, posted, wcs, route, control_peer, in_flight_max)
+            .await;
     }
 
     async fn refuse(mut self, status: WelcomeStatus) {
@@ -258,52 +271,61 @@ impl<V: Verbs> Connection<V> {
         mut wcs: mpsc::UnboundedReceiver<RouteEvent>,
         route: Route,
         control_peer: PeerId,
+        in_flight_max: usize,
     ) {
-        let mut control = [0u8; CONTROL_LEN];
-        let mut have = 0usize;
+        let mut inbound = Inbound::new();
+        let mut pairing = Pairing::new(in_flight_max);
+        // A write's frame was sent before the write was posted, so it is normally here first or
+        // just after; one still missing after a side-channel frame's bound is not coming soon.
+        let frame_bound = self.device.config.connect_timeout;
         // Set when the device broke the connection so that its completions will not come (a
         // completion queue or device failure; a failed queue pair's still do).
         let mut device_broke = false;
         let end = loop {
+            // Frames already read: a write frame pairs, a control frame ends the loop.
+            if let Some(end) = self.take_frames(&mut inbound, &mut pairing, control_peer, true) {
+                break end;
+            }
+            let overdue_at = pairing.deadline(frame_bound);
             tokio::select! {
                 biased;
                 () = self.landed.closed() => break End::ListenerDropped,
                 Some(event) = wcs.recv() => {
+                    // These writes' frames were sent before the writes were posted: take what
+                    // the socket holds now, so that each pairs at once rather than waiting
+                    // behind a stream of completions (this branch goes first).
+                    let mut failed = self.take_ready_frames(&mut inbound, &mut pairing, control_peer);
                     let mut next = Some(event);
-                    let mut failed = None;
                     while let Some(event) = next.take() {
-                        failed = match event {
-                            RouteEvent::Wc(wc) => {
-                                self.on_wc(&mut qp, &mut posted, &wc, control_peer).err()
-                            }
+                        let why = match event {
+                            RouteEvent::Wc(wc) => self
+                                .on_wc(&mut qp, &mut posted, &wc, control_peer, &mut pairing)
+                                .err(),
                             RouteEvent::Broken { why, completions_follow } => {
                                 device_broke = !completions_follow;
                                 Some(why)
                             }
                         };
-                        if failed.is_some() {
+                        if let Some(why) = why {
+                            failed = Some(End::Failed(why));
                             break;
                         }
                         next = wcs.try_recv().ok();
                     }
-                    if let Some(why) = failed {
-                        break End::Failed(why);
+                    if let Some(end) = failed {
+                        break end;
                     }
                 }
-                read = self.side.read(&mut control[have..]) => match read {
+                // What is read is taken at the loop's top: in order, so a fence follows the
+                // frames of every write posted before it.
+                read = self.side.read(inbound.space()) => match read {
                     Ok(0) => break End::SideClosed,
-                    Ok(n) => {
-                        have += n;
-                        if have < CONTROL_LEN {
-                            continue;
-                        }
-                        match Control::decode(&control) {
-                            Control::Fence => break End::Fenced,
-                            other => break End::Failed(format!("unexpected {other:?} from the sender")),
-                        }
-                    }
+                    Ok(n) => inbound.filled(n),
                     Err(e) => break End::Failed(format!("side channel: {e}")),
                 },
+                () = sleep_until_some(overdue_at) => {
+                    self.give_up_overdue(&mut pairing, control_peer, frame_bound);
+                }
             }
         };
         // Whatever ended it, this connection's writes stop landing now: in ERROR the queue
@@ -318,10 +340,18 @@ impl<V: Verbs> Connection<V> {
         let left = if device_broke {
             posted
         } else {
-            self.drain(&mut wcs, posted, control_peer).await
+            self.drain(&mut wcs, posted, control_peer, &mut pairing)
+                .await
         };
         if left > 0 && !device_broke {
             warn!(peer = %self.peer, left, "rdma receives not drained within half the fence timeout");
+        }
+        // No more frames are read: writes that landed without theirs go without a checksum
+        // (a receiver that requires checksums fails their requests now, rather than at their
+        // timeouts). After a fence or the side channel's close there are none: every frame
+        // was sent, and read, before the write it precedes could land.
+        for recv in pairing.take_waiting() {
+            self.announce(control_peer, recv, None);
         }
         if let End::Fenced = end {
             let timeout = self.device.config.connect_timeout;
@@ -341,6 +371,58 @@ impl<V: Verbs> Connection<V> {
         drop(self);
     }
 
+    /// Takes the whole frames `inbound` holds: a write frame pairs (and the write is
+    /// announced if its completion came first); with `controls`, a control frame ends the
+    /// connection (the fence, or anything else), else it stays for later. Returns the end.
+    fn take_frames(
+        &self,
+        inbound: &mut Inbound,
+        pairing: &mut Pairing,
+        peer: PeerId,
+        controls: bool,
+    ) -> Option<End> {
+        while let Some(frame) = inbound.next_frame(controls) {
+            match frame {
+                InboundFrame::Write(f) => match pairing.frame(f) {
+                    Ok(Some((recv, f))) => self.announce(peer, recv, Some(f)),
+                    Ok(None) => {}
+                    Err(why) => return Some(End::Failed(why)),
+                },
+                InboundFrame::Control(Control::Fence) => return Some(End::Fenced),
+                InboundFrame::Control(other) => {
+                    return Some(End::Failed(format!("unexpected {other:?} from the sender")))
+                }
+            }
+        }
+        None
+    }
+
+    /// Reads what the side channel holds now, without waiting, and takes its write frames
+    /// (`take_frames` without controls). Its end of file or error is left for the loop's
+    /// read, which sees it again. A `recv` that does not wait, not tokio's `try_read`: that
+    /// one reads only once the runtime's reactor has seen the socket readable, which it may
+    /// not have yet while completions keep this task busy.
+    fn take_ready_frames(
+        &self,
+        inbound: &mut Inbound,
+        pairing: &mut Pairing,
+        peer: PeerId,
+    ) -> Option<End> {
+        loop {
+            if let Some(end) = self.take_frames(inbound, pairing, peer, false) {
+                return Some(end);
+            }
+            match rustix::net::recv(
+                &self.side,
+                inbound.space(),
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((n, _)) if n > 0 => inbound.filled(n),
+                _ => return None,
+            }
+        }
+    }
+
     /// One routed completion of this connection's receive queue. The NIC wrote before anyone
     /// could check: the access rules decide here whether the write is announced (a write
     /// outside its queue pair's peer's grants is counted and never announced; what such a
@@ -353,12 +435,13 @@ impl<V: Verbs> Connection<V> {
         posted: &mut u32,
         wc: &Wc,
         peer: PeerId,
+        pairing: &mut Pairing,
     ) -> Result<(), String> {
         *posted = posted.saturating_sub(1);
         match (wc.status, wc.kind) {
             (WcStatus::Success, kind) => {
                 if let WcKind::RecvImm { imm, byte_len } = kind {
-                    self.announce(peer, imm, byte_len);
+                    self.landed_write(peer, Recv { imm, byte_len }, pairing);
                 }
                 qp.post_recv(wc.wr_id).map_err(|e| e.to_string())?;
                 *posted += 1;
@@ -380,6 +463,7 @@ impl<V: Verbs> Connection<V> {
         wcs: &mut mpsc::UnboundedReceiver<RouteEvent>,
         mut posted: u32,
         peer: PeerId,
+        pairing: &mut Pairing,
     ) -> u32 {
         // Half the fence timeout: the sender waits `fence_timeout` for `Fenced`, which is
         // sent after the drain, so a slow drain still leaves time for the answer.
@@ -398,7 +482,7 @@ impl<V: Verbs> Connection<V> {
                     if let (WcStatus::Success, WcKind::RecvImm { imm, byte_len }) =
                         (wc.status, wc.kind)
                     {
-                        self.announce(peer, imm, byte_len);
+                        self.landed_write(peer, Recv { imm, byte_len }, pairing);
                     }
                 }
                 Ok(None) | Err(_) => break,
@@ -407,7 +491,36 @@ impl<V: Verbs> Connection<V> {
         posted
     }
 
-    fn announce(&self, peer: PeerId, imm: u32, byte_len: u32) {
+    /// A write with immediate landed: announced once its frame is here (`pairing`), else
+    /// when the frame comes or the wait for it is given up.
+    fn landed_write(&self, peer: PeerId, recv: Recv, pairing: &mut Pairing) {
+        let now = tokio::time::Instant::now();
+        if let Some((recv, frame)) = pairing.completion(recv, now) {
+            self.announce(peer, recv, Some(frame));
+        }
+        // More waiting than the peer can have in flight gives the oldest up now.
+        self.give_up_overdue(pairing, peer, self.device.config.connect_timeout);
+    }
+
+    /// Announces the writes whose frames did not come within `bound` without a checksum.
+    fn give_up_overdue(&self, pairing: &mut Pairing, peer: PeerId, bound: Duration) {
+        let now = tokio::time::Instant::now();
+        while let Some(recv) = pairing.overdue(now, bound) {
+            if let Some(left_out) = self.refusals_logged.allow() {
+                warn!(
+                    peer = %self.peer, imm = recv.imm, left_out,
+                    "rdma write announced without a checksum: its frame did not come in time"
+                );
+            }
+            self.announce(peer, recv, None);
+        }
+    }
+
+    /// The access rules decide whether the write is announced; if it is, with how the landed
+    /// bytes compare with its frame's checksum (`Absent` without a frame, or a frame without
+    /// a checksum).
+    fn announce(&self, peer: PeerId, recv: Recv, frame: Option<WriteFrame>) {
+        let Recv { imm, byte_len } = recv;
         let tag = kvx_proto::WriteTag::from_imm(imm);
         if let Err(refusal) = self
             .access
@@ -419,13 +532,24 @@ impl<V: Verbs> Connection<V> {
             return;
         }
         self.held.heard();
+        let checksum = match frame.and_then(|f| f.checksum.map(|sum| (f.len, sum))) {
+            None => ChecksumCheck::Absent,
+            Some((len, carried)) => {
+                let computed = self.landed_checksum(tag.slot.0, byte_len);
+                // A length other than the frame's is not the write its sender described.
+                if computed == carried && len == byte_len {
+                    ChecksumCheck::Match
+                } else {
+                    ChecksumCheck::Mismatch { carried, computed }
+                }
+            }
+        };
         let notice = LandedWrite {
             peer,
             slot: tag.slot,
             tag,
             bytes: u64::from(byte_len),
-            // An RDMA write carries no checksum of kvx's (the NIC's ICRC covers the wire).
-            checksum: kvx_io::ChecksumCheck::Absent,
+            checksum,
         };
         // A closed listener is noticed by the select loop; a full channel cannot happen within
         // the access rules' bound (`kvx_io::landing_channel`).
@@ -437,5 +561,25 @@ impl<V: Verbs> Connection<V> {
                 );
             }
         }
+    }
+
+    /// The checksum of the bytes the NIC put in `slot` (`kvx_io::chunk_checksum`, the one a
+    /// sender takes over its staging slot), read where they landed: the checksum is of the
+    /// bytes the decoder will read. An admitted write's slot is in the buffer; a length past
+    /// the slot is cut to it (its checksum cannot match, and the ledger refuses the length).
+    fn landed_checksum(&self, slot: u32, byte_len: u32) -> u32 {
+        let len = (byte_len as usize).min(self.memory.slot_bytes());
+        let mut sum = 0;
+        self.memory
+            .inspect_slot(slot, len, &mut |bytes| sum = kvx_io::chunk_checksum(bytes));
+        sum
+    }
+}
+
+/// Sleeps until `at`, or for ever without one (a `select!` branch that is off).
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

@@ -1,7 +1,7 @@
 //! A sender's connection: the handshake that connects its queue pair to the receiver's
-//! (`wire`), then one task that posts writes, turns routed work completions into ordered
-//! completions (`engine`), watches the side channel, and on failure fences the receiver and
-//! flushes.
+//! (`wire`), then one task that sends each write's frame (its checksum) on the side channel
+//! and then posts the write, turns routed work completions into ordered completions
+//! (`engine`), watches the side channel, and on failure fences the receiver and flushes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +22,8 @@ use crate::memory::RdmaMemory;
 use crate::route::{Route, RouteEvent};
 use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError};
 use crate::wire::{
-    Control, Geometry, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, CONTROL_LEN, VERSION,
-    WELCOME_LEN,
+    Control, Geometry, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, WriteFrame, CONTROL_LEN,
+    VERSION, WELCOME_LEN,
 };
 
 fn verbs_err(e: VerbsError) -> FabricError {
@@ -103,6 +103,9 @@ pub(crate) async fn connect<V: Verbs>(
             wcs,
             ops,
             done,
+            batch: Vec::new(),
+            frames: Vec::new(),
+            frame_timeout: timeout,
         },
         side,
         fence_timeout: device.config.fence_timeout,
@@ -193,6 +196,12 @@ struct Conn<Q: crate::verbs::VerbsQp> {
     wcs: mpsc::UnboundedReceiver<RouteEvent>,
     ops: mpsc::UnboundedReceiver<ConnOp>,
     done: mpsc::UnboundedSender<Completion>,
+    /// The ops taken at once (reused).
+    batch: Vec<ConnOp>,
+    /// Their write frames, sent in one write (reused).
+    frames: Vec<u8>,
+    /// Bounds the sending of write frames, as every side-channel frame (`connect_timeout`).
+    frame_timeout: Duration,
 }
 
 /// What the live phase ended with.
@@ -212,22 +221,61 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
         }
     }
 
-    /// Takes one op and everything already queued behind it. False: the owner is gone.
-    fn take_ops(&mut self, first: Option<ConnOp>) -> bool {
-        let mut op = first;
-        loop {
+    /// Takes one op and everything already queued behind it; with the side channel (while
+    /// live), sends the frames of the writes it will post first. False: the owner is gone.
+    async fn take_ops(&mut self, first: Option<ConnOp>, side: Option<&mut TcpStream>) -> bool {
+        let Some(first) = first else { return false };
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.push(first);
+        while let Ok(next) = self.ops.try_recv() {
+            batch.push(next);
+        }
+        if let Some(side) = side {
+            self.send_frames(&batch, side).await;
+        }
+        for op in batch.drain(..) {
             match op {
-                None => return false,
-                Some(ConnOp::Write(w)) => {
+                ConnOp::Write(w) => {
                     self.engine.handle_post(w);
                     self.route.posted();
                 }
-                Some(ConnOp::Reset) => self.engine.handle_reset(),
+                ConnOp::Reset => self.engine.handle_reset(),
             }
-            match self.ops.try_recv() {
-                Ok(next) => op = Some(next),
-                Err(_) => return true,
+        }
+        self.batch = batch;
+        true
+    }
+
+    /// Sends, in one write, a frame for each write with immediate of `batch` that will be
+    /// posted, before any is: so the receiver has a write's frame (its checksum) by the time
+    /// the write can land, or soon after, and a fence or a close of the side channel comes
+    /// after the frames of every write posted before it. A frame whose write is not posted
+    /// after all (a failed post, a reset further on) is dropped by the receiver. A side
+    /// channel that takes no frames fails the connection: nothing of the batch is posted.
+    async fn send_frames(&mut self, batch: &[ConnOp], side: &mut TcpStream) {
+        self.frames.clear();
+        for op in batch {
+            match op {
+                ConnOp::Write(w) => {
+                    if let (Some(imm), true) = (w.imm, self.engine.would_post(w)) {
+                        let frame = WriteFrame {
+                            imm,
+                            len: w.len as u32,
+                            checksum: w.checksum,
+                        };
+                        self.frames.extend_from_slice(&frame.encode());
+                    }
+                }
+                // Nothing after a reset is posted.
+                ConnOp::Reset => break,
             }
+        }
+        if self.frames.is_empty() {
+            return;
+        }
+        if let Err(e) = link::write_frame(side, &self.frames, self.frame_timeout).await {
+            self.engine
+                .handle_broken(format!("side channel: sending write frames: {e}"));
         }
     }
 
@@ -255,7 +303,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
             tokio::select! {
                 biased;
                 op = self.ops.recv() => {
-                    if !self.take_ops(op) {
+                    if !self.take_ops(op, Some(side)).await {
                         return Ended::Dropped;
                     }
                 }
@@ -293,7 +341,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
                     return true;
                 }
                 op = self.ops.recv() => {
-                    if !self.take_ops(op) {
+                    if !self.take_ops(op, None).await {
                         return false;
                     }
                 }
@@ -311,7 +359,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
             tokio::select! {
                 biased;
                 op = self.ops.recv() => {
-                    if !self.take_ops(op) {
+                    if !self.take_ops(op, None).await {
                         return false;
                     }
                 }

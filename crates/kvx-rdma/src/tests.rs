@@ -598,3 +598,72 @@ async fn a_fatal_queue_pair_still_announces_the_writes_that_landed_before_it() {
         .inject_event(crate::verbs::DeviceEvent::QpFatal { qpn: receiving_qpn });
     held.announced_after_release().await;
 }
+
+/// A fence while writes are outstanding — the sender's owner resets the connection (a stalled
+/// write, say), which fences the receiver over the side channel (not a close) — with the
+/// receiver's completions still held: every write the sender saw succeed is announced, with its
+/// checksum matched, and none more. Thirty writes against 20 posted receives (4 staging slots
+/// + 16 of slack) held unreposted: 20 land, 10 wait for a receive (RNR) and are flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_with_writes_outstanding_announces_exactly_what_completed_ok() {
+    let sender_nic = FakeVerbs::new();
+    let receiver_nic = sender_nic.another_device();
+    let config = RdmaConfig {
+        fence_timeout: Duration::from_secs(2),
+        ..RdmaConfig::default()
+    };
+    let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
+    let mut listener = rx.expose("127.0.0.1:0", 32, 1024).await.expect("expose");
+    let staging = tx.allocate_staging(4, 1024).expect("staging");
+    for slot in 0..4 {
+        staging.write_slot(slot, &[slot as u8 + 1; 1024]);
+    }
+    let credential = attach(&listener, 0..32, 1);
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    receiver_nic.hold_completions(true);
+    for i in 0..30u64 {
+        conn.post(PostWrite {
+            checksum: Some(kvx_io::chunk_checksum(&[(i % 4) as u8 + 1; 1024])),
+            ..write(i, i as u32, 1)
+        })
+        .expect("post");
+    }
+    let mut ok = completions(&mut conn, 20).await;
+    assert!(ok.iter().all(|(_, r)| r.is_ok()), "{ok:?}");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), conn.next_completion())
+            .await
+            .is_err(),
+        "ten writes are outstanding"
+    );
+    conn.reset();
+    // The receiver answers the fence only after its drain, which waits for the held
+    // completions: let them go a while after the fence reached it.
+    let release = {
+        let nic = receiver_nic.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            nic.hold_completions(false);
+        })
+    };
+    let rest = completions(&mut conn, 10).await;
+    assert!(
+        rest.iter().all(|(_, r)| *r == Err(FabricError::Flushed)),
+        "{rest:?}"
+    );
+    ok.retain(|(_, r)| r.is_ok());
+    release.await.expect("released");
+    let mut landed = Vec::new();
+    while let Ok(Some(l)) =
+        tokio::time::timeout(Duration::from_millis(500), listener.landed.recv()).await
+    {
+        assert_eq!(l.checksum, kvx_io::ChecksumCheck::Match, "{l:?}");
+        landed.push(u64::from(l.slot.0));
+    }
+    let ok: Vec<u64> = ok.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(landed, ok, "Landed notices against Ok completions");
+}

@@ -1,16 +1,19 @@
-//! The kvx drivers (`kvx-node`) over `RdmaFabric` on the NIC model: a work request that fails
-//! mid-request fails that request cleanly — the sender's caller gets an error, the receiver
-//! ends the request, the proxy hears of the failure — and once the driver has replaced the
-//! connection, requests go through on a new queue pair.
+//! The kvx drivers (`kvx-node`) over `RdmaFabric` on the NIC model, with chunk checksums on
+//! (the core's defaults: the sender computes them, the receiver requires them): a work request
+//! that fails mid-request fails that request cleanly — the sender's caller gets an error, the
+//! receiver ends the request, the proxy hears of the failure — and once the driver has
+//! replaced the connection, requests go through on a new queue pair; a byte that changes after
+//! its write landed fails its request at the receiver with a checksum mismatch, and the
+//! decoder never sees it.
 
 use std::time::Duration;
 
 use kvx_io::mem::MemTransport;
 use kvx_io::TokioEnv;
 use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
-use kvx_node::{ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
-use kvx_proto::receiver::Outcome;
-use kvx_proto::{ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
+use kvx_node::{ProxyHandle, ProxyNode, ReceiverAddr, ReceiverNode, ReceiverNotice, SenderNode};
+use kvx_proto::receiver::{Failure, Outcome};
+use kvx_proto::{PeerId, ProxyConfig, ReceiverConfig, ReqId, SenderConfig};
 use tokio::sync::mpsc;
 
 use crate::fake::FakeVerbs;
@@ -19,75 +22,154 @@ use crate::{RdmaConfig, RdmaFabric};
 const CHUNK: usize = 4096;
 const STEP: Duration = Duration::from_secs(20);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_write_fails_its_request_everywhere_and_the_next_one_reconnects() {
-    let verbs = FakeVerbs::new();
-    let fabric = RdmaFabric::with_verbs(verbs.clone(), RdmaConfig::default()).expect("fabric");
-    let env = TokioEnv::new(MemTransport::new(), fabric);
-    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
-        .await
-        .expect("proxy");
-    // RDMA carries no checksum of kvx's (`docs/operations.md`): the receiver must not
-    // require one, and the sender need not compute it.
-    let cfg = ReceiverConfig {
-        buffer_slots: 16,
-        require_checksums: false,
-        ..ReceiverConfig::default()
-    };
-    let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "127.0.0.1:0")
-        .await
-        .expect("receiver");
-    let addr = ReceiverAddr {
-        alloc: receiver.alloc_endpoint().to_owned(),
-        fabric: receiver.fabric_endpoint().to_owned(),
-    };
-    // The decoder: verifies and consumes ready requests, reports every request's end.
-    let (ended_tx, mut ended) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Some(notice) = receiver.next_notice().await {
-            match notice {
-                ReceiverNotice::Ready(ready) => {
-                    let d = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
-                    assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
-                }
-                ReceiverNotice::Ended { key, outcome } => {
-                    let _ = ended_tx.send((key.req_id, outcome));
+type Env = TokioEnv<MemTransport, RdmaFabric<FakeVerbs>>;
+
+/// A proxy, a receiver whose decoder verifies every ready request byte for byte, and a
+/// sender attached to it, all with the core's default checksums.
+struct Rig {
+    verbs: FakeVerbs,
+    proxy: ProxyHandle,
+    sender: kvx_node::SenderHandle<Env>,
+    peer: PeerId,
+    /// Every request's end at the receiver.
+    ended: mpsc::UnboundedReceiver<(ReqId, Outcome)>,
+    /// Every request the decoder was handed as ready.
+    ready: mpsc::UnboundedReceiver<ReqId>,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let verbs = FakeVerbs::new();
+        let fabric = RdmaFabric::with_verbs(verbs.clone(), RdmaConfig::default()).expect("fabric");
+        let env = TokioEnv::new(MemTransport::new(), fabric);
+        let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
+            .await
+            .expect("proxy");
+        let cfg = ReceiverConfig {
+            buffer_slots: 16,
+            ..ReceiverConfig::default()
+        };
+        assert!(cfg.require_checksums, "the default");
+        let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "127.0.0.1:0")
+            .await
+            .expect("receiver");
+        let addr = ReceiverAddr {
+            alloc: receiver.alloc_endpoint().to_owned(),
+            fabric: receiver.fabric_endpoint().to_owned(),
+        };
+        let (ended_tx, ended) = mpsc::unbounded_channel();
+        let (ready_tx, ready) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(notice) = receiver.next_notice().await {
+                match notice {
+                    ReceiverNotice::Ready(r) => {
+                        let _ = ready_tx.send(r.key.req_id.clone());
+                        let d = synthetic::decode(receiver.reader(), &r, CHUNK, true).await;
+                        assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
+                    }
+                    ReceiverNotice::Ended { key, outcome } => {
+                        let _ = ended_tx.send((key.req_id, outcome));
+                    }
                 }
             }
+        });
+        let sender_cfg = SenderConfig {
+            staging_slots: 4,
+            notify_proxy_on_failure: true,
+            ..SenderConfig::default()
+        };
+        assert!(sender_cfg.checksums, "the default");
+        let sender = SenderNode::start(
+            env.clone(),
+            sender_cfg,
+            CHUNK,
+            "s0".into(),
+            Some(proxy.endpoint().into()),
+        )
+        .await
+        .expect("sender");
+        let peer = sender.add_receiver(addr).await.expect("connects");
+        Rig {
+            verbs,
+            proxy,
+            sender,
+            peer,
+            ended,
+            ready,
         }
-    });
-    let sender_cfg = SenderConfig {
-        staging_slots: 4,
-        notify_proxy_on_failure: true,
-        checksums: false,
-        ..SenderConfig::default()
-    };
-    let sender = SenderNode::start(
-        env.clone(),
-        sender_cfg,
-        CHUNK,
-        "s0".into(),
-        Some(proxy.endpoint().into()),
-    )
-    .await
-    .expect("sender");
-    let peer = sender.add_receiver(addr).await.expect("connects");
-    let request = |id: &str| SyntheticRequest {
-        req_id: ReqId(id.into()),
-        receiver: peer,
-        chunks: 8,
-        batch_chunks: 2,
-        chunk_bytes: CHUNK,
-    };
+    }
 
+    fn request(&self, id: &str) -> SyntheticRequest {
+        SyntheticRequest {
+            req_id: ReqId(id.into()),
+            receiver: self.peer,
+            chunks: 8,
+            batch_chunks: 2,
+            chunk_bytes: CHUNK,
+        }
+    }
+
+    /// The receiver's outcome for `id` (others that end meanwhile are skipped).
+    async fn outcome(&mut self, id: &ReqId) -> Outcome {
+        tokio::time::timeout(STEP, async {
+            while let Some((ended, outcome)) = self.ended.recv().await {
+                if ended == *id {
+                    return outcome;
+                }
+            }
+            panic!("the receiver stopped");
+        })
+        .await
+        .expect("bounded")
+    }
+
+    /// Sends a request until one goes through (a replaced connection comes up in the
+    /// background; meanwhile a request fails with "no fabric connection"); its outcome at
+    /// the receiver.
+    async fn one_that_goes_through(&mut self) -> Outcome {
+        let mut attempt = 0;
+        let fine = loop {
+            attempt += 1;
+            let fine = self.request(&format!("fine-{attempt}"));
+            let verdict = self
+                .proxy
+                .expect(fine.req_id.clone(), 1)
+                .await
+                .expect("fresh id");
+            let sent = tokio::time::timeout(STEP, synthetic::prefill(&self.sender, &fine))
+                .await
+                .expect("bounded");
+            match sent {
+                Ok(_) => {
+                    let proxy_says = tokio::time::timeout(STEP, verdict)
+                        .await
+                        .expect("bounded")
+                        .expect("answered");
+                    assert!(proxy_says.is_ok(), "{proxy_says:?}");
+                    break fine;
+                }
+                Err(e) => {
+                    assert!(attempt < 50, "no new connection after {attempt} tries: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        self.outcome(&fine.req_id).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_fails_its_request_everywhere_and_the_next_one_reconnects() {
+    let mut rig = Rig::start().await;
     // The fourth write of "broken" fails like a link going down.
-    verbs.fail_write_after(3);
-    let broken = request("broken");
-    let verdict = proxy
+    rig.verbs.fail_write_after(3);
+    let broken = rig.request("broken");
+    let verdict = rig
+        .proxy
         .expect(broken.req_id.clone(), 1)
         .await
         .expect("fresh id");
-    let failed = tokio::time::timeout(STEP, synthetic::prefill(&sender, &broken))
+    let failed = tokio::time::timeout(STEP, synthetic::prefill(&rig.sender, &broken))
         .await
         .expect("bounded");
     assert!(
@@ -99,50 +181,37 @@ async fn a_failed_write_fails_its_request_everywhere_and_the_next_one_reconnects
         .expect("bounded")
         .expect("answered");
     assert!(proxy_says.is_err(), "the proxy hears of the failure");
-    let (id, outcome) = tokio::time::timeout(STEP, ended.recv())
-        .await
-        .expect("bounded")
-        .expect("receiver running");
-    assert_eq!(id, broken.req_id);
+    let outcome = rig.outcome(&broken.req_id).await;
     assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
 
-    // The failed connection is replaced (in the background; meanwhile a request fails with
-    // "no fabric connection"): then a request completes, byte for byte.
-    let mut attempt = 0;
-    let fine = loop {
-        attempt += 1;
-        let fine = request(&format!("fine-{attempt}"));
-        let verdict = proxy
-            .expect(fine.req_id.clone(), 1)
-            .await
-            .expect("fresh id");
-        let sent = tokio::time::timeout(STEP, synthetic::prefill(&sender, &fine))
-            .await
-            .expect("bounded");
-        match sent {
-            Ok(_) => {
-                let proxy_says = tokio::time::timeout(STEP, verdict)
-                    .await
-                    .expect("bounded")
-                    .expect("answered");
-                assert!(proxy_says.is_ok(), "{proxy_says:?}");
-                break fine;
-            }
-            Err(e) => {
-                assert!(attempt < 50, "no new connection after {attempt} tries: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+    // Then a request completes, byte for byte, its checksums checked.
+    assert_eq!(rig.one_that_goes_through().await, Outcome::Consumed);
+}
+
+/// The NIC model flips a byte of the third write after it landed (the write succeeds: only
+/// kvx's checksum can tell): the receiver fails the request with a checksum mismatch before
+/// it is ready, so the decoder never reads it; the next request goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flipped_after_landing_fails_its_request_with_a_checksum_mismatch() {
+    let mut rig = Rig::start().await;
+    rig.verbs.corrupt_write_after(2, 1000);
+    let corrupt = rig.request("corrupt");
+    // The sender's writes all succeed at the NIC; whatever it hears (an aborted request once
+    // the receiver failed it), the receiver's outcome is what counts.
+    let _ = tokio::time::timeout(STEP, synthetic::prefill(&rig.sender, &corrupt))
+        .await
+        .expect("bounded");
+    match rig.outcome(&corrupt.req_id).await {
+        Outcome::Failed(Failure::Integrity(why)) => {
+            assert!(why.contains("checksum mismatch"), "{why}");
         }
-    };
-    let consumed = tokio::time::timeout(STEP, async {
-        while let Some((id, outcome)) = ended.recv().await {
-            if id == fine.req_id {
-                return outcome;
-            }
-        }
-        panic!("the receiver stopped");
-    })
-    .await
-    .expect("bounded");
-    assert_eq!(consumed, Outcome::Consumed);
+        other => panic!("the request must fail its checksum: {other:?}"),
+    }
+    assert_eq!(rig.one_that_goes_through().await, Outcome::Consumed);
+    while let Ok(id) = rig.ready.try_recv() {
+        assert_ne!(
+            id, corrupt.req_id,
+            "the decoder was handed the corrupt request"
+        );
+    }
 }

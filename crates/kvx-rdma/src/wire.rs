@@ -10,18 +10,27 @@
 //! - `Control` (8 bytes, either way, after the welcome): `Fence` asks the receiver to move its
 //!   queue pair to the error state; `Fenced` says it did (nothing of this connection lands any
 //!   more).
+//! - `WriteFrame` (sender → receiver, 16 bytes, from version 3): sent ahead of every write with
+//!   immediate, in posting order: the immediate, the length and, when the sender computed it,
+//!   the chunk's checksum (`kvx_io::chunk_checksum`). The receiver pairs it with the write's
+//!   receive completion (`pairing`) and checks the landed bytes against it.
+//!
+//! `Inbound` splits what a receiver reads after its welcome into these frames.
 
 use kvx_io::{FabricCredential, FabricError};
 use kvx_proto::WriteTag;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVXR";
-/// Version 2 added the credential to the hello and the `Unauthorized` refusal.
-pub(crate) const VERSION: u16 = 2;
+/// Version 2 added the credential to the hello and the `Unauthorized` refusal; version 3 the
+/// `WriteFrame` ahead of every write with immediate (a receiver of version 3 waits for it, so
+/// both ends must speak it: a hello of another version is refused).
+pub(crate) const VERSION: u16 = 3;
 /// The hello's version-independent part, which a receiver reads first to answer any sender.
 pub(crate) const HELLO_BASE_LEN: usize = 64;
 pub(crate) const HELLO_LEN: usize = 96;
 pub(crate) const WELCOME_LEN: usize = 64;
 pub(crate) const CONTROL_LEN: usize = 8;
+pub(crate) const WRITE_FRAME_LEN: usize = 16;
 
 /// The largest slot a write may fill: a verbs message length is 32 bits, and kvx chunks are at
 /// most 1 GiB.
@@ -361,6 +370,112 @@ impl Control {
     }
 }
 
+/// `WriteFrame` kinds (the control kinds' space): with a checksum, and without one.
+const WRITE_SUMMED: u32 = 3;
+const WRITE_UNSUMMED: u32 = 4;
+
+/// Sender → receiver, ahead of each write with immediate: which write (its immediate), how
+/// long, and the checksum of its bytes when the sender computed one. Layout: kind (3: with a
+/// checksum, 4: without) at 0..4, the immediate at 4..8, the length at 8..12, the checksum
+/// (zero without one) at 12..16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WriteFrame {
+    pub imm: u32,
+    pub len: u32,
+    pub checksum: Option<u32>,
+}
+
+impl WriteFrame {
+    pub fn encode(&self) -> [u8; WRITE_FRAME_LEN] {
+        let mut b = [0u8; WRITE_FRAME_LEN];
+        let kind = if self.checksum.is_some() {
+            WRITE_SUMMED
+        } else {
+            WRITE_UNSUMMED
+        };
+        b[0..4].copy_from_slice(&kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.imm.to_le_bytes());
+        b[8..12].copy_from_slice(&self.len.to_le_bytes());
+        b[12..16].copy_from_slice(&self.checksum.unwrap_or(0).to_le_bytes());
+        b
+    }
+}
+
+/// A frame a receiver read after its welcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InboundFrame {
+    Write(WriteFrame),
+    Control(Control),
+}
+
+/// The receiver's side-channel bytes, cut into frames as they arrive: a frame's kind (its
+/// first 4 bytes) says its length, 16 bytes for a `WriteFrame`, 8 for a `Control`. Reading
+/// into `space` and taking frames with `next` never loses a byte, whatever the socket's
+/// reads cut.
+#[derive(Debug)]
+pub(crate) struct Inbound {
+    buf: Box<[u8; Inbound::CAPACITY]>,
+    start: usize,
+    end: usize,
+}
+
+impl Inbound {
+    /// Room for 256 write frames per read: one read takes a burst's frames at once.
+    const CAPACITY: usize = 256 * WRITE_FRAME_LEN;
+
+    pub fn new() -> Self {
+        Inbound {
+            buf: Box::new([0; Inbound::CAPACITY]),
+            start: 0,
+            end: 0,
+        }
+    }
+
+    /// Where the next read goes (never empty: a partial frame is moved to the front first).
+    pub fn space(&mut self) -> &mut [u8] {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into `space`.
+    pub fn filled(&mut self, n: usize) {
+        self.end = (self.end + n).min(Inbound::CAPACITY);
+    }
+
+    /// The next whole frame, if one has arrived; a control frame only with `controls` (else it
+    /// stays, and so does everything behind it).
+    pub fn next_frame(&mut self, controls: bool) -> Option<InboundFrame> {
+        let b = &self.buf[self.start..self.end];
+        if b.len() < CONTROL_LEN {
+            return None;
+        }
+        let kind = u32_at(b, 0);
+        if kind == WRITE_SUMMED || kind == WRITE_UNSUMMED {
+            if b.len() < WRITE_FRAME_LEN {
+                return None;
+            }
+            let frame = WriteFrame {
+                imm: u32_at(b, 4),
+                len: u32_at(b, 8),
+                checksum: (kind == WRITE_SUMMED).then(|| u32_at(b, 12)),
+            };
+            self.start += WRITE_FRAME_LEN;
+            return Some(InboundFrame::Write(frame));
+        }
+        if !controls {
+            return None;
+        }
+        let mut c = [0u8; CONTROL_LEN];
+        c.copy_from_slice(&b[..CONTROL_LEN]);
+        self.start += CONTROL_LEN;
+        Some(InboundFrame::Control(Control::decode(&c)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -392,7 +507,7 @@ mod tests {
         };
         let b = h.encode();
         assert_eq!(&b[0..4], b"KVXR");
-        assert_eq!(&b[4..6], &2u16.to_le_bytes());
+        assert_eq!(&b[4..6], &3u16.to_le_bytes());
         assert_eq!(&b[8..12], &16u32.to_le_bytes());
         assert_eq!(&b[12..16], &0x00AB_CDEFu32.to_le_bytes());
         assert_eq!(&b[16..24], &(1u64 << 20).to_le_bytes());
@@ -447,6 +562,58 @@ mod tests {
     fn control_frames_round_trip() {
         for c in [Control::Fence, Control::Fenced, Control::Unknown(77)] {
             assert_eq!(Control::decode(&c.encode()), c);
+        }
+    }
+
+    #[test]
+    fn write_frames_and_controls_are_cut_however_the_reads_come() {
+        let frames = [
+            InboundFrame::Write(WriteFrame {
+                imm: 0xABCD_0001,
+                len: 4096,
+                checksum: Some(0xDEAD_BEEF),
+            }),
+            InboundFrame::Write(WriteFrame {
+                imm: 7,
+                len: 1,
+                checksum: None,
+            }),
+            InboundFrame::Control(Control::Fence),
+        ];
+        let summed = WriteFrame {
+            imm: 0xABCD_0001,
+            len: 4096,
+            checksum: Some(0xDEAD_BEEF),
+        }
+        .encode();
+        assert_eq!(&summed[0..4], &3u32.to_le_bytes());
+        assert_eq!(&summed[4..8], &0xABCD_0001u32.to_le_bytes());
+        assert_eq!(&summed[8..12], &4096u32.to_le_bytes());
+        assert_eq!(&summed[12..16], &0xDEAD_BEEFu32.to_le_bytes());
+        let mut bytes = Vec::new();
+        for f in frames {
+            match f {
+                InboundFrame::Write(w) => bytes.extend_from_slice(&w.encode()),
+                InboundFrame::Control(c) => bytes.extend_from_slice(&c.encode()),
+            }
+        }
+        for cut in 1..=bytes.len() {
+            let mut inbound = Inbound::new();
+            let mut got = Vec::new();
+            for piece in bytes.chunks(cut) {
+                inbound.space()[..piece.len()].copy_from_slice(piece);
+                inbound.filled(piece.len());
+                // Write frames alone first, as a receiver takes them with completions: a
+                // control frame stops them.
+                while let Some(f) = inbound.next_frame(false) {
+                    assert!(matches!(f, InboundFrame::Write(_)));
+                    got.push(f);
+                }
+                while let Some(f) = inbound.next_frame(true) {
+                    got.push(f);
+                }
+            }
+            assert_eq!(got, frames, "reads of {cut} bytes");
         }
     }
 

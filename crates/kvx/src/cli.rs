@@ -102,6 +102,10 @@ pub struct BenchArgs {
     /// Writes in flight (and slots on each side).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub window: u32,
+    /// Whether each write carries its chunk's checksum, which the receiving fabric checks
+    /// (auto: on, as a kvx sender's do); `off` measures the fabric without them.
+    #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
+    pub checksums: ChecksumMode,
     #[arg(long)]
     pub json: bool,
 }
@@ -150,7 +154,7 @@ pub struct ReceiverArgs {
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
-    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// End-to-end chunk checksums: auto (on, over every fabric), on, or off. A receiver with
     /// them on fails a kvx sender's chunk that carries none.
     #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
     pub checksums: ChecksumMode,
@@ -210,7 +214,7 @@ pub struct SenderArgs {
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
-    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// End-to-end chunk checksums: auto (on, over every fabric), on, or off. A receiver with
     /// them on fails a kvx sender's chunk that carries none.
     #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
     pub checksums: ChecksumMode,
@@ -262,35 +266,36 @@ pub struct ProxyArgs {
 }
 
 /// Whether chunks carry an end-to-end checksum (XXH3, 32 bits) that the receiver checks before a
-/// request is ready (docs/spec/fabrics.md §5b).
+/// request is ready (docs/spec/fabrics.md §5b). Every fabric carries them (RDMA in the write
+/// frame its side channel sends ahead of each write), so the mode does not depend on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum ChecksumMode {
-    /// On, except with `--fabric rdma`, which cannot carry them (the NIC's CRC covers the
-    /// link).
+    /// The core's defaults: on (`SenderConfig::checksums`, `ReceiverConfig::require_checksums`).
     #[default]
     Auto,
     /// Senders compute them and receivers require them.
     On,
-    /// Senders send none and receivers require none.
+    /// Senders send none and receivers require none (memory the CPU must not read, such as
+    /// GPU memory registered with an RDMA NIC: docs/embedding.md).
     Off,
 }
 
 impl ChecksumMode {
-    /// Whether a receiver on `fabric` requires them: `auto` is the core's default
-    /// (`ReceiverConfig::require_checksums`) where the fabric can carry them.
-    pub fn required(self, fabric: FabricKind) -> bool {
-        self.enabled(fabric, ReceiverConfig::default().require_checksums)
+    /// Whether a receiver requires them: `auto` is the core's default
+    /// (`ReceiverConfig::require_checksums`).
+    pub fn required(self) -> bool {
+        self.enabled(ReceiverConfig::default().require_checksums)
     }
 
-    /// Whether a sender on `fabric` computes them: `auto` is the core's default
-    /// (`SenderConfig::checksums`) where the fabric can carry them.
-    pub fn computed(self, fabric: FabricKind) -> bool {
-        self.enabled(fabric, SenderConfig::default().checksums)
+    /// Whether a sender computes them: `auto` is the core's default
+    /// (`SenderConfig::checksums`).
+    pub fn computed(self) -> bool {
+        self.enabled(SenderConfig::default().checksums)
     }
 
-    fn enabled(self, fabric: FabricKind, core_default: bool) -> bool {
+    fn enabled(self, core_default: bool) -> bool {
         match self {
-            ChecksumMode::Auto => core_default && fabric != FabricKind::Rdma,
+            ChecksumMode::Auto => core_default,
             ChecksumMode::On => true,
             ChecksumMode::Off => false,
         }
@@ -383,7 +388,7 @@ pub struct DemoArgs {
     /// How chunk bytes move.
     #[arg(long, value_enum, default_value_t = FabricKind::Tcp)]
     pub fabric: FabricKind,
-    /// End-to-end chunk checksums: auto (on, except over RDMA), on, or off. A receiver with
+    /// End-to-end chunk checksums: auto (on, over every fabric), on, or off. A receiver with
     /// them on fails a kvx sender's chunk that carries none.
     #[arg(long, value_enum, default_value_t = ChecksumMode::Auto)]
     pub checksums: ChecksumMode,

@@ -92,12 +92,12 @@ pub async fn run_on<E: Env>(
     ])?;
     let receiver_cfg = args.receiver.apply(ReceiverFlags {
         buffer_slots: args.buffer_chunks,
-        require_checksums: args.checksums.required(args.fabric),
+        require_checksums: args.checksums.required(),
         lmcache_allocation_timeout: None,
     })?;
     let sender_cfg = SenderConfig {
         staging_slots: args.staging_chunks,
-        checksums: args.checksums.computed(args.fabric),
+        checksums: args.checksums.computed(),
         ..SenderConfig::default()
     };
     // The demo's own senders and proxy must keep the rules between processes with the

@@ -529,7 +529,7 @@ mod tests {
                 buffer_slots: r
                     .buffer_chunks
                     .unwrap_or(ReceiverConfig::default().buffer_slots),
-                require_checksums: r.checksums.required(r.fabric),
+                require_checksums: r.checksums.required(),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
@@ -541,7 +541,7 @@ mod tests {
             .receiver
             .apply(ReceiverFlags {
                 buffer_slots: d.buffer_chunks,
-                require_checksums: d.checksums.required(d.fabric),
+                require_checksums: d.checksums.required(),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
@@ -558,7 +558,7 @@ mod tests {
                 staging_slots: a
                     .staging_chunks
                     .unwrap_or(SenderConfig::default().staging_slots),
-                checksums: a.checksums.computed(a.fabric),
+                checksums: a.checksums.computed(),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
@@ -605,7 +605,7 @@ mod tests {
             .protocol
             .apply(ReceiverFlags {
                 buffer_slots: ReceiverConfig::default().buffer_slots,
-                require_checksums: r.checksums.required(r.fabric),
+                require_checksums: r.checksums.required(),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
@@ -614,7 +614,7 @@ mod tests {
             .protocol
             .apply(SenderFlags {
                 staging_slots: SenderConfig::default().staging_slots,
-                checksums: s.checksums.computed(s.fabric),
+                checksums: s.checksums.computed(),
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");

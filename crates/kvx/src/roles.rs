@@ -97,7 +97,7 @@ pub async fn receiver<E: Env>(
     };
     let cfg = args.protocol.apply(ReceiverFlags {
         buffer_slots,
-        require_checksums: args.checksums.required(args.fabric),
+        require_checksums: args.checksums.required(),
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
     let tally = Arc::new(DecodeTally::default());
@@ -211,7 +211,7 @@ pub async fn sender<E: Env>(env: E, style: Style, args: SenderArgs) -> anyhow::R
     }])?;
     let cfg = args.protocol.apply(SenderFlags {
         staging_slots,
-        checksums: args.checksums.computed(args.fabric),
+        checksums: args.checksums.computed(),
         lmcache_allocation_timeout: lmc.allocation_timeout,
     })?;
     let readiness = match &args.metrics {

@@ -16,8 +16,8 @@ use crate::time::Instant;
 /// What the fabric found when a write's bytes were in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChecksumCheck {
-    /// The write carried no checksum (a sender with checksums off, or a fabric that cannot
-    /// carry one).
+    /// The write carried no checksum (a sender with checksums off, or, over RDMA, a write
+    /// whose frame did not come in time).
     Absent,
     /// The landed bytes match the checksum the sender computed.
     Match,
