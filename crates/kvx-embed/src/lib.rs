@@ -1,7 +1,11 @@
 //! kvx-embed: kvx for programs that embed it (the `kvx` binary, the Python package).
 //! kvx-node's drivers are generic over an `Env` (a transport and a fabric); this crate is
 //! the one place that names the concrete ones and picks them at run time, owns the tokio
-//! runtime they run on, and offers blocking calls (each bounded) beside async ones.
+//! runtime they run on, and offers blocking calls (each bounded) beside async ones. It adds
+//! a language's conveniences, not a second implementation: rules live in the core and
+//! client features in kvx-node's handles (pending batches: `SenderHandle::add`), which the
+//! `kvx` binary and the simulation drive too; what is here is type erasure over `Env`,
+//! guards that hand back what a dropped caller held, and the waits.
 //!
 //! Map:
 //! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), and `EnvVisitor`, the

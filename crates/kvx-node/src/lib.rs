@@ -6,11 +6,18 @@
 //! contain no protocol logic and no simulation switches: the same code runs in production and in
 //! the simulation.
 //!
+//! The handles are the one client layer: the `kvx` binary, the simulation and, through
+//! kvx-embed, the Python package all drive them, so a client feature belongs here (or, when
+//! it is a rule, in the core) and never in one front end only. Pending batches, for one, are
+//! the core's (`SenderHandle::add`), which the demo's workload, the simulation's engine and
+//! Python's `Sender.add` all use.
+//!
 //! Map:
 //! - `sender`: `SenderNode` / `SenderHandle` — begin (staging of kvx's or the caller's
 //!   memory: `start` / `start_in`), a staging allocate that blocks (for prefill threads) or
 //!   awaits and submits the caller's held batch when only it stands in the way, stage bytes,
-//!   submit, cancel, await the outcome or read every request's end (`completions`). Inside:
+//!   add a chunk to its request's pending batch, submit, cancel, await the outcome or read
+//!   every request's end (`completions`). Inside:
 //!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's),
 //!   `sender/sleepers` (blocked prefill threads, woken by turn) and
 //!   `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
