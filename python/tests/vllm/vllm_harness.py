@@ -22,6 +22,8 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -176,6 +178,10 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=BLOCK_SIZE,
         )
+        # As vLLM's EngineCore does when a KV connector is set: requests carry block hashes.
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
         self.transfer = FakeTransfer()
         self.worker = KvxConnector(self.config, KVConnectorRole.WORKER, kv_cache_config, transfer=self.transfer)
         # CPU paged KV: one float32 tensor per layer, [2, blocks, block_size, heads, dim].
@@ -203,6 +209,7 @@ class Engine:
             prompt_token_ids=[10 + i % 500 for i in range(prompt_len)],
             sampling_params=sampling,
             pooling_params=None,
+            block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
         return request
@@ -232,12 +239,18 @@ class Engine:
         runner = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[100] for _ in req_ids],
+            sampled_token_ids=[self._sampled(r) for r in req_ids],
             kv_connector_output=kv_out,
         )
         out = self.scheduler.update_from_output(so, runner)
         self.outputs.append(out)
         return so
+
+    def _sampled(self, req_id: str) -> List[int]:
+        # As the model runner: a partial prefill samples nothing (schedule() has already
+        # advanced num_computed_tokens past this step's tokens).
+        request = self.scheduler.requests[req_id]
+        return [100] if request.num_computed_tokens >= request.num_tokens else []
 
     def status(self, req_id: str) -> Optional[str]:
         request = self.scheduler.requests.get(req_id)
