@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/vllm-tests.sh installs vllm==0.33.0)")
+from kvx.vllm.version import SUPPORTED, installed_version, parse_release  # noqa: E402
 
-from kvx.vllm.version import SUPPORTED, parse_release  # noqa: E402
-
-if parse_release(vllm.__version__) not in SUPPORTED:
-    pytest.skip(f"vLLM {vllm.__version__} is not one KvxConnector supports", allow_module_level=True)
+# By distribution, not by import: this directory is itself importable as a namespace package
+# named "vllm" when pytest puts python/tests on sys.path.
+VERSION = installed_version()
+if VERSION is None:
+    pytest.skip("vLLM is not installed (scripts/vllm-tests.sh installs vllm==0.33.0)", allow_module_level=True)
+if parse_release(VERSION) not in SUPPORTED:
+    pytest.skip(f"vLLM {VERSION} is not one KvxConnector supports", allow_module_level=True)
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import BLOCK_SIZE, LAYERS, Engine  # noqa: E402
@@ -275,3 +278,31 @@ def test_prefill_with_two_tp_ranks_waits_for_both_grants():
     engine.transfer.grant("k1")  # the second rank
     engine.step()
     assert engine.step().num_scheduled_tokens == {"p1": PROMPT}
+
+
+# ---- as a child of vLLM's MultiConnector -----------------------------------------------
+
+
+def test_as_a_multiconnector_child_decode_waits_and_runs():
+    engine = Engine("kv_consumer", multi=True)
+    assert type(engine.scheduler.connector).__name__ == "MultiConnector"
+    engine.add("r1", PROMPT, decode_params("k1"))
+    engine.step()
+    assert engine.status("r1") == "WAITING_FOR_REMOTE_KVS"
+    engine.transfer.complete("k1")
+    engine.step()
+    assert engine.step().num_scheduled_tokens == {"r1": 1}
+
+
+def test_as_a_multiconnector_child_prefill_gets_its_grant_and_pushes():
+    engine = Engine("kv_producer", multi=True)
+    free = engine.free_blocks()
+    engine.add("p1", PROMPT, prefill_params("k1"), max_tokens=1)
+    assert engine.step().num_scheduled_tokens == {}
+    engine.transfer.grant("k1")  # reaches the scheduler through MultiConnector's worker metadata
+    engine.step()
+    assert engine.step().num_scheduled_tokens == {"p1": PROMPT}
+    assert len(engine.transfer.named("write")) == len(LAYERS)
+    engine.transfer.deliver("k1")
+    engine.step()
+    assert engine.free_blocks() == free

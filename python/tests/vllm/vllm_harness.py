@@ -21,6 +21,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -136,6 +137,7 @@ class Engine:
         failure_policy: str = "fail",
         extra: Optional[Dict[str, Any]] = None,
         prefix_caching: bool = False,
+        multi: bool = False,
     ) -> None:
         model = ModelConfig(
             model=tiny_model_dir(),
@@ -145,13 +147,21 @@ class Engine:
             max_model_len=4096,
             seed=0,
         )
-        kv = KVTransferConfig(
-            kv_connector="KvxConnector",
-            kv_connector_module_path="kvx.vllm",
-            kv_role=role,
-            kv_load_failure_policy=failure_policy,
-            kv_connector_extra_config=dict(extra or {}),
-        )
+        kvx_child = {
+            "kv_connector": "KvxConnector",
+            "kv_connector_module_path": "kvx.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": dict(extra or {}),
+        }
+        if multi:  # kvx as a child of vLLM's MultiConnector
+            kv = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role=role,
+                kv_load_failure_policy=failure_policy,
+                kv_connector_extra_config={"connectors": [kvx_child]},
+            )
+        else:
+            kv = KVTransferConfig(kv_load_failure_policy=failure_policy, **kvx_child)
         self.config = VllmConfig(
             model_config=model,
             cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
@@ -183,7 +193,14 @@ class Engine:
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
         self.transfer = FakeTransfer()
-        self.worker = KvxConnector(self.config, KVConnectorRole.WORKER, kv_cache_config, transfer=self.transfer)
+        if multi:
+            self.worker: Any = MultiConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+            (child,) = self.worker.sub_connectors
+            child._worker.transfer = self.transfer
+        else:
+            self.worker = KvxConnector(
+                self.config, KVConnectorRole.WORKER, kv_cache_config, transfer=self.transfer
+            )
         # CPU paged KV: one float32 tensor per layer, [2, blocks, block_size, heads, dim].
         self.kv_caches = {
             name: torch.zeros(2, num_blocks, BLOCK_SIZE, 2, 16) for name in LAYERS
@@ -194,6 +211,8 @@ class Engine:
     @property
     def connector(self) -> KvxConnector:
         conn = self.scheduler.connector
+        if isinstance(conn, MultiConnector):
+            (conn,) = conn.sub_connectors
         assert isinstance(conn, KvxConnector)
         return conn
 
