@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,14 @@ def test_parse_release():
     assert parse_release("0.33.0") == (0, 33)
     assert parse_release("v0.32.2.dev3") == (0, 32)
     assert parse_release("x") is None
+
+
+def test_every_setting_is_in_the_docs_table():
+    doc = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
+    if not doc.exists():
+        pytest.skip("docs/vllm.md is not beside these tests (a copy of python/ only)")
+    rows = {line.split("|")[1].strip().strip("`") for line in doc.read_text().splitlines() if line.startswith("| `")}
+    assert set(EXTRA_KEYS) <= rows, f"missing from docs/vllm.md: {sorted(set(EXTRA_KEYS) - rows)}"
 
 
 def test_import_kvx_and_kvx_vllm_do_not_import_vllm():

@@ -201,10 +201,9 @@ class Engine:
             self.worker = KvxConnector(
                 self.config, KVConnectorRole.WORKER, kv_cache_config, transfer=self.transfer
             )
-        # CPU paged KV: one float32 tensor per layer, [2, blocks, block_size, heads, dim].
-        self.kv_caches = {
-            name: torch.zeros(2, num_blocks, BLOCK_SIZE, 2, 16) for name in LAYERS
-        }
+        # CPU paged KV as vLLM's CPU attention backend lays it out (0.32, 0.33): one float32
+        # tensor per layer, [num_blocks, num_kv_heads, block_size, 2 * head_size].
+        self.kv_caches = {name: torch.zeros(num_blocks, 2, BLOCK_SIZE, 2 * 16) for name in LAYERS}
         self.worker.register_kv_caches(self.kv_caches)
         self.outputs: List[Any] = []
 
