@@ -6,7 +6,7 @@ checks the installed vLLM's version first."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from kvx.vllm.version import check_version, installed_version
 
@@ -135,7 +135,7 @@ class KvxConnector(KVConnectorBase_V1):
             self._prefill.update_connector_output(report, connector_output.finished_sending)
 
     def request_finished(
-        self, request: "Request", block_ids: list
+        self, request: "Request", block_ids: List[int]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         side = self._decode or self._prefill
         assert side is not None

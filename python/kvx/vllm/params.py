@@ -20,7 +20,7 @@ request ids (which vLLM may rewrite) never need to agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 REQUEST_ID = "kvx_request_id"
 DECODE_ALLOC = "kvx_decode_alloc"
@@ -95,12 +95,12 @@ def parse(params: Optional[Mapping[str, Any]]) -> Union[RemotePrefill, RemoteDec
     return None
 
 
-def for_decode(kvx_id: str) -> dict:
+def for_decode(kvx_id: str) -> Dict[str, Any]:
     """The ``kv_transfer_params`` the router sends to the decode engine."""
     return {"do_remote_prefill": True, REQUEST_ID: kvx_id}
 
 
-def for_prefill(kvx_id: str, decode_alloc: List[str], decode_fabric: List[str]) -> dict:
+def for_prefill(kvx_id: str, decode_alloc: List[str], decode_fabric: List[str]) -> Dict[str, Any]:
     """The ``kv_transfer_params`` the router sends to the prefill engine."""
     return {
         "do_remote_decode": True,

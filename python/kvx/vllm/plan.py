@@ -81,7 +81,7 @@ class WorkerReport:
     request is granted once every rank's receiver granted it; refused as soon as one rank's
     refused it."""
 
-    granted: Counter = field(default_factory=Counter)
+    granted: "Counter[str]" = field(default_factory=Counter)
     refused: Dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":

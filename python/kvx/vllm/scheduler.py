@@ -228,7 +228,7 @@ class PrefillScheduler:
                 self.pushing[new.req_id].blocks = list(new.block_ids[0])
                 scheduled[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: Set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             st = self.pushing.get(rid)
             if st is None:

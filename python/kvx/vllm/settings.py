@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvx._kvx import defaults as _native_defaults
 
@@ -221,6 +221,6 @@ def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
     return KvxVllmSettings(side=side, engine_id=engine_id, **extra)
 
 
-def describe_extra_keys() -> list:
+def describe_extra_keys() -> List[str]:
     """One line per setting: name, default, meaning (for docs and errors)."""
     return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in EXTRA_KEYS.items()]
