@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/vllm/test_scheduler.py (vLLM's real scheduler) must catch.
+python/tests/vllm/test_scheduler.py (vLLM's real scheduler) and test_worker.py must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -17,7 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
-TESTS = "python/tests/vllm/test_scheduler.py"
+TESTS = ["python/tests/vllm/test_scheduler.py", "python/tests/vllm/test_worker.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -62,7 +62,7 @@ def run(name, python):
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, PYTHONPATH=os.path.join(SCRATCH, "python"))
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
-           os.path.join(SCRATCH, TESTS)]
+           *(os.path.join(SCRATCH, t) for t in TESTS)]
     proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
     shutil.copy(os.path.join(ROOT, path), target)
     failed = [l.split(" ")[1] for l in proc.stdout.splitlines() if l.startswith("FAILED ")]
