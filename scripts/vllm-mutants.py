@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/vllm/test_scheduler.py (vLLM's real scheduler) and test_worker.py must catch.
+python/tests/vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler) and
+test_worker.py must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -17,7 +18,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
-TESTS = ["python/tests/vllm/test_scheduler.py", "python/tests/vllm/test_worker.py"]
+TESTS = ["python/tests/vllm/test_scheduler.py", "python/tests/vllm/test_pair.py",
+         "python/tests/vllm/test_worker.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -45,6 +47,14 @@ MUTANTS = {
         "        self.sending.add(rid)\n        return True,",
         "        return False,",
         "a finished prefill request's blocks are freed while its writes may still read them"),
+    "reserve-blocks-misordered": (PKG + "scheduler.py",
+        "tuple(block_ids[first:last])",
+        "tuple(reversed(block_ids[first:last]))",
+        "the reservation names the request's blocks in another order (KV lands in the wrong blocks)"),
+    "push-source-shifted": (PKG + "scheduler.py",
+        "tuple(st.blocks[st.next_block:upto])",
+        "tuple(st.blocks[max(st.next_block - 1, 0):max(upto - 1, 1)])",
+        "a push names the prefill engine's blocks one off (the wrong KV is sent)"),
     "partial-block-not-pushed": (PKG + "scheduler.py",
         "math.ceil(st.prompt_len / bs) if last",
         "st.prompt_len // bs if last",

@@ -73,6 +73,7 @@ class Engine:
         extra: Optional[Dict[str, Any]] = None,
         prefix_caching: bool = False,
         multi: bool = False,
+        transfer: Optional[Any] = None,
     ) -> None:
         model = ModelConfig(
             model=tiny_model_dir(),
@@ -127,7 +128,7 @@ class Engine:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        self.transfer = FakeTransfer()
+        self.transfer = transfer if transfer is not None else FakeTransfer()
         if multi:
             self.worker: Any = MultiConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
             (child,) = self.worker.sub_connectors
