@@ -1,0 +1,198 @@
+"""``KvxConnector``: kvx as a vLLM v1 KV connector (``KVConnectorBase_V1``), for vLLM 0.32 and
+0.33. vLLM builds one per engine in the scheduler process (``KVConnectorRole.SCHEDULER``) and
+one per worker (``KVConnectorRole.WORKER``); each delegates to the side it runs:
+``kvx.vllm.scheduler`` (decode or prefill) or ``kvx.vllm.worker``. Importing this module
+checks the installed vLLM's version first."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from kvx.vllm.version import check_version, installed_version
+
+check_version(installed_version())
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
+from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
+from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
+from kvx.vllm.transfer import KvTransfer, NotWiredTransfer  # noqa: E402
+from kvx.vllm.worker import KvxWorker  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KvxConnectorMetadata(KVConnectorMetadata):
+    """One step's ``StepPlan``, from the scheduler-side connector to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KvxWorkerMetadata(KVConnectorWorkerMetadata):
+    """A worker's grants and refusals, summed over TP ranks by vLLM."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvxWorkerMetadata":
+        assert isinstance(other, KvxWorkerMetadata)
+        return KvxWorkerMetadata(self.report.merge(other.report))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no model-parallel group (a single process): rank 0
+        return 0
+
+
+class KvxConnector(KVConnectorBase_V1):
+    """kvx's decode-first KV connector: ``kv_role`` ``kv_consumer`` (decode: its block
+    allocation is the reservation the prefill engine writes into) or ``kv_producer``
+    (prefill: pushes each layer's KV into the decode engine's granted blocks). Settings:
+    ``kv_connector_extra_config`` (``kvx.vllm.settings``). ``transfer`` replaces the
+    worker side's transport (tests)."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig",
+        transfer: Optional[KvTransfer] = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = settings_from(vllm_config.kv_transfer_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ConfigError(
+                f"KvxConnector: the model has {len(groups)} KV cache groups; one (full "
+                "attention) is supported, hybrid models are not yet"
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("KvxConnector: pipeline parallelism is not yet supported")
+        block_size = vllm_config.cache_config.block_size
+        self._decode: Optional[DecodeScheduler] = None
+        self._prefill: Optional[PrefillScheduler] = None
+        self._worker: Optional[KvxWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self.settings.side == "decode":
+                self._decode = DecodeScheduler(block_size)
+            else:
+                self._prefill = PrefillScheduler(
+                    block_size, parallel.tensor_parallel_size, self.settings.grant_timeout_sec
+                )
+        else:
+            self._worker = KvxWorker(transfer or NotWiredTransfer(), _tp_rank())
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        if self._decode is not None:
+            return self._decode.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert self._prefill is not None
+        return self._prefill.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        side = self._decode or self._prefill
+        assert side is not None
+        side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        side = self._decode or self._prefill
+        assert side is not None
+        return KvxConnectorMetadata(side.build_connector_meta(scheduler_output))
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._prefill is not None:
+            self._prefill.on_new_request(request)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self._decode is not None:
+            self._decode.update_connector_output(connector_output.finished_recving)
+        elif self._prefill is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            report = meta.report if isinstance(meta, KvxWorkerMetadata) else None
+            self._prefill.update_connector_output(report, connector_output.finished_sending)
+
+    def request_finished(
+        self, request: "Request", block_ids: List[int]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        side = self._decode or self._prefill
+        assert side is not None
+        return side.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._prefill is not None and self._prefill.has_pending_push_work()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # save_kv_layer runs between layers, which a captured CUDA graph would skip.
+        return True
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def _w(self) -> KvxWorker:
+        assert self._worker is not None, "a worker-side call on the scheduler-side connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvxConnectorMetadata)
+        self._w().bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Nothing to start: the prefill engine pushes into the reserved blocks.
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # A request runs only once its KV is complete (WAITING_FOR_REMOTE_KVS before).
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self._w().save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._w().wait_for_save()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        sending, recving = self._w().get_finished(finished_req_ids)
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._w().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        report = self._w().take_report()
+        return KvxWorkerMetadata(report) if report is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

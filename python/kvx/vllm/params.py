@@ -1,0 +1,110 @@
+"""The ``kv_transfer_params`` the router puts on each request, and what the connector reads
+from them. vLLM's OpenAI server passes a request body's ``kv_transfer_params`` to the engine
+unchanged (``Request.kv_transfer_params``); these keys are the contract between
+``kvx.vllm.router`` and ``KvxConnector``.
+
+Decode engine::
+
+    {"do_remote_prefill": true, "kvx_request_id": "<id>"}
+
+Prefill engine::
+
+    {"do_remote_decode": true, "kvx_request_id": "<id>",
+     "kvx_decode_alloc": ["tcp://d:8400", ...], "kvx_decode_fabric": ["tcp://d:8300", ...]}
+
+(one endpoint per decode TP rank; prefill rank r pushes to decode rank r). ``kvx_request_id``
+names the request at kvx on both sides: the router chooses it, so the two engines' own
+request ids (which vLLM may rewrite) never need to agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+REQUEST_ID = "kvx_request_id"
+DECODE_ALLOC = "kvx_decode_alloc"
+DECODE_FABRIC = "kvx_decode_fabric"
+
+#: The longest kvx request id (kvx's receiver refuses longer ones: req_id_bytes_max).
+REQUEST_ID_BYTES_MAX = 512
+
+
+class ParamsError(ValueError):
+    """``kv_transfer_params`` that ask for a kvx transfer but cannot be served; the message
+    says which key is wrong."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Decode side: this request's KV is computed by a prefill engine and pushed here."""
+
+    kvx_id: str
+
+
+@dataclass(frozen=True)
+class RemoteDecode:
+    """Prefill side: push this request's KV into the decode engine at these endpoints."""
+
+    kvx_id: str
+    decode_alloc: Tuple[str, ...]
+    decode_fabric: Tuple[str, ...]
+
+
+def _kvx_id(params: Mapping[str, Any]) -> str:
+    value = params.get(REQUEST_ID)
+    if not isinstance(value, str) or not value:
+        raise ParamsError(f"kv_transfer_params {REQUEST_ID}={value!r}: a non-empty string")
+    if len(value.encode()) > REQUEST_ID_BYTES_MAX:
+        raise ParamsError(f"kv_transfer_params {REQUEST_ID}: at most {REQUEST_ID_BYTES_MAX} bytes")
+    return value
+
+
+def _endpoints(params: Mapping[str, Any], key: str) -> Tuple[str, ...]:
+    value = params.get(key)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(
+        isinstance(v, str) and v.startswith("tcp://") for v in value
+    ):
+        raise ParamsError(
+            f"kv_transfer_params {key}={value!r}: a list of tcp:// endpoints, one per TP rank"
+        )
+    return tuple(value)
+
+
+def parse(params: Optional[Mapping[str, Any]]) -> Union[RemotePrefill, RemoteDecode, None]:
+    """What a request's ``kv_transfer_params`` ask of kvx: a remote prefill (decode side), a
+    remote decode (prefill side), or nothing (None: the request runs locally). Raises
+    ``ParamsError`` when they ask for a transfer with missing or malformed keys."""
+    if not params:
+        return None
+    prefill, decode = bool(params.get("do_remote_prefill")), bool(params.get("do_remote_decode"))
+    if prefill and decode:
+        raise ParamsError("kv_transfer_params: do_remote_prefill and do_remote_decode together")
+    if prefill:
+        return RemotePrefill(_kvx_id(params))
+    if decode:
+        alloc, fabric = _endpoints(params, DECODE_ALLOC), _endpoints(params, DECODE_FABRIC)
+        if len(alloc) != len(fabric):
+            raise ParamsError(
+                f"kv_transfer_params: {len(alloc)} {DECODE_ALLOC} but {len(fabric)} "
+                f"{DECODE_FABRIC} endpoints (one of each per decode TP rank)"
+            )
+        return RemoteDecode(_kvx_id(params), alloc, fabric)
+    return None
+
+
+def for_decode(kvx_id: str) -> Dict[str, Any]:
+    """The ``kv_transfer_params`` the router sends to the decode engine."""
+    return {"do_remote_prefill": True, REQUEST_ID: kvx_id}
+
+
+def for_prefill(kvx_id: str, decode_alloc: List[str], decode_fabric: List[str]) -> Dict[str, Any]:
+    """The ``kv_transfer_params`` the router sends to the prefill engine."""
+    return {
+        "do_remote_decode": True,
+        REQUEST_ID: kvx_id,
+        DECODE_ALLOC: list(decode_alloc),
+        DECODE_FABRIC: list(decode_fabric),
+    }

@@ -1,0 +1,297 @@
+"""The scheduler-side state machines of ``KvxConnector``: one for a decode engine
+(``DecodeScheduler``), one for a prefill engine (``PrefillScheduler``). They read vLLM's
+objects by attribute only (a request's ``request_id``, ``prompt_token_ids``,
+``kv_transfer_params``, ``status``; a ``KVCacheBlocks``' ``get_block_ids()``; a
+``SchedulerOutput``'s scheduled requests), so this module does not import vLLM.
+
+Decode side: the blocks vLLM's scheduler allocates for a request whose prefill is remote are
+that request's reservation at kvx (``Reserve``); the request waits in
+``WAITING_FOR_REMOTE_KVS`` until its workers report it received (complete and verified, or
+failed, with the failed blocks reported as load errors).
+
+Prefill side: a request for a remote decode is held back (``get_num_new_matched_tokens``
+answers None, "ask again") until every worker's kvx sender holds the decode engine's grant,
+so that no forward pass ever waits for a grant; then its blocks are pushed as the forward
+pass computes them (``Push``), and its blocks stay allocated after it finishes until the
+workers report the push delivered (or cancelled and drained).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from kvx.vllm.params import ParamsError, RemoteDecode, RemotePrefill, parse
+from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan, WorkerReport
+
+logger = logging.getLogger("kvx.vllm")
+
+#: vLLM's request states in which a request ended by producing its output (not aborted).
+FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def _params(request: Any, warned: Set[str]) -> Any:
+    """The request's kvx transfer, or None; malformed params are logged once and the
+    request runs locally (recomputing is slower, never wrong)."""
+    try:
+        return parse(getattr(request, "kv_transfer_params", None))
+    except ParamsError as e:
+        if request.request_id not in warned:
+            warned.add(request.request_id)
+            logger.error("kvx: request %s runs without kvx: %s", request.request_id, e)
+        return None
+
+
+def _prompt_len(request: Any) -> int:
+    return len(request.prompt_token_ids or ())
+
+
+class DecodeScheduler:
+    """A decode engine's scheduler side: allocations become reservations."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        #: Requests whose blocks are reserved and whose KV has not been reported received.
+        self.reserved: Dict[str, Reserve] = {}
+        #: Requests whose remote load is over (received, failed or withdrawn): after a
+        #: preemption they recompute locally and never ask kvx again.
+        self.loaded: Set[str] = set()
+        #: Aborted while reserved: withdrawn, awaiting the workers' report.
+        self.released: Set[str] = set()
+        self._plan = StepPlan()
+        self._warned: Set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+        """(tokens to come from the prefill engine, True) for a remote-prefill request not
+        yet reserved; (0, False) otherwise. No side effect."""
+        rid = request.request_id
+        if rid in self.reserved or rid in self.loaded:
+            return 0, False
+        if not isinstance(_params(request, self._warned), RemotePrefill):
+            return 0, False
+        count = _prompt_len(request) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Records the allocated blocks of the tokens to come as the request's reservation."""
+        rid = request.request_id
+        if num_external_tokens <= 0 or rid in self.reserved or rid in self.loaded:
+            return
+        params = _params(request, self._warned)
+        if not isinstance(params, RemotePrefill):
+            return
+        end = _prompt_len(request)
+        start = end - num_external_tokens
+        first, last = start // self.block_size, math.ceil(end / self.block_size)
+        (block_ids, *_) = blocks.get_block_ids()
+        if len(block_ids) < last:
+            raise AssertionError(
+                f"kvx: request {rid} has {len(block_ids)} blocks for {end} tokens "
+                f"({last} needed)"
+            )
+        reserve = Reserve(rid, params.kvx_id, first, tuple(block_ids[first:last]), end)
+        self.reserved[rid] = reserve
+        self._plan.reserve.append(reserve)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """This step's plan for the workers (and a fresh one for the next step)."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def update_connector_output(self, finished_recving: Any) -> None:
+        """Requests the workers reported received (complete, failed or withdrawn)."""
+        for rid in finished_recving or ():
+            if self.reserved.pop(rid, None) is None:
+                continue
+            if rid in self.released:
+                self.released.discard(rid)  # vLLM frees the aborted request's blocks now
+            else:
+                self.loaded.add(rid)
+
+    def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """A decode request ended. Still waiting for its KV (aborted): its reservation is
+        withdrawn, and vLLM keeps its blocks until the workers report it received, which
+        they do once no write can land in them. Never reserved: the kvx id is released so
+        that the prefill engine's claim is refused and it frees its blocks. vLLM's own
+        delay covers the first case, so this never asks for one."""
+        rid = request.request_id
+        self._warned.discard(rid)
+        reserve = self.reserved.get(rid)
+        if reserve is not None:
+            self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True))
+            self.released.add(rid)
+            return False, None
+        if rid in self.loaded:
+            self.loaded.discard(rid)
+            return False, None
+        params = _params(request, set())
+        if isinstance(params, RemotePrefill):
+            self._plan.release.append(Release(rid, params.kvx_id, reserved=False))
+        return False, None
+
+
+@dataclass
+class _Pushing:
+    """A granted prefill request's progress: its blocks here, and the next prompt block to
+    push."""
+
+    kvx_id: str
+    prompt_len: int
+    blocks: List[int] = field(default_factory=list)
+    next_block: int = 0
+    last_planned: bool = False
+
+
+class PrefillScheduler:
+    """A prefill engine's scheduler side: claim, push as computed, hold blocks until
+    delivered."""
+
+    def __init__(
+        self,
+        block_size: int,
+        tp_size: int,
+        grant_timeout_sec: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.grant_timeout_sec = grant_timeout_sec
+        self.clock = clock
+        #: Claimed, not yet granted by every rank: request id → (transfer, deadline).
+        self.claiming: Dict[str, Tuple[RemoteDecode, float]] = {}
+        self.grant_counts: Dict[str, int] = {}
+        #: Granted (may run), not yet scheduled.
+        self.granted: Dict[str, RemoteDecode] = {}
+        #: Runs without a push: refused by the decode engine or not granted in time.
+        self.refused: Set[str] = set()
+        self.pushing: Dict[str, _Pushing] = {}
+        #: Finished; blocks held until the workers report the push delivered or drained.
+        self.sending: Set[str] = set()
+        self._plan = StepPlan()
+        self._warned: Set[str] = set()
+
+    def on_new_request(self, request: Any) -> None:
+        """A request for a remote decode claims its reservation at once."""
+        params = _params(request, self._warned)
+        rid = request.request_id
+        if isinstance(params, RemoteDecode) and rid not in self.claiming:
+            self.claiming[rid] = (params, self.clock() + self.grant_timeout_sec)
+            self._plan.begin.append(Begin(rid, params.kvx_id, params.decode_alloc, params.decode_fabric))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        """(None, False), "ask again", while the request's grant is awaited; (0, False)
+        otherwise: the prefill engine computes everything itself."""
+        rid = request.request_id
+        if rid in self.granted or rid in self.refused or rid in self.pushing:
+            return 0, False
+        if rid not in self.claiming:
+            self.on_new_request(request)  # a vLLM that did not call on_new_request
+            if rid not in self.claiming:
+                return 0, False
+        params, deadline = self.claiming[rid]
+        if self.clock() >= deadline:
+            logger.warning(
+                "kvx: request %s (kvx %s) got no grant within %.0f s: it runs without a push",
+                rid, params.kvx_id, self.grant_timeout_sec,
+            )
+            self._refuse(rid)
+            return 0, False
+        return None, False
+
+    def _refuse(self, rid: str) -> None:
+        entry = self.claiming.pop(rid, None)
+        self.grant_counts.pop(rid, None)
+        self.granted.pop(rid, None)
+        if entry is not None:
+            self._plan.cancel.append(rid)
+        self.refused.add(rid)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """A granted request is scheduled: its push starts with this step's forward pass."""
+        rid = request.request_id
+        params = self.granted.pop(rid, None)
+        if params is not None:
+            self.pushing[rid] = _Pushing(params.kvx_id, _prompt_len(request))
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """This step's plan: claims, cancels, and each pushing request's blocks that this
+        step completes (full blocks; the partial last one with the prompt's end)."""
+        bs = self.block_size
+        scheduled: Dict[str, int] = {}  # request id → tokens computed before this step
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self.pushing:
+                self.pushing[new.req_id].blocks = list(new.block_ids[0])
+                scheduled[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: Set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self.pushing.get(rid)
+            if st is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if ids is not None:
+                st.blocks = list(ids[0]) if rid in resumed else st.blocks + list(ids[0])
+            scheduled[rid] = cached.num_computed_tokens[i]
+        for rid, computed in scheduled.items():
+            st = self.pushing[rid]
+            end = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            last = end >= st.prompt_len
+            upto = math.ceil(st.prompt_len / bs) if last else end // bs
+            if upto > st.next_block and not st.last_planned:
+                self._plan.push.append(
+                    Push(rid, st.kvx_id, st.next_block, tuple(st.blocks[st.next_block:upto]), last)
+                )
+                st.next_block, st.last_planned = upto, last
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def update_connector_output(self, report: Optional[WorkerReport], finished_sending: Any) -> None:
+        """Grants and refusals from the workers; pushes delivered."""
+        if report is not None:
+            for rid, count in report.granted.items():
+                if rid not in self.claiming:
+                    continue
+                self.grant_counts[rid] = self.grant_counts.get(rid, 0) + count
+                if self.grant_counts[rid] >= self.tp_size:
+                    params, _ = self.claiming.pop(rid)
+                    del self.grant_counts[rid]
+                    self.granted[rid] = params
+            for rid, reason in report.refused.items():
+                if rid in self.claiming:
+                    logger.warning("kvx: request %s refused by its decode engine (%s): it "
+                                   "runs without a push", rid, reason)
+                    self._refuse(rid)
+        for rid in finished_sending or ():
+            self.sending.discard(rid)
+
+    def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """A prefill request ended. Its last push planned: the blocks stay until delivered.
+        Pushes begun but not all planned (aborted, preempted out): the transfer is cancelled
+        and the blocks stay until the cancel is drained. Nothing pushed yet: cancelled, and
+        the blocks free at once."""
+        rid = request.request_id
+        self._warned.discard(rid)
+        self.refused.discard(rid)
+        self.granted.pop(rid, None)
+        if self.claiming.pop(rid, None) is not None:
+            self.grant_counts.pop(rid, None)
+            self._plan.cancel.append(rid)
+            return False, None
+        st = self.pushing.pop(rid, None)
+        if st is None:
+            return False, None
+        if not st.last_planned:
+            self._plan.cancel.append(rid)
+            if st.next_block == 0:
+                return False, None
+        self.sending.add(rid)
+        return True, {"kvx_request_id": st.kvx_id, "kvx_pushed_tokens": st.prompt_len if st.last_planned else 0}
+
+    def has_pending_push_work(self) -> bool:
+        """True while a grant is awaited or a finished request's blocks are held."""
+        return bool(self.claiming or self.sending)

@@ -1,0 +1,226 @@
+"""What ``KvxConnector`` takes from vLLM's ``--kv-transfer-config``: the role (``kv_role``)
+and kvx's settings under ``kv_connector_extra_config``, read and checked as ``kvx.lmcache``
+reads its keys (``python/kvx/lmcache/settings.py``). Every refusal names the key and says what
+to set instead; an unknown key is refused with the list of known ones.
+
+A key that is a protocol setting defaults to kvx's own default, read from the native module
+(``kvx.defaults()``, the core's), as ``kvx receiver`` and ``kvx sender`` run; the keys only the
+connector has (where the decode engine listens, the fabric's name) are defined here.
+
+This module does not import vLLM: the router and the tests read settings without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from kvx._kvx import defaults as _native_defaults
+
+_DEFAULTS = _native_defaults()
+
+#: vLLM's ``kv_role`` → kvx's side. ``kv_both`` is not yet supported.
+ROLES: Dict[str, str] = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+#: The fabrics the connector can run on now.
+FABRICS: Tuple[str, ...] = ("tcp",)
+
+#: kvx's settings in ``kv_connector_extra_config``: name → (type, default, meaning).
+EXTRA_KEYS: Dict[str, Tuple[type, Any, str]] = {
+    "fabric": (
+        str,
+        "tcp",
+        "how KV bytes move: tcp (between processes and hosts); rdma is not yet supported "
+        "by the connector",
+    ),
+    "host": (
+        str,
+        "127.0.0.1",
+        "decode: the address its receivers listen on and the router hands to prefill engines",
+    ),
+    "alloc_port": (
+        int,
+        8400,
+        "decode: the first alloc (admission) port; TP rank r listens on alloc_port + r",
+    ),
+    "fabric_port": (
+        int,
+        8300,
+        "decode: the first fabric port; TP rank r listens on fabric_port + r",
+    ),
+    # One key for both sides: the sender's `checksums` and the receiver's
+    # `require_checksums`, whose core defaults agree (a test checks it).
+    "checksums": (
+        bool,
+        _DEFAULTS["sender"]["checksums"],
+        "end-to-end checksums of every write (prefill computes, decode requires and checks)",
+    ),
+    "connect_timeout_sec": (
+        float,
+        _DEFAULTS["node"]["connect_timeout"],
+        "prefill: how long connecting to a decode engine's receiver may take",
+    ),
+    "grant_timeout_sec": (
+        float,
+        _DEFAULTS["sender"]["admission_reply_timeout"],
+        "prefill: how long a request waits for its decode engine's grant before it runs "
+        "without a push (the decode side then reports a load error)",
+    ),
+    "reply_timeout_sec": (
+        float,
+        _DEFAULTS["sender"]["reply_timeout"],
+        "prefill: how long a decode engine may take to answer",
+    ),
+    "write_timeout_sec": (
+        float,
+        _DEFAULTS["sender"]["write_timeout"],
+        "prefill: how long one write may take",
+    ),
+    "claim_timeout_sec": (
+        float,
+        _DEFAULTS["receiver"]["admission_timeout"],
+        "decode: how long reserved blocks wait for the prefill engine to claim them before "
+        "the load fails",
+    ),
+    "idle_timeout_sec": (
+        float,
+        _DEFAULTS["receiver"]["request_idle_timeout"],
+        "decode: how long a claimed request may go without a landed write before the load fails",
+    ),
+    # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak
+    # ZeroMQ's NULL mechanism and the network is trusted.
+    "curve_secret_key": (
+        str,
+        None,
+        "CURVE: this engine's secret certificate (NAME.key_secret); with curve_allow "
+        "(decode) or curve_server_key (prefill)",
+    ),
+    "curve_allow": (
+        str,
+        None,
+        "decode, CURVE: the directory of the public certificates of the prefill engines "
+        "allowed to connect",
+    ),
+    "curve_server_key": (
+        str,
+        None,
+        "prefill, CURVE: the public certificate of the decode engines",
+    ),
+}
+
+
+class ConfigError(ValueError):
+    """A ``--kv-transfer-config`` that ``KvxConnector`` cannot run with; the message names the
+    key."""
+
+
+@dataclass(frozen=True)
+class KvxVllmSettings:
+    """One engine's connector settings. ``side`` is ``"prefill"`` or ``"decode"``; the rest
+    are ``EXTRA_KEYS``, checked."""
+
+    side: str
+    engine_id: str
+    fabric: str
+    host: str
+    alloc_port: int
+    fabric_port: int
+    checksums: bool
+    connect_timeout_sec: float
+    grant_timeout_sec: float
+    reply_timeout_sec: float
+    write_timeout_sec: float
+    claim_timeout_sec: float
+    idle_timeout_sec: float
+    curve_secret_key: Optional[str] = None
+    curve_allow: Optional[str] = None
+    curve_server_key: Optional[str] = None
+
+    def alloc_endpoint(self, tp_rank: int) -> str:
+        """The decode receiver's alloc endpoint of ``tp_rank``."""
+        return f"tcp://{self.host}:{self.alloc_port + tp_rank}"
+
+    def fabric_endpoint(self, tp_rank: int) -> str:
+        """The decode receiver's fabric endpoint of ``tp_rank``."""
+        return f"tcp://{self.host}:{self.fabric_port + tp_rank}"
+
+
+def _convert(name: str, kind: type, value: Any) -> Any:
+    # bool is an int in Python and "false" is truthy: both are checked, not coerced.
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected true or false")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected an integer")
+    if kind is float and isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds")
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}"
+        ) from e
+
+
+def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``kv_connector_extra_config`` checked, with every key's default filled in."""
+    given = dict(extra or {})
+    unknown = sorted(k for k in given if k not in EXTRA_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) in kv_connector_extra_config: {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(EXTRA_KEYS))})"
+        )
+    out: Dict[str, Any] = {}
+    for name, (kind, default, _) in EXTRA_KEYS.items():
+        value = given.get(name, default)
+        out[name] = None if value is None else _convert(name, kind, value)
+    if out["fabric"] not in FABRICS:
+        raise ConfigError(
+            f"kv_connector_extra_config fabric={out['fabric']!r}: use tcp (rdma is not yet "
+            "supported by the vLLM connector)"
+        )
+    for name in ("alloc_port", "fabric_port"):
+        if not 1 <= out[name] <= 65535:
+            raise ConfigError(f"kv_connector_extra_config {name}={out[name]}: a port, 1..65535")
+    for name, (kind, _, _) in EXTRA_KEYS.items():
+        if kind is float and not (out[name] > 0 and math.isfinite(out[name])):
+            raise ConfigError(
+                f"kv_connector_extra_config {name}={out[name]!r}: a positive number of seconds"
+            )
+    return out
+
+
+def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
+    """Reads and checks a vLLM ``KVTransferConfig`` (or any object with its attributes
+    ``kv_role``, ``engine_id`` and ``kv_connector_extra_config``)."""
+    role = getattr(kv_transfer_config, "kv_role", None)
+    if role not in ROLES:
+        raise ConfigError(
+            f"kv_role={role!r}: KvxConnector runs as kv_producer (a prefill engine) or "
+            "kv_consumer (a decode engine); kv_both is not yet supported"
+        )
+    extra = read_extra(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+    side = ROLES[role]
+    if side == "prefill" and extra["curve_allow"] is not None:
+        raise ConfigError("kv_connector_extra_config curve_allow: a decode (kv_consumer) key")
+    if side == "decode" and extra["curve_server_key"] is not None:
+        raise ConfigError(
+            "kv_connector_extra_config curve_server_key: a prefill (kv_producer) key"
+        )
+    curve = [extra["curve_secret_key"], extra["curve_allow" if side == "decode" else "curve_server_key"]]
+    if (curve[0] is None) != (curve[1] is None):
+        other = "curve_allow" if side == "decode" else "curve_server_key"
+        raise ConfigError(f"kv_connector_extra_config: curve_secret_key and {other} go together")
+    engine_id = str(getattr(kv_transfer_config, "engine_id", None) or "")
+    return KvxVllmSettings(side=side, engine_id=engine_id, **extra)
+
+
+def describe_extra_keys() -> List[str]:
+    """One line per setting: name, default, meaning (for docs and errors)."""
+    return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in EXTRA_KEYS.items()]

@@ -1,0 +1,114 @@
+"""The interface between ``KvxConnector``'s worker side and the bytes' transport:
+``KvTransfer``. The worker side (``kvx.vllm.worker``) turns vLLM's calls into these; an
+implementation moves the KV. ``NotWiredTransfer`` is what the connector runs with until the
+implementation over kvx's Rust client exists (docs/vllm.md, "Not yet"); tests give their own.
+
+Identities are kvx ids (the router's ``kvx_request_id``), never vLLM's request ids. A block
+index is the index of a block in the request's prompt (block ``i`` holds tokens
+``i * block_size`` up to ``(i + 1) * block_size``); the decode side's grant maps block
+indexes to its own block ids, the prefill side names its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Protocol, Sequence, Set
+
+
+@dataclass
+class TransferEvents:
+    """What happened since the last ``poll``, by kvx id."""
+
+    #: Prefill: this rank's sender holds the decode engine's grant.
+    granted: Set[str] = field(default_factory=set)
+    #: Prefill: the decode engine refused the claim (reason).
+    refused: Dict[str, str] = field(default_factory=dict)
+    #: Prefill: every write landed and the decode engine confirmed (or a cancel drained):
+    #: the request's blocks here may be freed.
+    sent: Set[str] = field(default_factory=set)
+    #: Decode: every write landed and passed its checksum, or a withdrawn reservation can
+    #: no longer be written: the blocks may be read, or freed.
+    received: Set[str] = field(default_factory=set)
+    #: Decode: the load failed (a checksum, a timeout, the prefill engine lost, a cancel):
+    #: no write can land any more; the reason.
+    failed: Dict[str, str] = field(default_factory=dict)
+
+
+class KvTransfer(Protocol):
+    """One worker's (one TP rank's) transport of KV between engines."""
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """The engine's paged KV, one tensor per layer name: the decode side's receive
+        memory, the prefill side's write source."""
+
+    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Decode: blocks ``block_ids`` (block indexes ``first_block`` on) are reserved for
+        ``kvx_id``'s ``num_tokens``; grant them to the prefill engine that claims it."""
+
+    def release(self, kvx_id: str, reserved: bool) -> None:
+        """Decode: withdraw ``kvx_id``; when ``reserved``, report it ``received`` once no
+        write can land in its blocks, else refuse any later claim of it."""
+
+    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+        """Prefill: claim ``kvx_id``'s reservation at the decode receiver at ``alloc``;
+        report ``granted`` or ``refused``."""
+
+    def write_layer(
+        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]
+    ) -> None:
+        """Prefill: post the writes of one layer's blocks ``block_ids`` (this engine's,
+        block indexes ``first_block`` on) into the decode engine's granted blocks, one
+        write per run of blocks contiguous on both sides. Returns without waiting."""
+
+    def finish(self, kvx_id: str) -> None:
+        """Prefill: every write of ``kvx_id`` is posted; report ``sent`` once delivered."""
+
+    def cancel(self, kvx_id: str) -> None:
+        """Prefill: abandon ``kvx_id`` (the decode engine's load fails); report ``sent``
+        once no posted write still reads this engine's blocks, if any were posted."""
+
+    def poll(self) -> TransferEvents:
+        """Events since the last call."""
+
+    def close(self) -> None:
+        """Stops; pending transfers fail on the other side."""
+
+
+class NotWiredTransfer:
+    """The worker-side transfer until it runs over kvx's Rust client: refuses to start, so
+    that an engine configured with ``KvxConnector`` fails at once with the reason instead of
+    serving requests whose KV never moves."""
+
+    MESSAGE = (
+        "kvx.vllm: the worker-side KV transfer over kvx is not yet implemented (only the "
+        "scheduler side is); see docs/vllm.md, 'Not yet'"
+    )
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def release(self, kvx_id: str, reserved: bool) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def write_layer(
+        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]
+    ) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def finish(self, kvx_id: str) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def cancel(self, kvx_id: str) -> None:
+        raise NotImplementedError(self.MESSAGE)
+
+    def poll(self) -> TransferEvents:
+        return TransferEvents()
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,140 @@
+"""The worker side of ``KvxConnector`` (one per TP rank): carries out each step's
+``StepPlan`` through a ``KvTransfer`` and reports back what vLLM's scheduler asks for
+(``get_finished``, ``get_block_ids_with_load_errors``, the grants as worker metadata). Does
+not import vLLM."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+from kvx.vllm.plan import Push, Reserve, StepPlan, WorkerReport
+from kvx.vllm.transfer import KvTransfer
+
+logger = logging.getLogger("kvx.vllm")
+
+
+class KvxWorker:
+    """One TP rank's connector worker over ``transfer``."""
+
+    def __init__(self, transfer: KvTransfer, tp_rank: int = 0) -> None:
+        self.transfer = transfer
+        self.tp_rank = tp_rank
+        self._plan: Optional[StepPlan] = None
+        # Decode: reserved requests by kvx id, and the requests vLLM told finished.
+        self._reserved: Dict[str, Reserve] = {}
+        self._withdrawn: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        # Prefill: vLLM request id ↔ kvx id of claimed transfers.
+        self._claimed: Dict[str, str] = {}
+        self._by_kvx: Dict[str, str] = {}
+        self._pushes: List[Push] = []
+        self._posted: Set[str] = set()
+        self._finished_by_vllm: Set[str] = set()
+        self._sent_early: Set[str] = set()
+        self._report = WorkerReport()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """The engine's per-layer paged KV tensors."""
+        self.transfer.register_kv_caches(kv_caches)
+
+    def bind(self, plan: StepPlan) -> None:
+        """Carries out the plan's reservations, releases, claims and cancels now; keeps its
+        pushes for this step's layers."""
+        self._plan = plan
+        for r in plan.reserve:
+            self._reserved[r.kvx_id] = r
+            self.transfer.reserve(r.kvx_id, r.first_block, r.block_ids, r.num_tokens)
+        for rel in plan.release:
+            if rel.reserved and rel.kvx_id in self._reserved:
+                self._withdrawn.add(rel.kvx_id)
+            self.transfer.release(rel.kvx_id, rel.reserved and rel.kvx_id in self._reserved)
+        for b in plan.begin:
+            self._claimed[b.req_id] = b.kvx_id
+            self._by_kvx[b.kvx_id] = b.req_id
+            rank = self.tp_rank % len(b.decode_alloc)
+            self.transfer.begin(b.kvx_id, b.decode_alloc[rank], b.decode_fabric[rank])
+        for rid in plan.cancel:
+            kvx_id = self._claimed.get(rid)
+            if kvx_id is None:
+                continue
+            self.transfer.cancel(kvx_id)
+            if kvx_id not in self._posted:  # nothing reads this engine's blocks: forget it
+                self._forget(rid)
+        self._pushes = list(plan.push)
+
+    def clear(self) -> None:
+        """The step's plan is over."""
+        self._plan = None
+        self._pushes = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        """Posts this layer's writes of every push of the step (without waiting)."""
+        for p in self._pushes:
+            self._posted.add(p.kvx_id)
+            self.transfer.write_layer(p.kvx_id, layer_name, kv_layer, p.first_block, p.block_ids)
+
+    def wait_for_save(self) -> None:
+        """Every layer of the step is posted: requests whose last blocks these were are
+        finished at the transfer (delivery is reported later, through ``get_finished``)."""
+        for p in self._pushes:
+            if p.last:
+                self.transfer.finish(p.kvx_id)
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str]]:
+        """(sent, received) vLLM request ids. A sent request is reported only once vLLM
+        has told the workers it finished (vLLM's rule); a received one is complete and
+        verified, failed (its blocks then in ``get_block_ids_with_load_errors``, in this
+        same call's step), or withdrawn."""
+        self._finished_by_vllm |= set(finished_req_ids) & self._claimed.keys()
+        events = self.transfer.poll()
+        recving: Set[str] = set()
+        for kvx_id in events.received:
+            r = self._reserved.pop(kvx_id, None)
+            if r is not None:
+                self._withdrawn.discard(kvx_id)
+                recving.add(r.req_id)
+        for kvx_id, reason in events.failed.items():
+            r = self._reserved.pop(kvx_id, None)
+            if r is None:
+                continue
+            if kvx_id not in self._withdrawn:
+                logger.warning("kvx: KV of request %s (kvx %s) failed to load: %s", r.req_id, kvx_id, reason)
+                self._load_errors.update(r.block_ids)
+            self._withdrawn.discard(kvx_id)
+            recving.add(r.req_id)
+        for kvx_id in events.granted:
+            rid = self._by_kvx.get(kvx_id)
+            if rid is not None:
+                self._report.granted[rid] += 1
+        for kvx_id, reason in events.refused.items():
+            rid = self._by_kvx.get(kvx_id)
+            if rid is not None:
+                self._report.refused[rid] = reason
+        self._sent_early |= {self._by_kvx[k] for k in events.sent if k in self._by_kvx}
+        sending = self._sent_early & self._finished_by_vllm
+        self._sent_early -= sending
+        self._finished_by_vllm -= sending
+        for rid in sending:
+            self._forget(rid)
+        return sending, recving
+
+    def _forget(self, rid: str) -> None:
+        kvx_id = self._claimed.pop(rid, None)
+        if kvx_id is not None:
+            self._by_kvx.pop(kvx_id, None)
+            self._posted.discard(kvx_id)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Blocks of loads that failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> Optional[WorkerReport]:
+        """Grants and refusals since the last call (None when there were none)."""
+        report, self._report = self._report, WorkerReport()
+        return report if (report.granted or report.refused) else None
+
+    def shutdown(self) -> None:
+        """Stops the transfer."""
+        self.transfer.close()

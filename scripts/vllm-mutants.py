@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
+python/tests/vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler) and
+test_worker.py must catch.
+
+Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
+the test environment beside it, applies one mutation at a time to the copy, and runs the
+scheduler tests against it (the copy comes first on PYTHONPATH). Needs the environment of
+scripts/vllm-tests.sh (KVX_VLLM_VENV, default target/vllm-venv: vllm==0.33.0 and the kvx
+wheel). Usage: python3 scripts/vllm-mutants.py [NAME ...]   (default: all). Exit status 1 if
+any is missed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRATCH = "/tmp/kvx-vllm-mutants"
+PKG = "python/kvx/vllm/"
+TESTS = ["python/tests/vllm/test_scheduler.py", "python/tests/vllm/test_pair.py",
+         "python/tests/vllm/test_worker.py"]
+
+# name: (file, old, new, what it breaks)
+MUTANTS = {
+    "received-at-reserve": (PKG + "worker.py",
+        "for kvx_id in events.received:",
+        "for kvx_id in set(events.received) | set(self._reserved):",
+        "report a decode request's KV received as soon as its blocks are reserved (finished too early)"),
+    "abort-keeps-reservation": (PKG + "scheduler.py",
+        "self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True))",
+        "pass",
+        "an aborted decode request's reservation is never withdrawn (its blocks leak)"),
+    "load-error-unreported": (PKG + "worker.py",
+        "self._load_errors.update(r.block_ids)",
+        "pass",
+        "a failed load is reported received, its blocks never as load errors (silently wrong KV)"),
+    "prefill-runs-before-grant": (PKG + "scheduler.py",
+        "        return None, False",
+        "        return 0, False",
+        "a prefill request runs before its decode engine granted the blocks it writes into"),
+    "grant-from-one-rank": (PKG + "scheduler.py",
+        "if self.grant_counts[rid] >= self.tp_size:",
+        "if self.grant_counts[rid] >= 1:",
+        "one TP rank's grant lets the prefill run while another rank's sender has none"),
+    "blocks-freed-before-delivery": (PKG + "scheduler.py",
+        "        self.sending.add(rid)\n        return True,",
+        "        return False,",
+        "a finished prefill request's blocks are freed while its writes may still read them"),
+    "reserve-blocks-misordered": (PKG + "scheduler.py",
+        "tuple(block_ids[first:last])",
+        "tuple(reversed(block_ids[first:last]))",
+        "the reservation names the request's blocks in another order (KV lands in the wrong blocks)"),
+    "push-source-shifted": (PKG + "scheduler.py",
+        "tuple(st.blocks[st.next_block:upto])",
+        "tuple(st.blocks[max(st.next_block - 1, 0):max(upto - 1, 1)])",
+        "a push names the prefill engine's blocks one off (the wrong KV is sent)"),
+    "partial-block-not-pushed": (PKG + "scheduler.py",
+        "math.ceil(st.prompt_len / bs) if last",
+        "st.prompt_len // bs if last",
+        "the prompt's partial last block is never pushed"),
+}
+
+
+def run(name, python):
+    path, old, new, what = MUTANTS[name]
+    target = os.path.join(SCRATCH, path)
+    shutil.copy(os.path.join(ROOT, path), target)
+    text = open(target).read()
+    if old not in text:
+        return "STALE (pattern not found: update scripts/vllm-mutants.py)", what
+    open(target, "w").write(text.replace(old, new, 1))
+    env = dict(os.environ, PYTHONPATH=os.path.join(SCRATCH, "python"))
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
+           *(os.path.join(SCRATCH, t) for t in TESTS)]
+    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
+    shutil.copy(os.path.join(ROOT, path), target)
+    failed = [l.split(" ")[1] for l in proc.stdout.splitlines() if l.startswith("FAILED ")]
+    if proc.returncode == 0:
+        return "MISSED", what
+    if not failed:
+        return f"ERROR (pytest exit {proc.returncode}): {proc.stdout[-500:]}", what
+    return "caught by " + ", ".join(f.split("::")[-1] for f in failed), what
+
+
+def main():
+    venv = os.environ.get("KVX_VLLM_VENV", os.path.join(ROOT, "target/vllm-venv"))
+    python = os.path.join(venv, "bin/python")
+    names = sys.argv[1:] or list(MUTANTS)
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    shutil.copytree(os.path.join(ROOT, "python"), os.path.join(SCRATCH, "python"))
+    # The copy shadows the installed package, so it needs the installed wheel's compiled
+    # module too. Asked from / with no PYTHONPATH, so that only the environment's kvx answers.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    native = subprocess.run([python, "-c", "import kvx._kvx; print(kvx._kvx.__file__)"],
+                            cwd="/", env=env, capture_output=True, text=True, check=True)
+    shutil.copy(native.stdout.strip(), os.path.join(SCRATCH, "python/kvx"))
+    missed = False
+    for name in names:
+        verdict, what = run(name, python)
+        missed |= not verdict.startswith("caught")
+        print(f"{name:30} {verdict}\n{'':30} ({what})", flush=True)
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
