@@ -4,7 +4,9 @@
 #      end-to-end (ZeroMQ + TCP / shared memory) and Python-interop tests;
 #   2. the kvx Python package's tests (scripts/python-tests.sh: a wheel built with
 #      `maturin build --release`, installed into target/pyenv, run with pytest);
-#   3. the madsim simulation (sim/, its own cargo project and target directory): its
+#   3. kvx.vllm's tests against vLLM's real scheduler (scripts/vllm-tests.sh: vllm==0.33.0
+#      installed into target/vllm-venv, about 9.5 GB, once);
+#   4. the madsim simulation (sim/, its own cargo project and target directory): its
 #      scenario test binary, then a 500-seed swarm sweep with faults.
 # Needs the Rust toolchain; the Python parts are skipped with a message without python3 and
 # PyPI (CI sets KVX_REQUIRE_PYTHON=1, which makes that a failure).
@@ -12,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
 bash scripts/python-tests.sh
+bash scripts/vllm-tests.sh
 (
   cd sim
   export RUSTFLAGS="--cfg madsim --cfg tokio_unstable"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler) and
+python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler) and
 test_worker.py must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
@@ -18,8 +18,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
-TESTS = ["python/tests/vllm/test_scheduler.py", "python/tests/vllm/test_pair.py",
-         "python/tests/vllm/test_worker.py"]
+TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+         "python/tests/kvx_vllm/test_worker.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvx.vllm's tests against vLLM itself (python/tests/vllm): vLLM's real v1 Scheduler on CPU
+# kvx.vllm's tests against vLLM itself (python/tests/kvx_vllm): vLLM's real v1 Scheduler on CPU
 # drives KvxConnector (level (a), docs/vllm.md "Tests"). Installs vllm==0.33.0 (with torch:
 # about 9.5 GB, 3-4 minutes from PyPI, once) into a virtual environment, builds the kvx wheel
 # as scripts/python-tests.sh does (`maturin build --release`) and installs it there, then runs
@@ -56,7 +56,7 @@ for module in (kvx, kvx.vllm):
 print(f"vllm tests: kvx from {pathlib.Path(kvx.__file__).parent}")
 PY
 start=$SECONDS
-"$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/vllm
+"$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/kvx_vllm
 echo "vllm tests: passed in $((SECONDS - start)) s"
 if [[ "${KVX_VLLM_MUTANTS:-0}" == 1 ]]; then
   KVX_VLLM_VENV="$venv" python3 scripts/vllm-mutants.py

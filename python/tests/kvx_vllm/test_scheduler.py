@@ -9,8 +9,7 @@ import pytest
 
 from kvx.vllm.version import SUPPORTED, installed_version, parse_release  # noqa: E402
 
-# By distribution, not by import: this directory is itself importable as a namespace package
-# named "vllm" when pytest puts python/tests on sys.path.
+# By distribution (package metadata), so that the skip reason names the version found.
 VERSION = installed_version()
 if VERSION is None:
     pytest.skip("vLLM is not installed (scripts/vllm-tests.sh installs vllm==0.33.0)", allow_module_level=True)
