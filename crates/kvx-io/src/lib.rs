@@ -19,6 +19,8 @@
 //! - `region`: `SlotRegion` (memory split into slots, reached in place under a lock per
 //!   slot: the one place an address becomes bytes) and `ExternalRegion` (memory a caller
 //!   lends kvx).
+//! - `geometry`: `SlotGeometry`, a region's shape (slots × bytes), checked in one place for
+//!   every fabric and carried in their handshakes.
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
 //! - `budget`: `ConnectionBudget`, the connections a listener holds and which one goes past
@@ -44,6 +46,7 @@ pub mod checksum;
 pub mod env;
 pub mod fabric;
 pub mod fabric_error;
+pub mod geometry;
 pub mod log_limit;
 pub mod mem;
 pub mod region;
@@ -63,6 +66,7 @@ pub use fabric::{
     landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, LocalMemory,
     PostWrite, SlotMemory,
 };
+pub use geometry::SlotGeometry;
 pub use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
 pub use log_limit::LogLimiter;
 pub use region::{ExternalRegion, SlotRegion};

@@ -19,12 +19,12 @@ use kvx_io::{Completion, FabricError, PostWrite};
 use crate::memory::RdmaMemory;
 use crate::route;
 use crate::verbs::{Qp, VerbsQp, Wc, WcStatus, WriteWr};
-use crate::wire::Geometry;
+use kvx_io::SlotGeometry;
 
 /// The receiver's exposed buffer, as its welcome described it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RemoteBuffer {
-    pub geometry: Geometry,
+    pub geometry: SlotGeometry,
     pub addr: u64,
     pub rkey: u32,
 }

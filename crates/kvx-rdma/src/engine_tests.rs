@@ -65,7 +65,7 @@ fn engine() -> SendEngine<Nic> {
     qp.modify(Transition::Rts { psn: 1 }).expect("rts");
     let staging = Arc::new(RdmaMemory::anonymous(4, SLOT).expect("staging"));
     let remote = RemoteBuffer {
-        geometry: Geometry {
+        geometry: SlotGeometry {
             slots: 8,
             slot_bytes: SLOT as u64,
         },

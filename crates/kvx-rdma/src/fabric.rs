@@ -8,7 +8,7 @@ use crate::config::RdmaConfig;
 use crate::device::Device;
 use crate::memory::RdmaMemory;
 use crate::verbs::{RemoteAccess, Verbs};
-use crate::wire::Geometry;
+use crate::wire::checked_geometry;
 use crate::{link, receiver, sender};
 
 /// Why an RDMA fabric could not be opened.
@@ -83,7 +83,7 @@ impl<V: Verbs> RdmaFabric<V> {
         slot_bytes: usize,
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
+        checked_geometry(slots, slot_bytes)?;
         let memory = RdmaMemory::anonymous(slots, slot_bytes).map_err(|e| {
             FabricError::Allocation(format!("{slots} x {slot_bytes} B of memory: {e}"))
         })?;
@@ -105,7 +105,7 @@ impl<V: Verbs> RdmaFabric<V> {
         region: ExternalRegion,
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
-        Geometry::checked(region.slots(), region.slot_bytes())?;
+        checked_geometry(region.slots(), region.slot_bytes())?;
         self.register(RdmaMemory::external(region), access)
     }
 

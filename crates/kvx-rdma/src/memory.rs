@@ -27,7 +27,7 @@ use kvx_io::{ExternalRegion, SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::verbs_error::VerbsError;
-use crate::wire::Geometry;
+use kvx_io::SlotGeometry;
 
 /// What a registered region tells a peer and a work request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub struct RdmaMemory {
     // Declared before `region`: deregistered before the memory goes.
     registration: OnceLock<Registration>,
     region: SlotRegion,
-    geometry: Geometry,
+    geometry: SlotGeometry,
 }
 
 impl Drop for RdmaMemory {
@@ -80,7 +80,7 @@ impl fmt::Debug for RdmaMemory {
 
 impl RdmaMemory {
     /// `slots × slot_bytes` zeroed bytes, not yet registered. The caller has checked the
-    /// geometry (`Geometry::checked`).
+    /// geometry (`checked_geometry`).
     pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let map = MmapOptions::new()
             .len(slots as usize * slot_bytes)
@@ -99,7 +99,7 @@ impl RdmaMemory {
     }
 
     fn over(region: SlotRegion) -> Self {
-        let geometry = Geometry {
+        let geometry = SlotGeometry {
             slots: region.slots(),
             slot_bytes: region.slot_bytes() as u64,
         };
@@ -110,7 +110,7 @@ impl RdmaMemory {
         }
     }
 
-    pub fn geometry(&self) -> Geometry {
+    pub fn geometry(&self) -> SlotGeometry {
         self.geometry
     }
 

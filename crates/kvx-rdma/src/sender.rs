@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::fabric::ConnOp;
-use kvx_io::{Completion, FabricConn, FabricError};
+use kvx_io::{Completion, FabricConn, FabricError, SlotGeometry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -22,8 +22,8 @@ use crate::memory::RdmaMemory;
 use crate::route::{Route, RouteEvent};
 use crate::verbs::{Qp, RemoteAccess, RtrParams, Transition, Verbs, VerbsError};
 use crate::wire::{
-    Control, Geometry, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, WriteFrame, CONTROL_LEN,
-    VERSION, WELCOME_LEN,
+    checked_geometry, Control, GidKind, Hello, QpAddr, Welcome, WelcomeStatus, WriteFrame,
+    CONTROL_LEN, VERSION, WELCOME_LEN,
 };
 
 fn verbs_err(e: VerbsError) -> FabricError {
@@ -127,7 +127,7 @@ fn gid_mismatch(ours: GidKind, theirs: GidKind) -> String {
 fn check_welcome(
     w: &Welcome,
     endpoint: &str,
-    ours: Geometry,
+    ours: SlotGeometry,
     our_gid: GidKind,
 ) -> Result<RemoteBuffer, FabricError> {
     let refused = |why: &str| FabricError::Io(format!("{endpoint} refused the connection: {why}"));
@@ -171,7 +171,7 @@ fn check_welcome(
         return Err(incompatible(gid_mismatch(our_gid, w.qp.gid_kind)));
     }
     let g = w.buffer;
-    Geometry::checked(g.slots, g.slot_bytes as usize)
+    checked_geometry(g.slots, g.slot_bytes as usize)
         .ok()
         .filter(|c| *c == g)
         .ok_or_else(|| FabricError::Io(format!("{endpoint} sent a bad buffer shape {g:?}")))?;

@@ -17,8 +17,7 @@
 //!
 //! `Inbound` splits what a receiver reads after its welcome into these frames.
 
-use kvx_io::{FabricCredential, FabricError};
-use kvx_proto::WriteTag;
+use kvx_io::{FabricCredential, FabricError, SlotGeometry};
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVXR";
 /// Version 2 added the credential to the hello and the `Unauthorized` refusal; version 3 the
@@ -36,48 +35,16 @@ pub(crate) const WRITE_FRAME_LEN: usize = 16;
 /// most 1 GiB.
 pub const SLOT_BYTES_MAX: u64 = 1 << 30;
 
-/// A buffer's shape: `slots` slots of `slot_bytes` bytes, back to back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Geometry {
-    pub slots: u32,
-    pub slot_bytes: u64,
-}
-
-impl Geometry {
-    /// Checks a requested shape: empty, overflowing or unaddressable buffers are refused up
-    /// front. Slots are bounded by what an immediate can name (`WriteTag::SLOTS_MAX`).
-    pub fn checked(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
-        let total = (slots as usize).checked_mul(slot_bytes);
-        let ok = slots > 0
-            && slots <= WriteTag::SLOTS_MAX
-            && slot_bytes > 0
-            && slot_bytes as u64 <= SLOT_BYTES_MAX
-            && total.is_some_and(|t| t <= isize::MAX as usize);
-        if !ok {
-            return Err(FabricError::Allocation(format!(
-                "{slots} slots of {slot_bytes} bytes (1..={} slots of 1..={SLOT_BYTES_MAX} bytes)",
-                WriteTag::SLOTS_MAX
-            )));
-        }
-        Ok(Geometry {
-            slots,
-            slot_bytes: slot_bytes as u64,
-        })
+/// A buffer's shape as RDMA takes it: kvx-io's one check (`SlotGeometry::new`), and slots
+/// no larger than one RDMA write may be (`SLOT_BYTES_MAX`).
+pub fn checked_geometry(slots: u32, slot_bytes: usize) -> Result<SlotGeometry, FabricError> {
+    let geometry = SlotGeometry::new(slots, slot_bytes)?;
+    if geometry.slot_bytes > SLOT_BYTES_MAX {
+        return Err(FabricError::Allocation(format!(
+            "{slots} slots of {slot_bytes} bytes: an RDMA slot holds at most {SLOT_BYTES_MAX} bytes"
+        )));
     }
-
-    /// Whether `len` bytes into `slot` stay inside this buffer.
-    pub fn holds(&self, slot: u32, len: u64) -> bool {
-        slot < self.slots && len <= self.slot_bytes
-    }
-
-    /// Byte offset of `slot` from the buffer's start.
-    pub fn offset(&self, slot: u32) -> u64 {
-        u64::from(slot) * self.slot_bytes
-    }
-
-    pub fn total_bytes(&self) -> u64 {
-        u64::from(self.slots) * self.slot_bytes
-    }
+    Ok(geometry)
 }
 
 /// The kind of a GID, which sets the packets' format on the wire (InfiniBand, RoCE v1 over
@@ -172,7 +139,7 @@ impl QpAddr {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub version: u16,
-    pub staging: Geometry,
+    pub staging: SlotGeometry,
     pub qp: QpAddr,
     pub credential: FabricCredential,
 }
@@ -227,7 +194,7 @@ impl WelcomeStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Welcome {
     pub status: WelcomeStatus,
-    pub buffer: Geometry,
+    pub buffer: SlotGeometry,
     pub qp: QpAddr,
     /// The exposed buffer's virtual address and remote key.
     pub addr: u64,
@@ -239,7 +206,7 @@ impl Welcome {
     pub fn refusal(status: WelcomeStatus) -> Self {
         Welcome {
             status,
-            buffer: Geometry {
+            buffer: SlotGeometry {
                 slots: 0,
                 slot_bytes: 0,
             },
@@ -288,7 +255,7 @@ impl Hello {
         }
         Ok(Hello {
             version: u16::from_le_bytes([b[4], b[5]]),
-            staging: Geometry {
+            staging: SlotGeometry {
                 slots: u32_at(b, 8),
                 slot_bytes: u64_at(b, 16),
             },
@@ -328,7 +295,7 @@ impl Welcome {
         }
         Ok(Welcome {
             status: WelcomeStatus::from_code(u16::from_le_bytes([b[6], b[7]])),
-            buffer: Geometry {
+            buffer: SlotGeometry {
                 slots: u32_at(b, 8),
                 slot_bytes: u64_at(b, 16),
             },
@@ -479,6 +446,7 @@ impl Inbound {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvx_proto::WriteTag;
 
     fn addr() -> QpAddr {
         QpAddr {
@@ -495,7 +463,7 @@ mod tests {
     fn hello_round_trips_and_has_the_documented_layout() {
         let h = Hello {
             version: VERSION,
-            staging: Geometry {
+            staging: SlotGeometry {
                 slots: 16,
                 slot_bytes: 1 << 20,
             },
@@ -524,7 +492,7 @@ mod tests {
     fn welcome_round_trips_with_address_and_key() {
         let w = Welcome {
             status: WelcomeStatus::Ok,
-            buffer: Geometry {
+            buffer: SlotGeometry {
                 slots: 64,
                 slot_bytes: 4096,
             },
@@ -619,11 +587,11 @@ mod tests {
 
     #[test]
     fn geometry_bounds() {
-        assert!(Geometry::checked(0, 8).is_err());
-        assert!(Geometry::checked(8, 0).is_err());
-        assert!(Geometry::checked(WriteTag::SLOTS_MAX + 1, 8).is_err());
-        assert!(Geometry::checked(1, (SLOT_BYTES_MAX + 1) as usize).is_err());
-        let g = Geometry::checked(4, 100).expect("fine");
+        assert!(checked_geometry(0, 8).is_err());
+        assert!(checked_geometry(8, 0).is_err());
+        assert!(checked_geometry(WriteTag::SLOTS_MAX + 1, 8).is_err());
+        assert!(checked_geometry(1, (SLOT_BYTES_MAX + 1) as usize).is_err());
+        let g = checked_geometry(4, 100).expect("fine");
         assert!(g.holds(3, 100));
         assert!(!g.holds(4, 1));
         assert!(!g.holds(0, 101));

@@ -55,7 +55,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::map::StagingView;
-use crate::tcp_fabric::link::Geometry;
+use kvx_io::SlotGeometry;
 
 pub(crate) const MAGIC: [u8; 4] = *b"KVXD";
 pub(crate) const VERSION: u16 = 1;
@@ -141,7 +141,7 @@ impl Trust {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Offer {
     pub version: u16,
-    pub geometry: Geometry,
+    pub geometry: SlotGeometry,
     pub credential: FabricCredential,
 }
 
@@ -168,7 +168,7 @@ impl Offer {
         cred.copy_from_slice(&b[24..48]);
         Some(Offer {
             version: u16::from_le_bytes([b[4], b[5]]),
-            geometry: Geometry {
+            geometry: SlotGeometry {
                 slots: u32_at(8),
                 slot_bytes: u64::from_le_bytes(sb),
             },
@@ -261,7 +261,7 @@ impl Tickets {
         &self,
         ticket: u64,
         peer: PeerId,
-        geometry: Geometry,
+        geometry: SlotGeometry,
     ) -> Result<StagingView, String> {
         let p = lock(&self.parked)
             .remove(&ticket)
@@ -272,7 +272,7 @@ impl Tickets {
         if p.peer != peer {
             return Err(format!("ticket {ticket} was issued to another peer"));
         }
-        let offered = Geometry {
+        let offered = SlotGeometry {
             slots: p.view.slots(),
             slot_bytes: p.view.slot_bytes() as u64,
         };
@@ -508,7 +508,7 @@ pub(crate) async fn offer(
     port: u16,
     endpoint: &str,
     memfd: BorrowedFd<'_>,
-    geometry: Geometry,
+    geometry: SlotGeometry,
     credential: FabricCredential,
     trust: &Trust,
     timeout: Duration,
@@ -649,7 +649,7 @@ mod tests {
     fn offers_round_trip_and_replies_cut_long_reasons() {
         let offer = Offer {
             version: VERSION,
-            geometry: Geometry {
+            geometry: SlotGeometry {
                 slots: 3,
                 slot_bytes: 1 << 20,
             },

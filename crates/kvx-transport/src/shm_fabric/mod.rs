@@ -46,11 +46,12 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use crate::tcp_fabric::check_bounds;
-use crate::tcp_fabric::link::{self, Geometry, LinkConfig};
+use crate::tcp_fabric::link::{self, LinkConfig};
 use crate::tcp_fabric::receiver::{self, Greeting, Landing, PullSource, Rules, Source};
 use crate::tcp_fabric::sender::{Pending, SenderLink, Transmit};
 use crate::tcp_fabric::wire::{Hello, WriteHeader, HEADER_LEN, SHM_MAGIC};
 use handoff::{Tickets, Trust, TICKET_LEN};
+use kvx_io::SlotGeometry;
 pub use map::ShmMemory;
 use map::StagingView;
 
@@ -111,7 +112,7 @@ impl Fabric for ShmFabric {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<Arc<ShmMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
+        SlotGeometry::new(slots, slot_bytes)?;
         // A sealed memfd the receiver maps read-only: it copies each admitted write out of it.
         ShmMemory::sealed_staging(slots, slot_bytes)
             .map(Arc::new)
@@ -124,7 +125,7 @@ impl Fabric for ShmFabric {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<FabricListener<ShmMemory>, FabricError> {
-        let geometry = Geometry::checked(slots, slot_bytes)?;
+        let geometry = SlotGeometry::new(slots, slot_bytes)?;
         // Private memory: only this process writes it, copying out of senders' staging.
         let memory = Arc::new(
             ShmMemory::anonymous(slots, slot_bytes).map_err(|e| alloc_error("shm buffer", e))?,
@@ -195,7 +196,7 @@ impl Fabric for ShmFabric {
         staging: Arc<ShmMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
+        let ours = SlotGeometry::new(staging.slots(), staging.slot_bytes())?;
         let Some(memfd) = staging.memfd() else {
             return Err(FabricError::Io(
                 "shm: the staging memory was not allocated by a ShmFabric".into(),
@@ -266,7 +267,7 @@ fn claim_staging(
     let peer = access
         .authenticate(&hello.credential)
         .ok_or("the credential was not issued by this receiver")?;
-    let geometry = Geometry {
+    let geometry = SlotGeometry {
         slots: hello.staging_slots,
         slot_bytes: hello.staging_slot_bytes,
     };
@@ -275,8 +276,8 @@ fn claim_staging(
 }
 
 impl PullSource for StagingView {
-    fn geometry(&self) -> Geometry {
-        Geometry {
+    fn geometry(&self) -> SlotGeometry {
+        SlotGeometry {
             slots: self.slots(),
             slot_bytes: self.slot_bytes() as u64,
         }
@@ -293,8 +294,8 @@ const OUTBOX_LEN: usize = HEADER_LEN * 64;
 /// Sends each write's header: the receiver copies the bytes out of the staging itself.
 #[derive(Debug)]
 struct HeaderTransmit {
-    staging_geometry: Geometry,
-    remote_geometry: Geometry,
+    staging_geometry: SlotGeometry,
+    remote_geometry: SlotGeometry,
     outbox: [u8; OUTBOX_LEN],
     filled: usize,
     sent: usize,

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvx_io::sockets::{self, bad_endpoint};
-use kvx_io::{FabricAccess, FabricCredential, FabricError};
+use kvx_io::{FabricAccess, FabricCredential, FabricError, SlotGeometry};
 use kvx_proto::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -78,35 +78,6 @@ impl Default for LinkConfig {
     }
 }
 
-/// A buffer's shape as it travels in the handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Geometry {
-    pub slots: u32,
-    pub slot_bytes: u64,
-}
-
-impl Geometry {
-    /// Checks a requested buffer shape: empty or overflowing buffers are refused up front
-    /// rather than failing in an allocator.
-    pub(crate) fn checked(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
-        let total = (slots as usize).checked_mul(slot_bytes);
-        if slots == 0 || slot_bytes == 0 || total.is_none() {
-            return Err(FabricError::Allocation(format!(
-                "{slots} slots of {slot_bytes} bytes"
-            )));
-        }
-        Ok(Geometry {
-            slots,
-            slot_bytes: slot_bytes as u64,
-        })
-    }
-
-    /// Whether `len` bytes into `slot` stay inside this buffer.
-    pub(crate) fn holds(&self, slot: u32, len: u64) -> bool {
-        slot < self.slots && len <= self.slot_bytes
-    }
-}
-
 /// Binds the receiving side (`sockets::bind`, with the configured buffer sizes).
 pub(crate) async fn bind(endpoint: &str, config: &LinkConfig) -> Result<TcpListener, FabricError> {
     sockets::bind(endpoint, config.socket_buffer).await
@@ -128,7 +99,7 @@ pub(crate) async fn connect(endpoint: &str, config: &LinkConfig) -> Result<TcpSt
 /// What a sender learns from a successful handshake.
 #[derive(Debug)]
 pub(crate) struct Welcomed {
-    pub geometry: Geometry,
+    pub geometry: SlotGeometry,
     /// The receiver's id for this connection, to name it in a fence.
     pub conn: u64,
 }
@@ -140,7 +111,7 @@ pub(crate) async fn open_handshake(
     stream: &mut TcpStream,
     endpoint: &str,
     magic: [u8; 4],
-    staging: Geometry,
+    staging: SlotGeometry,
     credential: FabricCredential,
     extra: &[u8],
     config: &LinkConfig,
@@ -198,7 +169,7 @@ pub(crate) async fn open_handshake(
     if welcome.magic != magic {
         return Err(bad_endpoint(endpoint, "not a kvx buffer of this fabric"));
     }
-    let geometry = Geometry {
+    let geometry = SlotGeometry {
         slots: welcome.slots,
         slot_bytes: welcome.slot_bytes,
     };
@@ -274,7 +245,7 @@ pub(crate) type Accept<S> = dyn Fn(&Hello, &[u8]) -> Result<S, String> + Send + 
 pub(crate) async fn accept_handshake<S>(
     stream: &mut TcpStream,
     magic: [u8; 4],
-    ours: Geometry,
+    ours: SlotGeometry,
     extra: &[u8],
     conn: u64,
     access: &FabricAccess,

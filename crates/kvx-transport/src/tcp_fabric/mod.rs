@@ -33,7 +33,7 @@ use kvx_io::{
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use link::Geometry;
+use kvx_io::SlotGeometry;
 pub use link::LinkConfig as TcpFabricConfig;
 use receiver::{Greeting, Landing, Rules};
 use sender::{Pending, SenderLink, Transmit};
@@ -102,12 +102,12 @@ impl Fabric for TcpFabric {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<Arc<LocalMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
+        SlotGeometry::new(slots, slot_bytes)?;
         Ok(Arc::new(LocalMemory::allocate(slots, slot_bytes)?))
     }
 
     fn staging_in(&self, region: ExternalRegion) -> Result<Arc<LocalMemory>, FabricError> {
-        Geometry::checked(region.slots(), region.slot_bytes())?;
+        SlotGeometry::new(region.slots(), region.slot_bytes())?;
         Ok(Arc::new(LocalMemory::external(region)))
     }
 
@@ -117,7 +117,7 @@ impl Fabric for TcpFabric {
         slots: u32,
         slot_bytes: usize,
     ) -> Result<FabricListener<LocalMemory>, FabricError> {
-        Geometry::checked(slots, slot_bytes)?;
+        SlotGeometry::new(slots, slot_bytes)?;
         let memory = LocalMemory::allocate(slots, slot_bytes)?;
         self.expose_memory(endpoint, Arc::new(memory)).await
     }
@@ -127,7 +127,7 @@ impl Fabric for TcpFabric {
         endpoint: &str,
         region: ExternalRegion,
     ) -> Result<FabricListener<LocalMemory>, FabricError> {
-        Geometry::checked(region.slots(), region.slot_bytes())?;
+        SlotGeometry::new(region.slots(), region.slot_bytes())?;
         self.expose_memory(endpoint, Arc::new(LocalMemory::external(region)))
             .await
     }
@@ -138,7 +138,7 @@ impl Fabric for TcpFabric {
         staging: Arc<LocalMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        let ours = Geometry::checked(staging.slots(), staging.slot_bytes())?;
+        let ours = SlotGeometry::new(staging.slots(), staging.slot_bytes())?;
         let mut stream = link::connect(endpoint, &self.config).await?;
         let peer = stream
             .peer_addr()
@@ -178,7 +178,7 @@ const TRANSMIT_BUDGET: usize = 8 << 20;
 #[derive(Debug)]
 struct InlineTransmit {
     staging: Arc<LocalMemory>,
-    remote: Geometry,
+    remote: SlotGeometry,
     /// Bytes of the current write (header + payload) already on the wire (or in `pipe`).
     progress: usize,
     /// Zero-copy sends through a pipe (`splice`), where the platform has them.
@@ -187,7 +187,7 @@ struct InlineTransmit {
 }
 
 impl InlineTransmit {
-    fn new(staging: Arc<LocalMemory>, remote: Geometry, zero_copy: bool) -> Self {
+    fn new(staging: Arc<LocalMemory>, remote: SlotGeometry, zero_copy: bool) -> Self {
         Self {
             staging,
             remote,
@@ -259,8 +259,8 @@ impl InlineTransmit {
 /// Bounds shared by both fabrics' senders: the staging slot and the remote slot must hold it.
 pub(crate) fn check_bounds(
     w: &PostWrite,
-    staging: Geometry,
-    remote: Geometry,
+    staging: SlotGeometry,
+    remote: SlotGeometry,
 ) -> Result<(), FabricError> {
     if staging.holds(w.local.0, w.len as u64) && remote.holds(w.remote.0, w.len as u64) {
         Ok(())
@@ -277,7 +277,7 @@ pub(crate) fn check_bounds(
 
 impl Transmit for InlineTransmit {
     fn check(&self, w: &PostWrite) -> Result<(), FabricError> {
-        let staging = Geometry {
+        let staging = SlotGeometry {
             slots: self.staging.slots(),
             slot_bytes: self.staging.slot_bytes() as u64,
         };

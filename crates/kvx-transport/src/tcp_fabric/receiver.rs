@@ -35,8 +35,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::link::{accept_handshake, answer_fence, tune, Accept, Geometry, Greeted, LinkConfig};
+use super::link::{accept_handshake, answer_fence, tune, Accept, Greeted, LinkConfig};
 use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNOWN, HEADER_LEN};
+use kvx_io::SlotGeometry;
 
 /// Where a connection's writes land.
 #[derive(Debug, Clone)]
@@ -46,13 +47,13 @@ pub(crate) enum Landing {
     /// The payload is in the sender's staging (`PullSource`, per connection); the receiver
     /// copies it into this memory once the write is admitted, so nothing reaches a slot the
     /// sender holds no grant for. Weak: the connection tasks do not keep the buffer alive.
-    Pulled(std::sync::Weak<dyn SlotMemory>, Geometry),
+    Pulled(std::sync::Weak<dyn SlotMemory>, SlotGeometry),
 }
 
 impl Landing {
-    fn geometry(&self) -> Geometry {
+    fn geometry(&self) -> SlotGeometry {
         match self {
-            Landing::Inline(m) => Geometry {
+            Landing::Inline(m) => SlotGeometry {
                 slots: m.slots(),
                 slot_bytes: m.slot_bytes() as u64,
             },
@@ -64,7 +65,7 @@ impl Landing {
 /// Where an attached sender's payloads come from under `Landing::Pulled`: its staging, mapped
 /// read-only by this process (`shm_fabric::map::StagingView`).
 pub(crate) trait PullSource: Send + Sync {
-    fn geometry(&self) -> Geometry;
+    fn geometry(&self) -> SlotGeometry;
     /// Copies the first `dst.len()` bytes of staging slot `slot` into `dst`, with the
     /// checksum of the copy when `checksum` asks for it; the caller has checked the bounds
     /// against `geometry`.
@@ -335,7 +336,7 @@ enum Flow {
 struct Conn {
     stream: TcpStream,
     landing: Landing,
-    geometry: Geometry,
+    geometry: SlotGeometry,
     landed: mpsc::Sender<LandedWrite>,
     /// The control peer this connection authenticated as.
     peer: PeerId,
