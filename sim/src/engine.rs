@@ -143,13 +143,16 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
     // Python package's callers use; the core submits pending batches itself when only they
     // hold staging (S11), so the engine never submits early to avoid waiting on itself.
     for chunk in 0..job.chunks {
-        if !cfg.prefill_chunk_time.is_zero() {
-            tokio::time::sleep(cfg.prefill_chunk_time).await;
-        }
         let timeout = cfg.prefill[p].sender.staging_timeout;
         let Some(slot) = allocate(world, h, &req_id, timeout).await else {
             return;
         };
+        // The chunk is computed into its staging slot, which takes the prefill's time: the
+        // request may fail meanwhile, and its slot must stay this task's until it is handed
+        // back (S12), or another request's chunk could share it.
+        if !cfg.prefill_chunk_time.is_zero() {
+            tokio::time::sleep(cfg.prefill_chunk_time).await;
+        }
         // S2, checked from outside: staging goes only to admitted requests, so `admitted`
         // answers at once (within the shortest timer, 1 ms, far below any round trip).
         if tokio::time::timeout(Duration::from_millis(1), h.admitted(&req_id))

@@ -493,3 +493,46 @@ fn staging_is_held_by_callers_only_with_nothing_in_flight() {
     assert!(!flow.staging_held_by_callers(), "a's write holds a slot");
     assert_eq!(flow.try_allocate(&b), Err(SendError::WouldBlock));
 }
+
+/// S12: a slot the caller of a cancelled request still holds (taken, not added) is not
+/// handed to the next request while that caller may still be writing it; it returns to the
+/// pool when the caller hands it back — by releasing it, or by an add or a submit the
+/// cancelled request refuses. Chunks already added are free at once.
+#[test]
+fn a_cancelled_requests_slots_its_caller_holds_stay_out_of_the_pool_until_handed_back() {
+    let cfg = SenderConfig {
+        staging_slots: 3,
+        ..SenderConfig::default()
+    };
+    let mut flow = SenderFlow::new(cfg).expect("config");
+    let (a, b) = (ReqId("a".into()), ReqId("b".into()));
+    for id in [&a, &b] {
+        flow.handle_begin(T0, spec(id, 4)).expect("begin");
+        reply(&mut flow, vec![], true);
+    }
+    let chunk = |slot, key: &str| ChunkSpec {
+        key: key.into(),
+        staging: slot,
+        tokens: 1,
+        bytes: 64,
+    };
+    let added = flow.try_allocate(&a).expect("a slot");
+    flow.handle_add(T0, &a, chunk(added, "a0")).expect("added");
+    let writing = flow.try_allocate(&a).expect("a slot");
+    let also_writing = flow.try_allocate(&a).expect("a slot");
+    flow.handle_cancel(T0, &a).expect("cancel");
+    flow.check_invariants();
+    // Only the added chunk's slot is free: the other two are still in a's caller's hands.
+    assert_eq!(flow.staging_free(), 1);
+    assert_eq!(flow.try_allocate(&b), Ok(added));
+    assert_eq!(flow.try_allocate(&b), Err(SendError::WouldBlock));
+    // The caller hands them back: a release, and an add the cancelled request refuses.
+    assert_eq!(flow.release_staging(&a, writing), Ok(()));
+    assert!(matches!(
+        flow.handle_add(T0, &a, chunk(also_writing, "a2")),
+        Err(SendError::Failed(_, SendFailure::Cancelled))
+    ));
+    flow.check_invariants();
+    assert_eq!(flow.staging_free(), 2);
+    assert!(flow.try_allocate(&b).is_ok());
+}

@@ -285,6 +285,11 @@ impl<E: Env> SenderHandle<E> {
             .flow
             .handle_submit(now, req_id, chunks, is_last);
         self.shared.poke.notify_one();
+        if result.is_err() {
+            // A failed request's slots came back to the pool (S12): a waiting call may take
+            // them.
+            self.shared.wake_allocators();
+        }
         result
     }
 
@@ -309,6 +314,10 @@ impl<E: Env> SenderHandle<E> {
         drop(core);
         if poke {
             self.shared.poke.notify_one();
+        }
+        if result.is_err() {
+            // A failed request's slot came back to the pool (S12): a waiting call may take it.
+            self.shared.wake_allocators();
         }
         result
     }

@@ -27,7 +27,14 @@ impl SenderFlow {
         req_id: &ReqId,
         chunk: ChunkSpec,
     ) -> Result<(), SendError> {
-        let req = self.admitted(req_id)?;
+        let req = match self.admitted(req_id) {
+            Ok(req) => req,
+            Err(refused) => {
+                // A failed request's caller hands back the slot it was still holding (S12).
+                self.take_back_lent(req_id, chunk.staging);
+                return Err(refused);
+            }
+        };
         let why = if chunk.bytes == 0 {
             Some(format!("chunk {} declares 0 bytes", chunk.key))
         } else if !req.staged.contains(&chunk.staging) {

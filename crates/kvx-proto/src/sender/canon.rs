@@ -63,6 +63,11 @@ impl SenderFlow {
             enc.str(&id.0);
             enc.u(u64::from(calls));
         }
+        enc.len(self.lent.len());
+        for (slot, id) in &self.lent {
+            enc.staging(*slot);
+            enc.str(&id.0);
+        }
         enc.len(self.channels.len());
         for (peer, ch) in &self.channels {
             enc.u(peer.0);

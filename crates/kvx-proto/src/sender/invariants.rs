@@ -1,4 +1,4 @@
-//! The sender's invariants (`docs/invariants.md` S1–S4, S7, S11), checked after every step of
+//! The sender's invariants (`docs/invariants.md` S1–S4, S7, S11, S12), checked after every step of
 //! every harness.
 
 use super::channel::Kind;
@@ -6,7 +6,7 @@ use super::{SenderFlow, State};
 
 impl SenderFlow {
     /// Panics if staging, writes, channels and requests disagree (`docs/invariants.md`
-    /// S1–S4, S7, S11). The harness calls it after every step.
+    /// S1–S4, S7, S11, S12). The harness calls it after every step.
     pub fn check_invariants(&self) {
         self.staging.check_invariants();
         let mut owned = 0usize;
@@ -78,7 +78,23 @@ impl SenderFlow {
             );
             owned += holds;
         }
-        let orphan = self.staging.capacity() as usize - self.staging.free_count() as usize - owned;
+        // S12: a slot lent to a failed request's caller is neither free nor a running
+        // request's.
+        for (slot, id) in &self.lent {
+            assert!(
+                self.staging.owner(*slot) == Some(id)
+                    && self
+                        .requests
+                        .get(id)
+                        .is_none_or(|r| r.state == State::Failing),
+                "invariant: staging slot {} lent to {id}'s caller is free or another's",
+                slot.0
+            );
+        }
+        let orphan = self.staging.capacity() as usize
+            - self.staging.free_count() as usize
+            - owned
+            - self.lent.len();
         assert_eq!(
             orphan, 0,
             "invariant: every held staging slot belongs to a tracked request"

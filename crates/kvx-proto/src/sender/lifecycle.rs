@@ -5,7 +5,7 @@
 use super::channel::{Channel, InFlight, Kind, Mode, Outgoing};
 use super::{Destination, SendError, SendFailure, SenderEvent, SenderFlow, State, Transmit};
 use crate::config::Pipelining;
-use crate::ids::{PeerId, ReqId};
+use crate::ids::{PeerId, ReqId, StagingSlot};
 use crate::time::Instant;
 use crate::wire::{CancelNotif, FailNotif, Message, ProxyNotif};
 
@@ -114,9 +114,17 @@ impl SenderFlow {
         let receiver = req.spec.receiver;
         // It takes no more staging: its waiting calls stop holding back younger requests.
         self.waiters.remove_all(req.age);
-        req.added.clear();
-        for slot in std::mem::take(&mut req.staged) {
-            self.staging.give_back(slot);
+        // Chunks added or submitted are written: their slots are free now. A slot the caller
+        // took and has not added may still be being written: it stays the caller's until it
+        // hands it back (S12), or the next request to get it would share it with that write.
+        let added: std::collections::BTreeSet<_> = req.added.drain(..).map(|c| c.staging).collect();
+        let staged = std::mem::take(&mut req.staged);
+        for slot in staged {
+            if added.contains(&slot) {
+                self.staging.give_back(slot);
+            } else {
+                self.lent.insert(slot, req_id.clone());
+            }
         }
         let ch = self
             .channels
@@ -159,6 +167,16 @@ impl SenderFlow {
         });
         self.maybe_finish_failing(now, req_id);
         self.pump(now, receiver);
+    }
+
+    /// Hands back `slot` when it is lent to `req_id`'s caller (S12): true if it was.
+    pub(super) fn take_back_lent(&mut self, req_id: &ReqId, slot: StagingSlot) -> bool {
+        if self.lent.get(&slot) != Some(req_id) {
+            return false;
+        }
+        self.lent.remove(&slot);
+        self.staging.give_back(slot);
+        true
     }
 
     /// Remembers how a request that leaves ended, forgetting the oldest beyond

@@ -340,6 +340,11 @@ pub struct SenderFlow {
     next_age: Age,
     /// Allocate calls waiting for staging, oldest request first.
     waiters: StagingWaiters,
+    /// Staging slots a failed request's caller still holds — taken (`try_allocate`) and not
+    /// yet added or submitted — with the request: out of the pool until the caller hands each
+    /// back (`release_staging`, or an add or submit that the failed request refuses), since it
+    /// may still be writing the slot (S12).
+    lent: BTreeMap<StagingSlot, ReqId>,
     /// How ended requests ended (at most `outcomes_kept`, the oldest forgotten first), with
     /// the order in which they were remembered, so a caller that comes back after the
     /// request left learns how, not "unknown".
@@ -367,6 +372,7 @@ impl SenderFlow {
             stats: SenderStats::default(),
             next_age: 0,
             waiters: StagingWaiters::default(),
+            lent: BTreeMap::new(),
             outcomes: BTreeMap::new(),
             outcome_order: VecDeque::new(),
             next_outcome: 0,
@@ -509,6 +515,9 @@ impl SenderFlow {
 
     /// Hands back a staging slot the caller took but will not submit.
     pub fn release_staging(&mut self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
+        if self.take_back_lent(req_id, slot) {
+            return Ok(());
+        }
         let req = self
             .requests
             .get_mut(req_id)
@@ -542,7 +551,16 @@ impl SenderFlow {
         mut chunks: Vec<ChunkSpec>,
         is_last: bool,
     ) -> Result<(), SendError> {
-        let req = self.admitted(req_id)?;
+        let req = match self.admitted(req_id) {
+            Ok(req) => req,
+            Err(refused) => {
+                // A failed request's caller hands back the slots it was still holding.
+                for c in &chunks {
+                    self.take_back_lent(req_id, c.staging);
+                }
+                return Err(refused);
+            }
+        };
         if !req.added.is_empty() {
             // The pending batch goes first, in the order its chunks were added.
             let mut batch = req.added.clone();
