@@ -153,7 +153,10 @@ impl<E: Env> SenderHandle<E> {
 
     /// Takes a staging slot for `req_id`, blocking the calling thread for at most `timeout`
     /// (`SendError::StagingTimedOut` then). For prefill worker threads; a cancel of the
-    /// request wakes it with an error. Never call it from an async task.
+    /// request wakes it with an error. Never call it from an async task. The slot is the
+    /// caller's until it adds, submits or releases it, even after the request fails (the
+    /// failed request's add, submit or release then hands it back): a slot dropped silently
+    /// is lost to the pool.
     ///
     /// `held` is the batch the caller is building: chunks it staged and has not submitted.
     /// When they alone stand between it and a slot (every slot holds an unsubmitted chunk),
