@@ -478,16 +478,7 @@ impl OpWorld {
                 // Out of staging with nothing staged: wait for it, as a driver's allocate
                 // call does, so that a freed slot comes here first.
                 Err(SendError::WouldBlock) if chunks.is_empty() => {
-                    let waits = side
-                        .flow
-                        .staging_waiters()
-                        .iter()
-                        .any(|(_, id, _)| *id == req_id);
-                    if !waits {
-                        side.flow
-                            .wait_for_staging(&req_id)
-                            .expect("invariant: an admitted request may wait for staging");
-                    }
+                    wait_for_staging_once(&mut side.flow, &req_id);
                     break;
                 }
                 Err(_) => break,
@@ -563,18 +554,7 @@ impl OpWorld {
                     side.requests[i].2 += 1;
                 }
             }
-            Err(SendError::WouldBlock) => {
-                let waits = side
-                    .flow
-                    .staging_waiters()
-                    .iter()
-                    .any(|(_, id, _)| *id == req_id);
-                if !waits {
-                    side.flow
-                        .wait_for_staging(&req_id)
-                        .expect("invariant: an admitted request may wait for staging");
-                }
-            }
+            Err(SendError::WouldBlock) => wait_for_staging_once(&mut side.flow, &req_id),
             Err(_) => {}
         }
     }
@@ -799,6 +779,14 @@ impl OpWorld {
             self.check();
             assert!(round < 9_999, "healed world did not settle: {self:?}");
         }
+    }
+}
+
+/// Registers `req_id` as waiting for staging, once (as one driver call that waits does).
+fn wait_for_staging_once(flow: &mut SenderFlow, req_id: &ReqId) {
+    if !flow.staging_waiters().iter().any(|(_, id, _)| id == req_id) {
+        flow.wait_for_staging(req_id)
+            .expect("invariant: an admitted request may wait for staging");
     }
 }
 
