@@ -10,11 +10,10 @@ Usage: python3 scripts/lmcache-mutants.py [NAME ...]   (default: all). Exit stat
 is missed.
 """
 import os
-import shutil
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import python_mutants
+
+ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-lmcache-mutants"
 PKG = "python/kvx/lmcache/"
 
@@ -47,45 +46,12 @@ MUTANTS = {
 }
 
 
-def run(name, python):
-    path, old, new, what = MUTANTS[name]
-    target = os.path.join(SCRATCH, path)
-    shutil.copy(os.path.join(ROOT, path), target)
-    text = open(target).read()
-    if old not in text:
-        return "STALE (pattern not found: update scripts/lmcache-mutants.py)", what
-    open(target, "w").write(text.replace(old, new, 1))
-    env = dict(os.environ, PYTHONPATH=os.path.join(SCRATCH, "python"))
-    cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
-           os.path.join(SCRATCH, "python/tests/test_lmcache.py"), "-k", "not lmcaches_own"]
-    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
-    shutil.copy(os.path.join(ROOT, path), target)
-    failed = [l.split(" ")[1] for l in proc.stdout.splitlines() if l.startswith("FAILED ")]
-    if proc.returncode == 0:
-        return "MISSED", what
-    if not failed:
-        return f"ERROR (pytest exit {proc.returncode}): {proc.stdout[-500:]}", what
-    return "caught by " + ", ".join(f.split("::")[-1] for f in failed), what
-
 
 def main():
     python = os.environ.get("KVX_PYTHON", os.path.join(ROOT, "target/pyenv/bin/python"))
-    names = sys.argv[1:] or list(MUTANTS)
-    shutil.rmtree(SCRATCH, ignore_errors=True)
-    shutil.copytree(os.path.join(ROOT, "python"), os.path.join(SCRATCH, "python"))
-    # The checkout holds kvx's Python sources only; the copy, which shadows the installed
-    # package, needs the installed wheel's compiled module too. Asked from / with no
-    # PYTHONPATH, so that nothing but the environment's own kvx answers.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    native = subprocess.run([python, "-c", "import kvx._kvx; print(kvx._kvx.__file__)"],
-                            cwd="/", env=env, capture_output=True, text=True, check=True)
-    shutil.copy(native.stdout.strip(), os.path.join(SCRATCH, "python/kvx"))
-    missed = False
-    for name in names:
-        verdict, what = run(name, python)
-        missed |= not verdict.startswith("caught")
-        print(f"{name:28} {verdict}\n{'':28} ({what})", flush=True)
-    sys.exit(1 if missed else 0)
+    tests = lambda scratch: ["-x", os.path.join(scratch, "python/tests/test_lmcache.py"),
+                             "-k", "not lmcaches_own"]
+    python_mutants.main(MUTANTS, python, SCRATCH, tests, "scripts/lmcache-mutants.py")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ wheel). Usage: python3 scripts/vllm-mutants.py [NAME ...]   (default: all). Exit
 any is missed.
 """
 import os
-import shutil
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import python_mutants
+
+ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
@@ -62,45 +61,12 @@ MUTANTS = {
 }
 
 
-def run(name, python):
-    path, old, new, what = MUTANTS[name]
-    target = os.path.join(SCRATCH, path)
-    shutil.copy(os.path.join(ROOT, path), target)
-    text = open(target).read()
-    if old not in text:
-        return "STALE (pattern not found: update scripts/vllm-mutants.py)", what
-    open(target, "w").write(text.replace(old, new, 1))
-    env = dict(os.environ, PYTHONPATH=os.path.join(SCRATCH, "python"))
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
-           *(os.path.join(SCRATCH, t) for t in TESTS)]
-    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
-    shutil.copy(os.path.join(ROOT, path), target)
-    failed = [l.split(" ")[1] for l in proc.stdout.splitlines() if l.startswith("FAILED ")]
-    if proc.returncode == 0:
-        return "MISSED", what
-    if not failed:
-        return f"ERROR (pytest exit {proc.returncode}): {proc.stdout[-500:]}", what
-    return "caught by " + ", ".join(f.split("::")[-1] for f in failed), what
-
 
 def main():
     venv = os.environ.get("KVX_VLLM_VENV", os.path.join(ROOT, "target/vllm-venv"))
     python = os.path.join(venv, "bin/python")
-    names = sys.argv[1:] or list(MUTANTS)
-    shutil.rmtree(SCRATCH, ignore_errors=True)
-    shutil.copytree(os.path.join(ROOT, "python"), os.path.join(SCRATCH, "python"))
-    # The copy shadows the installed package, so it needs the installed wheel's compiled
-    # module too. Asked from / with no PYTHONPATH, so that only the environment's kvx answers.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    native = subprocess.run([python, "-c", "import kvx._kvx; print(kvx._kvx.__file__)"],
-                            cwd="/", env=env, capture_output=True, text=True, check=True)
-    shutil.copy(native.stdout.strip(), os.path.join(SCRATCH, "python/kvx"))
-    missed = False
-    for name in names:
-        verdict, what = run(name, python)
-        missed |= not verdict.startswith("caught")
-        print(f"{name:30} {verdict}\n{'':30} ({what})", flush=True)
-    sys.exit(1 if missed else 0)
+    tests = lambda scratch: [os.path.join(scratch, t) for t in TESTS]
+    python_mutants.main(MUTANTS, python, SCRATCH, tests, "scripts/vllm-mutants.py")
 
 
 if __name__ == "__main__":
