@@ -1,8 +1,9 @@
 //! The data plane: one-sided writes of staged chunks into a remote registered buffer.
 //!
 //! The contract follows RDMA verbs, so that what the simulation proves holds on hardware:
-//! - a receiver *exposes* a buffer of a `SlotGeometry` (`slots × slot_bytes`); a sender *connects* its staging
-//!   memory to it and posts writes of one staging slot into one remote slot;
+//! - a receiver *exposes* a buffer of a `SlotGeometry` (`slots × slot_bytes`); a sender
+//!   *connects* its staging memory to it and posts writes of one staging slot into one remote
+//!   slot;
 //! - completions arrive **in posting order per connection**;
 //! - a local completion tells the remote side nothing: the receiver learns of a write only
 //!   from a `Landed` notice, and only when the write carried an immediate value;
