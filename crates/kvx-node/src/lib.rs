@@ -28,6 +28,8 @@
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 //! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
 //!   end-to-end tests).
+//! - here: `StartError`, and the one place a node's memory shape is made from its
+//!   configuration (`configured_geometry`) or a lent region is held to it (`lent_fits`).
 
 #![warn(missing_docs)]
 
