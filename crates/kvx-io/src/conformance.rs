@@ -15,6 +15,7 @@ use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::access::FabricCredential;
 use crate::checksum::chunk_checksum;
 use crate::fabric::{Completion, Fabric, FabricError, FabricListener, PostWrite, SlotMemory};
+use crate::geometry::SlotGeometry;
 use crate::transport::{ClientEvent, Transport};
 
 /// The longest any single step of a conformance body may take.
@@ -201,13 +202,16 @@ pub async fn fabric_writes_land_in_order<F: Fabric>(
     slot_bytes: usize,
 ) {
     let mut listener = f
-        .expose(endpoint, slots, slot_bytes)
+        .expose(
+            endpoint,
+            SlotGeometry::new(slots, slot_bytes).expect("a geometry"),
+        )
         .await
         .expect("conformance: expose");
     let peer = PeerId(41);
     let credential = grant_all(&listener, peer);
     let staging = f
-        .allocate_staging(slots, slot_bytes)
+        .allocate_staging(SlotGeometry::new(slots, slot_bytes).expect("a geometry"))
         .expect("conformance: staging");
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
@@ -430,13 +434,15 @@ pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(
 ) {
     const BYTES: usize = 1024;
     let mut listener = f
-        .expose(endpoint, 4, BYTES)
+        .expose(endpoint, SlotGeometry::new(4, BYTES).expect("a geometry"))
         .await
         .expect("conformance: expose");
     let (owner, intruder) = (PeerId(1), PeerId(2));
     listener.access.grant(0, owner, GEN);
     listener.access.grant(1, intruder, GEN);
-    let staging = f.allocate_staging(4, BYTES).expect("conformance: staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, BYTES).expect("a geometry"))
+        .expect("conformance: staging");
     let junk = vec![0xEEu8; BYTES];
     staging.write_slot(0, &junk);
     let mut bad = f
@@ -477,7 +483,9 @@ pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(
     }
     // The owner's own write lands; its second write under the same grant does not.
     let mine = pattern(9, BYTES);
-    let owner_staging = f.allocate_staging(4, BYTES).expect("conformance: staging");
+    let owner_staging = f
+        .allocate_staging(SlotGeometry::new(4, BYTES).expect("a geometry"))
+        .expect("conformance: staging");
     owner_staging.write_slot(0, &mine);
     let mut good = f
         .connect(
@@ -541,7 +549,7 @@ pub async fn fabric_refuses_writes_outside_grants<F: Fabric>(
     );
     // Nor does staging with another chunk size.
     let small = f
-        .allocate_staging(4, BYTES / 2)
+        .allocate_staging(SlotGeometry::new(4, BYTES / 2).expect("a geometry"))
         .expect("conformance: staging");
     let refused = f
         .connect(
@@ -569,7 +577,7 @@ pub async fn fabric_lands_only_whole_chunks<F: Fabric>(
     const BYTES: usize = 1024;
     const CHUNK: usize = 600;
     let mut listener = f
-        .expose(endpoint, 2, BYTES)
+        .expose(endpoint, SlotGeometry::new(2, BYTES).expect("a geometry"))
         .await
         .expect("conformance: expose");
     let peer = PeerId(4);
@@ -581,7 +589,9 @@ pub async fn fabric_lands_only_whole_chunks<F: Fabric>(
             bytes: Some(CHUNK as u64),
         }),
     });
-    let staging = f.allocate_staging(2, BYTES).expect("conformance: staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, BYTES).expect("a geometry"))
+        .expect("conformance: staging");
     let bytes = pattern(3, BYTES);
     staging.write_slot(0, &bytes);
     let mut conn = f
@@ -649,12 +659,14 @@ pub async fn fabric_lands_only_whole_chunks<F: Fabric>(
 pub async fn fabric_checks_checksums<F: Fabric>(f: &F, endpoint: &str) {
     const BYTES: usize = 4096;
     let mut listener = f
-        .expose(endpoint, 2, BYTES)
+        .expose(endpoint, SlotGeometry::new(2, BYTES).expect("a geometry"))
         .await
         .expect("conformance: expose");
     let peer = PeerId(3);
     let credential = grant_all(&listener, peer);
-    let staging = f.allocate_staging(2, BYTES).expect("conformance: staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, BYTES).expect("a geometry"))
+        .expect("conformance: staging");
     let bytes = pattern(1, BYTES);
     staging.write_slot(0, &bytes);
     let mut conn = f
@@ -696,11 +708,13 @@ pub async fn fabric_checks_checksums<F: Fabric>(f: &F, endpoint: &str) {
 /// exactly once, in order; nothing is lost and nothing completes twice.
 pub async fn fabric_reset_flushes<F: Fabric>(f: &F, endpoint: &str) {
     let listener = f
-        .expose(endpoint, 4, 4096)
+        .expose(endpoint, SlotGeometry::new(4, 4096).expect("a geometry"))
         .await
         .expect("conformance: expose");
     let credential = grant_all(&listener, PeerId(1));
-    let staging = f.allocate_staging(4, 4096).expect("conformance: staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 4096).expect("a geometry"))
+        .expect("conformance: staging");
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
         .await
@@ -749,11 +763,13 @@ pub async fn fabric_reset_flushes<F: Fabric>(f: &F, endpoint: &str) {
 /// corrupt anything.
 pub async fn fabric_rejects_out_of_bounds<F: Fabric>(f: &F, endpoint: &str) {
     let listener = f
-        .expose(endpoint, 2, 1024)
+        .expose(endpoint, SlotGeometry::new(2, 1024).expect("a geometry"))
         .await
         .expect("conformance: expose");
     let credential = grant_all(&listener, PeerId(1));
-    let staging = f.allocate_staging(2, 1024).expect("conformance: staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("conformance: staging");
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
         .await

@@ -1,8 +1,9 @@
 //! The data plane: one-sided writes of staged chunks into a remote registered buffer.
 //!
 //! The contract follows RDMA verbs, so that what the simulation proves holds on hardware:
-//! - a receiver *exposes* a buffer of `slots × slot_bytes`; a sender *connects* its staging
-//!   memory to it and posts writes of one staging slot into one remote slot;
+//! - a receiver *exposes* a buffer of a `SlotGeometry` (`slots × slot_bytes`); a sender
+//!   *connects* its staging memory to it and posts writes of one staging slot into one remote
+//!   slot;
 //! - completions arrive **in posting order per connection**;
 //! - a local completion tells the remote side nothing: the receiver learns of a write only
 //!   from a `Landed` notice, and only when the write carried an immediate value;
@@ -22,6 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::access::{FabricAccess, FabricCredential};
 pub use crate::fabric_error::FabricError;
+use crate::geometry::SlotGeometry;
 use crate::region::{ExternalRegion, SlotRegion};
 
 /// Registered memory, addressed by slot. Implementations choose where it lives (kvx's own
@@ -33,6 +35,13 @@ pub trait SlotMemory: fmt::Debug + Send + Sync + 'static {
     fn slots(&self) -> u32;
     /// Bytes in each slot (one chunk).
     fn slot_bytes(&self) -> usize;
+    /// The memory's shape as one value (what a handshake announces).
+    fn geometry(&self) -> SlotGeometry {
+        SlotGeometry {
+            slots: self.slots(),
+            slot_bytes: self.slot_bytes() as u64,
+        }
+    }
     /// Runs `f` on all of `slot`'s bytes in place, exclusively within this process. Panics
     /// when `slot` is out of bounds: a caller bug.
     fn with_slot(&self, slot: u32, f: &mut dyn FnMut(&mut [u8]));
@@ -94,11 +103,11 @@ pub struct LocalMemory {
 }
 
 impl LocalMemory {
-    /// `slots × slot_bytes` zeroed bytes of kvx's own, every page touched now
+    /// `geometry`'s zeroed bytes of kvx's own, every page touched now
     /// (`SlotRegion::allocate`).
-    pub fn allocate(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
+    pub fn allocate(geometry: SlotGeometry) -> Result<Self, FabricError> {
         Ok(Self {
-            region: SlotRegion::allocate(slots, slot_bytes)?,
+            region: SlotRegion::allocate(geometry)?,
         })
     }
 
@@ -282,12 +291,9 @@ pub trait Fabric: Clone + Send + Sync + 'static {
     /// The memory it exposes and writes from.
     type Memory: SlotMemory;
 
-    /// Local staging memory for a sender.
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<Self::Memory>, FabricError>;
+    /// Local staging memory of `geometry` for a sender. `SlotGeometry::new` checked the
+    /// shape; an implementation adds only a limit of its own (RDMA's largest write).
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<Self::Memory>, FabricError>;
 
     /// Staging in memory the caller owns (`ExternalRegion`). A fabric that needs memory of
     /// its own kind (a shared mapping another process can map) refuses it, saying so.
@@ -313,13 +319,12 @@ pub trait Fabric: Clone + Send + Sync + 'static {
         async move { refused }
     }
 
-    /// Creates a receive buffer and accepts writes into it at `endpoint` (port 0: the OS
-    /// picks; `local_endpoint` tells).
+    /// Creates a receive buffer of `geometry` and accepts writes into it at `endpoint` (port
+    /// 0: the OS picks; `local_endpoint` tells).
     fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> impl Future<Output = Result<FabricListener<Self::Memory>, FabricError>> + Send;
 
     /// Connects `staging` to the buffer exposed at `endpoint`, as the control peer that

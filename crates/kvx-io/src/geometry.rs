@@ -56,6 +56,17 @@ impl SlotGeometry {
     pub fn total_bytes(&self) -> u64 {
         u64::from(self.slots) * self.slot_bytes
     }
+
+    /// The whole region's length in this address space, for code that maps or allocates it;
+    /// `None` for an empty shape or one too large to address. Not a second policy check
+    /// (`new` is the one): the fields are public, so a shape built by hand (a handshake's,
+    /// before it is checked) could be either, and memory must not be sized from it then.
+    pub fn region_len(&self) -> Option<usize> {
+        u64::from(self.slots)
+            .checked_mul(self.slot_bytes)
+            .and_then(|len| usize::try_from(len).ok())
+            .filter(|&len| len > 0 && len <= isize::MAX as usize)
+    }
 }
 
 #[cfg(test)]
@@ -71,5 +82,9 @@ mod tests {
         let g = SlotGeometry::new(4, 4096).expect("a shape");
         assert_eq!((g.total_bytes(), g.offset(3)), (16_384, 12_288));
         assert!(g.holds(3, 4096) && !g.holds(4, 1) && !g.holds(0, 4097));
+        assert_eq!(g.region_len(), Some(16_384));
+        let by_hand = |slots, slot_bytes| SlotGeometry { slots, slot_bytes };
+        assert_eq!(by_hand(0, 64).region_len(), None);
+        assert_eq!(by_hand(u32::MAX, u64::MAX / 2).region_len(), None);
     }
 }

@@ -20,7 +20,8 @@
 //!   slot: the one place an address becomes bytes) and `ExternalRegion` (memory a caller
 //!   lends kvx).
 //! - `geometry`: `SlotGeometry`, a region's shape (slots × bytes), checked in one place for
-//!   every fabric and carried in their handshakes.
+//!   every fabric, the one value `Fabric::allocate_staging` and `Fabric::expose` take, and
+//!   carried in the fabrics' handshakes.
 //! - `access`: `FabricAccess` (the grant mirror every write is checked against) and
 //!   `FabricCredential` (what ties a fabric connection to a control peer).
 //! - `budget`: `ConnectionBudget`, the connections a listener holds and which one goes past

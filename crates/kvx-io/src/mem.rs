@@ -15,6 +15,7 @@ use crate::fabric::{
     landing_channel, Completion, ConnOp, Fabric, FabricConn, FabricError, FabricListener,
     LocalMemory, SlotMemory,
 };
+use crate::geometry::SlotGeometry;
 use crate::region::ExternalRegion;
 use crate::transport::{
     ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
@@ -213,12 +214,8 @@ impl MemFabric {
 impl Fabric for MemFabric {
     type Memory = LocalMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<LocalMemory>, FabricError> {
-        Ok(Arc::new(LocalMemory::allocate(slots, slot_bytes)?))
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<LocalMemory>, FabricError> {
+        Ok(Arc::new(LocalMemory::allocate(geometry)?))
     }
 
     fn staging_in(&self, region: ExternalRegion) -> Result<Arc<LocalMemory>, FabricError> {
@@ -228,10 +225,9 @@ impl Fabric for MemFabric {
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<LocalMemory>, FabricError> {
-        let memory = LocalMemory::allocate(slots, slot_bytes)?;
+        let memory = LocalMemory::allocate(geometry)?;
         self.expose_memory(endpoint, Arc::new(memory))
     }
 

@@ -21,6 +21,7 @@ use std::ptr::NonNull;
 use std::sync::Mutex;
 
 use crate::fabric_error::FabricError;
+use crate::geometry::SlotGeometry;
 
 /// Alignment of the memory kvx allocates itself: a page, as a NIC registration or a
 /// `vmsplice` of whole pages prefers.
@@ -74,13 +75,21 @@ impl SlotRegion {
     /// `slots × slot_bytes` zeroed bytes of kvx's own, every page touched now: registering
     /// memory with a NIC pins it the same way, and the first write into a slot then costs no
     /// page fault on the data path (in the demo the faults of 192 MiB of fresh buffers were
-    /// about a tenth of the run's CPU).
-    pub fn allocate(slots: u32, slot_bytes: usize) -> Result<Self, FabricError> {
-        let len = checked_len(slots, slot_bytes)?;
+    /// about a tenth of the run's CPU). `SlotGeometry::new` checked the shape; what is left
+    /// here is what the allocator itself may refuse.
+    pub fn allocate(geometry: SlotGeometry) -> Result<Self, FabricError> {
+        let SlotGeometry { slots, slot_bytes } = geometry;
+        let len = geometry.region_len().ok_or_else(|| {
+            FabricError::Allocation(format!(
+                "cannot allocate {slots} slots of {slot_bytes} bytes"
+            ))
+        })?;
+        // At most `len`, which is a `usize`.
+        let slot_bytes = slot_bytes as usize;
         let layout = std::alloc::Layout::from_size_align(len, PAGE).map_err(|e| {
             FabricError::Allocation(format!("{slots} slots of {slot_bytes} bytes: {e}"))
         })?;
-        // SAFETY: `layout` has a non-zero size (`checked_len` refuses zero).
+        // SAFETY: `layout` has a non-zero size (`region_len` refuses zero).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| {
             FabricError::Allocation(format!(
@@ -256,25 +265,14 @@ impl ExternalRegion {
     }
 }
 
-/// `slots × slot_bytes`, refusing zero and overflow.
-fn checked_len(slots: u32, slot_bytes: usize) -> Result<usize, FabricError> {
-    let why = || format!("cannot allocate {slots} slots of {slot_bytes} bytes");
-    let len = (slots as usize)
-        .checked_mul(slot_bytes)
-        .ok_or_else(|| FabricError::Allocation(why()))?;
-    if len == 0 {
-        return Err(FabricError::Allocation(why()));
-    }
-    Ok(len)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn slots_are_disjoint_and_zeroed() {
-        let r = SlotRegion::allocate(3, 5000).expect("allocates");
+        let r = SlotRegion::allocate(SlotGeometry::new(3, 5000).expect("a geometry"))
+            .expect("allocates");
         for slot in 0..3u32 {
             r.with_slot(slot, |b| {
                 assert!(b.iter().all(|&x| x == 0));
@@ -313,8 +311,9 @@ mod tests {
 
     #[test]
     fn bad_regions_are_refused_with_a_reason() {
-        assert!(SlotRegion::allocate(0, 64).is_err());
-        assert!(SlotRegion::allocate(4, 0).is_err());
+        let by_hand = |slots, slot_bytes| SlotGeometry { slots, slot_bytes };
+        assert!(SlotRegion::allocate(by_hand(0, 64)).is_err());
+        assert!(SlotRegion::allocate(by_hand(4, 0)).is_err());
         // SAFETY: refused before any use.
         let null = unsafe { ExternalRegion::new(std::ptr::null_mut(), 64, 64, Box::new(())) };
         assert!(null.is_err());

@@ -28,6 +28,8 @@
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 //! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
 //!   end-to-end tests).
+//! - here: `StartError`, and the one place a node's memory shape is made from its
+//!   configuration (`configured_geometry`) or a lent region is held to it (`lent_fits`).
 
 #![warn(missing_docs)]
 
@@ -91,4 +93,39 @@ impl From<kvx_io::FabricError> for StartError {
     fn from(e: kvx_io::FabricError) -> Self {
         Self::Fabric(e)
     }
+}
+
+/// The shape of a node's own memory (a sender's staging, a receiver's buffer): the slot count
+/// its configuration names (`SenderConfig::staging_slots`, `ReceiverConfig::buffer_slots`),
+/// of `slot_bytes` each, checked by `SlotGeometry::new`.
+///
+/// Derived here, in one place, rather than taken from the caller beside the configuration:
+/// the core's state machines count the configuration's slots, so a second slot count passed
+/// with the memory's shape could disagree with them; derived from the configuration, it
+/// cannot. Memory a caller lends (`start_in`) brings its own shape, which `lent_fits` holds
+/// to the configuration.
+pub(crate) fn configured_geometry(
+    config_slots: u32,
+    slot_bytes: usize,
+) -> Result<kvx_io::SlotGeometry, StartError> {
+    Ok(kvx_io::SlotGeometry::new(config_slots, slot_bytes)?)
+}
+
+/// The one check that lent memory (`start_in`) has the slot count the configuration names:
+/// refused, naming both, rather than a state machine counting slots the memory lacks (or
+/// never using some it has).
+pub(crate) fn lent_fits(
+    what: &str,
+    region: &kvx_io::ExternalRegion,
+    config_slots: u32,
+) -> Result<(), StartError> {
+    if region.slots() == config_slots {
+        return Ok(());
+    }
+    Err(StartError::Memory(format!(
+        "the {what} region holds {} slots of {} bytes, the configuration {config_slots} {what} \
+         slots",
+        region.slots(),
+        region.slot_bytes(),
+    )))
 }

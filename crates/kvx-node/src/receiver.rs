@@ -122,10 +122,8 @@ impl ReceiverNode {
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
-        let listener = env
-            .fabric()
-            .expose(fabric_endpoint, cfg.buffer_slots, chunk_bytes)
-            .await?;
+        let geometry = crate::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
+        let listener = env.fabric().expose(fabric_endpoint, geometry).await?;
         Ok(Self::run(env, ledger, server, listener))
     }
 
@@ -140,15 +138,7 @@ impl ReceiverNode {
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
-        if buffer.slots() != cfg.buffer_slots {
-            return Err(StartError::Memory(format!(
-                "the receive region holds {} slots of {} bytes, the configuration {} buffer \
-                 slots",
-                buffer.slots(),
-                buffer.slot_bytes(),
-                cfg.buffer_slots
-            )));
-        }
+        crate::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvx_io::fabric::{ConnOp, FabricConn, LocalMemory};
 use kvx_io::mem::{MemFabric, MemTransport};
-use kvx_io::{Fabric, FabricCredential, FabricError, FabricListener, TokioEnv};
+use kvx_io::{Fabric, FabricCredential, FabricError, FabricListener, SlotGeometry, TokioEnv};
 use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
 use kvx_node::{
     BufferSnapshot, ChunkReader, ProxyHandle, ProxyNode, ReceiverNode, ReceiverNotice,
@@ -59,21 +59,16 @@ struct WiredFabric {
 impl Fabric for WiredFabric {
     type Memory = LocalMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<LocalMemory>, FabricError> {
-        self.inner.allocate_staging(slots, slot_bytes)
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<LocalMemory>, FabricError> {
+        self.inner.allocate_staging(geometry)
     }
 
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<LocalMemory>, FabricError> {
-        self.inner.expose(endpoint, slots, slot_bytes).await
+        self.inner.expose(endpoint, geometry).await
     }
 
     async fn connect(

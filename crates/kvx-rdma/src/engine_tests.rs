@@ -63,7 +63,9 @@ fn engine() -> SendEngine<Nic> {
     }))
     .expect("rtr");
     qp.modify(Transition::Rts { psn: 1 }).expect("rts");
-    let staging = Arc::new(RdmaMemory::anonymous(4, SLOT).expect("staging"));
+    let staging = Arc::new(
+        RdmaMemory::anonymous(SlotGeometry::new(4, SLOT).expect("a geometry")).expect("staging"),
+    );
     let remote = RemoteBuffer {
         geometry: SlotGeometry {
             slots: 8,

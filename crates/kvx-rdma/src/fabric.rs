@@ -2,13 +2,15 @@
 
 use std::sync::Arc;
 
-use kvx_io::{ExternalRegion, Fabric, FabricConn, FabricError, FabricListener, SlotMemory};
+use kvx_io::{
+    ExternalRegion, Fabric, FabricConn, FabricError, FabricListener, SlotGeometry, SlotMemory,
+};
 
 use crate::config::RdmaConfig;
 use crate::device::Device;
 use crate::memory::RdmaMemory;
 use crate::verbs::{RemoteAccess, Verbs};
-use crate::wire::checked_geometry;
+use crate::wire::{checked_geometry, within_one_write};
 use crate::{link, receiver, sender};
 
 /// Why an RDMA fabric could not be opened.
@@ -79,12 +81,11 @@ impl<V: Verbs> RdmaFabric<V> {
 
     fn registered(
         &self,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
-        checked_geometry(slots, slot_bytes)?;
-        let memory = RdmaMemory::anonymous(slots, slot_bytes).map_err(|e| {
+        let SlotGeometry { slots, slot_bytes } = within_one_write(geometry)?;
+        let memory = RdmaMemory::anonymous(geometry).map_err(|e| {
             FabricError::Allocation(format!("{slots} x {slot_bytes} B of memory: {e}"))
         })?;
         self.register(memory, access)
@@ -176,13 +177,9 @@ impl<V: Verbs> RdmaFabric<V> {
 impl<V: Verbs> Fabric for RdmaFabric<V> {
     type Memory = RdmaMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<RdmaMemory>, FabricError> {
-        self.staging_fits(slots)?;
-        self.registered(slots, slot_bytes, RemoteAccess::None)
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<RdmaMemory>, FabricError> {
+        self.staging_fits(geometry.slots)?;
+        self.registered(geometry, RemoteAccess::None)
     }
 
     /// Staging in the caller's region, registered with the device (GPU memory where the
@@ -195,10 +192,9 @@ impl<V: Verbs> Fabric for RdmaFabric<V> {
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<RdmaMemory>, FabricError> {
-        let memory = self.registered(slots, slot_bytes, RemoteAccess::Write)?;
+        let memory = self.registered(geometry, RemoteAccess::Write)?;
         self.expose_memory(endpoint, memory).await
     }
 

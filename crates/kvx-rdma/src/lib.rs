@@ -32,7 +32,7 @@
 //! - `remote_access`: `RemoteAccess`, what a peer may do to a region or queue pair (a leaf
 //!   under `verbs` and `memory`).
 //! - `wire`: the side channel's frames (hello, welcome, fence, the write frame ahead of each
-//!   write with immediate), `checked_geometry` (kvx-io's `SlotGeometry` within an RDMA write's size) and `GidKind`.
+//!   write with immediate), `checked_geometry` and `within_one_write` (kvx-io's `SlotGeometry` within an RDMA write's size) and `GidKind`.
 //! - `link`: the side channel's sockets (bind and bounded connect from `kvx_io::sockets`),
 //!   bounded reads and writes of its frames.
 //! - `route`: `wr_id` encoding and the routing of completions to connections.
@@ -86,7 +86,7 @@ pub use config::{PathMtu, RdmaConfig};
 pub use fabric::{RdmaError, RdmaFabric};
 pub use limits::DeviceLimits;
 pub use memory::RdmaMemory;
-pub use wire::{checked_geometry, QpAddr, SLOT_BYTES_MAX};
+pub use wire::{checked_geometry, within_one_write, QpAddr, SLOT_BYTES_MAX};
 
 #[cfg(feature = "rdma")]
 pub use ibv::IbvVerbs;

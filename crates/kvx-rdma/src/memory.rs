@@ -79,12 +79,18 @@ impl fmt::Debug for RdmaMemory {
 }
 
 impl RdmaMemory {
-    /// `slots × slot_bytes` zeroed bytes, not yet registered. The caller has checked the
-    /// geometry (`checked_geometry`).
-    pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
-        let map = MmapOptions::new()
-            .len(slots as usize * slot_bytes)
-            .map_anon()?;
+    /// `geometry`'s zeroed bytes, not yet registered. The caller has checked the geometry
+    /// (`SlotGeometry::new`, `within_one_write`); `region_len` refuses only a shape built by
+    /// hand that spans no memory, since the region over the mapping is sized from it.
+    pub(crate) fn anonymous(geometry: SlotGeometry) -> io::Result<Self> {
+        let len = geometry.region_len().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{geometry:?} spans no addressable memory"),
+            )
+        })?;
+        let (slots, slot_bytes) = (geometry.slots, geometry.slot_bytes as usize);
+        let map = MmapOptions::new().len(len).map_anon()?;
         let map: MmapRaw = map.into();
         let base = NonNull::new(map.as_mut_ptr()).expect("invariant: a mapping is never at 0");
         // SAFETY: the mapping is `slots × slot_bytes` bytes, readable and writable, and lives
@@ -231,7 +237,7 @@ mod tests {
 
     #[test]
     fn slots_are_separate_and_zeroed() {
-        let m = RdmaMemory::anonymous(3, 16).expect("map");
+        let m = RdmaMemory::anonymous(SlotGeometry::new(3, 16).expect("a geometry")).expect("map");
         assert_eq!(m.slots(), 3);
         assert_eq!(m.slot_bytes(), 16);
         m.write_slot(1, &[7; 16]);
@@ -250,7 +256,7 @@ mod tests {
 
     #[test]
     fn registered_once() {
-        let m = RdmaMemory::anonymous(1, 8).expect("map");
+        let m = RdmaMemory::anonymous(SlotGeometry::new(1, 8).expect("a geometry")).expect("map");
         let keys = MrKeys {
             lkey: 1,
             rkey: 2,
@@ -265,7 +271,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "invariant")]
     fn out_of_bounds_slot_panics() {
-        let m = RdmaMemory::anonymous(1, 8).expect("map");
+        let m = RdmaMemory::anonymous(SlotGeometry::new(1, 8).expect("a geometry")).expect("map");
         m.with_slot(1, |_| ());
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::conformance;
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, FabricAccess, FabricConn, FabricError, PostWrite, SlotMemory};
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 
@@ -53,10 +54,18 @@ async fn conformance_rejects_out_of_bounds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_outside_the_grants_is_never_announced() {
     let (f, _) = fabric();
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let (victim, intruder) = (PeerId(1), PeerId(2));
     listener.access.grant(0, victim, 3);
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = listener.access.credential_for(intruder);
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
@@ -128,8 +137,16 @@ pub(crate) async fn completions(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_error_mid_stream_flushes_the_rest_in_order_and_later_posts_too() {
     let (f, verbs) = fabric();
-    let mut listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(8, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..8, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
@@ -193,8 +210,16 @@ async fn wait_until(mut f: impl FnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_listener_fails_the_writes_of_its_senders() {
     let (f, verbs) = fabric();
-    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     staging.write_slot(0, &[9; 1024]);
     let credential = attach(&listener, 0..4, 1);
     let mut conn = f
@@ -219,10 +244,18 @@ async fn a_dropped_listener_fails_the_writes_of_its_senders() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshake_refusals_and_mismatches_are_clear_errors() {
     let (f, _) = fabric();
-    let small = f.expose("127.0.0.1:0", 2, 512).await.expect("expose");
+    let small = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(2, 512).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let credential = attach(&small, 0..0, 1);
     for bytes in [1024, 256] {
-        let staging = f.allocate_staging(2, bytes).expect("staging");
+        let staging = f
+            .allocate_staging(SlotGeometry::new(2, bytes).expect("a geometry"))
+            .expect("staging");
         let e = f
             .connect(&small.local_endpoint, staging, credential)
             .await
@@ -232,9 +265,13 @@ async fn handshake_refusals_and_mismatches_are_clear_errors() {
             "{e}"
         );
     }
-    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let (other, _) = fabric();
-    let foreign = other.allocate_staging(2, 512).expect("staging");
+    let foreign = other
+        .allocate_staging(SlotGeometry::new(2, 512).expect("a geometry"))
+        .expect("staging");
     let e = f
         .connect(&small.local_endpoint, foreign, credential)
         .await
@@ -268,7 +305,9 @@ async fn a_silent_endpoint_times_out_instead_of_hanging() {
         .await
         .expect("bind");
     let endpoint = silent.local_addr().expect("addr").to_string();
-    let staging = f.allocate_staging(1, 64).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, 64).expect("a geometry"))
+        .expect("staging");
     let credential = FabricAccess::new(1, [0; 16]).credential_for(PeerId(1));
     let e = tokio::time::timeout(STEP, f.connect(&endpoint, staging, credential))
         .await
@@ -280,8 +319,16 @@ async fn a_silent_endpoint_times_out_instead_of_hanging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_writes_through_a_small_window_with_receives_reposted() {
     let (f, _) = fabric();
-    let mut listener = f.expose("127.0.0.1:0", 4, 256).await.expect("expose");
-    let staging: Arc<_> = f.allocate_staging(2, 256).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 256).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging: Arc<_> = f
+        .allocate_staging(SlotGeometry::new(2, 256).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..0, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
@@ -314,9 +361,17 @@ async fn many_writes_through_a_small_window_with_receives_reposted() {
 async fn a_burst_beyond_the_posted_receives_waits_for_reposts_and_loses_nothing() {
     let (f, _) = fabric();
     // 100 slots, each granted once: a grant admits one write.
-    let mut listener = f.expose("127.0.0.1:0", 100, 128).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(100, 128).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     // 2 staging slots: the receiver posts 2 + 16 receives; 100 writes go out at once.
-    let staging = f.allocate_staging(2, 128).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 128).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..100, 7);
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
@@ -363,8 +418,16 @@ async fn an_mtu_cap_on_one_side_is_the_path_mtu_of_both() {
     )
     .expect("receiver's fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, config).expect("sender's fabric");
-    let mut listener = rx.expose("127.0.0.1:0", 4, 4096).await.expect("expose");
-    let staging = tx.allocate_staging(4, 4096).expect("staging");
+    let mut listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 4096).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(4, 4096).expect("a geometry"))
+        .expect("staging");
     staging.write_slot(0, &[0x5A; 4096]);
     let credential = attach(&listener, 0..4, 1);
     let mut conn = tx
@@ -419,8 +482,16 @@ async fn four_writes_held_at_the_receiver() -> HeldWrites {
     };
     let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
-    let listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = tx.allocate_staging(4, 1024).expect("staging");
+    let listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..4, 1);
     let mut conn = tx
         .connect(&listener.local_endpoint, staging, credential)
@@ -468,8 +539,16 @@ async fn a_write_after_an_idle_spell_completes_at_once() {
     };
     let f = RdmaFabric::with_verbs_idling(FakeVerbs::new(), RdmaConfig::default(), idle)
         .expect("fabric");
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..4, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
@@ -503,7 +582,13 @@ async fn idle_side_channel_connections_go_for_newcomers() {
         ..RdmaConfig::default()
     };
     let f = RdmaFabric::with_verbs(FakeVerbs::new(), config).expect("fabric");
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let addr = listener
         .local_endpoint
         .trim_start_matches("tcp://")
@@ -518,7 +603,9 @@ async fn idle_side_channel_connections_go_for_newcomers() {
         }
         idle.push(s);
     }
-    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..4, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
@@ -558,7 +645,13 @@ async fn a_hello_that_never_ends_is_closed_at_the_hello_deadline() {
         ..RdmaConfig::default()
     };
     let f = RdmaFabric::with_verbs(FakeVerbs::new(), config).expect("fabric");
-    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let addr = listener
         .local_endpoint
         .trim_start_matches("tcp://")
@@ -614,8 +707,16 @@ async fn a_fence_with_writes_outstanding_announces_exactly_what_completed_ok() {
     };
     let rx = RdmaFabric::with_verbs(receiver_nic.clone(), config.clone()).expect("fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, config).expect("fabric");
-    let mut listener = rx.expose("127.0.0.1:0", 32, 1024).await.expect("expose");
-    let staging = tx.allocate_staging(4, 1024).expect("staging");
+    let mut listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(32, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     for slot in 0..4 {
         staging.write_slot(slot, &[slot as u8 + 1; 1024]);
     }

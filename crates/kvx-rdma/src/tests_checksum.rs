@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use kvx_io::SlotGeometry;
 use kvx_io::{ChecksumCheck, Fabric, LandedWrite, PostWrite, SlotMemory};
 use kvx_proto::SlotIndex;
 
@@ -45,8 +46,16 @@ async fn next_landed(landed: &mut tokio::sync::mpsc::Receiver<LandedWrite>) -> L
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_write_lands_with_its_checksum_compared() {
     let (f, verbs) = fabric(RdmaConfig::default());
-    let mut listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(8, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     for slot in 0..4 {
         staging.write_slot(slot, &pattern(slot));
     }
@@ -116,12 +125,20 @@ async fn each_write_lands_with_its_checksum_compared() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_writes_pairs_every_write_with_its_frame() {
     let (f, _) = fabric(RdmaConfig::default());
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     for slot in 0..4 {
         listener.access.grant_standing(slot, kvx_proto::PeerId(1));
     }
     let credential = listener.access.credential_for(kvx_proto::PeerId(1));
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     for slot in 0..4 {
         staging.write_slot(slot, &pattern(slot));
     }
@@ -179,7 +196,9 @@ impl RawPeer {
         listener: &kvx_io::FabricListener<crate::RdmaMemory>,
     ) -> RawPeer {
         let credential = attach(listener, 0..4, 1);
-        let staging = f.allocate_staging(4, 1024).expect("staging");
+        let staging = f
+            .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+            .expect("staging");
         for slot in 0..4 {
             staging.write_slot(slot, &pattern(slot));
         }
@@ -258,7 +277,13 @@ impl RawPeer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frame_that_comes_after_its_write_landed_still_pairs() {
     let (f, verbs) = fabric(RdmaConfig::default());
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let mut peer = RawPeer::attach(&f, &verbs, &listener).await;
     peer.post(0);
     peer.post(1);
@@ -290,7 +315,13 @@ async fn a_write_whose_frame_never_comes_is_announced_without_a_checksum_after_t
         connect_timeout: bound,
         ..RdmaConfig::default()
     });
-    let mut listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let mut peer = RawPeer::attach(&f, &verbs, &listener).await;
     let started = tokio::time::Instant::now();
     peer.post(0);

@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, PostWrite, SlotMemory};
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 
@@ -26,14 +27,19 @@ const ROUNDS: usize = 21;
 async fn timed_round(sums: bool) -> f64 {
     let f = RdmaFabric::with_verbs(FakeVerbs::new(), RdmaConfig::default()).expect("fabric");
     let mut listener = f
-        .expose("127.0.0.1:0", WINDOW, CHUNK)
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(WINDOW, CHUNK).expect("a geometry"),
+        )
         .await
         .expect("expose");
     for slot in 0..WINDOW {
         listener.access.grant_standing(slot, PeerId(1));
     }
     let credential = listener.access.credential_for(PeerId(1));
-    let staging = f.allocate_staging(WINDOW, CHUNK).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(WINDOW, CHUNK).expect("a geometry"))
+        .expect("staging");
     let mut checksums = Vec::new();
     for s in 0..WINDOW {
         let bytes: Vec<u8> = (0..CHUNK).map(|i| (i as u32 * 7 + s) as u8).collect();

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, FabricError, PostWrite, SlotMemory};
 use kvx_proto::StagingSlot;
 
@@ -50,18 +51,44 @@ async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
         let e = r.expect_err("refused").to_string();
         assert!(e.contains(limit), "{e}");
     };
-    refused(f.allocate_staging(9, 1024).map(|_| ()), "max_qp_wr");
-    refused(f.allocate_staging(2, 8192).map(|_| ()), "max_msg_sz");
     refused(
-        f.expose("127.0.0.1:0", 65, 4096).await.map(|_| ()),
+        f.allocate_staging(SlotGeometry::new(9, 1024).expect("a geometry"))
+            .map(|_| ()),
+        "max_qp_wr",
+    );
+    refused(
+        f.allocate_staging(SlotGeometry::new(2, 8192).expect("a geometry"))
+            .map(|_| ()),
+        "max_msg_sz",
+    );
+    refused(
+        f.expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(65, 4096).expect("a geometry"),
+        )
+        .await
+        .map(|_| ()),
         "max_mr_size",
     );
     refused(
-        f.expose("127.0.0.1:0", 1, 4097).await.map(|_| ()),
+        f.expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(1, 4097).expect("a geometry"),
+        )
+        .await
+        .map(|_| ()),
         "max_msg_sz",
     );
-    assert!(f.allocate_staging(8, 4096).is_ok());
-    assert!(f.expose("127.0.0.1:0", 64, 4096).await.is_ok());
+    assert!(f
+        .allocate_staging(SlotGeometry::new(8, 4096).expect("a geometry"))
+        .is_ok());
+    assert!(f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(64, 4096).expect("a geometry")
+        )
+        .await
+        .is_ok());
 
     // A completion queue smaller than max_qp_wr allows (rxe: max_qp_wr 2^20, max_cqe
     // 32767): the staging is refused before anything is pinned, not at connect.
@@ -70,10 +97,14 @@ async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
         ..LIMITS
     }));
     refused(
-        small_cq.allocate_staging(6, 1024).map(|_| ()),
+        small_cq
+            .allocate_staging(SlotGeometry::new(6, 1024).expect("a geometry"))
+            .map(|_| ()),
         "completion queue",
     );
-    assert!(small_cq.allocate_staging(5, 1024).is_ok());
+    assert!(small_cq
+        .allocate_staging(SlotGeometry::new(5, 1024).expect("a geometry"))
+        .is_ok());
 
     // The process's locked-memory limit: the error says which limit and what to set.
     let memlock = fabric_on(FakeVerbs::new().with_limits(DeviceLimits {
@@ -81,17 +112,29 @@ async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
         ..LIMITS
     }));
     refused(
-        memlock.expose("127.0.0.1:0", 17, 4096).await.map(|_| ()),
+        memlock
+            .expose(
+                "127.0.0.1:0",
+                SlotGeometry::new(17, 4096).expect("a geometry"),
+            )
+            .await
+            .map(|_| ()),
         "RLIMIT_MEMLOCK",
     );
     refused(
         memlock
-            .allocate_staging(8, 4096)
-            .and(memlock.allocate_staging(5, 8192))
+            .allocate_staging(SlotGeometry::new(8, 4096).expect("a geometry"))
+            .and(memlock.allocate_staging(SlotGeometry::new(5, 8192).expect("a geometry")))
             .map(|_| ()),
         "max_msg_sz",
     );
-    assert!(memlock.expose("127.0.0.1:0", 16, 4096).await.is_ok());
+    assert!(memlock
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(16, 4096).expect("a geometry")
+        )
+        .await
+        .is_ok());
 }
 
 /// The receiver wants a receive per staging slot plus `recv_slack` (4 + 16) but the device
@@ -99,8 +142,16 @@ async fn a_geometry_beyond_the_devices_limits_is_refused_naming_the_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_posts_no_more_receives_than_a_queue_holds() {
     let f = fabric();
-    let mut listener = f.expose("127.0.0.1:0", 40, 1024).await.expect("expose");
-    let staging = f.allocate_staging(4, 1024).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(40, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..40, 3);
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
@@ -130,8 +181,16 @@ async fn a_receiver_posts_no_more_receives_than_a_queue_holds() {
 async fn only_a_receivers_buffer_and_queue_pair_take_peers_writes() {
     let verbs = FakeVerbs::new();
     let f = RdmaFabric::with_verbs(verbs.clone(), RdmaConfig::default()).expect("fabric");
-    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let rkey = |m: &RdmaMemory| m.keys().expect("registered").rkey;
     assert_eq!(
         verbs.registration_access(rkey(&staging)),
@@ -160,12 +219,16 @@ async fn only_a_receivers_buffer_and_queue_pair_take_peers_writes() {
 fn the_model_refuses_writes_without_remote_access_and_bounds_a_poll() {
     const WRITES: u64 = 100;
     let verbs = FakeVerbs::new();
-    let source = Arc::new(RdmaMemory::anonymous(1, 64).expect("memory"));
+    let source = Arc::new(
+        RdmaMemory::anonymous(SlotGeometry::new(1, 64).expect("a geometry")).expect("memory"),
+    );
     verbs
         .register(&source, RemoteAccess::None)
         .expect("register");
     let outcome = |target_access: RemoteAccess, qp_access: RemoteAccess| {
-        let target = Arc::new(RdmaMemory::anonymous(1, 64).expect("memory"));
+        let target = Arc::new(
+            RdmaMemory::anonymous(SlotGeometry::new(1, 64).expect("a geometry")).expect("memory"),
+        );
         verbs.register(&target, target_access).expect("register");
         let mut a = Qp::new(verbs.create_qp(1, 1).expect("qp"));
         let mut b = Qp::new(verbs.create_qp(1, 1).expect("qp"));
@@ -244,8 +307,16 @@ async fn gids_of_different_kinds_are_refused_naming_both() {
     let receiver_nic = sender_nic.another_device().with_gid_kind(GidKind::RoceV2);
     let rx = RdmaFabric::with_verbs(receiver_nic, RdmaConfig::default()).expect("fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, RdmaConfig::default()).expect("fabric");
-    let listener = rx.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = tx.allocate_staging(2, 1024).expect("staging");
+    let listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..4, 1);
     match tx
         .connect(&listener.local_endpoint, staging, credential)
@@ -294,14 +365,24 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
     // after the sender's queue pair exists (destroyed on the error path), the connection's end
     // (ERROR, then destroy, on both sides) and the last handles of the memory (deregistered).
     tokio::spawn(async move {
-        let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-        let staging = f.allocate_staging(2, 1024).expect("staging");
+        let listener = f
+            .expose(
+                "127.0.0.1:0",
+                SlotGeometry::new(4, 1024).expect("a geometry"),
+            )
+            .await
+            .expect("expose");
+        let staging = f
+            .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+            .expect("staging");
         let credential = attach(&listener, 0..4, 1);
         let conn = f
             .connect(&listener.local_endpoint, staging, credential)
             .await
             .expect("connect");
-        let other_size = f.allocate_staging(2, 512).expect("staging");
+        let other_size = f
+            .allocate_staging(SlotGeometry::new(2, 512).expect("a geometry"))
+            .expect("staging");
         assert!(f
             .connect(&listener.local_endpoint, other_size, credential)
             .await
@@ -309,7 +390,10 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
         drop(conn);
         tokio::time::sleep(Duration::from_secs(1)).await;
         // A staging whose one handle goes here: deregistered as it drops.
-        drop(f.allocate_staging(1, 1024).expect("staging"));
+        drop(
+            f.allocate_staging(SlotGeometry::new(1, 1024).expect("a geometry"))
+                .expect("staging"),
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     })
     .await
@@ -328,8 +412,16 @@ async fn blocking_verbs_calls_do_not_hold_up_the_runtime() {
 async fn a_failed_completion_queue_breaks_every_connection_and_the_device() {
     let verbs = FakeVerbs::new();
     let f = fabric_on(verbs.clone());
-    let listener = f.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
-    let staging = f.allocate_staging(2, 1024).expect("staging");
+    let listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..4, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)
@@ -370,12 +462,19 @@ async fn a_fatal_queue_pair_breaks_its_own_connection_only() {
 async fn a_queue_pair_event_breaks_its_own_connection_only(event: fn(u32) -> DeviceEvent) {
     let verbs = FakeVerbs::new();
     let f = fabric_on(verbs.clone());
-    let listener = f.expose("127.0.0.1:0", 8, 1024).await.expect("expose");
+    let listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(8, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let credential = attach(&listener, 0..8, 1);
     let mut broken = f
         .connect(
             &listener.local_endpoint,
-            f.allocate_staging(2, 1024).expect("staging"),
+            f.allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+                .expect("staging"),
             credential,
         )
         .await
@@ -385,7 +484,8 @@ async fn a_queue_pair_event_breaks_its_own_connection_only(event: fn(u32) -> Dev
     let mut healthy = f
         .connect(
             &listener.local_endpoint,
-            f.allocate_staging(2, 1024).expect("staging"),
+            f.allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
+                .expect("staging"),
             credential,
         )
         .await
@@ -398,7 +498,8 @@ async fn a_queue_pair_event_breaks_its_own_connection_only(event: fn(u32) -> Dev
     healthy.post(write(2, 4, 1)).expect("post");
     assert_eq!(completions(&mut healthy, 1).await, vec![(2, Ok(()))]);
     assert!(
-        f.allocate_staging(1, 64).is_ok(),
+        f.allocate_staging(SlotGeometry::new(1, 64).expect("a geometry"))
+            .is_ok(),
         "the device is still usable"
     );
 }
@@ -411,12 +512,18 @@ async fn a_receiver_on_a_failed_device_refuses_new_senders_saying_so() {
     let sending = receiving.another_device();
     let r = fabric_on(receiving.clone());
     let s = fabric_on(sending);
-    let listener = r.expose("127.0.0.1:0", 4, 1024).await.expect("expose");
+    let listener = r
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let credential = attach(&listener, 0..4, 1);
     receiving.inject_event(DeviceEvent::DeviceFatal);
     refusal_once_unusable(&r).await;
     let staging = s
-        .allocate_staging(2, 1024)
+        .allocate_staging(SlotGeometry::new(2, 1024).expect("a geometry"))
         .expect("the sender's device is fine");
     let e = s
         .connect(&listener.local_endpoint, staging, credential)
@@ -464,7 +571,7 @@ async fn a_lid_change_refreshes_what_new_connections_advertise() {
 async fn refusal_once_unusable(f: &RdmaFabric<FakeVerbs>) -> String {
     let mut refused = String::new();
     within_10_s("the device is marked unusable", || {
-        match f.allocate_staging(1, 64) {
+        match f.allocate_staging(SlotGeometry::new(1, 64).expect("a geometry")) {
             Err(e) => {
                 refused = e.to_string();
                 true

@@ -437,7 +437,8 @@ mod tests {
         qp.post_recv(1).expect("receives from INIT on");
         assert!(qp.modify(Transition::Rts { psn: 0 }).is_err(), "INIT → RTS");
         qp.modify(rtr()).expect("rtr");
-        let mem = RdmaMemory::anonymous(1, 8).expect("memory");
+        let mem = RdmaMemory::anonymous(kvx_io::SlotGeometry::new(1, 8).expect("a geometry"))
+            .expect("memory");
         let wr = WriteWr {
             wr_id: 9,
             staging: &mem,

@@ -35,11 +35,17 @@ pub(crate) const WRITE_FRAME_LEN: usize = 16;
 /// most 1 GiB.
 pub const SLOT_BYTES_MAX: u64 = 1 << 30;
 
-/// A buffer's shape as RDMA takes it: kvx-io's one check (`SlotGeometry::new`), and slots
-/// no larger than one RDMA write may be (`SLOT_BYTES_MAX`).
+/// A buffer's shape as RDMA takes it, from loose numbers (a lent region's, a peer's): kvx-io's
+/// one check (`SlotGeometry::new`), then RDMA's own bound (`within_one_write`).
 pub fn checked_geometry(slots: u32, slot_bytes: usize) -> Result<SlotGeometry, FabricError> {
-    let geometry = SlotGeometry::new(slots, slot_bytes)?;
+    within_one_write(SlotGeometry::new(slots, slot_bytes)?)
+}
+
+/// RDMA's one limit beyond `SlotGeometry::new`'s: slots no larger than one RDMA write may be
+/// (`SLOT_BYTES_MAX`).
+pub fn within_one_write(geometry: SlotGeometry) -> Result<SlotGeometry, FabricError> {
     if geometry.slot_bytes > SLOT_BYTES_MAX {
+        let SlotGeometry { slots, slot_bytes } = geometry;
         return Err(FabricError::Allocation(format!(
             "{slots} slots of {slot_bytes} bytes: an RDMA slot holds at most {SLOT_BYTES_MAX} bytes"
         )));

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use kvx_io::SlotGeometry;
 use kvx_io::{conformance, Fabric, FabricConn, FabricListener, PostWrite, SlotMemory};
 use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use kvx_rdma::verbs::Verbs;
@@ -141,8 +142,16 @@ async fn rdma_mtu_cap_on_the_receiver_only() {
         return;
     };
 
-    let mut listener = rx.expose("127.0.0.1:0", 8, 1 << 20).await.expect("expose");
-    let staging = tx.allocate_staging(8, 1 << 20).expect("staging");
+    let mut listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(8, 1 << 20).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(8, 1 << 20).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..8, 1);
     let mut conn = tx
         .connect(&listener.local_endpoint, staging, credential)
@@ -172,7 +181,7 @@ async fn rdma_staging_at_the_devices_max_qp_wr() {
     let Some(receiving) = open() else { return };
     let limits = f.verbs().limits();
     let max = limits.max_staging_slots();
-    match f.allocate_staging(max + 1, 4096) {
+    match f.allocate_staging(SlotGeometry::new(max + 1, 4096).expect("a geometry")) {
         Ok(_) => panic!("a staging of {} slots was accepted ({limits:?})", max + 1),
         Err(e) => {
             let e = e.to_string();
@@ -183,11 +192,14 @@ async fn rdma_staging_at_the_devices_max_qp_wr() {
         }
     }
     let listener = receiving
-        .expose("127.0.0.1:0", 64, 4096)
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(64, 4096).expect("a geometry"),
+        )
         .await
         .expect("expose");
     let staging = f
-        .allocate_staging(max, 4096)
+        .allocate_staging(SlotGeometry::new(max, 4096).expect("a geometry"))
         .expect("staging at the most slots");
     let credential = attach(&listener, 0..0, 1);
     let mut conn = f
@@ -211,8 +223,16 @@ async fn rdma_staging_at_the_devices_max_qp_wr() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_fence_after_an_idle_receiver_announces_what_landed() {
     let Some(f) = open() else { return };
-    let mut listener = f.expose("127.0.0.1:0", 16, 65536).await.expect("expose");
-    let staging = f.allocate_staging(16, 65536).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(16, 65536).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(16, 65536).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..16, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging, credential)
@@ -241,8 +261,16 @@ async fn rdma_fence_after_an_idle_receiver_announces_what_landed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_fence_with_writes_outstanding_announces_every_ok_write() {
     let Some(f) = open() else { return };
-    let mut listener = f.expose("127.0.0.1:0", 16, 65536).await.expect("expose");
-    let staging = f.allocate_staging(16, 65536).expect("staging");
+    let mut listener = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(16, 65536).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(16, 65536).expect("a geometry"))
+        .expect("staging");
     let credential = attach(&listener, 0..16, 1);
     let mut conn = f
         .connect(&listener.local_endpoint, staging.clone(), credential)

@@ -18,6 +18,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, SlotMemory};
 use kvx_io::{FabricConn, PostWrite};
 use kvx_proto::{SlotIndex, StagingSlot, WriteId};
@@ -127,10 +128,15 @@ async fn tcp_baseline(total: usize, chunk: usize, buffers: usize) -> Duration {
 async fn shm_baseline(total: usize, chunk: usize, window: u32) -> Duration {
     let f = ShmFabric::new();
     let listener = f
-        .expose("127.0.0.1:0", window, chunk)
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(window, chunk).expect("a geometry"),
+        )
         .await
         .expect("expose");
-    let staging = f.allocate_staging(window, chunk).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(window, chunk).expect("a geometry"))
+        .expect("staging");
     for k in 0..window {
         staging.write_slot(k, &vec![k as u8; chunk]);
     }
@@ -147,10 +153,15 @@ async fn shm_baseline(total: usize, chunk: usize, window: u32) -> Duration {
 /// immediate; timed until every completion and every landed notice is in.
 async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -> Duration {
     let mut listener = f
-        .expose("127.0.0.1:0", window, chunk)
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(window, chunk).expect("a geometry"),
+        )
         .await
         .expect("expose");
-    let staging = f.allocate_staging(window, chunk).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(window, chunk).expect("a geometry"))
+        .expect("staging");
     let mut checksums = Vec::new();
     for k in 0..window {
         let bytes = vec![k as u8 ^ 0x5A; chunk];

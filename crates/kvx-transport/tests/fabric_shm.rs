@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use fabric_common::raw;
 use kvx_io::conformance;
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, FabricError, SlotMemory};
 use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig, ShmMemory};
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
@@ -69,7 +70,7 @@ async fn shm_nothing_exposed() {
 /// A raw peer's staging: a sealed memfd of one slot of `slot_bytes` that the receiver may map.
 fn raw_staging(slot_bytes: usize) -> std::sync::Arc<ShmMemory> {
     ShmFabric::new()
-        .allocate_staging(1, slot_bytes)
+        .allocate_staging(SlotGeometry::new(1, slot_bytes).expect("a geometry"))
         .expect("staging")
 }
 
@@ -105,10 +106,15 @@ const SEALS: SealFlags = SealFlags::SHRINK
 #[tokio::test]
 async fn shm_staging_is_a_sealed_memfd() {
     let f = ShmFabric::new();
-    let listener = f.expose(EP, 2, 4096).await.expect("expose");
+    let listener = f
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     assert!(listener.memory.memfd().is_none(), "the buffer is anonymous");
     let shm_before = shm_entries();
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let fd = staging.memfd().expect("a staging memfd");
     let seals = rustix::fs::fcntl_get_seals(fd).expect("F_GET_SEALS");
     assert!(seals.contains(SEALS), "{seals:?}");
@@ -209,7 +215,10 @@ fn memfd_of(len: u64, sealable: bool, filled: bool, seals: SealFlags) -> OwnedFd
 async fn shm_receiver_refuses_unsafe_staging_descriptors() {
     const LEN: u64 = 2 * 4096;
     let f = ShmFabric::new();
-    let listener = f.expose(EP, 2, 4096).await.expect("expose");
+    let listener = f
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     let port = fabric_common::port_of(&listener.local_endpoint);
     let credential = listener.access.credential_for(kvx_proto::PeerId(1));
     let regular = std::env::temp_dir().join(format!("kvx-hostile-{}", std::process::id()));
@@ -307,7 +316,9 @@ async fn shm_receiver_refuses_unsafe_staging_descriptors() {
     assert_eq!(status, 0, "{reason}");
     assert_ne!(ticket, 0);
     // And fabric senders are still served.
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     f.connect(&listener.local_endpoint, staging, credential)
         .await
         .expect("connect after the refusals");
@@ -321,10 +332,15 @@ async fn shm_staging_beyond_the_receivers_bound_is_refused() {
         staging_bytes_max: 4 * 4096,
         ..ShmFabricConfig::default()
     });
-    let listener = receiver.expose(EP, 2, 4096).await.expect("expose");
+    let listener = receiver
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     let credential = listener.access.credential_for(kvx_proto::PeerId(1));
     let f = ShmFabric::new();
-    let staging = f.allocate_staging(5, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(5, 4096).expect("a geometry"))
+        .expect("staging");
     let r = f
         .connect(&listener.local_endpoint, staging, credential)
         .await;
@@ -332,7 +348,9 @@ async fn shm_staging_beyond_the_receivers_bound_is_refused() {
         panic!("refused as incompatible: {r:?}");
     };
     assert!(why.contains("exceed the 16384"), "{why}");
-    let staging = f.allocate_staging(4, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(4, 4096).expect("a geometry"))
+        .expect("staging");
     f.connect(&listener.local_endpoint, staging, credential)
         .await
         .expect("a staging within the bound attaches");
@@ -341,10 +359,12 @@ async fn shm_staging_beyond_the_receivers_bound_is_refused() {
 #[tokio::test]
 async fn shm_and_tcp_senders_do_not_mix() {
     let shm = ShmFabric::new()
-        .expose(EP, 2, 4096)
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
         .await
         .expect("expose shm");
-    let tcp_staging = TcpFabric::new().allocate_staging(2, 4096).expect("staging");
+    let tcp_staging = TcpFabric::new()
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let credential = shm.access.credential_for(kvx_proto::PeerId(1));
     let r = TcpFabric::new()
         .connect(&shm.local_endpoint, tcp_staging, credential)
@@ -352,10 +372,12 @@ async fn shm_and_tcp_senders_do_not_mix() {
     assert!(matches!(r, Err(FabricError::Endpoint { .. })), "{r:?}");
 
     let tcp = TcpFabric::new()
-        .expose(EP, 2, 4096)
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
         .await
         .expect("expose tcp");
-    let shm_staging = ShmFabric::new().allocate_staging(2, 4096).expect("staging");
+    let shm_staging = ShmFabric::new()
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let credential = tcp.access.credential_for(kvx_proto::PeerId(1));
     let r = ShmFabric::new()
         .connect(&tcp.local_endpoint, shm_staging, credential)
@@ -369,7 +391,10 @@ async fn shm_and_tcp_senders_do_not_mix() {
 #[tokio::test]
 async fn shm_receiver_attaches_only_staging_handed_over() {
     let f = ShmFabric::new();
-    let listener = f.expose(EP, 2, 4096).await.expect("expose");
+    let listener = f
+        .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let port = fabric_common::port_of(&ep);
     let (alice, mallory) = (
@@ -417,7 +442,9 @@ async fn shm_receiver_attaches_only_staging_handed_over() {
 
 #[tokio::test]
 async fn shm_staging_memory_round_trips() {
-    let staging = ShmFabric::new().allocate_staging(3, 100).expect("staging");
+    let staging = ShmFabric::new()
+        .allocate_staging(SlotGeometry::new(3, 100).expect("a geometry"))
+        .expect("staging");
     staging.write_slot(2, &[7; 100]);
     staging.write_slot(1, &[5; 10]);
     let mut out = [0u8; 100];
@@ -426,8 +453,8 @@ async fn shm_staging_memory_round_trips() {
     staging.read_slot(1, &mut out[..20]);
     assert_eq!(&out[..10], &[5; 10]);
     assert_eq!(&out[10..20], &[0; 10]);
-    assert!(ShmFabric::new().allocate_staging(0, 100).is_err());
-    assert!(ShmFabric::new().allocate_staging(1, 0).is_err());
+    // An empty shape never reaches the fabric: `SlotGeometry::new` refuses it.
+    assert!(SlotGeometry::new(0, 100).is_err() && SlotGeometry::new(1, 0).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,7 @@ mod fabric_common;
 use std::time::Duration;
 
 use kvx_io::conformance;
+use kvx_io::SlotGeometry;
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
 
 const EP: &str = "127.0.0.1:0";
@@ -117,8 +118,13 @@ async fn tcp_staging_rewritten_right_after_completion_never_changes_landed_bytes
     const MIB: usize = 1 << 20;
     const ROUNDS: u32 = 32;
     let f = zero_copy();
-    let listener = f.expose(EP, ROUNDS, MIB).await.expect("expose");
-    let staging = f.allocate_staging(1, MIB).expect("staging");
+    let listener = f
+        .expose(EP, SlotGeometry::new(ROUNDS, MIB).expect("a geometry"))
+        .await
+        .expect("expose");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, MIB).expect("a geometry"))
+        .expect("staging");
     let peer = PeerId(1);
     let credential = listener.access.credential_for(peer);
     let mut conn = fabric_common::step(

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fabric_common::{port_of, raw};
+use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, FabricCredential, FabricError};
 use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig};
 
@@ -69,7 +70,10 @@ async fn shm_receiver_refuses_an_untrusted_user() {
             trusted_uids: trusted.clone(),
             ..ShmFabricConfig::default()
         });
-        let listener = f.expose(EP, 2, 4096).await.expect("expose");
+        let listener = f
+            .expose(EP, SlotGeometry::new(2, 4096).expect("a geometry"))
+            .await
+            .expect("expose");
         let credential = listener.access.credential_for(kvx_proto::PeerId(1));
         let port = port_of(&listener.local_endpoint);
         let child = tokio::task::spawn_blocking(move || {
@@ -110,7 +114,9 @@ async fn shm_sender_refuses_a_socket_of_an_untrusted_user() {
     .await
     .expect("child bound");
     let f = ShmFabric::new();
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let credential = kvx_io::FabricAccess::new(2, [0; 16]).credential_for(kvx_proto::PeerId(1));
     let r = f.connect(&ep, staging, credential).await;
     let Err(FabricError::Endpoint { why, .. }) = &r else {

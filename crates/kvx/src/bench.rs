@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use kvx_io::{Fabric, PostWrite, SlotMemory};
+use kvx_io::{Fabric, PostWrite, SlotGeometry, SlotMemory};
 use kvx_proto::{SlotIndex, StagingSlot, WriteId};
 use kvx_transport::shm_fabric::ShmFabric;
 use kvx_transport::tcp_fabric::TcpFabric;
@@ -193,7 +193,7 @@ async fn fabric_rate<F: Fabric>(
     writes: u64,
     sums: bool,
 ) -> anyhow::Result<(f64, f64)> {
-    let staging = fabric.allocate_staging(window, chunk)?;
+    let staging = fabric.allocate_staging(SlotGeometry::new(window, chunk)?)?;
     let mut checksums = Vec::new();
     for s in 0..window {
         staging.fill_slot(s, chunk, &mut |b| b.fill(s as u8));
@@ -268,11 +268,10 @@ fn memcpy_baseline(chunk: usize, window: u32, writes: u64) -> f64 {
 /// The hidden child: exposes a buffer, serves the TCP baseline, and exits when stdin closes.
 pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
     let chunk = usize::try_from(args.chunk_bytes)?;
+    let geometry = SlotGeometry::new(args.slots, chunk)?;
     let (endpoint, credential) = match args.fabric {
         FabricKind::Shm => {
-            let l = ShmFabric::new()
-                .expose("127.0.0.1:0", args.slots, chunk)
-                .await?;
+            let l = ShmFabric::new().expose("127.0.0.1:0", geometry).await?;
             let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
             e
@@ -280,7 +279,7 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
         #[cfg(feature = "rdma")]
         FabricKind::Rdma => {
             let l = crate::envs::rdma(&args.rdma)?
-                .expose("127.0.0.1:0", args.slots, chunk)
+                .expose("127.0.0.1:0", geometry)
                 .await?;
             let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
@@ -289,9 +288,7 @@ pub async fn serve(args: BenchServeArgs) -> anyhow::Result<ExitCode> {
         #[cfg(not(feature = "rdma"))]
         FabricKind::Rdma => match crate::envs::rdma(&args.rdma)? {},
         _ => {
-            let l = TcpFabric::new()
-                .expose("127.0.0.1:0", args.slots, chunk)
-                .await?;
+            let l = TcpFabric::new().expose("127.0.0.1:0", geometry).await?;
             let e = open_to_the_bench(&l);
             tokio::spawn(async move { hold(l).await });
             e

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use kvx_io::{
     ChecksumCheck, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener,
-    LandedWrite, PostWrite, SlotMemory,
+    LandedWrite, PostWrite, SlotGeometry, SlotMemory,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -61,21 +61,17 @@ impl SimFabric {
 impl Fabric for SimFabric {
     type Memory = SimMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<SimMemory>, FabricError> {
-        Ok(Arc::new(SimMemory::new(slots, slot_bytes)))
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<SimMemory>, FabricError> {
+        Ok(Arc::new(SimMemory::new(geometry)))
     }
 
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<SimMemory>, FabricError> {
-        let memory = Arc::new(SimMemory::new(slots, slot_bytes));
+        let slots = geometry.slots;
+        let memory = Arc::new(SimMemory::new(geometry));
         let (tx, rx) = kvx_io::landing_channel(slots);
         let mut w = self.world.lock();
         // Different for every buffer and every incarnation of its node (so a restarted

@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use kvx_io::SlotMemory;
+use kvx_io::{SlotGeometry, SlotMemory};
 
 /// Registered memory of a simulated node.
 #[derive(Debug)]
@@ -13,7 +13,10 @@ pub struct SimMemory {
 }
 
 impl SimMemory {
-    pub fn new(slots: u32, slot_bytes: usize) -> Self {
+    /// Zeroed memory of `geometry` (`SlotGeometry::new` checked it, as for every fabric).
+    pub fn new(geometry: SlotGeometry) -> Self {
+        let SlotGeometry { slots, slot_bytes } = geometry;
+        let slot_bytes = usize::try_from(slot_bytes).expect("invariant: a checked slot size");
         Self {
             slots,
             slot_bytes,

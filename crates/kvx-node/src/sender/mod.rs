@@ -178,9 +178,8 @@ impl SenderNode {
     ) -> Result<SenderHandle<E>, StartError> {
         // Refused before any memory is allocated or taken.
         cfg.validate()?;
-        let memory = env
-            .fabric()
-            .allocate_staging(cfg.staging_slots, chunk_bytes)?;
+        let geometry = crate::configured_geometry(cfg.staging_slots, chunk_bytes)?;
+        let memory = env.fabric().allocate_staging(geometry)?;
         Self::start_over(env, cfg, memory, local_id, proxy).await
     }
 
@@ -195,15 +194,7 @@ impl SenderNode {
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        if staging.slots() != cfg.staging_slots {
-            return Err(StartError::Memory(format!(
-                "the staging region holds {} slots of {} bytes, the configuration {} \
-                 staging slots",
-                staging.slots(),
-                staging.slot_bytes(),
-                cfg.staging_slots
-            )));
-        }
+        crate::lent_fits("staging", &staging, cfg.staging_slots)?;
         // Refused before any memory is allocated or taken.
         cfg.validate()?;
         let memory = env.fabric().staging_in(staging)?;

@@ -29,7 +29,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 
-use kvx_io::{SlotMemory, SlotRegion};
+use kvx_io::{SlotGeometry, SlotMemory, SlotRegion};
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
@@ -65,24 +65,22 @@ impl fmt::Debug for ShmMemory {
 }
 
 impl ShmMemory {
-    /// Private memory for a receiver's buffer. The caller has checked the geometry.
-    pub(crate) fn anonymous(slots: u32, slot_bytes: usize) -> io::Result<Self> {
+    /// Private memory for a receiver's buffer (`SlotGeometry::new` checked the shape).
+    pub(crate) fn anonymous(geometry: SlotGeometry) -> io::Result<Self> {
+        let len = mappable_len(geometry)?;
         // `populate`: map every page now, as registering memory pins it, so the data path
         // takes no page faults (as `SlotRegion::allocate` touches its pages).
-        let map = MmapOptions::new()
-            .len(slots as usize * slot_bytes)
-            .populate()
-            .map_anon()?;
-        Ok(Self::from_map(map.into(), slots, slot_bytes, None))
+        let map = MmapOptions::new().len(len).populate().map_anon()?;
+        Ok(Self::from_map(map.into(), geometry, None))
     }
 
     /// A sender's staging: a new `memfd` (close-on-exec, sealable), sized and filled (no
     /// holes), mapped shared, then sealed with `STAGING_SEALS`: sealing last, because
     /// `FUTURE_WRITE` refuses writable mappings made after it and leaves earlier ones
-    /// writable. The caller has checked the geometry.
+    /// writable. `SlotGeometry::new` checked the shape.
     /// Blocking: it writes the whole buffer once.
-    pub(crate) fn sealed_staging(slots: u32, slot_bytes: usize) -> io::Result<Self> {
-        let len = slots as usize * slot_bytes;
+    pub(crate) fn sealed_staging(geometry: SlotGeometry) -> io::Result<Self> {
+        let len = mappable_len(geometry)?;
         let fd = rustix::fs::memfd_create(
             "kvx-staging",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -91,10 +89,12 @@ impl ShmMemory {
         reserve(&file, len)?;
         let map = MmapOptions::new().len(len).populate().map_raw(&file)?;
         rustix::fs::fcntl_add_seals(&file, STAGING_SEALS)?;
-        Ok(Self::from_map(map, slots, slot_bytes, Some(file.into())))
+        Ok(Self::from_map(map, geometry, Some(file.into())))
     }
 
-    fn from_map(map: MmapRaw, slots: u32, slot_bytes: usize, memfd: Option<OwnedFd>) -> Self {
+    /// `geometry` fits the mapping: `mappable_len` sized it.
+    fn from_map(map: MmapRaw, geometry: SlotGeometry, memfd: Option<OwnedFd>) -> Self {
+        let (slots, slot_bytes) = (geometry.slots, geometry.slot_bytes as usize);
         let base = NonNull::new(map.as_mut_ptr()).expect("invariant: a mapping is never at 0");
         // SAFETY: the mapping is `slots × slot_bytes` bytes long (made so above), readable and
         // writable, and lives as long as the region that owns it; what touches it outside
@@ -129,6 +129,17 @@ impl SlotMemory for ShmMemory {
     fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
         Some(self.region.raw())
     }
+}
+
+/// The bytes a mapping of `geometry` spans; refused for a shape built by hand that has none
+/// (`SlotGeometry::region_len`), since the region over the mapping is sized from it.
+fn mappable_len(geometry: SlotGeometry) -> io::Result<usize> {
+    geometry.region_len().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{geometry:?} spans no addressable memory"),
+        )
+    })
 }
 
 /// Gives the `memfd` its length and backs every page now: a page that cannot be allocated on

@@ -107,14 +107,9 @@ fn alloc_error(what: &str, e: impl std::fmt::Display) -> FabricError {
 impl Fabric for ShmFabric {
     type Memory = ShmMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<ShmMemory>, FabricError> {
-        SlotGeometry::new(slots, slot_bytes)?;
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<ShmMemory>, FabricError> {
         // A sealed memfd the receiver maps read-only: it copies each admitted write out of it.
-        ShmMemory::sealed_staging(slots, slot_bytes)
+        ShmMemory::sealed_staging(geometry)
             .map(Arc::new)
             .map_err(|e| alloc_error("sealed memfd staging", e))
     }
@@ -122,14 +117,11 @@ impl Fabric for ShmFabric {
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<ShmMemory>, FabricError> {
-        let geometry = SlotGeometry::new(slots, slot_bytes)?;
         // Private memory: only this process writes it, copying out of senders' staging.
-        let memory = Arc::new(
-            ShmMemory::anonymous(slots, slot_bytes).map_err(|e| alloc_error("shm buffer", e))?,
-        );
+        let memory =
+            Arc::new(ShmMemory::anonymous(geometry).map_err(|e| alloc_error("shm buffer", e))?);
         let listener = link::bind(endpoint, &self.config.link).await?;
         let local_endpoint = link::local_endpoint(&listener, endpoint)?;
         let port = listener
@@ -137,8 +129,8 @@ impl Fabric for ShmFabric {
             .map_err(|e| FabricError::Io(e.to_string()))?
             .port();
         let handoff_listener = handoff::bind(port, endpoint).await?;
-        let (landed_tx, landed) = kvx_io::landing_channel(slots);
-        let access = Arc::new(FabricAccess::with_random_key(slots)?);
+        let (landed_tx, landed) = kvx_io::landing_channel(geometry.slots);
+        let access = Arc::new(FabricAccess::with_random_key(geometry.slots)?);
         let refusals_logged = Arc::new(LogLimiter::default());
         let link_config = &self.config.link;
         let tickets = Arc::new(Tickets::new(
@@ -196,7 +188,8 @@ impl Fabric for ShmFabric {
         staging: Arc<ShmMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        let ours = SlotGeometry::new(staging.slots(), staging.slot_bytes())?;
+        // Checked when `allocate_staging` made it (a shm staging is never lent).
+        let ours = staging.geometry();
         let Some(memfd) = staging.memfd() else {
             return Err(FabricError::Io(
                 "shm: the staging memory was not allocated by a ShmFabric".into(),

@@ -97,13 +97,8 @@ impl TcpFabric {
 impl Fabric for TcpFabric {
     type Memory = LocalMemory;
 
-    fn allocate_staging(
-        &self,
-        slots: u32,
-        slot_bytes: usize,
-    ) -> Result<Arc<LocalMemory>, FabricError> {
-        SlotGeometry::new(slots, slot_bytes)?;
-        Ok(Arc::new(LocalMemory::allocate(slots, slot_bytes)?))
+    fn allocate_staging(&self, geometry: SlotGeometry) -> Result<Arc<LocalMemory>, FabricError> {
+        Ok(Arc::new(LocalMemory::allocate(geometry)?))
     }
 
     fn staging_in(&self, region: ExternalRegion) -> Result<Arc<LocalMemory>, FabricError> {
@@ -114,11 +109,9 @@ impl Fabric for TcpFabric {
     async fn expose(
         &self,
         endpoint: &str,
-        slots: u32,
-        slot_bytes: usize,
+        geometry: SlotGeometry,
     ) -> Result<FabricListener<LocalMemory>, FabricError> {
-        SlotGeometry::new(slots, slot_bytes)?;
-        let memory = LocalMemory::allocate(slots, slot_bytes)?;
+        let memory = LocalMemory::allocate(geometry)?;
         self.expose_memory(endpoint, Arc::new(memory)).await
     }
 
@@ -138,7 +131,8 @@ impl Fabric for TcpFabric {
         staging: Arc<LocalMemory>,
         credential: FabricCredential,
     ) -> Result<FabricConn, FabricError> {
-        let ours = SlotGeometry::new(staging.slots(), staging.slot_bytes())?;
+        // Checked when it was allocated (`SlotGeometry::new`) or lent (`staging_in`).
+        let ours = staging.geometry();
         let mut stream = link::connect(endpoint, &self.config).await?;
         let peer = stream
             .peer_addr()

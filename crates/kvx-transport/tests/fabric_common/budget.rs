@@ -72,7 +72,10 @@ async fn one_write(
 /// past its own cap loses its own oldest connections, nobody else's.
 pub async fn idle_connections_never_lock_a_sender_out<F: Fabric>(f: &F, endpoint: &str) {
     const SLOT: usize = 4096;
-    let mut listener = f.expose(endpoint, 8, SLOT).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(8, SLOT).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let addr: std::net::SocketAddr = ep
         .trim_start_matches("tcp://")
@@ -82,7 +85,9 @@ pub async fn idle_connections_never_lock_a_sender_out<F: Fabric>(f: &F, endpoint
     // Notices are drained as a receiver's driver drains them.
     let drain = tokio::spawn(async move { while listener.landed.recv().await.is_some() {} });
     let (a, b) = (PeerId(1), PeerId(2));
-    let staging_a = f.allocate_staging(1, SLOT).expect("staging");
+    let staging_a = f
+        .allocate_staging(SlotGeometry::new(1, SLOT).expect("a geometry"))
+        .expect("staging");
     let mut conn_a = step(
         "A connects",
         f.connect(&ep, staging_a.clone(), access.credential_for(a)),
@@ -125,7 +130,9 @@ pub async fn idle_connections_never_lock_a_sender_out<F: Fabric>(f: &F, endpoint
     .await;
 
     // B attaches amid the flood: a silent connection makes room for it.
-    let staging_b = f.allocate_staging(1, SLOT).expect("staging");
+    let staging_b = f
+        .allocate_staging(SlotGeometry::new(1, SLOT).expect("a geometry"))
+        .expect("staging");
     let mut conn_b = step(
         "B connects",
         f.connect(&ep, staging_b.clone(), access.credential_for(b)),
@@ -179,7 +186,10 @@ pub async fn idle_connections_never_lock_a_sender_out<F: Fabric>(f: &F, endpoint
 /// (the caller's config: 300 ms); a sender that greets at once is served.
 pub async fn a_silent_or_slow_hello_is_cut_off<F: Fabric>(f: &F, endpoint: &str) {
     const SLOT: usize = 4096;
-    let mut listener = f.expose(endpoint, 2, SLOT).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(2, SLOT).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let addr: std::net::SocketAddr = ep
         .trim_start_matches("tcp://")
@@ -197,7 +207,9 @@ pub async fn a_silent_or_slow_hello_is_cut_off<F: Fabric>(f: &F, endpoint: &str)
     assert_eq!(closed, [true], "the slow hello is closed");
     let took = began.elapsed();
     assert!(took < Duration::from_secs(3), "closed after {took:?}");
-    let staging = f.allocate_staging(1, SLOT).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, SLOT).expect("a geometry"))
+        .expect("staging");
     let mut conn = step(
         "a sender connects",
         f.connect(&ep, staging.clone(), access.credential_for(PeerId(1))),
@@ -237,7 +249,10 @@ async fn idle_attach(
 /// one heard from longest ago), and while it writes, newcomers close idle ones, never it.
 pub async fn authenticated_idlers_never_lock_a_writer_out<F: Fabric>(f: &F, endpoint: &str) {
     const SLOT: usize = 4096;
-    let mut listener = f.expose(endpoint, 16, SLOT).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(16, SLOT).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let addr: std::net::SocketAddr = ep
         .trim_start_matches("tcp://")
@@ -252,7 +267,9 @@ pub async fn authenticated_idlers_never_lock_a_writer_out<F: Fabric>(f: &F, endp
         old.push(idle_attach(addr, [127, 0, 0, 2 + i / 4], SLOT, &idler).await);
     }
     let a = PeerId(1);
-    let staging = f.allocate_staging(1, SLOT).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, SLOT).expect("a geometry"))
+        .expect("staging");
     let mut conn = step(
         "A connects",
         f.connect(&ep, staging.clone(), access.credential_for(a)),

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
+use kvx_io::SlotGeometry;
 use kvx_io::{
     Completion, Fabric, FabricAccess, FabricConn, FabricCredential, FabricError, FabricListener,
     PostWrite, SlotMemory,
@@ -128,7 +129,9 @@ async fn stream_writes<F: Fabric>(
     slot_bytes: usize,
 ) {
     let peer = PeerId(u64::from(tag));
-    let staging = f.allocate_staging(window, slot_bytes).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(window, slot_bytes).expect("a geometry"))
+        .expect("staging");
     let credential = access.credential_for(peer);
     let mut conn = step("connect", f.connect(endpoint, staging.clone(), credential))
         .await
@@ -214,7 +217,10 @@ async fn collect_landed<M>(
 pub async fn two_senders_concurrently<F: Fabric>(f: &F, endpoint: &str) {
     const SLOT: usize = 64 << 10;
     const ROUNDS: u32 = 64;
-    let mut listener = f.expose(endpoint, 8, SLOT).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(8, SLOT).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let access = listener.access.clone();
     // Notices are drained while the writes go on, as a receiver's driver does (the notice
@@ -237,7 +243,10 @@ pub async fn two_senders_concurrently<F: Fabric>(f: &F, endpoint: &str) {
 pub async fn one_mib_slots<F: Fabric>(f: &F, endpoint: &str) {
     const MIB: usize = 1 << 20;
     kvx_io::conformance::fabric_writes_land_in_order(f, endpoint, 4, MIB).await;
-    let mut listener = f.expose(endpoint, 4, MIB).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(4, MIB).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let access = listener.access.clone();
     let seen = Seen::default();
@@ -380,14 +389,22 @@ pub fn handoff_relay(port: u16, upstream: Option<u16>) {
 pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize, cut_after: usize) {
     const A_WRITES: u32 = 12;
     // Slots 0..12 are A's (one write each), 12..16 B's.
-    let mut listener = f.expose(endpoint, 16, slot_bytes).await.expect("expose");
+    let mut listener = f
+        .expose(
+            endpoint,
+            SlotGeometry::new(16, slot_bytes).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let access = listener.access.clone();
     let (pa, pc) = (PeerId(1), PeerId(3));
 
     let via = cutting_proxy(ep.clone(), cut_after).await;
     handoff_relay(port_of(&via), Some(port_of(&ep)));
-    let a_staging = f.allocate_staging(A_WRITES, slot_bytes).expect("staging a");
+    let a_staging = f
+        .allocate_staging(SlotGeometry::new(A_WRITES, slot_bytes).expect("a geometry"))
+        .expect("staging a");
     let a_conn = f.connect(&via, a_staging.clone(), access.credential_for(pa));
     let mut a = step("connect a", a_conn).await.expect("connect a");
     for i in 0..A_WRITES {
@@ -431,7 +448,9 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
 
     // The receiver still serves: C connects after the cut and lands a write into A's last
     // slot (A's write there never went out: the grant passes to C).
-    let c_staging = f.allocate_staging(1, slot_bytes).expect("staging c");
+    let c_staging = f
+        .allocate_staging(SlotGeometry::new(1, slot_bytes).expect("a geometry"))
+        .expect("staging c");
     let c_bytes = pattern(3 << 16, slot_bytes);
     c_staging.write_slot(0, &c_bytes);
     let c_conn = f.connect(&ep, c_staging, access.credential_for(pc));
@@ -488,9 +507,14 @@ pub async fn cut_mid_stream<F: Fabric>(f: &F, endpoint: &str, slot_bytes: usize,
 /// Once the listener is dropped, the receiver stops serving: writes posted afterwards fail,
 /// and no new sender gets in.
 pub async fn dropped_listener_stops_serving<F: Fabric>(f: &F, endpoint: &str) {
-    let listener = f.expose(endpoint, 2, 4096).await.expect("expose");
+    let listener = f
+        .expose(endpoint, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let credential = listener.access.credential_for(PeerId(1));
     let access = listener.access.clone();
     let mut conn = step("connect", f.connect(&ep, staging.clone(), credential))
@@ -524,25 +548,40 @@ pub async fn dropped_listener_stops_serving<F: Fabric>(f: &F, endpoint: &str) {
 /// succeeds at once (the old port is let go asynchronously), a new sender is served, and the
 /// old sender's fence — naming a connection of the previous incarnation — hurts nobody.
 pub async fn restart_at_the_same_endpoint<F: Fabric>(f: &F) {
-    let first = f.expose("127.0.0.1:0", 2, 4096).await.expect("expose");
+    let first = f
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(2, 4096).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
     let ep = first.local_endpoint.clone();
-    let old_staging = f.allocate_staging(2, 4096).expect("staging");
+    let old_staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let old_credential = first.access.credential_for(PeerId(1));
     let mut old = step("connect old", f.connect(&ep, old_staging, old_credential))
         .await
         .expect("connect old");
     drop(first);
-    let mut second = step("re-expose", f.expose(&ep, 2, 4096))
-        .await
-        .expect("re-expose at the same endpoint");
+    let mut second = step(
+        "re-expose",
+        f.expose(&ep, SlotGeometry::new(2, 4096).expect("a geometry")),
+    )
+    .await
+    .expect("re-expose at the same endpoint");
     // The old incarnation's credential is void at the new one.
-    let stale = f.allocate_staging(2, 4096).expect("staging");
+    let stale = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let refused = step("stale credential", f.connect(&ep, stale, old_credential)).await;
     assert!(
         matches!(refused, Err(FabricError::Unauthorized(..))),
         "a credential of the previous incarnation is refused: {refused:?}"
     );
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let access = second.access.clone();
     let credential = access.credential_for(PeerId(2));
     let mut new = step("connect new", f.connect(&ep, staging.clone(), credential))
@@ -576,10 +615,15 @@ pub async fn restart_at_the_same_endpoint<F: Fabric>(f: &F) {
 /// Connecting staging whose slots are larger or smaller than the receiver's is refused at
 /// the handshake, with both sizes in the message.
 pub async fn refuses_other_chunk_sizes<F: Fabric>(f: &F, endpoint: &str) {
-    let listener = f.expose(endpoint, 2, 4096).await.expect("expose");
+    let listener = f
+        .expose(endpoint, SlotGeometry::new(2, 4096).expect("a geometry"))
+        .await
+        .expect("expose");
     let credential = listener.access.credential_for(PeerId(1));
     for bytes in [8192, 2048] {
-        let staging = f.allocate_staging(2, bytes).expect("staging");
+        let staging = f
+            .allocate_staging(SlotGeometry::new(2, bytes).expect("a geometry"))
+            .expect("staging");
         let r = step(
             "connect",
             f.connect(&listener.local_endpoint, staging, credential),
@@ -626,7 +670,9 @@ pub async fn reset_is_bounded_when_the_receiver_stalls<F: Fabric>(
         }
         tokio::time::sleep(STEP).await;
     });
-    let staging = f.allocate_staging(2, 4096).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(2, 4096).expect("a geometry"))
+        .expect("staging");
     let credential = FabricAccess::new(2, [0; 16]).credential_for(PeerId(1));
     let mut conn = step("connect", f.connect(&ep, staging, credential))
         .await
@@ -663,7 +709,9 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.local_addr().expect("addr").port()
     };
-    let staging = f.allocate_staging(1, 64).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, 64).expect("a geometry"))
+        .expect("staging");
     let credential = FabricAccess::new(1, [0; 16]).credential_for(PeerId(1));
     let r = step(
         "connect",

@@ -257,7 +257,10 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     magic: &[u8; 4],
     raw: Raw<'_>,
 ) {
-    let mut listener = f.expose(endpoint, 2, 1024).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(2, 1024).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let me = PeerId(9);
     listener.access.grant(1, me, 3);
@@ -305,7 +308,9 @@ pub async fn receiver_checks_bounds<F: Fabric>(
     assert!(matches!(r, Ok(0) | Err(_)), "junk dropped: {r:?}");
 
     // The buffer still serves fabric senders.
-    let staging = f.allocate_staging(1, 1024).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, 1024).expect("a geometry"))
+        .expect("staging");
     let bytes = pattern(8, 1024);
     staging.write_slot(0, &bytes);
     let mut conn = step("connect", f.connect(&ep, staging, credential))
@@ -332,7 +337,10 @@ pub async fn receiver_checks_grants<F: Fabric>(
     raw: Raw<'_>,
 ) {
     const BYTES: usize = 1024;
-    let mut listener = f.expose(endpoint, 4, BYTES).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(4, BYTES).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let (victim, attacker) = (PeerId(1), PeerId(2));
     listener.access.grant(0, victim, 7);
@@ -451,7 +459,9 @@ pub async fn receiver_checks_grants<F: Fabric>(
         "no refused write is announced"
     );
     assert!(listener.access.refused() >= 6, "refusals are counted");
-    let staging = f.allocate_staging(1, BYTES).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, BYTES).expect("a geometry"))
+        .expect("staging");
     let mine = pattern(1, BYTES);
     staging.write_slot(0, &mine);
     let mut conn = step(
@@ -480,7 +490,10 @@ pub async fn receiver_checks_grants<F: Fabric>(
 /// Over TCP only, where a payload follows its header and can stop half-way.
 pub async fn a_write_never_outlives_its_grant<F: Fabric>(f: &F, endpoint: &str, magic: &[u8; 4]) {
     const BYTES: usize = 64 << 10;
-    let mut listener = f.expose(endpoint, 1, BYTES).await.expect("expose");
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(1, BYTES).expect("a geometry"))
+        .await
+        .expect("expose");
     let ep = listener.local_endpoint.clone();
     let (attacker, victim) = (PeerId(1), PeerId(2));
     listener.access.grant(0, attacker, 1);
@@ -514,7 +527,9 @@ pub async fn a_write_never_outlives_its_grant<F: Fabric>(f: &F, endpoint: &str, 
         slot: SlotIndex(0),
         grant: None,
     });
-    let staging = f.allocate_staging(1, BYTES).expect("staging");
+    let staging = f
+        .allocate_staging(SlotGeometry::new(1, BYTES).expect("a geometry"))
+        .expect("staging");
     let mine = pattern(2, BYTES);
     staging.write_slot(0, &mine);
     let mut conn = step(
