@@ -258,19 +258,22 @@ fn every_role_serves_all_its_series_before_any_traffic() {
         &format!("127.0.0.1:{m_sender}"),
     ]));
     // The sender has no readiness before it connects: its free staging, the last series it
-    // registers, says it has started.
+    // registers, says it has started. The page that shows it may have read the counters
+    // before the gauge (a page is not one snapshot of every series), so the next page is the
+    // one checked: everything was registered before that gauge was set.
     let deadline = Instant::now() + Duration::from_secs(20);
-    let tx = loop {
+    loop {
         if let Some((200, text)) = get(m_sender, "/metrics") {
             if value(&text, "kvx_sender_staging_free").is_some() {
-                break text;
+                break;
             }
         }
         if Instant::now() > deadline {
-            break get(m_sender, "/metrics").map(|r| r.1).unwrap_or_default();
+            break;
         }
         std::thread::sleep(Duration::from_millis(10));
-    };
+    }
+    let tx = get(m_sender, "/metrics").map(|r| r.1).unwrap_or_default();
     let _ = interrupt(sender);
     let _ = interrupt(proxy_process);
     let _ = interrupt(receiver);
