@@ -7,7 +7,8 @@
 //!   wire codec, every link is FIFO, every write is a model of a one-sided write into
 //!   receiver memory.
 //! - `checker.rs`: the global checks run after every step and at the end.
-//! - `ops.rs`: `OpWorld`, a byte-driven event sequence over the core (fuzzing, properties).
+//! - `ops/`: `OpWorld`, a byte-driven event sequence over the core (fuzzing, properties);
+//!   `ops/callers.rs`, its prefill callers (begin, batches, pending batches, staging order).
 //! - `explore/`: exhaustive exploration of every interleaving for small configurations.
 //!
 //! `Cluster::run` is bounded in steps and in virtual time and returns `Stuck` with a dump
