@@ -5,7 +5,7 @@
 #   2. the kvx Python package's tests (scripts/python-tests.sh: a wheel built with
 #      `maturin build --release`, installed into target/pyenv, run with pytest);
 #   3. kvx.vllm's tests against vLLM's real scheduler (scripts/vllm-tests.sh: vllm==0.33.0
-#      installed into target/vllm-venv, about 9.5 GB, once);
+#      installed into target/vllm-venv, about 9 GB, once);
 #   4. the madsim simulation (sim/, its own cargo project and target directory): its
 #      scenario test binary, then a 500-seed swarm sweep with faults.
 # Needs the Rust toolchain; the Python parts are skipped with a message without python3 and
