@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 label="python tests"
 source scripts/python-env.sh
-venv=target/pyenv
+venv="$PWD/target/pyenv"
 venv_make "$venv"
 venv_install "$venv" "$(maturin_requirement)" pytest numpy pyzmq msgspec mypy ||
   skip "cannot install maturin, pytest, numpy, pyzmq, msgspec, mypy from PyPI"

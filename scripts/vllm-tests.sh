@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 label="vllm tests"
 source scripts/python-env.sh
-venv=${KVX_VLLM_VENV:-target/vllm-venv}
+# Absolute: the broken-variant runner starts its Python from another directory.
+venv=$(realpath -m "${KVX_VLLM_VENV:-target/vllm-venv}")
 vllm_req="vllm==0.33.0"
 venv_make "$venv"
 start=$SECONDS
