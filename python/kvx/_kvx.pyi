@@ -93,8 +93,8 @@ class ProxyWait:
     @property
     def req_id(self) -> str: ...
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Returns when every TP rank reported; raises ``RefusedError``, ``TimedOutError``
-        or ``ReceiverLostError``."""
+        """Returns when every TP rank reported; raises ``RefusedError``, ``TimedOutError``,
+        or ``StoppedError`` once the proxy has stopped."""
 
 @final
 class Proxy:

@@ -1,12 +1,13 @@
 //! The decoder on a receiver node: what vLLM's decode worker does with a `ReceiverHandle`.
 //! It hears the receiver's notices (and reports every end to the checker at once), and reads
 //! a request once it is both in the buffer and declared ready by the proxy: lease it, check
-//! every chunk, consume it. A request the proxy declared failed is consumed unread.
+//! every chunk, consume it. A request the proxy declared failed is leased and dropped unread
+//! (a dropped lease releases the request).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvx_node::{ReadyRequest, ReceiverHandle, ReceiverNotice};
+use kvx_node::{ReadLease, ReadyRequest, ReceiverHandle, ReceiverNotice};
 use kvx_proto::receiver::Outcome;
 use tokio::sync::mpsc;
 
@@ -118,12 +119,13 @@ impl Decoder {
         else {
             return;
         };
-        // The read lease: until `consume`, the slots stay put whatever happens meanwhile.
-        let Ok(slots) = self.handle.reader().acquire(&ready.key).await else {
+        // The read lease (the one Python's `next_ready` hands out): until it is consumed or
+        // dropped, the slots stay put whatever happens meanwhile.
+        let Ok(lease) = self.handle.reader().lease(ready).await else {
             return;
         };
         if proxy_ready {
-            let ok = self.verify(&ready, &slots, chunks);
+            let ok = self.verify(&lease, chunks);
             self.world
                 .lock()
                 .outcomes
@@ -131,39 +133,46 @@ impl Decoder {
         }
         let now = self.world.now();
         self.world.lock().outcomes.on_read(req_id, self.rank, now);
-        if let Err(e) = self.handle.reader().consume(&ready.key).await {
+        if !proxy_ready {
+            // Unread: dropped, as a decoder drops a lease it has no use for; the release is
+            // queued without a wait, and its end must come all the same.
+            drop(lease);
+            return;
+        }
+        let key = lease.key().clone();
+        if let Err(e) = lease.consume().await {
             flag(
                 &self.world,
-                format!("{} could not consume leased {}: {e}", self.name, ready.key),
+                format!("{} could not consume leased {key}: {e}", self.name),
             );
         }
     }
 
     /// G1: the decoder reads exactly the bytes the prefill produced.
-    fn verify(&self, ready: &ReadyRequest, slots: &[kvx_proto::SlotIndex], chunks: u32) -> bool {
+    fn verify(&self, lease: &ReadLease, chunks: u32) -> bool {
         let mut got = vec![0u8; self.cfg.chunk_bytes];
         let mut want = vec![0u8; self.cfg.chunk_bytes];
-        if slots.len() as u32 != chunks {
+        let key = lease.key();
+        if lease.slots().len() as u32 != chunks {
             flag(
                 &self.world,
                 format!(
-                    "G1: {} is ready at {} with {} chunks, not {chunks}",
-                    ready.key,
+                    "G1: {key} is ready at {} with {} chunks, not {chunks}",
                     self.name,
-                    slots.len()
+                    lease.slots().len()
                 ),
             );
             return false;
         }
-        for (chunk, slot) in slots.iter().enumerate() {
-            self.handle.reader().read_chunk(*slot, &mut got);
-            content(&ready.key.req_id.0, self.rank, chunk as u32, &mut want);
+        for (chunk, slot) in lease.slots().iter().enumerate() {
+            lease.read_chunk(chunk, &mut got);
+            content(&key.req_id.0, self.rank, chunk as u32, &mut want);
             if got != want {
                 flag(
                     &self.world,
                     format!(
-                        "G1: {} read corrupt bytes in {} chunk {chunk} (slot {})",
-                        self.name, ready.key, slot.0
+                        "G1: {} read corrupt bytes in {key} chunk {chunk} (slot {})",
+                        self.name, slot.0
                     ),
                 );
                 return false;

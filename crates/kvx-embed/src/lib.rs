@@ -18,7 +18,8 @@
 //! - `runtime`: `Runtime`, the shared multi-threaded runtime.
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
-//!   never lost to a caller that stops waiting).
+//!   never lost to a caller that stops waiting), the blocking form of kvx-node's
+//!   `ReadyLeases`.
 //! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends), and
 //!   `unique_local_id`, a sender identity of its own for each sender.
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).

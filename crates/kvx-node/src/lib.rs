@@ -22,8 +22,12 @@
 //!   `sender/sleepers` (blocked prefill threads, woken by turn) and
 //!   `sender/driver/fabric_link` (fabric connections, writes parked across a reconnect).
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side (a buffer of kvx's
-//!   or the caller's memory): await ready requests; its clonable `ChunkReader` reads their
-//!   chunks, consumes them, and can stop the receiver.
+//!   or the caller's memory): await ready requests; its clonable `ChunkReader` leases them,
+//!   takes snapshots and can stop the receiver.
+//! - `lease`: `ReadLease` — a ready request held for reading until consumed, released when
+//!   dropped (from any thread, never blocking); `ReadyLeases` — ready requests handed out as
+//!   leases to callers on many tasks or threads, none lost to a cancelled wait (what
+//!   Python's `Receiver.next_ready` runs on).
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 //! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
@@ -33,12 +37,14 @@
 
 #![warn(missing_docs)]
 
+pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod receiver;
 pub mod sender;
 pub mod synthetic;
 
+pub use lease::{ReadLease, ReadyLeases};
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,

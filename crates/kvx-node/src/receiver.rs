@@ -22,7 +22,7 @@ use crate::StartError;
 pub struct ReadyRequest {
     /// The request (its sender and id).
     pub key: ReqKey,
-    /// Its slots, one per chunk, in chunk order (the slots `acquire` returns).
+    /// Its slots, one per chunk, in chunk order (the slots its lease holds).
     pub slots: Vec<SlotIndex>,
     /// The sender's cache key of each chunk, parallel to `slots`.
     pub keys: Vec<String>,
@@ -36,7 +36,8 @@ pub struct ReadyRequest {
 /// What the decoder hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReceiverNotice {
-    /// Every chunk of a request landed: `acquire` it, read it, `consume` it.
+    /// Every chunk of a request landed: lease it (`ChunkReader::lease`), read it, consume
+    /// the lease.
     Ready(ReadyRequest),
     /// A request ended (consumed, failed, expired); exactly one per request.
     Ended {
@@ -82,27 +83,67 @@ pub struct BufferSnapshot {
 /// releases requests.
 #[derive(Debug)]
 pub struct ReceiverHandle<M> {
-    notices: mpsc::UnboundedReceiver<ReceiverNotice>,
-    reader: ChunkReader<M>,
+    pub(crate) notices: mpsc::UnboundedReceiver<ReceiverNotice>,
+    pub(crate) reader: ChunkReader<M>,
     alloc_endpoint: String,
     fabric_endpoint: String,
 }
 
 /// Reads ready requests in place and releases them. Clonable, so that a decoder can read
 /// several requests at once from several tasks or threads while one of them takes the
-/// notices.
+/// notices. Its leases (`lease`, `ReceiverHandle::into_ready_leases`) are in `lease.rs`.
 #[derive(Debug)]
 pub struct ChunkReader<M> {
-    cmds: mpsc::Sender<Cmd>,
-    memory: Arc<M>,
+    pub(crate) link: ReaderLink,
+    pub(crate) memory: Arc<M>,
 }
 
 impl<M> Clone for ChunkReader<M> {
     fn clone(&self) -> Self {
         Self {
-            cmds: self.cmds.clone(),
+            link: self.link.clone(),
             memory: self.memory.clone(),
         }
+    }
+}
+
+/// The way to the driver, whatever the memory: commands with an answer, and releases queued
+/// without one (a dropped lease's). Releases have a queue of their own, which the driver
+/// reads first, so that a release is never refused for a full queue and comes before
+/// anything its caller asks next; each lease queues at most one and leases are bounded by
+/// the buffer's slots, so that queue is bounded too.
+#[derive(Debug, Clone)]
+pub(crate) struct ReaderLink {
+    cmds: mpsc::Sender<Cmd>,
+    releases: mpsc::UnboundedSender<ReqKey>,
+}
+
+impl ReaderLink {
+    /// Sends the driver a command and awaits its answer; `Stopped` when the driver has
+    /// ended (before taking the command, or with it unanswered).
+    async fn ask<T>(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<T, ConsumeError>>) -> Cmd,
+    ) -> Result<T, ConsumeError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(cmd(tx))
+            .await
+            .map_err(|_| ConsumeError::Stopped)?;
+        rx.await.map_err(|_| ConsumeError::Stopped)?
+    }
+
+    pub(crate) async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
+        self.ask(|tx| Cmd::Acquire(key.clone(), tx)).await
+    }
+
+    pub(crate) async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
+        self.ask(|tx| Cmd::Consume(key.clone(), tx)).await
+    }
+
+    /// Queues a release; nothing to do once the driver has ended (which freed everything).
+    pub(crate) fn release(&self, key: &ReqKey) {
+        let _ = self.releases.send(key.clone());
     }
 }
 
@@ -153,10 +194,14 @@ impl ReceiverNode {
     ) -> ReceiverHandle<<E::Fabric as Fabric>::Memory> {
         let (notice_tx, notice_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
+        let (release_tx, release_rx) = mpsc::unbounded_channel();
         let handle = ReceiverHandle {
             notices: notice_rx,
             reader: ChunkReader {
-                cmds: cmd_tx,
+                link: ReaderLink {
+                    cmds: cmd_tx,
+                    releases: release_tx,
+                },
                 memory: listener.memory.clone(),
             },
             alloc_endpoint: server.local_endpoint().to_owned(),
@@ -170,6 +215,7 @@ impl ReceiverNode {
             listener,
             notices: notice_tx,
             cmds: cmd_rx,
+            releases: release_rx,
             label: handle.alloc_endpoint.clone(),
             refusals_logged: LogLimiter::default(),
             undecodable_logged: LogLimiter::default(),
@@ -208,74 +254,30 @@ impl<M: SlotMemory> ReceiverHandle<M> {
 }
 
 impl<M: SlotMemory> ChunkReader<M> {
-    /// Copies the first `out.len()` bytes of a ready request's slot.
-    pub fn read_chunk(&self, slot: SlotIndex, out: &mut [u8]) {
-        self.memory.read_slot(slot.0, out);
-    }
-
-    /// Leases a ready request for reading and returns its slots in chunk order: until
-    /// `consume`, its slots stay put even if the request is cancelled meanwhile. A request
-    /// that ended after its Ready notice gives `Unknown`: skip it. `Stopped` once the
-    /// driver has ended.
-    pub async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
-        self.ask(|tx| Cmd::Acquire(key.clone(), tx)).await
-    }
-
-    /// Sends the driver a command and awaits its answer; `Stopped` when the driver has
-    /// ended (before taking the command, or with it unanswered).
-    async fn ask<T>(
-        &self,
-        cmd: impl FnOnce(oneshot::Sender<Result<T, ConsumeError>>) -> Cmd,
-    ) -> Result<T, ConsumeError> {
-        let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(cmd(tx))
-            .await
-            .map_err(|_| ConsumeError::Stopped)?;
-        rx.await.map_err(|_| ConsumeError::Stopped)?
-    }
-
-    /// The receive buffer (for its slot count and size, or to reach a slot in place).
+    /// The receive buffer (its slot count and size; a program's own view of it). Read a
+    /// request's slots only while it is leased: after, they may hold another's bytes.
     pub fn memory(&self) -> &Arc<M> {
         &self.memory
-    }
-
-    /// Lets `f` read the first `len` bytes of a ready request's slot in place.
-    pub fn inspect_chunk(&self, slot: SlotIndex, len: usize, f: &mut dyn FnMut(&[u8])) {
-        self.memory.inspect_slot(slot.0, len, f);
     }
 
     /// Stops the receiver: its alloc channel and fabric listener close, and calls on any
     /// reader fail with `ConsumeError::Stopped`. Also happens once every reader is gone.
     pub async fn shutdown(&self) {
-        let _ = self.cmds.send(Cmd::Shutdown).await;
+        let _ = self.link.cmds.send(Cmd::Shutdown).await;
     }
 
     /// The buffer's accounting now (for leak checks and monitoring); `Stopped` once the
     /// driver has ended.
     pub async fn snapshot(&self) -> Result<BufferSnapshot, ConsumeError> {
-        self.ask(Cmd::Snapshot).await
+        self.link.ask(Cmd::Snapshot).await
     }
 
     /// Marks a legacy (LMCache) sender's allocated request ready, because the proxy reported
     /// it written (`LegacySenders::AfterProxy`); its `Ready` notice follows.
     pub async fn legacy_ready(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        self.ask(|tx| Cmd::ExternalReady(key.clone(), tx)).await
-    }
-
-    /// `consume` without waiting for the driver's answer: the release is queued for the
-    /// driver now, so that it comes before anything this caller asks the driver next (a
-    /// snapshot, another request's admission it unblocks); its outcome is not reported.
-    /// `false` when the driver's queue is full or it stopped: nothing was queued.
-    pub fn consume_queued(&self, key: &ReqKey) -> bool {
-        let (tx, _) = oneshot::channel();
-        self.cmds.try_send(Cmd::Consume(key.clone(), tx)).is_ok()
-    }
-
-    /// Releases a ready request's slots and reservation after the decoder read it.
-    /// `Stopped` once the driver has ended.
-    pub async fn consume(&self, key: &ReqKey) -> Result<(), ConsumeError> {
-        self.ask(|tx| Cmd::Consume(key.clone(), tx)).await
+        self.link
+            .ask(|tx| Cmd::ExternalReady(key.clone(), tx))
+            .await
     }
 }
 
@@ -286,6 +288,7 @@ struct Driver<E: Env> {
     listener: FabricListener<<E::Fabric as Fabric>::Memory>,
     notices: mpsc::UnboundedSender<ReceiverNotice>,
     cmds: mpsc::Receiver<Cmd>,
+    releases: mpsc::UnboundedReceiver<ReqKey>,
     /// The `receiver` label on this receiver's metrics (its alloc endpoint), so the TP ranks
     /// of one process are told apart.
     label: String,
@@ -309,6 +312,11 @@ impl<E: Env> Driver<E> {
             tokio::select! {
                 biased;
                 Some(landed) = self.listener.landed.recv() => self.on_landed(landed),
+                // Then releases: each was queued before whatever its caller asked next.
+                Some(key) = self.releases.recv() => {
+                    let now = self.env.now();
+                    let _ = self.ledger.handle_consume(now, &key);
+                }
                 msg = self.server.recv() => {
                     let Some((peer, bytes)) = msg else { return };
                     // Shares count per principal: who stands behind this peer, as the

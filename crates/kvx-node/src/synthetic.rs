@@ -243,22 +243,22 @@ pub enum Decoded {
 }
 
 /// The decoder's whole job for one ready request: lease it, check every chunk in place
-/// (unless `check` is false: real KV data), and release it.
+/// (unless `check` is false: real KV data), and consume it.
 pub async fn decode<M: SlotMemory>(
     receiver: &ChunkReader<M>,
-    ready: &ReadyRequest,
+    ready: ReadyRequest,
     chunk_len: usize,
     check: bool,
 ) -> Decoded {
-    let Ok(slots) = receiver.acquire(&ready.key).await else {
+    let Ok(lease) = receiver.lease(ready).await else {
         return Decoded::Gone;
     };
-    let mut result = Decoded::Verified((slots.len() * chunk_len) as u64);
+    let mut result = Decoded::Verified((lease.slots().len() * chunk_len) as u64);
     if check {
-        let req_id = &ready.key.req_id.0;
-        for (chunk, slot) in slots.iter().enumerate() {
+        let req_id = &lease.key().req_id.0;
+        for chunk in 0..lease.slots().len() {
             let mut ok = false;
-            receiver.inspect_chunk(*slot, chunk_len, &mut |got| {
+            lease.inspect_chunk(chunk, chunk_len, &mut |got| {
                 ok = chunk_matches(req_id, chunk as u32, got)
             });
             if !ok {
@@ -267,8 +267,9 @@ pub async fn decode<M: SlotMemory>(
             }
         }
     }
-    if let Err(e) = receiver.consume(&ready.key).await {
-        tracing::error!(key = %ready.key, error = %e, "consume of a leased request failed");
+    let key = lease.key().clone();
+    if let Err(e) = lease.consume().await {
+        tracing::error!(%key, error = %e, "consume of a leased request failed");
     }
     result
 }

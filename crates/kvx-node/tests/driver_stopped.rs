@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::TokioEnv;
-use kvx_node::{ReceiverAddr, ReceiverHandle, ReceiverNode, SenderHandle, SenderNode, StartError};
-use kvx_proto::receiver::ConsumeError;
+use kvx_node::{
+    ReadyRequest, ReceiverAddr, ReceiverHandle, ReceiverNode, SenderHandle, SenderNode, StartError,
+};
+use kvx_proto::receiver::{ChunkLayout, ConsumeError};
 use kvx_proto::sender::{RequestSpec, SendError, SendFailure};
 use kvx_proto::{PeerId, ReceiverConfig, ReqId, ReqKey, SenderConfig};
 
@@ -69,6 +71,17 @@ fn key() -> ReqKey {
     }
 }
 
+/// A ready notice for `key()`, which the stopped receiver never gave.
+fn ready() -> ReadyRequest {
+    ReadyRequest {
+        key: key(),
+        slots: Vec::new(),
+        keys: Vec::new(),
+        layout: ChunkLayout::default(),
+        tokens: Vec::new(),
+    }
+}
+
 /// Every sender call that needs the driver says `Stopped`.
 async fn assert_sender_stopped(tx: &SenderHandle<Env>, addr: ReceiverAddr, req_id: &ReqId) {
     assert_eq!(
@@ -100,13 +113,18 @@ async fn assert_sender_stopped(tx: &SenderHandle<Env>, addr: ReceiverAddr, req_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shut_down_receiver_answers_stopped() {
     let env = Env::new(MemTransport::new(), MemFabric::new());
-    let rx = receiver(&env).await;
-    let reader = rx.reader().clone();
+    let (leases, reader) = receiver(&env).await.into_ready_leases();
     reader.shutdown().await;
     for _ in 0..2 {
         // Whether the driver took the command before it stopped or not.
-        assert_eq!(reader.consume(&key()).await, Err(ConsumeError::Stopped));
-        assert_eq!(reader.acquire(&key()).await, Err(ConsumeError::Stopped));
+        assert_eq!(
+            reader.lease(ready()).await.err(),
+            Some(ConsumeError::Stopped)
+        );
+        assert_eq!(
+            leases.take(4, None).await.err(),
+            Some(ConsumeError::Stopped)
+        );
         assert_eq!(
             reader.legacy_ready(&key()).await,
             Err(ConsumeError::Stopped)
@@ -145,7 +163,10 @@ fn handles_whose_runtime_is_gone_answer_stopped() {
         .build()
         .expect("runtime");
     second.block_on(async {
-        assert_eq!(reader.consume(&key()).await, Err(ConsumeError::Stopped));
+        assert_eq!(
+            reader.lease(ready()).await.err(),
+            Some(ConsumeError::Stopped)
+        );
         assert_sender_stopped(&tx, addr, &req_id).await;
     });
 }

@@ -45,7 +45,7 @@ async fn cluster(
     tokio::spawn(async move {
         while let Some(notice) = receiver.next_notice().await {
             if let ReceiverNotice::Ready(ready) = notice {
-                match synthetic::decode(receiver.reader(), &ready, CHUNK, true).await {
+                match synthetic::decode(receiver.reader(), ready.clone(), CHUNK, true).await {
                     Decoded::Verified(bytes) => counter.fetch_add(bytes, Ordering::Relaxed),
                     other => panic!("the decoder read {other:?} for {}", ready.key),
                 };
@@ -275,7 +275,7 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
         while let Some(notice) = receiver.next_notice().await {
             match notice {
                 ReceiverNotice::Ready(ready) => {
-                    let d = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
+                    let d = synthetic::decode(receiver.reader(), ready.clone(), CHUNK, true).await;
                     assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
                 }
                 ReceiverNotice::Ended { key, outcome } => {
@@ -439,7 +439,7 @@ async fn a_sender_whose_write_timeout_breaks_the_receivers_quarantine_fails_loud
     tokio::spawn(async move {
         while let Some(notice) = receiver.next_notice().await {
             if let ReceiverNotice::Ready(ready) = notice {
-                let _ = synthetic::decode(receiver.reader(), &ready, CHUNK, true).await;
+                let _ = synthetic::decode(receiver.reader(), ready.clone(), CHUNK, true).await;
             }
         }
     });

@@ -129,7 +129,7 @@ async fn receiver<E: Env>(env: &E, alloc: &str, fabric: &str, buffer: u32) -> De
                 }
                 notice = node.next_notice() => match notice {
                     Some(ReceiverNotice::Ready(ready)) => {
-                        match synthetic::decode(node.reader(), &ready, CHUNK, true).await {
+                        match synthetic::decode(node.reader(), ready.clone(), CHUNK, true).await {
                             Decoded::Verified(b) => v.fetch_add(b, Ordering::Relaxed),
                             Decoded::Corrupt(_) => c.fetch_add(1, Ordering::Relaxed),
                             Decoded::Gone => 0,

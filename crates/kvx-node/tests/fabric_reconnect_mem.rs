@@ -172,7 +172,7 @@ async fn setup(write_timeout: Duration) -> Setup {
         while let Some(notice) = receiver.next_notice().await {
             match notice {
                 ReceiverNotice::Ready(ready) => {
-                    match synthetic::decode(receiver.reader(), &ready, CHUNK, true).await {
+                    match synthetic::decode(receiver.reader(), ready.clone(), CHUNK, true).await {
                         Decoded::Verified(bytes) => counter.fetch_add(bytes, Ordering::Relaxed),
                         other => panic!("the decoder read {other:?} for {}", ready.key),
                     };

@@ -86,7 +86,8 @@ pub(crate) fn proxy_failure(f: &kvx_proto::proxy::ProxyFailure) -> PyErr {
     match f {
         F::Reported(_) => RefusedError::new_err(f.to_string()),
         F::TimedOut { .. } => TimedOutError::new_err(f.to_string()),
-        F::ProxyGone => ReceiverLostError::new_err(f.to_string()),
+        // The proxy's own driver has ended: its error, never a request's.
+        F::ProxyGone => StoppedError::new_err(f.to_string()),
         _ => KvxError::new_err(f.to_string()),
     }
 }
@@ -95,7 +96,7 @@ pub(crate) fn proxy_failure(f: &kvx_proto::proxy::ProxyFailure) -> PyErr {
 pub(crate) fn expect_error(e: &kvx_proto::proxy::ExpectError) -> PyErr {
     use kvx_proto::proxy::ExpectError as E;
     match e {
-        E::ProxyGone => ReceiverLostError::new_err(e.to_string()),
+        E::ProxyGone => StoppedError::new_err(e.to_string()),
         E::TooMany(_) => RefusedError::new_err(e.to_string()),
         _ => MisuseError::new_err(e.to_string()),
     }

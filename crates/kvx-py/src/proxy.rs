@@ -114,7 +114,7 @@ impl Proxy {
 impl ProxyWait {
     /// Waits for the outcome: returns when every TP rank reported; raises ``RefusedError``
     /// (a sender reported failure), ``TimedOutError`` (``kv_ready_timeout`` passed, or
-    /// ``timeout`` seconds here) or ``ReceiverLostError`` (the proxy stopped).
+    /// ``timeout`` seconds here) or ``StoppedError`` (the proxy stopped).
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = wait::seconds(timeout)?;

@@ -64,7 +64,7 @@ impl Rig {
                 match notice {
                     ReceiverNotice::Ready(r) => {
                         let _ = ready_tx.send(r.key.req_id.clone());
-                        let d = synthetic::decode(receiver.reader(), &r, CHUNK, true).await;
+                        let d = synthetic::decode(receiver.reader(), r.clone(), CHUNK, true).await;
                         assert!(matches!(d, Decoded::Verified(_)), "{d:?}");
                     }
                     ReceiverNotice::Ended { key, outcome } => {

@@ -34,13 +34,14 @@ pub fn spawn<M: SlotMemory + Send + Sync + 'static>(
     let (reader, tally) = (reader.clone(), tally.clone());
     tally.in_progress.fetch_add(1, Ordering::AcqRel);
     tokio::spawn(async move {
-        match synthetic::decode(&reader, &ready, chunk_bytes, check).await {
+        let key = ready.key.clone();
+        match synthetic::decode(&reader, ready, chunk_bytes, check).await {
             Decoded::Verified(bytes) if check => {
                 tally.verified.fetch_add(bytes, Ordering::Relaxed);
             }
             Decoded::Verified(_) | Decoded::Gone => {}
             Decoded::Corrupt(chunk) => {
-                tracing::error!(key = %ready.key, chunk, "decoder read corrupt bytes");
+                tracing::error!(%key, chunk, "decoder read corrupt bytes");
                 tally.corrupted.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -1,0 +1,379 @@
+//! Read leases, the decoder's hold on a ready request: its slots stay put until the lease is
+//! consumed, even if the sender cancels meanwhile. A lease dropped unconsumed is released
+//! then: the release is queued for the driver at once, ahead of whatever the dropping code
+//! asks next, without blocking and without a runtime (a drop may run on any thread), so no
+//! slot is ever leaked. Leases are bounded by the buffer's slots, and each queues at most one
+//! release, so the release queue is bounded by them too.
+//!
+//! `ReadyLeases` hands ready requests out as leases to decoders on several tasks or threads
+//! (an embedding program's callers): a wait for the first can be cancelled at any point, and
+//! once a request is off the notice stream it is leased and handed over, or given back for
+//! the next caller: a ready request is never released unread because a caller stopped
+//! waiting.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use kvx_io::SlotMemory;
+use kvx_proto::receiver::{ChunkLayout, ConsumeError};
+use kvx_proto::{ReqKey, SlotIndex};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::receiver::{ChunkReader, ReaderLink, ReadyRequest, ReceiverHandle, ReceiverNotice};
+
+/// A ready request the decoder holds: its slots stay put until `consume`, `release`, or the
+/// lease is dropped (which releases it).
+pub struct ReadLease {
+    link: ReaderLink,
+    memory: Arc<dyn SlotMemory>,
+    ready: ReadyRequest,
+    slots: Vec<SlotIndex>,
+    done: bool,
+}
+
+impl fmt::Debug for ReadLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadLease")
+            .field("key", &self.ready.key)
+            .field("slots", &self.slots)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReadLease {
+    /// Leases `ready` through `link`: `Unknown` when the request ended after its ready
+    /// notice (the sender cancelled: skip it), `Stopped` once the driver has ended.
+    pub(crate) async fn take(
+        link: ReaderLink,
+        memory: Arc<dyn SlotMemory>,
+        ready: ReadyRequest,
+    ) -> Result<Self, ConsumeError> {
+        let slots = link.acquire(&ready.key).await?;
+        Ok(Self {
+            link,
+            memory,
+            ready,
+            slots,
+            done: false,
+        })
+    }
+
+    /// The request (its sender and id).
+    pub fn key(&self) -> &ReqKey {
+        &self.ready.key
+    }
+
+    /// Its slots, one per chunk in chunk order (slot `i` is bytes
+    /// `i × slot_bytes .. (i + 1) × slot_bytes` of the buffer).
+    pub fn slots(&self) -> &[SlotIndex] {
+        &self.slots
+    }
+
+    /// The sender's cache key of each chunk, parallel to `slots`.
+    pub fn chunk_keys(&self) -> &[String] {
+        &self.ready.keys
+    }
+
+    /// How its chunks are laid out (fmt, full-chunk shape, dtype), as its sender said.
+    pub fn layout(&self) -> &ChunkLayout {
+        &self.ready.layout
+    }
+
+    /// Each chunk's token count where its batch named it (a batch's last chunk), `None` for
+    /// a full chunk of `layout().shape`; parallel to `slots`.
+    pub fn chunk_tokens(&self) -> &[Option<u64>] {
+        &self.ready.tokens
+    }
+
+    /// Bytes in each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.memory.slot_bytes()
+    }
+
+    /// Lets `f` read the first `len` bytes of chunk `chunk`'s slot in place. Panics when
+    /// `chunk` or `len` is out of range: a caller bug.
+    pub fn inspect_chunk(&self, chunk: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        self.memory.inspect_slot(self.slots[chunk].0, len, f);
+    }
+
+    /// Runs `f` on chunk `chunk`'s whole slot in place. Panics when `chunk` is out of range.
+    pub fn with_chunk(&self, chunk: usize, f: &mut dyn FnMut(&[u8])) {
+        self.inspect_chunk(chunk, self.memory.slot_bytes(), f);
+    }
+
+    /// Copies the first `out.len()` bytes of chunk `chunk`'s slot.
+    pub fn read_chunk(&self, chunk: usize, out: &mut [u8]) {
+        self.memory.read_slot(self.slots[chunk].0, out);
+    }
+
+    /// Releases the request's slots and reservation and waits for the driver's answer. A
+    /// request the sender cancelled after it was ready is released all the same. `Stopped`
+    /// once the driver has ended (which frees everything anyway).
+    pub async fn consume(mut self) -> Result<(), ConsumeError> {
+        self.done = true;
+        self.link.consume(&self.ready.key).await
+    }
+
+    /// Releases the request now, without waiting: the release is queued for the driver ahead
+    /// of anything this caller asks it next. What a drop does.
+    pub fn release(mut self) {
+        self.done = true;
+        self.link.release(&self.ready.key);
+    }
+}
+
+impl Drop for ReadLease {
+    fn drop(&mut self) {
+        if !self.done {
+            self.link.release(&self.ready.key);
+        }
+    }
+}
+
+impl<M: SlotMemory> ChunkReader<M> {
+    /// Leases a ready request for reading: until the lease is consumed (or released, or
+    /// dropped), its slots stay put even if the request is cancelled meanwhile. A request
+    /// that ended after its Ready notice gives `Unknown`: skip it. `Stopped` once the
+    /// driver has ended.
+    pub async fn lease(&self, ready: ReadyRequest) -> Result<ReadLease, ConsumeError> {
+        ReadLease::take(self.link.clone(), self.memory.clone(), ready).await
+    }
+}
+
+impl<M: SlotMemory> ReceiverHandle<M> {
+    /// Ready requests as leases for callers on any number of tasks or threads, and the
+    /// reader (for snapshots and shutdown). Ended requests' notices are no longer heard.
+    /// Called within the receiver's runtime (it panics outside one), where the leasing then
+    /// runs whoever awaits it.
+    pub fn into_ready_leases(self) -> (ReadyLeases, ChunkReader<M>) {
+        let memory: Arc<dyn SlotMemory> = self.reader.memory.clone();
+        let leases = ReadyLeases::new(self.notices, self.reader.link.clone(), memory);
+        (leases, self.reader)
+    }
+}
+
+/// Ready requests handed out as leases, to callers on any number of tasks or threads
+/// (`ReceiverHandle::into_ready_leases`). Ended requests' notices are skipped.
+pub struct ReadyLeases {
+    notices: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>>,
+    link: ReaderLink,
+    memory: Arc<dyn SlotMemory>,
+    /// Leases taken for callers that stopped waiting before they got them: the next caller
+    /// gets them first.
+    returned: Arc<Returned>,
+    /// The receiver's runtime, where the leasing runs whoever polls `take` (a caller's own
+    /// executor, or a bare poll).
+    runtime: tokio::runtime::Handle,
+}
+
+impl fmt::Debug for ReadyLeases {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadyLeases").finish_non_exhaustive()
+    }
+}
+
+/// Leases given back, for the next caller; a caller already waiting for the stream hears of
+/// them (`arrived`), since they may come while it waits.
+#[derive(Default)]
+struct Returned {
+    leases: Mutex<VecDeque<ReadLease>>,
+    arrived: tokio::sync::Notify,
+}
+
+impl Returned {
+    fn give_back(&self, leases: Vec<ReadLease>) {
+        if leases.is_empty() {
+            return;
+        }
+        self.lock().extend(leases);
+        self.arrived.notify_waiters();
+    }
+
+    /// Up to `max` leases given back, oldest first.
+    fn take(&self, max: usize) -> Vec<ReadLease> {
+        let mut leases = self.lock();
+        let n = leases.len().min(max);
+        leases.drain(..n).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<ReadLease>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What the wait for a ready request found first.
+enum First {
+    /// Leases a caller gave back, handed out again first.
+    GivenBack(Vec<ReadLease>),
+    /// A request's ready notice, and the stream of them, held for the leasing.
+    Ready(
+        ReadyRequest,
+        tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    ),
+    /// The notice stream ended: the driver is gone.
+    Stopped,
+}
+
+/// The leases of ready requests already off the stream, on their way from the task that
+/// leases them to the caller. Dropped before they arrive (the caller stopped waiting), it
+/// closes the way and gives back whatever had arrived: the task then gives back the rest.
+struct Handover {
+    leases: oneshot::Receiver<Vec<ReadLease>>,
+    returned: Arc<Returned>,
+}
+
+impl Future for Handover {
+    type Output = Vec<ReadLease>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Vec<ReadLease>> {
+        // An error: the leasing task panicked; its leases were released as it unwound.
+        Pin::new(&mut self.leases)
+            .poll(cx)
+            .map(|got| got.unwrap_or_default())
+    }
+}
+
+impl Drop for Handover {
+    fn drop(&mut self) {
+        self.leases.close();
+        if let Ok(leases) = self.leases.try_recv() {
+            self.returned.give_back(leases);
+        }
+    }
+}
+
+impl ReadyLeases {
+    fn new(
+        notices: mpsc::UnboundedReceiver<ReceiverNotice>,
+        link: ReaderLink,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Self {
+        Self {
+            notices: Arc::new(tokio::sync::Mutex::new(notices)),
+            link,
+            memory,
+            returned: Arc::default(),
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// Up to `max` ready requests, leased, waiting for the first at most `first_within`
+    /// (`None`: as long as it takes); empty when none came. Only that wait is bounded: once
+    /// a request is off the stream it is leased and returned (a running driver answers at
+    /// once, a stopped one with an error). A request that ended between its ready notice and
+    /// its lease is skipped, and if it was the only one the call returns empty early.
+    /// `Stopped` once the driver has ended and no lease given back is left to hand out.
+    /// Cancel-safe: leases a cancelled call had taken go to the next one.
+    pub async fn take(
+        &self,
+        max: usize,
+        first_within: Option<Duration>,
+    ) -> Result<Vec<ReadLease>, ConsumeError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let first = match first_within {
+            Some(limit) => match tokio::time::timeout(limit, self.first(max)).await {
+                Ok(first) => first,
+                Err(_) => return Ok(Vec::new()),
+            },
+            None => self.first(max).await,
+        };
+        let (first, notices) = match first {
+            First::Stopped => return Err(ConsumeError::Stopped),
+            First::GivenBack(returned) => return Ok(returned),
+            First::Ready(first, notices) => (first, notices),
+        };
+        // From here the notices are off the stream: a task the caller cannot cancel leases
+        // them and hands them over, or gives them back if the caller left.
+        let (tx, leases) = oneshot::channel();
+        let (link, memory, returned) = (
+            self.link.clone(),
+            self.memory.clone(),
+            self.returned.clone(),
+        );
+        self.runtime.spawn(async move {
+            let out = lease_notices(link, memory, first, notices, max).await;
+            if let Err(out) = tx.send(out) {
+                returned.give_back(out);
+            }
+        });
+        Ok(Handover {
+            leases,
+            returned: self.returned.clone(),
+        }
+        .await)
+    }
+
+    /// The wait for the first ready request; it can be cancelled at any point without
+    /// losing one.
+    async fn first(&self, max: usize) -> First {
+        let mut notices = self.notices.clone().lock_owned().await;
+        loop {
+            // Armed before the look, so that leases given back after it wake the wait.
+            let arrived = self.returned.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            let returned = self.returned.take(max);
+            if !returned.is_empty() {
+                return First::GivenBack(returned);
+            }
+            tokio::select! {
+                first = notices.recv() => match first {
+                    Some(ReceiverNotice::Ready(ready)) => return First::Ready(ready, notices),
+                    // Every request's end is noticed, consumed ones too; an end leases
+                    // nothing, so it must not end the wait for a ready one.
+                    Some(ReceiverNotice::Ended { .. }) => {}
+                    None => return First::Stopped,
+                },
+                () = &mut arrived => {}
+            }
+        }
+    }
+
+    /// Hands leases back unread: the next `take` gets them first. For a caller that took
+    /// them but can no longer use them (its own caller went away).
+    pub fn give_back(&self, leases: Vec<ReadLease>) {
+        self.returned.give_back(leases);
+    }
+}
+
+/// Leases `first` and the ready notices queued behind it, up to `max`; the stream is free
+/// for other callers once this returns.
+async fn lease_notices(
+    link: ReaderLink,
+    memory: Arc<dyn SlotMemory>,
+    first: ReadyRequest,
+    mut notices: tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
+    max: usize,
+) -> Vec<ReadLease> {
+    let mut out = Vec::new();
+    let mut next = Some(first);
+    while let Some(ready) = next.take() {
+        if let Ok(lease) = ReadLease::take(link.clone(), memory.clone(), ready).await {
+            out.push(lease);
+        }
+        while out.len() < max {
+            match notices.try_recv() {
+                Ok(ReceiverNotice::Ready(ready)) => {
+                    next = Some(ready);
+                    break;
+                }
+                Ok(ReceiverNotice::Ended { .. }) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    out
+}
+
+/// Leases cross threads (an embedding program's callers).
+const _: () = {
+    const fn is<T: Send + Sync>() {}
+    is::<ReadLease>();
+    is::<ReadyLeases>();
+};
