@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler) and
-test_worker.py must catch.
+python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
+test_worker.py and test_router.py must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -18,7 +18,7 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
-         "python/tests/kvx_vllm/test_worker.py"]
+         "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -58,6 +58,18 @@ MUTANTS = {
         "math.ceil(st.prompt_len / bs) if last",
         "st.prompt_len // bs if last",
         "the prompt's partial last block is never pushed"),
+    "router-prefill-full-length": (PKG + "router.py",
+        '    out["max_tokens"] = 1\n',
+        "",
+        "the router sends the prefill engine the client's whole generation, not one token"),
+    "router-ids-differ": (PKG + "router.py",
+        "self._prefill(prefill, path, prefill_body(body, path, kvx_id, decode.engine), kvx_id)",
+        "self._prefill(prefill, path, prefill_body(body, path, new_kvx_id(), decode.engine), kvx_id)",
+        "the two engines get different kvx ids for one request (the push reaches no reservation)"),
+    "router-client-gone-keeps-prefill": (PKG + "router.py",
+        '            self.stats["client_gone"] += 1\n            prefill_task.cancel()\n',
+        '            self.stats["client_gone"] += 1\n',
+        "a client that goes away leaves its prefill request running (its blocks held, its push into a withdrawn reservation)"),
 }
 
 

@@ -1,0 +1,308 @@
+"""``python -m kvx.vllm.router --config router.yaml``: an OpenAI-compatible router for vLLM
+engines joined by ``KvxConnector``. For each ``/v1/completions`` or ``/v1/chat/completions``
+request (streaming or not) it chooses a kvx request id and sends, at once, the client's
+request to a decode engine (``kv_transfer_params``: ``do_remote_prefill``) and the same
+prompt, for one token, to a prefill engine (``do_remote_decode``, with the decode engine's
+kvx endpoints). It streams the decode engine's answer back as it comes and discards the
+prefill engine's one token. No proxy hop carries the handover: the decode engine hears from
+its own kvx receiver that the KV is complete.
+
+When the client goes away, both upstream requests are closed, which makes vLLM abort them (the
+connector then withdraws the decode engine's reservation and cancels the prefill engine's
+push). A failed prefill request is logged and counted; the decode engine's request then fails
+its load after ``claim_timeout_sec`` and vLLM's ``kv_load_failure_policy`` applies (``fail``,
+or ``recompute`` on the decode engine itself).
+
+Engines are chosen by fewest requests in flight, in turn among equals. ``GET /v1/models``
+is the first decode engine's; ``GET /health`` answers while the router runs; ``GET
+/kvx/stats`` counts requests and failures. Needs aiohttp (which vLLM installs) and, for a
+YAML configuration, PyYAML (``router_config.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar
+
+from kvx.vllm import params
+from kvx.vllm.router_config import DecodeEngine, PrefillEngine, RouterConfig, RouterConfigError, load
+
+try:
+    import aiohttp
+    from aiohttp import web
+except ImportError:  # the module's documentation and config stay importable without it
+    aiohttp = None  # type: ignore[assignment]
+    web = None  # type: ignore[assignment]
+
+logger = logging.getLogger("kvx.vllm.router")
+
+#: The OpenAI paths the router dispatches to a decode and a prefill engine.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+#: Request keys that cannot go to a one-token prefill request: ``min_tokens`` would contradict
+#: ``max_tokens: 1``, the others ask for more than one sequence or for streaming.
+_NOT_FOR_PREFILL = ("min_tokens", "best_of", "stream_options", "n")
+
+E = TypeVar("E")
+
+
+@dataclass
+class _Slot(Generic[E]):
+    engine: E
+    in_flight: int = 0
+    last_pick: int = 0
+
+
+class EnginePool(Generic[E]):
+    """Engines of one kind; ``take`` chooses the one with the fewest requests in flight, the
+    least recently chosen among equals, and counts the request until ``done``."""
+
+    def __init__(self, engines: Sequence[E]) -> None:
+        self._slots = [_Slot(e) for e in engines]
+        self._picks = itertools.count(1)
+
+    def take(self) -> _Slot[E]:
+        slot = min(self._slots, key=lambda s: (s.in_flight, s.last_pick))
+        slot.in_flight += 1
+        slot.last_pick = next(self._picks)
+        return slot
+
+    @staticmethod
+    def done(slot: _Slot[E]) -> None:
+        slot.in_flight -= 1
+
+    def in_flight(self) -> List[int]:
+        return [s.in_flight for s in self._slots]
+
+
+def new_kvx_id() -> str:
+    """A kvx request id no other request has (well under ``params.REQUEST_ID_BYTES_MAX``)."""
+    return f"kvx-{uuid.uuid4().hex}"
+
+
+def decode_body(body: Dict[str, Any], kvx_id: str) -> Dict[str, Any]:
+    """The client's request as the decode engine gets it: unchanged but for its
+    ``kv_transfer_params``."""
+    out = dict(body)
+    out["kv_transfer_params"] = params.for_decode(kvx_id)
+    return out
+
+
+def prefill_body(body: Dict[str, Any], path: str, kvx_id: str, decode: DecodeEngine) -> Dict[str, Any]:
+    """The same prompt for the prefill engine: one token, not streamed, one sequence, with
+    the decode engine's kvx endpoints to push to."""
+    out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    out["max_tokens"] = 1
+    if path == "/v1/chat/completions":
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = params.for_prefill(kvx_id, list(decode.kvx_alloc), list(decode.kvx_fabric))
+    return out
+
+
+def _error(status: int, message: str, kind: str) -> "web.Response":
+    """An error in OpenAI's shape."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class Router:
+    """The router's state: its engines, its HTTP client session and its counters. ``app()``
+    is the aiohttp application; ``close()`` ends what is still running."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        if aiohttp is None:
+            raise RuntimeError("kvx.vllm.router needs aiohttp (pip install aiohttp; vLLM installs it)")
+        self.config = config
+        self.prefill: EnginePool[PrefillEngine] = EnginePool(config.prefill)
+        self.decode: EnginePool[DecodeEngine] = EnginePool(config.decode)
+        self.stats: Dict[str, int] = {
+            "requests": 0,
+            "prefill_failed": 0,
+            "decode_unreachable": 0,
+            "client_gone": 0,
+        }
+        self._session: Optional[aiohttp.ClientSession] = None
+        # Prefill requests still running after their decode answer was sent.
+        self._background: set = set()
+
+    async def _client(self) -> "aiohttp.ClientSession":
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_sec)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        return self._session
+
+    def app(self) -> "web.Application":
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for path in COMPLETION_PATHS:
+            app.router.add_post(path, self.completion)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/kvx/stats", self.stats_page)
+        app.on_cleanup.append(lambda _app: self.close())
+        return app
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def health(self, _request: "web.Request") -> "web.Response":
+        return web.json_response({"status": "ok"})
+
+    async def stats_page(self, _request: "web.Request") -> "web.Response":
+        return web.json_response(
+            dict(self.stats, prefill_in_flight=self.prefill.in_flight(), decode_in_flight=self.decode.in_flight())
+        )
+
+    async def models(self, _request: "web.Request") -> "web.Response":
+        url = self.config.decode[0].url + "/v1/models"
+        try:
+            async with (await self._client()).get(url) as up:
+                return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return _error(502, f"decode engine {self.config.decode[0].url}: {e!r}", "upstream_unreachable")
+
+    async def completion(self, request: "web.Request") -> "web.StreamResponse":
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+        if "kv_transfer_params" in body:
+            return _error(400, "kv_transfer_params are the router's to set", "invalid_request_error")
+        self.stats["requests"] += 1
+        kvx_id = new_kvx_id()
+        path = request.path
+        decode, prefill = self.decode.take(), self.prefill.take()
+        prefill_task = asyncio.create_task(
+            self._prefill(prefill, path, prefill_body(body, path, kvx_id, decode.engine), kvx_id)
+        )
+        try:
+            response = await self._relay_decode(request, decode.engine, path, decode_body(body, kvx_id), kvx_id)
+            if response is None:
+                # No decode engine holds the request: a push could only wait for a
+                # reservation that never comes.
+                prefill_task.cancel()
+                return _error(502, f"decode engine {decode.engine.url} unreachable", "upstream_unreachable")
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (aiohttp cancels the handler, or a write finds the
+            # connection closed): vLLM aborts both requests once their connections close.
+            self.stats["client_gone"] += 1
+            prefill_task.cancel()
+            raise
+        finally:
+            self.decode.done(decode)
+            if not prefill_task.done():
+                # Its decode answer is sent; it ends by itself, bounded by the session's
+                # timeout, or with the router.
+                self._background.add(prefill_task)
+                prefill_task.add_done_callback(self._background.discard)
+
+    async def _relay_decode(
+        self, request: "web.Request", decode: DecodeEngine, path: str, body: Dict[str, Any], kvx_id: str
+    ) -> "Optional[web.StreamResponse]":
+        """Streams the decode engine's answer to the client; None when the engine cannot be
+        reached (nothing was sent to the client)."""
+        session = await self._client()
+        try:
+            upstream = await session.post(decode.url + path, json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.stats["decode_unreachable"] += 1
+            logger.warning("kvx %s: decode engine %s unreachable: %r", kvx_id, decode.url, e)
+            return None
+        try:
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+        except BaseException:
+            # Closed, not given back to the pool: vLLM sees the connection go and aborts.
+            upstream.close()
+            raise
+        upstream.release()
+        return response
+
+    async def _prefill(self, slot: _Slot[PrefillEngine], path: str, body: Dict[str, Any], kvx_id: str) -> None:
+        url = slot.engine.url
+        try:
+            session = await self._client()
+            async with session.post(url + path, json=body) as up:
+                text = await up.text()
+                if up.status != 200:
+                    self.stats["prefill_failed"] += 1
+                    logger.warning("kvx %s: prefill engine %s answered %d: %s", kvx_id, url, up.status, text[:300])
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.stats["prefill_failed"] += 1
+            logger.warning("kvx %s: prefill engine %s: %r", kvx_id, url, e)
+        finally:
+            self.prefill.done(slot)
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+    """Runs the router until ``stop`` is set."""
+    router = Router(config)
+    # handler_cancellation: a client that goes away cancels its handler, which closes both
+    # upstream requests even while the decode engine has sent nothing yet.
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    logger.info(
+        "kvx.vllm.router on %s:%d: %d prefill, %d decode engines",
+        config.host, config.port, len(config.prefill), len(config.decode),
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvx.vllm.router",
+        description="OpenAI-compatible router for vLLM engines joined by kvx.vllm.KvxConnector: "
+        "each request goes to a decode engine and, for one token, to a prefill engine, which "
+        "pushes the prompt's KV into the decode engine's blocks (docs/vllm.md).",
+    )
+    parser.add_argument("--config", required=True, help="the router's YAML or JSON file (docs/vllm.md, 'The router')")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if aiohttp is None:
+        print("kvx.vllm.router needs aiohttp: pip install aiohttp (vLLM installs it)", file=sys.stderr)
+        return 2
+    try:
+        config = load(args.config)
+    except (OSError, RouterConfigError) as e:
+        print(f"kvx.vllm.router: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
