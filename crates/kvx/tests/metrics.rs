@@ -287,7 +287,14 @@ fn every_role_serves_all_its_series_before_any_traffic() {
         );
     }
     assert_eq!(value(&rx, "kvx_receiver_slots_free"), Some(8.0), "{rx}");
-    assert_eq!(value(&tx, "kvx_sender_staging_free"), Some(4.0), "{tx}");
+    // Registered at its 4 free slots; its workload may already hold some of them for the
+    // request that waits for the absent receiver (a request may fill staging before its
+    // admission), so anything from 0 to 4 is right here.
+    let staging_free = value(&tx, "kvx_sender_staging_free");
+    assert!(
+        matches!(staging_free, Some(v) if (0.0..=4.0).contains(&v)),
+        "{staging_free:?}: {tx}"
+    );
     assert_eq!(value(&px, "kvx_proxy_ready_total"), Some(0.0), "{px}");
 }
 
