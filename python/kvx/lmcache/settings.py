@@ -20,13 +20,14 @@ from typing import Any, Dict, List, Optional
 
 from kvx._kvx import defaults as _native_defaults
 from kvx._kvx import lmcache_pd_buffer_slots
+from kvx._settings import KeySpec, describe, read_keys
 
 logger = logging.getLogger("kvx.lmcache")
 
 _DEFAULTS = _native_defaults()
 
 #: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
-KVX_EXTRA_KEYS: Dict[str, tuple] = {
+KVX_EXTRA_KEYS: Dict[str, KeySpec] = {
     "kvx_fabric": (
         str,
         "tcp",
@@ -172,32 +173,15 @@ def _port_for_rank(config: Any, key: str, tp_rank: int, required: bool) -> Optio
 
 
 def _extra(config: Any) -> Dict[str, Any]:
-    given = dict(getattr(config, "extra_config", None) or {})
-    unknown = sorted(k for k in given if k.startswith("kvx_") and k not in KVX_EXTRA_KEYS)
-    if unknown:
-        known = ", ".join(sorted(KVX_EXTRA_KEYS))
-        raise ConfigError(f"unknown kvx setting(s) in extra_config: {', '.join(unknown)} "
-                          f"(known: {known})")
-    out: Dict[str, Any] = {}
-    for name, (kind, default, _) in KVX_EXTRA_KEYS.items():
-        value = given.get(name, default)
-        if value is None:  # an optional setting left unset (the CURVE files)
-            out[name] = None
-            continue
-        try:
-            if kind is bool and isinstance(value, str):
-                value = value.strip().lower() in ("1", "true", "yes", "on")
-            value = kind(value)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"extra_config {name}={value!r}: expected {kind.__name__}") from e
-        out[name] = value
+    # LMCache's extra_config holds other components' keys too: only kvx_ ones are ours.
+    out = read_keys(
+        getattr(config, "extra_config", None), KVX_EXTRA_KEYS, "extra_config", ConfigError,
+        own_prefix="kvx_",
+    )
     # The fabrics this build of the native module has (kvx_embed::named, the one mapping).
     if out["kvx_fabric"] not in _DEFAULTS["node"]["fabrics"]:
         raise ConfigError(f"extra_config kvx_fabric={out['kvx_fabric']!r}: use tcp (or shm, "
                           "with both sides on one host; or mem, with both in one process)")
-    for name, value in out.items():
-        if KVX_EXTRA_KEYS[name][0] is float and not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"extra_config {name}={value!r}: a positive number of seconds")
     if out["kvx_waiting_room_chunks"] < 0:
         raise ConfigError("extra_config kvx_waiting_room_chunks: 0 or more")
     if not 1 <= out["kvx_peer_share_percent"] <= 100:
@@ -296,4 +280,4 @@ def default_allocation_timeout(role: str) -> float:
 
 def describe_extra_keys() -> List[str]:
     """One line per kvx setting: name, default, meaning (for docs and errors)."""
-    return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in KVX_EXTRA_KEYS.items()]
+    return describe(KVX_EXTRA_KEYS)

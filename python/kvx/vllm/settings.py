@@ -1,6 +1,6 @@
 """What ``KvxConnector`` takes from vLLM's ``--kv-transfer-config``: the role (``kv_role``)
 and kvx's settings under ``kv_connector_extra_config``, read and checked as ``kvx.lmcache``
-reads its keys (``python/kvx/lmcache/settings.py``). Every refusal names the key and says what
+reads its keys (one reader, ``python/kvx/_settings.py``). Every refusal names the key and says what
 to set instead; an unknown key is refused with the list of known ones.
 
 A key that is a protocol setting defaults to kvx's own default, read from the native module
@@ -12,11 +12,11 @@ This module does not import vLLM: the router and the tests read settings without
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvx._kvx import defaults as _native_defaults
+from kvx._settings import KeySpec, describe, read_keys
 
 _DEFAULTS = _native_defaults()
 
@@ -27,7 +27,7 @@ ROLES: Dict[str, str] = {"kv_producer": "prefill", "kv_consumer": "decode"}
 FABRICS: Tuple[str, ...] = ("tcp",)
 
 #: kvx's settings in ``kv_connector_extra_config``: name → (type, default, meaning).
-EXTRA_KEYS: Dict[str, Tuple[type, Any, str]] = {
+EXTRA_KEYS: Dict[str, KeySpec] = {
     "fabric": (
         str,
         "tcp",
@@ -146,40 +146,9 @@ class KvxVllmSettings:
         return f"tcp://{self.host}:{self.fabric_port + tp_rank}"
 
 
-def _convert(name: str, kind: type, value: Any) -> Any:
-    # bool is an int in Python and "false" is truthy: both are checked, not coerced.
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected true or false")
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected an integer")
-    if kind is float and isinstance(value, bool):
-        raise ConfigError(f"kv_connector_extra_config {name}={value!r}: expected seconds")
-    try:
-        return kind(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"kv_connector_extra_config {name}={value!r}: expected {kind.__name__}"
-        ) from e
-
-
 def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``kv_connector_extra_config`` checked, with every key's default filled in."""
-    given = dict(extra or {})
-    unknown = sorted(k for k in given if k not in EXTRA_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) in kv_connector_extra_config: {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(EXTRA_KEYS))})"
-        )
-    out: Dict[str, Any] = {}
-    for name, (kind, default, _) in EXTRA_KEYS.items():
-        value = given.get(name, default)
-        out[name] = None if value is None else _convert(name, kind, value)
+    out = read_keys(extra, EXTRA_KEYS, "kv_connector_extra_config", ConfigError)
     if out["fabric"] not in FABRICS:
         raise ConfigError(
             f"kv_connector_extra_config fabric={out['fabric']!r}: use tcp (rdma is not yet "
@@ -188,11 +157,6 @@ def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     for name in ("alloc_port", "fabric_port"):
         if not 1 <= out[name] <= 65535:
             raise ConfigError(f"kv_connector_extra_config {name}={out[name]}: a port, 1..65535")
-    for name, (kind, _, _) in EXTRA_KEYS.items():
-        if kind is float and not (out[name] > 0 and math.isfinite(out[name])):
-            raise ConfigError(
-                f"kv_connector_extra_config {name}={out[name]!r}: a positive number of seconds"
-            )
     return out
 
 
@@ -223,4 +187,4 @@ def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
 
 def describe_extra_keys() -> List[str]:
     """One line per setting: name, default, meaning (for docs and errors)."""
-    return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in EXTRA_KEYS.items()]
+    return describe(EXTRA_KEYS)
