@@ -8,7 +8,8 @@ use std::io;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
-use super::curve::{self, CurveKeyPair};
+use super::curve;
+use super::curve_keys::{AllowList, CurveKeyPair, KEY_BYTES};
 use super::zmtp::{
     check_greeting, greeting, metadata, parse_ready, ready, refused_by_peer, FrameReader,
     HandshakeError, Sealer, CURVE, NULL,
@@ -16,10 +17,10 @@ use super::zmtp::{
 use super::PeerBytes;
 
 /// A CURVE client's keys: its own pair and the server's public key.
-pub(super) type ClientCurve<'a> = Option<(&'a CurveKeyPair, &'a [u8; curve::KEY_BYTES])>;
+pub(super) type ClientCurve<'a> = Option<(&'a CurveKeyPair, &'a [u8; KEY_BYTES])>;
 
 /// A CURVE server's keys: its own pair and the client keys it accepts.
-pub(super) type ServerCurve<'a> = Option<(&'a CurveKeyPair, &'a curve::AllowList)>;
+pub(super) type ServerCurve<'a> = Option<(&'a CurveKeyPair, &'a AllowList)>;
 
 /// What a bound socket's handshake established (`handshake_server`).
 #[derive(Debug)]
@@ -29,7 +30,7 @@ pub(super) struct Handshaken {
     /// How this connection writes; its first use is the READY accepting the peer.
     pub(super) sealer: Sealer,
     /// The client's long-term public key, under CURVE.
-    pub(super) client_key: Option<[u8; curve::KEY_BYTES]>,
+    pub(super) client_key: Option<[u8; KEY_BYTES]>,
 }
 
 /// The handshake of a connecting socket of type `ours` (with `identity` in its READY, for a

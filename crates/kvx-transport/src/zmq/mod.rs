@@ -27,13 +27,15 @@
 //!   (`docs/spec/zmq.md` §9).
 //!
 //! The layers, each using only those below it: `frames` (writing frames) → `curve_box`
-//! (CURVE's MESSAGE boxes) → `zmtp` (greeting, READY, the frame reader, the `Sealer`) →
-//! `curve` (the CURVE handshake) → `handshake` (a connection's handshake, NULL or CURVE) →
-//! the sockets (`server`, `dealer`, `push`, `link`, `conn`).
+//! (CURVE's MESSAGE boxes) and `curve_keys` (key pairs, certificates, allow-lists) → `zmtp`
+//! (greeting, READY, the frame reader, the `Sealer`) → `curve` (the CURVE handshake) →
+//! `handshake` (a connection's handshake, NULL or CURVE) → the sockets (`server`, `dealer`,
+//! `push`, `link`, `conn`).
 
 mod conn;
 mod curve;
 mod curve_box;
+mod curve_keys;
 mod dealer;
 mod frames;
 mod framing;
@@ -46,7 +48,7 @@ mod server;
 mod z85;
 mod zmtp;
 
-pub use curve::{
+pub use curve_keys::{
     decode_key, fingerprint, load_public_key, AllowList, CurveConfigError, CurveKeyPair, KEY_BYTES,
 };
 
