@@ -148,6 +148,9 @@ pub struct SimConfig {
     pub prefill_chunk_time: Duration,
     pub decode_delay: Duration,
     pub decoder_consumes: bool,
+    /// Decoders lease each ready request as it comes through `ReadyLeases` (Python's
+    /// intake), instead of hearing notices and leasing at the verdict (`decoder.rs`).
+    pub decoder_takes_leases: bool,
     pub model: LinkModel,
     pub requests: Vec<RequestPlan>,
     pub faults: Vec<FaultEvent>,
@@ -201,6 +204,7 @@ impl SimConfig {
             prefill_chunk_time: Duration::ZERO,
             decode_delay: Duration::from_millis(1),
             decoder_consumes: true,
+            decoder_takes_leases: false,
             model: LinkModel::default(),
             requests: Vec::new(),
             faults: Vec::new(),

@@ -1,14 +1,22 @@
 //! The decoder on a receiver node: what vLLM's decode worker does with a `ReceiverHandle`.
-//! It hears the receiver's notices (and reports every end to the checker at once), and reads
-//! a request once it is both in the buffer and declared ready by the proxy: lease it, check
-//! every chunk, consume it. A request the proxy declared failed is leased and dropped unread
-//! (a dropped lease releases the request).
+//! It hears of ready requests and of every request's end (reporting each end to the checker
+//! at once), and reads a request once it is both in the buffer and declared ready by the
+//! proxy: lease it, check every chunk, consume it. A request the proxy declared failed is
+//! leased and dropped unread (a dropped lease releases the request).
+//!
+//! Two intakes, drawn per seed (`SimConfig::decoder_takes_leases`): the receiver's notices,
+//! leasing each request when its verdict comes (the binary's decoder), or `ReadyLeases`,
+//! which leases every ready request as it comes, in `take` calls cut short by the decoder's
+//! other work (Python's `next_ready`/`ready`, whose hand-out must lose nothing to a cancelled
+//! call); the lease is then held until the verdict.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
-use kvx_node::{ReadLease, ReadyRequest, ReceiverHandle, ReceiverNotice};
-use kvx_proto::receiver::Outcome;
+use kvx_node::{ChunkReader, ReadLease, ReadyLeases, ReadyRequest, ReceiverNotice, RequestEnds};
+use kvx_proto::receiver::{ConsumeError, Outcome};
+use kvx_proto::ReqKey;
 use tokio::sync::mpsc;
 
 use crate::app::{content, flag};
@@ -23,20 +31,71 @@ pub struct Decoder {
     pub cfg: Arc<SimConfig>,
     pub name: String,
     pub rank: usize,
-    pub handle: ReceiverHandle<SimMemory>,
+    pub intake: Intake,
+    pub reader: ChunkReader<SimMemory>,
     pub tx: mpsc::UnboundedSender<DecoderCmd>,
     pub ready: BTreeMap<String, ReadyRequest>,
+    /// Requests leased as they came (`Intake::Leases`), held until their verdict.
+    pub leased: BTreeMap<String, ReadLease>,
     /// The proxy's word per request: (ready, chunks).
     pub verdicts: BTreeMap<String, (bool, u32)>,
+}
+
+/// How the decoder hears of ready requests and ends.
+#[derive(Debug)]
+pub enum Intake {
+    /// The receiver's notices, one stream.
+    Notices(mpsc::UnboundedReceiver<ReceiverNotice>),
+    /// Ready requests as leases, ends on a stream of their own.
+    Leases {
+        leases: ReadyLeases,
+        ends: RequestEnds,
+    },
+}
+
+/// The longest one `take` waits for its first lease: shorter than most of the world's
+/// timers, so that takes are often cut short by a command or end by their own bound.
+const TAKE_WITHIN: Duration = Duration::from_millis(300);
+
+/// What the decoder's intake gave.
+enum Heard {
+    Notice(ReceiverNotice),
+    Leased(Vec<ReadLease>),
+    Stopped,
+}
+
+impl Intake {
+    /// The next thing heard; cancel-safe (a cut-short `take` gives its leases to the next).
+    async fn next(&mut self) -> Heard {
+        match self {
+            Intake::Notices(notices) => notices.recv().await.map_or(Heard::Stopped, Heard::Notice),
+            Intake::Leases { leases, ends } => tokio::select! {
+                end = ends.recv() => match end {
+                    Some((key, outcome)) => Heard::Notice(ReceiverNotice::Ended { key, outcome }),
+                    None => Heard::Stopped,
+                },
+                got = leases.take(4, Some(TAKE_WITHIN)) => match got {
+                    Ok(got) => Heard::Leased(got),
+                    Err(ConsumeError::Stopped) => Heard::Stopped,
+                    Err(_) => Heard::Leased(Vec::new()),
+                },
+            },
+        }
+    }
 }
 
 impl Decoder {
     pub async fn run(mut self, mut rx: mpsc::UnboundedReceiver<DecoderCmd>) {
         loop {
             tokio::select! {
-                n = self.handle.next_notice() => match n {
-                    Some(n) => self.on_notice(n),
-                    None => return,
+                heard = self.intake.next() => match heard {
+                    Heard::Notice(n) => self.on_notice(n),
+                    Heard::Leased(leases) => {
+                        for lease in leases {
+                            self.on_leased(lease);
+                        }
+                    }
+                    Heard::Stopped => return,
                 },
                 cmd = rx.recv() => match cmd {
                     Some(DecoderCmd::Verdict { req_id, ready, chunks }) => {
@@ -45,7 +104,7 @@ impl Decoder {
                     }
                     Some(DecoderCmd::Consume(req_id)) => self.consume(&req_id).await,
                     Some(DecoderCmd::Snapshot(reply)) => {
-                        if let Ok(s) = self.handle.reader().snapshot().await {
+                        if let Ok(s) = self.reader.snapshot().await {
                             let now = self.world.now();
                             self.world.lock().checker.on_snapshot(now, &self.name, &s);
                             let _ = reply.send(s);
@@ -57,26 +116,41 @@ impl Decoder {
         }
     }
 
+    /// A request leased as it came: held until its verdict.
+    fn on_leased(&mut self, lease: ReadLease) {
+        let req_id = lease.key().req_id.0.clone();
+        self.check_destination(lease.key());
+        self.reading(lease.key(), true);
+        self.leased.insert(req_id.clone(), lease);
+        self.maybe_consume(&req_id);
+    }
+
+    /// G1: a request arrives only at the receiver it was sent to.
+    fn check_destination(&self, key: &ReqKey) {
+        let req_id = &key.req_id.0;
+        let meant = self
+            .world
+            .lock()
+            .outcomes
+            .reqs
+            .get(req_id)
+            .map(|rec| receiver_node(rec.plan.decode, self.rank));
+        if let Some(meant) = meant.filter(|m| *m != self.name) {
+            flag(
+                &self.world,
+                format!(
+                    "G1: {req_id} arrived at {}, but it was sent to {meant}",
+                    self.name
+                ),
+            );
+        }
+    }
+
     fn on_notice(&mut self, n: ReceiverNotice) {
         match n {
             ReceiverNotice::Ready(r) => {
                 let req_id = r.key.req_id.0.clone();
-                let meant = self
-                    .world
-                    .lock()
-                    .outcomes
-                    .reqs
-                    .get(&req_id)
-                    .map(|rec| receiver_node(rec.plan.decode, self.rank));
-                if let Some(meant) = meant.filter(|m| *m != self.name) {
-                    flag(
-                        &self.world,
-                        format!(
-                            "G1: {req_id} arrived at {}, but it was sent to {meant}",
-                            self.name
-                        ),
-                    );
-                }
+                self.check_destination(&r.key);
                 self.ready.insert(req_id.clone(), r);
                 self.maybe_consume(&req_id);
             }
@@ -93,6 +167,11 @@ impl Decoder {
                 drop(w);
                 self.ready.remove(&key.req_id.0);
                 self.verdicts.remove(&key.req_id.0);
+                // A read lease keeps its request until it is let go of (R9), so an end comes
+                // only after; one still held here would be released unread.
+                if self.leased.remove(&key.req_id.0).is_some() {
+                    self.reading(&key, false);
+                }
             }
         }
     }
@@ -101,7 +180,7 @@ impl Decoder {
     /// decode delay (a timer, so notices keep flowing meanwhile).
     fn maybe_consume(&self, req_id: &str) {
         if !self.cfg.decoder_consumes
-            || !self.ready.contains_key(req_id)
+            || !(self.ready.contains_key(req_id) || self.leased.contains_key(req_id))
             || !self.verdicts.contains_key(req_id)
         {
             return;
@@ -114,16 +193,23 @@ impl Decoder {
     }
 
     async fn consume(&mut self, req_id: &str) {
-        let (Some(ready), Some(&(proxy_ready, chunks))) =
-            (self.ready.remove(req_id), self.verdicts.get(req_id))
-        else {
+        let Some(&(proxy_ready, chunks)) = self.verdicts.get(req_id) else {
             return;
         };
         // The read lease (the one Python's `next_ready` hands out): until it is consumed or
         // dropped, the slots stay put whatever happens meanwhile.
-        let Ok(lease) = self.handle.reader().lease(ready).await else {
-            return;
+        let lease = match (self.leased.remove(req_id), self.ready.remove(req_id)) {
+            (Some(lease), _) => lease,
+            (None, Some(ready)) => match self.reader.lease(ready).await {
+                Ok(lease) => {
+                    self.reading(lease.key(), true);
+                    lease
+                }
+                Err(_) => return,
+            },
+            (None, None) => return,
         };
+        let key = lease.key().clone();
         if proxy_ready {
             let ok = self.verify(&lease, chunks);
             self.world
@@ -137,15 +223,26 @@ impl Decoder {
             // Unread: dropped, as a decoder drops a lease it has no use for; the release is
             // queued without a wait, and its end must come all the same.
             drop(lease);
+            self.reading(&key, false);
             return;
         }
-        let key = lease.key().clone();
-        if let Err(e) = lease.consume().await {
+        let consumed = lease.consume().await;
+        self.reading(&key, false);
+        if let Err(e) = consumed {
             flag(
                 &self.world,
                 format!("{} could not consume leased {key}: {e}", self.name),
             );
         }
+    }
+
+    /// Tells the checker that the decoder holds a read lease on `key`, or let go of it.
+    fn reading(&self, key: &ReqKey, reading: bool) {
+        let now = self.world.now();
+        self.world
+            .lock()
+            .checker
+            .on_reading(now, &self.name, key.peer, &key.req_id.0, reading);
     }
 
     /// G1: the decoder reads exactly the bytes the prefill produced.

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, Semaphore};
 use crate::app::{env, flag};
 use crate::commands::EngineCmd;
 use crate::config::{receiver_node, sender_node, SimConfig, PROXY_ENDPOINT};
-use crate::decoder::Decoder;
+use crate::decoder::{Decoder, Intake};
 use crate::engine::{self, Peers};
 use crate::world::World;
 
@@ -98,14 +98,23 @@ pub async fn receiver_main(world: World, cfg: Arc<SimConfig>, d: usize, rank: us
         .on_receiver_start(now, &name, rc.buffer_slots, rc.write_quarantine);
     let (tx, rx) = mpsc::unbounded_channel();
     world.lock().mailboxes.open_decoder(&name, tx.clone());
+    let (intake, reader) = if cfg.decoder_takes_leases {
+        let (leases, reader, ends) = handle.into_ready_leases_with_ends();
+        (Intake::Leases { leases, ends }, reader)
+    } else {
+        let (notices, reader) = handle.into_parts();
+        (Intake::Notices(notices), reader)
+    };
     let decoder = Decoder {
         world,
         cfg,
         name,
         rank,
-        handle,
+        intake,
+        reader,
         tx,
         ready: BTreeMap::new(),
+        leased: BTreeMap::new(),
         verdicts: BTreeMap::new(),
     };
     decoder.run(rx).await;

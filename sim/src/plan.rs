@@ -29,6 +29,8 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
             d.receiver.peer_share_percent = shares.range_u32(50, 100);
         }
     }
+    // The decoders' intake, from a generator of its own (every other draw stays the seed's).
+    cfg.decoder_takes_leases = SeededRng::new(seed ^ 0x1EA5_E5DE_C0DE).chance(0.5);
     for p in &mut cfg.prefill {
         p.sender.staging_slots = rng.range_u32(1, 24);
         p.sender.inflight_max = rng.range(1, 16) as usize;

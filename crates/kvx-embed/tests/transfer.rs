@@ -407,11 +407,21 @@ fn concurrent_first_connects_to_one_receiver_all_wait_for_its_channel() {
     });
 }
 
-/// A `ready` future dropped after it took a request off the stream, while that request is
-/// being leased (the caller's timeout fired, its task was cancelled): the lease goes to the
-/// next call, byte for byte, instead of being released unread.
+/// A `ready()` future dropped while its requests are being leased (by a task it cannot
+/// cancel) loses none of them: the next call gets them, unread bytes intact. Dropped before
+/// the leases reached it (the leasing task gives them back) and after (the dropped future
+/// does).
 #[test]
 fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
+    dropped_while_leasing(false);
+}
+
+#[test]
+fn a_ready_future_dropped_after_its_leases_arrived_hands_them_to_the_next_call() {
+    dropped_while_leasing(true);
+}
+
+fn dropped_while_leasing(let_them_arrive: bool) {
     let p = pair(4, 2);
     // The leasing runs on the runtime while this thread polls: a poll that finds it already
     // done delivers the lease the usual way, so the case is tried again (bounded).
@@ -439,6 +449,10 @@ fn a_ready_future_dropped_while_leasing_hands_its_requests_to_the_next_call() {
                 .into_iter()
                 .for_each(|l| l.consume(WAIT).expect("consumed"));
             continue;
+        }
+        if let_them_arrive {
+            // The leasing task finishes and hands its leases over; nobody polls for them.
+            std::thread::sleep(Duration::from_millis(200));
         }
         drop(ready);
         let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");

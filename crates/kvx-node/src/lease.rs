@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use kvx_io::SlotMemory;
-use kvx_proto::receiver::{ChunkLayout, ConsumeError};
+use kvx_proto::receiver::{ChunkLayout, ConsumeError, Outcome};
 use kvx_proto::{ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
@@ -152,13 +152,28 @@ impl<M: SlotMemory> ReceiverHandle<M> {
     /// runs whoever awaits it.
     pub fn into_ready_leases(self) -> (ReadyLeases, ChunkReader<M>) {
         let memory: Arc<dyn SlotMemory> = self.reader.memory.clone();
-        let leases = ReadyLeases::new(self.notices, self.reader.link.clone(), memory);
+        let leases = ReadyLeases::new(self.notices, self.reader.link.clone(), memory, None);
         (leases, self.reader)
+    }
+
+    /// `into_ready_leases`, with every request's end (consumed or failed, exactly one per
+    /// request) passed on to the returned stream as `take` meets it, for a decoder that
+    /// keeps account of ends (the simulation's checker). Ends arrive while some caller is in
+    /// `take`.
+    pub fn into_ready_leases_with_ends(self) -> (ReadyLeases, ChunkReader<M>, RequestEnds) {
+        let memory: Arc<dyn SlotMemory> = self.reader.memory.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let leases = ReadyLeases::new(self.notices, self.reader.link.clone(), memory, Some(tx));
+        (leases, self.reader, rx)
     }
 }
 
+/// Each request's end, as `ReadyLeases` passes them on (`into_ready_leases_with_ends`).
+pub type RequestEnds = mpsc::UnboundedReceiver<(ReqKey, Outcome)>;
+
 /// Ready requests handed out as leases, to callers on any number of tasks or threads
-/// (`ReceiverHandle::into_ready_leases`). Ended requests' notices are skipped.
+/// (`ReceiverHandle::into_ready_leases`). Ended requests' notices are skipped, or passed on
+/// (`into_ready_leases_with_ends`).
 pub struct ReadyLeases {
     notices: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>>,
     link: ReaderLink,
@@ -169,6 +184,8 @@ pub struct ReadyLeases {
     /// The receiver's runtime, where the leasing runs whoever polls `take` (a caller's own
     /// executor, or a bare poll).
     runtime: tokio::runtime::Handle,
+    /// Where ends go, if anywhere.
+    ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
 }
 
 impl fmt::Debug for ReadyLeases {
@@ -251,6 +268,7 @@ impl ReadyLeases {
         notices: mpsc::UnboundedReceiver<ReceiverNotice>,
         link: ReaderLink,
         memory: Arc<dyn SlotMemory>,
+        ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
     ) -> Self {
         Self {
             notices: Arc::new(tokio::sync::Mutex::new(notices)),
@@ -258,6 +276,7 @@ impl ReadyLeases {
             memory,
             returned: Arc::default(),
             runtime: tokio::runtime::Handle::current(),
+            ends,
         }
     }
 
@@ -291,13 +310,14 @@ impl ReadyLeases {
         // From here the notices are off the stream: a task the caller cannot cancel leases
         // them and hands them over, or gives them back if the caller left.
         let (tx, leases) = oneshot::channel();
-        let (link, memory, returned) = (
+        let (link, memory, returned, ends) = (
             self.link.clone(),
             self.memory.clone(),
             self.returned.clone(),
+            self.ends.clone(),
         );
         self.runtime.spawn(async move {
-            let out = lease_notices(link, memory, first, notices, max).await;
+            let out = lease_notices(link, memory, ends, first, notices, max).await;
             if let Err(out) = tx.send(out) {
                 returned.give_back(out);
             }
@@ -327,7 +347,9 @@ impl ReadyLeases {
                     Some(ReceiverNotice::Ready(ready)) => return First::Ready(ready, notices),
                     // Every request's end is noticed, consumed ones too; an end leases
                     // nothing, so it must not end the wait for a ready one.
-                    Some(ReceiverNotice::Ended { .. }) => {}
+                    Some(ReceiverNotice::Ended { key, outcome }) => {
+                        pass_on(self.ends.as_ref(), key, outcome);
+                    }
                     None => return First::Stopped,
                 },
                 () = &mut arrived => {}
@@ -347,6 +369,7 @@ impl ReadyLeases {
 async fn lease_notices(
     link: ReaderLink,
     memory: Arc<dyn SlotMemory>,
+    ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
     first: ReadyRequest,
     mut notices: tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
     max: usize,
@@ -363,12 +386,19 @@ async fn lease_notices(
                     next = Some(ready);
                     break;
                 }
-                Ok(ReceiverNotice::Ended { .. }) => {}
+                Ok(ReceiverNotice::Ended { key, outcome }) => pass_on(ends.as_ref(), key, outcome),
                 Err(_) => break,
             }
         }
     }
     out
+}
+
+/// Passes an end on where ends go, if anywhere (a receiver that stopped listening misses it).
+fn pass_on(ends: Option<&mpsc::UnboundedSender<(ReqKey, Outcome)>>, key: ReqKey, outcome: Outcome) {
+    if let Some(ends) = ends {
+        let _ = ends.send((key, outcome));
+    }
 }
 
 /// Leases cross threads (an embedding program's callers).

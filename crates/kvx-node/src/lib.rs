@@ -44,7 +44,7 @@ pub mod receiver;
 pub mod sender;
 pub mod synthetic;
 
-pub use lease::{ReadLease, ReadyLeases};
+pub use lease::{ReadLease, ReadyLeases, RequestEnds};
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,

@@ -8,7 +8,8 @@
 //! - A1: Σ reservations + quarantined slots ≤ capacity, always;
 //! - W7: an ended request is never granted anything again;
 //! - G2: a request ends at most once at its receiver; a CancelNotif the receiver
-//!   acknowledged has released the request at once;
+//!   acknowledged has released the request at once, or, while its decoder reads it (a read
+//!   lease, R9: a failure during a read takes effect at consume), once the read ends;
 //! - S5: ProxyNotif at most once per (request, rank), only after all its chunks landed.
 //!
 //! madsim advances the clock by 50–100 ns per task poll, and what one receiver step emits
@@ -55,6 +56,8 @@ pub struct Checker {
     /// Receivers whose reservations exceed capacity, since when.
     over_since: BTreeMap<String, Duration>,
     deferred: Vec<(Duration, String, Deferred)>,
+    /// Requests a decoder holds a read lease on: (receiver, request).
+    reading: BTreeSet<(String, Key)>,
 }
 
 impl Checker {
@@ -128,6 +131,15 @@ impl Checker {
             return;
         };
         let why = match d {
+            // Still read: the cancel takes effect when the read ends (R9); looked at again.
+            Deferred::CancelAcked(key)
+                if m.requests.contains_key(&key)
+                    && self.reading.contains(&(r.to_owned(), key.clone())) =>
+            {
+                self.deferred
+                    .push((now + GRACE, r.to_owned(), Deferred::CancelAcked(key)));
+                None
+            }
             Deferred::CancelAcked(key) => m.requests.contains_key(&key).then(|| {
                 format!(
                     "G2: {r} acknowledged the CancelNotif of {}/{} but still holds the request",
@@ -179,6 +191,25 @@ impl Checker {
         self.receivers.remove(node);
         self.over_since.remove(node);
         self.deferred.retain(|(_, r, _)| r != node);
+        self.reading.retain(|(r, _)| r != node);
+    }
+
+    /// The decoder of `recv` holds a read lease on a request (`reading`), or let go of it.
+    pub fn on_reading(
+        &mut self,
+        now: Duration,
+        recv: &str,
+        peer: PeerId,
+        req: &str,
+        reading: bool,
+    ) {
+        self.tick(now);
+        let entry = (recv.to_owned(), (peer, req.to_owned()));
+        if reading {
+            self.reading.insert(entry);
+        } else {
+            self.reading.remove(&entry);
+        }
     }
 
     /// The decoder of `recv` heard that a request ended.

@@ -132,19 +132,49 @@ fn two_senders_four_concurrent_requests_each() {
     assert!(r.outcomes.keys().all(|id| delivered(&r, id)));
 }
 
+/// The same, decoded as a Python program decodes: every ready request leased as it comes
+/// through `ReadyLeases` (what `kvx.Receiver.next_ready` runs on), in takes the decoder's
+/// other work cuts short, each lease held until the proxy's verdict; all complete, every
+/// byte checked, nothing left held (the final checks).
+#[test]
+fn two_senders_four_concurrent_requests_each_decoded_through_ready_leases() {
+    let mut cfg = SimConfig::new(2, 1, 64, 64);
+    cfg.decoder_takes_leases = true;
+    for p in &mut cfg.prefill {
+        p.interleave = 4;
+    }
+    for s in 0..2 {
+        for (k, chunks) in [16, 4, 12, 9, 7, 16, 5, 14].into_iter().enumerate() {
+            cfg = cfg.with(plan(&format!("s{s}-{k}"), s, chunks, 4));
+        }
+    }
+    let r = passes(cfg);
+    assert_eq!(r.outcomes.len(), 16);
+    assert!(r.outcomes.keys().all(|id| delivered(&r, id)));
+}
+
 /// Cancel at every moment of a request's life, the first batch in flight included (LMCache
 /// sends no CancelNotif then and leaks the reservation, W6): the whole buffer is usable
 /// again afterwards, and nothing leaks anywhere (the final checks).
 #[test]
 fn cancel_at_any_moment_releases_everything() {
+    for leases in [false, true] {
+        cancel_at_any_moment(leases);
+    }
+}
+
+/// The cancel scenario with the decoder hearing notices (`leases` false) or taking every
+/// ready request as a lease as it comes, as Python's `next_ready` does (true).
+fn cancel_at_any_moment(leases: bool) {
     let mut cancelled = 0;
     for us in (0..15_000).step_by(500) {
         let mut c = plan("C", 0, 8, 4);
         c.cancel_after = Some(Duration::from_micros(us));
         c.fault_free = false;
-        let cfg = SimConfig::new(1, 1, 10, 8)
+        let mut cfg = SimConfig::new(1, 1, 10, 8)
             .with(c)
             .with(at("after", 0, 10, 4, 50 * MS));
+        cfg.decoder_takes_leases = leases;
         let r = passes(cfg);
         assert!(delivered(&r, "after"), "cancel at {us}us");
         if failure_or_none(&r, "C").is_some_and(|w| w.contains("cancelled")) {
