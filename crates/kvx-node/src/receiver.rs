@@ -161,6 +161,7 @@ impl ReceiverNode {
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
+        pool_placement_only(&cfg)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let geometry = crate::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
@@ -180,6 +181,7 @@ impl ReceiverNode {
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
         crate::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
+        pool_placement_only(&cfg)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;
@@ -459,6 +461,8 @@ impl<E: Env> Driver<E> {
                     }
                     ReceiverNotice::Ended { key, outcome }
                 }
+                // Caller placement is refused at start (`pool_placement_only`).
+                ReceiverEvent::Returned { .. } => continue,
             };
             // A decoder that stopped listening misses notices; the unconsumed TTL reclaims.
             let _ = self.notices.send(notice);
@@ -483,4 +487,18 @@ impl<E: Env> Driver<E> {
 /// A duration in whole milliseconds, saturating.
 fn millis(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The node's receivers place requests themselves: caller placement
+/// (`kvx_proto::Placement::Caller`, the vLLM connector's) has no handle calls here yet
+/// (`docs/vllm.md`, "Not yet"), so a configuration asking for it is refused at start.
+fn pool_placement_only(cfg: &ReceiverConfig) -> Result<(), kvx_proto::ConfigError> {
+    match cfg.placement {
+        kvx_proto::Placement::Pool => Ok(()),
+        kvx_proto::Placement::Caller => Err(kvx_proto::ConfigError(
+            "placement = caller (the application lends each request's slots) is not served by \
+             kvx-node's receiver yet; use placement = pool"
+                .into(),
+        )),
+    }
 }

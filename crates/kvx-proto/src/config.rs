@@ -34,6 +34,22 @@ pub enum LegacySenders {
     AfterProxy,
 }
 
+/// Who chooses a request's slots (`docs/spec/protocol.md` §Caller placement).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// kvx owns the buffer: admission reserves a count of slots for each first batch (fair
+    /// shares, a queue) and each batch is granted free slots.
+    #[default]
+    Pool,
+    /// The application owns the buffer and lends kvx the slots of one request at a time
+    /// (`ReceiverLedger::handle_reserve`): a vLLM decode engine, whose scheduler allocates a
+    /// request's blocks. There is no admission queue; a first batch is admitted when its id
+    /// is reserved (it waits up to `admission_timeout` for that), and chunk i is granted the
+    /// reservation's slot i. Slots come back to the application (`ReceiverEvent::Returned`)
+    /// only once no write can land in them.
+    Caller,
+}
+
 /// The decode side: one receive buffer, its admission queue and request table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceiverConfig {
@@ -81,6 +97,9 @@ pub struct ReceiverConfig {
     pub queued_bytes_max: usize,
     /// Bytes the remembered ids of ended requests may hold; the oldest are forgotten first.
     pub tombstones_bytes_max: usize,
+    /// Who chooses a request's slots: kvx's admission (`Pool`), or the application
+    /// (`Caller`).
+    pub placement: Placement,
 }
 
 impl Default for ReceiverConfig {
@@ -103,6 +122,7 @@ impl Default for ReceiverConfig {
             key_bytes_max: 1024,
             queued_bytes_max: 16 << 20,
             tombstones_bytes_max: 16 << 20,
+            placement: Placement::Pool,
         }
     }
 }

@@ -45,7 +45,9 @@ pub mod slots;
 pub mod time;
 pub mod wire;
 
-pub use config::{ConfigError, LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
+pub use config::{
+    ConfigError, LegacySenders, Placement, ProxyConfig, ReceiverConfig, SenderConfig,
+};
 pub use ids::{
     PeerId, Principal, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag,
 };

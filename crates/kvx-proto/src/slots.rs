@@ -42,7 +42,8 @@ pub struct GrantChange {
 
 /// Where a slot is in its cycle: `Free` → `Granted` → `Landed` → `Free`. A rolled-back
 /// request's `Granted` slot goes to `Quarantined` (then `Free`), or straight to `Free` when
-/// its sender said it is drained.
+/// its sender said it is drained. In a table the application owns (`SlotTable::for_caller`)
+/// `Caller` takes `Free`'s place: `Caller` → `Granted` (`grant_at`) → `Landed` → `Caller`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotState {
     /// No grant; `grant` may hand it out.
@@ -62,6 +63,9 @@ pub enum SlotState {
         /// When it is freed if no late write clears it first.
         until: Instant,
     },
+    /// The application's (`Placement::Caller`): no grant; only `grant_at` hands it out, for
+    /// a request the application reserved it for.
+    Caller,
 }
 
 /// What a landed-write notice meant.
@@ -116,6 +120,11 @@ pub struct SlotTable {
     granted: u32,
     landed: u32,
     quarantined: u32,
+    /// Slots in state `Caller`; always 0 in a pool table.
+    caller: u32,
+    /// The application owns the slots (`Placement::Caller`): a slot whose grant ends goes
+    /// back to `Caller`, never to the free stack.
+    caller_owned: bool,
 }
 
 impl SlotTable {
@@ -132,7 +141,25 @@ impl SlotTable {
             granted: 0,
             landed: 0,
             quarantined: 0,
+            caller: 0,
+            caller_owned: false,
         }
+    }
+
+    /// `slots` slots the application owns (`Placement::Caller`), all in state `Caller` at
+    /// generation 0: `grant` never hands one out, `grant_at` does.
+    pub fn for_caller(slots: u32) -> Self {
+        let mut table = Self::new(slots);
+        table.state.fill(SlotState::Caller);
+        table.free.clear();
+        table.caller = slots;
+        table.caller_owned = true;
+        table
+    }
+
+    /// Slots in state `Caller`: the application's, no grant on them.
+    pub fn caller_count(&self) -> u32 {
+        self.caller
     }
 
     /// Slots in the buffer.
@@ -192,6 +219,31 @@ impl SlotTable {
         Some(WriteTag { slot, generation })
     }
 
+    /// Hands `slot`, the application's (state `Caller`), to `owner` (a request of `peer`)
+    /// under a new generation: the slot the application reserved for that chunk. Panics
+    /// unless `slot` is in state `Caller`: the ledger checks every reserved slot when it is
+    /// reserved and lends it to one request at a time.
+    pub fn grant_at(
+        &mut self,
+        slot: SlotIndex,
+        owner: Ticket,
+        peer: PeerId,
+        bytes: Option<u64>,
+    ) -> WriteTag {
+        let i = slot.0 as usize;
+        assert_eq!(
+            self.state.get(i),
+            Some(&SlotState::Caller),
+            "invariant: grant_at of slot {} not lent by the application",
+            slot.0
+        );
+        self.caller -= 1;
+        self.state[i] = SlotState::Free;
+        self.free.push(slot);
+        self.grant(owner, peer, bytes)
+            .expect("invariant: the slot was just put on the free stack")
+    }
+
     /// The next change to the slots' grants, for the fabric's mirror (`FabricAccess`). A
     /// driver applies every change before it sends the replies the ledger queued with them,
     /// so a write never arrives before its grant is known to the fabric.
@@ -218,7 +270,8 @@ impl SlotTable {
         if !self.tag(tag.slot).same_grant(tag) {
             return Landing::Stale;
         }
-        if state != SlotState::Free && self.holder(tag.slot) != Some(peer) {
+        let unheld = matches!(state, SlotState::Free | SlotState::Caller);
+        if !unheld && self.holder(tag.slot) != Some(peer) {
             return Landing::Forged;
         }
         match state {
@@ -233,7 +286,7 @@ impl SlotTable {
                 self.quarantined -= 1;
                 Landing::QuarantineCleared
             }
-            SlotState::Free | SlotState::Landed { .. } => Landing::Stale,
+            SlotState::Free | SlotState::Caller | SlotState::Landed { .. } => Landing::Stale,
         }
     }
 
@@ -299,10 +352,15 @@ impl SlotTable {
     }
 
     fn set_free(&mut self, slot: SlotIndex) {
-        self.state[slot.0 as usize] = SlotState::Free;
         self.holder[slot.0 as usize] = None;
         self.changes.push_back(GrantChange { slot, grant: None });
-        self.free.push(slot);
+        if self.caller_owned {
+            self.state[slot.0 as usize] = SlotState::Caller;
+            self.caller += 1;
+        } else {
+            self.state[slot.0 as usize] = SlotState::Free;
+            self.free.push(slot);
+        }
     }
 
     /// The explorer's canonical encoding (feature `testing`), first part: each slot's current
@@ -343,39 +401,49 @@ impl SlotTable {
                     // Whose late write may still clear it.
                     enc.u(self.holder(slot).map_or(0, |p| p.0));
                 }
+                SlotState::Caller => enc.len(4),
             }
         }
     }
 
     /// Panics if the counters, the free stack or the holders disagree with the states.
     pub fn check_invariants(&self) {
-        let (mut free, mut granted, mut landed, mut quarantined) = (0u32, 0u32, 0u32, 0u32);
+        let (mut free, mut granted, mut landed, mut quarantined, mut caller) = (0, 0, 0, 0, 0u32);
         for s in &self.state {
             match s {
                 SlotState::Free => free += 1,
                 SlotState::Granted { .. } => granted += 1,
                 SlotState::Landed { .. } => landed += 1,
                 SlotState::Quarantined { .. } => quarantined += 1,
+                SlotState::Caller => caller += 1,
             }
         }
+        assert!(
+            self.caller_owned || caller == 0,
+            "invariant: only an application's table has Caller slots"
+        );
+        assert!(
+            !self.caller_owned || free == 0,
+            "invariant: an application's table has no free slots"
+        );
         assert_eq!(
             free as usize,
             self.free.len(),
             "invariant: free list matches free slots"
         );
         assert_eq!(
-            (granted, landed, quarantined),
-            (self.granted, self.landed, self.quarantined),
+            (granted, landed, quarantined, caller),
+            (self.granted, self.landed, self.quarantined, self.caller),
             "invariant: slot counters"
         );
         assert_eq!(
-            free + granted + landed + quarantined,
+            free + granted + landed + quarantined + caller,
             self.capacity(),
             "invariant: every slot has one state"
         );
         for (i, s) in self.state.iter().enumerate() {
             assert_eq!(
-                *s == SlotState::Free,
+                matches!(s, SlotState::Free | SlotState::Caller),
                 self.holder[i].is_none(),
                 "invariant: slot {i} has a holder iff it is not free"
             );

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use kvx_proto::config::Pipelining;
-use kvx_proto::{LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
+use kvx_proto::{LegacySenders, Placement, ProxyConfig, ReceiverConfig, SenderConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -40,6 +40,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         key_bytes_max,
         queued_bytes_max,
         tombstones_bytes_max,
+        placement,
     } = ReceiverConfig::default();
     let receiver = PyDict::new(py);
     receiver.set_item("buffer_slots", buffer_slots)?;
@@ -65,6 +66,13 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     receiver.set_item("key_bytes_max", key_bytes_max)?;
     receiver.set_item("queued_bytes_max", queued_bytes_max)?;
     receiver.set_item("tombstones_bytes_max", tombstones_bytes_max)?;
+    receiver.set_item(
+        "placement",
+        match placement {
+            Placement::Pool => "pool",
+            Placement::Caller => "caller",
+        },
+    )?;
 
     let SenderConfig {
         staging_slots,

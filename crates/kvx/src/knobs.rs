@@ -154,6 +154,9 @@ impl ReceiverKnobs {
             key_bytes_max: self.key_bytes_max,
             queued_bytes_max: self.queued_bytes_max,
             tombstones_bytes_max: self.tombstones_bytes_max,
+            // The binary's receiver places requests itself; the application-lent kind is
+            // the vLLM connector's.
+            placement: kvx_proto::Placement::Pool,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -45,7 +45,7 @@ fn undeclared_lengths(msg: &AllocRequest) -> Option<String> {
 }
 
 use crate::admission::Decision;
-use crate::config::LegacySenders;
+use crate::config::{LegacySenders, Placement};
 use crate::ids::{PeerId, ReqKey};
 use crate::time::Instant;
 use crate::wire::{AllocRequest, AllocResponse};
@@ -132,6 +132,9 @@ impl ReceiverLedger {
             };
             return self.refuse_and_remember(now, key, &msg, failure);
         }
+        if self.cfg.placement == Placement::Caller {
+            return self.claim(now, key, msg);
+        }
         let ticket = self.new_ticket();
         let deadline = now + self.cfg.admission_timeout;
         let decision = self.admission.request(
@@ -163,10 +166,31 @@ impl ReceiverLedger {
                 (Phase::Waiting { first: msg.clone() }, 0)
             }
         };
+        self.track(now, key.clone(), ticket, &msg, phase);
+        self.requests
+            .get_mut(&key)
+            .expect("invariant: just tracked")
+            .reservation = reservation;
+        if decision == Decision::Admitted {
+            self.on_admitted(now, &key, std::time::Duration::ZERO);
+            self.apply_batch(now, &key, msg);
+        }
+    }
+
+    /// Starts tracking `key` under `ticket` from its first batch `msg`, in `phase`, with no
+    /// reservation and no timer yet (its deadline reads `admission_timeout` from now).
+    pub(super) fn track(
+        &mut self,
+        now: Instant,
+        key: ReqKey,
+        ticket: crate::ids::Ticket,
+        msg: &AllocRequest,
+        phase: Phase,
+    ) {
         let request = Request {
             ticket,
             total: msg.total_chunks,
-            reservation,
+            reservation: 0,
             phase,
             slots: Vec::new(),
             keys: Vec::new(),
@@ -176,16 +200,12 @@ impl ReceiverLedger {
             landed: 0,
             notices: msg.seq.is_some(),
             arrived: now,
-            deadline,
+            deadline: now + self.cfg.admission_timeout,
             reading: false,
             doomed: None,
         };
         self.requests.insert(key.clone(), request);
-        self.tickets.insert(ticket, key.clone());
-        if decision == Decision::Admitted {
-            self.on_admitted(now, &key, std::time::Duration::ZERO);
-            self.apply_batch(now, &key, msg);
-        }
+        self.tickets.insert(ticket, key);
     }
 
     /// Why a batch's fields are larger than this receiver accepts, if they are: every string
@@ -239,12 +259,19 @@ impl ReceiverLedger {
         let last = msg.keys.len().saturating_sub(1);
         for (i, chunk_key) in msg.keys.into_iter().enumerate() {
             let bytes = msg.chunk_bytes.as_ref().map(|b| b[i]);
-            // Admission guarantees a free slot for every reserved chunk (quarantined and
-            // held slots are counted against capacity), so this cannot fail.
-            let tag = self
-                .slots
-                .grant(ticket, key.peer, bytes)
-                .expect("invariant: a reserved chunk always finds a free slot");
+            let tag = match self.cfg.placement {
+                // Admission guarantees a free slot for every reserved chunk (quarantined and
+                // held slots are counted against capacity), so this cannot fail.
+                Placement::Pool => self
+                    .slots
+                    .grant(ticket, key.peer, bytes)
+                    .expect("invariant: a reserved chunk always finds a free slot"),
+                // The slot the application reserved for this chunk.
+                Placement::Caller => {
+                    let slot = self.placements.by_id[&key.req_id].slots[req.slots.len()];
+                    self.slots.grant_at(slot, ticket, key.peer, bytes)
+                }
+            };
             req.bytes.push(bytes);
             indexes.push(i64::from(tag.slot.0));
             generations.push(tag.generation);
@@ -288,7 +315,7 @@ impl ReceiverLedger {
 
     /// Refuses a first batch that never became a request, and remembers its id so its later
     /// batches are refused too (it fails once, not once per batch).
-    fn refuse_and_remember(
+    pub(super) fn refuse_and_remember(
         &mut self,
         now: Instant,
         key: ReqKey,

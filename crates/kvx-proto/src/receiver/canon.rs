@@ -86,6 +86,7 @@ impl ReceiverLedger {
             enc.ticket(ticket);
         }
         self.tombstones.canon(enc);
+        self.canon_placements(enc);
         enc.len(self.transmits.len());
         enc.len(self.events.len());
         self.slots.canon_rest(enc);

@@ -111,9 +111,15 @@ impl ReceiverLedger {
                 LandingVerdict::Accepted
             }
             Landing::QuarantineCleared => {
-                // A slot came back: the head of the admission queue may fit now.
-                self.admission.unpin(self.principals.share_key(w.peer), 1);
-                self.drain_admitted(now);
+                match self.cfg.placement {
+                    // A slot came back: the head of the admission queue may fit now.
+                    crate::config::Placement::Pool => {
+                        self.admission.unpin(self.principals.share_key(w.peer), 1);
+                        self.drain_admitted(now);
+                    }
+                    // Its reservation may go back to the application now.
+                    crate::config::Placement::Caller => self.placed_slot_back(w.slot),
+                }
                 LandingVerdict::QuarantineCleared
             }
             Landing::Stale => {

@@ -7,6 +7,8 @@
 //!   length, checksum).
 //! - `outcome.rs`: `Failure` / `Outcome` and the reasons a sender reads.
 //! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
+//! - `placement.rs`: caller placement, where the application lends each request's slots
+//!   (`handle_reserve`, `handle_withdraw`, `ReceiverEvent::Returned`).
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
 
 mod batch;
@@ -14,6 +16,7 @@ mod batch;
 mod canon;
 mod landing;
 mod outcome;
+mod placement;
 mod principals;
 mod tombstones;
 
@@ -21,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::admission::Admission;
-use crate::config::{ConfigError, ReceiverConfig};
+use crate::config::{ConfigError, Placement, ReceiverConfig};
 use crate::ids::{PeerId, Principal, ReqId, ReqKey, SlotIndex, Ticket, WriteTag};
 use crate::slots::{GrantChange, SlotTable};
 use crate::time::{earliest, Instant};
@@ -29,6 +32,7 @@ use crate::wire::{AllocRequest, AllocResponse, CancelNotif, Message};
 
 pub use landing::{ChecksumCheck, LandedWrite, LandingVerdict};
 pub use outcome::{Failure, Outcome};
+pub use placement::PlacementError;
 use tombstones::Tombstones;
 
 /// Something the decoder (or a metrics exporter) should know.
@@ -63,6 +67,18 @@ pub enum ReceiverEvent {
         /// The request.
         key: ReqKey,
         /// Consumed, or why it failed.
+        outcome: Outcome,
+    },
+    /// Caller placement: reservation `req_id` is back with the application, and no write can
+    /// land in its slots any more; exactly one per accepted `handle_reserve`, after its
+    /// request's `Ended` if a sender claimed it.
+    Returned {
+        /// The reservation's request id.
+        req_id: ReqId,
+        /// Its slots, as reserved.
+        slots: Vec<SlotIndex>,
+        /// Its request consumed, or why not (`Withdrawn`, `Unclaimed`, or its request's
+        /// failure).
         outcome: Outcome,
     },
 }
@@ -199,6 +215,8 @@ pub struct ReceiverLedger {
     principals: principals::Principals,
     /// What the first batches waiting for admission hold (`batch::queued_bytes`).
     queued_bytes: usize,
+    /// Caller placement's reservations (empty under `Placement::Pool`).
+    placements: placement::Placements,
     transmits: VecDeque<(PeerId, AllocResponse)>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
@@ -211,7 +229,11 @@ impl ReceiverLedger {
         cfg.validate()?;
         Ok(Self {
             admission: Admission::new(cfg.admission_limits()),
-            slots: SlotTable::new(cfg.buffer_slots),
+            slots: match cfg.placement {
+                Placement::Pool => SlotTable::new(cfg.buffer_slots),
+                Placement::Caller => SlotTable::for_caller(cfg.buffer_slots),
+            },
+            placements: placement::Placements::default(),
             tombstones: Tombstones::new(
                 cfg.tombstone_ttl,
                 cfg.tombstones_max,
@@ -354,6 +376,10 @@ impl ReceiverLedger {
                 .cloned()
                 .expect("invariant: timer ticket is tracked");
             let failure = match self.requests[&key].phase {
+                // Caller placement: waited `admission_timeout` for its reservation.
+                Phase::Waiting { .. } if self.cfg.placement == Placement::Caller => {
+                    Failure::AdmissionTimeout
+                }
                 Phase::Waiting { .. } => continue, // admission expiry is handled above
                 Phase::Receiving | Phase::Complete => Failure::IdleTimeout,
                 Phase::Ready => Failure::Unconsumed,
@@ -361,13 +387,17 @@ impl ReceiverLedger {
             self.fail(now, &key, failure, false);
         }
         let mut unpinned = false;
-        while let Some((_, holder)) = self.slots.poll_quarantine_expired(now) {
-            self.admission.unpin(self.principals.share_key(holder), 1);
+        while let Some((slot, holder)) = self.slots.poll_quarantine_expired(now) {
+            match self.cfg.placement {
+                Placement::Pool => self.admission.unpin(self.principals.share_key(holder), 1),
+                Placement::Caller => self.placed_slot_back(slot),
+            }
             unpinned = true;
         }
         if unpinned {
             self.drain_admitted(now);
         }
+        self.expire_placements(now);
         self.tombstones.expire(now);
     }
 
@@ -377,6 +407,7 @@ impl ReceiverLedger {
             self.admission.next_deadline(),
             self.timers.first().map(|t| t.0),
         );
+        let t = earliest(t, self.placements.next_deadline());
         earliest(
             earliest(t, self.slots.next_deadline()),
             self.tombstones.next_deadline(),
@@ -460,9 +491,15 @@ impl ReceiverLedger {
         self.requests.len()
     }
 
-    /// True when nothing is reserved, held, quarantined or waiting: the buffer is entirely free.
+    /// True when nothing is reserved, held, quarantined or waiting: the buffer is entirely free
+    /// (under caller placement: every slot is back with the application).
     pub fn is_quiescent(&self) -> bool {
-        self.requests.is_empty() && self.slots.free_count() == self.capacity()
+        let unused = match self.cfg.placement {
+            Placement::Pool => self.slots.free_count(),
+            Placement::Caller if self.placements.by_id.is_empty() => self.slots.caller_count(),
+            Placement::Caller => 0,
+        };
+        self.requests.is_empty() && unused == self.capacity()
     }
 
     /// The state of one buffer slot (for checkers).
@@ -579,7 +616,9 @@ impl ReceiverLedger {
         {
             let reply = AllocResponse::refused(first.keys.len(), failure.to_string(), first.seq);
             self.queued_bytes -= batch::queued_bytes(first);
-            self.admission.withdraw(*ticket);
+            if self.cfg.placement == Placement::Pool {
+                self.admission.withdraw(*ticket);
+            }
             self.transmits.push_back((key.peer, reply));
         }
         self.end(now, key, Outcome::Failed(failure), drained);
@@ -605,17 +644,22 @@ impl ReceiverLedger {
                 quarantined += 1;
             }
         }
-        self.admission.pin_from_reservation(quarantined);
-        self.admission.release(
-            self.principals.share_key(key.peer),
-            req.reservation - quarantined,
-        );
         self.tombstones.insert(now, key.clone(), outcome.clone());
         self.events.push_back(ReceiverEvent::Ended {
             key: key.clone(),
-            outcome,
+            outcome: outcome.clone(),
         });
-        self.drain_admitted(now);
+        match self.cfg.placement {
+            Placement::Pool => {
+                self.admission.pin_from_reservation(quarantined);
+                self.admission.release(
+                    self.principals.share_key(key.peer),
+                    req.reservation - quarantined,
+                );
+                self.drain_admitted(now);
+            }
+            Placement::Caller => self.placement_ended(key, &outcome),
+        }
     }
 
     /// Answers the first batches of requests that admission has just let in.
@@ -659,32 +703,17 @@ impl ReceiverLedger {
     pub fn check_invariants(&self) {
         self.admission.check_invariants();
         self.slots.check_invariants();
-        let reserved: u32 = self.requests.values().map(|r| r.reservation).sum();
-        assert_eq!(
-            reserved,
-            self.admission.reserved(),
-            "invariant: reservations add up"
-        );
-        assert_eq!(
-            self.slots.quarantined_count(),
-            self.admission.pinned(),
-            "invariant: every quarantined slot is pinned in admission"
-        );
-        assert_eq!(
-            self.slots.free_count() + self.slots.held_count() + self.slots.quarantined_count(),
-            self.capacity(),
-            "invariant: free + held + quarantined = capacity"
-        );
-        // Admission's view: what a new reservation may take, plus what is promised but not yet
-        // allocated, plus what is allocated, plus what is quarantined, is the whole buffer.
-        assert_eq!(
-            self.admission.available()
-                + self.reserved_unallocated()
-                + self.slots.held_count()
-                + self.slots.quarantined_count(),
-            self.capacity(),
-            "invariant: available + reserved + held + quarantined = capacity"
-        );
+        match self.cfg.placement {
+            Placement::Pool => self.check_pool(),
+            Placement::Caller => {
+                assert_eq!(
+                    (self.admission.reserved(), self.admission.pinned()),
+                    (0, 0),
+                    "invariant: caller placement leaves admission unused"
+                );
+                self.check_placements();
+            }
+        }
         assert!(
             self.requests.len() <= self.cfg.requests_max,
             "invariant: request table bound"
@@ -729,12 +758,15 @@ impl ReceiverLedger {
                 "invariant: {key} is doomed only while read"
             );
             let waiting = matches!(req.phase, Phase::Waiting { .. });
+            // Under caller placement a waiting request waits for its reservation, with a
+            // timer (`check_placements`).
+            let queued = self.cfg.placement == Placement::Pool;
             assert_eq!(
-                waiting,
+                waiting && queued,
                 self.admission.is_waiting(req.ticket),
                 "invariant: {key} waits iff queued"
             );
-            if !waiting {
+            if !waiting || !queued {
                 assert!(
                     self.timers.contains(&(req.deadline, req.ticket)),
                     "invariant: {key} has a timer"
@@ -758,6 +790,40 @@ impl ReceiverLedger {
             owners.len() as u32,
             self.slots.held_count(),
             "invariant: every held slot has an owner"
+        );
+    }
+
+    /// `check_invariants` under `Placement::Pool`: admission's books and the slots agree.
+    fn check_pool(&self) {
+        let reserved: u32 = self.requests.values().map(|r| r.reservation).sum();
+        assert_eq!(
+            reserved,
+            self.admission.reserved(),
+            "invariant: reservations add up"
+        );
+        assert_eq!(
+            self.slots.quarantined_count(),
+            self.admission.pinned(),
+            "invariant: every quarantined slot is pinned in admission"
+        );
+        assert_eq!(
+            self.slots.free_count() + self.slots.held_count() + self.slots.quarantined_count(),
+            self.capacity(),
+            "invariant: free + held + quarantined = capacity"
+        );
+        // Admission's view: what a new reservation may take, plus what is promised but not yet
+        // allocated, plus what is allocated, plus what is quarantined, is the whole buffer.
+        assert_eq!(
+            self.admission.available()
+                + self.reserved_unallocated()
+                + self.slots.held_count()
+                + self.slots.quarantined_count(),
+            self.capacity(),
+            "invariant: available + reserved + held + quarantined = capacity"
+        );
+        assert!(
+            self.placements.by_id.is_empty() && self.placements.claims.is_empty(),
+            "invariant: no reservation under pool placement"
         );
     }
 }

@@ -53,6 +53,21 @@ pub enum Failure {
     LegacySender,
     /// A field of the request is larger than this receiver accepts (the text says which).
     TooLarge(String),
+    /// Caller placement: the application withdrew the request's reservation (it aborted
+    /// the request on its side).
+    Withdrawn,
+    /// Caller placement: no sender claimed the reservation within `admission_timeout`.
+    Unclaimed,
+    /// Caller placement: another sender connection already claimed this request id; a
+    /// reservation is claimed once.
+    AlreadyClaimed,
+    /// Caller placement: the request declares more chunks than its reservation has slots.
+    LargerThanReservation {
+        /// The request's `total_chunks`.
+        need: u32,
+        /// The reservation's slots.
+        reserved: u32,
+    },
 }
 
 /// The end of a request on the receiver: exactly one per request.
@@ -116,6 +131,22 @@ impl fmt::Display for Failure {
             Failure::AlreadyEnded(outcome) => write!(f, "request already ended ({outcome}); late batch refused"),
             Failure::Integrity(why) => write!(f, "chunk integrity: {why}; the request was rolled back"),
             Failure::TooLarge(why) => write!(f, "too large: {why}"),
+            Failure::Withdrawn => f.write_str(
+                "the decoding application withdrew the request's reservation (it aborted the request)",
+            ),
+            Failure::Unclaimed => f.write_str(
+                "no sender claimed the reservation within admission_timeout: the prefill side \
+                 never sent the request, or sent it elsewhere",
+            ),
+            Failure::AlreadyClaimed => f.write_str(
+                "another sender connection already claimed this request id: a reservation is \
+                 claimed once (a restarted or duplicate prefill cannot write into it)",
+            ),
+            Failure::LargerThanReservation { need, reserved } => write!(
+                f,
+                "request needs {need} chunks but its reservation lends {reserved} slots: the \
+                 prefill and decode sides disagree on the request's size"
+            ),
             Failure::LegacySender => f.write_str(
                 "this receiver takes kvx senders only: a sender without seq writes its KV on a \
                  channel the receiver cannot see, so nothing would say when the bytes are in; \

@@ -693,6 +693,10 @@ impl Cluster {
                         self.report.plans[i].released_at = Some(self.now);
                     }
                 }
+                // The cluster's receivers place requests themselves (`Placement::Pool`).
+                ReceiverEvent::Returned { req_id, .. } => {
+                    panic!("reservation {} returned by a pool receiver", req_id.0)
+                }
             }
         }
     }

@@ -1,0 +1,542 @@
+//! Caller placement (`Placement::Caller`, `docs/spec/protocol.md` §Caller placement): the
+//! application owns the buffer and lends kvx one request's slots at a time.
+//!
+//! A reservation (`handle_reserve`) names a request id and the slots its chunks go to, in
+//! chunk order. The first batch with that id, from whichever sender connection comes first,
+//! claims it: it is admitted at once and chunk i is granted slot i, under a fresh generation
+//! and bound to that connection as every grant is. A first batch that comes before the
+//! reservation waits for it up to `admission_timeout`; a reservation nobody claims within
+//! `admission_timeout` is returned. A reservation is claimed once: a second claim of its id,
+//! from any connection, is refused. The slots go back to the application with one
+//! `ReceiverEvent::Returned` once the request ended and no write of its grants can land in
+//! them (a slot in quarantine holds the return back until it clears).
+
+use std::collections::BTreeMap;
+
+use super::{batch, Failure, Outcome, Phase, ReceiverEvent, ReceiverLedger};
+use crate::config::Placement;
+use crate::ids::{ReqId, ReqKey, SlotIndex};
+use crate::slots::SlotState;
+use crate::time::Instant;
+use crate::wire::AllocRequest;
+
+/// Why `handle_reserve` or `handle_withdraw` was refused; nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlacementError {
+    /// The receiver's slots are kvx's (`Placement::Pool`): its admission places requests.
+    #[error("this receiver places requests itself (placement = pool); reservations need placement = caller")]
+    NotCaller,
+    /// The id is empty or longer than `req_id_bytes_max`.
+    #[error("request id of {len} bytes: it must be 1..={max} bytes")]
+    BadId {
+        /// The id's length.
+        len: usize,
+        /// `req_id_bytes_max`.
+        max: usize,
+    },
+    /// A reservation with this id is still out (not yet returned).
+    #[error("request {0} is already reserved")]
+    AlreadyReserved(String),
+    /// The reservation names no slot.
+    #[error("a reservation needs at least one slot")]
+    NoSlots,
+    /// A slot past the buffer's end.
+    #[error("slot {slot} is outside the buffer's {capacity} slots")]
+    OutOfRange {
+        /// The slot named.
+        slot: u32,
+        /// The buffer's slots.
+        capacity: u32,
+    },
+    /// A slot named twice, or lent to another reservation not yet returned.
+    #[error("slot {slot} is already lent (to request {to}), or named twice")]
+    SlotTaken {
+        /// The slot named.
+        slot: u32,
+        /// The request it is lent to.
+        to: String,
+    },
+    /// No reservation with this id is out.
+    #[error("request {0} is not reserved (never, or already returned)")]
+    Unknown(String),
+}
+
+/// One reservation: the slots the application lent for a request, and how far it got.
+#[derive(Debug, Clone)]
+pub(super) struct Placed {
+    /// Chunk i's slot at i.
+    pub slots: Vec<SlotIndex>,
+    pub state: PlacedState,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum PlacedState {
+    /// No first batch has claimed it; returned at `deadline` if none does.
+    Open { deadline: Instant },
+    /// The request `key` holds it (tracked).
+    Claimed(ReqKey),
+    /// Ended (its request ended, or it was withdrawn or expired unclaimed): returned as soon
+    /// as none of its slots is in quarantine.
+    Ending(Outcome),
+}
+
+/// The reservations out, by request id, and which reservation each lent slot belongs to.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Placements {
+    pub by_id: BTreeMap<ReqId, Placed>,
+    pub lent: BTreeMap<SlotIndex, ReqId>,
+    /// First batches that came before their reservation: the id's claimer, waiting
+    /// (`Phase::Waiting`, with a timer at `admission_timeout`).
+    pub claims: BTreeMap<ReqId, ReqKey>,
+}
+
+impl Placements {
+    /// The earliest deadline of an unclaimed reservation.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.by_id
+            .values()
+            .filter_map(|p| match p.state {
+                PlacedState::Open { deadline } => Some(deadline),
+                _ => None,
+            })
+            .min()
+    }
+}
+
+impl ReceiverLedger {
+    fn caller_placement(&self) -> Result<(), PlacementError> {
+        match self.cfg.placement {
+            Placement::Caller => Ok(()),
+            Placement::Pool => Err(PlacementError::NotCaller),
+        }
+    }
+
+    /// The application lends `slots` (chunk i goes to `slots[i]`) to the request `req_id`
+    /// (`Placement::Caller` only). The first batch with that id, from any sender connection,
+    /// claims them; one already waiting is admitted now. Refused, with nothing changed, for
+    /// an id reserved and not yet returned, and for a slot out of range, named twice, or
+    /// lent to another reservation not yet returned.
+    pub fn handle_reserve(
+        &mut self,
+        now: Instant,
+        req_id: &str,
+        slots: Vec<SlotIndex>,
+    ) -> Result<(), PlacementError> {
+        self.caller_placement()?;
+        if req_id.is_empty() || req_id.len() > self.cfg.req_id_bytes_max {
+            return Err(PlacementError::BadId {
+                len: req_id.len(),
+                max: self.cfg.req_id_bytes_max,
+            });
+        }
+        let id = ReqId(req_id.to_owned());
+        if self.placements.by_id.contains_key(&id) {
+            return Err(PlacementError::AlreadyReserved(req_id.to_owned()));
+        }
+        if slots.is_empty() {
+            return Err(PlacementError::NoSlots);
+        }
+        let mut named = std::collections::BTreeSet::new();
+        for &slot in &slots {
+            if slot.0 >= self.capacity() {
+                return Err(PlacementError::OutOfRange {
+                    slot: slot.0,
+                    capacity: self.capacity(),
+                });
+            }
+            if let Some(to) = self.placements.lent.get(&slot) {
+                let to = to.0.clone();
+                return Err(PlacementError::SlotTaken { slot: slot.0, to });
+            }
+            if !named.insert(slot) {
+                let to = req_id.to_owned();
+                return Err(PlacementError::SlotTaken { slot: slot.0, to });
+            }
+        }
+        for &slot in &slots {
+            debug_assert_eq!(self.slots.state(slot), SlotState::Caller);
+            self.placements.lent.insert(slot, id.clone());
+        }
+        let deadline = now + self.cfg.admission_timeout;
+        let placed = Placed {
+            slots,
+            state: PlacedState::Open { deadline },
+        };
+        self.placements.by_id.insert(id.clone(), placed);
+        if let Some(key) = self.placements.claims.remove(&id) {
+            self.admit_waiting_claim(now, &key);
+        }
+        Ok(())
+    }
+
+    /// The application takes reservation `req_id` back (its request was aborted there). An
+    /// unclaimed one is returned at once; a claimed one's request fails (`Withdrawn`: its
+    /// sender's next batch is refused and its grants end) and the slots are returned once no
+    /// write can land in them. Withdrawing one that is already ending changes nothing.
+    pub fn handle_withdraw(&mut self, now: Instant, req_id: &str) -> Result<(), PlacementError> {
+        self.caller_placement()?;
+        let id = ReqId(req_id.to_owned());
+        let Some(placed) = self.placements.by_id.get_mut(&id) else {
+            return Err(PlacementError::Unknown(req_id.to_owned()));
+        };
+        match &placed.state {
+            PlacedState::Open { .. } => {
+                placed.state = PlacedState::Ending(Outcome::Failed(Failure::Withdrawn));
+                self.settle_placement(&id);
+            }
+            PlacedState::Claimed(key) => {
+                let key = key.clone();
+                self.fail(now, &key, Failure::Withdrawn, false);
+            }
+            PlacedState::Ending(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A first batch under caller placement: admitted on its reservation, or waiting for it.
+    /// The common checks (id, sizes, `requests_max`) are done.
+    pub(super) fn claim(&mut self, now: Instant, key: ReqKey, msg: AllocRequest) {
+        match self.placements.by_id.get(&key.req_id).map(|p| &p.state) {
+            Some(PlacedState::Open { .. }) => {
+                let ticket = self.new_ticket();
+                self.track(now, key.clone(), ticket, &msg, Phase::Receiving);
+                self.admit_claim(now, &key, std::time::Duration::ZERO, msg);
+            }
+            Some(PlacedState::Claimed(_) | PlacedState::Ending(_)) => {
+                self.refuse_and_remember(now, key, &msg, Failure::AlreadyClaimed);
+            }
+            None if self.placements.claims.contains_key(&key.req_id) => {
+                self.refuse_and_remember(now, key, &msg, Failure::AlreadyClaimed);
+            }
+            None => {
+                let bytes = batch::queued_bytes(&msg);
+                if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
+                    let failure = Failure::TooLarge(format!(
+                        "the first batches waiting for their reservation hold {} bytes; this \
+                         one's {bytes} would exceed queued_bytes_max {}",
+                        self.queued_bytes, self.cfg.queued_bytes_max
+                    ));
+                    return self.refuse_and_remember(now, key, &msg, failure);
+                }
+                self.queued_bytes += bytes;
+                let ticket = self.new_ticket();
+                let phase = Phase::Waiting { first: msg.clone() };
+                self.track(now, key.clone(), ticket, &msg, phase);
+                self.set_timer(&key, now + self.cfg.admission_timeout);
+                self.placements.claims.insert(key.req_id.clone(), key);
+            }
+        }
+    }
+
+    /// The reservation of a first batch that waited for it has come.
+    fn admit_waiting_claim(&mut self, now: Instant, key: &ReqKey) {
+        let req = self
+            .requests
+            .get_mut(key)
+            .expect("invariant: a waiting claim is tracked");
+        let Phase::Waiting { first } = std::mem::replace(&mut req.phase, Phase::Receiving) else {
+            panic!("invariant: a waiting claim is in Phase::Waiting");
+        };
+        self.queued_bytes -= batch::queued_bytes(&first);
+        let waited = now - req.arrived;
+        self.admit_claim(now, key, waited, first);
+    }
+
+    /// Binds the open reservation of `key.req_id` to `key` (tracked, `Receiving`) and
+    /// allocates its first batch, or fails it when it declares more chunks than the
+    /// reservation's slots.
+    fn admit_claim(
+        &mut self,
+        now: Instant,
+        key: &ReqKey,
+        waited: std::time::Duration,
+        first: AllocRequest,
+    ) {
+        let placed = self
+            .placements
+            .by_id
+            .get_mut(&key.req_id)
+            .expect("invariant: a claim is admitted on its reservation");
+        placed.state = PlacedState::Claimed(key.clone());
+        let reserved = placed.slots.len() as u32;
+        let total = self.requests[key].total;
+        if total > reserved {
+            let failure = Failure::LargerThanReservation {
+                need: total,
+                reserved,
+            };
+            let reply = crate::wire::AllocResponse::refused(
+                first.keys.len(),
+                format!("request {key}: {failure}"),
+                first.seq,
+            );
+            self.stats.refused += 1;
+            self.fail(now, key, failure, true);
+            return self.transmits.push_back((key.peer, reply));
+        }
+        self.requests
+            .get_mut(key)
+            .expect("invariant: claimed request is tracked")
+            .reservation = total;
+        self.on_admitted(now, key, waited);
+        self.apply_batch(now, key, first);
+    }
+
+    /// `key` ended: its reservation, if it holds one, is returned once none of its slots is
+    /// in quarantine. A first batch that was still waiting for its reservation is forgotten.
+    pub(super) fn placement_ended(&mut self, key: &ReqKey, outcome: &Outcome) {
+        if self.placements.claims.get(&key.req_id) == Some(key) {
+            self.placements.claims.remove(&key.req_id);
+        }
+        let Some(placed) = self.placements.by_id.get_mut(&key.req_id) else {
+            return;
+        };
+        if matches!(&placed.state, PlacedState::Claimed(k) if k == key) {
+            placed.state = PlacedState::Ending(outcome.clone());
+            let id = key.req_id.clone();
+            self.settle_placement(&id);
+        }
+    }
+
+    /// A slot of an ended reservation left quarantine (its late write landed, or its time
+    /// ran out): the reservation may be returned now.
+    pub(super) fn placed_slot_back(&mut self, slot: SlotIndex) {
+        if let Some(id) = self.placements.lent.get(&slot).cloned() {
+            self.settle_placement(&id);
+        }
+    }
+
+    /// Unclaimed reservations whose time ran out are returned.
+    pub(super) fn expire_placements(&mut self, now: Instant) {
+        let expired: Vec<ReqId> = self
+            .placements
+            .by_id
+            .iter()
+            .filter(|(_, p)| matches!(p.state, PlacedState::Open { deadline } if deadline <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            let placed = self
+                .placements
+                .by_id
+                .get_mut(&id)
+                .expect("invariant: just listed");
+            placed.state = PlacedState::Ending(Outcome::Failed(Failure::Unclaimed));
+            self.settle_placement(&id);
+        }
+    }
+
+    /// Returns an ending reservation to the application once none of its slots is held or
+    /// in quarantine.
+    fn settle_placement(&mut self, id: &ReqId) {
+        let placed = &self.placements.by_id[id];
+        let PlacedState::Ending(outcome) = &placed.state else {
+            return;
+        };
+        if placed
+            .slots
+            .iter()
+            .any(|&s| self.slots.state(s) != SlotState::Caller)
+        {
+            return;
+        }
+        let outcome = outcome.clone();
+        let placed = self
+            .placements
+            .by_id
+            .remove(id)
+            .expect("invariant: settling a reservation that is out");
+        for slot in &placed.slots {
+            self.placements.lent.remove(slot);
+        }
+        self.events.push_back(ReceiverEvent::Returned {
+            req_id: id.clone(),
+            slots: placed.slots,
+            outcome,
+        });
+    }
+
+    /// Panics if the reservations, the lent slots, the waiting claims and the requests
+    /// disagree (caller placement).
+    pub(super) fn check_placements(&self) {
+        let p = &self.placements;
+        let lent: usize = p.by_id.values().map(|r| r.slots.len()).sum();
+        assert_eq!(
+            lent,
+            p.lent.len(),
+            "invariant: every lent slot is indexed once"
+        );
+        for (id, placed) in &p.by_id {
+            assert!(
+                !placed.slots.is_empty(),
+                "invariant: {} lends no slot",
+                id.0
+            );
+            for slot in &placed.slots {
+                assert_eq!(
+                    p.lent.get(slot),
+                    Some(id),
+                    "invariant: slot {} indexed",
+                    slot.0
+                );
+            }
+            match &placed.state {
+                PlacedState::Open { .. } => {
+                    for &slot in &placed.slots {
+                        assert_eq!(
+                            self.slots.state(slot),
+                            SlotState::Caller,
+                            "invariant: an unclaimed reservation's slot {} has no grant",
+                            slot.0
+                        );
+                    }
+                    assert!(
+                        !p.claims.contains_key(id),
+                        "invariant: {} reserved and waiting",
+                        id.0
+                    );
+                }
+                PlacedState::Claimed(key) => {
+                    let req = self.requests.get(key).unwrap_or_else(|| {
+                        panic!("invariant: {key}'s reservation is claimed by a tracked request")
+                    });
+                    assert_eq!(&key.req_id, id, "invariant: claimed under its own id");
+                    assert!(
+                        req.total as usize <= placed.slots.len(),
+                        "invariant: {key} fits its reservation"
+                    );
+                    for (tag, slot) in req.slots.iter().zip(&placed.slots) {
+                        assert_eq!(
+                            tag.slot, *slot,
+                            "invariant: {key}'s chunks are in its reserved slots, in order"
+                        );
+                    }
+                }
+                PlacedState::Ending(_) => {
+                    assert!(
+                        placed
+                            .slots
+                            .iter()
+                            .any(|&s| matches!(self.slots.state(s), SlotState::Quarantined { .. })),
+                        "invariant: ended reservation {} is returned once no slot is in quarantine",
+                        id.0
+                    );
+                }
+            }
+        }
+        for (id, key) in &p.claims {
+            assert_eq!(&key.req_id, id, "invariant: a claim waits under its own id");
+            assert!(
+                matches!(
+                    self.requests.get(key).map(|r| &r.phase),
+                    Some(Phase::Waiting { .. })
+                ),
+                "invariant: waiting claim {key} is tracked and waiting"
+            );
+        }
+        for (key, req) in &self.requests {
+            let waiting = matches!(req.phase, Phase::Waiting { .. });
+            assert_eq!(
+                waiting,
+                p.claims.get(&key.req_id) == Some(key),
+                "invariant: {key} waits iff it waits for its reservation"
+            );
+            if !waiting {
+                assert!(
+                    matches!(p.by_id.get(&key.req_id).map(|r| &r.state), Some(PlacedState::Claimed(k)) if k == key),
+                    "invariant: {key} holds its reservation"
+                );
+            }
+        }
+        for slot in (0..self.capacity()).map(SlotIndex) {
+            if self.slots.state(slot) != SlotState::Caller {
+                assert!(
+                    p.lent.contains_key(&slot),
+                    "invariant: slot {} is used only while lent",
+                    slot.0
+                );
+            }
+        }
+    }
+
+    /// The explorer's canonical encoding of the reservations (feature `testing`).
+    #[cfg(feature = "testing")]
+    pub(super) fn canon_placements(&self, enc: &mut crate::canon::Canon) {
+        enc.len(self.placements.by_id.len());
+        for (id, placed) in &self.placements.by_id {
+            enc.str(&id.0);
+            enc.len(placed.slots.len());
+            placed.slots.iter().for_each(|&s| enc.slot(s));
+            match &placed.state {
+                PlacedState::Open { deadline } => {
+                    enc.len(0);
+                    enc.time(*deadline);
+                }
+                PlacedState::Claimed(key) => {
+                    enc.len(1);
+                    enc.u(key.peer.0);
+                }
+                PlacedState::Ending(outcome) => {
+                    enc.len(2);
+                    enc.flag(matches!(outcome, Outcome::Consumed));
+                }
+            }
+        }
+        enc.len(self.placements.claims.len());
+        for (id, key) in &self.placements.claims {
+            enc.str(&id.0);
+            enc.u(key.peer.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ReceiverConfig;
+    use crate::ids::PeerId;
+
+    /// The checker catches what it is there for: the lent-slot index, a reservation's state
+    /// or the waiting claims out of step with the rest.
+    #[test]
+    fn check_placements_catches_books_out_of_step() {
+        let cfg = ReceiverConfig {
+            buffer_slots: 4,
+            placement: Placement::Caller,
+            ..ReceiverConfig::default()
+        };
+        let mut ledger = ReceiverLedger::new(cfg).expect("config");
+        ledger
+            .handle_reserve(Instant::ZERO, "r", vec![SlotIndex(1), SlotIndex(2)])
+            .expect("reserve");
+        ledger.check_invariants();
+        let id = ReqId("r".into());
+        for (what, corrupt) in [
+            ("a lent slot not indexed", |l: &mut ReceiverLedger| {
+                l.placements.lent.remove(&SlotIndex(1));
+            }),
+            (
+                "an ended reservation kept although nothing is in quarantine",
+                |l| {
+                    let placed = l.placements.by_id.get_mut(&ReqId("r".into())).expect("out");
+                    placed.state = PlacedState::Ending(Outcome::Consumed);
+                },
+            ),
+            ("a waiting claim with no request", |l| {
+                let key = ReqKey {
+                    peer: PeerId(1),
+                    req_id: ReqId("w".into()),
+                };
+                l.placements.claims.insert(key.req_id.clone(), key);
+            }),
+        ] as [(&str, fn(&mut ReceiverLedger)); 3]
+        {
+            let mut bad = ledger.clone();
+            corrupt(&mut bad);
+            let caught = crate::testing::panic_message(|| bad.check_invariants());
+            assert!(caught.is_some(), "{what} is caught");
+        }
+        assert!(ledger.placements.by_id.contains_key(&id));
+    }
+}

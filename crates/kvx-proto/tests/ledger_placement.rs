@@ -1,0 +1,403 @@
+//! Caller placement (`Placement::Caller`, docs/spec/protocol.md §Caller placement): the
+//! application lends each request's slots, chunk i goes to the reservation's slot i, a
+//! reservation is claimed once, and its slots come back (`Returned`) only once no write can
+//! land in them.
+
+use std::time::Duration;
+
+use kvx_proto::receiver::{
+    ChecksumCheck, Failure, LandedWrite, Outcome, PlacementError, ReceiverEvent, ReceiverLedger,
+};
+use kvx_proto::slots::SlotState;
+use kvx_proto::wire::{AllocRequest, AllocResponse, Message};
+use kvx_proto::{Instant, PeerId, Placement, ReceiverConfig, ReqId, ReqKey, SlotIndex, WriteTag};
+
+const A: PeerId = PeerId(1);
+const B: PeerId = PeerId(2);
+const CHUNK: u64 = 4096;
+
+fn caller_ledger(slots: u32) -> ReceiverLedger {
+    ReceiverLedger::new(ReceiverConfig {
+        buffer_slots: slots,
+        placement: Placement::Caller,
+        ..ReceiverConfig::default()
+    })
+    .expect("config")
+}
+
+fn at(secs: u64) -> Instant {
+    Instant::ZERO + Duration::from_secs(secs)
+}
+
+fn slots(list: &[u32]) -> Vec<SlotIndex> {
+    list.iter().copied().map(SlotIndex).collect()
+}
+
+fn key(peer: PeerId, id: &str) -> ReqKey {
+    ReqKey {
+        peer,
+        req_id: ReqId(id.into()),
+    }
+}
+
+/// A kvx sender's batch of `n` chunks of `id` (of `total`), `seq` as given.
+fn batch(id: &str, n: usize, total: u32, last: bool, seq: u64) -> AllocRequest {
+    AllocRequest {
+        keys: (0..n).map(|i| format!("{id}-{seq}-{i}")).collect(),
+        chunk_bytes: Some(vec![CHUNK; n]),
+        fmt: 1,
+        shape: vec![1],
+        dtype: "float32".into(),
+        last_chunk_toks: 1,
+        req_id: id.into(),
+        is_last_batch: last,
+        total_chunks: total,
+        seq: Some(seq),
+    }
+}
+
+/// Sends `msg` from `peer` and returns the replies it caused.
+fn send(
+    ledger: &mut ReceiverLedger,
+    now: Instant,
+    peer: PeerId,
+    msg: AllocRequest,
+) -> Vec<AllocResponse> {
+    ledger.handle_message(now, peer, Message::AllocRequest(msg));
+    replies(ledger)
+}
+
+fn replies(ledger: &mut ReceiverLedger) -> Vec<AllocResponse> {
+    ledger.check_invariants();
+    while ledger.poll_grant_change().is_some() {}
+    std::iter::from_fn(|| ledger.poll_transmit().map(|(_, r)| r)).collect()
+}
+
+fn events(ledger: &mut ReceiverLedger) -> Vec<ReceiverEvent> {
+    std::iter::from_fn(|| ledger.poll_event()).collect()
+}
+
+/// The granted write tags of a reply.
+fn tags(reply: &AllocResponse) -> Vec<WriteTag> {
+    assert!(reply.error.is_none(), "granted: {reply:?}");
+    let generations = reply.generations.clone().expect("a kvx sender's reply");
+    reply
+        .remote_indexes
+        .iter()
+        .zip(generations)
+        .map(|(&slot, generation)| WriteTag {
+            slot: SlotIndex(slot as u32),
+            generation,
+        })
+        .collect()
+}
+
+fn land(ledger: &mut ReceiverLedger, now: Instant, peer: PeerId, tag: WriteTag) {
+    ledger.handle_chunk_landed(
+        now,
+        LandedWrite {
+            peer,
+            slot: tag.slot,
+            tag,
+            bytes: CHUNK,
+            checksum: ChecksumCheck::Match,
+        },
+    );
+    ledger.check_invariants();
+}
+
+fn returned(evs: &[ReceiverEvent]) -> Option<(Vec<SlotIndex>, Outcome)> {
+    evs.iter().find_map(|e| match e {
+        ReceiverEvent::Returned { slots, outcome, .. } => Some((slots.clone(), outcome.clone())),
+        _ => None,
+    })
+}
+
+fn ended(evs: &[ReceiverEvent]) -> Option<Outcome> {
+    evs.iter().find_map(|e| match e {
+        ReceiverEvent::Ended { outcome, .. } => Some(outcome.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn chunks_go_to_the_reserved_slots_in_order_and_come_back_after_the_consume() {
+    let mut ledger = caller_ledger(8);
+    ledger
+        .handle_reserve(at(0), "r", slots(&[5, 2, 7]))
+        .expect("reserve");
+    let first = send(&mut ledger, at(0), A, batch("r", 2, 3, false, 1));
+    let second = send(&mut ledger, at(0), A, batch("r", 1, 3, true, 2));
+    let granted: Vec<WriteTag> = tags(&first[0])
+        .into_iter()
+        .chain(tags(&second[0]))
+        .collect();
+    let order: Vec<u32> = granted.iter().map(|t| t.slot.0).collect();
+    assert_eq!(order, [5, 2, 7], "chunk i goes to the reservation's slot i");
+    for &tag in &granted {
+        land(&mut ledger, at(0), A, tag);
+    }
+    let evs = events(&mut ledger);
+    let ready = evs.iter().find_map(|e| match e {
+        ReceiverEvent::Ready { slots, .. } => Some(slots.clone()),
+        _ => None,
+    });
+    assert_eq!(ready, Some(slots(&[5, 2, 7])));
+    assert_eq!(returned(&evs), None, "lent until consumed");
+    let k = key(A, "r");
+    ledger.handle_acquire(&k).expect("ready");
+    ledger.handle_consume(at(1), &k).expect("consume");
+    ledger.check_invariants();
+    let evs = events(&mut ledger);
+    assert_eq!(ended(&evs), Some(Outcome::Consumed));
+    assert_eq!(returned(&evs), Some((slots(&[5, 2, 7]), Outcome::Consumed)));
+    for s in [5, 2, 7] {
+        assert_eq!(ledger.slot_state(SlotIndex(s)), SlotState::Caller);
+    }
+    // The slots may be lent again, and a new grant of a slot carries a new generation.
+    ledger
+        .handle_reserve(at(1), "r2", slots(&[7]))
+        .expect("lent again");
+    let again = send(&mut ledger, at(1), A, batch("r2", 1, 1, true, 3));
+    let tag = tags(&again[0])[0];
+    assert_eq!(tag.slot, SlotIndex(7));
+    assert_ne!(tag.generation, granted[2].generation, "a fresh grant");
+    // The old grant's write is stale now: it changes nothing.
+    land(&mut ledger, at(1), A, granted[2]);
+    assert_eq!(ledger.slot_state(SlotIndex(7)), ledger.slot_state(tag.slot));
+    assert!(matches!(
+        ledger.slot_state(SlotIndex(7)),
+        SlotState::Granted { .. }
+    ));
+}
+
+#[test]
+fn a_claim_before_its_reservation_waits_for_it() {
+    let mut ledger = caller_ledger(4);
+    let early = send(&mut ledger, at(0), A, batch("r", 2, 2, true, 1));
+    assert!(
+        early.is_empty(),
+        "no answer before the reservation: {early:?}"
+    );
+    ledger
+        .handle_reserve(at(2), "r", slots(&[3, 1]))
+        .expect("reserve");
+    let granted = replies(&mut ledger);
+    assert_eq!(granted.len(), 1);
+    let order: Vec<u32> = tags(&granted[0]).iter().map(|t| t.slot.0).collect();
+    assert_eq!(order, [3, 1]);
+    let evs = events(&mut ledger);
+    let waited = evs.iter().find_map(|e| match e {
+        ReceiverEvent::Admitted { waited, .. } => Some(*waited),
+        _ => None,
+    });
+    assert_eq!(waited, Some(Duration::from_secs(2)));
+}
+
+#[test]
+fn a_claim_never_reserved_is_refused_at_the_admission_timeout() {
+    let mut ledger = caller_ledger(4);
+    assert!(send(&mut ledger, at(0), A, batch("r", 1, 1, true, 1)).is_empty());
+    let deadline = ledger.poll_timeout().expect("a deadline");
+    assert_eq!(
+        deadline,
+        at(0) + ReceiverConfig::default().admission_timeout
+    );
+    ledger.handle_timeout(deadline);
+    let refused = replies(&mut ledger);
+    assert_eq!(refused.len(), 1);
+    assert!(
+        refused[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("admission timed out")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        ended(&events(&mut ledger)),
+        Some(Outcome::Failed(Failure::AdmissionTimeout))
+    );
+    assert_eq!(ledger.tracked_requests(), 0);
+    // A reservation made later is not claimed by the refused batch.
+    ledger
+        .handle_reserve(deadline, "r", slots(&[0]))
+        .expect("reserve");
+    assert!(replies(&mut ledger).is_empty());
+}
+
+#[test]
+fn an_unclaimed_reservation_is_returned_at_its_deadline_or_when_withdrawn() {
+    let mut ledger = caller_ledger(4);
+    ledger
+        .handle_reserve(at(0), "late", slots(&[0, 1]))
+        .expect("reserve");
+    ledger
+        .handle_reserve(at(0), "aborted", slots(&[2]))
+        .expect("reserve");
+    ledger.handle_withdraw(at(1), "aborted").expect("withdraw");
+    ledger.check_invariants();
+    let evs = events(&mut ledger);
+    assert_eq!(
+        returned(&evs),
+        Some((slots(&[2]), Outcome::Failed(Failure::Withdrawn)))
+    );
+    assert_eq!(ended(&evs), None, "no request was tracked");
+    let deadline = ledger.poll_timeout().expect("the reservation's deadline");
+    let admission = ReceiverConfig::default().admission_timeout;
+    assert_eq!(deadline, at(0) + admission);
+    ledger.handle_timeout(at(0) + (admission - Duration::from_millis(1)));
+    assert_eq!(returned(&events(&mut ledger)), None);
+    ledger.handle_timeout(deadline);
+    ledger.check_invariants();
+    assert_eq!(
+        returned(&events(&mut ledger)),
+        Some((slots(&[0, 1]), Outcome::Failed(Failure::Unclaimed)))
+    );
+    // Its sender's batch, now, waits for a reservation that will not come.
+    assert!(send(&mut ledger, deadline, A, batch("late", 2, 2, true, 1)).is_empty());
+}
+
+/// A withdrawal while a write is in flight: the request fails at once, but the slot its
+/// write may still reach stays out of the application's hands until that write lands or the
+/// write quarantine passes.
+#[test]
+fn a_withdrawal_returns_the_slots_only_once_no_write_can_land() {
+    for late_write in [true, false] {
+        let mut ledger = caller_ledger(4);
+        ledger
+            .handle_reserve(at(0), "r", slots(&[2, 0, 3]))
+            .expect("reserve");
+        let granted = tags(&send(&mut ledger, at(0), A, batch("r", 2, 3, false, 1))[0]);
+        land(&mut ledger, at(0), A, granted[0]);
+        ledger.handle_withdraw(at(1), "r").expect("withdraw");
+        ledger.check_invariants();
+        let evs = events(&mut ledger);
+        assert_eq!(ended(&evs), Some(Outcome::Failed(Failure::Withdrawn)));
+        assert_eq!(returned(&evs), None, "slot 0's write may still land");
+        // The sender's next batch is refused.
+        let refused = send(&mut ledger, at(1), A, batch("r", 1, 3, true, 2));
+        assert!(refused[0].error.is_some(), "{refused:?}");
+        let quarantine = ReceiverConfig::default().write_quarantine;
+        if late_write {
+            land(&mut ledger, at(2), A, granted[1]);
+        } else {
+            ledger.handle_timeout(at(1) + (quarantine - Duration::from_millis(1)));
+            assert_eq!(
+                returned(&events(&mut ledger)),
+                None,
+                "not before the quarantine ends"
+            );
+            ledger.handle_timeout(at(1) + quarantine);
+        }
+        ledger.check_invariants();
+        assert_eq!(
+            returned(&events(&mut ledger)),
+            Some((slots(&[2, 0, 3]), Outcome::Failed(Failure::Withdrawn))),
+            "late write seen: {late_write}"
+        );
+        assert!(ledger.is_quiescent());
+    }
+}
+
+#[test]
+fn a_reservation_is_claimed_once() {
+    let mut ledger = caller_ledger(4);
+    ledger
+        .handle_reserve(at(0), "r", slots(&[0]))
+        .expect("reserve");
+    assert!(tags(&send(&mut ledger, at(0), A, batch("r", 1, 1, true, 1))[0]).len() == 1);
+    let second = send(&mut ledger, at(0), B, batch("r", 1, 1, true, 1));
+    assert!(
+        second[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("already claimed")),
+        "{second:?}"
+    );
+    assert_eq!(
+        ended(&events(&mut ledger)),
+        Some(Outcome::Failed(Failure::AlreadyClaimed))
+    );
+    // Also while the first claim still waits for the reservation.
+    assert!(send(&mut ledger, at(0), A, batch("w", 1, 1, true, 2)).is_empty());
+    let rival = send(&mut ledger, at(0), B, batch("w", 1, 1, true, 2));
+    assert!(rival[0].error.is_some(), "{rival:?}");
+    ledger
+        .handle_reserve(at(0), "w", slots(&[1]))
+        .expect("reserve");
+    let granted = replies(&mut ledger);
+    assert_eq!(granted.len(), 1, "the first claimer's batch is answered");
+    // B's write into A's grant is refused.
+    let tag = tags(&granted[0])[0];
+    land(&mut ledger, at(0), B, tag);
+    assert!(matches!(
+        ledger.slot_state(tag.slot),
+        SlotState::Granted { .. }
+    ));
+}
+
+#[test]
+fn a_claim_larger_than_its_reservation_is_refused_and_the_slots_returned() {
+    let mut ledger = caller_ledger(4);
+    ledger
+        .handle_reserve(at(0), "r", slots(&[0, 1]))
+        .expect("reserve");
+    let refused = send(&mut ledger, at(0), A, batch("r", 1, 3, false, 1));
+    assert!(
+        refused[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("lends 2 slots")),
+        "{refused:?}"
+    );
+    let evs = events(&mut ledger);
+    let failure = Failure::LargerThanReservation {
+        need: 3,
+        reserved: 2,
+    };
+    assert_eq!(ended(&evs), Some(Outcome::Failed(failure.clone())));
+    assert_eq!(
+        returned(&evs),
+        Some((slots(&[0, 1]), Outcome::Failed(failure)))
+    );
+    assert!(ledger.is_quiescent());
+}
+
+#[test]
+fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
+    let mut pool = ReceiverLedger::new(ReceiverConfig::default()).expect("config");
+    assert_eq!(
+        pool.handle_reserve(at(0), "r", slots(&[0])),
+        Err(PlacementError::NotCaller)
+    );
+    assert_eq!(
+        pool.handle_withdraw(at(0), "r"),
+        Err(PlacementError::NotCaller)
+    );
+    let mut ledger = caller_ledger(4);
+    ledger
+        .handle_reserve(at(0), "held", slots(&[1]))
+        .expect("reserve");
+    let long = "x".repeat(ReceiverConfig::default().req_id_bytes_max + 1);
+    for (id, list, want) in [
+        ("", vec![0], "request id of 0 bytes"),
+        (long.as_str(), vec![0], "must be 1..="),
+        ("r", vec![], "at least one slot"),
+        ("r", vec![4], "outside the buffer's 4 slots"),
+        ("r", vec![0, 0], "slot 0 is already lent"),
+        ("r", vec![0, 1], "slot 1 is already lent (to request held)"),
+        ("held", vec![2], "request held is already reserved"),
+    ] {
+        let err = ledger
+            .handle_reserve(at(0), id, slots(&list))
+            .expect_err(want);
+        assert!(err.to_string().contains(want), "{err} lacks {want:?}");
+        ledger.check_invariants();
+    }
+    assert!(matches!(
+        ledger.handle_withdraw(at(0), "r"),
+        Err(PlacementError::Unknown(_))
+    ));
+    assert!(events(&mut ledger).is_empty(), "nothing changed");
+    assert_eq!(ledger.slot_state(SlotIndex(0)), SlotState::Caller);
+}
