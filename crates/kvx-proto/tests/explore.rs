@@ -232,3 +232,46 @@ fn exhaustive_shares_three_senders_eight_slots() {
     );
     assert!(r.states > 100_000, "{r:?}");
 }
+
+/// Caller placement (`OpWorld::placed`): the decoding application lends each request's
+/// slots when it has them, withdraws reservations, and gets them back from `Returned`.
+/// Every interleaving of reservations with the senders' claims (a claim before its
+/// reservation waits for it), withdrawals, cancels, failed writes, lost connections and
+/// timeouts keeps every invariant (R14 among them), never lands a write outside a live
+/// grant of its own request or quarantine, and heals with every reservation back.
+#[test]
+#[ignore]
+fn exhaustive_caller_placement_two_one_chunk_requests() {
+    let r = complete(
+        "caller placement, 2 slots, 2 staging,",
+        OpWorld::placed(2, 2),
+        &[(0, 1), (1, 1)],
+    );
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// Caller placement where the application has too few slots for both requests at once: the
+/// second waits for the first's slots to come back.
+#[test]
+fn caller_placement_requests_contending_for_the_applications_slots() {
+    let r = explore_from(
+        OpWorld::placed(2, 1),
+        &[(0, 2), (1, 1)],
+        bound(20_000),
+        Order::BreadthFirst,
+    );
+    eprintln!("caller placement, 2 slots, contending: {r:?}");
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// `exhaustive_caller_placement_two_one_chunk_requests` with a two-chunk request and a
+/// one-chunk request in three slots, complete.
+#[test]
+#[ignore]
+fn exhaustive_caller_placement_two_and_one_chunk_requests() {
+    complete(
+        "caller placement, 3 slots, 2 staging,",
+        OpWorld::placed(3, 2),
+        &[(0, 2), (1, 1)],
+    );
+}

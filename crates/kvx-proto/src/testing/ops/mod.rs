@@ -10,9 +10,12 @@
 //! must have ended with both buffers entirely free. In the contended world admission follows
 //! §Fair shares instead of plain FIFO (its own invariants check each admission), no request
 //! that fits the buffer is refused, and healing is also a liveness check: with the decoder
-//! consuming, every waiting request is admitted, none times out waiting.
+//! consuming, every waiting request is admitted, none times out waiting. Under caller
+//! placement (`OpWorld::placed`, `placed.rs`) a decoding application owns the buffer and
+//! lends each request's slots, withdraws reservations and gets them back.
 
 mod callers;
+mod placed;
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -95,6 +98,12 @@ pub enum Event {
     Consume(usize),
     /// This sender's control connection breaks, with its fabric connection.
     LoseConnection(usize),
+    /// Caller placement (`OpWorld::placed`): the application lends slots to a begun request
+    /// it has not reserved (this index modulo how many it has the slots for).
+    Reserve(usize),
+    /// Caller placement: the application withdraws a reservation out (an abort on the
+    /// decode side; this index modulo how many are out).
+    Withdraw(usize),
 }
 
 /// A message as it comes off the wire: encoded and decoded again when it is sent, so that
@@ -131,6 +140,8 @@ pub struct OpWorld {
     healing: bool,
     /// Whether `enabled` offers failing writes and cancels (`without_faults` turns them off).
     faults: bool,
+    /// Caller placement's application (`placed`); `None`: the receiver places requests.
+    app: Option<placed::App>,
 }
 
 impl Default for OpWorld {
@@ -162,6 +173,21 @@ impl OpWorld {
             staging_slots,
             peer_share_percent,
         )
+    }
+
+    /// Two senders and a receiver under caller placement (`docs/spec/protocol.md` §Caller
+    /// placement): the decoding application owns the `buffer_slots` and lends each begun
+    /// request's slots when it has them (`Event::Reserve`), withdraws reservations
+    /// (`Event::Withdraw`, a fault), and gets them back from the ledger.
+    pub fn placed(buffer_slots: u32, staging_slots: u32) -> Self {
+        let mut world = Self::build(SENDERS, buffer_slots, staging_slots, 100);
+        let cfg = ReceiverConfig {
+            placement: crate::config::Placement::Caller,
+            ..world.receiver.config().clone()
+        };
+        world.receiver = ReceiverLedger::new(cfg).expect("invariant: valid receiver config");
+        world.app = Some(placed::App::new(buffer_slots));
+        world
     }
 
     fn build(senders: usize, buffer_slots: u32, staging_slots: u32, share: u32) -> Self {
@@ -206,6 +232,7 @@ impl OpWorld {
             contended,
             healing: false,
             faults: true,
+            app: None,
         }
     }
 
@@ -272,6 +299,8 @@ impl OpWorld {
             Event::Advance(by) => self.advance(by),
             Event::Consume(pick) => self.consume(pick),
             Event::LoseConnection(s) => self.lose_connection(s),
+            Event::Reserve(pick) => self.reserve(pick),
+            Event::Withdraw(pick) => self.withdraw(pick),
         }
         self.pump();
         self.check();
@@ -362,6 +391,7 @@ impl OpWorld {
                 events.push(Event::Consume(pick));
             }
         }
+        self.placed_events(&mut events);
         if let Some(at) = self.next_deadline() {
             events.push(Event::Advance(at - self.now));
         }
@@ -378,6 +408,7 @@ impl OpWorld {
     /// an admitted request's count of submitted chunks is ever read (`submit`).
     pub(crate) fn canon(&self, enc: &mut Canon) {
         enc.reset(self.now);
+        self.canon_app(enc);
         self.receiver.canon(enc);
         for (s, side) in self.sides.iter().enumerate() {
             enc.set_sender(s);
@@ -427,6 +458,7 @@ impl OpWorld {
             .iter()
             .all(|s| s.flow.is_quiescent() && s.to_receiver.is_empty() && s.to_sender.is_empty())
             && self.receiver.is_quiescent()
+            && self.app_settled()
     }
 
     fn deliver_to_receiver(&mut self, s: usize) {
@@ -568,6 +600,11 @@ impl OpWorld {
         while let Some(ev) = self.receiver.poll_event() {
             match ev {
                 ReceiverEvent::Ready { key, .. } => self.ready.push(key),
+                ReceiverEvent::Returned {
+                    req_id,
+                    slots,
+                    outcome,
+                } => self.on_returned(&req_id, slots, &outcome),
                 ReceiverEvent::Ended {
                     key,
                     outcome: Outcome::Failed(why),
@@ -601,9 +638,10 @@ impl OpWorld {
             side.flow.check_invariants();
         }
         self.receiver.check_invariants();
-        if let (false, Some((admitted, waiting))) =
-            (self.contended, self.receiver.admitted_out_of_order())
-        {
+        // FIFO admission is the plain world's rule; shares reorder the contended world's, and
+        // under caller placement the application's reservations decide the order.
+        let fifo = !self.contended && self.app.is_none();
+        if let (true, Some((admitted, waiting))) = (fifo, self.receiver.admitted_out_of_order()) {
             panic!("checker: {admitted} was admitted while {waiting}, which queued before it, waits (A2: admission is FIFO)");
         }
         if let Err(v) = self.checker.first_violation() {
@@ -635,10 +673,12 @@ impl OpWorld {
                 self.pump();
             } else {
                 let unfinished = self.sides.iter().any(|s| !s.flow.is_quiescent())
-                    || !self.receiver.is_quiescent();
+                    || !self.receiver.is_quiescent()
+                    || !self.app_settled();
                 if !unfinished {
                     return;
                 }
+                self.reserve_all();
                 // Let every timer run (leases, TTLs, quarantines); submit what can be.
                 for s in 0..self.sides.len() {
                     self.submit(s, 3);
