@@ -24,6 +24,9 @@
 //! - `receiver`: `ReceiverNode` / `ReceiverHandle` — the decoder's side (a buffer of kvx's
 //!   or the caller's memory): await ready requests; its clonable `ChunkReader` leases them,
 //!   takes snapshots and can stop the receiver.
+//! - `placement`: caller placement's calls (`ChunkReader::reserve`, `withdraw`) and the
+//!   stream of returned reservations (`ReceiverHandle::take_returns`), for an application
+//!   that owns the receive buffer (a vLLM decode engine).
 //! - `lease`: `ReadLease` — a ready request held for reading until consumed, released when
 //!   dropped (from any thread, never blocking); `ReadyLeases` — ready requests handed out as
 //!   leases to callers on many tasks or threads, none lost to a cancelled wait (what
@@ -39,12 +42,14 @@
 
 pub mod lease;
 pub mod metrics;
+pub mod placement;
 pub mod proxy;
 pub mod receiver;
 pub mod sender;
 pub mod synthetic;
 
 pub use lease::{ReadLease, ReadyLeases, RequestEnds};
+pub use placement::{Returned, Returns};
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,

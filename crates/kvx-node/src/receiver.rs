@@ -8,13 +8,15 @@ use kvx_io::{
     ControlServer, Env, ExternalRegion, Fabric, FabricListener, LogLimiter, SlotMemory, Transport,
 };
 use kvx_proto::receiver::{
-    ChunkLayout, ConsumeError, LandedWrite, LandingVerdict, Outcome, ReceiverEvent, ReceiverLedger,
+    ChunkLayout, ConsumeError, LandedWrite, LandingVerdict, Outcome, PlacementError, ReceiverEvent,
+    ReceiverLedger,
 };
 use kvx_proto::wire::{self, AllocResponse, Message};
 use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics as m;
+use crate::placement::{Returned, Returns};
 use crate::StartError;
 
 /// A request whose chunks are all in the buffer: read `slots` (chunk order), then `consume`.
@@ -49,7 +51,7 @@ pub enum ReceiverNotice {
 }
 
 #[derive(Debug)]
-enum Cmd {
+pub(crate) enum Cmd {
     Acquire(
         ReqKey,
         oneshot::Sender<Result<Vec<SlotIndex>, ConsumeError>>,
@@ -57,6 +59,13 @@ enum Cmd {
     Consume(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     ExternalReady(ReqKey, oneshot::Sender<Result<(), ConsumeError>>),
     Snapshot(oneshot::Sender<Result<BufferSnapshot, ConsumeError>>),
+    /// Caller placement (`placement.rs`).
+    Reserve(
+        String,
+        Vec<SlotIndex>,
+        oneshot::Sender<Result<(), PlacementError>>,
+    ),
+    Withdraw(String, oneshot::Sender<Result<(), PlacementError>>),
     Shutdown,
 }
 
@@ -85,6 +94,8 @@ pub struct BufferSnapshot {
 pub struct ReceiverHandle<M> {
     pub(crate) notices: mpsc::UnboundedReceiver<ReceiverNotice>,
     pub(crate) reader: ChunkReader<M>,
+    /// Caller placement's returned reservations, until taken (`take_returns`).
+    pub(crate) returns: Option<Returns>,
     alloc_endpoint: String,
     fabric_endpoint: String,
 }
@@ -125,12 +136,18 @@ impl ReaderLink {
         &self,
         cmd: impl FnOnce(oneshot::Sender<Result<T, ConsumeError>>) -> Cmd,
     ) -> Result<T, ConsumeError> {
+        self.ask_or(cmd, || ConsumeError::Stopped).await
+    }
+
+    /// `ask`, with the error a stopped driver is answered with.
+    pub(crate) async fn ask_or<T, Er>(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<T, Er>>) -> Cmd,
+        stopped: impl Fn() -> Er,
+    ) -> Result<T, Er> {
         let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(cmd(tx))
-            .await
-            .map_err(|_| ConsumeError::Stopped)?;
-        rx.await.map_err(|_| ConsumeError::Stopped)?
+        self.cmds.send(cmd(tx)).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
     }
 
     pub(crate) async fn acquire(&self, key: &ReqKey) -> Result<Vec<SlotIndex>, ConsumeError> {
@@ -161,7 +178,6 @@ impl ReceiverNode {
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
-        pool_placement_only(&cfg)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let geometry = crate::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
@@ -181,7 +197,6 @@ impl ReceiverNode {
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
         crate::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
-        pool_placement_only(&cfg)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;
@@ -195,6 +210,7 @@ impl ReceiverNode {
         listener: FabricListener<<E::Fabric as Fabric>::Memory>,
     ) -> ReceiverHandle<<E::Fabric as Fabric>::Memory> {
         let (notice_tx, notice_rx) = mpsc::unbounded_channel();
+        let (returns_tx, returns_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);
         let (release_tx, release_rx) = mpsc::unbounded_channel();
         let handle = ReceiverHandle {
@@ -206,6 +222,7 @@ impl ReceiverNode {
                 },
                 memory: listener.memory.clone(),
             },
+            returns: Some(returns_rx),
             alloc_endpoint: server.local_endpoint().to_owned(),
             fabric_endpoint: listener.local_endpoint.clone(),
         };
@@ -216,6 +233,7 @@ impl ReceiverNode {
             server,
             listener,
             notices: notice_tx,
+            returns: returns_tx,
             cmds: cmd_rx,
             releases: release_rx,
             label: handle.alloc_endpoint.clone(),
@@ -289,6 +307,7 @@ struct Driver<E: Env> {
     server: ControlServer,
     listener: FabricListener<<E::Fabric as Fabric>::Memory>,
     notices: mpsc::UnboundedSender<ReceiverNotice>,
+    returns: mpsc::UnboundedSender<Returned>,
     cmds: mpsc::Receiver<Cmd>,
     releases: mpsc::UnboundedReceiver<ReqKey>,
     /// The `receiver` label on this receiver's metrics (its alloc endpoint), so the TP ranks
@@ -351,6 +370,14 @@ impl<E: Env> Driver<E> {
                             tracked_requests: l.tracked_requests(),
                             admission_queue_len: l.admission_queue_len(),
                         }));
+                    }
+                    Some(Cmd::Reserve(req_id, slots, reply)) => {
+                        let now = self.env.now();
+                        let _ = reply.send(self.ledger.handle_reserve(now, &req_id, slots));
+                    }
+                    Some(Cmd::Withdraw(req_id, reply)) => {
+                        let now = self.env.now();
+                        let _ = reply.send(self.ledger.handle_withdraw(now, &req_id));
                     }
                     // The decoder is gone, or asked to stop: nobody will read what arrives.
                     Some(Cmd::Shutdown) | None => return,
@@ -461,8 +488,19 @@ impl<E: Env> Driver<E> {
                     }
                     ReceiverNotice::Ended { key, outcome }
                 }
-                // Caller placement is refused at start (`pool_placement_only`).
-                ReceiverEvent::Returned { .. } => continue,
+                // The application's, on a stream of its own (`take_returns`).
+                ReceiverEvent::Returned {
+                    req_id,
+                    slots,
+                    outcome,
+                } => {
+                    let _ = self.returns.send(Returned {
+                        req_id,
+                        slots,
+                        outcome,
+                    });
+                    continue;
+                }
             };
             // A decoder that stopped listening misses notices; the unconsumed TTL reclaims.
             let _ = self.notices.send(notice);
@@ -487,18 +525,4 @@ impl<E: Env> Driver<E> {
 /// A duration in whole milliseconds, saturating.
 fn millis(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// The node's receivers place requests themselves: caller placement
-/// (`kvx_proto::Placement::Caller`, the vLLM connector's) has no handle calls here yet
-/// (`docs/vllm.md`, "Not yet"), so a configuration asking for it is refused at start.
-fn pool_placement_only(cfg: &ReceiverConfig) -> Result<(), kvx_proto::ConfigError> {
-    match cfg.placement {
-        kvx_proto::Placement::Pool => Ok(()),
-        kvx_proto::Placement::Caller => Err(kvx_proto::ConfigError(
-            "placement = caller (the application lends each request's slots) is not served by \
-             kvx-node's receiver yet; use placement = pool"
-                .into(),
-        )),
-    }
 }

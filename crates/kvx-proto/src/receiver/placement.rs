@@ -60,6 +60,10 @@ pub enum PlacementError {
     /// No reservation with this id is out.
     #[error("request {0} is not reserved (never, or already returned)")]
     Unknown(String),
+    /// The receiver itself has stopped (shut down, or its runtime ended). Never from the
+    /// ledger; the handles' answer once no driver can serve them: make a new receiver.
+    #[error("this receiver has stopped (shut down, or its runtime ended): make a new receiver")]
+    Stopped,
 }
 
 /// One reservation: the slots the application lent for a request, and how far it got.

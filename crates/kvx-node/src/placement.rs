@@ -1,0 +1,61 @@
+//! Caller placement at the receiver (`kvx_proto::Placement::Caller`,
+//! `docs/spec/protocol.md` §Caller placement): the application owns the receive buffer and
+//! lends each request's slots (`ChunkReader::reserve`), takes them back
+//! (`ChunkReader::withdraw`), and hears each reservation come back on a stream of its own
+//! (`ReceiverHandle::take_returns`), apart from the decoder's notices: a vLLM decode
+//! engine's scheduler allocates the blocks, kvx's decoder side reads nothing.
+
+use kvx_proto::receiver::{Outcome, PlacementError};
+use kvx_proto::{ReqId, SlotIndex};
+use tokio::sync::mpsc;
+
+use crate::receiver::{ChunkReader, Cmd, ReceiverHandle};
+
+/// A reservation back with the application: no write can land in its slots any more
+/// (`kvx_proto::ReceiverEvent::Returned`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Returned {
+    /// The reservation's request id.
+    pub req_id: ReqId,
+    /// Its slots, as reserved (chunk order).
+    pub slots: Vec<SlotIndex>,
+    /// Its request consumed, or why not: `Withdrawn`, `Unclaimed`, or its request's failure
+    /// (a corrupt chunk, a cancel, a lost sender…).
+    pub outcome: Outcome,
+}
+
+/// Returned reservations, in the order they came back; closed once the driver stopped.
+pub type Returns = mpsc::UnboundedReceiver<Returned>;
+
+impl<M> ChunkReader<M> {
+    /// Lends `slots` (chunk i to `slots[i]`) to request `req_id`, which its sender's first
+    /// batch then claims (`ReceiverLedger::handle_reserve`). Refused with nothing changed
+    /// (the reason says why), or `Stopped` once the driver has ended.
+    pub async fn reserve(&self, req_id: &str, slots: Vec<SlotIndex>) -> Result<(), PlacementError> {
+        let req_id = req_id.to_owned();
+        self.link
+            .ask_or(
+                |tx| Cmd::Reserve(req_id, slots, tx),
+                || PlacementError::Stopped,
+            )
+            .await
+    }
+
+    /// Takes reservation `req_id` back (the application aborted its request); its slots are
+    /// returned once no write can land in them (`ReceiverLedger::handle_withdraw`).
+    pub async fn withdraw(&self, req_id: &str) -> Result<(), PlacementError> {
+        let req_id = req_id.to_owned();
+        self.link
+            .ask_or(|tx| Cmd::Withdraw(req_id, tx), || PlacementError::Stopped)
+            .await
+    }
+}
+
+impl<M> ReceiverHandle<M> {
+    /// The stream of returned reservations, once (`None` after the first call). Take it
+    /// before `into_parts` or `into_ready_leases`; a receiver that places requests itself
+    /// (`Placement::Pool`) sends nothing on it.
+    pub fn take_returns(&mut self) -> Option<Returns> {
+        self.returns.take()
+    }
+}

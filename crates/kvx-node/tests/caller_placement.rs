@@ -1,0 +1,182 @@
+//! Caller placement through the drivers (`kvx_node::placement`), over the in-memory transport
+//! and fabric: the application lends a request's slots, a real sender fills exactly those
+//! slots in chunk order, and the reservation comes back on the application's own stream,
+//! consumed or with the reason it was not.
+
+use std::time::Duration;
+
+use kvx_io::mem::{MemFabric, MemTransport};
+use kvx_io::TokioEnv;
+use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
+use kvx_node::{ReceiverAddr, ReceiverNode, ReceiverNotice, Returned, SenderNode};
+use kvx_proto::receiver::{Failure, Outcome, PlacementError};
+use kvx_proto::{Placement, ReceiverConfig, ReqId, SenderConfig, SlotIndex};
+
+const CHUNK: usize = 4096;
+
+type Env = TokioEnv<MemTransport, MemFabric>;
+
+fn slots(list: &[u32]) -> Vec<SlotIndex> {
+    list.iter().copied().map(SlotIndex).collect()
+}
+
+async fn receiver(
+    env: &Env,
+    placement: Placement,
+) -> kvx_node::ReceiverHandle<kvx_io::LocalMemory> {
+    let cfg = ReceiverConfig {
+        buffer_slots: 8,
+        placement,
+        ..ReceiverConfig::default()
+    };
+    ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
+        .await
+        .expect("receiver starts")
+}
+
+async fn sender(env: &Env, addr: ReceiverAddr) -> (kvx_node::SenderHandle<Env>, kvx_proto::PeerId) {
+    let cfg = SenderConfig {
+        staging_slots: 4,
+        ..SenderConfig::default()
+    };
+    let sender = SenderNode::start(env.clone(), cfg, CHUNK, "s0".into(), None)
+        .await
+        .expect("sender starts");
+    let peer = sender.add_receiver(addr).await.expect("connects");
+    (sender, peer)
+}
+
+fn request(peer: kvx_proto::PeerId, id: &str, chunks: u32) -> SyntheticRequest {
+    SyntheticRequest {
+        req_id: ReqId(id.into()),
+        receiver: peer,
+        chunks,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    }
+}
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} within 10 s"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
+    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
+    let mut rx = receiver(&env, Placement::Caller).await;
+    let mut returns = rx.take_returns().expect("the returns stream");
+    assert!(rx.take_returns().is_none(), "taken once");
+    let reader = rx.reader().clone();
+    reader
+        .reserve("r", slots(&[6, 1, 4]))
+        .await
+        .expect("reserved");
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let (tx, peer) = sender(&env, addr).await;
+    let req = request(peer, "r", 3);
+    let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
+    let ready = loop {
+        match within("the ready notice", rx.next_notice()).await {
+            Some(ReceiverNotice::Ready(ready)) => break ready,
+            Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
+            None => panic!("the receiver stopped"),
+        }
+    };
+    assert_eq!(
+        ready.slots,
+        slots(&[6, 1, 4]),
+        "chunk i in the reservation's slot i"
+    );
+    // Every byte of chunk i is in slot i of the reservation.
+    let decoded = synthetic::decode(&reader, ready, CHUNK, true).await;
+    assert_eq!(decoded, Decoded::Verified(3 * CHUNK as u64));
+    within("the prefill", prefill)
+        .await
+        .expect("joins")
+        .expect("delivered");
+    let back = within("the return", returns.recv())
+        .await
+        .expect("a return");
+    assert_eq!(
+        back,
+        Returned {
+            req_id: ReqId("r".into()),
+            slots: slots(&[6, 1, 4]),
+            outcome: Outcome::Consumed,
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_withdrawn_reservation_comes_back_and_its_sender_is_told_why() {
+    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
+    let mut rx = receiver(&env, Placement::Caller).await;
+    let mut returns = rx.take_returns().expect("the returns stream");
+    let reader = rx.reader().clone();
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let (tx, peer) = sender(&env, addr).await;
+    // The claim comes first and waits for its reservation.
+    let req = request(peer, "w", 3);
+    let admit = {
+        let tx = tx.clone();
+        let req = request(peer, "w", 3);
+        tokio::spawn(async move { synthetic::admit(&tx, &req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!admit.is_finished(), "no admission before the reservation");
+    reader
+        .reserve("w", slots(&[0, 2, 5]))
+        .await
+        .expect("reserved");
+    let waited = within("the admission", admit)
+        .await
+        .expect("joins")
+        .expect("admitted");
+    reader.withdraw("w").await.expect("withdrawn");
+    let back = within("the return", returns.recv())
+        .await
+        .expect("a return");
+    assert_eq!(back.slots, slots(&[0, 2, 5]));
+    assert_eq!(back.outcome, Outcome::Failed(Failure::Withdrawn));
+    let failure = within("the transfer", synthetic::transfer(&tx, &req, waited))
+        .await
+        .expect_err("the withdrawn request fails at the sender");
+    assert!(failure.to_string().contains("withdrew"), "{failure}");
+    // The id is gone: withdrawing it again is refused with the reason.
+    assert_eq!(
+        reader.withdraw("w").await,
+        Err(PlacementError::Unknown("w".into()))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_are_refused_by_a_pool_receiver_and_by_a_stopped_one() {
+    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
+    let pool = receiver(&env, Placement::Pool).await;
+    assert_eq!(
+        pool.reader().reserve("r", slots(&[0])).await,
+        Err(PlacementError::NotCaller)
+    );
+    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
+    let caller = receiver(&env, Placement::Caller).await;
+    let reader = caller.reader().clone();
+    reader.shutdown().await;
+    let stopped = within("a stopped driver's answer", async {
+        loop {
+            match reader.reserve("r", slots(&[0])).await {
+                Err(PlacementError::Stopped) => break,
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    });
+    stopped.await;
+    assert_eq!(reader.withdraw("r").await, Err(PlacementError::Stopped));
+}
