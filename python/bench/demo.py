@@ -38,7 +38,8 @@ DECODERS = 1
 IN_FLIGHT = 4
 
 
-def python_demo(seed: int, fabric: str = "tcp", driver: str = "threads") -> dict:
+def python_demo(seed: int, fabric: str = "tcp", driver: str = "threads",
+                threads_per_sender: int = IN_FLIGHT) -> dict:
     rng = random.Random(seed)
     rx = kvx.Receiver(slots=64, slot_bytes=CHUNK, fabric=fabric)
     senders = [
@@ -83,22 +84,30 @@ def python_demo(seed: int, fabric: str = "tcp", driver: str = "threads") -> dict
                     if seen[0] == want:
                         done_at[0] = time.perf_counter()
 
-    def prefill(tx, peer, work, lock):
+    def prefill(tx, peer, work, lock, per_thread):
+        # `per_thread` of the sender's requests in flight on this thread, a chunk of each in
+        # turn (the core keeps each request's pending batch apart).
         while True:
             with lock:
-                if not work:
-                    return
-                req_id, chunks = work.pop(0)
-            tx.begin(req_id, receiver=peer, total_chunks=chunks)
-            if not tx.wait_admitted(req_id, timeout=60):
-                raise RuntimeError(f"{req_id} not admitted")
-            for c in range(chunks):
-                slot = tx.allocate(req_id)
-                kvx.testing.fill(slot, req_id, c)
-                tx.add(slot, f"{req_id}@{c}", tokens=256)
-                if (c + 1) % 4 == 0 or c + 1 == chunks:
-                    tx.submit(req_id, last=c + 1 == chunks)
-            tx.wait_outcome(req_id, timeout=60)
+                mine = [work.pop(0) for _ in range(min(per_thread, len(work)))]
+            if not mine:
+                return
+            for req_id, chunks in mine:
+                tx.begin(req_id, receiver=peer, total_chunks=chunks)
+            for req_id, _ in mine:
+                if not tx.wait_admitted(req_id, timeout=60):
+                    raise RuntimeError(f"{req_id} not admitted")
+            for c in range(max(chunks for _, chunks in mine)):
+                for req_id, chunks in mine:
+                    if c >= chunks:
+                        continue
+                    slot = tx.allocate(req_id)
+                    kvx.testing.fill(slot, req_id, c)
+                    tx.add(slot, f"{req_id}@{c}", tokens=256)
+                    if (c + 1) % 4 == 0 or c + 1 == chunks:
+                        tx.submit(req_id, last=c + 1 == chunks)
+            for req_id, _ in mine:
+                tx.wait_outcome(req_id, timeout=60)
 
     async def prefill_async(tx, peer, work):
         while work:
@@ -146,8 +155,9 @@ def python_demo(seed: int, fabric: str = "tcp", driver: str = "threads") -> dict
     for s, tx in enumerate(senders):
         peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
         work, lock = list(plans[s]), threading.Lock()
-        threads += [threading.Thread(target=prefill, args=(tx, peer, work, lock))
-                    for _ in range(IN_FLIGHT)]
+        per_thread = IN_FLIGHT // threads_per_sender
+        threads += [threading.Thread(target=prefill, args=(tx, peer, work, lock, per_thread))
+                    for _ in range(threads_per_sender)]
     for t in threads:
         t.start()
     for t in threads + decoders:
@@ -211,11 +221,14 @@ def main():
     ap.add_argument("--driver", choices=("threads", "asyncio"), default="threads",
                     help="threads: each request in flight a thread of its own (default); "
                     "asyncio: each a coroutine on one event loop, through the awaitables")
+    ap.add_argument("--threads-per-sender", type=int, choices=(1, 2, 4), default=IN_FLIGHT,
+                    help="threads driving each sender's 4 requests in flight (default 4: one "
+                    "each; 2 or 1: two or four requests per thread, a chunk of each in turn)")
     args = ap.parse_args()
     rust, py = [], []
     for r in range(args.rounds):  # alternated, so that both see the same machine
         rust.append(rust_demo(args.kvx, r, args.fabric)["bytes_per_sec"])
-        p = python_demo(r, args.fabric, args.driver)
+        p = python_demo(r, args.fabric, args.driver, args.threads_per_sender)
         if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
             raise SystemExit(f"python demo lost or corrupted bytes: {p}")
         py.append(p["bytes_per_sec"])

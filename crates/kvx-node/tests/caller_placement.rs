@@ -80,12 +80,10 @@ async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
     let (tx, peer) = sender(&env, addr).await;
     let req = request(peer, "r", 3);
     let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
-    let ready = loop {
-        match within("the ready notice", rx.next_notice()).await {
-            Some(ReceiverNotice::Ready(ready)) => break ready,
-            Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
-            None => panic!("the receiver stopped"),
-        }
+    let ready = match within("the ready notice", rx.next_notice()).await {
+        Some(ReceiverNotice::Ready(ready)) => ready,
+        Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
+        None => panic!("the receiver stopped"),
     };
     assert_eq!(
         ready.slots,
