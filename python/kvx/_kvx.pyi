@@ -2,7 +2,7 @@
 
 from asyncio import Future
 from os import PathLike
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
 
@@ -24,6 +24,7 @@ __all__ = [
     "Receiver",
     "ReceiverLostError",
     "RefusedError",
+    "Returned",
     "Sender",
     "StagingSlot",
     "StartError",
@@ -224,6 +225,21 @@ class Sender:
     def __exit__(self, *exc: object) -> None: ...
 
 @final
+class Returned:
+    """A reservation back with the program (``Receiver.returned``): its slots are the
+    program's again and no write can land in them. ``consumed``: its request was read;
+    otherwise ``reason`` says why not, and the slots hold nothing to read."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def slots(self) -> List[int]: ...
+    @property
+    def consumed(self) -> bool: ...
+    @property
+    def reason(self) -> Optional[str]: ...
+
+@final
 class ReadLease:
     """A ready request, leased: its slots stay put until ``consume`` (or the lease is
     dropped, or its ``with`` block ends)."""
@@ -280,11 +296,13 @@ class Receiver:
         require_checksums: Optional[bool] = None,
         curve_secret_key: Optional[_Path] = None,
         curve_allow: Optional[_Path] = None,
+        placement: Literal["pool", "caller"] = "pool",
     ) -> Self:
         """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``).
         ``curve_secret_key`` (this receiver's ``NAME.key_secret``) and ``curve_allow`` (the
         directory of allowed senders' ``NAME.key``), both or neither: CURVE on the alloc
-        channel."""
+        channel. ``placement="caller"``: the program owns the buffer's slots and lends each
+        request's (``reserve``); ``"pool"``: kvx's admission places requests."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property
@@ -299,6 +317,19 @@ class Receiver:
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
         nothing: leases it had taken go to the next ``ready``/``next_ready``.
         ``StoppedError`` once the receiver has stopped."""
+    def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0) -> None:
+        """Caller placement: lends ``slots`` (chunk i to ``slots[i]``) to request ``req_id``,
+        which the first sender with that id claims. ``MisuseError`` (nothing changed) for an
+        id reserved and not yet returned, a slot out of range, named twice or lent to another
+        reservation not yet returned, or a ``placement="pool"`` receiver."""
+    def withdraw(self, req_id: str, timeout: float = 5.0) -> None:
+        """Caller placement: takes reservation ``req_id`` back; its sender's request fails and
+        its slots come back through ``returned`` once no write can land in them.
+        ``MisuseError`` for an id not reserved or already returned."""
+    def returned(self, max: int = 64, timeout: Optional[float] = None) -> List[Returned]:
+        """Caller placement: up to ``max`` reservations back with the program, waiting at most
+        ``timeout`` seconds for the first (None: as long as it takes); ``[]`` when none came.
+        ``StoppedError`` once the receiver has stopped and every return was taken."""
     def snapshot(self, timeout: float = 5.0) -> Dict[str, int]:
         """The buffer's accounting: capacity, free, held, reserved_unallocated,
         quarantined, tracked_requests, admission_queue_len. ``TimedOutError`` when kvx's

@@ -14,6 +14,10 @@ pub enum EmbedError {
     /// Releasing a read lease failed: the receiver has stopped (`ConsumeError::Stopped`).
     #[error(transparent)]
     Consume(kvx_proto::receiver::ConsumeError),
+    /// Caller placement: a reservation or withdrawal was refused (the reason says why), or
+    /// the receiver has stopped (`PlacementError::Stopped`).
+    #[error(transparent)]
+    Placement(kvx_proto::receiver::PlacementError),
     /// A blocking call gave up after its timeout.
     #[error("no answer within {0:?}")]
     TimedOut(std::time::Duration),
@@ -43,6 +47,7 @@ impl EmbedError {
             self,
             Self::Start(kvx_node::StartError::Stopped)
                 | Self::Consume(kvx_proto::receiver::ConsumeError::Stopped)
+                | Self::Placement(kvx_proto::receiver::PlacementError::Stopped)
         )
     }
 }

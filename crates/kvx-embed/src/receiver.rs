@@ -8,6 +8,11 @@
 //! then, so no slot is ever leaked. The leases and their hand-out are kvx-node's
 //! (`kvx_node::lease`), which the binary and the simulation run too; this layer adds the
 //! blocking calls, each with one bound.
+//!
+//! Under caller placement (`Placement::Caller`: the application owns the buffer, as a vLLM
+//! decode engine owns its KV blocks) the application lends each request's slots
+//! (`reserve`), takes them back (`withdraw`), and hears every reservation come back
+//! (`returned`) once no write can land in its slots.
 
 use std::fmt;
 use std::future::Future;
@@ -16,8 +21,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::{Env, SlotMemory};
-use kvx_node::{BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, StartError};
-use kvx_proto::receiver::{ChunkLayout, ConsumeError};
+use kvx_node::{
+    BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned, Returns, StartError,
+};
+use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
 use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::{EnvChoice, EnvVisitor};
@@ -47,6 +54,12 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 trait ReaderApi: Send + Sync {
     fn snapshot(&self) -> BoxFuture<'_, Result<BufferSnapshot, ConsumeError>>;
     fn shutdown(&self) -> BoxFuture<'_, ()>;
+    fn reserve<'a>(
+        &'a self,
+        req_id: &'a str,
+        slots: Vec<SlotIndex>,
+    ) -> BoxFuture<'a, Result<(), PlacementError>>;
+    fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>>;
     fn memory_view(&self) -> Option<MemoryView>;
     fn slots(&self) -> u32;
     fn slot_bytes(&self) -> usize;
@@ -58,6 +71,16 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     }
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(ChunkReader::shutdown(self))
+    }
+    fn reserve<'a>(
+        &'a self,
+        req_id: &'a str,
+        slots: Vec<SlotIndex>,
+    ) -> BoxFuture<'a, Result<(), PlacementError>> {
+        Box::pin(ChunkReader::reserve(self, req_id, slots))
+    }
+    fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>> {
+        Box::pin(ChunkReader::withdraw(self, req_id))
     }
     fn memory_view(&self) -> Option<MemoryView> {
         MemoryView::of(self.memory())
@@ -72,6 +95,7 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
 
 struct Started {
     leases: ReadyLeases,
+    returns: Returns,
     reader: Box<dyn ReaderApi>,
     alloc_endpoint: String,
     fabric_endpoint: String,
@@ -92,7 +116,7 @@ impl EnvVisitor for Start {
             ..
         } = self.settings;
         Box::pin(async move {
-            let handle = match buffer {
+            let mut handle = match buffer {
                 Memory::Allocate { slot_bytes } => {
                     ReceiverNode::start(env, config, slot_bytes, &alloc_endpoint, &fabric_endpoint)
                         .await?
@@ -104,9 +128,13 @@ impl EnvVisitor for Start {
             };
             let alloc_endpoint = handle.alloc_endpoint().to_owned();
             let fabric_endpoint = handle.fabric_endpoint().to_owned();
+            let returns = handle
+                .take_returns()
+                .expect("invariant: a new handle's returns are untaken");
             let (leases, reader) = handle.into_ready_leases();
             Ok(Started {
                 leases,
+                returns,
                 reader: Box::new(reader),
                 alloc_endpoint,
                 fabric_endpoint,
@@ -120,6 +148,8 @@ impl EnvVisitor for Start {
 pub struct Receiver {
     runtime: Runtime,
     leases: Arc<ReadyLeases>,
+    /// Returned reservations (caller placement), one caller at a time.
+    returns: Arc<tokio::sync::Mutex<Returns>>,
     reader: Arc<dyn ReaderApi>,
     alloc_endpoint: String,
     fabric_endpoint: String,
@@ -207,6 +237,7 @@ impl Receiver {
         Ok(Self {
             runtime: runtime.clone(),
             leases: Arc::new(started.leases),
+            returns: Arc::new(tokio::sync::Mutex::new(started.returns)),
             reader: Arc::from(started.reader),
             alloc_endpoint: started.alloc_endpoint,
             fabric_endpoint: started.fabric_endpoint,
@@ -275,6 +306,53 @@ impl Receiver {
     /// to hear it; without it, the receiver stops once it and every lease are dropped.
     pub fn shutdown(&self, timeout: Duration) {
         let _ = self.runtime.block_on_for(timeout, self.reader.shutdown());
+    }
+
+    /// Caller placement: lends `slots` (chunk i to `slots[i]`) to request `req_id`, waiting at
+    /// most `timeout` for the driver. `Placement(reason)` when refused (nothing changed):
+    /// the receiver places requests itself, the id is reserved already, a slot is out of
+    /// range, named twice or lent to a reservation not yet returned.
+    pub fn reserve(
+        &self,
+        req_id: &str,
+        slots: Vec<SlotIndex>,
+        timeout: Duration,
+    ) -> Result<(), EmbedError> {
+        self.runtime
+            .block_on_for(timeout, self.reader.reserve(req_id, slots))
+            .ok_or(EmbedError::TimedOut(timeout))?
+            .map_err(EmbedError::Placement)
+    }
+
+    /// Caller placement: takes reservation `req_id` back (the application aborted its
+    /// request), waiting at most `timeout` for the driver; its slots come back through
+    /// `returned` once no write can land in them.
+    pub fn withdraw(&self, req_id: &str, timeout: Duration) -> Result<(), EmbedError> {
+        self.runtime
+            .block_on_for(timeout, self.reader.withdraw(req_id))
+            .ok_or(EmbedError::TimedOut(timeout))?
+            .map_err(EmbedError::Placement)
+    }
+
+    /// Caller placement: up to `max` returned reservations, once the first has come (bound
+    /// the wait with a timeout around it); `Placement(Stopped)` once the receiver has
+    /// stopped and every return was taken. Cancel-safe: nothing is lost to a dropped call.
+    pub async fn returned(&self, max: usize) -> Result<Vec<Returned>, EmbedError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut returns = self.returns.lock().await;
+        let Some(first) = returns.recv().await else {
+            return Err(EmbedError::Placement(PlacementError::Stopped));
+        };
+        let mut out = vec![first];
+        while out.len() < max {
+            match returns.try_recv() {
+                Ok(next) => out.push(next),
+                Err(_) => break,
+            }
+        }
+        Ok(out)
     }
 
     /// Slots in the buffer.

@@ -151,6 +151,8 @@ pub(crate) fn embed(e: &kvx_embed::EmbedError) -> PyErr {
     match e {
         E::TimedOut(_) => TimedOutError::new_err(msg),
         E::Consume(_) => ReceiverLostError::new_err(msg),
+        // A reservation refused for its content or for this receiver's placement.
+        E::Placement(_) => MisuseError::new_err(msg),
         _ => StartError::new_err(msg),
     }
 }

@@ -10,7 +10,8 @@
 //! - `aio`: asyncio futures over kvx's async calls (the awaitable methods).
 //! - `runtime`: the process's shared kvx runtime.
 //! - `proxy`: `Proxy` and `ProxyWait`.
-//! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`.
+//! - `sender`: `Sender` and `StagingSlot`; `receiver`: `Receiver` and `ReadLease`;
+//!   `placement`: the `placement=` names and `Returned` (caller placement).
 //! - `memory`: Python buffers lent to kvx, and zero-copy slot views of them.
 //! - `env`: transport and fabric by name.
 //! - `lmcache`: LMCache's `pd_buffer_size` as a slot count, for `kvx.lmcache`.
@@ -26,6 +27,7 @@ mod env;
 mod errors;
 mod lmcache;
 mod memory;
+mod placement;
 mod proxy;
 mod receiver;
 mod runtime;
@@ -43,6 +45,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sender::StagingSlot>()?;
     m.add_class::<receiver::Receiver>()?;
     m.add_class::<receiver::ReadLease>()?;
+    m.add_class::<placement::Returned>()?;
     m.add_function(wrap_pyfunction!(defaults::defaults, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_fill, m)?)?;

@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use kvx_embed::{ReadLease as Lease, ReceiverSettings};
 use kvx_proto::receiver::ChunkLayout;
-use kvx_proto::ReceiverConfig;
+use kvx_proto::{ReceiverConfig, SlotIndex};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::{aio, env, errors, memory, runtime, wait};
+use crate::{aio, env, errors, memory, placement, runtime, wait};
 
 /// A receiver: admits senders' requests into its buffer of ``slots × slot_bytes`` and hands
 /// each complete request to the decoder.
@@ -19,7 +19,7 @@ use crate::{aio, env, errors, memory, runtime, wait};
 /// ``Receiver(*, slots, slot_bytes, buffer=None, transport="zmq", fabric="tcp",
 /// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=None,
 /// admission_timeout=None, unconsumed_ttl=None, require_checksums=None,
-/// curve_secret_key=None, curve_allow=None)``
+/// curve_secret_key=None, curve_allow=None, placement="pool")``
 ///
 /// A protocol setting given as ``None`` is kvx's default, the one ``kvx receiver`` runs with
 /// (``kvx.defaults()["receiver"]``: a 75 % share, 30 s admission timeout, 300 s unconsumed
@@ -35,6 +35,10 @@ use crate::{aio, env, errors, memory, runtime, wait};
 /// ``curve_secret_key``, ``curve_allow``: CURVE on the alloc channel (both or neither): this
 /// receiver's secret certificate (``NAME.key_secret``) and the directory of the public
 /// certificates of the senders allowed to connect (``docs/operations.md``, "CURVE").
+/// ``placement``: ``"pool"`` (kvx's admission places each request in free slots) or
+/// ``"caller"``: the program owns the buffer's slots, as a vLLM decode engine owns its KV
+/// blocks, and lends each request's with ``reserve``; ``returned`` says when they are its
+/// own again (``docs/spec/protocol.md``, "Caller placement").
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Receiver {
     inner: kvx_embed::Receiver,
@@ -61,7 +65,8 @@ impl Receiver {
     #[pyo3(signature = (*, slots, slot_bytes, buffer = None, transport = "zmq", fabric = "tcp",
         alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
         peer_share_percent = None, admission_timeout = None, unconsumed_ttl = None,
-        require_checksums = None, curve_secret_key = None, curve_allow = None))]
+        require_checksums = None, curve_secret_key = None, curve_allow = None,
+        placement = "pool"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -78,7 +83,9 @@ impl Receiver {
         require_checksums: Option<bool>,
         curve_secret_key: Option<PathBuf>,
         curve_allow: Option<PathBuf>,
+        placement: &str,
     ) -> PyResult<Self> {
+        let placement = placement::named(placement)?;
         let curve = env::curve_server(curve_secret_key, curve_allow)?;
         let choice = env::choice(transport, fabric, curve)?;
         let own = env::needs_own_mapping(&choice);
@@ -96,6 +103,7 @@ impl Receiver {
                 None => core.unconsumed_ttl,
             },
             require_checksums: require_checksums.unwrap_or(core.require_checksums),
+            placement,
             ..core
         };
         config
@@ -192,6 +200,49 @@ impl Receiver {
         d.set_item("tracked_requests", snap.tracked_requests)?;
         d.set_item("admission_queue_len", snap.admission_queue_len)?;
         Ok(d)
+    }
+
+    /// Caller placement: lends ``slots`` (chunk i goes to ``slots[i]``) to request
+    /// ``req_id``; the first sender whose request has that id claims them (one that came
+    /// first waits for this). ``MisuseError`` with the reason, nothing changed, for an id
+    /// reserved and not yet returned, a slot out of range, named twice or lent to another
+    /// reservation not yet returned, or a ``placement="pool"`` receiver; ``TimedOutError``
+    /// when kvx's driver does not answer within ``timeout`` seconds; ``StoppedError``.
+    #[pyo3(signature = (req_id, slots, timeout = 5.0))]
+    fn reserve(&self, py: Python<'_>, req_id: &str, slots: Vec<u32>, timeout: f64) -> PyResult<()> {
+        let timeout = wait::positive_seconds(timeout, "timeout")?;
+        let slots = slots.into_iter().map(SlotIndex).collect();
+        py.detach(|| self.inner.reserve(req_id, slots, timeout))
+            .map_err(|e| errors::embed(&e))
+    }
+
+    /// Caller placement: takes reservation ``req_id`` back (the program aborted its
+    /// request): its sender's request fails, and the slots come back through ``returned``
+    /// once no write can land in them. ``MisuseError`` for an id not reserved (or already
+    /// returned).
+    #[pyo3(signature = (req_id, timeout = 5.0))]
+    fn withdraw(&self, py: Python<'_>, req_id: &str, timeout: f64) -> PyResult<()> {
+        let timeout = wait::positive_seconds(timeout, "timeout")?;
+        py.detach(|| self.inner.withdraw(req_id, timeout))
+            .map_err(|e| errors::embed(&e))
+    }
+
+    /// Caller placement: up to ``max`` reservations back with the program (``Returned``:
+    /// its slots are the program's again, no write can land in them), waiting at most
+    /// ``timeout`` seconds for the first (None: as long as it takes); ``[]`` when none came.
+    /// ``StoppedError`` once the receiver has stopped and every return was taken.
+    #[pyo3(signature = (max = 64, timeout = None))]
+    fn returned(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<placement::Returned>> {
+        let got = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.returned(max))?
+            .transpose()
+            .map_err(|e| errors::embed(&e))?
+            .unwrap_or_default();
+        Ok(got.into_iter().map(placement::Returned::from).collect())
     }
 
     /// Slots in the buffer.

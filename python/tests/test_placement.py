@@ -1,0 +1,108 @@
+"""Caller placement from Python (``kvx.Receiver(placement="caller")``, docs/spec/protocol.md
+§Caller placement): the program owns the receive buffer's slots and lends each request's
+(``reserve``), a real ``kvx.Sender`` fills exactly those slots in chunk order over ZeroMQ and
+the TCP fabric on loopback, and every reservation comes back (``returned``) consumed or with
+the reason it was not. This is what a vLLM decode engine's connector does with its KV
+blocks."""
+
+import pytest
+
+import kvx
+
+np = pytest.importorskip("numpy")
+
+SLOT = 4096
+WAIT = 10.0
+
+
+def pattern(req_id: str, chunk: int) -> "np.ndarray":
+    seed = (sum(req_id.encode()) * 31 + chunk * 7) % 251
+    return ((np.arange(SLOT, dtype=np.uint32) + seed) % 251).astype(np.uint8)
+
+
+def caller_pair(slots=8):
+    buffer = np.zeros(slots * SLOT, dtype=np.uint8)
+    rx = kvx.Receiver(slots=slots, slot_bytes=SLOT, buffer=buffer, placement="caller")
+    tx = kvx.Sender(slots=4, slot_bytes=SLOT)
+    peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+    return tx, rx, peer, buffer
+
+
+def send(tx, peer, req_id, chunks):
+    tx.begin(req_id, receiver=peer, total_chunks=chunks)
+    assert tx.wait_admitted(req_id, timeout=WAIT)
+    for c in range(chunks):
+        slot = tx.allocate(req_id, timeout=WAIT)
+        np.frombuffer(slot.view, dtype=np.uint8)[:] = pattern(req_id, c)
+        tx.add(slot, f"{req_id}@{c}", tokens=1)
+    tx.submit(req_id, last=True)
+
+
+def slot_bytes(buffer, slot):
+    return buffer[slot * SLOT:(slot + 1) * SLOT]
+
+
+def test_chunks_land_in_the_reserved_slots_in_order_and_the_slots_come_back():
+    tx, rx, peer, buffer = caller_pair()
+    rx.reserve("r", [6, 1, 4])
+    send(tx, peer, "r", 3)
+    [lease] = rx.next_ready(max=1, timeout=WAIT)
+    assert lease.slots == [6, 1, 4]
+    for chunk, slot in enumerate([6, 1, 4]):
+        assert np.array_equal(slot_bytes(buffer, slot), pattern("r", chunk)), chunk
+    assert rx.returned(timeout=0.05) == [], "lent until consumed"
+    lease.consume()
+    tx.wait_outcome("r", timeout=WAIT)
+    [back] = rx.returned(timeout=WAIT)
+    assert isinstance(back, kvx.Returned)
+    assert (back.req_id, back.slots, back.consumed, back.reason) == ("r", [6, 1, 4], True, None)
+    for slot in (0, 2, 3, 5, 7):
+        assert not slot_bytes(buffer, slot).any(), f"slot {slot} was never lent"
+
+
+def test_a_sender_that_comes_first_waits_for_its_reservation():
+    tx, rx, peer, _ = caller_pair()
+    tx.begin("early", receiver=peer, total_chunks=1)
+    assert not tx.wait_admitted("early", timeout=0.2)
+    rx.reserve("early", [3])
+    assert tx.wait_admitted("early", timeout=WAIT)
+
+
+def test_a_withdrawn_reservation_comes_back_and_fails_its_sender_with_the_reason():
+    tx, rx, peer, _ = caller_pair()
+    rx.reserve("w", [0, 1])
+    tx.begin("w", receiver=peer, total_chunks=2)
+    assert tx.wait_admitted("w", timeout=WAIT)
+    rx.withdraw("w")
+    [back] = rx.returned(timeout=WAIT)
+    assert back.slots == [0, 1] and not back.consumed
+    assert "withdrew" in back.reason, back
+    slot = tx.allocate("w", timeout=WAIT)
+    tx.add(slot, "w@0", tokens=1)
+    tx.submit("w", last=False)
+    with pytest.raises(kvx.RefusedError, match="withdrew"):
+        tx.wait_outcome("w", timeout=WAIT)
+    with pytest.raises(kvx.MisuseError, match="not reserved"):
+        rx.withdraw("w")
+
+
+def test_reservations_that_cannot_be_lent_are_refused_with_the_reason():
+    _, rx, _, _ = caller_pair(slots=4)
+    rx.reserve("held", [1])
+    for req_id, slots, why in [
+        ("r", [4], "outside the buffer's 4 slots"),
+        ("r", [0, 0], "named twice"),
+        ("r", [1], "lent (to request held)"),
+        ("held", [2], "already reserved"),
+        ("r", [], "at least one slot"),
+    ]:
+        with pytest.raises(kvx.MisuseError, match=why.replace("(", r"\(").replace(")", r"\)")):
+            rx.reserve(req_id, slots)
+    pool = kvx.Receiver(slots=4, slot_bytes=SLOT)
+    with pytest.raises(kvx.MisuseError, match="placement = caller"):
+        pool.reserve("r", [0])
+    with pytest.raises(ValueError, match='"pool" or "caller"'):
+        kvx.Receiver(slots=4, slot_bytes=SLOT, placement="vllm")
+    rx.close()
+    with pytest.raises(kvx.StoppedError):
+        rx.reserve("late", [2])
