@@ -284,6 +284,11 @@ pub struct FabricListener<M> {
     pub landed: mpsc::Receiver<LandedWrite>,
     /// The grant mirror every write is checked against, and the credentials it issues.
     pub access: Arc<FabricAccess>,
+    /// Every byte of a write goes into the buffer through `FabricAccess::land`, so once the
+    /// driver has mirrored a revocation no byte of that grant's write can land (TCP, shared
+    /// memory, in memory). False where the device writes before the rules are checked
+    /// (RDMA): there a revoked grant's write may still land, and its slot waits in quarantine.
+    pub revocation_stops_writes: bool,
 }
 
 /// Makes memory, exposes receive buffers and connects staging to them.

@@ -207,6 +207,8 @@ impl MemFabric {
             memory,
             landed: rx,
             access,
+            // Every byte goes in through `FabricAccess::land`.
+            revocation_stops_writes: true,
         })
     }
 }

@@ -209,6 +209,12 @@ impl ReceiverNode {
         server: ControlServer,
         listener: FabricListener<<E::Fabric as Fabric>::Memory>,
     ) -> ReceiverHandle<<E::Fabric as Fabric>::Memory> {
+        // The driver mirrors every grant change before it sends replies or hands on events.
+        let ledger = if listener.revocation_stops_writes {
+            ledger.with_revocation_stopping_writes()
+        } else {
+            ledger
+        };
         let (notice_tx, notice_rx) = mpsc::unbounded_channel();
         let (returns_tx, returns_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);

@@ -275,3 +275,30 @@ fn exhaustive_caller_placement_two_and_one_chunk_requests() {
         &[(0, 2), (1, 1)],
     );
 }
+
+/// Caller placement on a fabric that stops revoked writes (`OpWorld::placed_revoking`: TCP,
+/// shared memory): the fabric's grant mirror is modelled, and a failed or withdrawn request's
+/// slots go back to the application as its grants are revoked, with no quarantine; a write
+/// of a revoked grant fails at its sender and never lands in a slot the application holds.
+#[test]
+fn caller_placement_revoking_two_one_chunk_requests() {
+    let r = explore_from(
+        OpWorld::placed_revoking(2, 2),
+        &[(0, 1), (1, 1)],
+        bound(20_000),
+        Order::BreadthFirst,
+    );
+    eprintln!("caller placement, revoking, 2 slots: {r:?}");
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// `caller_placement_revoking_two_one_chunk_requests`, complete, with a two-chunk request.
+#[test]
+#[ignore]
+fn exhaustive_caller_placement_revoking_two_and_one_chunk_requests() {
+    complete(
+        "caller placement, revoking, 3 slots, 2 staging,",
+        OpWorld::placed_revoking(3, 2),
+        &[(0, 2), (1, 1)],
+    );
+}

@@ -401,3 +401,41 @@ fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
     assert!(events(&mut ledger).is_empty(), "nothing changed");
     assert_eq!(ledger.slot_state(SlotIndex(0)), SlotState::Caller);
 }
+
+/// On a fabric that stops a revoked grant's write (TCP, shared memory), the withdrawal
+/// revokes the grants (the driver mirrors the change before the application hears of the
+/// return) and the slots come back at once; a late write of the old grant changes nothing.
+#[test]
+fn on_a_fabric_that_stops_revoked_writes_a_withdrawal_returns_the_slots_at_once() {
+    let mut ledger = caller_ledger(4).with_revocation_stopping_writes();
+    ledger
+        .handle_reserve(at(0), "r", slots(&[2, 0, 3]))
+        .expect("reserve");
+    ledger.handle_message(at(0), A, Message::AllocRequest(batch("r", 2, 3, false, 1)));
+    let granted = {
+        while ledger.poll_grant_change().is_some() {}
+        tags(&ledger.poll_transmit().expect("granted").1)
+    };
+    land(&mut ledger, at(0), A, granted[0]);
+    ledger.handle_withdraw(at(1), "r").expect("withdraw");
+    ledger.check_invariants();
+    let revoked: Vec<_> = std::iter::from_fn(|| ledger.poll_grant_change())
+        .filter(|c| c.grant.is_none())
+        .map(|c| c.slot.0)
+        .collect();
+    assert_eq!(
+        revoked,
+        [2, 0],
+        "both grants revoked, the landed one and the one in flight"
+    );
+    let evs = events(&mut ledger);
+    assert_eq!(
+        returned(&evs),
+        Some((slots(&[2, 0, 3]), Outcome::Failed(Failure::Withdrawn))),
+        "returned with the revocation, no quarantine"
+    );
+    assert!(ledger.is_quiescent());
+    land(&mut ledger, at(2), A, granted[1]);
+    assert_eq!(ledger.slot_state(SlotIndex(0)), SlotState::Caller);
+    assert!(events(&mut ledger).is_empty());
+}

@@ -170,6 +170,8 @@ impl<V: Verbs> RdmaFabric<V> {
             memory,
             landed,
             access,
+            // The NIC writes first; the access rules are checked before a write is announced.
+            revocation_stops_writes: false,
         })
     }
 }

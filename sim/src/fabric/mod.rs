@@ -98,6 +98,8 @@ impl Fabric for SimFabric {
             memory,
             landed: rx,
             access,
+            // Every write goes in through `FabricAccess::land`.
+            revocation_stops_writes: true,
         })
     }
 

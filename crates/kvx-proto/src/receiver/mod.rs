@@ -219,6 +219,8 @@ pub struct ReceiverLedger {
     queued_bytes: usize,
     /// Caller placement's reservations (empty under `Placement::Pool`).
     placements: placement::Placements,
+    /// The driver's fabric stops a revoked grant's write (`with_revocation_stopping_writes`).
+    revocation_stops_writes: bool,
     transmits: VecDeque<(PeerId, AllocResponse)>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
@@ -236,6 +238,7 @@ impl ReceiverLedger {
                 Placement::Caller => SlotTable::for_caller(cfg.buffer_slots),
             },
             placements: placement::Placements::default(),
+            revocation_stops_writes: false,
             tombstones: Tombstones::new(
                 cfg.tombstone_ttl,
                 cfg.tombstones_max,
@@ -252,6 +255,18 @@ impl ReceiverLedger {
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
         })
+    }
+
+    /// The driver's fabric lands every byte through its access mirror, so once a grant's
+    /// revocation is mirrored no byte of its write can land (`FabricListener::
+    /// revocation_stops_writes`: TCP, shared memory, in memory; not RDMA). Under caller
+    /// placement a failed request's slots then go back to the application as its grants are
+    /// revoked, without quarantine (`docs/spec/protocol.md` §Caller placement): the driver
+    /// mirrors every grant change before it hands on the `Returned` event. Pool placement
+    /// keeps its quarantine either way (a late write that still lands clears it).
+    pub fn with_revocation_stopping_writes(mut self) -> Self {
+        self.revocation_stops_writes = true;
+        self
     }
 
     /// The configuration it was built with.
@@ -636,7 +651,10 @@ impl ReceiverLedger {
             .expect("invariant: ending a tracked request");
         self.tickets.remove(&req.ticket);
         self.timers.remove(&(req.deadline, req.ticket));
-        let drained = drained || broken_variant!(ReuseSlotEarly);
+        // Under caller placement on a fabric that stops revoked writes, revoking the grants
+        // (mirrored before the application hears `Returned`) is as good as a drain.
+        let revoked = self.cfg.placement == Placement::Caller && self.revocation_stops_writes;
+        let drained = drained || revoked || broken_variant!(ReuseSlotEarly);
         let until = now + self.cfg.write_quarantine;
         let mut quarantined = 0;
         for tag in &req.slots {

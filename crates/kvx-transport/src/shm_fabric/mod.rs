@@ -179,6 +179,8 @@ impl Fabric for ShmFabric {
             memory,
             landed,
             access,
+            // Every byte goes in through `FabricAccess::land` (the TCP fabric's receiver).
+            revocation_stops_writes: true,
         })
     }
 

@@ -90,6 +90,8 @@ impl TcpFabric {
             memory,
             landed,
             access,
+            // Every byte goes in through `FabricAccess::land`.
+            revocation_stops_writes: true,
         })
     }
 }

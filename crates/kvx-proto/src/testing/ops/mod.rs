@@ -142,6 +142,10 @@ pub struct OpWorld {
     faults: bool,
     /// Caller placement's application (`placed`); `None`: the receiver places requests.
     app: Option<placed::App>,
+    /// The fabric's mirror of the grants, where it is modelled (`placed_revoking`): each
+    /// slot's current grant and whether its one write came. A write it does not admit fails
+    /// at the sender without landing, as on the TCP and shared-memory fabrics.
+    mirror: Option<Vec<Option<(crate::slots::SlotGrant, bool)>>>,
 }
 
 impl Default for OpWorld {
@@ -190,6 +194,36 @@ impl OpWorld {
         world
     }
 
+    /// `placed`, on a fabric that stops a revoked grant's write (TCP, shared memory):
+    /// the fabric's grant mirror is modelled, and the ledger returns a failed request's slots
+    /// as it revokes their grants (`ReceiverLedger::with_revocation_stopping_writes`), with
+    /// no quarantine.
+    pub fn placed_revoking(buffer_slots: u32, staging_slots: u32) -> Self {
+        let mut world = Self::placed(buffer_slots, staging_slots);
+        world.receiver = world.receiver.with_revocation_stopping_writes();
+        world.mirror = Some(vec![None; buffer_slots as usize]);
+        world
+    }
+
+    /// Whether the modelled fabric lets `op` (a write of sender `s`) land, closing its grant
+    /// when it does; always, where no mirror is modelled.
+    fn fabric_admits(&mut self, s: usize, op: &WriteOp) -> bool {
+        let (Some(mirror), Some(tag)) = (self.mirror.as_mut(), op.tag) else {
+            return true;
+        };
+        match mirror.get_mut(tag.slot.0 as usize) {
+            Some(Some((grant, written)))
+                if grant.peer == PeerId(s as u64)
+                    && grant.generation == tag.generation
+                    && !*written =>
+            {
+                *written = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn build(senders: usize, buffer_slots: u32, staging_slots: u32, share: u32) -> Self {
         let contended = share < 100;
         let admission_timeout = if contended { 600 } else { 5 };
@@ -233,6 +267,7 @@ impl OpWorld {
             healing: false,
             faults: true,
             app: None,
+            mirror: None,
         }
     }
 
@@ -436,6 +471,19 @@ impl OpWorld {
                 }
             }
         }
+        // A mirrored grant is always the slot's current one (the ledger's generation), so
+        // its holder and whether its write came say all of it.
+        if let Some(mirror) = &self.mirror {
+            for slot in enc.named_slots(self.receiver.capacity()) {
+                match mirror[slot.0 as usize] {
+                    None => enc.len(0),
+                    Some((grant, written)) => {
+                        enc.len(1 + usize::from(written));
+                        enc.u(grant.peer.0);
+                    }
+                }
+            }
+        }
     }
 
     fn next_deadline(&self) -> Option<Instant> {
@@ -497,6 +545,8 @@ impl OpWorld {
         let Some(op) = self.sides[s].writes.pop_front() else {
             return;
         };
+        // A write the fabric's mirror refuses fails without landing.
+        let fail = fail || !self.fabric_admits(s, &op);
         if !fail {
             let key = ReqKey {
                 peer: PeerId(s as u64),
@@ -590,8 +640,13 @@ impl OpWorld {
                 while side.flow.poll_event().is_some() {}
             }
         }
-        // The fabric's mirror of the grants is not modelled here (the cluster harness does).
-        while self.receiver.poll_grant_change().is_some() {}
+        // The fabric's mirror of the grants, where it is modelled (`placed_revoking`; the
+        // cluster harness models it too), takes every change before the replies go out.
+        while let Some(change) = self.receiver.poll_grant_change() {
+            if let Some(mirror) = self.mirror.as_mut() {
+                mirror[change.slot.0 as usize] = change.grant.map(|g| (g, false));
+            }
+        }
         while let Some((peer, reply)) = self.receiver.poll_transmit() {
             let side = &mut self.sides[peer.0 as usize];
             side.to_sender
