@@ -11,7 +11,7 @@
 //! `ReceiverEvent::Returned` once the request ended and no write of its grants can land in
 //! them (a slot in quarantine holds the return back until it clears).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{batch, Failure, Outcome, Phase, ReceiverEvent, ReceiverLedger};
 use crate::config::Placement;
@@ -93,18 +93,29 @@ pub(super) struct Placements {
     /// First batches that came before their reservation: the id's claimer, waiting
     /// (`Phase::Waiting`, with a timer at `admission_timeout`).
     pub claims: BTreeMap<ReqId, ReqKey>,
+    /// The unclaimed reservations by deadline (those in `PlacedState::Open`).
+    pub open: BTreeSet<(Instant, ReqId)>,
 }
 
 impl Placements {
     /// The earliest deadline of an unclaimed reservation.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.by_id
-            .values()
-            .filter_map(|p| match p.state {
-                PlacedState::Open { deadline } => Some(deadline),
-                _ => None,
-            })
-            .min()
+        self.open.first().map(|(at, _)| *at)
+    }
+
+    /// Moves reservation `id` to `state`, keeping `open` in step.
+    fn set_state(&mut self, id: &ReqId, state: PlacedState) {
+        let placed = self
+            .by_id
+            .get_mut(id)
+            .expect("invariant: the reservation is out");
+        if let PlacedState::Open { deadline } = placed.state {
+            self.open.remove(&(deadline, id.clone()));
+        }
+        if let PlacedState::Open { deadline } = state {
+            self.open.insert((deadline, id.clone()));
+        }
+        placed.state = state;
     }
 }
 
@@ -168,6 +179,7 @@ impl ReceiverLedger {
             state: PlacedState::Open { deadline },
         };
         self.placements.by_id.insert(id.clone(), placed);
+        self.placements.open.insert((deadline, id.clone()));
         if let Some(key) = self.placements.claims.remove(&id) {
             self.admit_waiting_claim(now, &key);
         }
@@ -181,12 +193,13 @@ impl ReceiverLedger {
     pub fn handle_withdraw(&mut self, now: Instant, req_id: &str) -> Result<(), PlacementError> {
         self.caller_placement()?;
         let id = ReqId(req_id.to_owned());
-        let Some(placed) = self.placements.by_id.get_mut(&id) else {
+        let Some(placed) = self.placements.by_id.get(&id) else {
             return Err(PlacementError::Unknown(req_id.to_owned()));
         };
         match &placed.state {
             PlacedState::Open { .. } => {
-                placed.state = PlacedState::Ending(Outcome::Failed(Failure::Withdrawn));
+                let withdrawn = PlacedState::Ending(Outcome::Failed(Failure::Withdrawn));
+                self.placements.set_state(&id, withdrawn);
                 self.settle_placement(&id);
             }
             PlacedState::Claimed(key) => {
@@ -257,13 +270,9 @@ impl ReceiverLedger {
         waited: std::time::Duration,
         first: AllocRequest,
     ) {
-        let placed = self
-            .placements
-            .by_id
-            .get_mut(&key.req_id)
-            .expect("invariant: a claim is admitted on its reservation");
-        placed.state = PlacedState::Claimed(key.clone());
-        let reserved = placed.slots.len() as u32;
+        self.placements
+            .set_state(&key.req_id, PlacedState::Claimed(key.clone()));
+        let reserved = self.placements.by_id[&key.req_id].slots.len() as u32;
         let total = self.requests[key].total;
         if total > reserved {
             let failure = Failure::LargerThanReservation {
@@ -293,12 +302,13 @@ impl ReceiverLedger {
         if self.placements.claims.get(&key.req_id) == Some(key) {
             self.placements.claims.remove(&key.req_id);
         }
-        let Some(placed) = self.placements.by_id.get_mut(&key.req_id) else {
+        let Some(placed) = self.placements.by_id.get(&key.req_id) else {
             return;
         };
         if matches!(&placed.state, PlacedState::Claimed(k) if k == key) {
-            placed.state = PlacedState::Ending(outcome.clone());
             let id = key.req_id.clone();
+            self.placements
+                .set_state(&id, PlacedState::Ending(outcome.clone()));
             self.settle_placement(&id);
         }
     }
@@ -313,20 +323,12 @@ impl ReceiverLedger {
 
     /// Unclaimed reservations whose time ran out are returned.
     pub(super) fn expire_placements(&mut self, now: Instant) {
-        let expired: Vec<ReqId> = self
-            .placements
-            .by_id
-            .iter()
-            .filter(|(_, p)| matches!(p.state, PlacedState::Open { deadline } if deadline <= now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
-            let placed = self
-                .placements
-                .by_id
-                .get_mut(&id)
-                .expect("invariant: just listed");
-            placed.state = PlacedState::Ending(Outcome::Failed(Failure::Unclaimed));
+        while let Some((at, id)) = self.placements.open.first().cloned() {
+            if at > now {
+                break;
+            }
+            let unclaimed = PlacedState::Ending(Outcome::Failed(Failure::Unclaimed));
+            self.placements.set_state(&id, unclaimed);
             self.settle_placement(&id);
         }
     }
@@ -366,6 +368,18 @@ impl ReceiverLedger {
     pub(super) fn check_placements(&self) {
         let p = &self.placements;
         let lent: usize = p.by_id.values().map(|r| r.slots.len()).sum();
+        let open: BTreeSet<(Instant, ReqId)> = p
+            .by_id
+            .iter()
+            .filter_map(|(id, r)| match r.state {
+                PlacedState::Open { deadline } => Some((deadline, id.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            open, p.open,
+            "invariant: the unclaimed reservations' deadlines are indexed"
+        );
         assert_eq!(
             lent,
             p.lent.len(),
