@@ -221,7 +221,7 @@ MUTANTS = {
         "let in_flight_max = self.memory.slots() as usize + posted as usize;",
         "let in_flight_max = self.memory.slots() as usize;",
         "bound an RDMA connection's unpaired write frames by the buffer's slots alone, forgetting the landed writes whose completions are not yet taken: under a steady stream writes go unchecked (announced without their checksum)",
-        ["-p", "kvx-rdma", "--lib", "a_stream_of_writes"]),
+        ["-p", "kvx-rdma", "--lib", "tests_checksum::"]),
     "checksum-ahead-of-landing": ("crates/kvx-io/src/checksum/xxh3_long.rs",
         "let upto = (landed.len() / STRIPE).min(self.normal_stripes());",
         "let upto = (landed.len() / STRIPE + 1).min(self.normal_stripes());",

@@ -179,6 +179,66 @@ async fn a_stream_of_writes_pairs_every_write_with_its_frame() {
     }
 }
 
+/// Writes that land faster than the receiver takes their completions (its completion queue
+/// held): their frames come ahead of them, more than the buffer has slots (the same slots
+/// written again, as standing grants allow) though no more than the receives it posted, and
+/// every write still pairs with its frame and is announced `Match` once the completions come.
+/// Bounding the frames by the slots alone (mutant `rdma-frames-bound-by-slots-alone`)
+/// breaks the connection at the fifth frame, whatever the timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_ahead_of_held_completions_pair_beyond_the_buffers_slots() {
+    let sender_nic = FakeVerbs::new();
+    let receiver_nic = sender_nic.another_device();
+    let rx = RdmaFabric::with_verbs(receiver_nic.clone(), RdmaConfig::default()).expect("fabric");
+    let tx = RdmaFabric::with_verbs(sender_nic, RdmaConfig::default()).expect("fabric");
+    let mut listener = rx
+        .expose(
+            "127.0.0.1:0",
+            SlotGeometry::new(4, 1024).expect("a geometry"),
+        )
+        .await
+        .expect("expose");
+    for slot in 0..4 {
+        listener.access.grant_standing(slot, kvx_proto::PeerId(1));
+    }
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let staging = tx
+        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
+        .expect("staging");
+    for slot in 0..4 {
+        staging.write_slot(slot, &pattern(slot));
+    }
+    let mut conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    receiver_nic.hold_completions(true);
+    // Twice the buffer's slots, four at a time (the sender's staging).
+    for round in 0..2u64 {
+        for slot in 0..4u32 {
+            let id = round * 4 + u64::from(slot);
+            let tag = kvx_proto::WriteTag {
+                slot: SlotIndex(slot),
+                generation: 0,
+            };
+            conn.post(PostWrite {
+                imm: Some(tag.to_imm()),
+                ..summed(id, slot)
+            })
+            .expect("post");
+        }
+        let done = completions(&mut conn, 4).await;
+        assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+    }
+    // Every frame reaches the receiver ahead of its held completion.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    receiver_nic.hold_completions(false);
+    for n in 0..8 {
+        let landed = next_landed(&mut listener.landed).await;
+        assert_eq!(landed.checksum, ChecksumCheck::Match, "write {n}");
+    }
+}
+
 /// A peer that speaks the side channel's handshake and then posts its writes and sends their
 /// frames as a test says, in either order or not at all.
 struct RawPeer {
