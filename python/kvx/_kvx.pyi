@@ -285,7 +285,7 @@ class Receiver:
         *,
         slots: int,
         slot_bytes: int,
-        buffer: Optional[_Buffer] = None,
+        buffer: Union[None, _Buffer, Sequence[_Buffer]] = None,
         transport: str = "zmq",
         fabric: str = "tcp",
         alloc: str = "tcp://127.0.0.1:0",
@@ -302,7 +302,9 @@ class Receiver:
         ``curve_secret_key`` (this receiver's ``NAME.key_secret``) and ``curve_allow`` (the
         directory of allowed senders' ``NAME.key``), both or neither: CURVE on the alloc
         channel. ``placement="caller"``: the program owns the buffer's slots and lends each
-        request's (``reserve``); ``"pool"``: kvx's admission places requests."""
+        request's (``reserve``); ``"pool"``: kvx's admission places requests. ``buffer`` may be
+        a list of buffers of the same size (per-layer tensors), each holding
+        ``slots / len(buffer)`` slots, numbered part after part."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property
@@ -341,7 +343,8 @@ class Receiver:
     def slot_bytes(self) -> int: ...
     @property
     def buffer(self) -> Optional[memoryview]:
-        """The whole buffer as a byte memoryview (with the shm fabric, of kvx's memory)."""
+        """The whole buffer as a byte memoryview (with the shm fabric, of kvx's memory);
+        None for a buffer lent in parts."""
     def close(self) -> None:
         """Stops the receiver; its ports close."""
     def __enter__(self) -> "Receiver": ...

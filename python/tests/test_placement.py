@@ -106,3 +106,35 @@ def test_reservations_that_cannot_be_lent_are_refused_with_the_reason():
     rx.close()
     with pytest.raises(kvx.StoppedError):
         rx.reserve("late", [2])
+
+
+def test_a_buffer_lent_in_per_layer_parts_takes_each_chunk_into_its_layer():
+    """Two "layer" arrays of four slots each, as a decode engine's per-layer KV tensors: a
+    reservation across both layers puts each chunk's bytes in its own layer, and the lease's
+    views are views of the layers themselves."""
+    layers = [np.zeros(4 * SLOT, dtype=np.uint8) for _ in range(2)]
+    rx = kvx.Receiver(slots=8, slot_bytes=SLOT, buffer=layers, placement="caller")
+    assert rx.buffer is None, "no one view spans two layers"
+    tx = kvx.Sender(slots=2, slot_bytes=SLOT)
+    peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+    # Block 3 of layer 1, block 1 of layer 0.
+    rx.reserve("r", [7, 1])
+    send(tx, peer, "r", 2)
+    [lease] = rx.next_ready(max=1, timeout=WAIT)
+    views = lease.views()
+    assert np.array_equal(np.frombuffer(views[0], dtype=np.uint8), pattern("r", 0))
+    assert np.array_equal(layers[1][3 * SLOT:4 * SLOT], pattern("r", 0))
+    assert np.array_equal(layers[0][1 * SLOT:2 * SLOT], pattern("r", 1))
+    lease.consume()
+    [back] = rx.returned(timeout=WAIT)
+    assert back.consumed and back.slots == [7, 1]
+    untouched = [(0, 0), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]
+    assert all(not layers[l][b * SLOT:(b + 1) * SLOT].any() for l, b in untouched)
+
+
+def test_a_buffer_in_parts_must_split_evenly_into_equal_parts():
+    with pytest.raises(ValueError, match="split slots=8 evenly"):
+        kvx.Receiver(slots=8, slot_bytes=SLOT, buffer=[np.zeros(8 * SLOT, dtype=np.uint8)] * 3)
+    with pytest.raises(ValueError, match="buffer part 1"):
+        kvx.Receiver(slots=8, slot_bytes=SLOT,
+                     buffer=[np.zeros(4 * SLOT, dtype=np.uint8), np.zeros(2 * SLOT, dtype=np.uint8)])

@@ -118,12 +118,6 @@ impl LocalMemory {
         }
     }
 
-    /// The region's first byte and its length (a zero-copy send hands its pages to the
-    /// kernel).
-    pub fn raw(&self) -> (std::ptr::NonNull<u8>, usize) {
-        self.region.raw()
-    }
-
     /// `SlotMemory::with_slot` for a closure that returns a value (the TCP fabric's socket
     /// reads and writes).
     pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
@@ -144,8 +138,9 @@ impl SlotMemory for LocalMemory {
         self.region.with_slot(slot, f);
     }
 
+    /// `None` for a region in several parts (`ExternalRegion::join`): no one view spans it.
     fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
-        Some(self.region.raw())
+        self.region.raw()
     }
 }
 

@@ -27,9 +27,15 @@ use crate::geometry::SlotGeometry;
 /// `vmsplice` of whole pages prefers.
 const PAGE: usize = 4096;
 
-/// A region of `slots × slot_bytes` bytes and its owner, reached one slot at a time.
+/// A region of `slots × slot_bytes` bytes and its owner, reached one slot at a time. It is
+/// one contiguous range, or several of the same size (`ExternalRegion::join`: a serving
+/// framework's per-layer KV tensors), whose slots follow one another: part p holds slots
+/// `p × part_slots ..`.
 pub struct SlotRegion {
-    base: NonNull<u8>,
+    /// Each part's first byte.
+    parts: Box<[NonNull<u8>]>,
+    /// Slots in each part.
+    part_slots: u32,
     slots: u32,
     slot_bytes: usize,
     locks: Box<[Mutex<()>]>,
@@ -46,7 +52,7 @@ unsafe impl Sync for SlotRegion {}
 impl fmt::Debug for SlotRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotRegion")
-            .field("base", &self.base)
+            .field("parts", &self.parts)
             .field("slots", &self.slots)
             .field("slot_bytes", &self.slot_bytes)
             .finish()
@@ -112,18 +118,18 @@ impl SlotRegion {
         Ok(region)
     }
 
-    /// The region of `external`, which keeps its owner.
+    /// The region of `external` (in its parts), which keeps its owner.
     pub fn external(external: ExternalRegion) -> Self {
         let ExternalRegion {
-            ptr,
-            slots,
+            parts,
+            part_slots,
             slot_bytes,
             owner,
         } = external;
-        // SAFETY: `ExternalRegion::new`'s caller promised that `ptr` is valid for
-        // `slots × slot_bytes` bytes for as long as `owner` lives, and touched by others
-        // only as the protocol allows (module doc).
-        unsafe { Self::over(ptr, slots, slot_bytes, owner) }
+        // SAFETY: `ExternalRegion::new`'s caller promised that each part's pointer is valid
+        // for `part_slots × slot_bytes` bytes for as long as `owner` lives, and touched by
+        // others only as the protocol allows (module doc); `join` keeps every part's owner.
+        unsafe { Self::over_parts(parts.into_boxed_slice(), part_slots, slot_bytes, owner) }
     }
 
     /// A region over `base`, kept valid by `owner`.
@@ -137,8 +143,25 @@ impl SlotRegion {
         slot_bytes: usize,
         owner: Box<dyn Any + Send + Sync>,
     ) -> Self {
+        // SAFETY: one part, as the caller promised.
+        unsafe { Self::over_parts(Box::new([base]), slots, slot_bytes, owner) }
+    }
+
+    /// # Safety
+    /// Each of `parts` must be valid for reads and writes of `part_slots × slot_bytes`
+    /// bytes for as long as `owner` lives, the parts must not overlap, and each is touched
+    /// outside this region only as the module doc says.
+    unsafe fn over_parts(
+        parts: Box<[NonNull<u8>]>,
+        part_slots: u32,
+        slot_bytes: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        // `ExternalRegion::join` refused a count past u32.
+        let slots = part_slots * parts.len() as u32;
         Self {
-            base,
+            parts,
+            part_slots,
             slots,
             slot_bytes,
             locks: (0..slots).map(|_| Mutex::new(())).collect(),
@@ -156,9 +179,18 @@ impl SlotRegion {
         self.slot_bytes
     }
 
-    /// The region's first byte and its length, for a NIC's registration or a `vmsplice`.
-    pub fn raw(&self) -> (NonNull<u8>, usize) {
-        (self.base, self.slots as usize * self.slot_bytes)
+    /// The region's first byte and its length, for a NIC's registration, a `vmsplice` or a
+    /// caller's view; `None` for a region in several parts, which has no single range.
+    pub fn raw(&self) -> Option<(NonNull<u8>, usize)> {
+        match *self.parts {
+            [base] => Some((base, self.slots as usize * self.slot_bytes)),
+            _ => None,
+        }
+    }
+
+    /// How many separate ranges the region is made of (1 unless `ExternalRegion::join`).
+    pub fn parts(&self) -> usize {
+        self.parts.len()
     }
 
     /// Runs `f` on the slot's bytes in place, under the slot's lock. Panics when `slot` is
@@ -172,14 +204,15 @@ impl SlotRegion {
         let _guard = self.locks[slot as usize]
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        let offset = slot as usize * self.slot_bytes;
-        // SAFETY: `slot < slots`, so `offset + slot_bytes <= slots × slot_bytes`, the length
-        // `base` is valid for while `_owner` lives (kept by `&self`). The slot's lock, held
+        let base = self.parts[(slot / self.part_slots) as usize];
+        let offset = (slot % self.part_slots) as usize * self.slot_bytes;
+        // SAFETY: `slot < slots = parts × part_slots`, so its part exists and
+        // `offset + slot_bytes <= part_slots × slot_bytes`, the length that part is valid for
+        // while `_owner` lives (kept by `&self`); parts do not overlap. The slot's lock, held
         // until `f` returns, makes the `&mut` exclusive within this process; outside it, the
         // module doc's rule applies.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), self.slot_bytes)
-        };
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset), self.slot_bytes) };
         f(bytes)
     }
 }
@@ -188,8 +221,10 @@ impl SlotRegion {
 /// with what keeps it valid. kvx reaches it only through `SlotRegion::with_slot` and the
 /// fabric's own data path.
 pub struct ExternalRegion {
-    ptr: NonNull<u8>,
-    slots: u32,
+    /// Each part's first byte (one part unless `join`ed).
+    parts: Vec<NonNull<u8>>,
+    /// Whole slots in each part.
+    part_slots: u32,
     slot_bytes: usize,
     owner: Box<dyn Any + Send + Sync>,
 }
@@ -203,8 +238,8 @@ unsafe impl Sync for ExternalRegion {}
 impl fmt::Debug for ExternalRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ExternalRegion")
-            .field("ptr", &self.ptr)
-            .field("slots", &self.slots)
+            .field("parts", &self.parts)
+            .field("part_slots", &self.part_slots)
             .field("slot_bytes", &self.slot_bytes)
             .finish()
     }
@@ -247,16 +282,88 @@ impl ExternalRegion {
             )));
         }
         Ok(Self {
-            ptr,
-            slots,
+            parts: vec![ptr],
+            part_slots: slots,
             slot_bytes,
             owner,
         })
     }
 
-    /// Whole slots in the region.
+    /// One region of `parts` laid end to end — a serving framework's per-layer KV tensors,
+    /// each one part — whose slots follow one another: slot `p × part_slots + i` is slot i
+    /// of part p. Every part must have as many slots of the same size (refused otherwise,
+    /// saying which differs), and none may overlap another; each keeps its owner.
+    pub fn join(parts: Vec<ExternalRegion>) -> Result<Self, FabricError> {
+        let Some(first) = parts.first() else {
+            return Err(FabricError::Allocation("a region of no parts".into()));
+        };
+        let (part_slots, slot_bytes) = (
+            first.part_slots * first.parts.len() as u32,
+            first.slot_bytes,
+        );
+        let mut ranges = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            if part.slots() != part_slots || part.slot_bytes != slot_bytes {
+                return Err(FabricError::Allocation(format!(
+                    "part {i} holds {} slots of {} bytes, part 0 {part_slots} of {slot_bytes}: \
+                     every part must be the same",
+                    part.slots(),
+                    part.slot_bytes
+                )));
+            }
+            let Some((start, len)) = part.range() else {
+                return Err(FabricError::Allocation(format!(
+                    "part {i} is itself in several parts"
+                )));
+            };
+            ranges.push((start, start + len, i));
+        }
+        ranges.sort_unstable();
+        if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(FabricError::Allocation(format!(
+                "parts {} and {} overlap",
+                w[0].2, w[1].2
+            )));
+        }
+        u32::try_from(part_slots as u64 * parts.len() as u64).map_err(|_| {
+            FabricError::Allocation(format!(
+                "{} parts of {part_slots} slots are more than 2^32 slots",
+                parts.len()
+            ))
+        })?;
+        let mut ptrs = Vec::with_capacity(parts.len());
+        let mut owners = Vec::with_capacity(parts.len());
+        for part in parts {
+            ptrs.extend(part.parts);
+            owners.push(part.owner);
+        }
+        Ok(Self {
+            parts: ptrs,
+            part_slots,
+            slot_bytes,
+            owner: Box::new(owners),
+        })
+    }
+
+    /// A one-part region's address range.
+    fn range(&self) -> Option<(usize, usize)> {
+        match *self.parts {
+            [ptr] => Some((
+                ptr.as_ptr() as usize,
+                self.part_slots as usize * self.slot_bytes,
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whole slots in the region (in all its parts).
     pub fn slots(&self) -> u32 {
-        self.slots
+        self.part_slots * self.parts.len() as u32
+    }
+
+    /// How many separate ranges it is made of (1 unless `join`ed).
+    pub fn parts(&self) -> usize {
+        self.parts.len()
     }
 
     /// Bytes in each slot.
@@ -282,7 +389,11 @@ mod tests {
         for slot in 0..3u32 {
             r.with_slot(slot, |b| assert!(b.iter().all(|&x| x == slot as u8 + 1)));
         }
-        assert_eq!(r.raw().0.as_ptr() as usize % PAGE, 0, "page-aligned");
+        assert_eq!(
+            r.raw().expect("one part").0.as_ptr() as usize % PAGE,
+            0,
+            "page-aligned"
+        );
     }
 
     #[test]
@@ -298,7 +409,7 @@ mod tests {
         let region = SlotRegion::external(ext);
         region.with_slot(9, |b| b[63] = 42);
         // SAFETY: reading the byte just written, through the region's own pointer.
-        let seen = unsafe { *region.raw().0.as_ptr().add(9 * 64 + 63) };
+        let seen = unsafe { *region.raw().expect("one part").0.as_ptr().add(9 * 64 + 63) };
         assert_eq!(seen, 42);
         assert_eq!(
             std::sync::Arc::strong_count(&owner),
@@ -307,6 +418,62 @@ mod tests {
         );
         drop(region);
         assert_eq!(std::sync::Arc::strong_count(&owner), 1, "and lets go of it");
+    }
+
+    /// A region over `backing`, which it keeps.
+    fn lent(backing: Vec<u8>, slot_bytes: usize) -> ExternalRegion {
+        let mut backing = backing.into_boxed_slice();
+        let (ptr, len) = (backing.as_mut_ptr(), backing.len());
+        // SAFETY: `ptr` is `backing`'s bytes, valid while the region keeps it; only the test
+        // reaches them, through the region.
+        unsafe { ExternalRegion::new(ptr, len, slot_bytes, Box::new(backing)) }.expect("valid")
+    }
+
+    #[test]
+    fn a_joined_region_numbers_its_parts_slots_one_after_another() {
+        let parts = vec![lent(vec![0; 3 * 64], 64), lent(vec![0; 3 * 64], 64)];
+        let joined = ExternalRegion::join(parts).expect("two equal parts");
+        assert_eq!((joined.slots(), joined.parts()), (6, 2));
+        let region = SlotRegion::external(joined);
+        assert!(region.raw().is_none(), "no single range spans two parts");
+        for slot in 0..6u32 {
+            region.with_slot(slot, |b| {
+                assert_eq!(b.len(), 64);
+                b.fill(slot as u8 + 1);
+            });
+        }
+        for slot in 0..6u32 {
+            region.with_slot(slot, |b| assert!(b.iter().all(|&x| x == slot as u8 + 1)));
+        }
+        // Joining a joined region with another of its size nests.
+        let nested = ExternalRegion::join(vec![lent(vec![0; 128], 64), lent(vec![0; 128], 64)])
+            .expect("joined");
+        let err = ExternalRegion::join(vec![nested, lent(vec![0; 256], 64)]).expect_err("nested");
+        assert!(err.to_string().contains("several parts"), "{err}");
+    }
+
+    #[test]
+    fn parts_that_differ_or_overlap_are_refused_with_a_reason() {
+        let err = ExternalRegion::join(vec![lent(vec![0; 3 * 64], 64), lent(vec![0; 2 * 64], 64)])
+            .expect_err("unequal");
+        assert!(err.to_string().contains("part 1 holds 2 slots"), "{err}");
+        let err = ExternalRegion::join(vec![lent(vec![0; 128], 64), lent(vec![0; 128], 32)])
+            .expect_err("other slot size");
+        assert!(err.to_string().contains("of 32 bytes"), "{err}");
+        assert!(ExternalRegion::join(Vec::new()).is_err());
+        let mut backing = vec![0u8; 4 * 64].into_boxed_slice();
+        let ptr = backing.as_mut_ptr();
+        // SAFETY: both views are of `backing`, which outlives them; they are refused before
+        // any use.
+        let (a, b) = unsafe {
+            (
+                ExternalRegion::new(ptr, 2 * 64, 64, Box::new(())).expect("valid"),
+                ExternalRegion::new(ptr.add(64), 2 * 64, 64, Box::new(())).expect("valid"),
+            )
+        };
+        let err = ExternalRegion::join(vec![a, b]).expect_err("overlapping");
+        assert!(err.to_string().contains("parts 0 and 1 overlap"), "{err}");
+        drop(backing);
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! Caller placement through the drivers (`kvx_node::placement`), over the in-memory transport
 //! and fabric: the application lends a request's slots, a real sender fills exactly those
 //! slots in chunk order, and the reservation comes back on the application's own stream,
-//! consumed or with the reason it was not.
+//! consumed or with the reason it was not; and a receive buffer lent in per-layer parts, over
+//! ZeroMQ and the TCP fabric.
+
+#![allow(unsafe_code)] // one test lends its own memory (`ExternalRegion::new`) and reads it back
 
 use std::time::Duration;
 
@@ -177,4 +180,128 @@ async fn reservations_are_refused_by_a_pool_receiver_and_by_a_stopped_one() {
     });
     stopped.await;
     assert_eq!(reader.withdraw("r").await, Err(PlacementError::Stopped));
+}
+
+/// A receive buffer lent as separate ranges of the same size (one per model layer, as a
+/// vLLM decode engine's per-layer KV tensors are), over ZeroMQ and the TCP fabric on
+/// loopback: the reservation names slots across the parts (slot `layer × blocks + block`),
+/// and each chunk's bytes land in its own layer's range, nowhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
+    use kvx_transport::tcp_fabric::TcpFabric;
+    use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
+
+    const BLOCKS: usize = 4;
+    let layers: Vec<std::sync::Arc<Layer>> =
+        (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
+    let parts = layers
+        .iter()
+        .map(|layer| {
+            // SAFETY: the pointer is valid for the layer's length while the owner (an `Arc`
+            // clone) keeps it; the test reads it (below) only after its request was consumed
+            // and returned.
+            unsafe {
+                kvx_io::ExternalRegion::new(
+                    layer.at(0),
+                    layer.0.len(),
+                    CHUNK,
+                    Box::new(layer.clone()),
+                )
+            }
+            .expect("a layer")
+        })
+        .collect();
+    let region = kvx_io::ExternalRegion::join(parts).expect("two equal layers");
+    let env = TokioEnv::new(
+        ZmqTransport::new(ZmqConfig::default()).expect("ZMQ"),
+        TcpFabric::new(),
+    );
+    let cfg = ReceiverConfig {
+        buffer_slots: 2 * BLOCKS as u32,
+        placement: Placement::Caller,
+        ..ReceiverConfig::default()
+    };
+    let mut rx =
+        ReceiverNode::start_in(env.clone(), cfg, region, "tcp://127.0.0.1:0", "127.0.0.1:0")
+            .await
+            .expect("receiver starts");
+    let mut returns = rx.take_returns().expect("the returns stream");
+    let reader = rx.reader().clone();
+    // Block 2 of layer 1, then block 2 of layer 0.
+    reader.reserve("r", slots(&[6, 2])).await.expect("reserved");
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let cfg = SenderConfig {
+        staging_slots: 2,
+        ..SenderConfig::default()
+    };
+    let tx = SenderNode::start(env.clone(), cfg, CHUNK, "s0".into(), None)
+        .await
+        .expect("sender starts");
+    let peer = tx.add_receiver(addr).await.expect("connects");
+    let req = request(peer, "r", 2);
+    let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
+    let ready = match within("the ready notice", rx.next_notice()).await {
+        Some(ReceiverNotice::Ready(ready)) => ready,
+        other => panic!("expected the ready notice, got {other:?}"),
+    };
+    assert_eq!(
+        synthetic::decode(&reader, ready, CHUNK, true).await,
+        Decoded::Verified(2 * CHUNK as u64)
+    );
+    within("the prefill", prefill)
+        .await
+        .expect("joins")
+        .expect("delivered");
+    let back = within("the return", returns.recv())
+        .await
+        .expect("a return");
+    assert_eq!(
+        (back.slots, back.outcome),
+        (slots(&[6, 2]), Outcome::Consumed)
+    );
+    // SAFETY: nothing writes the layers any more (the request was consumed and its slots
+    // returned), and the test keeps them.
+    let layer =
+        |l: usize| unsafe { std::slice::from_raw_parts(layers[l].at(0), layers[l].0.len()) };
+    let mut expected = vec![0u8; CHUNK];
+    for (chunk, (l, block)) in [(1usize, 2usize), (0, 2)].into_iter().enumerate() {
+        synthetic::chunk_bytes("r", chunk as u32, &mut expected);
+        assert_eq!(
+            &layer(l)[block * CHUNK..(block + 1) * CHUNK],
+            &expected[..],
+            "chunk {chunk}"
+        );
+    }
+    for (l, block) in [(0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 3)] {
+        assert!(
+            layer(l)[block * CHUNK..(block + 1) * CHUNK]
+                .iter()
+                .all(|&b| b == 0),
+            "layer {l} block {block} was never lent"
+        );
+    }
+}
+
+/// Bytes a test lends kvx and reads back through the `Arc` it keeps (a caller's own memory).
+struct Layer(Vec<std::cell::UnsafeCell<u8>>);
+
+// SAFETY: the bytes are reached only through the region (its locks) and, once kvx is done
+// with them, by the test thread alone.
+unsafe impl Send for Layer {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Layer {}
+
+impl Layer {
+    fn zeroed(len: usize) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self(
+            (0..len).map(|_| std::cell::UnsafeCell::new(0)).collect(),
+        ))
+    }
+
+    fn at(&self, i: usize) -> *mut u8 {
+        self.0[i].get()
+    }
 }

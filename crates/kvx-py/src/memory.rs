@@ -152,6 +152,86 @@ pub(crate) fn choose(
     Ok((Memory::External(lent.region), Some(lent.view)))
 }
 
+/// A receive buffer lent as several buffers of the same size (``buffer=[...]``: a serving
+/// framework's per-layer KV tensors), each holding `slots / len(parts)` slots, joined into
+/// one region whose slot `p × part_slots + i` is slot i of part p
+/// (`ExternalRegion::join`); with the byte views the slot views are cut from.
+pub(crate) fn lend_parts(
+    py: Python<'_>,
+    parts: &Bound<'_, PyAny>,
+    slots: u32,
+    slot_bytes: usize,
+) -> PyResult<(Memory, Views)> {
+    let parts: Vec<Bound<'_, PyAny>> = parts.try_iter()?.collect::<PyResult<_>>()?;
+    let n = parts.len() as u32;
+    if n == 0 || !slots.is_multiple_of(n) {
+        return Err(PyValueError::new_err(format!(
+            "a buffer in {n} parts must split slots={slots} evenly among them (each part \
+             holds slots / parts whole slots)"
+        )));
+    }
+    let part_slots = slots / n;
+    let mut regions = Vec::with_capacity(parts.len());
+    let mut views = Vec::with_capacity(parts.len());
+    for (i, part) in parts.iter().enumerate() {
+        let lent = lend(py, part, part_slots, slot_bytes)
+            .map_err(|e| PyValueError::new_err(format!("buffer part {i}: {e}")))?;
+        regions.push(lent.region);
+        views.push(lent.view);
+    }
+    let region = ExternalRegion::join(regions).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((
+        Memory::External(region),
+        Views {
+            parts: views,
+            part_slots,
+        },
+    ))
+}
+
+/// The byte views slot views are cut from: the whole buffer's, or each part's of a buffer lent
+/// in parts (`lend_parts`).
+pub(crate) struct Views {
+    parts: Vec<Py<PyAny>>,
+    part_slots: u32,
+}
+
+impl Views {
+    /// One view over all `slots`.
+    pub(crate) fn one(view: Py<PyAny>, slots: u32) -> Self {
+        Self {
+            parts: vec![view],
+            part_slots: slots,
+        }
+    }
+
+    /// The whole buffer's view; `None` for a buffer in several parts.
+    pub(crate) fn whole(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match self.parts.as_slice() {
+            [view] => Some(view.clone_ref(py)),
+            _ => None,
+        }
+    }
+
+    /// Slot `slot`'s view, in its part.
+    pub(crate) fn slot<'py>(
+        &self,
+        py: Python<'py>,
+        slot: u32,
+        slot_bytes: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let part = &self.parts[(slot / self.part_slots) as usize];
+        slot_view(py, part, slot % self.part_slots, slot_bytes)
+    }
+
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> Self {
+        Self {
+            parts: self.parts.iter().map(|v| v.clone_ref(py)).collect(),
+            part_slots: self.part_slots,
+        }
+    }
+}
+
 /// Slot `slot`'s view: bytes `slot × slot_bytes .. (slot + 1) × slot_bytes` of `view`.
 pub(crate) fn slot_view<'py>(
     py: Python<'py>,

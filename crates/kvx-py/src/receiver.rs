@@ -9,7 +9,7 @@ use kvx_proto::receiver::ChunkLayout;
 use kvx_proto::{ReceiverConfig, SlotIndex};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::{aio, env, errors, memory, placement, runtime, wait};
 
@@ -27,7 +27,9 @@ use crate::{aio, env, errors, memory, placement, runtime, wait};
 ///
 /// ``buffer``: the memory chunks land in, a writable contiguous buffer the receiver keeps
 /// alive (``None``: a fresh ``bytearray``; the ``shm`` fabric allocates its own, which
-/// ``Receiver.buffer`` and the lease's views then view). Read a
+/// ``Receiver.buffer`` and the lease's views then view), or a list of such buffers of the same
+/// size (a model's per-layer KV tensors), each holding ``slots / len(buffer)`` slots: slot
+/// ``p * (slots // len(buffer)) + i`` is slot i of part p. Read a
 /// slot only while its request is leased (``next_ready`` → ``ReadLease.consume``).
 /// ``peer_share_percent``: the most of the buffer one sender may hold, in percent (1-100).
 /// ``require_checksums``: a kvx sender's chunk without a checksum fails its request; turn off
@@ -42,7 +44,7 @@ use crate::{aio, env, errors, memory, placement, runtime, wait};
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Receiver {
     inner: kvx_embed::Receiver,
-    view: Option<Py<PyAny>>,
+    views: Option<memory::Views>,
 }
 
 /// A ready request, leased: its slots stay put until ``consume`` (or the lease is dropped,
@@ -56,7 +58,7 @@ pub(crate) struct ReadLease {
     layout: ChunkLayout,
     tokens: Vec<Option<u64>>,
     slot_bytes: usize,
-    view: Option<Py<PyAny>>,
+    views: Option<memory::Views>,
 }
 
 #[pymethods]
@@ -89,7 +91,24 @@ impl Receiver {
         let curve = env::curve_server(curve_secret_key, curve_allow)?;
         let choice = env::choice(transport, fabric, curve)?;
         let own = env::needs_own_mapping(&choice);
-        let (memory, view) = memory::choose(py, buffer, slots, slot_bytes, own)?;
+        let in_parts = match buffer {
+            Some(b) if b.is_instance_of::<PyList>() || b.is_instance_of::<PyTuple>() => {
+                if own {
+                    return Err(PyValueError::new_err(
+                        "the shm fabric allocates its own buffer: it cannot take one in parts",
+                    ));
+                }
+                Some(memory::lend_parts(py, b, slots, slot_bytes)?)
+            }
+            _ => None,
+        };
+        let (memory, view, part_views) = match in_parts {
+            Some((memory, views)) => (memory, None, Some(views)),
+            None => {
+                let (memory, view) = memory::choose(py, buffer, slots, slot_bytes, own)?;
+                (memory, view, None)
+            }
+        };
         let core = ReceiverConfig::default();
         let config = ReceiverConfig {
             buffer_slots: slots,
@@ -120,8 +139,12 @@ impl Receiver {
         let inner = py
             .detach(|| kvx_embed::Receiver::start(rt, settings))
             .map_err(|e| errors::embed(&e))?;
-        let view = memory::view_once_started(py, view, || inner.memory_view())?;
-        Ok(Self { inner, view })
+        let views = match part_views {
+            Some(views) => Some(views),
+            None => memory::view_once_started(py, view, || inner.memory_view())?
+                .map(|view| memory::Views::one(view, slots)),
+        };
+        Ok(Self { inner, views })
     }
 
     /// The bound alloc endpoint (port 0 resolved): give it to senders' ``add_receiver``.
@@ -257,10 +280,11 @@ impl Receiver {
         self.inner.slot_bytes()
     }
 
-    /// The whole buffer as a byte ``memoryview`` (with the shm fabric, of kvx's memory).
+    /// The whole buffer as a byte ``memoryview`` (with the shm fabric, of kvx's memory);
+    /// None for a buffer lent in parts (each part is the caller's own object).
     #[getter]
     fn buffer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.view.as_ref().map(|v| v.clone_ref(py))
+        self.views.as_ref().and_then(|v| v.whole(py))
     }
 
     /// Stops the receiver: its ports close; leases still held can no longer be consumed
@@ -288,7 +312,7 @@ impl Receiver {
             layout: lease.layout().clone(),
             tokens: lease.chunk_tokens().to_vec(),
             slot_bytes: self.inner.slot_bytes(),
-            view: self.view.as_ref().map(|v| v.clone_ref(py)),
+            views: self.views.as_ref().map(|v| v.clone_ref(py)),
             lease: Mutex::new(Some(lease)),
         }
     }
@@ -418,14 +442,14 @@ impl ReadLease {
     /// order. Valid until ``consume``: after it the slot may hold another request's bytes.
     fn views(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         self.with_lease(|_| ())?;
-        let Some(view) = &self.view else {
+        let Some(views) = &self.views else {
             return Err(errors::MisuseError::new_err(
                 "this receiver's buffer cannot be viewed from Python: use read()",
             ));
         };
         self.slots
             .iter()
-            .map(|&slot| Ok(memory::slot_view(py, view, slot, self.slot_bytes)?.unbind()))
+            .map(|&slot| Ok(views.slot(py, slot, self.slot_bytes)?.unbind()))
             .collect()
     }
 

@@ -107,6 +107,15 @@ impl<V: Verbs> RdmaFabric<V> {
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
         checked_geometry(region.slots(), region.slot_bytes())?;
+        // One registration covers one range: a region joined from several (per-layer
+        // tensors) would need one per part and remote addresses per part.
+        if region.parts() > 1 {
+            return Err(FabricError::Allocation(format!(
+                "a region in {} separate parts cannot be registered over RDMA yet: lend one \
+                 contiguous region",
+                region.parts()
+            )));
+        }
         self.register(RdmaMemory::external(region), access)
     }
 

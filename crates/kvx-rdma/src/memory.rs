@@ -127,7 +127,10 @@ impl RdmaMemory {
 
     /// The memory's start address and length, for a `Verbs` implementation's registration.
     pub fn region(&self) -> (u64, usize) {
-        let (base, len) = self.region.raw();
+        let (base, len) = self
+            .region
+            .raw()
+            .expect("invariant: RDMA memory is one range (the fabric refuses joined regions)");
         (base.as_ptr() as u64, len)
     }
 

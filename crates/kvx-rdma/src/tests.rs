@@ -768,3 +768,26 @@ async fn a_fence_with_writes_outstanding_announces_exactly_what_completed_ok() {
     let ok: Vec<u64> = ok.into_iter().map(|(id, _)| id).collect();
     assert_eq!(landed, ok, "Landed notices against Ok completions");
 }
+
+/// A receive buffer lent in several parts (per-layer tensors, `ExternalRegion::join`) is
+/// refused with the reason: one registration covers one range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
+async fn a_buffer_lent_in_parts_is_refused_saying_why() {
+    let f = RdmaFabric::with_verbs(FakeVerbs::new(), RdmaConfig::default()).expect("fabric");
+    let parts = (0..2)
+        .map(|_| {
+            let mut layer = vec![0u8; 4 * 1024].into_boxed_slice();
+            let (ptr, len) = (layer.as_mut_ptr(), layer.len());
+            // SAFETY: `ptr` is `layer`'s bytes, which the region keeps; refused before any use.
+            unsafe { kvx_io::ExternalRegion::new(ptr, len, 1024, Box::new(layer)) }.expect("a part")
+        })
+        .collect();
+    let joined = kvx_io::ExternalRegion::join(parts).expect("two equal parts");
+    let refused = f.expose_in("127.0.0.1:0", joined).await;
+    assert!(
+        matches!(&refused, Err(FabricError::Allocation(why)) if why.contains("2 separate parts")),
+        "{:?}",
+        refused.map(|_| ())
+    );
+}

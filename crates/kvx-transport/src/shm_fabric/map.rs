@@ -127,7 +127,7 @@ impl SlotMemory for ShmMemory {
     /// The shm fabric allocates its memory itself (a sender's staging must be a sealed memfd the
     /// receiver can map), so an embedding program writes and reads it through views of it.
     fn viewable(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
-        Some(self.region.raw())
+        self.region.raw()
     }
 }
 
