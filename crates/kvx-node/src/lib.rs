@@ -49,10 +49,10 @@ pub mod sender;
 pub mod synthetic;
 
 pub use lease::{ReadLease, ReadyLeases, RequestEnds};
-pub use placement::{Returned, Returns};
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
+    Returned, Returns,
 };
 pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, NOTICE_LINGER};
 

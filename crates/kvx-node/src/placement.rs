@@ -3,29 +3,13 @@
 //! lends each request's slots (`ChunkReader::reserve`), takes them back
 //! (`ChunkReader::withdraw`), and hears each reservation come back on a stream of its own
 //! (`ReceiverHandle::take_returns`), apart from the decoder's notices: a vLLM decode
-//! engine's scheduler allocates the blocks, kvx's decoder side reads nothing.
+//! engine's scheduler allocates the blocks, kvx's decoder side reads nothing. What comes
+//! back (`Returned`) is the receiver's output, beside its notices (`receiver.rs`).
 
-use kvx_proto::receiver::{Outcome, PlacementError};
-use kvx_proto::{ReqId, SlotIndex};
-use tokio::sync::mpsc;
+use kvx_proto::receiver::PlacementError;
+use kvx_proto::SlotIndex;
 
-use crate::receiver::{ChunkReader, Cmd, ReceiverHandle};
-
-/// A reservation back with the application: no write can land in its slots any more
-/// (`kvx_proto::ReceiverEvent::Returned`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Returned {
-    /// The reservation's request id.
-    pub req_id: ReqId,
-    /// Its slots, as reserved (chunk order).
-    pub slots: Vec<SlotIndex>,
-    /// Its request consumed, or why not: `Withdrawn`, `Unclaimed`, or its request's failure
-    /// (a corrupt chunk, a cancel, a lost sender…).
-    pub outcome: Outcome,
-}
-
-/// Returned reservations, in the order they came back; closed once the driver stopped.
-pub type Returns = mpsc::UnboundedReceiver<Returned>;
+use crate::receiver::{ChunkReader, Cmd, ReceiverHandle, Returns};
 
 impl<M> ChunkReader<M> {
     /// Lends `slots` (chunk i to `slots[i]`) to request `req_id`, which its sender's first

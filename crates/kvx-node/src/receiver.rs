@@ -12,11 +12,10 @@ use kvx_proto::receiver::{
     ReceiverLedger,
 };
 use kvx_proto::wire::{self, AllocResponse, Message};
-use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
+use kvx_proto::{ReceiverConfig, ReqId, ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics as m;
-use crate::placement::{Returned, Returns};
 use crate::StartError;
 
 /// A request whose chunks are all in the buffer: read `slots` (chunk order), then `consume`.
@@ -34,6 +33,22 @@ pub struct ReadyRequest {
     /// (`ReceiverEvent::Ready`).
     pub tokens: Vec<Option<u64>>,
 }
+
+/// A reservation back with the application: no write can land in its slots any more
+/// (`kvx_proto::ReceiverEvent::Returned`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Returned {
+    /// The reservation's request id.
+    pub req_id: ReqId,
+    /// Its slots, as reserved (chunk order).
+    pub slots: Vec<SlotIndex>,
+    /// Its request consumed, or why not: `Withdrawn`, `Unclaimed`, or its request's failure
+    /// (a corrupt chunk, a cancel, a lost sender…).
+    pub outcome: Outcome,
+}
+
+/// Returned reservations, in the order they came back; closed once the driver stopped.
+pub type Returns = mpsc::UnboundedReceiver<Returned>;
 
 /// What the decoder hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
