@@ -37,7 +37,11 @@ async fn receiver(
         .expect("receiver starts")
 }
 
-async fn sender(env: &Env, addr: ReceiverAddr) -> (kvx_node::SenderHandle<Env>, kvx_proto::PeerId) {
+/// Sender "s0" with 4 staging slots, on `env`, connected to the receiver at `addr`.
+async fn sender<E: kvx_io::Env>(
+    env: &E,
+    addr: ReceiverAddr,
+) -> (kvx_node::SenderHandle<E>, kvx_proto::PeerId) {
     let cfg = SenderConfig {
         staging_slots: 4,
         ..SenderConfig::default()
@@ -233,14 +237,7 @@ async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
         alloc: rx.alloc_endpoint().to_owned(),
         fabric: rx.fabric_endpoint().to_owned(),
     };
-    let cfg = SenderConfig {
-        staging_slots: 2,
-        ..SenderConfig::default()
-    };
-    let tx = SenderNode::start(env.clone(), cfg, CHUNK, "s0".into(), None)
-        .await
-        .expect("sender starts");
-    let peer = tx.add_receiver(addr).await.expect("connects");
+    let (tx, peer) = sender(&env, addr).await;
     let req = request(peer, "r", 2);
     let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
     let ready = match within("the ready notice", rx.next_notice()).await {

@@ -118,6 +118,33 @@ async fn each_write_lands_with_its_checksum_compared() {
     );
 }
 
+/// A 4-slot buffer exposed by `rx` with standing grants for peer 1 (each slot written again
+/// and again, as `kvx bench` runs), and `tx`'s connection to it as that peer, its staging
+/// slot i holding `pattern(i)`.
+async fn standing(
+    rx: &RdmaFabric<FakeVerbs>,
+    tx: &RdmaFabric<FakeVerbs>,
+) -> (
+    kvx_io::FabricListener<crate::RdmaMemory>,
+    kvx_io::FabricConn,
+) {
+    let geometry = SlotGeometry::new(4, 1024).expect("a geometry");
+    let listener = rx.expose("127.0.0.1:0", geometry).await.expect("expose");
+    for slot in 0..4 {
+        listener.access.grant_standing(slot, kvx_proto::PeerId(1));
+    }
+    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
+    let staging = tx.allocate_staging(geometry).expect("staging");
+    for slot in 0..4 {
+        staging.write_slot(slot, &pattern(slot));
+    }
+    let conn = tx
+        .connect(&listener.local_endpoint, staging, credential)
+        .await
+        .expect("connect");
+    (listener, conn)
+}
+
 /// A steady stream of writes, each slot written again as soon as its last write completed
 /// (standing grants, as `kvx bench` runs): the receiver's completions never pause, and every
 /// write still pairs with its frame and is announced `Match` — none goes without its checksum
@@ -125,27 +152,7 @@ async fn each_write_lands_with_its_checksum_compared() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_writes_pairs_every_write_with_its_frame() {
     let (f, _) = fabric(RdmaConfig::default());
-    let mut listener = f
-        .expose(
-            "127.0.0.1:0",
-            SlotGeometry::new(4, 1024).expect("a geometry"),
-        )
-        .await
-        .expect("expose");
-    for slot in 0..4 {
-        listener.access.grant_standing(slot, kvx_proto::PeerId(1));
-    }
-    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
-    let staging = f
-        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
-        .expect("staging");
-    for slot in 0..4 {
-        staging.write_slot(slot, &pattern(slot));
-    }
-    let mut conn = f
-        .connect(&listener.local_endpoint, staging, credential)
-        .await
-        .expect("connect");
+    let (mut listener, mut conn) = standing(&f, &f).await;
     const WRITES: u64 = 3000;
     let (mut posted, mut done, mut matched) = (0u64, 0u64, 0u64);
     while matched < WRITES {
@@ -191,27 +198,7 @@ async fn frames_ahead_of_held_completions_pair_beyond_the_buffers_slots() {
     let receiver_nic = sender_nic.another_device();
     let rx = RdmaFabric::with_verbs(receiver_nic.clone(), RdmaConfig::default()).expect("fabric");
     let tx = RdmaFabric::with_verbs(sender_nic, RdmaConfig::default()).expect("fabric");
-    let mut listener = rx
-        .expose(
-            "127.0.0.1:0",
-            SlotGeometry::new(4, 1024).expect("a geometry"),
-        )
-        .await
-        .expect("expose");
-    for slot in 0..4 {
-        listener.access.grant_standing(slot, kvx_proto::PeerId(1));
-    }
-    let credential = listener.access.credential_for(kvx_proto::PeerId(1));
-    let staging = tx
-        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
-        .expect("staging");
-    for slot in 0..4 {
-        staging.write_slot(slot, &pattern(slot));
-    }
-    let mut conn = tx
-        .connect(&listener.local_endpoint, staging, credential)
-        .await
-        .expect("connect");
+    let (mut listener, mut conn) = standing(&rx, &tx).await;
     receiver_nic.hold_completions(true);
     // Twice the buffer's slots, four at a time (the sender's staging).
     for round in 0..2u64 {
