@@ -322,8 +322,8 @@ class Receiver:
     def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0) -> None:
         """Caller placement: lends ``slots`` (chunk i to ``slots[i]``) to request ``req_id``,
         which the first sender with that id claims. ``MisuseError`` (nothing changed) for an
-        id reserved and not yet returned, a slot out of range, named twice or lent to another
-        reservation not yet returned, or a ``placement="pool"`` receiver."""
+        id reserved and not yet returned, a slot out of range, named twice or reserved for another
+        request not yet returned, or a ``placement="pool"`` receiver."""
     def withdraw(self, req_id: str, timeout: float = 5.0) -> None:
         """Caller placement: takes reservation ``req_id`` back; its sender's request fails and
         its slots come back through ``returned`` once no write can land in them.

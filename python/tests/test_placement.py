@@ -92,7 +92,7 @@ def test_reservations_that_cannot_be_lent_are_refused_with_the_reason():
     for req_id, slots, why in [
         ("r", [4], "outside the buffer's 4 slots"),
         ("r", [0, 0], "named twice"),
-        ("r", [1], "lent (to request held)"),
+        ("r", [1], "reserved (for request held)"),
         ("held", [2], "already reserved"),
         ("r", [], "at least one slot"),
     ]:

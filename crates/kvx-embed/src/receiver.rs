@@ -311,7 +311,7 @@ impl Receiver {
     /// Caller placement: lends `slots` (chunk i to `slots[i]`) to request `req_id`, waiting at
     /// most `timeout` for the driver. `Placement(reason)` when refused (nothing changed):
     /// the receiver places requests itself, the id is reserved already, a slot is out of
-    /// range, named twice or lent to a reservation not yet returned.
+    /// range, named twice or reserved for another request not yet returned.
     pub fn reserve(
         &self,
         req_id: &str,

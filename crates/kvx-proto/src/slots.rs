@@ -234,7 +234,7 @@ impl SlotTable {
         assert_eq!(
             self.state.get(i),
             Some(&SlotState::Caller),
-            "invariant: grant_at of slot {} not lent by the application",
+            "invariant: grant_at of slot {} the application did not reserve",
             slot.0
         );
         self.caller -= 1;

@@ -384,8 +384,12 @@ fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
         (long.as_str(), vec![0], "must be 1..="),
         ("r", vec![], "at least one slot"),
         ("r", vec![4], "outside the buffer's 4 slots"),
-        ("r", vec![0, 0], "slot 0 is already lent"),
-        ("r", vec![0, 1], "slot 1 is already lent (to request held)"),
+        ("r", vec![0, 0], "slot 0 is already reserved"),
+        (
+            "r",
+            vec![0, 1],
+            "slot 1 is already reserved (for request held)",
+        ),
         ("held", vec![2], "request held is already reserved"),
     ] {
         let err = ledger

@@ -228,8 +228,8 @@ impl Receiver {
     /// Caller placement: lends ``slots`` (chunk i goes to ``slots[i]``) to request
     /// ``req_id``; the first sender whose request has that id claims them (one that came
     /// first waits for this). ``MisuseError`` with the reason, nothing changed, for an id
-    /// reserved and not yet returned, a slot out of range, named twice or lent to another
-    /// reservation not yet returned, or a ``placement="pool"`` receiver; ``TimedOutError``
+    /// reserved and not yet returned, a slot out of range, named twice or reserved for another
+    /// request not yet returned, or a ``placement="pool"`` receiver; ``TimedOutError``
     /// when kvx's driver does not answer within ``timeout`` seconds; ``StoppedError``.
     #[pyo3(signature = (req_id, slots, timeout = 5.0))]
     fn reserve(&self, py: Python<'_>, req_id: &str, slots: Vec<u32>, timeout: f64) -> PyResult<()> {

@@ -49,12 +49,12 @@ pub enum PlacementError {
         /// The buffer's slots.
         capacity: u32,
     },
-    /// A slot named twice, or lent to another reservation not yet returned.
-    #[error("slot {slot} is already lent (to request {to}), or named twice")]
+    /// A slot named twice, or reserved for another request not yet returned.
+    #[error("slot {slot} is already reserved (for request {to}), or named twice")]
     SlotTaken {
         /// The slot named.
         slot: u32,
-        /// The request it is lent to.
+        /// The request it is reserved for.
         to: String,
     },
     /// No reservation with this id is out.
@@ -66,7 +66,7 @@ pub enum PlacementError {
     Stopped,
 }
 
-/// One reservation: the slots the application lent for a request, and how far it got.
+/// One reservation: the slots the application reserved for a request, and how far it got.
 #[derive(Debug, Clone)]
 pub(super) struct Placed {
     /// Chunk i's slot at i.
@@ -85,11 +85,11 @@ pub(super) enum PlacedState {
     Ending(Outcome),
 }
 
-/// The reservations out, by request id, and which reservation each lent slot belongs to.
+/// The reservations out, by request id, and which reservation each reserved slot belongs to.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Placements {
     pub by_id: BTreeMap<ReqId, Placed>,
-    pub lent: BTreeMap<SlotIndex, ReqId>,
+    pub reserved_by: BTreeMap<SlotIndex, ReqId>,
     /// First batches that came before their reservation: the id's claimer, waiting
     /// (`Phase::Waiting`, with a timer at `admission_timeout`).
     pub claims: BTreeMap<ReqId, ReqKey>,
@@ -131,7 +131,7 @@ impl ReceiverLedger {
     /// (`Placement::Caller` only). The first batch with that id, from any sender connection,
     /// claims them; one already waiting is admitted now. Refused, with nothing changed, for
     /// an id reserved and not yet returned, and for a slot out of range, named twice, or
-    /// lent to another reservation not yet returned.
+    /// reserved for another request not yet returned.
     pub fn handle_reserve(
         &mut self,
         now: Instant,
@@ -160,7 +160,7 @@ impl ReceiverLedger {
                     capacity: self.capacity(),
                 });
             }
-            if let Some(to) = self.placements.lent.get(&slot) {
+            if let Some(to) = self.placements.reserved_by.get(&slot) {
                 let to = to.0.clone();
                 return Err(PlacementError::SlotTaken { slot: slot.0, to });
             }
@@ -171,7 +171,7 @@ impl ReceiverLedger {
         }
         for &slot in &slots {
             debug_assert_eq!(self.slots.state(slot), SlotState::Caller);
-            self.placements.lent.insert(slot, id.clone());
+            self.placements.reserved_by.insert(slot, id.clone());
         }
         let deadline = now + self.cfg.admission_timeout;
         let placed = Placed {
@@ -316,7 +316,7 @@ impl ReceiverLedger {
     /// A slot of an ended reservation left quarantine (its late write landed, or its time
     /// ran out): the reservation may be returned now.
     pub(super) fn placed_slot_back(&mut self, slot: SlotIndex) {
-        if let Some(id) = self.placements.lent.get(&slot).cloned() {
+        if let Some(id) = self.placements.reserved_by.get(&slot).cloned() {
             self.settle_placement(&id);
         }
     }
@@ -354,7 +354,7 @@ impl ReceiverLedger {
             .remove(id)
             .expect("invariant: settling a reservation that is out");
         for slot in &placed.slots {
-            self.placements.lent.remove(slot);
+            self.placements.reserved_by.remove(slot);
         }
         self.events.push_back(ReceiverEvent::Returned {
             req_id: id.clone(),
@@ -363,11 +363,11 @@ impl ReceiverLedger {
         });
     }
 
-    /// Panics if the reservations, the lent slots, the waiting claims and the requests
+    /// Panics if the reservations, their slots, the waiting claims and the requests
     /// disagree (caller placement).
     pub(super) fn check_placements(&self) {
         let p = &self.placements;
-        let lent: usize = p.by_id.values().map(|r| r.slots.len()).sum();
+        let reserved: usize = p.by_id.values().map(|r| r.slots.len()).sum();
         let open: BTreeSet<(Instant, ReqId)> = p
             .by_id
             .iter()
@@ -381,9 +381,9 @@ impl ReceiverLedger {
             "invariant: the unclaimed reservations' deadlines are indexed"
         );
         assert_eq!(
-            lent,
-            p.lent.len(),
-            "invariant: every lent slot is indexed once"
+            reserved,
+            p.reserved_by.len(),
+            "invariant: every reserved slot is indexed once"
         );
         for (id, placed) in &p.by_id {
             assert!(
@@ -393,7 +393,7 @@ impl ReceiverLedger {
             );
             for slot in &placed.slots {
                 assert_eq!(
-                    p.lent.get(slot),
+                    p.reserved_by.get(slot),
                     Some(id),
                     "invariant: slot {} indexed",
                     slot.0
@@ -470,8 +470,8 @@ impl ReceiverLedger {
         for slot in (0..self.capacity()).map(SlotIndex) {
             if self.slots.state(slot) != SlotState::Caller {
                 assert!(
-                    p.lent.contains_key(&slot),
-                    "invariant: slot {} is used only while lent",
+                    p.reserved_by.contains_key(&slot),
+                    "invariant: slot {} is used only while reserved",
                     slot.0
                 );
             }
@@ -515,7 +515,7 @@ mod tests {
     use crate::config::ReceiverConfig;
     use crate::ids::PeerId;
 
-    /// The checker catches what it is there for: the lent-slot index, a reservation's state
+    /// The checker catches what it is there for: the reserved-slot index, a reservation's state
     /// or the waiting claims out of step with the rest.
     #[test]
     fn check_placements_catches_books_out_of_step() {
@@ -531,8 +531,8 @@ mod tests {
         ledger.check_invariants();
         let id = ReqId("r".into());
         for (what, corrupt) in [
-            ("a lent slot not indexed", |l: &mut ReceiverLedger| {
-                l.placements.lent.remove(&SlotIndex(1));
+            ("a reserved slot not indexed", |l: &mut ReceiverLedger| {
+                l.placements.reserved_by.remove(&SlotIndex(1));
             }),
             (
                 "an ended reservation kept although nothing is in quarantine",

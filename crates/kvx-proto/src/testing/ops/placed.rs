@@ -7,7 +7,7 @@
 //!
 //! Checked here, besides every state machine's invariants and the checker's rule that a
 //! write lands only in a live grant of its own request or in quarantine: `Returned` gives
-//! back exactly the slots lent for that id, once; and at the end every reservation came back
+//! back exactly the slots reserved for that id, once; and at the end every reservation came back
 //! and the application holds the whole buffer again.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -25,7 +25,7 @@ pub(super) struct App {
     /// numbers, so the explorer's renaming of slots stays sound.
     free: Vec<SlotIndex>,
     /// Reservations out: their slots, in chunk order.
-    lent: BTreeMap<ReqId, Vec<SlotIndex>>,
+    out: BTreeMap<ReqId, Vec<SlotIndex>>,
     /// Ids it reserved once; it never reserves one again (a vLLM request is allocated once).
     reserved: BTreeSet<ReqId>,
 }
@@ -34,7 +34,7 @@ impl App {
     pub(super) fn new(slots: u32) -> Self {
         Self {
             free: (0..slots).map(SlotIndex).collect(),
-            lent: BTreeMap::new(),
+            out: BTreeMap::new(),
             reserved: BTreeSet::new(),
         }
     }
@@ -62,7 +62,7 @@ impl OpWorld {
         let Some(app) = &self.app else { return };
         events.extend((0..self.reservable().len()).map(Event::Reserve));
         if self.faults {
-            events.extend((0..app.lent.len()).map(Event::Withdraw));
+            events.extend((0..app.out.len()).map(Event::Withdraw));
         }
     }
 
@@ -80,14 +80,14 @@ impl OpWorld {
             .handle_reserve(self.now, &id.0, slots.clone())
             .unwrap_or_else(|e| panic!("checker: reserving {} {slots:?} refused: {e}", id.0));
         app.reserved.insert(id.clone());
-        app.lent.insert(id, slots);
+        app.out.insert(id, slots);
     }
 
     /// Takes the `pick`-th reservation out back (modulo how many there are). One already
     /// ending stays out until it is returned.
     pub(super) fn withdraw(&mut self, pick: usize) {
         let Some(app) = &self.app else { return };
-        let Some(id) = app.lent.keys().nth(pick % app.lent.len().max(1)).cloned() else {
+        let Some(id) = app.out.keys().nth(pick % app.out.len().max(1)).cloned() else {
             return;
         };
         self.receiver
@@ -101,13 +101,13 @@ impl OpWorld {
             .app
             .as_mut()
             .unwrap_or_else(|| panic!("checker: {} returned by a pool receiver", id.0));
-        let lent = app
-            .lent
+        let reserved = app
+            .out
             .remove(id)
-            .unwrap_or_else(|| panic!("checker: {} returned ({outcome}) but not lent", id.0));
+            .unwrap_or_else(|| panic!("checker: {} returned ({outcome}) but not reserved", id.0));
         assert_eq!(
-            lent, slots,
-            "checker: {} returned other slots than were lent",
+            reserved, slots,
+            "checker: {} returned other slots than were reserved",
             id.0
         );
         app.free.extend(slots);
@@ -125,7 +125,7 @@ impl OpWorld {
     /// Every reservation came back and the application holds the whole buffer.
     pub(super) fn app_settled(&self) -> bool {
         self.app.as_ref().is_none_or(|app| {
-            app.lent.is_empty() && app.free.len() as u32 == self.receiver.capacity()
+            app.out.is_empty() && app.free.len() as u32 == self.receiver.capacity()
         })
     }
 
@@ -135,8 +135,8 @@ impl OpWorld {
         let Some(app) = &self.app else { return };
         enc.len(app.free.len());
         app.free.iter().for_each(|&s| enc.slot(s));
-        enc.len(app.lent.len());
-        for (id, slots) in &app.lent {
+        enc.len(app.out.len());
+        for (id, slots) in &app.out {
             enc.str(&id.0);
             enc.len(slots.len());
             slots.iter().for_each(|&s| enc.slot(s));
