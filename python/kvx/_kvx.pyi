@@ -319,11 +319,13 @@ class Receiver:
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
         nothing: leases it had taken go to the next ``ready``/``next_ready``.
         ``StoppedError`` once the receiver has stopped."""
-    def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0) -> None:
+    def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0, *, held: int = 0) -> None:
         """Caller placement: lends ``slots`` (chunk i to ``slots[i]``) to request ``req_id``,
         which the first sender with that id claims. ``MisuseError`` (nothing changed) for an
         id reserved and not yet returned, a slot out of range, named twice or reserved for another
-        request not yet returned, or a ``placement="pool"`` receiver."""
+        request not yet returned, or a ``placement="pool"`` receiver. ``held``: the request's
+        first ``held`` chunks are the program's already (a local prefix hit): the sender, which
+        sends every chunk, is told they are sent, and chunk ``held + i`` goes to ``slots[i]``."""
     def withdraw(self, req_id: str, timeout: float = 5.0) -> None:
         """Caller placement: takes reservation ``req_id`` back; its sender's request fails and
         its slots come back through ``returned`` once no write can land in them.

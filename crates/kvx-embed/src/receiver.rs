@@ -57,6 +57,7 @@ trait ReaderApi: Send + Sync {
     fn reserve<'a>(
         &'a self,
         req_id: &'a str,
+        held: u32,
         slots: Vec<SlotIndex>,
     ) -> BoxFuture<'a, Result<(), PlacementError>>;
     fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>>;
@@ -75,9 +76,10 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
     fn reserve<'a>(
         &'a self,
         req_id: &'a str,
+        held: u32,
         slots: Vec<SlotIndex>,
     ) -> BoxFuture<'a, Result<(), PlacementError>> {
-        Box::pin(ChunkReader::reserve(self, req_id, slots))
+        Box::pin(ChunkReader::reserve_held(self, req_id, held, slots))
     }
     fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>> {
         Box::pin(ChunkReader::withdraw(self, req_id))
@@ -311,15 +313,18 @@ impl Receiver {
     /// Caller placement: lends `slots` (chunk i to `slots[i]`) to request `req_id`, waiting at
     /// most `timeout` for the driver. `Placement(reason)` when refused (nothing changed):
     /// the receiver places requests itself, the id is reserved already, a slot is out of
-    /// range, named twice or reserved for another request not yet returned.
+    /// range, named twice or reserved for another request not yet returned. The request's
+    /// first `held` chunks are the application's already (its sender is told they are sent;
+    /// chunk `held + i` goes to `slots[i]`).
     pub fn reserve(
         &self,
         req_id: &str,
+        held: u32,
         slots: Vec<SlotIndex>,
         timeout: Duration,
     ) -> Result<(), EmbedError> {
         self.runtime
-            .block_on_for(timeout, self.reader.reserve(req_id, slots))
+            .block_on_for(timeout, self.reader.reserve(req_id, held, slots))
             .ok_or(EmbedError::TimedOut(timeout))?
             .map_err(EmbedError::Placement)
     }

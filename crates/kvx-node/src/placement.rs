@@ -16,10 +16,22 @@ impl<M> ChunkReader<M> {
     /// batch then claims (`ReceiverLedger::handle_reserve`). Refused with nothing changed
     /// (the reason says why), or `Stopped` once the driver has ended.
     pub async fn reserve(&self, req_id: &str, slots: Vec<SlotIndex>) -> Result<(), PlacementError> {
+        self.reserve_held(req_id, 0, slots).await
+    }
+
+    /// `reserve` for a request whose first `held` chunks the application holds already
+    /// (a decode engine's local prefix hit): its sender is told they are sent, and chunk
+    /// `held + i` goes to `slots[i]` (`ReceiverLedger::handle_reserve_held`).
+    pub async fn reserve_held(
+        &self,
+        req_id: &str,
+        held: u32,
+        slots: Vec<SlotIndex>,
+    ) -> Result<(), PlacementError> {
         let req_id = req_id.to_owned();
         self.link
             .ask_or(
-                |tx| Cmd::Reserve(req_id, slots, tx),
+                |tx| Cmd::Reserve(req_id, held, slots, tx),
                 || PlacementError::Stopped,
             )
             .await

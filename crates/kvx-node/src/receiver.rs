@@ -77,6 +77,7 @@ pub(crate) enum Cmd {
     /// Caller placement (`placement.rs`).
     Reserve(
         String,
+        u32,
         Vec<SlotIndex>,
         oneshot::Sender<Result<(), PlacementError>>,
     ),
@@ -392,9 +393,10 @@ impl<E: Env> Driver<E> {
                             admission_queue_len: l.admission_queue_len(),
                         }));
                     }
-                    Some(Cmd::Reserve(req_id, slots, reply)) => {
+                    Some(Cmd::Reserve(req_id, held, slots, reply)) => {
                         let now = self.env.now();
-                        let _ = reply.send(self.ledger.handle_reserve(now, &req_id, slots));
+                        let reserved = self.ledger.handle_reserve_held(now, &req_id, held, slots);
+                        let _ = reply.send(reserved);
                     }
                     Some(Cmd::Withdraw(req_id, reply)) => {
                         let now = self.env.now();

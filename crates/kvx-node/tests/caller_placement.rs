@@ -117,6 +117,52 @@ async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
     );
 }
 
+/// A reservation whose first chunks the application holds already (a local prefix hit): the
+/// sender sends all five chunks and is delivered; only chunks 2..5 are written, into the
+/// reserved slots in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_the_application_holds_are_not_written() {
+    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
+    let mut rx = receiver(&env, Placement::Caller).await;
+    let mut returns = rx.take_returns().expect("the returns stream");
+    let reader = rx.reader().clone();
+    reader
+        .reserve_held("h", 2, slots(&[7, 0, 3]))
+        .await
+        .expect("reserved");
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let (tx, peer) = sender(&env, addr).await;
+    let req = request(peer, "h", 5);
+    let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
+    let ready = match within("the ready notice", rx.next_notice()).await {
+        Some(ReceiverNotice::Ready(ready)) => ready,
+        Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
+        None => panic!("the receiver stopped"),
+    };
+    assert_eq!(ready.slots, slots(&[7, 0, 3]), "chunk 2 + i in slot i");
+    within("the prefill", prefill)
+        .await
+        .expect("joins")
+        .expect("delivered, the held chunks counted as sent");
+    let lease = reader.lease(ready).await.expect("leased");
+    for i in 0..3 {
+        let mut ok = false;
+        lease.inspect_chunk(i, CHUNK, &mut |got| {
+            ok = synthetic::chunk_matches("h", 2 + i as u32, got)
+        });
+        assert!(ok, "slot {i} holds chunk {} byte for byte", 2 + i);
+    }
+    lease.consume().await.expect("consumed");
+    let back = within("the return", returns.recv())
+        .await
+        .expect("a return");
+    assert_eq!(back.slots, slots(&[7, 0, 3]));
+    assert_eq!(back.outcome, Outcome::Consumed);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_withdrawn_reservation_comes_back_and_its_sender_is_told_why() {
     let env = TokioEnv::new(MemTransport::new(), MemFabric::new());

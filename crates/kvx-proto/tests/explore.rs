@@ -276,6 +276,33 @@ fn exhaustive_caller_placement_two_and_one_chunk_requests() {
     );
 }
 
+/// Caller placement where the application holds a request's first chunk already
+/// (`OpWorld::placed_holding`, a decode engine's local prefix hit): the sender's first chunk
+/// is answered as sent, the rest go to the reserved slots, and every interleaving still keeps
+/// every invariant and heals with every reservation back.
+#[test]
+fn caller_placement_holding_a_requests_first_chunk() {
+    let r = explore_from(
+        OpWorld::placed_holding(2, 2),
+        &[(0, 3), (1, 1)],
+        bound(20_000),
+        Order::BreadthFirst,
+    );
+    eprintln!("caller placement, holding, 2 slots: {r:?}");
+    assert!(r.states > 1_000, "{r:?}");
+}
+
+/// `caller_placement_holding_a_requests_first_chunk`, complete, with a two-chunk request.
+#[test]
+#[ignore]
+fn exhaustive_caller_placement_holding_two_and_one_chunk_requests() {
+    complete(
+        "caller placement, holding, 2 slots, 2 staging,",
+        OpWorld::placed_holding(2, 2),
+        &[(0, 2), (1, 1)],
+    );
+}
+
 /// Caller placement on a fabric that stops revoked writes (`OpWorld::placed_revoking`: TCP,
 /// shared memory): the fabric's grant mirror is modelled, and a failed or withdrawn request's
 /// slots go back to the application as its grants are revoked, with no quarantine; a write

@@ -443,3 +443,96 @@ fn on_a_fabric_that_stops_revoked_writes_a_withdrawal_returns_the_slots_at_once(
     assert_eq!(ledger.slot_state(SlotIndex(0)), SlotState::Caller);
     assert!(events(&mut ledger).is_empty());
 }
+
+/// The first `held` chunks of a reservation are the application's already (a decode engine's
+/// local prefix hit): the sender, which sends every chunk, is told they are sent, and only the
+/// rest take the reserved slots and must land before the request is ready.
+#[test]
+fn chunks_the_application_holds_are_answered_as_sent_and_take_no_slot() {
+    let mut ledger = caller_ledger(8);
+    ledger
+        .handle_reserve_held(at(0), "r", 3, slots(&[6, 1]))
+        .expect("reserve");
+    // A probe, then a batch of chunks 0..2 (all held), then 2..5 (one held, two written).
+    assert!(tags(&send(&mut ledger, at(0), A, batch("r", 0, 5, false, 1))[0]).is_empty());
+    let first = send(&mut ledger, at(0), A, batch("r", 2, 5, false, 2));
+    assert_eq!(first[0].already_sent_indexes, [0, 1]);
+    assert!(tags(&first[0]).is_empty(), "held chunks take no slot");
+    let second = send(&mut ledger, at(0), A, batch("r", 3, 5, true, 3));
+    assert_eq!(
+        second[0].already_sent_indexes,
+        [0],
+        "chunk 2 is the last one held"
+    );
+    let granted = tags(&second[0]);
+    let order: Vec<u32> = granted.iter().map(|t| t.slot.0).collect();
+    assert_eq!(
+        order,
+        [6, 1],
+        "chunk held + i goes to the reservation's slot i"
+    );
+    land(&mut ledger, at(0), A, granted[0]);
+    assert!(
+        !events(&mut ledger)
+            .iter()
+            .any(|e| matches!(e, ReceiverEvent::Ready { .. })),
+        "not ready before every written chunk landed"
+    );
+    land(&mut ledger, at(0), A, granted[1]);
+    let ready = events(&mut ledger).into_iter().find_map(|e| match e {
+        ReceiverEvent::Ready { slots, .. } => Some(slots),
+        _ => None,
+    });
+    assert_eq!(ready, Some(slots(&[6, 1])));
+    let k = key(A, "r");
+    ledger.handle_acquire(&k).expect("ready");
+    ledger.handle_consume(at(1), &k).expect("consume");
+    let evs = events(&mut ledger);
+    assert_eq!(returned(&evs), Some((slots(&[6, 1]), Outcome::Consumed)));
+}
+
+/// A claim that declares more chunks than held + reserved is refused; one that would write
+/// nothing past the held ones is a protocol violation; and a later batch still declares the
+/// sender's own total, not the written count.
+#[test]
+fn held_chunks_are_counted_against_the_declared_total() {
+    let mut ledger = caller_ledger(8);
+    ledger
+        .handle_reserve_held(at(0), "big", 1, slots(&[0, 1]))
+        .expect("reserve");
+    let refused = send(&mut ledger, at(0), A, batch("big", 1, 4, false, 1));
+    assert!(
+        refused[0].error.is_some(),
+        "4 chunks need more than 1 held + 2 slots"
+    );
+    let evs = events(&mut ledger);
+    assert!(matches!(
+        ended(&evs),
+        Some(Outcome::Failed(Failure::LargerThanReservation {
+            need: 3,
+            reserved: 2
+        }))
+    ));
+
+    ledger
+        .handle_reserve_held(at(0), "none", 2, slots(&[2]))
+        .expect("reserve");
+    let refused = send(&mut ledger, at(0), A, batch("none", 1, 2, false, 2));
+    assert!(
+        refused[0].error.is_some(),
+        "nothing past the held chunks to write"
+    );
+
+    ledger
+        .handle_reserve_held(at(0), "ok", 1, slots(&[3, 4]))
+        .expect("reserve");
+    let first = send(&mut ledger, at(0), A, batch("ok", 1, 3, false, 3));
+    assert_eq!(first[0].already_sent_indexes, [0]);
+    let second = send(&mut ledger, at(0), A, batch("ok", 2, 3, true, 4));
+    assert!(second[0].already_sent_indexes.is_empty());
+    assert_eq!(
+        tags(&second[0]).len(),
+        2,
+        "the declared total (3) is the sender's"
+    );
+}

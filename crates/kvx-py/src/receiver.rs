@@ -231,11 +231,21 @@ impl Receiver {
     /// reserved and not yet returned, a slot out of range, named twice or reserved for another
     /// request not yet returned, or a ``placement="pool"`` receiver; ``TimedOutError``
     /// when kvx's driver does not answer within ``timeout`` seconds; ``StoppedError``.
-    #[pyo3(signature = (req_id, slots, timeout = 5.0))]
-    fn reserve(&self, py: Python<'_>, req_id: &str, slots: Vec<u32>, timeout: f64) -> PyResult<()> {
+    /// ``held``: the request's first ``held`` chunks are the program's already (a local
+    /// prefix hit): its sender, which sends every chunk, is told they are sent, and chunk
+    /// ``held + i`` goes to ``slots[i]``.
+    #[pyo3(signature = (req_id, slots, timeout = 5.0, *, held = 0))]
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        req_id: &str,
+        slots: Vec<u32>,
+        timeout: f64,
+        held: u32,
+    ) -> PyResult<()> {
         let timeout = wait::positive_seconds(timeout, "timeout")?;
         let slots = slots.into_iter().map(SlotIndex).collect();
-        py.detach(|| self.inner.reserve(req_id, slots, timeout))
+        py.detach(|| self.inner.reserve(req_id, held, slots, timeout))
             .map_err(|e| errors::embed(&e))
     }
 

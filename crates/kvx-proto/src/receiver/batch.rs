@@ -86,7 +86,11 @@ impl ReceiverLedger {
             let failure = Failure::AlreadyEnded(Box::new(prior.clone()));
             return self.refuse(peer, &msg, failure);
         }
-        match self.requests.get(&key).map(|r| (&r.phase, r.total)) {
+        match self
+            .requests
+            .get(&key)
+            .map(|r| (&r.phase, r.total + r.held))
+        {
             None => self.first_batch(now, key, msg),
             Some((Phase::Waiting { .. }, _)) => {
                 let why =
@@ -190,6 +194,8 @@ impl ReceiverLedger {
         let request = Request {
             ticket,
             total: msg.total_chunks,
+            held: 0,
+            held_left: 0,
             reservation: 0,
             phase,
             slots: Vec::new(),
@@ -231,11 +237,21 @@ impl ReceiverLedger {
     }
 
     /// Allocates one batch of an admitted request and answers it.
-    pub(super) fn apply_batch(&mut self, now: Instant, key: &ReqKey, msg: AllocRequest) {
+    pub(super) fn apply_batch(&mut self, now: Instant, key: &ReqKey, mut msg: AllocRequest) {
         let req = self
             .requests
             .get_mut(key)
             .expect("invariant: batch for a tracked request");
+        // Caller placement: the leading chunks the application holds already are answered
+        // as sent (LMCache's dedup answer) and take no slot.
+        let held_here = req.held_left.min(msg.keys.len() as u32);
+        if held_here > 0 {
+            req.held_left -= held_here;
+            msg.keys.drain(..held_here as usize);
+            if let Some(bytes) = msg.chunk_bytes.as_mut() {
+                bytes.drain(..held_here as usize);
+            }
+        }
         let n = msg.keys.len() as u32;
         let allocated = req.slots.len() as u32;
         if allocated + n > req.total {
@@ -294,10 +310,9 @@ impl ReceiverLedger {
                 .release(self.principals.share_key(key.peer), unused);
         }
         let generations = msg.seq.map(|_| generations);
-        self.transmits.push_back((
-            key.peer,
-            AllocResponse::granted(indexes, generations, msg.seq),
-        ));
+        let mut reply = AllocResponse::granted(indexes, generations, msg.seq);
+        reply.already_sent_indexes = (0..i64::from(held_here)).collect();
+        self.transmits.push_back((key.peer, reply));
         self.touch(key, now);
         self.maybe_ready(now, key);
         self.drain_admitted(now);

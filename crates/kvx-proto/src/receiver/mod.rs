@@ -154,7 +154,13 @@ pub(crate) enum Phase {
 #[derive(Debug, Clone)]
 pub(crate) struct Request {
     pub ticket: Ticket,
+    /// The chunks to write: as declared, less `held`.
     pub total: u32,
+    /// Caller placement: the request's first chunks, which the application holds already
+    /// (answered as sent, never granted); 0 otherwise.
+    pub held: u32,
+    /// Of those, the ones no batch has brought yet.
+    pub held_left: u32,
     /// The reservation this request holds (0 while waiting); shrinks to the allocated count
     /// when the last batch comes early (the sender sent fewer chunks than declared).
     pub reservation: u32,

@@ -10,6 +10,12 @@
 //! from any connection, is refused. The slots go back to the application with one
 //! `ReceiverEvent::Returned` once the request ended and no write of its grants can land in
 //! them (a slot in quarantine holds the return back until it clears).
+//!
+//! A reservation may say that the receiver already holds the request's first `held` chunks
+//! (a vLLM decode engine's local prefix-cache hit): the sender, which cannot know that, sends
+//! every chunk, and the receiver answers the first `held` as already sent, LMCache's dedup
+//! answer (`already_sent_indexes`), so that they take no slot and no write; chunk `held + i`
+//! is granted slot i.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -69,8 +75,10 @@ pub enum PlacementError {
 /// One reservation: the slots the application reserved for a request, and how far it got.
 #[derive(Debug, Clone)]
 pub(super) struct Placed {
-    /// Chunk i's slot at i.
+    /// Chunk `held + i`'s slot at i.
     pub slots: Vec<SlotIndex>,
+    /// The request's first chunks, which the application holds already: never written.
+    pub held: u32,
     pub state: PlacedState,
 }
 
@@ -138,6 +146,19 @@ impl ReceiverLedger {
         req_id: &str,
         slots: Vec<SlotIndex>,
     ) -> Result<(), PlacementError> {
+        self.handle_reserve_held(now, req_id, 0, slots)
+    }
+
+    /// `handle_reserve` for a request whose first `held` chunks the application holds
+    /// already: its sender is told they are sent (no slot, no write), and chunk `held + i`
+    /// goes to `slots[i]`.
+    pub fn handle_reserve_held(
+        &mut self,
+        now: Instant,
+        req_id: &str,
+        held: u32,
+        slots: Vec<SlotIndex>,
+    ) -> Result<(), PlacementError> {
         self.caller_placement()?;
         if req_id.is_empty() || req_id.len() > self.cfg.req_id_bytes_max {
             return Err(PlacementError::BadId {
@@ -176,6 +197,7 @@ impl ReceiverLedger {
         let deadline = now + self.cfg.admission_timeout;
         let placed = Placed {
             slots,
+            held,
             state: PlacedState::Open { deadline },
         };
         self.placements.by_id.insert(id.clone(), placed);
@@ -272,13 +294,25 @@ impl ReceiverLedger {
     ) {
         self.placements
             .set_state(&key.req_id, PlacedState::Claimed(key.clone()));
-        let reserved = self.placements.by_id[&key.req_id].slots.len() as u32;
-        let total = self.requests[key].total;
-        if total > reserved {
-            let failure = Failure::LargerThanReservation {
+        let placed = &self.placements.by_id[&key.req_id];
+        let (reserved, held) = (placed.slots.len() as u32, placed.held);
+        let declared = self.requests[key].total;
+        // The chunks the application holds are answered as sent: the request writes the rest.
+        let total = declared.saturating_sub(held);
+        let failure = if total > reserved {
+            Some(Failure::LargerThanReservation {
                 need: total,
                 reserved,
-            };
+            })
+        } else if total == 0 {
+            Some(Failure::ProtocolViolation(format!(
+                "total_chunks={declared}, but the receiver holds the first {held} chunks \
+                 already: nothing to write"
+            )))
+        } else {
+            None
+        };
+        if let Some(failure) = failure {
             let reply = crate::wire::AllocResponse::refused(
                 first.keys.len(),
                 format!("request {key}: {failure}"),
@@ -288,10 +322,14 @@ impl ReceiverLedger {
             self.fail(now, key, failure, true);
             return self.transmits.push_back((key.peer, reply));
         }
-        self.requests
+        let req = self
+            .requests
             .get_mut(key)
-            .expect("invariant: claimed request is tracked")
-            .reservation = total;
+            .expect("invariant: claimed request is tracked");
+        req.reservation = total;
+        req.total = total;
+        req.held = held;
+        req.held_left = held;
         self.on_admitted(now, key, waited);
         self.apply_batch(now, key, first);
     }
@@ -423,6 +461,10 @@ impl ReceiverLedger {
                     assert!(
                         req.total as usize <= placed.slots.len(),
                         "invariant: {key} fits its reservation"
+                    );
+                    assert!(
+                        req.held == placed.held && req.held_left <= req.held,
+                        "invariant: {key} skips exactly the chunks its reservation holds"
                     );
                     for (tag, slot) in req.slots.iter().zip(&placed.slots) {
                         assert_eq!(

@@ -45,8 +45,9 @@ pub struct AllocRequest {
 pub struct AllocResponse {
     /// One receiver slot per key that must be written; −1 means failure.
     pub remote_indexes: Vec<i64>,
-    /// Indexes into the request's `keys` the receiver already holds (LMCache dedup); kvx
-    /// never dedups, so it always sends `[]`.
+    /// Indexes into the batch's `keys` the receiver already holds (LMCache dedup): nothing
+    /// is written for them. A kvx receiver names them only under caller placement, for the
+    /// leading chunks a reservation says the application holds (`handle_reserve_held`).
     #[serde(default)]
     pub already_sent_indexes: Vec<i64>,
     /// kvx extension: echoes the request's `seq`.

@@ -190,7 +190,16 @@ impl OpWorld {
             ..world.receiver.config().clone()
         };
         world.receiver = ReceiverLedger::new(cfg).expect("invariant: valid receiver config");
-        world.app = Some(placed::App::new(buffer_slots));
+        world.app = Some(placed::App::new(buffer_slots, 0));
+        world
+    }
+
+    /// `placed`, where the application holds the first chunk of every request of two or more
+    /// chunks already (a decode engine's local prefix hit, `handle_reserve_held`): the
+    /// sender still sends it and is answered that it is sent; it takes no slot.
+    pub fn placed_holding(buffer_slots: u32, staging_slots: u32) -> Self {
+        let mut world = Self::placed(buffer_slots, staging_slots);
+        world.app = Some(placed::App::new(buffer_slots, 1));
         world
     }
 
@@ -629,6 +638,15 @@ impl OpWorld {
             let mut stalled = false;
             while let Some(ev) = side.flow.poll_event() {
                 stalled |= matches!(ev, SenderEvent::FabricStalled { .. });
+                // The receiver here is kvx's own: a reply its sender cannot use is its bug.
+                if let SenderEvent::Failed {
+                    req_id,
+                    failure: crate::sender::SendFailure::BadReply(why),
+                    ..
+                } = &ev
+                {
+                    panic!("checker: {} got a reply it cannot use: {why}", req_id.0);
+                }
             }
             // What a driver does on a stalled write: reset the fabric connection, which
             // flushes every outstanding write with an error; nothing lands after that.

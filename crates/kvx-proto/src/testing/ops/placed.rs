@@ -1,7 +1,8 @@
 //! The decoding application of the byte-driven world under caller placement
 //! (`OpWorld::placed`, `docs/spec/protocol.md` §Caller placement): it owns the buffer's
 //! slots, as a vLLM decode engine's scheduler owns its KV blocks, and lends each begun
-//! request's slots when it has enough (`Event::Reserve`), takes a reservation back
+//! request's slots when it has enough (`Event::Reserve`; with `OpWorld::placed_holding`, it
+//! holds the first chunk of every longer request already, as a local prefix hit), takes a reservation back
 //! (`Event::Withdraw`, an abort on the decode side), and gets its slots back from the
 //! ledger's `Returned`.
 //!
@@ -28,14 +29,27 @@ pub(super) struct App {
     out: BTreeMap<ReqId, Vec<SlotIndex>>,
     /// Ids it reserved once; it never reserves one again (a vLLM request is allocated once).
     reserved: BTreeSet<ReqId>,
+    /// The leading chunks it holds already of every request longer than this (a decode
+    /// engine's local prefix hit): reserved with `handle_reserve_held`, they take no slot.
+    held: u32,
 }
 
 impl App {
-    pub(super) fn new(slots: u32) -> Self {
+    pub(super) fn new(slots: u32, held: u32) -> Self {
         Self {
             free: (0..slots).map(SlotIndex).collect(),
             out: BTreeMap::new(),
             reserved: BTreeSet::new(),
+            held,
+        }
+    }
+
+    /// The chunks of a `total`-chunk request it holds already.
+    fn held_of(&self, total: u32) -> u32 {
+        if total > self.held {
+            self.held
+        } else {
+            0
         }
     }
 }
@@ -50,7 +64,10 @@ impl OpWorld {
             .sides
             .iter()
             .flat_map(|s| s.requests.iter().map(|(id, total, _)| (id.clone(), *total)))
-            .filter(|(id, total)| !app.reserved.contains(id) && *total as usize <= app.free.len())
+            .filter(|(id, total)| {
+                let needed = total - app.held_of(*total);
+                !app.reserved.contains(id) && needed as usize <= app.free.len()
+            })
             .collect();
         begun.sort_by_key(|(id, _)| id.0[1..].parse::<u64>().unwrap_or(u64::MAX));
         begun
@@ -74,10 +91,11 @@ impl OpWorld {
         }
         let (id, total) = candidates[pick % candidates.len()].clone();
         let app = self.app.as_mut().expect("invariant: a placed world");
-        let at = app.free.len() - total as usize;
+        let held = app.held_of(total);
+        let at = app.free.len() - (total - held) as usize;
         let slots: Vec<SlotIndex> = app.free.drain(at..).rev().collect();
         self.receiver
-            .handle_reserve(self.now, &id.0, slots.clone())
+            .handle_reserve_held(self.now, &id.0, held, slots.clone())
             .unwrap_or_else(|e| panic!("checker: reserving {} {slots:?} refused: {e}", id.0));
         app.reserved.insert(id.clone());
         app.out.insert(id, slots);
