@@ -297,6 +297,7 @@ class Receiver:
         curve_secret_key: Optional[_Path] = None,
         curve_allow: Optional[_Path] = None,
         placement: Literal["pool", "caller"] = "pool",
+        request_idle_timeout: Optional[float] = None,
     ) -> Self:
         """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``).
         ``curve_secret_key`` (this receiver's ``NAME.key_secret``) and ``curve_allow`` (the
@@ -304,7 +305,8 @@ class Receiver:
         channel. ``placement="caller"``: the program owns the buffer's slots and lends each
         request's (``reserve``); ``"pool"``: kvx's admission places requests. ``buffer`` may be
         a list of buffers of the same size (per-layer tensors), each holding
-        ``slots / len(buffer)`` slots, numbered part after part."""
+        ``slots / len(buffer)`` slots, numbered part after part. ``request_idle_timeout``: how
+        long an admitted request may go without a landed write before it fails."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property

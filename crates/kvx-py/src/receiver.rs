@@ -19,7 +19,7 @@ use crate::{aio, env, errors, memory, placement, runtime, wait};
 /// ``Receiver(*, slots, slot_bytes, buffer=None, transport="zmq", fabric="tcp",
 /// alloc="tcp://127.0.0.1:0", fabric_endpoint="tcp://127.0.0.1:0", peer_share_percent=None,
 /// admission_timeout=None, unconsumed_ttl=None, require_checksums=None,
-/// curve_secret_key=None, curve_allow=None, placement="pool")``
+/// curve_secret_key=None, curve_allow=None, placement="pool", request_idle_timeout=None)``
 ///
 /// A protocol setting given as ``None`` is kvx's default, the one ``kvx receiver`` runs with
 /// (``kvx.defaults()["receiver"]``: a 75 % share, 30 s admission timeout, 300 s unconsumed
@@ -68,7 +68,7 @@ impl Receiver {
         alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
         peer_share_percent = None, admission_timeout = None, unconsumed_ttl = None,
         require_checksums = None, curve_secret_key = None, curve_allow = None,
-        placement = "pool"))]
+        placement = "pool", request_idle_timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -86,6 +86,7 @@ impl Receiver {
         curve_secret_key: Option<PathBuf>,
         curve_allow: Option<PathBuf>,
         placement: &str,
+        request_idle_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let placement = placement::named(placement)?;
         let curve = env::curve_server(curve_secret_key, curve_allow)?;
@@ -120,6 +121,10 @@ impl Receiver {
             unconsumed_ttl: match unconsumed_ttl {
                 Some(s) => wait::positive_seconds(s, "unconsumed_ttl")?,
                 None => core.unconsumed_ttl,
+            },
+            request_idle_timeout: match request_idle_timeout {
+                Some(s) => wait::positive_seconds(s, "request_idle_timeout")?,
+                None => core.request_idle_timeout,
             },
             require_checksums: require_checksums.unwrap_or(core.require_checksums),
             placement,

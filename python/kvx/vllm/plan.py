@@ -43,6 +43,8 @@ class Begin:
     kvx_id: str
     decode_alloc: Tuple[str, ...]
     decode_fabric: Tuple[str, ...]
+    #: The prompt's blocks: every one is pushed (the decode engine answers those it holds).
+    num_blocks: int
 
 
 @dataclass(frozen=True)

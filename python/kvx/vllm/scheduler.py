@@ -179,7 +179,10 @@ class PrefillScheduler:
         rid = request.request_id
         if isinstance(params, RemoteDecode) and rid not in self.claiming:
             self.claiming[rid] = (params, self.clock() + self.grant_timeout_sec)
-            self._plan.begin.append(Begin(rid, params.kvx_id, params.decode_alloc, params.decode_fabric))
+            blocks = -(-request.num_prompt_tokens // self.block_size)
+            self._plan.begin.append(
+                Begin(rid, params.kvx_id, params.decode_alloc, params.decode_fabric, blocks)
+            )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -49,16 +49,23 @@ class KvTransfer(Protocol):
         """Decode: withdraw ``kvx_id``; when ``reserved``, report it ``received`` once no
         write can land in its blocks, else refuse any later claim of it."""
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
-        """Prefill: claim ``kvx_id``'s reservation at the decode receiver at ``alloc``;
-        report ``granted`` or ``refused``."""
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        """Prefill: claim ``kvx_id``'s reservation at the decode receiver at ``alloc`` for
+        the prompt's ``num_blocks`` blocks, every one of which will be written (the decode
+        engine answers those it holds already); report ``granted`` or ``refused``."""
 
     def write_layer(
-        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]
+        self,
+        kvx_id: str,
+        layer_name: str,
+        kv_layer: Any,
+        first_block: int,
+        block_ids: Sequence[int],
+        last: bool,
     ) -> None:
         """Prefill: post the writes of one layer's blocks ``block_ids`` (this engine's,
-        block indexes ``first_block`` on) into the decode engine's granted blocks, one
-        write per run of blocks contiguous on both sides. Returns without waiting."""
+        block indexes ``first_block`` on) into the decode engine's granted blocks; ``last``:
+        the layer's last blocks of the prompt. Returns without waiting for the writes."""
 
     def finish(self, kvx_id: str) -> None:
         """Prefill: every write of ``kvx_id`` is posted; report ``sent`` once delivered."""
@@ -93,11 +100,17 @@ class NotWiredTransfer:
     def release(self, kvx_id: str, reserved: bool) -> None:
         raise NotImplementedError(self.MESSAGE)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
         raise NotImplementedError(self.MESSAGE)
 
     def write_layer(
-        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]
+        self,
+        kvx_id: str,
+        layer_name: str,
+        kv_layer: Any,
+        first_block: int,
+        block_ids: Sequence[int],
+        last: bool,
     ) -> None:
         raise NotImplementedError(self.MESSAGE)
 

@@ -53,7 +53,7 @@ class KvxWorker:
             self._claimed[b.req_id] = b.kvx_id
             self._by_kvx[b.kvx_id] = b.req_id
             rank = self.tp_rank % len(b.decode_alloc)
-            self.transfer.begin(b.kvx_id, b.decode_alloc[rank], b.decode_fabric[rank])
+            self.transfer.begin(b.kvx_id, b.decode_alloc[rank], b.decode_fabric[rank], b.num_blocks)
         for rid in plan.cancel:
             kvx_id = self._claimed.get(rid)
             if kvx_id is None:
@@ -72,7 +72,7 @@ class KvxWorker:
         """Posts this layer's writes of every push of the step (without waiting)."""
         for p in self._pushes:
             self._posted.add(p.kvx_id)
-            self.transfer.write_layer(p.kvx_id, layer_name, kv_layer, p.first_block, p.block_ids)
+            self.transfer.write_layer(p.kvx_id, layer_name, kv_layer, p.first_block, p.block_ids, p.last)
 
     def wait_for_save(self) -> None:
         """Every layer of the step is posted: requests whose last blocks these were are

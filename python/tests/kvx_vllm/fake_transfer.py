@@ -49,10 +49,12 @@ class FakeTransfer:
         if reserved:  # no write can land once the grant is withdrawn (here: at once)
             self.pending.received.add(kvx_id)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
         self.calls.append(("begin", kvx_id, alloc, fabric))
 
-    def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]) -> None:
+    def write_layer(
+        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int], last: bool
+    ) -> None:
         self.calls.append(("write", kvx_id, layer_name, first_block, tuple(block_ids)))
         self.posted.add(kvx_id)
 

@@ -53,7 +53,7 @@ class DecodeEnd:
         if self.hub.reserved.pop(kvx_id, None) is not None:
             self.hub.decode_events.received.add(kvx_id)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
         raise AssertionError("a decode engine claims nothing")
 
     def write_layer(self, *args: Any) -> None:
@@ -89,11 +89,11 @@ class PrefillEnd:
     def release(self, *args: Any) -> None:
         raise AssertionError("a prefill engine releases nothing")
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str) -> None:
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
         self.hub.claimed.add(kvx_id)
 
     def write_layer(
-        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int]
+        self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int], last: bool
     ) -> None:
         grant_first, granted = self.hub.reserved[kvx_id]
         src, dst = [], []

@@ -68,7 +68,7 @@ def test_a_release_of_an_id_never_reserved_here_is_passed_on_unreserved():
 
 
 def prefill_push(worker, transfer):
-    begin = Begin("p1", "k1", ("tcp://d:8400", "tcp://d:8401"), ("tcp://d:8300", "tcp://d:8301"))
+    begin = Begin("p1", "k1", ("tcp://d:8400", "tcp://d:8401"), ("tcp://d:8300", "tcp://d:8301"), 2)
     step(worker, StepPlan(begin=[begin]), forward=False)
     transfer.grant("k1")
     _, _, _, report = step(worker, StepPlan(), forward=False)
@@ -98,7 +98,7 @@ def test_sent_is_reported_only_after_vllm_said_the_request_finished():
 def test_a_cancel_before_any_write_forgets_the_request():
     transfer = FakeTransfer()
     worker = KvxWorker(transfer)
-    step(worker, StepPlan(begin=[Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",))]), forward=False)
+    step(worker, StepPlan(begin=[Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",), 2)]), forward=False)
     step(worker, StepPlan(cancel=["p1"]), forward=False)
     assert ("cancel", "k1") in transfer.calls
     assert worker._claimed == {} and worker._by_kvx == {}
@@ -107,7 +107,7 @@ def test_a_cancel_before_any_write_forgets_the_request():
 def test_a_cancel_after_writes_is_reported_sent_once_drained():
     transfer = FakeTransfer()
     worker = KvxWorker(transfer)
-    begin = Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",))
+    begin = Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",), 2)
     step(worker, StepPlan(begin=[begin]), forward=False)
     step(worker, StepPlan(push=[Push("p1", "k1", 0, (3,), False)]))
     step(worker, StepPlan(cancel=["p1"]), forward=False)  # the fake drains at once

@@ -1,0 +1,359 @@
+"""``KvTransfer`` over kvx: the decode engine's ``DecodeTransfer`` (a caller-placement
+``kvx.Receiver`` over the engine's own per-layer KV tensors) and the prefill engine's
+``PrefillTransfer`` (a ``kvx.Sender``).
+
+**One kvx request per layer.** A vLLM request ``X`` is ``len(layers)`` kvx requests, ``X.0``,
+``X.1``, …: the prefill engine computes and writes layer by layer (``save_kv_layer``), and a
+kvx request's chunks go in order, so each layer's blocks make one request whose chunk order
+is the prompt's block order whatever the scheduler's steps are. The decode engine reserves
+each layer's pages of the request's blocks (``PagedLayout.block_pages``); its local prefix
+hit (blocks before ``first_block``) is the reservation's ``held`` chunks, which the prefill
+engine still sends and kvx answers as already sent. The request is received when every
+layer's reservation came back consumed; it failed when any came back otherwise (the others
+are withdrawn at once).
+
+**A staging copy on the prefill side.** Each page is copied into the sender's staging and
+written from there, so the engine's blocks are free to change as soon as ``save_kv_layer``
+returns; writing from the paged tensors themselves, one write per run of blocks, is
+docs/vllm.md "Not yet" items 4 and 5.
+
+Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
+``idle_timeout_sec``, a grant by ``grant_timeout_sec`` (the scheduler's), a staging slot by
+``write_timeout_sec``, a connection by ``connect_timeout_sec``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import kvx
+from kvx.vllm.pages import PagedLayout, byte_view
+from kvx.vllm.settings import KvxVllmSettings
+from kvx.vllm.transfer import TransferEvents
+
+logger = logging.getLogger("kvx.vllm")
+
+def layer_request(kvx_id: str, layer: int) -> str:
+    """A layer's kvx request id: ``{kvx id}.{layer index}``."""
+    return f"{kvx_id}.{layer}"
+
+
+def split_layer_request(req_id: str) -> Tuple[str, int]:
+    """``layer_request``'s inverse."""
+    kvx_id, _, layer = req_id.rpartition(".")
+    return kvx_id, int(layer)
+
+
+@dataclass
+class _Load:
+    """A decode request's layers whose reservations are still out, and why it failed."""
+
+    out: Set[int]
+    failure: Optional[str] = None
+
+
+class DecodeTransfer:
+    """The decode engine's transfer (one TP rank): the engine's KV tensors are kvx's
+    receive buffer under caller placement; each request's reservation is its blocks."""
+
+    def __init__(self, settings: KvxVllmSettings, tp_rank: int = 0, num_blocks: Optional[int] = None) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.layout: Optional[PagedLayout] = None
+        self.receiver: Optional[kvx.Receiver] = None
+        self._loads: Dict[str, _Load] = {}
+        #: Loads that ended without a reservation out (their first reservation failed).
+        self._ended: Dict[str, Optional[str]] = {}
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        layout = PagedLayout.of(kv_caches, self.num_blocks)
+        s = self.settings
+        self.receiver = kvx.Receiver(
+            slots=layout.slots,
+            slot_bytes=layout.page_bytes,
+            buffer=[byte_view(kv_caches[name]) for name in layout.layer_names],
+            placement="caller",
+            alloc=s.alloc_endpoint(self.tp_rank),
+            fabric_endpoint=s.fabric_endpoint(self.tp_rank),
+            admission_timeout=s.claim_timeout_sec,
+            request_idle_timeout=s.idle_timeout_sec,
+            require_checksums=s.checksums,
+            curve_secret_key=s.curve_secret_key,
+            curve_allow=s.curve_allow,
+        )
+        self.layout = layout
+        logger.info(
+            "kvx: decode rank %d receives at %s (%d layers x %d blocks, %d-byte pages)",
+            self.tp_rank, self.receiver.alloc_endpoint, len(layout.layer_names),
+            layout.num_blocks, layout.page_bytes,
+        )
+
+    def _rx(self) -> Tuple[kvx.Receiver, PagedLayout]:
+        if self.receiver is None or self.layout is None:
+            raise RuntimeError("kvx.vllm: register_kv_caches has not run on this worker")
+        return self.receiver, self.layout
+
+    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        rx, layout = self._rx()
+        load = _Load(out=set())
+        self._loads[kvx_id] = load
+        held = first_block * layout.pages_per_block
+        for layer in range(len(layout.layer_names)):
+            try:
+                rx.reserve(layer_request(kvx_id, layer), layout.block_pages(layer, block_ids), held=held)
+            except kvx.KvxError as e:
+                load.failure = load.failure or f"reserving layer {layer}: {e}"
+                break
+            load.out.add(layer)
+        if load.failure is not None:
+            self._withdraw_rest(kvx_id, load)
+
+    def release(self, kvx_id: str, reserved: bool) -> None:
+        load = self._loads.get(kvx_id)
+        if load is None:
+            # Never reserved here: the prefill engine's claim waits for a reservation that
+            # never comes and is refused at claim_timeout_sec.
+            return
+        load.failure = load.failure or "withdrawn: the request ended on the decode engine"
+        self._withdraw_rest(kvx_id, load)
+
+    def _withdraw_rest(self, kvx_id: str, load: _Load) -> None:
+        rx, _ = self._rx()
+        for layer in sorted(load.out):
+            try:
+                rx.withdraw(layer_request(kvx_id, layer))
+            except kvx.MisuseError:
+                pass  # returned already: its Returned is on its way
+        if not load.out:
+            # Nothing was reserved (the first reservation failed): it ends now.
+            self._loads.pop(kvx_id, None)
+            self._ended[kvx_id] = load.failure
+
+    def poll(self) -> TransferEvents:
+        events = TransferEvents()
+        for kvx_id, failure in self._ended.items():
+            events.failed[kvx_id] = failure or "not reserved"
+        self._ended.clear()
+        if self.receiver is None:
+            return events
+        # A ready layer is complete and verified: consuming its lease returns its blocks to
+        # the engine (no write can land any more) with `consumed` set.
+        for lease in self.receiver.next_ready(max=1024, timeout=0):
+            lease.consume(wait=False)
+        for back in self.receiver.returned(max=4096, timeout=0):
+            kvx_id, layer = split_layer_request(back.req_id)
+            load = self._loads.get(kvx_id)
+            if load is None:
+                continue
+            load.out.discard(layer)
+            if not back.consumed and load.failure is None:
+                load.failure = f"layer {layer}: {back.reason}"
+                self._withdraw_rest(kvx_id, load)
+            if not load.out and kvx_id in self._loads:
+                del self._loads[kvx_id]
+                if load.failure is None:
+                    events.received.add(kvx_id)
+                else:
+                    events.failed[kvx_id] = load.failure
+        return events
+
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) claims nothing")
+
+    def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int,
+                    block_ids: Sequence[int], last: bool) -> None:
+        raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) writes nothing")
+
+    def finish(self, kvx_id: str) -> None:
+        raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) finishes nothing")
+
+    def cancel(self, kvx_id: str) -> None:
+        raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) cancels nothing")
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+@dataclass
+class _Push:
+    """A prefill request's layers: those not yet ended at the sender, those admitted, and
+    what went wrong first."""
+
+    layers: int
+    open: Set[int] = field(default_factory=set)
+    admitted: Set[int] = field(default_factory=set)
+    granted: bool = False
+    posted: bool = False
+    failure: Optional[str] = None
+
+
+class PrefillTransfer:
+    """The prefill engine's transfer (one TP rank): a ``kvx.Sender`` whose staging takes a
+    copy of each page as its layer is computed."""
+
+    #: Staging: enough pages for this many blocks of every layer in flight at once.
+    STAGING_BLOCKS = 64
+
+    def __init__(
+        self,
+        settings: KvxVllmSettings,
+        tp_rank: int = 0,
+        num_blocks: Optional[int] = None,
+        sender_factory: Callable[..., kvx.Sender] = kvx.Sender,
+    ) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.layout: Optional[PagedLayout] = None
+        self.sender: Optional[kvx.Sender] = None
+        self._sender_factory = sender_factory
+        self._views: Dict[str, Any] = {}
+        self._receivers: Dict[Tuple[str, str], int] = {}
+        self._pushes: Dict[str, _Push] = {}
+        self._refused: Dict[str, str] = {}
+        self._sent: Set[str] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        layout = PagedLayout.of(kv_caches, self.num_blocks)
+        s = self.settings
+        self._views = {name: byte_view(kv_caches[name]) for name in layout.layer_names}
+        self.sender = self._sender_factory(
+            slots=self.STAGING_BLOCKS * len(layout.layer_names) * layout.pages_per_block,
+            slot_bytes=layout.page_bytes,
+            fabric=s.fabric,
+            staging_timeout=s.write_timeout_sec,
+            reply_timeout=s.reply_timeout_sec,
+            write_timeout=s.write_timeout_sec,
+            checksums=s.checksums,
+            curve_secret_key=s.curve_secret_key,
+            curve_server_key=s.curve_server_key,
+        )
+        self.layout = layout
+
+    def _tx(self) -> Tuple[kvx.Sender, PagedLayout]:
+        if self.sender is None or self.layout is None:
+            raise RuntimeError("kvx.vllm: register_kv_caches has not run on this worker")
+        return self.sender, self.layout
+
+    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        raise RuntimeError("kvx.vllm: a prefill engine (kv_producer) reserves nothing")
+
+    def release(self, kvx_id: str, reserved: bool) -> None:
+        raise RuntimeError("kvx.vllm: a prefill engine (kv_producer) releases nothing")
+
+    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        tx, layout = self._tx()
+        push = _Push(layers=len(layout.layer_names))
+        self._pushes[kvx_id] = push
+        try:
+            peer = self._receivers.get((alloc, fabric))
+            if peer is None:
+                peer = tx.add_receiver(alloc, fabric, timeout=self.settings.connect_timeout_sec)
+                self._receivers[(alloc, fabric)] = peer
+            chunks = num_blocks * layout.pages_per_block
+            for layer in range(push.layers):
+                tx.begin(layer_request(kvx_id, layer), receiver=peer, total_chunks=chunks,
+                         shape=[layout.page_bytes], dtype="uint8")
+                push.open.add(layer)
+        except kvx.KvxError as e:
+            self._fail(kvx_id, push, f"claiming at {alloc}: {e}")
+
+    def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int,
+                    block_ids: Sequence[int], last: bool) -> None:
+        push = self._pushes.get(kvx_id)
+        if push is None or push.failure is not None:
+            return
+        tx, layout = self._tx()
+        layer = layout.layer_index(layer_name)
+        sub = layer_request(kvx_id, layer)
+        source = self._views[layer_name]
+        push.posted = True
+        try:
+            for index, block in enumerate(block_ids, start=first_block):
+                for part in range(layout.pages_per_block):
+                    slot = tx.allocate(sub)
+                    slot.write(layout.page(source, part, block))
+                    tx.add(slot, f"{index}.{part}", nbytes=layout.page_bytes)
+            tx.submit(sub, last=last)
+        except kvx.KvxError as e:
+            self._fail(kvx_id, push, f"writing layer {layer}: {e}")
+
+    def finish(self, kvx_id: str) -> None:
+        # Each layer's last batch went with its last write_layer; delivery comes in `poll`.
+        return None
+
+    def cancel(self, kvx_id: str) -> None:
+        push = self._pushes.get(kvx_id)
+        if push is not None:
+            self._fail(kvx_id, push, "cancelled by the prefill engine")
+
+    def _fail(self, kvx_id: str, push: _Push, why: str) -> None:
+        if push.failure is None:
+            push.failure = why
+            logger.warning("kvx: push of %s failed: %s", kvx_id, why)
+        tx, _ = self._tx()
+        for layer in sorted(push.open):
+            try:
+                tx.cancel(layer_request(kvx_id, layer))
+            except kvx.KvxError:
+                pass
+        self._settle(kvx_id, push)
+
+    def _settle(self, kvx_id: str, push: _Push) -> None:
+        """A push whose every layer ended is sent (its blocks here may be freed)."""
+        if push.open:
+            return
+        del self._pushes[kvx_id]
+        if push.failure is not None and not push.granted:
+            self._refused[kvx_id] = push.failure
+        self._sent.add(kvx_id)
+
+    def poll(self) -> TransferEvents:
+        events = TransferEvents()
+        if self.sender is None:
+            return events
+        for req_id, error in self.sender.next_ends(max=4096, timeout=0):
+            kvx_id, layer = split_layer_request(req_id)
+            push = self._pushes.get(kvx_id)
+            if push is None:
+                continue
+            push.open.discard(layer)
+            if error is not None and push.failure is None:
+                self._fail(kvx_id, push, f"layer {layer}: {error}")
+            else:
+                self._settle(kvx_id, push)
+        for kvx_id, push in list(self._pushes.items()):
+            if push.granted or push.failure is not None:
+                continue
+            for layer in list(push.open - push.admitted):
+                try:
+                    if self.sender.wait_admitted(layer_request(kvx_id, layer), timeout=0):
+                        push.admitted.add(layer)
+                except kvx.KvxError:
+                    pass  # its end comes through next_ends
+            if len(push.admitted) == push.layers:
+                push.granted = True
+                events.granted.add(kvx_id)
+        events.refused.update(self._refused)
+        self._refused.clear()
+        events.sent |= self._sent
+        self._sent.clear()
+        return events
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def transfer_for(settings: KvxVllmSettings, tp_rank: int, num_blocks: Optional[int]) -> Any:
+    """The transfer of ``settings.side``."""
+    if settings.side == "decode":
+        return DecodeTransfer(settings, tp_rank, num_blocks)
+    return PrefillTransfer(settings, tp_rank, num_blocks)
+
+
+__all__: List[str] = ["DecodeTransfer", "PrefillTransfer", "layer_request", "transfer_for"]
