@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
-test_worker.py and test_router.py must catch.
+test_worker.py, test_router.py and test_two_processes.py (two engine processes over kvx) must
+catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -18,7 +19,8 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
-         "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py"]
+         "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
+         "python/tests/kvx_vllm/test_two_processes.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -70,6 +72,22 @@ MUTANTS = {
         '            self.stats["client_gone"] += 1\n            prefill_task.cancel()\n',
         '            self.stats["client_gone"] += 1\n',
         "a client that goes away leaves its prefill request running (its blocks held, its push into a withdrawn reservation)"),
+    "transfer-prefix-hit-ignored": (PKG + "kvx_transfer.py",
+        "held = first_block * layout.pages_per_block",
+        "held = 0",
+        "the decode engine's prefix hit is not declared held: the prefill engine's every block is one more than the reservation has room for"),
+    "transfer-layers-share-slots": (PKG + "pages.py",
+        "base = layer * self.pages_per_layer",
+        "base = 0",
+        "every layer's pages are numbered as layer 0's (the layers' KV would land in one layer)"),
+    "transfer-failed-layer-consumed": (PKG + "kvx_transfer.py",
+        "if not back.consumed and load.failure is None:",
+        "if False:",
+        "a layer whose load failed (a checksum, a lost prefill engine) is counted as received"),
+    "transfer-copies-wrong-block": (PKG + "kvx_transfer.py",
+        "slot.write(layout.page(source, part, block))",
+        "slot.write(layout.page(source, part, index))",
+        "the prefill engine copies the block at the prompt's index instead of its own block id"),
 }
 
 

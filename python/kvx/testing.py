@@ -1,12 +1,47 @@
-"""kvx's synthetic workload, for tests and benchmarks that drive kvx from Python.
+"""kvx's synthetic workload and fault injection, for tests and benchmarks that drive kvx from
+Python.
 
 Each chunk's bytes derive from its request id and index, so a decoder can check every byte it
 reads without knowing anything else. These are the functions ``kvx demo`` itself runs (native
 code, in place, the GIL released), so that a Python-driven run and ``kvx demo`` make and check
 their bytes at the same cost.
+
+``corrupting_sender`` makes a sender whose writes go wrong after their checksum (zeroed), to test what
+a receiving program does with a load that failed it.
 """
 
+from typing import Any
+
+from kvx._kvx import Sender, StagingSlot
 from kvx._kvx import synthetic_check as check
 from kvx._kvx import synthetic_fill as fill
 
-__all__ = ["check", "fill"]
+
+class _CorruptingSender:
+    """A ``Sender`` (every attribute is the wrapped one's) whose ``add`` zeroes the chunk's
+    staging slot after kvx checksummed it."""
+
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sender, name)
+
+    def add(self, slot: StagingSlot, key: str, **kwargs: Any) -> None:
+        index = slot.index
+        self._sender.add(slot, key, **kwargs)
+        staging = self._sender.staging
+        assert staging is not None, "a sender's staging is always viewable"
+        size = self._sender.slot_bytes
+        staging[index * size : (index + 1) * size] = bytes(size)
+
+
+def corrupting_sender(**kwargs: Any) -> Sender:
+    """``Sender(**kwargs)`` whose every chunk is zeroed between its checksum and its write: each
+    write of a chunk that was not all zeros then fails the receiver's checksum (with checksums
+    on), and a receiver that did not check would hold very different bytes. For tests of what
+    a receiving program does with a failed load; never for real traffic."""
+    return _CorruptingSender(Sender(**kwargs))  # type: ignore[return-value]
+
+
+__all__ = ["check", "corrupting_sender", "fill"]

@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
-from kvx.vllm.transfer import KvTransfer, NotWiredTransfer  # noqa: E402
+from kvx.vllm.kvx_transfer import transfer_for  # noqa: E402
+from kvx.vllm.transfer import KvTransfer  # noqa: E402
 from kvx.vllm.worker import KvxWorker  # noqa: E402
 
 if TYPE_CHECKING:
@@ -98,7 +99,11 @@ class KvxConnector(KVConnectorBase_V1):
                     block_size, parallel.tensor_parallel_size, self.settings.grant_timeout_sec
                 )
         else:
-            self._worker = KvxWorker(transfer or NotWiredTransfer(), _tp_rank())
+            rank = _tp_rank()
+            if transfer is None:
+                num_blocks = getattr(kv_cache_config, "num_blocks", None)
+                transfer = transfer_for(self.settings, rank, num_blocks)
+            self._worker = KvxWorker(transfer, rank)
 
     # ---- scheduler side -------------------------------------------------------------
 

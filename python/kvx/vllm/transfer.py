@@ -1,7 +1,6 @@
 """The interface between ``KvxConnector``'s worker side and the bytes' transport:
 ``KvTransfer``. The worker side (``kvx.vllm.worker``) turns vLLM's calls into these; an
-implementation moves the KV. ``NotWiredTransfer`` is what the connector runs with until the
-implementation over kvx's Rust client exists (docs/vllm.md, "Not yet"); tests give their own.
+implementation moves the KV: ``kvx.vllm.kvx_transfer`` over kvx; tests give their own.
 
 Identities are kvx ids (the router's ``kvx_request_id``), never vLLM's request ids. A block
 index is the index of a block in the request's prompt (block ``i`` holds tokens
@@ -79,49 +78,3 @@ class KvTransfer(Protocol):
 
     def close(self) -> None:
         """Stops; pending transfers fail on the other side."""
-
-
-class NotWiredTransfer:
-    """The worker-side transfer until it runs over kvx's Rust client: refuses to start, so
-    that an engine configured with ``KvxConnector`` fails at once with the reason instead of
-    serving requests whose KV never moves."""
-
-    MESSAGE = (
-        "kvx.vllm: the worker-side KV transfer over kvx is not yet implemented (only the "
-        "scheduler side is); see docs/vllm.md, 'Not yet'"
-    )
-
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def release(self, kvx_id: str, reserved: bool) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def write_layer(
-        self,
-        kvx_id: str,
-        layer_name: str,
-        kv_layer: Any,
-        first_block: int,
-        block_ids: Sequence[int],
-        last: bool,
-    ) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def finish(self, kvx_id: str) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def cancel(self, kvx_id: str) -> None:
-        raise NotImplementedError(self.MESSAGE)
-
-    def poll(self) -> TransferEvents:
-        return TransferEvents()
-
-    def close(self) -> None:
-        return None

