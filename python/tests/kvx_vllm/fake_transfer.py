@@ -70,5 +70,8 @@ class FakeTransfer:
         events, self.pending = self.pending, TransferEvents()
         return events
 
+    def take_counts(self) -> Dict[str, int]:
+        return {}
+
     def close(self) -> None:
         self.calls.append(("close",))

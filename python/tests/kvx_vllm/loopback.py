@@ -70,6 +70,9 @@ class DecodeEnd:
         events, self.hub.decode_events = self.hub.decode_events, TransferEvents()
         return events
 
+    def take_counts(self) -> Dict[str, int]:
+        return {}
+
     def close(self) -> None:
         return None
 
@@ -121,6 +124,9 @@ class PrefillEnd:
         self.hub.settle()
         events, self.hub.prefill_events = self.hub.prefill_events, TransferEvents()
         return events
+
+    def take_counts(self) -> Dict[str, int]:
+        return {}
 
     def close(self) -> None:
         return None

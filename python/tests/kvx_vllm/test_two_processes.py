@@ -8,8 +8,10 @@ mid-push, an abort on the decode side. No vLLM needed."""
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,9 +27,17 @@ LAYERS, BLOCK_FLOATS = 3, 2 * 4 * 16
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below Linux's ephemeral range (32768 on), so that no port the OS
+    hands out in the meantime (vLLM's own sockets bind port 0) takes it before its server
+    binds it."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000..32000")
 
 
 class Engine:
@@ -40,6 +50,8 @@ class Engine:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self._read() == {"ready": True}
+        #: The transfer's counts over every step so far.
+        self.counts: collections.Counter = collections.Counter()
 
     def _read(self) -> Dict[str, Any]:
         import selectors
@@ -60,7 +72,9 @@ class Engine:
         return self._read()
 
     def step(self, plan: Optional[Dict[str, Any]] = None, finished: List[str] = (), forward: bool = False) -> Dict[str, Any]:
-        return self.ask(op="step", plan=plan or {}, finished=list(finished), forward=forward)
+        out = self.ask(op="step", plan=plan or {}, finished=list(finished), forward=forward)
+        self.counts.update(out["counts"])
+        return out
 
     def until(self, what: str, plan=None, finished=(), timeout: float = 15.0) -> Dict[str, Any]:
         """Steps (the first with ``plan``) until an answer's ``what`` is non-empty."""
@@ -124,6 +138,9 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
     assert done["received"] == ["d-k1"] and done["errors"] == []
     sent = prefill.until("sent", finished=["p-k1"])
     assert sent["sent"] == ["p-k1"]
+    assert decode.counts == {"received": 1}
+    # Every block of every layer is one write today (the held one too: kvx answers it).
+    assert prefill.counts == {"pushed": 1, "writes": 4 * LAYERS, "write_bytes": 4 * LAYERS * BLOCK_FLOATS * 4}
     want = prefill.blocks([3, 7, 8])
     got = decode.blocks([5, 6, 9])
     for layer in range(LAYERS):

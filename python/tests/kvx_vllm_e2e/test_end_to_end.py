@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -43,9 +44,17 @@ MAX_TOKENS = 16
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below Linux's ephemeral range (32768 on), so that no port the OS
+    hands out in the meantime (vLLM's own sockets bind port 0) takes it before its server
+    binds it."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000..32000")
 
 
 def prompts() -> List[str]:
