@@ -7,9 +7,12 @@ code, in place, the GIL released), so that a Python-driven run and ``kvx demo`` 
 their bytes at the same cost.
 
 ``corrupting_sender`` makes a sender whose writes go wrong after their checksum (zeroed), to test what
-a receiving program does with a load that failed it.
+a receiving program does with a load that failed it. ``free_port`` picks a loopback port for a
+test's server.
 """
 
+import random
+import socket
 from typing import Any
 
 from kvx._kvx import Sender, StagingSlot
@@ -44,4 +47,18 @@ def corrupting_sender(**kwargs: Any) -> Sender:
     return _CorruptingSender(Sender(**kwargs))  # type: ignore[return-value]
 
 
-__all__ = ["check", "corrupting_sender", "fill"]
+def free_port() -> int:
+    """A free loopback port below Linux's ephemeral range (32768 on), so that no port the OS
+    hands out in the meantime (to sockets bound to port 0, such as vLLM's own) takes it before
+    the test's server binds it."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000..32000")
+
+
+__all__ = ["check", "corrupting_sender", "fill", "free_port"]

@@ -69,15 +69,27 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("{what} within 10 s"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
+/// What `reserve_and_send` leaves running: the receiver, its returns stream and reader, the
+/// ready notice, and the sender's task.
+struct Sent {
+    _rx: kvx_node::ReceiverHandle<kvx_io::LocalMemory>,
+    returns: kvx_node::Returns,
+    reader: kvx_node::ChunkReader<kvx_io::LocalMemory>,
+    ready: kvx_node::ReadyRequest,
+    prefill:
+        tokio::task::JoinHandle<Result<synthetic::PrefillTiming, kvx_proto::sender::SendFailure>>,
+}
+
+/// A caller-placement receiver reserves `reserved` for request `id` (its first `held` chunks
+/// held), and a real sender sends all `chunks` of it; returns once the request is ready.
+async fn reserve_and_send(id: &str, held: u32, reserved: &[u32], chunks: u32) -> Sent {
     let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
     let mut rx = receiver(&env, Placement::Caller).await;
-    let mut returns = rx.take_returns().expect("the returns stream");
+    let returns = rx.take_returns().expect("the returns stream");
     assert!(rx.take_returns().is_none(), "taken once");
     let reader = rx.reader().clone();
     reader
-        .reserve("r", slots(&[6, 1, 4]))
+        .reserve_held(id, held, slots(reserved))
         .await
         .expect("reserved");
     let addr = ReceiverAddr {
@@ -85,13 +97,31 @@ async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
         fabric: rx.fabric_endpoint().to_owned(),
     };
     let (tx, peer) = sender(&env, addr).await;
-    let req = request(peer, "r", 3);
+    let req = request(peer, id, chunks);
     let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
     let ready = match within("the ready notice", rx.next_notice()).await {
         Some(ReceiverNotice::Ready(ready)) => ready,
         Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
         None => panic!("the receiver stopped"),
     };
+    Sent {
+        _rx: rx,
+        returns,
+        reader,
+        ready,
+        prefill,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
+    let Sent {
+        _rx,
+        mut returns,
+        reader,
+        ready,
+        prefill,
+    } = reserve_and_send("r", 0, &[6, 1, 4], 3).await;
     assert_eq!(
         ready.slots,
         slots(&[6, 1, 4]),
@@ -122,26 +152,13 @@ async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
 /// reserved slots in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_the_application_holds_are_not_written() {
-    let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
-    let mut rx = receiver(&env, Placement::Caller).await;
-    let mut returns = rx.take_returns().expect("the returns stream");
-    let reader = rx.reader().clone();
-    reader
-        .reserve_held("h", 2, slots(&[7, 0, 3]))
-        .await
-        .expect("reserved");
-    let addr = ReceiverAddr {
-        alloc: rx.alloc_endpoint().to_owned(),
-        fabric: rx.fabric_endpoint().to_owned(),
-    };
-    let (tx, peer) = sender(&env, addr).await;
-    let req = request(peer, "h", 5);
-    let prefill = tokio::spawn(async move { synthetic::prefill(&tx, &req).await });
-    let ready = match within("the ready notice", rx.next_notice()).await {
-        Some(ReceiverNotice::Ready(ready)) => ready,
-        Some(ReceiverNotice::Ended { key, outcome }) => panic!("{key} ended: {outcome}"),
-        None => panic!("the receiver stopped"),
-    };
+    let Sent {
+        _rx,
+        mut returns,
+        reader,
+        ready,
+        prefill,
+    } = reserve_and_send("h", 2, &[7, 0, 3], 5).await;
     assert_eq!(ready.slots, slots(&[7, 0, 3]), "chunk 2 + i in slot i");
     within("the prefill", prefill)
         .await

@@ -60,7 +60,7 @@ class KvxConnectorStats(KVConnectorStats):
     and failed (decode). ``reduce`` gives writes per request and bytes per write."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: Dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvxConnectorStats":
         total = dict(self.data)

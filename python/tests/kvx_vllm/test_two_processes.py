@@ -11,8 +11,6 @@ import base64
 import collections
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -20,24 +18,12 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from kvx.testing import free_port
+
 np = pytest.importorskip("numpy")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS, BLOCK_FLOATS = 3, 2 * 4 * 16
-
-
-def free_port() -> int:
-    """A free loopback port below Linux's ephemeral range (32768 on), so that no port the OS
-    hands out in the meantime (vLLM's own sockets bind port 0) takes it before its server
-    binds it."""
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000..32000")
 
 
 class Engine:

@@ -15,15 +15,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import random
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import pytest
 
@@ -37,24 +32,9 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import tiny_llama  # noqa: E402
+from cluster import START_TIMEOUT, Process, engine, free_port  # noqa: E402
 
-#: How long one engine may take to start (2 cores, two engines starting at once).
-START_TIMEOUT = 420
 MAX_TOKENS = 16
-
-
-def free_port() -> int:
-    """A free loopback port below Linux's ephemeral range (32768 on), so that no port the OS
-    hands out in the meantime (vLLM's own sockets bind port 0) takes it before its server
-    binds it."""
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000..32000")
 
 
 def prompts() -> List[str]:
@@ -62,56 +42,6 @@ def prompts() -> List[str]:
     words = tiny_llama.WORDS
     # From under one block (128 tokens on vLLM's CPU backend) to four.
     return [" ".join(words[i] for i in rng.integers(0, len(words), n)) for n in (5, 60, 130, 200, 290, 400)]
-
-
-class Process:
-    """A server process with its output in a log file; stopped (SIGTERM, then SIGKILL) by
-    ``stop``."""
-
-    def __init__(self, name: str, args: List[str], logdir: str, env: Optional[Dict[str, str]] = None) -> None:
-        self.name = name
-        self.log_path = os.path.join(logdir, f"{name}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-
-    def tail(self, lines: int = 30) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def wait_http(self, url: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                urllib.request.urlopen(url, timeout=2).read()
-                return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"{self.name} not up within {timeout} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = None) -> Tuple[Process, int]:
-    port = free_port()
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-            "--gpu-memory-utilization", "0.2", "--seed", "0"]
-    if kv is not None:
-        args += ["--kv-transfer-config", json.dumps(kv)]
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return Process(name, args, logdir, env), port
 
 
 def complete(port: int, model: str, prompt: str) -> str:
