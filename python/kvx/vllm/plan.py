@@ -27,7 +27,8 @@ class Reserve:
 class Release:
     """Decode: withdraw ``kvx_id`` (its request ended first). ``reserved``: its blocks were
     reserved, and the workers report the request received once no write can land in them;
-    else kvx only remembers the id, so that the prefill engine's claim is refused."""
+    else there is nothing to withdraw (the prefill engine's claim is refused after
+    ``claim_timeout_sec``)."""
 
     req_id: str
     kvx_id: str

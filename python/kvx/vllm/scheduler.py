@@ -114,9 +114,10 @@ class DecodeScheduler:
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """A decode request ended. Still waiting for its KV (aborted): its reservation is
         withdrawn, and vLLM keeps its blocks until the workers report it received, which
-        they do once no write can land in them. Never reserved: the kvx id is released so
-        that the prefill engine's claim is refused and it frees its blocks. vLLM's own
-        delay covers the first case, so this never asks for one."""
+        they do once no write can land in them. Never reserved: nothing to withdraw; the
+        prefill engine's claim is refused after ``claim_timeout_sec`` (the router aborts
+        the prefill request itself when its client goes away). vLLM's own delay covers the
+        first case, so this never asks for one."""
         rid = request.request_id
         self._warned.discard(rid)
         reserve = self.reserved.get(rid)
