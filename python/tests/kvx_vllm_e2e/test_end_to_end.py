@@ -2,9 +2,11 @@
 ``KvxConnector``, a prefill engine, a decode engine and ``python -m kvx.vllm.router`` in
 processes of their own over loopback, against one engine that is not disaggregated, all
 serving the same tiny Llama (``tiny_llama.py``). For a set of prompts of one to four blocks,
-sent at once: the decode engine's greedy output equals the single engine's, and the decode
-engine computed none of the prompt (vLLM's ``prompt_tokens_by_source`` counters: every prompt
-token came from the KV transfer). With a prefill engine whose writes are corrupted after their
+sent at once, then one extending one of them (whose first blocks the decode engine then finds
+in its own prefix cache: its reservation holds them): the decode engine's greedy output
+equals the single engine's, and the decode engine computed none of the prompt (vLLM's
+``prompt_tokens_by_source`` counters: every prompt token came from the KV transfer or the
+decode engine's own cache). With a prefill engine whose writes are corrupted after their
 checksum, the decode engine (``kv_load_failure_policy: recompute``) recomputes and still
 answers exactly as the single engine does: never different tokens.
 
@@ -52,9 +54,19 @@ def complete(port: int, model: str, prompt: str) -> str:
         return json.load(r)["choices"][0]["text"]
 
 
+def follow_up() -> str:
+    """A prompt that extends one of ``prompts()`` (of three blocks) by a block: sent after
+    those, it finds their first blocks in a decode engine's own prefix cache, which its
+    reservation then holds (kvx answers the prefill engine that they are sent)."""
+    rng = np.random.default_rng(4)
+    return prompts()[4] + " " + " ".join(tiny_llama.WORDS[i] for i in rng.integers(0, len(tiny_llama.WORDS), 100))
+
+
 def complete_all(port: int, model: str) -> List[str]:
+    """``prompts()`` all at once, then ``follow_up()``."""
     with concurrent.futures.ThreadPoolExecutor(len(prompts())) as pool:
-        return list(pool.map(lambda p: complete(port, model, p), prompts()))
+        texts = list(pool.map(lambda p: complete(port, model, p), prompts()))
+    return texts + [complete(port, model, follow_up())]
 
 
 def prompt_sources(port: int) -> Dict[str, float]:
@@ -120,9 +132,11 @@ def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model
         for p in procs:
             p.stop()
     assert got == single_engine_outputs
-    assert stats["requests"] == len(prompts()) and stats["prefill_failed"] == 0, stats
+    assert stats["requests"] == len(prompts()) + 1 and stats["prefill_failed"] == 0, stats
     assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
     assert sources["external_kv_transfer"] > 0, sources
+    # The follow-up's first blocks came from the decode engine's own prefix cache.
+    assert sources.get("local_cache_hit", 0) >= 2 * 128, sources
 
 
 def test_corrupted_writes_are_recomputed_never_answered_from(model, single_engine_outputs, tmp_path):
