@@ -115,26 +115,20 @@ async fn reserve_and_send(id: &str, held: u32, reserved: &[u32], chunks: u32) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
-    let Sent {
-        _rx,
-        mut returns,
-        reader,
-        ready,
-        prefill,
-    } = reserve_and_send("r", 0, &[6, 1, 4], 3).await;
+    let mut sent = reserve_and_send("r", 0, &[6, 1, 4], 3).await;
     assert_eq!(
-        ready.slots,
+        sent.ready.slots,
         slots(&[6, 1, 4]),
         "chunk i in the reservation's slot i"
     );
     // Every byte of chunk i is in slot i of the reservation.
-    let decoded = synthetic::decode(&reader, ready, CHUNK, true).await;
+    let decoded = synthetic::decode(&sent.reader, sent.ready, CHUNK, true).await;
     assert_eq!(decoded, Decoded::Verified(3 * CHUNK as u64));
-    within("the prefill", prefill)
+    within("the prefill", sent.prefill)
         .await
         .expect("joins")
         .expect("delivered");
-    let back = within("the return", returns.recv())
+    let back = within("the return", sent.returns.recv())
         .await
         .expect("a return");
     assert_eq!(
@@ -152,19 +146,13 @@ async fn a_sender_fills_the_slots_the_application_reserved_in_chunk_order() {
 /// reserved slots in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_the_application_holds_are_not_written() {
-    let Sent {
-        _rx,
-        mut returns,
-        reader,
-        ready,
-        prefill,
-    } = reserve_and_send("h", 2, &[7, 0, 3], 5).await;
-    assert_eq!(ready.slots, slots(&[7, 0, 3]), "chunk 2 + i in slot i");
-    within("the prefill", prefill)
+    let mut sent = reserve_and_send("h", 2, &[7, 0, 3], 5).await;
+    assert_eq!(sent.ready.slots, slots(&[7, 0, 3]), "chunk 2 + i in slot i");
+    within("the prefill", sent.prefill)
         .await
         .expect("joins")
         .expect("delivered, the held chunks counted as sent");
-    let lease = reader.lease(ready).await.expect("leased");
+    let lease = sent.reader.lease(sent.ready).await.expect("leased");
     for i in 0..3 {
         let mut ok = false;
         lease.inspect_chunk(i, CHUNK, &mut |got| {
@@ -173,7 +161,7 @@ async fn chunks_the_application_holds_are_not_written() {
         assert!(ok, "slot {i} holds chunk {} byte for byte", 2 + i);
     }
     lease.consume().await.expect("consumed");
-    let back = within("the return", returns.recv())
+    let back = within("the return", sent.returns.recv())
         .await
         .expect("a return");
     assert_eq!(back.slots, slots(&[7, 0, 3]));
