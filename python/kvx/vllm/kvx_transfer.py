@@ -196,7 +196,6 @@ class _Push:
     open: Set[int] = field(default_factory=set)
     admitted: Set[int] = field(default_factory=set)
     granted: bool = False
-    posted: bool = False
     failure: Optional[str] = None
 
 
@@ -281,7 +280,6 @@ class PrefillTransfer:
         layer = layout.layer_index(layer_name)
         sub = layer_request(kvx_id, layer)
         source = self._views[layer_name]
-        push.posted = True
         try:
             for index, block in enumerate(block_ids, start=first_block):
                 for part in range(layout.pages_per_block):

@@ -17,7 +17,7 @@ agree on chunk ``j * pages_per_block + k``. Does not import vLLM or torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -95,16 +95,9 @@ class PagedLayout:
 
     def layer_index(self, name: str) -> int:
         try:
-            return self._index()[name]
-        except KeyError:
+            return self.layer_names.index(name)
+        except ValueError:
             raise LayoutError(f"layer {name!r} is not one of the registered KV tensors") from None
-
-    def _index(self) -> Dict[str, int]:
-        index = self.__dict__.get("_by_name")
-        if index is None:
-            index = {n: i for i, n in enumerate(self.layer_names)}
-            object.__setattr__(self, "_by_name", index)
-        return index
 
     def block_pages(self, layer: int, block_ids: Sequence[int]) -> List[int]:
         """The slots of ``block_ids`` of ``layer``, in chunk order: block by block, a block's
