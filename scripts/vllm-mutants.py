@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
-test_worker.py, test_router.py and test_two_processes.py (two engine processes over kvx) must
-catch.
+test_worker.py, test_router.py, test_two_processes.py (two engine processes over kvx) and
+test_swarm.py (the lifecycle under seeded interleavings and faults) must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -20,7 +20,7 @@ SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
-         "python/tests/kvx_vllm/test_two_processes.py"]
+         "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -88,6 +88,16 @@ MUTANTS = {
         "slot.write(layout.page(source, part, block))",
         "slot.write(layout.page(source, part, index))",
         "the prefill engine copies the block at the prompt's index instead of its own block id"),
+    "granted-abort-not-cancelled": (PKG + "scheduler.py",
+        "            # engine's grant until cancelled, and a push that ends later must not be\n"
+        "            # reported for a request vLLM has freed.\n"
+        "            self._plan.cancel.append(rid)\n",
+        "",
+        "a prefill request aborted after its grant, before it ran, keeps its claim: the push's end is later reported for a request vLLM freed"),
+    "refused-push-end-kept": (PKG + "worker.py",
+        "        self._sent_early.discard(rid)\n",
+        "",
+        "the end of a push refused before any write is kept for ever (a leak per refused request)"),
 }
 
 
@@ -95,7 +105,8 @@ MUTANTS = {
 def main():
     venv = os.environ.get("KVX_VLLM_VENV", os.path.join(ROOT, "target/vllm-venv"))
     python = os.path.join(venv, "bin/python")
-    tests = lambda scratch: [os.path.join(scratch, t) for t in TESTS]
+    # -x: a mutant is caught by its first failing test; the swarm alone takes ~30 s.
+    tests = lambda scratch: ["-x", *(os.path.join(scratch, t) for t in TESTS)]
     python_mutants.main(MUTANTS, python, SCRATCH, tests, "scripts/vllm-mutants.py")
 
 

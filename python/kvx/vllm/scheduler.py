@@ -275,13 +275,19 @@ class PrefillScheduler:
 
     def request_finished(self, request: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """A prefill request ended. Its last push planned: the blocks stay until delivered.
+        Claimed or granted but never scheduled: cancelled, and the blocks free at once.
         Pushes begun but not all planned (aborted, preempted out): the transfer is cancelled
         and the blocks stay until the cancel is drained. Nothing pushed yet: cancelled, and
         the blocks free at once."""
         rid = request.request_id
         self._warned.discard(rid)
         self.refused.discard(rid)
-        self.granted.pop(rid, None)
+        if self.granted.pop(rid, None) is not None:
+            # Granted, never scheduled: nothing was pushed, but the claim holds the decode
+            # engine's grant until cancelled, and a push that ends later must not be
+            # reported for a request vLLM has freed.
+            self._plan.cancel.append(rid)
+            return False, None
         if self.claiming.pop(rid, None) is not None:
             self.grant_counts.pop(rid, None)
             self._plan.cancel.append(rid)

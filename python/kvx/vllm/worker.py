@@ -120,6 +120,10 @@ class KvxWorker:
         return sending, recving
 
     def _forget(self, rid: str) -> None:
+        """Drops every trace of ``rid``'s push (a push refused before any write may have
+        reported its end already: nothing waits for that report any more)."""
+        self._sent_early.discard(rid)
+        self._finished_by_vllm.discard(rid)
         kvx_id = self._claimed.pop(rid, None)
         if kvx_id is not None:
             self._by_kvx.pop(kvx_id, None)

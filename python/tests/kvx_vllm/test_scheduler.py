@@ -239,6 +239,20 @@ def test_prefill_abort_while_claiming_cancels_and_frees_at_once():
     assert not engine.connector.has_pending_push_work()
 
 
+def test_prefill_abort_after_the_grant_before_it_ran_cancels_and_frees_at_once():
+    engine = granted_prefill()
+    free = engine.free_blocks()
+    engine.step()  # the grant reaches the scheduler; the request runs from the next step
+    assert engine.connector._prefill.granted
+    engine.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+    engine.step()
+    assert ("cancel", "k1") in engine.transfer.calls  # the decode engine's grant is let go
+    assert "p1" not in engine.scheduler.requests and engine.free_blocks() >= free
+    engine.transfer.deliver("k1")  # the cancelled push's end: vLLM no longer knows p1
+    engine.step()  # vLLM's scheduler asserts on a finished_sending it does not know
+    assert not engine.connector.has_pending_push_work()
+
+
 def test_prefill_refused_runs_without_a_push():
     engine = Engine("kv_producer")
     engine.add("p1", PROMPT, prefill_params("k1"), max_tokens=1)

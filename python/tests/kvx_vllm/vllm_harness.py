@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from vllm.config import (
@@ -154,13 +154,15 @@ class Engine:
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, req_id: str, prompt_len: int, params: Optional[Dict[str, Any]], max_tokens: int = 4) -> Request:
+    def add(self, req_id: str, prompt_len: int, params: Optional[Dict[str, Any]], max_tokens: int = 4,
+            tokens: Optional[List[int]] = None) -> Request:
+        """Adds a request of ``prompt_len`` tokens (or the prompt ``tokens``)."""
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         if params is not None:
             sampling.extra_args = {"kv_transfer_params": params}
         request = Request(
             request_id=req_id,
-            prompt_token_ids=[10 + i % 500 for i in range(prompt_len)],
+            prompt_token_ids=list(tokens) if tokens is not None else [10 + i % 500 for i in range(prompt_len)],
             sampling_params=sampling,
             pooling_params=None,
             block_hasher=self.block_hasher,
@@ -168,14 +170,17 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> Any:
+    def step(self, forward: Optional[Callable[[Any], None]] = None) -> Any:
         """One engine step: schedule, the model runner's connector calls around a fake
-        forward (every layer's save_kv_layer), then the scheduler's update."""
+        forward (every layer's save_kv_layer, after ``forward(scheduler_output)`` when given,
+        which may fill the computed blocks), then the scheduler's update."""
         so = self.scheduler.schedule()
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
         if so.total_num_scheduled_tokens > 0:
+            if forward is not None:
+                forward(so)
             for name in LAYERS:
                 w.wait_for_layer_load(name)
                 w.save_kv_layer(name, self.kv_caches[name], None)

@@ -63,11 +63,13 @@ class Process:
 def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = None,
            env: Optional[Dict[str, str]] = None) -> Tuple[Process, int]:
     """A vLLM OpenAI server for ``model`` on a free port, with ``kv`` as its
-    ``--kv-transfer-config``; returns it and its port."""
+    ``--kv-transfer-config``; returns it and its port. ``KVX_E2E_ENGINE_ARGS`` adds
+    arguments of one's own to every engine (a benchmark's variations)."""
     port = free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
             "--gpu-memory-utilization", "0.2", "--seed", "0"]
+    args += os.environ.get("KVX_E2E_ENGINE_ARGS", "").split()
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
