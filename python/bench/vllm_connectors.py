@@ -198,7 +198,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             handover: List[float] = []
             for i, prompt in enumerate(prompts):
                 t, h = pair.request(prompt, args.max_tokens)
-                print(f"{name} {i}: ttft {1000 * t:.1f} ms, handover {1000 * h:.1f} ms", file=sys.stderr)
+                print(f"{name} {i}: at {time.monotonic():.4f} ttft {1000 * t:.1f} ms, handover {1000 * h:.1f} ms", file=sys.stderr)
                 if i >= args.warmup:
                     ttft.append(t)
                     handover.append(h)
