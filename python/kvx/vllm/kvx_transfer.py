@@ -25,6 +25,7 @@ Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -197,6 +198,12 @@ class _Push:
     admitted: Set[int] = field(default_factory=set)
     granted: bool = False
     failure: Optional[str] = None
+    #: ``time.monotonic()`` of its first write posted, and of the last layer's last one (the
+    #: forward pass is over); for the metrics' push and delivery times.
+    first_posted: Optional[float] = None
+    last_posted: Optional[float] = None
+    layers_posted: int = 0
+    nbytes: int = 0
 
 
 class PrefillTransfer:
@@ -280,6 +287,8 @@ class PrefillTransfer:
         layer = layout.layer_index(layer_name)
         sub = layer_request(kvx_id, layer)
         source = self._views[layer_name]
+        if push.first_posted is None:
+            push.first_posted = time.monotonic()
         try:
             for index, block in enumerate(block_ids, start=first_block):
                 for part in range(layout.pages_per_block):
@@ -288,7 +297,12 @@ class PrefillTransfer:
                     tx.add(slot, f"{index}.{part}", nbytes=layout.page_bytes)
                     self._counts["writes"] += 1
                     self._counts["write_bytes"] += layout.page_bytes
+                    push.nbytes += layout.page_bytes
             tx.submit(sub, last=last)
+            if last:
+                push.layers_posted += 1
+                if push.layers_posted == push.layers:
+                    push.last_posted = time.monotonic()
         except kvx.KvxError as e:
             self._fail(kvx_id, push, f"writing layer {layer}: {e}")
 
@@ -321,6 +335,12 @@ class PrefillTransfer:
         if push.failure is not None and not push.granted:
             self._refused[kvx_id] = push.failure
         self._counts["pushed" if push.failure is None else "push_failures"] += 1
+        if push.failure is None and push.first_posted is not None and push.last_posted is not None:
+            now = time.monotonic()
+            self._counts["timed_pushes"] += 1
+            self._counts["timed_bytes"] += push.nbytes
+            self._counts["push_us"] += int(1e6 * (now - push.first_posted))
+            self._counts["delivery_us"] += int(1e6 * (now - push.last_posted))
         self._sent.add(kvx_id)
 
     def poll(self) -> TransferEvents:

@@ -25,3 +25,10 @@ def test_counts_of_two_workers_sum_and_reduce_to_per_request_and_per_write_figur
     assert not total.is_empty()
     assert KvxConnectorStats(data={"received": 0}).is_empty()
     assert KvxConnectorStats(data={"received": 2, "load_failures": 1}).reduce() == {"received": 2, "load_failures": 1}
+
+
+def test_delivered_pushes_reduce_to_mean_times_and_bytes_per_second():
+    stats = KvxConnectorStats(data={"pushed": 2, "writes": 4, "write_bytes": 4 * 1000, "timed_pushes": 2,
+                                    "timed_bytes": 4000, "push_us": 8000, "delivery_us": 1000})
+    out = stats.reduce()
+    assert (out["push_ms"], out["delivery_ms"], out["push_mb_per_s"]) == (4.0, 0.5, 0.5)

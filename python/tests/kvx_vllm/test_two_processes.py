@@ -126,7 +126,10 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
     assert sent["sent"] == ["p-k1"]
     assert decode.counts == {"received": 1}
     # Every block of every layer is one write today (the held one too: kvx answers it).
-    assert prefill.counts == {"pushed": 1, "writes": 4 * LAYERS, "write_bytes": 4 * LAYERS * BLOCK_FLOATS * 4}
+    timed = {k: prefill.counts.pop(k) for k in ("push_us", "delivery_us")}
+    assert prefill.counts == {"pushed": 1, "writes": 4 * LAYERS, "write_bytes": 4 * LAYERS * BLOCK_FLOATS * 4,
+                              "timed_pushes": 1, "timed_bytes": 4 * LAYERS * BLOCK_FLOATS * 4}
+    assert 0 <= timed["delivery_us"] <= timed["push_us"] < 60_000_000, timed
     want = prefill.blocks([3, 7, 8])
     got = decode.blocks([5, 6, 9])
     for layer in range(LAYERS):

@@ -61,10 +61,11 @@ class Process:
 
 
 def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = None,
-           env: Optional[Dict[str, str]] = None) -> Tuple[Process, int]:
+           env: Optional[Dict[str, str]] = None, cpus: Optional[str] = None) -> Tuple[Process, int]:
     """A vLLM OpenAI server for ``model`` on a free port, with ``kv`` as its
     ``--kv-transfer-config``; returns it and its port. ``KVX_E2E_ENGINE_ARGS`` adds
-    arguments of one's own to every engine (a benchmark's variations)."""
+    arguments of one's own to every engine (a benchmark's variations). ``cpus`` (a
+    ``taskset -c`` list) pins the engine's processes and its compute threads to those CPUs."""
     port = free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
@@ -74,6 +75,9 @@ def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = No
         args += ["--kv-transfer-config", json.dumps(kv)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    if cpus is not None:
+        args = ["taskset", "-c", cpus, *args]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     return Process(name, args, logdir, env), port
 
 
