@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Set, Tuple
 
 from kvx.vllm.runs import block_runs
 from kvx.vllm.transfer import TransferEvents
+from transfer_ends import QuietEnd, take_events
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Hub:
 
 
 @dataclass
-class DecodeEnd:
+class DecodeEnd(QuietEnd):
     """The decode engine's worker end."""
 
     hub: Hub
@@ -67,18 +68,11 @@ class DecodeEnd:
 
     def poll(self) -> TransferEvents:
         self.hub.settle()
-        events, self.hub.decode_events = self.hub.decode_events, TransferEvents()
-        return events
-
-    def take_counts(self) -> Dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        return None
+        return take_events(self.hub, "decode_events")
 
 
 @dataclass
-class PrefillEnd:
+class PrefillEnd(QuietEnd):
     """The prefill engine's worker end."""
 
     hub: Hub
@@ -122,11 +116,5 @@ class PrefillEnd:
 
     def poll(self) -> TransferEvents:
         self.hub.settle()
-        events, self.hub.prefill_events = self.hub.prefill_events, TransferEvents()
-        return events
+        return take_events(self.hub, "prefill_events")
 
-    def take_counts(self) -> Dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        return None

@@ -37,6 +37,7 @@ from vllm_harness import BLOCK_SIZE, LAYERS, Engine
 
 from kvx.vllm import params
 from kvx.vllm.transfer import TransferEvents
+from transfer_ends import QuietEnd, take_events
 
 
 @dataclass
@@ -235,7 +236,7 @@ class KvxModel:
 
 
 @dataclass
-class DecodeEnd:
+class DecodeEnd(QuietEnd):
     """``KvTransfer`` of the decode engine's worker over the model."""
 
     kvx: KvxModel
@@ -250,18 +251,11 @@ class DecodeEnd:
         self.kvx.release(kvx_id, reserved)
 
     def poll(self) -> TransferEvents:
-        events, self.kvx.decode_events = self.kvx.decode_events, TransferEvents()
-        return events
-
-    def take_counts(self) -> Dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        return None
+        return take_events(self.kvx, "decode_events")
 
 
 @dataclass
-class PrefillEnd:
+class PrefillEnd(QuietEnd):
     """``KvTransfer`` of the prefill engine's worker over the model."""
 
     kvx: KvxModel
@@ -283,14 +277,7 @@ class PrefillEnd:
         self.kvx.cancel(kvx_id)
 
     def poll(self) -> TransferEvents:
-        events, self.kvx.prefill_events = self.kvx.prefill_events, TransferEvents()
-        return events
-
-    def take_counts(self) -> Dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        return None
+        return take_events(self.kvx, "prefill_events")
 
 
 def kv_value(tokens: Sequence[int], pos: int, layer: int) -> float:
