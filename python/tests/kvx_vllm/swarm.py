@@ -76,7 +76,10 @@ class KvxModel:
 
     def __init__(self) -> None:
         self.reservations: Dict[str, Reservation] = {}
-        self.released_unreserved: Set[str] = set()
+        #: Ids whose reservation ended and went, or that were released unreserved: a claim of
+        #: one waits for a reservation that never comes, and is refused at the receiver's
+        #: admission timeout.
+        self.gone: Set[str] = set()
         self.claims: Dict[str, Claim] = {}
         self.decode_events = TransferEvents()
         self.prefill_events = TransferEvents()
@@ -97,7 +100,7 @@ class KvxModel:
         res = self.reservations.get(kvx_id)
         if res is None or res.over:
             if not reserved:
-                self.released_unreserved.add(kvx_id)
+                self.gone.add(kvx_id)
             return
         res.withdrawn = True
 
@@ -152,7 +155,7 @@ class KvxModel:
             if claim.state == "pending":
                 if res is not None and not res.withdrawn and not res.over:
                     out.append(("grant", kvx_id))
-                if kvx_id in self.released_unreserved or (res is not None and (res.withdrawn or res.over)):
+                if kvx_id in self.gone or (res is not None and (res.withdrawn or res.over)):
                     out.append(("refuse", kvx_id))
             if claim.writes:
                 out.append(("land", kvx_id))
@@ -233,6 +236,7 @@ class KvxModel:
             raise AssertionError(event)
         if res is not None and res.over and kvx_id not in self.claims:
             del self.reservations[kvx_id]
+            self.gone.add(kvx_id)
 
 
 @dataclass
