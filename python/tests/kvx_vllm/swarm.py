@@ -68,7 +68,6 @@ class Claim:
     state: str = "pending"  # pending → granted → (done | failed)
     writes: List[Write] = field(default_factory=list)
     layers_done: Set[str] = field(default_factory=set)
-    failure: Optional[str] = None
 
 
 class KvxModel:
@@ -87,7 +86,6 @@ class KvxModel:
         self.on_land: Callable[[Write], None] = lambda w: None
         self.decode_kv: Dict[str, Any] = {}
         self.prefill_kv: Dict[str, Any] = {}
-        self.landed = 0
         #: Pushes delivered whole.
         self.delivered: Set[str] = set()
 
@@ -133,7 +131,7 @@ class KvxModel:
         """The push failed; the decode load fails with it (a receiver fails a request whose
         sender cancelled or broke). Posted writes still drain (``drain``)."""
         was_granted = claim.state == "granted"
-        claim.state, claim.failure = "failed", why
+        claim.state = "failed"
         if not was_granted:
             self.prefill_events.refused[kvx_id] = why
         res = self.reservations.get(kvx_id)
@@ -204,7 +202,6 @@ class KvxModel:
                     self._fail_claim(kvx_id, claim, "write refused: grant withdrawn")
                 return
             self.on_land(write)
-            self.landed += 1
             target = self.decode_kv[write.layer][write.dst]
             target.copy_(self.prefill_kv[write.layer][write.src])
             if event == "corrupt":
