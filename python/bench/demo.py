@@ -2,6 +2,7 @@
 itself in the same run (docs/PERFORMANCE.md, "Python").
 
     target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm] [--driver threads|asyncio]
+    target/pyenv/bin/python python/bench/demo.py --baseline-kvx BIN --baseline-package DIR [--rounds 20]
 
 Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
 in flight per sender, batches of 4, 4 staging slots per sender, one receiver of 64 slots,
@@ -17,11 +18,20 @@ figure is the binding's overhead and not the bytes' movement.
 
 Prints one JSON object: each round's bytes/s for both, the ratio of their medians and the
 median of each round's ratio, and the per-chunk cost in µs.
+
+`--baseline-kvx BIN --baseline-package DIR` compares a change with a baseline build in the
+same run: BIN is the baseline's `kvx` binary, DIR holds its `kvx` package (its wheel
+unpacked there, `python -m zipfile -e kvx-*.whl DIR`). Each round then runs four in turn: the baseline's `kvx demo`, this
+build's, the baseline's Python run and this build's, each Python run in a process of its
+own (the baseline's package first on its path), and the JSON holds each round's four
+figures, both builds' Python/Rust ratios (medians of the rounds' ratios) and the medians of
+the rounds' this-build/baseline ratios.
 """
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -176,6 +186,39 @@ def rust_demo(kvx_bin: str, seed: int, fabric: str = "tcp") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def python_demo_in_subprocess(seed: int, fabric: str, package_dir: str = "") -> float:
+    """`python_demo` in a fresh interpreter whose `kvx` is the one in `package_dir` (this
+    build's when empty): bytes/s."""
+    env = dict(os.environ)
+    if package_dir:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_dir, env.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one-python-round", str(seed), "--fabric", fabric],
+        capture_output=True, text=True, timeout=300, check=True, env=env,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_sec"]
+
+
+def against_baseline(baseline_kvx: str, baseline_package: str, kvx_bin: str, rounds: int,
+                     fabric: str) -> dict:
+    rows = []
+    for r in range(rounds):  # the four in turn, so that all see the same machine
+        rows.append((
+            rust_demo(baseline_kvx, r, fabric)["bytes_per_sec"],
+            rust_demo(kvx_bin, r, fabric)["bytes_per_sec"],
+            python_demo_in_subprocess(r, fabric, baseline_package),
+            python_demo_in_subprocess(r, fabric),
+        ))
+    med = statistics.median
+    return {
+        "rounds_baseline_rust_rust_baseline_python_python": rows,
+        "baseline_ratio_median_of_rounds": med(bp / br for br, _, bp, _ in rows),
+        "ratio_median_of_rounds": med(p / r for _, r, _, p in rows),
+        "python_over_baseline_python": med(p / bp for _, _, bp, p in rows),
+        "rust_over_baseline_rust": med(r / br for br, r, _, _ in rows),
+    }
+
+
 def staging_round_cost(chunks: int = 20_000) -> float:
     """µs of Python-side time per chunk for allocate + add (+ a submit per 8 chunks)."""
     rx = kvx.Receiver(slots=256, slot_bytes=4096, transport="mem", fabric="mem",
@@ -224,7 +267,24 @@ def main():
     ap.add_argument("--threads-per-sender", type=int, choices=(1, 2, 4), default=IN_FLIGHT,
                     help="threads driving each sender's 4 requests in flight (default 4: one "
                     "each; 2 or 1: two or four requests per thread, a chunk of each in turn)")
+    ap.add_argument("--baseline-kvx", metavar="BIN",
+                    help="a baseline build's kvx binary, to compare with (needs --baseline-package)")
+    ap.add_argument("--baseline-package", metavar="DIR",
+                    help="the directory holding that build's kvx package (its wheel unpacked)")
+    ap.add_argument("--one-python-round", type=int, metavar="SEED", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one_python_round is not None:
+        p = python_demo(args.one_python_round, args.fabric)
+        if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
+            raise SystemExit(f"python demo lost or corrupted bytes: {p}")
+        print(json.dumps(p))
+        return
+    if bool(args.baseline_kvx) != bool(args.baseline_package):
+        ap.error("--baseline-kvx and --baseline-package go together")
+    if args.baseline_kvx:
+        print(json.dumps(against_baseline(args.baseline_kvx, args.baseline_package, args.kvx,
+                                          args.rounds, args.fabric)))
+        return
     rust, py = [], []
     for r in range(args.rounds):  # alternated, so that both see the same machine
         rust.append(rust_demo(args.kvx, r, args.fabric)["bytes_per_sec"])

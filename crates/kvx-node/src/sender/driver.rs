@@ -69,6 +69,9 @@ pub(super) struct Driver<E: Env> {
     /// acknowledged to the transport (`kvx_io::DISCONNECT_ACK`), which drops everything sent
     /// to them until then.
     acks_due: Vec<PeerId>,
+    /// A write completed since the allocate calls were last woken: they are woken once the
+    /// round's writes are posted (`run`).
+    staging_freed: bool,
     /// The live fabric connection to each receiver, with its generation (so that errors of
     /// a connection already replaced do not reset its successor) and the credential it
     /// attached with.
@@ -124,6 +127,7 @@ impl<E: Env> Driver<E> {
             awaiting_connect: BTreeMap::new(),
             control_down: Default::default(),
             acks_due: Vec::new(),
+            staging_freed: false,
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
             write_started: Vec::new(),
@@ -158,6 +162,13 @@ impl<E: Env> Driver<E> {
             }
             if busy {
                 self.shared.poke.notify_one();
+            }
+            // The allocate calls a completed write freed a slot for are woken only now, with
+            // the writes it let the core post already posted: on a core shared with them, a
+            // woken prefill thread takes the CPU from this task at once (two in three of
+            // the driver's context switches went so, its writes waiting meanwhile).
+            if std::mem::take(&mut self.staging_freed) {
+                self.shared.wake_allocators();
             }
             let (deadline, shutdown) = {
                 let core = self.shared.lock();
@@ -260,11 +271,11 @@ impl<E: Env> Driver<E> {
                 );
                 core.flow
                     .handle_write_done(now, c.id, c.result.map_err(|e| e.to_string()));
-                // A completed write frees a staging slot without any core event: wake the
-                // allocators waiting for one, async and blocking alike (and no one else: a
-                // request it completes is an event, which wakes everyone).
+                // A completed write frees a staging slot without any core event: the
+                // allocate calls waiting for one are woken after this round (`run`), and
+                // no one else (a request it completes is an event, which wakes its own).
                 drop(core);
-                self.shared.wake_allocators();
+                self.staging_freed = true;
                 // A connection whose writes fail (a QP in error, a dropped socket) is never
                 // used again: replace it (found by the simulation: it once never was).
                 if broken {
@@ -491,6 +502,7 @@ impl<E: Env> Driver<E> {
 
     fn on_events(&mut self, events: Vec<SenderEvent>) {
         let mut stalled = Vec::new();
+        self.shared.wake_for(&events);
         for ev in events {
             match ev {
                 // Waiters read admission and outcomes from the core, woken below.
@@ -530,7 +542,6 @@ impl<E: Env> Driver<E> {
             self.flush_parked(receiver, "write overdue while the fabric reconnects");
             self.reset_fabric(receiver);
         }
-        self.shared.wake_all();
     }
 }
 

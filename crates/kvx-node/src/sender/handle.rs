@@ -3,6 +3,7 @@
 //! directly and pokes the driver task when the core has something for it to carry out.
 
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use kvx_io::{Env, Fabric, SlotMemory};
@@ -11,6 +12,7 @@ use kvx_proto::{PeerId, ReqId, StagingSlot};
 use tokio::sync::{mpsc, watch};
 
 use super::driver::Cmd;
+use super::sleepers::{TaskSleeper, Wake};
 use super::staging_turn::StagingTurn;
 use super::{ReceiverAddr, RequestEnd, Shared};
 use crate::StartError;
@@ -121,33 +123,38 @@ impl<E: Env> SenderHandle<E> {
         req_id: &ReqId,
         done: impl Fn(&SenderFlow) -> bool,
     ) -> Result<(), SendFailure> {
-        let mut version = self.shared.status.subscribe();
-        loop {
-            {
-                let core = self.shared.lock();
-                if let Some(outcome) = core.flow.outcome(req_id) {
-                    return outcome;
-                }
-                if done(&core.flow) {
-                    return Ok(());
-                }
-                if !core.flow.knows(req_id) {
-                    return Err(SendFailure::Misuse(format!(
-                        "request {req_id} is not known"
-                    )));
-                }
-                if self.stopped(&core) {
-                    return Err(SendFailure::Stopped);
-                }
+        // Woken by an event of this request, or by one that concerns every waiter
+        // (`sleepers.rs`).
+        let mut sleeper = TaskSleeper {
+            shared: &self.shared,
+            sleeper: None,
+        };
+        let changed = std::future::poll_fn(|cx| {
+            let mut core = self.shared.lock();
+            sleeper.leave(&mut core.sleepers);
+            if let Some(outcome) = core.flow.outcome(req_id) {
+                return Poll::Ready(outcome);
             }
-            tokio::select! {
-                changed = version.changed() => if changed.is_err() {
-                    return Err(SendFailure::Stopped);
-                },
-                // A driver that ended without a shutdown (a panic, its runtime dropped)
-                // changes no status: its end is heard here.
-                () = self.driver_ended() => return Err(SendFailure::Stopped),
+            if done(&core.flow) {
+                return Poll::Ready(Ok(()));
             }
+            if !core.flow.knows(req_id) {
+                return Poll::Ready(Err(SendFailure::Misuse(format!(
+                    "request {req_id} is not known"
+                ))));
+            }
+            if self.stopped(&core) {
+                return Poll::Ready(Err(SendFailure::Stopped));
+            }
+            let wake = Wake::Task(cx.waker().clone());
+            sleeper.sleeper = Some(core.sleepers.join_request(req_id, wake));
+            Poll::Pending
+        });
+        tokio::select! {
+            result = changed => result,
+            // A driver that ended without a shutdown (a panic, its runtime dropped)
+            // changes no status: its end is heard here.
+            () = self.driver_ended() => Err(SendFailure::Stopped),
         }
     }
 
@@ -187,8 +194,10 @@ impl<E: Env> SenderHandle<E> {
                 return Err(SendError::StagingTimedOut(timeout));
             }
             // Woken by its turn (`sleepers.rs`), or by the bound.
-            let sleeper = core.sleepers.join(turn.waiting());
-            let cv = sleeper.cv.clone();
+            let cv = Arc::new(std::sync::Condvar::new());
+            let holding = !held.is_empty();
+            let wake = Wake::Thread(cv.clone());
+            let sleeper = core.sleepers.join(turn.waiting(), holding, wake);
             core = cv
                 .wait_timeout(core, left)
                 .unwrap_or_else(|p| p.into_inner())
@@ -214,35 +223,38 @@ impl<E: Env> SenderHandle<E> {
         held: &mut Vec<ChunkSpec>,
         timeout: Duration,
     ) -> Result<StagingSlot, SendError> {
-        let mut version = self.shared.staging.subscribe();
         let mut turn = StagingTurn::new(&self.shared);
-        let attempt = async {
-            let stopped = || Err(SendError::Failed(req_id.clone(), SendFailure::Stopped));
-            loop {
-                let now = self.now();
-                {
-                    let mut core = self.shared.lock();
-                    if self.stopped(&core) {
-                        return stopped();
-                    }
-                    if let Some(result) = turn.attempt(&mut core, now, req_id, held) {
-                        return result;
-                    }
-                }
-                tokio::select! {
-                    changed = version.changed() => if changed.is_err() {
-                        return stopped();
-                    },
-                    () = self.driver_ended() => return stopped(),
-                }
-            }
+        // Registered by turn as a blocked thread is (`sleepers.rs`): a freed slot wakes the
+        // call whose turn it is, not every waiting one.
+        let mut sleeper = TaskSleeper {
+            shared: &self.shared,
+            sleeper: None,
         };
+        let attempt = std::future::poll_fn(|cx| {
+            let now = self.now();
+            let mut core = self.shared.lock();
+            sleeper.leave(&mut core.sleepers);
+            if self.stopped(&core) {
+                turn.leave(&mut core);
+                return Poll::Ready(Err(SendError::Failed(req_id.clone(), SendFailure::Stopped)));
+            }
+            if let Some(result) = turn.attempt(&mut core, now, req_id, held) {
+                return Poll::Ready(result);
+            }
+            let wake = Wake::Task(cx.waker().clone());
+            let holding = !held.is_empty();
+            sleeper.sleeper = Some(core.sleepers.join(turn.waiting(), holding, wake));
+            Poll::Pending
+        });
         let deadline = self.now() + timeout;
         tokio::select! {
             result = attempt => result,
+            () = self.driver_ended() => {
+                Err(SendError::Failed(req_id.clone(), SendFailure::Stopped))
+            }
             () = self.env.sleep_until(deadline) => Err(SendError::StagingTimedOut(timeout)),
         }
-        // `turn` leaves the queue here if the call timed out while waiting.
+        // `sleeper` and `turn` leave the queues here if the call ended while waiting.
     }
 
     /// Copies a chunk's bytes into a staging slot the caller holds (and computes its

@@ -5,14 +5,13 @@
 //! replies, completions and timers.
 //!
 //! Wake-ups: every handle call that changes the core pokes the task (`tokio::sync::Notify`,
-//! which keeps a permit, so none is lost). Waiters are woken by what they wait for, so that
-//! a completed write does not wake every thread blocked on the sender: a request's change of
-//! state (admitted, ended) or a stop wakes everyone (`Shared::wake_all`: a `watch` version
-//! for `admitted`/`outcome`, and the allocators' wake below), so a cancel wakes a thread
-//! blocked in `allocate_blocking` with an error; staging that may have freed (a write
-//! completed, a slot released, the oldest waiter served) wakes only the allocate calls
-//! (`Shared::wake_allocators`: a second `watch` version for async ones, and of the blocked
-//! prefill threads only those whose turn it is, `sleepers.rs`).
+//! which keeps a permit, so none is lost). Waiters are woken by what they wait for
+//! (`sleepers.rs`), so that a completed write does not wake every thread blocked on the
+//! sender: a request's event wakes the calls waiting for that request; staging that may
+//! have freed (a write completed, a slot released, the oldest waiter served) wakes only
+//! the allocate calls whose turn it is, blocking or async (`Shared::wake_allocators`); a
+//! failure, a cancel or a stop wakes everyone (`Shared::wake_all`), so a cancel wakes a
+//! thread blocked in `allocate_blocking` with an error.
 //!
 //! - `mod.rs`: `SenderNode::start`, and what the task and the handles share (`Shared`).
 //! - `handle.rs`: `SenderHandle`, the calls a prefill makes.
@@ -20,20 +19,21 @@
 //!   transmits, writes and events out; `driver/fabric_link.rs`: fabric connections, and
 //!   writes parked while one is replaced.
 //! - `staging_turn.rs`: an allocate call's wait for staging (the order is the core's).
-//! - `sleepers.rs`: the threads blocked in `allocate_blocking`, woken by turn.
+//! - `sleepers.rs`: the calls waiting on the sender, each woken by what it waits for.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvx_io::{Env, ExternalRegion, Fabric, SlotMemory, Transport};
-use kvx_proto::sender::SenderFlow;
+use kvx_proto::sender::{SenderEvent, SenderFlow};
 use kvx_proto::{PeerId, SenderConfig};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, Notify};
 
 use crate::StartError;
 use driver::Driver;
 pub use handle::SenderHandle;
+use sleepers::Wakes;
 
 mod driver;
 mod handle;
@@ -62,7 +62,7 @@ struct Core {
     /// the requests the flow tracks.
     begun_at: BTreeMap<kvx_proto::ReqId, kvx_proto::Instant>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
-    /// The threads blocked in `allocate_blocking`.
+    /// The allocate calls waiting for staging.
     sleepers: sleepers::Sleepers,
     next_peer: u64,
     shutdown: bool,
@@ -73,12 +73,6 @@ struct Shared {
     core: Mutex<Core>,
     /// Pokes the driver task after a handle call changed the core.
     poke: Notify,
-    /// Bumped when a request's state changes (a core event) or the sender stops: what
-    /// `admitted` and `outcome` wait for.
-    status: watch::Sender<u64>,
-    /// Bumped with `status` and whenever staging may have freed: what async allocate calls
-    /// wait for (threads blocked in `allocate_blocking` are `Core::sleepers`).
-    staging: watch::Sender<u64>,
     /// Bytes staged in each staging slot (a partial last chunk writes fewer).
     lens: Vec<AtomicUsize>,
     /// The checksum of what each staging slot holds, with `CHECKSUM_SET` or-ed in once one
@@ -107,17 +101,49 @@ impl Shared {
     /// Wakes the allocate calls waiting for staging: a slot may be free, or the turn may
     /// have passed to them. Takes the core's lock: never call it holding that.
     fn wake_allocators(&self) {
-        self.staging.send_modify(|v| *v += 1);
-        let core = self.lock();
-        core.sleepers.wake_for_staging(&core.flow);
+        let wakes = {
+            let core = self.lock();
+            core.sleepers.for_staging(&core.flow)
+        };
+        wakes.wake();
     }
 
-    /// Wakes every waiter: a request's state changed, or the sender stops. Takes the core's
+    /// Wakes the waiters that the core's events concern (`sleepers.rs`): the calls waiting
+    /// for an admitted or delivered request's state; when a request was admitted, the
+    /// allocate calls waiting for their request's admission; when one was delivered, those
+    /// whose staging turn it is, if a slot is free (a completed write frees its slot and
+    /// wakes them then: this is only a second look); every waiting call when a request
+    /// failed (its own calls must answer with the failure, and its slots come back) or a
+    /// connection was reset. Takes the core's lock: never call it holding that.
+    fn wake_for(&self, events: &[SenderEvent]) {
+        let wakes = {
+            let core = self.lock();
+            let mut wakes = Wakes::default();
+            for ev in events {
+                wakes = wakes.and(match ev {
+                    SenderEvent::Admitted { req_id } => core
+                        .sleepers
+                        .for_request(req_id)
+                        .and(core.sleepers.unadmitted()),
+                    SenderEvent::Delivered { req_id } => core
+                        .sleepers
+                        .for_request(req_id)
+                        .and(core.sleepers.for_staging(&core.flow)),
+                    SenderEvent::Failed { .. }
+                    | SenderEvent::ChannelReset { .. }
+                    | SenderEvent::FabricStalled { .. } => core.sleepers.all(),
+                });
+            }
+            wakes
+        };
+        wakes.wake();
+    }
+
+    /// Wakes every waiter: a request was cancelled, or the sender stops. Takes the core's
     /// lock: never call it holding that.
     fn wake_all(&self) {
-        self.status.send_modify(|v| *v += 1);
-        self.staging.send_modify(|v| *v += 1);
-        self.lock().sleepers.wake_all();
+        let wakes = self.lock().sleepers.all();
+        wakes.wake();
     }
 
     /// Records what `slot` now holds: its length and, when enabled, its checksum (computed
@@ -216,8 +242,6 @@ impl SenderNode {
             Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),
             None => None,
         };
-        let (status, _) = watch::channel(0);
-        let (staging, _) = watch::channel(0);
         let shared = Arc::new(Shared {
             core: Mutex::new(Core {
                 flow,
@@ -228,8 +252,6 @@ impl SenderNode {
                 shutdown: false,
             }),
             poke: Notify::new(),
-            status,
-            staging,
             lens: (0..cfg.staging_slots)
                 .map(|_| AtomicUsize::new(chunk_bytes))
                 .collect(),

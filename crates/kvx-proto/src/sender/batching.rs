@@ -88,6 +88,12 @@ impl SenderFlow {
         self.requests.get(req_id).map_or(0, |r| r.added.len())
     }
 
+    /// Whether some request's pending batch holds chunks (an allocate attempt that finds
+    /// every slot held by unsubmitted chunks then submits them, S11).
+    pub fn has_pending_batches(&self) -> bool {
+        self.requests.values().any(|r| !r.added.is_empty())
+    }
+
     /// Takes a staging slot for `req_id` as `try_allocate` does. When none is free and
     /// every taken slot holds an unsubmitted chunk, first submits what can free staging
     /// (none of it as the last batch) and tries again (usually `WouldBlock` then, until

@@ -140,9 +140,10 @@ impl StagingWaiters {
         false
     }
 
-    /// Forgets every waiting call of `age` (its request ended). Its end is an event, which a
-    /// driver answers by waking every wait, so no caller needs to know whether it was the
-    /// oldest.
+    /// Forgets every waiting call of `age` (its request ended). No caller needs to know
+    /// whether it was the oldest: a failure is an event that a driver answers by waking
+    /// every wait, and a delivered request has no call left waiting (each chunk it declared
+    /// had staging).
     pub fn remove_all(&mut self, age: Age) {
         self.waiting.remove(&age);
     }
