@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
-test_worker.py, test_router.py, test_two_processes.py (two engine processes over kvx) and
-test_swarm.py (the lifecycle under seeded interleavings and faults) must catch.
+test_worker.py, test_router.py, test_two_processes.py (two engine processes over kvx),
+test_swarm.py (the lifecycle under seeded interleavings and faults) and test_explore.py (the
+same, every interleaving of small worlds) must catch.
 
 Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx installed in
 the test environment beside it, applies one mutation at a time to the copy, and runs the
@@ -20,7 +21,8 @@ SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
-         "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py"]
+         "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
+         "python/tests/kvx_vllm/test_explore.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {

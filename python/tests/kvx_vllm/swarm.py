@@ -295,28 +295,53 @@ def token_kv(engine: Engine, layer: str, block: int, pos: int) -> Any:
     return engine.kv_caches[layer][block][:, pos % BLOCK_SIZE, :]
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What a world is made of: the engines' settings, the prompts' lengths, and the order in
+    which the requests reach the engines."""
+
+    failure_policy: str
+    prefix_caching: bool
+    decode_batch: int  # max_num_batched_tokens
+    prefill_batch: int
+    prompt_lengths: Tuple[int, ...]
+    #: (side, request) in the order ``add`` takes them.
+    adds: Tuple[Tuple[str, str], ...]
+
+    @staticmethod
+    def drawn(rng: random.Random, requests: int) -> "Shape":
+        failure_policy = rng.choice(("fail", "recompute"))
+        prefix_caching = rng.random() < 0.5
+        decode_batch = rng.choice((BLOCK_SIZE, 8 * BLOCK_SIZE))
+        prefill_batch = rng.choice((BLOCK_SIZE, 2 * BLOCK_SIZE, 8 * BLOCK_SIZE))
+        lengths = tuple(rng.randint(1, 3 * BLOCK_SIZE + 5) for _ in range(requests))
+        adds = [(side, f"r{i}") for i in range(requests) for side in ("decode", "prefill")]
+        rng.shuffle(adds)
+        return Shape(failure_policy, prefix_caching, decode_batch, prefill_batch, lengths, tuple(adds))
+
+
 class World:
     """Two engines, the model of kvx between them, and a seed's requests and events."""
 
-    def __init__(self, seed: int, requests: int = 3, num_blocks: int = 24) -> None:
+    def __init__(self, seed: int, requests: int = 3, num_blocks: int = 24,
+                 shape: Optional[Shape] = None) -> None:
         self.rng = random.Random(seed)
+        self.shape = shape if shape is not None else Shape.drawn(self.rng, requests)
         self.kvx = KvxModel()
         self.kvx.on_land = self._check_landing
         self.decode = Engine("kv_consumer", num_blocks=num_blocks, transfer=DecodeEnd(self.kvx),
-                             failure_policy=self.rng.choice(("fail", "recompute")),
-                             prefix_caching=self.rng.random() < 0.5,
-                             max_batched_tokens=self.rng.choice((BLOCK_SIZE, 8 * BLOCK_SIZE)))
+                             failure_policy=self.shape.failure_policy,
+                             prefix_caching=self.shape.prefix_caching,
+                             max_batched_tokens=self.shape.decode_batch)
         self.prefill = Engine("kv_producer", num_blocks=num_blocks, transfer=PrefillEnd(self.kvx),
-                              max_batched_tokens=self.rng.choice((BLOCK_SIZE, 2 * BLOCK_SIZE, 8 * BLOCK_SIZE)))
+                              max_batched_tokens=self.shape.prefill_batch)
         #: Request ``r{i}`` on both engines, ``k{i}`` at kvx: its prompt.
         self.prompts: Dict[str, List[int]] = {}
-        for i in range(requests):
-            n = self.rng.randint(1, 3 * BLOCK_SIZE + 5)
+        for i, n in enumerate(self.shape.prompt_lengths):
             # r0 and r1 share their first block: a prefix hit on the decode engine.
             self.prompts[f"r{i}"] = [10 + ((0 if (t < BLOCK_SIZE and i < 2) else 100 * (i + 1)) + t) % 900
                                      for t in range(n)]
-        self.to_add = [(side, rid) for rid in self.prompts for side in ("decode", "prefill")]
-        self.rng.shuffle(self.to_add)
+        self.to_add = list(self.shape.adds)
         self.trace: List[str] = []
         #: Requests a fault or an abort touched; every other one must be served by a push.
         self.touched: Set[str] = set()
@@ -436,6 +461,35 @@ class World:
             "reservations": {k: (r.withdrawn, r.over) for k, r in self.kvx.reservations.items()},
         }
 
+    # -- the state, for the exhaustive search (``explore``) ----------------------------------
+    def fingerprint(self) -> Any:
+        """Everything that decides what the world does next, as one hashable value: two
+        worlds with the same fingerprint have the same futures. Wall-clock times (the
+        connector's grant deadlines, which no bounded search reaches) are left out."""
+        engines = []
+        for engine in (self.decode, self.prefill):
+            scheduler = engine.scheduler
+            manager = scheduler.kv_cache_manager
+            requests = tuple(
+                (rid, r.status.name, r.num_computed_tokens, len(r.output_token_ids),
+                 tuple(manager.get_block_ids(rid)[0]), freeze(r.kv_transfer_params))
+                for rid, r in sorted(scheduler.requests.items()))
+            pool = manager.block_pool
+            cached = getattr(pool.cached_block_hash_to_block, "_cache", {})
+            engines.append((
+                requests,
+                tuple(r.request_id for r in scheduler.waiting),
+                tuple(r.request_id for r in scheduler.running),
+                freeze({name: getattr(scheduler, name, None) for name in SCHEDULER_SETS}),
+                tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+                freeze(cached),
+                freeze(engine.connector._decode or engine.connector._prefill),
+                freeze(engine.worker._worker),
+                tuple(zlib.crc32(t.numpy().tobytes()) for t in engine.kv_caches.values()),
+                freeze(engine.finished_outputs()),
+            ))
+        return (tuple(engines), freeze(vars(self.kvx)), tuple(self.to_add), freeze(self.touched))
+
     # -- checks ----------------------------------------------------------------------------
     def _check_landing(self, w: Write) -> None:
         rid = "r" + w.kvx_id[1:]
@@ -479,3 +533,49 @@ class World:
 
 #: kvx events that are faults (the swarm's heal phase leaves them out).
 FAULTS = ("corrupt", "expire", "lose_prefill")
+
+#: The scheduler's sets of request ids that a step reads.
+SCHEDULER_SETS = ("kv_holding_waiting", "deferred_waiting", "finished_req_ids",
+                  "finished_recving_kv_req_ids", "failed_recving_kv_req_ids")
+
+#: Attributes a fingerprint leaves out: references to the rest of the world, and clocks.
+UNFROZEN = {"transfer", "clock", "on_land", "decode_kv", "prefill_kv"}
+
+
+def freeze(x: Any, depth: int = 0) -> Any:
+    """``x`` as a hashable value that two equal states share: containers by their contents
+    (sets and dicts sorted), objects by their attributes, floats (times) left out, a block by
+    its id, a vLLM request by its id (the engine's part of the fingerprint holds its state),
+    a tensor by its bytes' CRC. What it cannot read fails loudly rather than hash an address."""
+    import enum
+
+    import torch
+
+    if depth > 8:
+        raise AssertionError(f"state nested deeper than the fingerprint reads: {type(x)}")
+    if x is None or isinstance(x, (bool, int, str, bytes)):
+        return x
+    if isinstance(x, float):
+        return "float"
+    if isinstance(x, enum.Enum):
+        return x.name
+    if isinstance(x, torch.Tensor):
+        return zlib.crc32(x.numpy().tobytes())
+    if hasattr(x, "block_id") and hasattr(x, "ref_cnt"):
+        return ("block", x.block_id, x.ref_cnt)
+    if hasattr(x, "request_id") and hasattr(x, "num_computed_tokens"):
+        return ("request", x.request_id)  # its state is in the engine's part
+    if callable(x):
+        return ("fn", getattr(x, "__qualname__", type(x).__name__))
+    if isinstance(x, dict):
+        return ("d",) + tuple(sorted(((freeze(k, depth + 1), freeze(v, depth + 1)) for k, v in x.items()), key=repr))
+    if isinstance(x, (set, frozenset)):
+        return ("s",) + tuple(sorted((freeze(v, depth + 1) for v in x), key=repr))
+    if isinstance(x, (list, tuple)) or type(x).__name__ == "deque":
+        return ("l",) + tuple(freeze(v, depth + 1) for v in x)
+    if hasattr(x, "__dict__"):
+        fields = {k: v for k, v in vars(x).items() if k not in UNFROZEN}
+        return (type(x).__name__, freeze(fields, depth + 1))
+    if hasattr(x, "__slots__"):
+        return (type(x).__name__,) + tuple(freeze(getattr(x, k, None), depth + 1) for k in x.__slots__)
+    raise AssertionError(f"a fingerprint cannot read a {type(x).__name__}")
