@@ -5,8 +5,11 @@ model runner do (``KVConnectorModelRunnerMixin``'s order of calls), with fake mo
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
@@ -38,9 +41,12 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 EOS = 2
 
 
+@functools.lru_cache(maxsize=None)
 def tiny_model_dir() -> str:
-    """A model directory with only a config.json: enough for vLLM's scheduler."""
+    """A model directory with only a config.json: enough for vLLM's scheduler. One per
+    process (the exhaustive search makes thousands of engines), removed at exit."""
     path = tempfile.mkdtemp(prefix="kvx-vllm-model-")
+    atexit.register(shutil.rmtree, path, True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
