@@ -8,7 +8,9 @@ adds, kvx's events, and within a budget the faults (aborts on either engine, a c
 write, a receiver's timeout, the prefill engine's lost connection). States are told apart by
 ``World.fingerprint`` (the engines' requests, queues, blocks and KV bytes, both sides of the
 connector, kvx's model), so a state reached by many orders is searched once. A state is
-re-searched when reached with more of the fault budget left, whose futures are larger.
+re-searched when reached with more of the fault budget left, whose futures are larger. The
+fingerprint is checked as the search goes: states that share one must enable the same
+events, however they were reached.
 
 Checked in every state: the swarm's invariants after each event (``World.check``: writes
 land only where they may, a running decode request holds exactly its prompt's KV), and, from
@@ -48,6 +50,8 @@ class Search:
     num_blocks: int = 12
     #: Fingerprint → the most fault budget it was searched with.
     seen: Dict[Any, int] = field(default_factory=dict)
+    #: (fingerprint, fault budget) → the events enabled there, for the fingerprint's check.
+    enabled: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
     states: int = 0
     edges: int = 0
     #: Paths the depth bound cut (0: the search reached every state within the fault budget).
@@ -74,11 +78,17 @@ class Search:
             path = stack.pop()
             world, left = self._replayed(path)
             key = world.fingerprint()
+            options = world.choices(faults=left > 0)
+            # A fingerprint that left out something deciding the future would merge states
+            # whose events differ: the events enabled must be the same however it was reached.
+            enabled = tuple(options)
+            if self.enabled.setdefault((key, left), enabled) != enabled:
+                raise AssertionError(f"two states with one fingerprint enable different events:\n"
+                                     f"{self.enabled[(key, left)]}\n{enabled}\n{self._trace(path)}")
             if self.seen.get(key, -1) >= left:
                 continue
             self.seen[key] = left
             self.states += 1
-            options = world.choices(faults=left > 0)
             for kind, arg in options:
                 name = arg[0] if kind == "kvx" else kind
                 self.kinds[name] = self.kinds.get(name, 0) + 1
