@@ -285,3 +285,49 @@ def test_consume_without_waiting_frees_the_slots_all_the_same():
             break
         threading.Event().wait(0.02)
     assert rx.snapshot()["free"] == 4, rx.snapshot()
+
+
+def test_many_threads_on_few_staging_slots_are_each_woken_for_their_turn():
+    """Twelve prefill threads share two staging slots, and every fourth request is cancelled
+    midway (a cancel wakes every wait; a freed slot only the oldest request's call; a
+    request's end only its own waits): every call ends within its bound, and every request
+    that was not cancelled arrives byte-exact. A wake-up that went missing would only slow
+    this down (a blocked call looks again at each 50 ms signal check): the Rust test
+    ``async_calls_are_woken_only_by_what_they_wait_for`` (kvx-node) catches that."""
+    tx, rx, peer, buffer, _ = make_pair(buffer_slots=16, staging_slots=2)
+    threads, per_thread, chunks = 12, 3, 4
+    kept = [f"t{t}-{i}" for t in range(threads) for i in range(per_thread) if (t + i) % 4]
+    results = {}
+    decoder = threading.Thread(target=decode_all, args=(rx, len(kept), buffer, results))
+    decoder.start()
+    errors = []
+
+    def prefill(t):
+        try:
+            for i in range(per_thread):
+                r = f"t{t}-{i}"
+                tx.begin(r, receiver=peer, total_chunks=chunks)
+                assert tx.wait_admitted(r, timeout=WAIT)
+                for chunk in range(chunks):
+                    if (t + i) % 4 == 0 and chunk == 2:
+                        tx.cancel(r)
+                        with pytest.raises(kvx.CancelledError):
+                            tx.wait_outcome(r, timeout=WAIT)
+                        break
+                    stage(tx, r, chunk)
+                    if chunk % 2 == 1:
+                        tx.submit(r, last=chunk == chunks - 1)
+                else:
+                    tx.wait_outcome(r, timeout=WAIT)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=prefill, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not errors, errors
+    decoder.join(timeout=30)
+    assert sorted(results) == sorted(kept) and all(results.values()), results
+    assert tx.staging_free == 2

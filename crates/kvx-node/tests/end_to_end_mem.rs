@@ -515,7 +515,9 @@ async fn blocked_threads_get_freed_slots_by_turn_at_once() {
             .allocate(&ids[0], &mut Vec::new())
             .await
             .expect("a free slot");
-        sender.stage(slot, &[c as u8; CHUNK]);
+        let mut bytes = vec![0; CHUNK];
+        synthetic::chunk_bytes("r0", c, &mut bytes);
+        sender.stage(slot, &bytes);
         chunks.push(kvx_proto::sender::ChunkSpec {
             key: format!("r0@{c}"),
             staging: slot,
