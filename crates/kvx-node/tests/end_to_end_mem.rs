@@ -63,6 +63,16 @@ fn sender_cfg() -> SenderConfig {
     }
 }
 
+/// Two staging slots, and a staging bound far beyond any test's wait (a call that waits it
+/// out was not woken).
+fn two_staging_slots() -> SenderConfig {
+    SenderConfig {
+        staging_slots: 2,
+        staging_timeout: Duration::from_secs(30),
+        ..sender_cfg()
+    }
+}
+
 /// Starts sender "s0" with `cfg`, reporting to `proxy`, connected to the receiver at `addr`.
 async fn start_sender(
     env: &TokioEnv<MemTransport, MemFabric>,
@@ -165,11 +175,7 @@ async fn oversized_request_fails_fast_and_the_proxy_is_told() {
 async fn cancel_wakes_a_blocked_allocate_with_an_error() {
     let env = env();
     let (addr, _, proxy) = cluster(&env, 10).await;
-    let cfg = SenderConfig {
-        staging_slots: 2,
-        staging_timeout: Duration::from_secs(30),
-        ..sender_cfg()
-    };
+    let cfg = two_staging_slots();
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
     let spec = |id: &str, total| request(peer, id, total);
     let (whole, waits) = (ReqId("whole".into()), ReqId("waits".into()));
@@ -494,11 +500,7 @@ async fn a_sender_whose_write_timeout_breaks_the_receivers_quarantine_fails_loud
 async fn blocked_threads_get_freed_slots_by_turn_at_once() {
     let env = env();
     let (addr, _, proxy) = cluster(&env, 20).await;
-    let cfg = SenderConfig {
-        staging_slots: 2,
-        staging_timeout: Duration::from_secs(30),
-        ..sender_cfg()
-    };
+    let cfg = two_staging_slots();
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
     let spec = |id: &str, total| request(peer, id, total);
     let ids: Vec<ReqId> = (0..4).map(|i| ReqId(format!("r{i}"))).collect();
@@ -599,17 +601,12 @@ where
 /// a freed slot wakes the allocate call of the oldest request waiting and no other, and a
 /// request's delivery wakes the calls waiting for that request's outcome and no other. A
 /// Python thread blocked in `allocate` or `wait_outcome` waits on such a call: every
-/// needless wake-up is a context switch (every waiting prefill thread woken by every freed
-/// slot and every request's end was 3 of its 5 switches per chunk on 2 cores).
+/// needless wake-up is a context switch and a GIL hand-off (docs/PERFORMANCE.md, "Python").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_calls_are_woken_only_by_what_they_wait_for() {
     let env = env();
     let (addr, _, proxy) = cluster(&env, 20).await;
-    let cfg = SenderConfig {
-        staging_slots: 2,
-        staging_timeout: Duration::from_secs(30),
-        ..sender_cfg()
-    };
+    let cfg = two_staging_slots();
     let (sender, peer) = start_sender(&env, &proxy, addr, cfg).await;
     let ids: Vec<ReqId> = (0..4).map(|i| ReqId(format!("r{i}"))).collect();
     for (i, id) in ids.iter().enumerate() {
