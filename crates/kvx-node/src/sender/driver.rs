@@ -165,8 +165,9 @@ impl<E: Env> Driver<E> {
             }
             // The allocate calls a completed write freed a slot for are woken only now, with
             // the writes it let the core post already posted: on a core shared with them, a
-            // woken prefill thread takes the CPU from this task at once (two in three of
-            // the driver's context switches went so, its writes waiting meanwhile).
+            // woken prefill thread takes the CPU from this task at once (woken mid-round,
+            // two in three of the driver's context switches are that, on 2 cores, with its
+            // writes waiting meanwhile).
             if std::mem::take(&mut self.staging_freed) {
                 self.shared.wake_allocators();
             }
