@@ -60,13 +60,16 @@ class Search:
     kinds: Dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def world(self, path: Path) -> Tuple[World, int]:
-        """The world ``path`` reaches, and the fault budget left there."""
+    def world(self, path: Path, trace: Optional[List[str]] = None) -> Tuple[World, int]:
+        """The world ``path`` reaches, and the fault budget left there; each event fired is
+        appended to ``trace`` when given."""
         world = World(0, num_blocks=self.num_blocks, shape=self.shape)
         left = self.faults
         for i in path:
             choice = world.choices(faults=left > 0)[i]
             left -= is_fault(choice)
+            if trace is not None:
+                trace.append(f"  {choice[0]} {choice[1]}")
             world.fire(choice)
         return world, left
 
@@ -114,17 +117,11 @@ class Search:
             raise AssertionError(f"healing failed: {e}\n{self._trace(path)}") from None
 
     def _trace(self, path: Path) -> str:
-        world = World(0, num_blocks=self.num_blocks, shape=self.shape)
-        left = self.faults
         lines = [f"shape: {self.shape}", f"path: {list(path)}"]
-        for i in path:
-            choice = world.choices(faults=left > 0)[i]
-            left -= is_fault(choice)
-            lines.append(f"  {choice[0]} {choice[1]}")
-            try:
-                world.fire(choice)
-            except AssertionError:
-                break
+        try:
+            self.world(path, lines)
+        except AssertionError:
+            pass  # the trace ends with the event that failed
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -125,10 +125,7 @@ impl<E: Env> SenderHandle<E> {
     ) -> Result<(), SendFailure> {
         // Woken by an event of this request, or by one that concerns every waiter
         // (`sleepers.rs`).
-        let mut sleeper = TaskSleeper {
-            shared: &self.shared,
-            sleeper: None,
-        };
+        let mut sleeper = TaskSleeper::new(&self.shared);
         let changed = std::future::poll_fn(|cx| {
             let mut core = self.shared.lock();
             sleeper.leave(&mut core.sleepers);
@@ -226,10 +223,7 @@ impl<E: Env> SenderHandle<E> {
         let mut turn = StagingTurn::new(&self.shared);
         // Registered by turn as a blocked thread is (`sleepers.rs`): a freed slot wakes the
         // call whose turn it is, not every waiting one.
-        let mut sleeper = TaskSleeper {
-            shared: &self.shared,
-            sleeper: None,
-        };
+        let mut sleeper = TaskSleeper::new(&self.shared);
         let attempt = std::future::poll_fn(|cx| {
             let now = self.now();
             let mut core = self.shared.lock();

@@ -62,7 +62,7 @@ struct Core {
     /// the requests the flow tracks.
     begun_at: BTreeMap<kvx_proto::ReqId, kvx_proto::Instant>,
     receivers: BTreeMap<ReceiverAddr, PeerId>,
-    /// The allocate calls waiting for staging.
+    /// The calls waiting on the sender: allocate calls, `admitted`/`outcome` waits.
     sleepers: sleepers::Sleepers,
     next_peer: u64,
     shutdown: bool,

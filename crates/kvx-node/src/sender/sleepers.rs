@@ -162,11 +162,19 @@ impl Wakes {
 /// An async call's registration, taken back when the call's future is dropped while it
 /// waits (a timeout, the driver's end, a cancelled await).
 pub(super) struct TaskSleeper<'a> {
-    pub(super) shared: &'a super::Shared,
+    shared: &'a super::Shared,
     pub(super) sleeper: Option<Sleeper>,
 }
 
-impl TaskSleeper<'_> {
+impl<'a> TaskSleeper<'a> {
+    /// Not registered yet: the call's first poll registers it if it must wait.
+    pub(super) fn new(shared: &'a super::Shared) -> Self {
+        Self {
+            shared,
+            sleeper: None,
+        }
+    }
+
     /// Takes the registration back, under the core's lock (`core`).
     pub(super) fn leave(&mut self, sleepers: &mut Sleepers) {
         if let Some(sleeper) = self.sleeper.take() {
