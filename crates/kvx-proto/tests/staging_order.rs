@@ -131,6 +131,32 @@ fn a_freed_slot_goes_to_the_oldest_request_waiting() {
     s.flow.check_invariants();
 }
 
+/// Older requests' waiting calls come first for free slots, but only for as many as they
+/// are: a slot beyond them goes to a younger caller at once. Refusing it would leave the
+/// slot free while that caller sleeps until the older ones have taken theirs, and wake it
+/// then for nothing it could not have had before.
+#[test]
+fn slots_beyond_the_older_waiting_calls_go_to_a_younger_request_at_once() {
+    let mut s = Sender::with(2, SenderConfig::default(), &[("a", 2), ("b", 1), ("c", 2)]);
+    let first = s.allocate("a").expect("a");
+    let second = s.allocate("a").expect("a again");
+    let b_age = s.flow.wait_for_staging(&ReqId("b".into())).expect("b waits");
+    s.submit("a", first, 0, false);
+    s.submit("a", second, 1, true);
+    s.complete_writes();
+    assert_eq!(s.flow.staging_free(), 2);
+    s.allocate("c")
+        .expect("one free slot is b's, the other nobody older waits for");
+    assert_eq!(
+        s.allocate("c"),
+        Err(SendError::WouldBlock),
+        "the last free slot is b's"
+    );
+    s.allocate("b").expect("b's slot waited for it");
+    s.flow.stop_waiting_for_staging(b_age);
+    s.flow.check_invariants();
+}
+
 #[test]
 fn a_request_holding_staging_is_told_to_submit_while_an_older_one_waits() {
     let mut s = Sender::with(1, SenderConfig::default(), &[("older", 2), ("younger", 2)]);

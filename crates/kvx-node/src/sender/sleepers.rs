@@ -87,9 +87,9 @@ impl Sleepers {
         }
     }
 
-    /// The allocate calls that freed slots or a passed turn concern: those of the oldest
-    /// requests waiting for staging, one request per free slot (the core's order: they are
-    /// the ones it lets take them). When no slot is free and unsubmitted chunks hold every
+    /// The allocate calls that freed slots or a passed turn concern: the oldest calls
+    /// waiting for staging, one per free slot (the core's order, S9: they are the ones it
+    /// lets take them). When no slot is free and unsubmitted chunks hold every
     /// one, only their callers can free staging: the waiting calls that hold a batch of
     /// their own (their attempt submits it) and, while the core keeps pending batches, the
     /// oldest call waiting for staging (its attempt submits them all, S11). None otherwise:
@@ -100,9 +100,16 @@ impl Sleepers {
     pub(super) fn for_staging(&self, flow: &SenderFlow) -> Wakes {
         let free = flow.staging_free() as usize;
         let woken = if free > 0 {
-            let turns = flow.staging_waiters().ages().take(free);
+            // As many of the oldest waiting calls as slots are free (S9): the calls of one
+            // request count one each.
+            let mut left = free;
+            let turns = flow.staging_waiters().iter().take_while(|&(_, _, calls)| {
+                let served = left > 0;
+                left = left.saturating_sub(calls as usize);
+                served
+            });
             turns
-                .flat_map(|age| self.by_turn.range((Some(age), 0)..=(Some(age), u64::MAX)))
+                .flat_map(|(age, _, _)| self.by_turn.range((Some(age), 0)..=(Some(age), u64::MAX)))
                 .map(|(_, (wake, _))| wake.clone())
                 .collect()
         } else if flow.staging_held_by_callers() {

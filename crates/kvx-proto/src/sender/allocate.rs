@@ -1,5 +1,5 @@
 //! A caller's staging slots: taking one (only for an admitted request, oldest waiting
-//! request first: S2, S9), registering a call that waits for one, and handing one back —
+//! requests first: S2, S9), registering a call that waits for one, and handing one back —
 //! from a running request, or from a failed one whose caller still held it (S12).
 
 use crate::ids::{ReqId, StagingSlot};
@@ -8,7 +8,7 @@ use super::{Age, SendError, SenderFlow};
 
 impl SenderFlow {
     /// Takes a staging slot for an admitted request. `WouldBlock` means wait for a write to
-    /// complete, or for an older request's waiting call to take its turn (a driver waits,
+    /// complete, or for older requests' waiting calls to take the free slots (a driver waits,
     /// bounded by `staging_timeout`, registered with `wait_for_staging`).
     pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let req = self.admitted(req_id)?;
@@ -24,9 +24,13 @@ impl SenderFlow {
                 why,
             });
         }
-        // A free slot goes to the oldest request with a waiting call.
-        let older_waits = self.waiters.oldest().is_some_and(|oldest| oldest < age);
-        if older_waits && self.staging.free_count() > 0 {
+        // Free slots go to the oldest requests with waiting calls first: a younger request
+        // takes one only while more are free than older requests' calls wait for (a caller
+        // refused a slot it could have had is woken again for nothing; from Python, that is
+        // a thread's sleep).
+        let older_waiting = self.waiters.calls_older_than(age);
+        let free = self.staging.free_count();
+        if free > 0 && older_waiting >= free {
             return Err(SendError::WouldBlock);
         }
         let Some(slot) = self.staging.take(req_id) else {

@@ -112,6 +112,12 @@ impl StagingWaiters {
         self.waiting.keys().next().copied()
     }
 
+    /// How many waiting calls belong to requests older than `age`: the free slots they
+    /// come first for.
+    pub fn calls_older_than(&self, age: Age) -> u32 {
+        self.waiting.range(..age).map(|(_, (_, n))| n).sum()
+    }
+
     /// The ages of the requests with waiting calls, oldest first: the order in which free
     /// slots go to them.
     pub fn ages(&self) -> impl Iterator<Item = Age> + '_ {

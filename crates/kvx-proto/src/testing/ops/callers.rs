@@ -149,25 +149,28 @@ fn wait_for_staging_once(flow: &mut SenderFlow, req_id: &ReqId) {
     }
 }
 
-/// `allocate_or_submit`, checking the staging order (S9): a slot never goes to a request while an
-/// older one waits for staging. A request that gets one stops waiting.
+/// `allocate_or_submit`, checking the staging order (S9): a slot never goes to a request while
+/// older requests' waiting calls are as many as the free slots or more. A request that gets
+/// one stops waiting.
 fn allocate_in_order(
     now: Instant,
     flow: &mut SenderFlow,
     req_id: &ReqId,
 ) -> Result<StagingSlot, SendError> {
     let age = flow.age(req_id);
-    let older_waits = match (flow.staging_waiters().oldest(), age) {
-        (Some(oldest), Some(age)) => oldest < age,
-        _ => false,
-    };
+    let older_waiting = age.map_or(0, |age| {
+        let waiting = flow.staging_waiters().iter();
+        waiting.filter(|&(a, _, _)| a < age).map(|(_, _, n)| n).sum()
+    });
+    let free = flow.staging_free();
     // With no caller-held batch: the core's pending batches are flushed when they alone
     // hold staging (S11).
     let result = flow.allocate_or_submit(now, req_id, &mut Vec::new());
     if result.is_ok() {
         assert!(
-            !older_waits,
-            "S9: a staging slot went to {req_id} while an older request waited for one"
+            older_waiting < free,
+            "S9: a staging slot went to {req_id} while older requests' {older_waiting} \
+             waiting calls had only {free} free slots"
         );
         if let Some(age) = age {
             while flow.staging_waiters().iter().any(|(a, _, _)| a == age) {
