@@ -9,7 +9,8 @@
 //! (an embedding program's callers): a wait for the first can be cancelled at any point, and
 //! once a request is off the notice stream it is leased and handed over, or given back for
 //! the next caller: a ready request is never released unread because a caller stopped
-//! waiting.
+//! waiting. Each call that must wait runs as one task on the receiver's runtime, so that its
+//! caller is woken once, with the leases.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -175,15 +176,20 @@ pub type RequestEnds = mpsc::UnboundedReceiver<(ReqKey, Outcome)>;
 /// (`ReceiverHandle::into_ready_leases`). Ended requests' notices are skipped, or passed on
 /// (`into_ready_leases_with_ends`).
 pub struct ReadyLeases {
+    inner: Arc<Leasing>,
+    /// The receiver's runtime, where each `take` runs whoever awaits it (a caller's own
+    /// executor, or a thread blocked on it).
+    runtime: tokio::runtime::Handle,
+}
+
+/// What a `take` needs, shared with the task that runs it.
+struct Leasing {
     notices: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<ReceiverNotice>>>,
     link: ReaderLink,
     memory: Arc<dyn SlotMemory>,
     /// Leases taken for callers that stopped waiting before they got them: the next caller
     /// gets them first.
     returned: Arc<Returned>,
-    /// The receiver's runtime, where the leasing runs whoever polls `take` (a caller's own
-    /// executor, or a bare poll).
-    runtime: tokio::runtime::Handle,
     /// Where ends go, if anywhere.
     ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
 }
@@ -236,28 +242,29 @@ enum First {
     Stopped,
 }
 
-/// The leases of ready requests already off the stream, on their way from the task that
-/// leases them to the caller. Dropped before they arrive (the caller stopped waiting), it
-/// closes the way and gives back whatever had arrived: the task then gives back the rest.
+/// What one `take` found, on its way from the task that ran it to the caller. Dropped before
+/// it arrives (the caller stopped waiting), it closes the way and gives back the leases that
+/// had arrived: the task, which stops waiting for a notice once the way is closed, gives
+/// back any it leases after that.
 struct Handover {
-    leases: oneshot::Receiver<Vec<ReadLease>>,
+    taken: oneshot::Receiver<Result<Vec<ReadLease>, ConsumeError>>,
     returned: Arc<Returned>,
 }
 
 impl Future for Handover {
-    type Output = Vec<ReadLease>;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Vec<ReadLease>> {
-        // An error: the leasing task panicked; its leases were released as it unwound.
-        Pin::new(&mut self.leases)
+    type Output = Result<Vec<ReadLease>, ConsumeError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // An error: the task panicked; the leases it held were released as it unwound.
+        Pin::new(&mut self.taken)
             .poll(cx)
-            .map(|got| got.unwrap_or_default())
+            .map(|got| got.unwrap_or_else(|_| Ok(Vec::new())))
     }
 }
 
 impl Drop for Handover {
     fn drop(&mut self) {
-        self.leases.close();
-        if let Ok(leases) = self.leases.try_recv() {
+        self.taken.close();
+        if let Ok(Ok(leases)) = self.taken.try_recv() {
             self.returned.give_back(leases);
         }
     }
@@ -270,13 +277,16 @@ impl ReadyLeases {
         memory: Arc<dyn SlotMemory>,
         ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
     ) -> Self {
-        Self {
+        let inner = Leasing {
             notices: Arc::new(tokio::sync::Mutex::new(notices)),
             link,
             memory,
             returned: Arc::default(),
-            runtime: tokio::runtime::Handle::current(),
             ends,
+        };
+        Self {
+            inner: Arc::new(inner),
+            runtime: tokio::runtime::Handle::current(),
         }
     }
 
@@ -287,6 +297,11 @@ impl ReadyLeases {
     /// its lease is skipped, and if it was the only one the call returns empty early.
     /// `Stopped` once the driver has ended and no lease given back is left to hand out.
     /// Cancel-safe: leases a cancelled call had taken go to the next one.
+    ///
+    /// The whole call, the wait for the first notice included, runs as a task on the
+    /// receiver's runtime, and the caller is woken once, with the leases: a thread blocked
+    /// on it (a Python decoder) sleeps once per call, not once for the notice and again for
+    /// the leasing.
     pub async fn take(
         &self,
         max: usize,
@@ -295,38 +310,84 @@ impl ReadyLeases {
         if max == 0 {
             return Ok(Vec::new());
         }
-        let first = match first_within {
-            Some(limit) => match tokio::time::timeout(limit, self.first(max)).await {
-                Ok(first) => first,
-                Err(_) => return Ok(Vec::new()),
-            },
-            None => self.first(max).await,
+        let found = match self.inner.first_now(max) {
+            Some(First::GivenBack(returned)) => return Ok(returned),
+            Some(First::Stopped) => return Err(ConsumeError::Stopped),
+            found => found,
         };
-        let (first, notices) = match first {
-            First::Stopped => return Err(ConsumeError::Stopped),
-            First::GivenBack(returned) => return Ok(returned),
-            First::Ready(first, notices) => (first, notices),
-        };
-        // From here the notices are off the stream: a task the caller cannot cancel leases
-        // them and hands them over, or gives them back if the caller left.
-        let (tx, leases) = oneshot::channel();
-        let (link, memory, returned, ends) = (
-            self.link.clone(),
-            self.memory.clone(),
-            self.returned.clone(),
-            self.ends.clone(),
-        );
-        self.runtime.spawn(async move {
-            let out = lease_notices(link, memory, ends, first, notices, max).await;
-            if let Err(out) = tx.send(out) {
-                returned.give_back(out);
-            }
-        });
-        Ok(Handover {
-            leases,
-            returned: self.returned.clone(),
+        let (tx, taken) = oneshot::channel();
+        let inner = self.inner.clone();
+        let task = async move { inner.take_for(tx, found, max, first_within).await };
+        self.runtime.spawn(task);
+        Handover {
+            taken,
+            returned: self.inner.returned.clone(),
         }
-        .await)
+        .await
+    }
+
+    /// Hands leases back unread: the next `take` gets them first. For a caller that took
+    /// them but can no longer use them (its own caller went away).
+    pub fn give_back(&self, leases: Vec<ReadLease>) {
+        self.inner.returned.give_back(leases);
+    }
+}
+
+impl Leasing {
+    /// One `take`, sent to its caller through `tx`, from what `first_now` found (`None`:
+    /// nothing yet). The wait for the first notice ends when the caller stops waiting (it
+    /// is cancel-safe); from the first notice on, the leasing runs to its end and gives back
+    /// what the caller is no longer there to get.
+    async fn take_for(
+        &self,
+        mut tx: oneshot::Sender<Result<Vec<ReadLease>, ConsumeError>>,
+        found: Option<First>,
+        max: usize,
+        first_within: Option<Duration>,
+    ) {
+        let first = async {
+            if found.is_some() {
+                return found;
+            }
+            match first_within {
+                Some(limit) => tokio::time::timeout(limit, self.first(max)).await.ok(),
+                None => Some(self.first(max).await),
+            }
+        };
+        let first = tokio::select! {
+            first = first => first,
+            () = tx.closed() => return,
+        };
+        let taken = match first {
+            None => Ok(Vec::new()),
+            Some(First::Stopped) => Err(ConsumeError::Stopped),
+            Some(First::GivenBack(returned)) => Ok(returned),
+            Some(First::Ready(first, notices)) => Ok(self.lease_notices(first, notices, max).await),
+        };
+        if let Err(Ok(leases)) = tx.send(taken) {
+            self.returned.give_back(leases);
+        }
+    }
+
+    /// What the stream holds now, without waiting: leases given back, a ready request, or
+    /// its end; `None` when nothing is there yet (or another call holds the stream). A
+    /// caller that need not wait is answered at once.
+    fn first_now(&self, max: usize) -> Option<First> {
+        let returned = self.returned.take(max);
+        if !returned.is_empty() {
+            return Some(First::GivenBack(returned));
+        }
+        let mut notices = self.notices.clone().try_lock_owned().ok()?;
+        loop {
+            match notices.try_recv() {
+                Ok(ReceiverNotice::Ready(ready)) => return Some(First::Ready(ready, notices)),
+                Ok(ReceiverNotice::Ended { key, outcome }) => {
+                    pass_on(self.ends.as_ref(), key, outcome);
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => return Some(First::Stopped),
+                Err(mpsc::error::TryRecvError::Empty) => return None,
+            }
+        }
     }
 
     /// The wait for the first ready request; it can be cancelled at any point without
@@ -357,41 +418,36 @@ impl ReadyLeases {
         }
     }
 
-    /// Hands leases back unread: the next `take` gets them first. For a caller that took
-    /// them but can no longer use them (its own caller went away).
-    pub fn give_back(&self, leases: Vec<ReadLease>) {
-        self.returned.give_back(leases);
-    }
-}
-
-/// Leases `first` and the ready notices queued behind it, up to `max`; the stream is free
-/// for other callers once this returns.
-async fn lease_notices(
-    link: ReaderLink,
-    memory: Arc<dyn SlotMemory>,
-    ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
-    first: ReadyRequest,
-    mut notices: tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
-    max: usize,
-) -> Vec<ReadLease> {
-    let mut out = Vec::new();
-    let mut next = Some(first);
-    while let Some(ready) = next.take() {
-        if let Ok(lease) = ReadLease::take(link.clone(), memory.clone(), ready).await {
-            out.push(lease);
-        }
-        while out.len() < max {
-            match notices.try_recv() {
-                Ok(ReceiverNotice::Ready(ready)) => {
-                    next = Some(ready);
-                    break;
+    /// Leases `first` and the ready notices queued behind it, up to `max`; the stream is free
+    /// for other callers once this returns.
+    async fn lease_notices(
+        &self,
+        first: ReadyRequest,
+        mut notices: tokio::sync::OwnedMutexGuard<mpsc::UnboundedReceiver<ReceiverNotice>>,
+        max: usize,
+    ) -> Vec<ReadLease> {
+        let mut out = Vec::new();
+        let mut next = Some(first);
+        while let Some(ready) = next.take() {
+            let (link, memory) = (self.link.clone(), self.memory.clone());
+            if let Ok(lease) = ReadLease::take(link, memory, ready).await {
+                out.push(lease);
+            }
+            while out.len() < max {
+                match notices.try_recv() {
+                    Ok(ReceiverNotice::Ready(ready)) => {
+                        next = Some(ready);
+                        break;
+                    }
+                    Ok(ReceiverNotice::Ended { key, outcome }) => {
+                        pass_on(self.ends.as_ref(), key, outcome);
+                    }
+                    Err(_) => break,
                 }
-                Ok(ReceiverNotice::Ended { key, outcome }) => pass_on(ends.as_ref(), key, outcome),
-                Err(_) => break,
             }
         }
+        out
     }
-    out
 }
 
 /// Passes an end on where ends go, if anywhere (a receiver that stopped listening misses it).

@@ -713,3 +713,59 @@ async fn async_calls_are_woken_only_by_what_they_wait_for() {
         .expect("join");
     assert!(got.is_ok(), "{got:?}");
 }
+
+/// A caller waiting for a ready request is woken once, with its lease: the wait for the
+/// notice and the leasing run as one task on the receiver's runtime. A thread blocked on
+/// the call (a Python decoder) then sleeps once per call, not once for the notice and again
+/// for the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_waiting_for_a_ready_request_is_woken_once_with_its_lease() {
+    let env = env();
+    let proxy = ProxyNode::start(env.clone(), ProxyConfig::default(), "proxy")
+        .await
+        .expect("proxy starts");
+    let cfg = ReceiverConfig {
+        buffer_slots: 4,
+        peer_share_percent: 100,
+        ..ReceiverConfig::default()
+    };
+    let receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
+        .await
+        .expect("receiver starts");
+    let addr = ReceiverAddr {
+        alloc: receiver.alloc_endpoint().to_owned(),
+        fabric: receiver.fabric_endpoint().to_owned(),
+    };
+    let (leases, _reader) = receiver.into_ready_leases();
+    let leases = Arc::new(leases);
+    let (sender, peer) = start_sender(&env, &proxy, addr, sender_cfg()).await;
+    let (take, polls) = {
+        let leases = leases.clone();
+        spawn_counted(async move { leases.take(4, None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!take.is_finished(), "nothing is ready yet");
+    let req = SyntheticRequest {
+        req_id: ReqId("r".into()),
+        receiver: peer,
+        chunks: 2,
+        batch_chunks: 2,
+        chunk_bytes: CHUNK,
+    };
+    let _ready = proxy.expect(req.req_id.clone(), 1).await.expect("fresh id");
+    synthetic::prefill(&sender, &req).await.expect("delivered");
+    let got = tokio::time::timeout(Duration::from_secs(5), take)
+        .await
+        .expect("woken")
+        .expect("join")
+        .expect("leased");
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        polls.load(Ordering::Relaxed),
+        2,
+        "polled once to wait, and once more with the lease"
+    );
+    for lease in got {
+        lease.consume().await.expect("consumed");
+    }
+}
