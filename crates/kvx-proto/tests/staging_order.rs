@@ -140,7 +140,10 @@ fn slots_beyond_the_older_waiting_calls_go_to_a_younger_request_at_once() {
     let mut s = Sender::with(2, SenderConfig::default(), &[("a", 2), ("b", 1), ("c", 2)]);
     let first = s.allocate("a").expect("a");
     let second = s.allocate("a").expect("a again");
-    let b_age = s.flow.wait_for_staging(&ReqId("b".into())).expect("b waits");
+    let b_age = s
+        .flow
+        .wait_for_staging(&ReqId("b".into()))
+        .expect("b waits");
     s.submit("a", first, 0, false);
     s.submit("a", second, 1, true);
     s.complete_writes();

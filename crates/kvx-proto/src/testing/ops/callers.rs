@@ -160,7 +160,10 @@ fn allocate_in_order(
     let age = flow.age(req_id);
     let older_waiting = age.map_or(0, |age| {
         let waiting = flow.staging_waiters().iter();
-        waiting.filter(|&(a, _, _)| a < age).map(|(_, _, n)| n).sum()
+        waiting
+            .filter(|&(a, _, _)| a < age)
+            .map(|(_, _, n)| n)
+            .sum()
     });
     let free = flow.staging_free();
     // With no caller-held batch: the core's pending batches are flushed when they alone
