@@ -23,7 +23,7 @@ SCRATCH = os.environ.get("KVX_MUTANTS_SCRATCH", "/tmp/kvx-mutants")
 SRC = "crates/kvx-proto/src/"
 
 # The tests a variant of kvx-proto runs against.
-PROTO_TESTS = ["-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
+PROTO_TESTS = ["-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "caller_staging", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
 
 # name: (file, old, new, what it breaks[, the `cargo test` selection that must catch it])
 MUTANTS = {
@@ -63,6 +63,14 @@ MUTANTS = {
         "if free > 0 && older_waiting >= free {",
         "if false && free > 0 && older_waiting >= free {",
         "hand a freed staging slot to a younger request while an older one waits for it"),
+    "caller-staging-unread": (SRC + "sender/mod.rs",
+        "chunks.iter().for_each(|c| self.staging.read(c.staging));",
+        "let _ = &chunks;",
+        "with caller staging, count no read of a slot a submitted chunk names (S13)"),
+    "drained-while-writes-read": (SRC + "sender/lifecycle.rs",
+        "        self.events.push_back(SenderEvent::Failed {\n            req_id: req_id.clone(),\n            failure,\n        });",
+        "        self.events.push_back(SenderEvent::Failed {\n            req_id: req_id.clone(),\n            failure,\n        });\n        if self.staging.is_callers() {\n            self.events.push_back(SenderEvent::Drained { req_id: req_id.clone() });\n        }",
+        "tell the application a failed request's slots are free while its posted writes still read them (S13)"),
     "waiter-blocks-its-own-holder": (SRC + "sender/allocate.rs",
         "        let Some(slot) = self.staging.take(req_id) else {",
         "        if older_waiting > 0 {\n            return Err(SendError::WouldBlock);\n        }\n        let Some(slot) = self.staging.take(req_id) else {",

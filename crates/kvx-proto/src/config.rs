@@ -301,6 +301,13 @@ pub struct SenderConfig {
     /// instead of at its `kv_ready_timeout`. Turn off for a proxy that knows only LMCache's
     /// messages (LMCache's example proxy decodes every frame as a `ProxyNotif`).
     pub notify_proxy_on_failure: bool,
+    /// Whose staging memory the chunks are read from (`docs/spec/protocol.md` §Caller
+    /// staging). `Pool`: kvx's staging pool of `staging_slots`, which the caller allocates
+    /// from. `Caller`: the application's own memory of `staging_slots` slots (a vLLM prefill
+    /// engine's paged KV), where the bytes already are: a batch names the slots its chunks
+    /// are read from, nothing is allocated, and a request's reads of them end when it is
+    /// delivered or, failed, when its last write has completed (`SenderEvent::Drained`).
+    pub staging_placement: Placement,
     /// Compute each chunk's checksum (`kvx_io::chunk_checksum`) when it is staged and send it with
     /// the write, so the receiver checks the bytes that landed (drivers; `docs/spec/fabrics.md`
     /// §5b; over RDMA in the side channel's write frame). Off where the CPU must not read the
@@ -322,6 +329,7 @@ impl Default for SenderConfig {
             channel_queue_max: 65_536,
             pipelining: Pipelining::Auto,
             notify_proxy_on_failure: true,
+            staging_placement: Placement::Pool,
             checksums: true,
         }
     }

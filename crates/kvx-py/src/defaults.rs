@@ -66,13 +66,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     receiver.set_item("key_bytes_max", key_bytes_max)?;
     receiver.set_item("queued_bytes_max", queued_bytes_max)?;
     receiver.set_item("tombstones_bytes_max", tombstones_bytes_max)?;
-    receiver.set_item(
-        "placement",
-        match placement {
-            Placement::Pool => "pool",
-            Placement::Caller => "caller",
-        },
-    )?;
+    receiver.set_item("placement", placement_name(placement))?;
 
     let SenderConfig {
         staging_slots,
@@ -86,6 +80,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         channel_queue_max,
         pipelining,
         notify_proxy_on_failure,
+        staging_placement,
         checksums,
     } = SenderConfig::default();
     let sender = PyDict::new(py);
@@ -106,6 +101,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         },
     )?;
     sender.set_item("notify_proxy_on_failure", notify_proxy_on_failure)?;
+    sender.set_item("staging_placement", placement_name(staging_placement))?;
     sender.set_item("checksums", checksums)?;
 
     let ProxyConfig {
@@ -151,4 +147,12 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     all.set_item("proxy", proxy)?;
     all.set_item("node", node)?;
     Ok(all)
+}
+
+/// A placement as the settings spell it.
+fn placement_name(placement: Placement) -> &'static str {
+    match placement {
+        Placement::Pool => "pool",
+        Placement::Caller => "caller",
+    }
 }

@@ -279,6 +279,9 @@ impl SenderKnobs {
                 PipeliningMode::Off => Pipelining::Off,
             },
             notify_proxy_on_failure: self.notify_proxy_on_failure,
+            // The binary's senders stage in kvx's pool; caller staging is for embedders that
+            // lend their own memory (a vLLM prefill engine's KV).
+            staging_placement: defaults.staging_placement,
             checksums: f.checksums,
         };
         cfg.validate()?;

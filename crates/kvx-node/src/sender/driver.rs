@@ -536,6 +536,9 @@ impl<E: Env> Driver<E> {
                 SenderEvent::ChannelReset { receiver } => {
                     tracing::warn!(%receiver, "control channel reset; the transport reconnects");
                 }
+                SenderEvent::Drained { req_id } => {
+                    tracing::debug!(%req_id, "failed request drained: its staging is read no more");
+                }
                 SenderEvent::FabricStalled { receiver } => stalled.push(receiver),
             }
         }

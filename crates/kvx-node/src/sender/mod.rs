@@ -129,6 +129,7 @@ impl Shared {
                         .sleepers
                         .for_request(req_id)
                         .and(core.sleepers.for_staging(&core.flow)),
+                    SenderEvent::Drained { req_id } => core.sleepers.for_request(req_id),
                     SenderEvent::Failed { .. }
                     | SenderEvent::ChannelReset { .. }
                     | SenderEvent::FabricStalled { .. } => core.sleepers.all(),

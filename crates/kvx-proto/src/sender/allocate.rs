@@ -12,6 +12,12 @@ impl SenderFlow {
     /// bounded by `staging_timeout`, registered with `wait_for_staging`).
     pub fn try_allocate(&mut self, req_id: &ReqId) -> Result<StagingSlot, SendError> {
         let req = self.admitted(req_id)?;
+        if self.staging.is_callers() {
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why: super::batching::CALLER_STAGING_IS_NAMED.to_owned(),
+            });
+        }
         let age = req.age;
         let needed = req.submitted as usize + req.staged.len();
         if req.last_submitted || needed >= req.spec.total_chunks as usize {
@@ -71,6 +77,12 @@ impl SenderFlow {
 
     /// Hands back a staging slot the caller took but will not submit.
     pub fn release_staging(&mut self, req_id: &ReqId, slot: StagingSlot) -> Result<(), SendError> {
+        if self.staging.is_callers() {
+            return Err(SendError::Misuse {
+                req_id: req_id.clone(),
+                why: super::batching::CALLER_STAGING_IS_NAMED.to_owned(),
+            });
+        }
         if self.take_back_lent(req_id, slot) {
             return Ok(());
         }

@@ -15,6 +15,11 @@ use crate::time::Instant;
 
 use super::{ChunkSpec, SendError, SenderFlow};
 
+/// Why a caller-staging sender refuses `allocate`, `add` and `release`.
+pub(super) const CALLER_STAGING_IS_NAMED: &str =
+    "the staging is the caller's (staging_placement = caller): a batch names the slots its \
+     chunks are read from; nothing is allocated, added or released";
+
 impl SenderFlow {
     /// Adds a chunk staged in a slot `req_id` holds to the request's pending batch, which
     /// the next `handle_submit` of the request sends first. When an allocate call waits for
@@ -35,7 +40,9 @@ impl SenderFlow {
                 return Err(refused);
             }
         };
-        let why = if chunk.bytes == 0 {
+        let why = if self.staging.is_callers() {
+            Some(CALLER_STAGING_IS_NAMED.to_owned())
+        } else if chunk.bytes == 0 {
             Some(format!("chunk {} declares 0 bytes", chunk.key))
         } else if !req.staged.contains(&chunk.staging) {
             Some(format!(

@@ -1,15 +1,16 @@
-//! The sender's invariants (`docs/invariants.md` S1–S4, S7, S11, S12), checked after every step of
-//! every harness.
+//! The sender's invariants (`docs/invariants.md` S1–S4, S7, S11–S13), checked after every step
+//! of every harness.
 
 use super::channel::Kind;
 use super::{SenderFlow, State};
 
 impl SenderFlow {
     /// Panics if staging, writes, channels and requests disagree (`docs/invariants.md`
-    /// S1–S4, S7, S11, S12). The harness calls it after every step.
+    /// S1–S4, S7, S11–S13). The harness calls it after every step.
     pub fn check_invariants(&self) {
         self.staging.check_invariants();
         let mut owned = 0usize;
+        let mut reads = 0u64;
         for (id, req) in &self.requests {
             // S11: a pending batch holds only slots the request holds, each once; a failing
             // request has none.
@@ -58,13 +59,27 @@ impl SenderFlow {
                             .sum::<usize>()
                 })
                 .unwrap_or(0);
-            let holds = self.staging.owned_by(id);
             let expected = if req.state == State::Failing {
                 req.writes_in_flight as usize
             } else {
                 req.staged.len() + req.writes_in_flight as usize + in_batches
             };
-            assert_eq!(holds, expected, "invariant: {id} staging accounting");
+            // S13: with caller staging nothing is held; the slots are read, each by the
+            // chunks submitted and not yet written (counted over every request below).
+            let holds = if self.staging.is_callers() {
+                assert_eq!(
+                    self.staging.owned_by(id) + req.staged.len() + req.added.len(),
+                    0,
+                    "invariant: {id} holds caller staging"
+                );
+                reads += expected as u64;
+                0
+            } else {
+                self.staging.owned_by(id)
+            };
+            if !self.staging.is_callers() {
+                assert_eq!(holds, expected, "invariant: {id} staging accounting");
+            }
             if req.state == State::Admitting {
                 assert_eq!(holds, 0, "invariant: {id} holds staging before admission");
             }
@@ -91,14 +106,23 @@ impl SenderFlow {
                 slot.0
             );
         }
-        let orphan = self.staging.capacity() as usize
-            - self.staging.free_count() as usize
-            - owned
-            - self.lent.len();
-        assert_eq!(
-            orphan, 0,
-            "invariant: every held staging slot belongs to a tracked request"
-        );
+        if self.staging.is_callers() {
+            assert_eq!(
+                self.staging.reads(),
+                reads,
+                "invariant: caller staging is read by exactly the chunks submitted and not \
+                 yet written"
+            );
+        } else {
+            let orphan = self.staging.capacity() as usize
+                - self.staging.free_count() as usize
+                - owned
+                - self.lent.len();
+            assert_eq!(
+                orphan, 0,
+                "invariant: every held staging slot belongs to a tracked request"
+            );
+        }
         // Only admitted requests wait for staging (S8), under their own age.
         for (age, id, calls) in self.waiters.iter() {
             let req = self.requests.get(id);

@@ -209,6 +209,11 @@ impl SenderFlow {
         self.waiters.remove_all(req.age);
         let failure = req.failure.clone().unwrap_or(SendFailure::Cancelled);
         self.remember_outcome(req_id, Err(failure));
+        if self.staging.is_callers() {
+            self.events.push_back(SenderEvent::Drained {
+                req_id: req_id.clone(),
+            });
+        }
         if req.sent_any {
             let msg = Message::CancelNotif(CancelNotif {
                 req_id: req_id.0.clone(),

@@ -40,7 +40,7 @@ mod staging;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
-use crate::config::{ConfigError, SenderConfig};
+use crate::config::{ConfigError, Placement, SenderConfig};
 use crate::ids::{PeerId, ReqId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::time::{earliest, Instant};
 use crate::wire::{AllocRequest, Message};
@@ -189,6 +189,13 @@ pub enum SenderEvent {
         req_id: ReqId,
         /// Why.
         failure: SendFailure,
+    },
+    /// With caller staging: a failed request's last write completed, so no chunk of it reads
+    /// the caller's staging any more (a delivered request's `Delivered` says the same). It
+    /// follows `Failed`, at once when no write was in flight. Only with caller staging.
+    Drained {
+        /// The request.
+        req_id: ReqId,
     },
     /// The channel to `receiver` was reset (reply timeout or loss): the driver should
     /// reconnect and reset the fabric connection so outstanding writes are flushed.
@@ -361,7 +368,10 @@ impl SenderFlow {
     pub fn new(cfg: SenderConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
-            staging: StagingPool::new(cfg.staging_slots),
+            staging: match cfg.staging_placement {
+                Placement::Pool => StagingPool::new(cfg.staging_slots),
+                Placement::Caller => StagingPool::callers(cfg.staging_slots),
+            },
             cfg,
             requests: BTreeMap::new(),
             channels: BTreeMap::new(),
@@ -484,7 +494,7 @@ impl SenderFlow {
             batch.append(&mut chunks);
             chunks = batch;
         }
-        if let Some(why) = Self::misuse_of(req, &chunks, is_last) {
+        if let Some(why) = self.misuse_of(req, &chunks, is_last) {
             self.fail(now, req_id, SendFailure::Misuse(why.clone()));
             return Err(SendError::Misuse {
                 req_id: req_id.clone(),
@@ -500,6 +510,9 @@ impl SenderFlow {
         req.added.clear();
         for c in &chunks {
             req.staged.remove(&c.staging);
+        }
+        if self.staging.is_callers() {
+            chunks.iter().for_each(|c| self.staging.read(c.staging));
         }
         req.submitted += chunks.len() as u32;
         req.last_submitted = is_last;
@@ -646,6 +659,12 @@ impl SenderFlow {
         unsubmitted.sum::<usize>() == self.staging.capacity() as usize
     }
 
+    /// With caller staging, the submitted chunks that read `slot` now: the application must
+    /// not change it while any does (0 with kvx's pool).
+    pub fn staging_readers(&self, slot: StagingSlot) -> u32 {
+        self.staging.readers(slot)
+    }
+
     /// Staging slots in the pool.
     pub fn staging_capacity(&self) -> u32 {
         self.staging.capacity()
@@ -672,7 +691,7 @@ impl SenderFlow {
     pub fn is_quiescent(&self) -> bool {
         self.requests.is_empty()
             && self.writes.is_empty()
-            && self.staging.free_count() == self.staging.capacity()
+            && self.staging.is_idle()
             && self
                 .channels
                 .values()
@@ -699,7 +718,7 @@ impl SenderFlow {
         }
     }
 
-    fn misuse_of(req: &SendRequest, chunks: &[ChunkSpec], is_last: bool) -> Option<String> {
+    fn misuse_of(&self, req: &SendRequest, chunks: &[ChunkSpec], is_last: bool) -> Option<String> {
         if req.last_submitted {
             return Some("a batch was submitted after the last batch".into());
         }
@@ -718,7 +737,17 @@ impl SenderFlow {
             if c.bytes == 0 {
                 return Some(format!("chunk {} declares 0 bytes", c.key));
             }
-            if !req.staged.contains(&c.staging) || !seen.insert(c.staging) {
+            if self.staging.is_callers() {
+                // The caller's own memory: any slot of it, once per batch.
+                if c.staging.0 >= self.staging.capacity() || !seen.insert(c.staging) {
+                    return Some(format!(
+                        "staging slot {} is out of range (the caller's {} slots) or named \
+                         twice in one batch",
+                        c.staging.0,
+                        self.staging.capacity()
+                    ));
+                }
+            } else if !req.staged.contains(&c.staging) || !seen.insert(c.staging) {
                 return Some(format!(
                     "staging slot {} is not held by this request",
                     c.staging.0

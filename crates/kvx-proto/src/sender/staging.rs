@@ -10,6 +10,11 @@
 //! latency in `docs/PERFORMANCE.md`). Only calls that found no free slot wait; a request that
 //! holds unsubmitted staging is never made to wait behind an older one, since the older one
 //! may be waiting for exactly that staging (it is told to submit instead).
+//!
+//! With caller staging (`SenderConfig::staging_placement = Caller`) the slots are the
+//! application's memory, where its bytes already are: nothing is allocated, and the pool
+//! only counts the submitted chunks that read each slot until their writes complete, so that
+//! the sender can say when a request no longer reads any.
 
 use std::collections::BTreeMap;
 
@@ -21,6 +26,9 @@ use crate::ids::{ReqId, StagingSlot};
 pub struct StagingPool {
     owner: Vec<Option<ReqId>>,
     free: Vec<StagingSlot>,
+    /// Caller staging: how many submitted chunks read each slot (until their write completes,
+    /// or until it is known never to be posted). `None`: kvx's pool.
+    readers: Option<Vec<u32>>,
 }
 
 impl StagingPool {
@@ -30,6 +38,54 @@ impl StagingPool {
         Self {
             owner: vec![None; slots as usize],
             free: (0..slots).rev().map(StagingSlot).collect(),
+            readers: None,
+        }
+    }
+
+    /// `slots` slots of the caller's memory, none read yet: none is ever handed out.
+    pub fn callers(slots: u32) -> Self {
+        Self {
+            owner: vec![None; slots as usize],
+            free: Vec::new(),
+            readers: Some(vec![0; slots as usize]),
+        }
+    }
+
+    /// Whether the slots are the caller's (nothing to allocate).
+    pub fn is_callers(&self) -> bool {
+        self.readers.is_some()
+    }
+
+    /// Caller staging: one more submitted chunk reads `slot`. Panics in kvx's pool, or when
+    /// `slot` is out of range (`SenderFlow` checks both first).
+    pub fn read(&mut self, slot: StagingSlot) {
+        let readers = self
+            .readers
+            .as_mut()
+            .expect("invariant: only caller staging is read in place");
+        readers[slot.0 as usize] += 1;
+    }
+
+    /// Caller staging: the submitted chunks that read `slot` now (0 in kvx's pool).
+    pub fn readers(&self, slot: StagingSlot) -> u32 {
+        self.readers
+            .as_ref()
+            .and_then(|r| r.get(slot.0 as usize).copied())
+            .unwrap_or(0)
+    }
+
+    /// Caller staging: every slot's readers, summed (0 in kvx's pool).
+    pub fn reads(&self) -> u64 {
+        self.readers
+            .as_ref()
+            .map_or(0, |r| r.iter().map(|&n| u64::from(n)).sum())
+    }
+
+    /// No slot held (kvx's pool) or read (caller staging).
+    pub fn is_idle(&self) -> bool {
+        match &self.readers {
+            Some(readers) => readers.iter().all(|&n| n == 0),
+            None => self.free.len() == self.owner.len(),
         }
     }
 
@@ -55,8 +111,18 @@ impl StagingPool {
         self.owner.get(slot.0 as usize).and_then(Option::as_ref)
     }
 
-    /// Frees `slot`. Panics if it is out of range or already free.
+    /// A chunk is done with `slot`: its write completed, or will never be posted. In kvx's
+    /// pool the slot is free again; with caller staging one read of it ended. Panics if it
+    /// is out of range, already free, or not read.
     pub fn give_back(&mut self, slot: StagingSlot) {
+        if let Some(readers) = &mut self.readers {
+            let n = readers
+                .get_mut(slot.0 as usize)
+                .expect("invariant: staging slot in range");
+            assert!(*n > 0, "invariant: staging slot {} read no more", slot.0);
+            *n -= 1;
+            return;
+        }
         let owner = self
             .owner
             .get_mut(slot.0 as usize)
@@ -83,10 +149,21 @@ impl StagingPool {
     pub(crate) fn canon_free(&self, enc: &mut crate::canon::Canon) {
         enc.len(self.free.len());
         self.free.iter().for_each(|&s| enc.staging(s));
+        if let Some(readers) = &self.readers {
+            readers.iter().for_each(|&n| enc.len(n as usize));
+        }
     }
 
-    /// Panics unless every slot is either held or on the free stack.
+    /// Panics unless every slot is either held or on the free stack (kvx's pool), or none
+    /// is held or free (caller staging: the slots are the caller's, only read).
     pub fn check_invariants(&self) {
+        if self.readers.is_some() {
+            assert!(
+                self.free.is_empty() && self.owner.iter().all(Option::is_none),
+                "invariant: caller staging is never handed out"
+            );
+            return;
+        }
         let owned = self.owner.iter().filter(|o| o.is_some()).count();
         assert_eq!(
             owned + self.free.len(),

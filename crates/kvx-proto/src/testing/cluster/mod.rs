@@ -639,7 +639,8 @@ impl Cluster {
                     self.end_plan(self.by_req_id[&req_id.0], End::Failed(failure.to_string()))
                 }
                 SenderEvent::FabricStalled { receiver } => self.reset_fabric(s, receiver.0),
-                SenderEvent::ChannelReset { .. } => {}
+                // The harness's senders stage in kvx's pool: never raised there.
+                SenderEvent::ChannelReset { .. } | SenderEvent::Drained { .. } => {}
             }
         }
         // Staging may have been freed: the engine may continue.
