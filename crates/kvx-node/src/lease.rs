@@ -345,18 +345,23 @@ impl Leasing {
         max: usize,
         first_within: Option<Duration>,
     ) {
-        let first = async {
-            if found.is_some() {
-                return found;
+        // What was found is off the stream already: it is leased whoever is still waiting.
+        // Only the wait for a notice ends with the caller's (`first` is cancel-safe).
+        let first = match found {
+            Some(found) => Some(found),
+            None => {
+                let first = async {
+                    match first_within {
+                        Some(limit) => tokio::time::timeout(limit, self.first(max)).await.ok(),
+                        None => Some(self.first(max).await),
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    first = first => first,
+                    () = tx.closed() => return,
+                }
             }
-            match first_within {
-                Some(limit) => tokio::time::timeout(limit, self.first(max)).await.ok(),
-                None => Some(self.first(max).await),
-            }
-        };
-        let first = tokio::select! {
-            first = first => first,
-            () = tx.closed() => return,
         };
         let taken = match first {
             None => Ok(Vec::new()),
