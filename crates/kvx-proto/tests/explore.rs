@@ -86,6 +86,20 @@ fn staging_goes_to_the_oldest_waiting_request() {
     assert!(r.states > 1_000, "{r:?}");
 }
 
+/// Caller staging (§Caller staging): one sender's two requests read the same slot at once
+/// (chunk 0 of each reads slot 0), nothing is allocated, and under every interleaving of
+/// writes, failures, cancels and timeouts each slot is read by exactly the unwritten chunks
+/// and a failed request is drained only once none of its posted writes is outstanding (S13).
+#[test]
+fn caller_staging_of_requests_sharing_a_slot() {
+    let r = complete(
+        "caller staging, 4 slots, 2 staging,",
+        OpWorld::caller_staging(4, 2),
+        &[(0, 2), (0, 1)],
+    );
+    assert!(r.states > 1_000, "{r:?}");
+}
+
 /// The explorer's abstraction against the whole state, on a plan small enough for both.
 #[test]
 fn the_abstraction_loses_no_state_of_one_request() {

@@ -48,7 +48,11 @@ impl OpWorld {
         let (req_id, total, done) = side.requests[i].clone();
         let mut chunks = Vec::new();
         for k in 0..n.min(total - done) {
-            match allocate_in_order(self.now, &mut side.flow, &req_id) {
+            let taken = match callers_slot(&side.flow, done + k) {
+                Some(slot) => Ok(slot),
+                None => allocate_in_order(self.now, &mut side.flow, &req_id),
+            };
+            match taken {
                 Ok(slot) => chunks.push(ChunkSpec {
                     key: format!("{req_id}@{}", done + k),
                     staging: slot,
@@ -90,7 +94,11 @@ impl OpWorld {
             return;
         };
         let (req_id, total, done) = side.requests[i].clone();
-        let Ok(slot) = allocate_in_order(self.now, &mut side.flow, &req_id) else {
+        let taken = match callers_slot(&side.flow, done) {
+            Some(slot) => Ok(slot),
+            None => allocate_in_order(self.now, &mut side.flow, &req_id),
+        };
+        let Ok(slot) = taken else {
             return;
         };
         let chunk = ChunkSpec {
@@ -115,6 +123,10 @@ impl OpWorld {
     pub(super) fn add(&mut self, s: usize) {
         let now = self.now;
         let side = &mut self.sides[s];
+        // With caller staging nothing is added (misuse: the request would only fail).
+        if callers_slot(&side.flow, 0).is_some() {
+            return;
+        }
         let Some(i) = side
             .requests
             .iter()
@@ -139,6 +151,13 @@ impl OpWorld {
             Err(_) => {}
         }
     }
+}
+
+/// With caller staging, the slot chunk `chunk` of every request reads (`OpWorld::
+/// caller_staging`); `None` with kvx's pool, where it is allocated.
+fn callers_slot(flow: &SenderFlow, chunk: u32) -> Option<StagingSlot> {
+    let callers = flow.config().staging_placement == crate::config::Placement::Caller;
+    callers.then(|| StagingSlot(chunk % flow.staging_capacity()))
 }
 
 /// Registers `req_id` as waiting for staging, once (as one driver call that waits does).

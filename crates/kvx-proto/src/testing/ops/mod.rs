@@ -214,6 +214,24 @@ impl OpWorld {
         world
     }
 
+    /// Two senders whose staging is the application's own memory (`docs/spec/protocol.md`
+    /// §Caller staging): a batch names the slots its chunks are read from — chunk k of every
+    /// request reads slot `k % staging_slots`, so a sender's requests read the same slots at
+    /// once, as requests sharing a prefix block do — and nothing is allocated. Every
+    /// `Drained` is checked to come only once the failed request's posted writes have all
+    /// completed (S13).
+    pub fn caller_staging(buffer_slots: u32, staging_slots: u32) -> Self {
+        let mut world = Self::build(SENDERS, buffer_slots, staging_slots, 100);
+        for side in &mut world.sides {
+            let cfg = SenderConfig {
+                staging_placement: crate::config::Placement::Caller,
+                ..side.flow.config().clone()
+            };
+            side.flow = SenderFlow::new(cfg).expect("invariant: valid sender config");
+        }
+        world
+    }
+
     /// Whether the modelled fabric lets `op` (a write of sender `s`) land, closing its grant
     /// when it does; always, where no mirror is modelled.
     fn fabric_admits(&mut self, s: usize, op: &WriteOp) -> bool {
@@ -638,6 +656,20 @@ impl OpWorld {
             let mut stalled = false;
             while let Some(ev) = side.flow.poll_event() {
                 stalled |= matches!(ev, SenderEvent::FabricStalled { .. });
+                // S13: the application may reuse a drained request's slots: no posted write
+                // of it may still read one, and it failed.
+                if let SenderEvent::Drained { req_id } = &ev {
+                    assert!(
+                        !side.writes.iter().any(|w| &w.req_id == req_id),
+                        "checker: {} drained while a posted write still reads its staging",
+                        req_id.0
+                    );
+                    assert!(
+                        matches!(side.flow.outcome(req_id), Some(Err(_))),
+                        "checker: {} drained without having failed",
+                        req_id.0
+                    );
+                }
                 // The receiver here is kvx's own: a reply its sender cannot use is its bug.
                 if let SenderEvent::Failed {
                     req_id,
