@@ -254,7 +254,8 @@ impl ExternalRegion {
     /// `ptr` must be valid for reads and writes of `len` bytes for as long as `owner` lives.
     /// While kvx uses the region, nothing else may write a slot except its current holder as
     /// the protocol defines it (a sender filling a staging slot it took and has not yet
-    /// submitted; a receiver's fabric landing a granted write), and nothing may read a
+    /// submitted, or, with caller staging, the application writing a slot no submitted chunk
+    /// reads; a receiver's fabric landing a granted write), and nothing may read a
     /// receive slot before its request is ready. Breaking this corrupts KV bytes (a checksum
     /// catches a changed staging slot) but it is also a data race, which Rust calls undefined
     /// behaviour.

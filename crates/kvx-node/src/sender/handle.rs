@@ -107,21 +107,38 @@ impl<E: Env> SenderHandle<E> {
     /// Waits until the receiver admitted `req_id` (or it ended: delivered counts as
     /// admitted).
     pub async fn admitted(&self, req_id: &ReqId) -> Result<(), SendFailure> {
-        self.wait_for(req_id, |flow| flow.is_admitted(req_id)).await
+        self.wait_for(req_id, |flow| {
+            let admitted = flow.is_admitted(req_id).then_some(Ok(()));
+            flow.outcome(req_id).or(admitted)
+        })
+        .await
     }
 
     /// Waits until `req_id` was delivered (its ProxyNotif sent) or failed. The outcome stays
     /// readable for `SenderConfig::outcomes_kept` ended requests.
     pub async fn outcome(&self, req_id: &ReqId) -> Result<(), SendFailure> {
-        self.wait_for(req_id, |_| false).await
+        self.wait_for(req_id, |flow| flow.outcome(req_id)).await
     }
 
-    /// Waits until `done` holds or the request has an outcome (the outcome wins when it is
-    /// a failure); `Stopped` once the sender has stopped without either.
+    /// With caller staging (`SenderConfig::staging_placement = Caller`): waits until
+    /// `req_id` reads none of the caller's slots any more — delivered, or failed and drained
+    /// (its last posted write completed: `SenderEvent::Drained`) — and says how it ended.
+    /// Until then the caller must not change or free the memory its chunks named. With
+    /// kvx's pool it is `outcome`, once the request's writes are done.
+    pub async fn released(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.wait_for(req_id, |flow| {
+            let outcome = flow.outcome(req_id)?;
+            (!flow.is_tracked(req_id)).then_some(outcome)
+        })
+        .await
+    }
+
+    /// Waits until `settled` says how the wait ends; `Stopped` once the sender has stopped
+    /// first, and misuse for a request the sender does not know.
     async fn wait_for(
         &self,
         req_id: &ReqId,
-        done: impl Fn(&SenderFlow) -> bool,
+        settled: impl Fn(&SenderFlow) -> Option<Result<(), SendFailure>>,
     ) -> Result<(), SendFailure> {
         // Woken by an event of this request, or by one that concerns every waiter
         // (`sleepers.rs`).
@@ -129,11 +146,8 @@ impl<E: Env> SenderHandle<E> {
         let changed = std::future::poll_fn(|cx| {
             let mut core = self.shared.lock();
             sleeper.leave(&mut core.sleepers);
-            if let Some(outcome) = core.flow.outcome(req_id) {
-                return Poll::Ready(outcome);
-            }
-            if done(&core.flow) {
-                return Poll::Ready(Ok(()));
+            if let Some(settled) = settled(&core.flow) {
+                return Poll::Ready(settled);
             }
             if !core.flow.knows(req_id) {
                 return Poll::Ready(Err(SendFailure::Misuse(format!(

@@ -462,6 +462,13 @@ impl SenderFlow {
         &self.waiters
     }
 
+    /// Whether `req_id` is still tracked: it runs, or failed and some posted write of it is
+    /// outstanding. A request leaves once delivered, or failed with no write outstanding;
+    /// from then on it reads no staging.
+    pub fn is_tracked(&self, req_id: &ReqId) -> bool {
+        self.requests.contains_key(req_id)
+    }
+
     /// Whether `req_id` runs, or ended recently enough that its outcome is remembered.
     pub fn knows(&self, req_id: &ReqId) -> bool {
         self.requests.contains_key(req_id) || self.outcomes.contains_key(req_id)
