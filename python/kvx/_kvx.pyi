@@ -143,14 +143,19 @@ class Sender:
 
     A request: ``begin`` -> ``wait_admitted`` -> per chunk ``allocate``, write, ``add`` ->
     ``submit`` batches (the last with ``last=True``) -> ``wait_outcome`` or ``next_ends``.
-    Write a staging slot only while you hold it (between ``allocate`` and ``add``)."""
+    Write a staging slot only while you hold it (between ``allocate`` and ``add``).
+
+    ``placement="caller"``: ``staging`` is the program's own memory, where the chunks already
+    are (one buffer, or per-layer buffers of the same size, slots numbered part after part);
+    nothing is allocated or copied: ``submit_slots`` names each batch's slots, and
+    ``wait_released`` says when the program may change them again."""
 
     def __new__(
         cls,
         *,
         slots: int,
         slot_bytes: int,
-        staging: Optional[_Buffer] = None,
+        staging: Union[None, _Buffer, Sequence[_Buffer]] = None,
         transport: str = "zmq",
         fabric: str = "tcp",
         proxy: Optional[str] = None,
@@ -162,6 +167,7 @@ class Sender:
         failure_notices: Optional[bool] = None,
         curve_secret_key: Optional[_Path] = None,
         curve_server_key: Optional[_Path] = None,
+        placement: Literal["pool", "caller"] = "pool",
     ) -> Self:
         """A protocol setting given as ``None`` is kvx's default (``defaults()["sender"]``).
         ``curve_secret_key`` (this sender's ``NAME.key_secret``) and ``curve_server_key`` (the
@@ -197,6 +203,25 @@ class Sender:
         """Adds the written slot to its request's next batch (checksummed now)."""
     def submit(self, req_id: str, *, last: bool = False) -> None:
         """Submits the request's added chunks as one batch."""
+    def submit_slots(
+        self,
+        req_id: str,
+        slots: Sequence[int],
+        keys: Sequence[str],
+        *,
+        nbytes: Optional[int] = None,
+        tokens: int = 0,
+        last: bool = False,
+    ) -> None:
+        """``placement="caller"``: one batch of chunks read straight from the program's
+        staging, chunk i from ``slots[i]`` named ``keys[i]`` (checksummed now). Leave those
+        slots unchanged until ``wait_released`` returns for the request."""
+    def wait_released(self, req_id: str, timeout: Optional[float] = None) -> None:
+        """``placement="caller"``: returns once the request reads none of the program's
+        staging (delivered); raises why it failed once its last write has completed, or
+        ``TimedOutError``."""
+    def released(self, req_id: str) -> Future[None]:
+        """Awaitable ``wait_released``. Unbounded (bound it with ``asyncio.timeout``)."""
     def cancel(self, req_id: str) -> None:
         """Cancels the request wherever it is; its end is ``CancelledError``."""
     def wait_outcome(self, req_id: str, timeout: Optional[float] = None) -> None:

@@ -20,7 +20,8 @@
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
 //!   never lost to a caller that stops waiting), the blocking form of kvx-node's
 //!   `ReadyLeases`.
-//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends), and
+//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends; with
+//!   caller staging, batches of the caller's own slots, `SlotChunk`, and `released`), and
 //!   `unique_local_id`, a sender identity of its own for each sender.
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
@@ -45,4 +46,4 @@ pub use named::{InProcess, NameError, FABRIC_NAMES, TRANSPORT_NAMES};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use sender::{unique_local_id, Sender, SenderSettings, StagingGuard};
+pub use sender::{unique_local_id, Sender, SenderSettings, SlotChunk, StagingGuard};

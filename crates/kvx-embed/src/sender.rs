@@ -71,6 +71,8 @@ trait SenderApi: Send + Sync {
     fn begin(&self, spec: RequestSpec) -> Result<(), SendError>;
     fn admitted<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
     fn outcome<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
+    fn released<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
+    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError>;
     fn allocate_blocking(
         &self,
         req_id: &ReqId,
@@ -110,6 +112,12 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     }
     fn outcome<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>> {
         Box::pin(SenderHandle::outcome(self, req_id))
+    }
+    fn released<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>> {
+        Box::pin(SenderHandle::released(self, req_id))
+    }
+    fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError> {
+        SenderHandle::submit(self, req_id, chunks, last)
     }
     fn allocate_blocking(
         &self,
@@ -213,6 +221,19 @@ impl fmt::Debug for Sender {
             .field("slot_bytes", &self.api.slot_bytes())
             .finish_non_exhaustive()
     }
+}
+
+/// One chunk of a batch read straight from the caller's own staging (`Sender::submit_slots`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotChunk {
+    /// The caller's slot its bytes are in.
+    pub slot: StagingSlot,
+    /// Names it to the receiver.
+    pub key: String,
+    /// Its length: the slot's first `len` bytes (at most the slot size).
+    pub len: usize,
+    /// The tokens it covers.
+    pub tokens: u64,
 }
 
 /// A staging slot the caller holds for one request: write its chunk, then `Sender::add`
@@ -397,6 +418,59 @@ impl Sender {
     /// chunk count must then be reached). An empty batch that is not the last is a no-op.
     pub fn submit(&self, req_id: &ReqId, last: bool) -> Result<(), SendError> {
         self.api.submit_added(req_id, last)
+    }
+
+    /// Caller staging (`SenderConfig::staging_placement = Caller`): submits one batch of
+    /// `req_id`'s chunks read straight from the caller's own staging slots, where their
+    /// bytes already are (`last`: it completes the request). Each chunk's checksum is taken
+    /// now, from its slot. The slots must not change until `released` says the request reads
+    /// them no more; several requests may name one slot at once.
+    pub fn submit_slots(
+        &self,
+        req_id: &ReqId,
+        chunks: Vec<SlotChunk>,
+        last: bool,
+    ) -> Result<(), SendError> {
+        let slot_bytes = self.api.slot_bytes();
+        let slots = self.api.slots();
+        let mut specs = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            if c.len == 0 || c.len > slot_bytes || c.slot.0 >= slots {
+                return Err(SendError::Misuse {
+                    req_id: req_id.clone(),
+                    why: format!(
+                        "chunk {} of {} bytes in slot {}: chunks are 1..={slot_bytes} bytes, \
+                         in slots 0..{slots}",
+                        c.key, c.len, c.slot.0
+                    ),
+                });
+            }
+            self.api.staged(c.slot, c.len);
+            specs.push(ChunkSpec {
+                key: c.key,
+                staging: c.slot,
+                tokens: c.tokens,
+                bytes: c.len as u64,
+            });
+        }
+        self.api.submit(req_id, specs, last)
+    }
+
+    /// Caller staging: waits at most `timeout` until `req_id` reads none of the caller's
+    /// slots any more — delivered (`Some(Ok)`), or failed (`Some(Err)`) once its last posted
+    /// write completed; None: not yet. With kvx's pool it is `wait_outcome`.
+    pub fn wait_released(
+        &self,
+        req_id: &ReqId,
+        timeout: Duration,
+    ) -> Option<Result<(), SendFailure>> {
+        self.runtime
+            .block_on_for(timeout, self.api.released(req_id))
+    }
+
+    /// The async form of `wait_released`, unbounded.
+    pub async fn released(&self, req_id: &ReqId) -> Result<(), SendFailure> {
+        self.api.released(req_id).await
     }
 
     /// Aborts a request from any state; its pending batch is dropped (its staging freed by

@@ -7,12 +7,13 @@ use std::time::Duration;
 use kvx_embed::{SenderSettings, StagingGuard};
 use kvx_node::ReceiverAddr;
 use kvx_proto::sender::{RequestSpec, SendError};
-use kvx_proto::{PeerId, ReqId, SenderConfig};
+use kvx_proto::{PeerId, Placement, ReqId, SenderConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use crate::{aio, env, errors, memory, runtime, wait};
+use crate::{aio, env, errors, memory, placement, runtime, wait};
 
 /// How long leaving a ``with`` block waits for the notices already due to the proxy.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
@@ -21,7 +22,8 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 ///
 /// ``Sender(*, slots, slot_bytes, staging=None, transport="zmq", fabric="tcp", proxy=None,
 /// local_id=None, staging_timeout=None, reply_timeout=None, write_timeout=None,
-/// checksums=None, failure_notices=None, curve_secret_key=None, curve_server_key=None)``
+/// checksums=None, failure_notices=None, curve_secret_key=None, curve_server_key=None,
+/// placement="pool")``
 ///
 /// A protocol setting given as ``None`` is kvx's default, the one ``kvx sender`` runs with
 /// (``kvx.defaults()["sender"]``: 30 s staging timeout, 10 s reply and write timeouts,
@@ -46,6 +48,13 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 /// A request: ``begin`` → ``wait_admitted`` → per chunk ``allocate`` a slot, write it,
 /// ``add`` it → ``submit`` batches (the last with ``last=True``) → ``wait_outcome`` or
 /// ``next_ends``.
+///
+/// ``placement="caller"`` (docs/spec/protocol.md, "Caller staging"): ``staging`` is the
+/// program's own memory where the chunks already are (a prefill engine's per-layer KV
+/// tensors: a list of buffers of the same size, each holding ``slots / len(staging)``
+/// slots, slot ``p * (slots // len(staging)) + i`` being slot i of part p); nothing is
+/// allocated or copied: ``submit_slots`` names the slots each batch is read from, and
+/// ``wait_released`` says when the program may change them again.
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Sender {
     inner: kvx_embed::Sender,
@@ -70,7 +79,7 @@ impl Sender {
     #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
         proxy = None, local_id = None, staging_timeout = None, reply_timeout = None,
         write_timeout = None, checksums = None, failure_notices = None, curve_secret_key = None,
-        curve_server_key = None))]
+        curve_server_key = None, placement = "pool"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,11 +97,34 @@ impl Sender {
         failure_notices: Option<bool>,
         curve_secret_key: Option<PathBuf>,
         curve_server_key: Option<PathBuf>,
+        placement: &str,
     ) -> PyResult<Self> {
+        let staging_placement = placement::named(placement)?;
         let curve = env::curve_client(curve_secret_key, curve_server_key)?;
         let choice = env::choice(transport, fabric, curve)?;
         let own = env::needs_own_mapping(&choice);
-        let (memory, view) = memory::choose(py, staging, slots, slot_bytes, own)?;
+        if staging_placement == Placement::Caller && (staging.is_none() || own) {
+            return Err(PyValueError::new_err(
+                "placement=\"caller\" sends from the program's own memory: pass it as staging \
+                 (one buffer, or a list of per-layer buffers), on a fabric that takes it (tcp)",
+            ));
+        }
+        let in_parts = match staging {
+            Some(s) if s.is_instance_of::<PyList>() || s.is_instance_of::<PyTuple>() => {
+                if own {
+                    return Err(PyValueError::new_err(
+                        "the shm fabric allocates its own staging: it cannot take one in parts",
+                    ));
+                }
+                Some(memory::lend_parts(py, s, slots, slot_bytes)?.0)
+            }
+            _ => None,
+        };
+        let (memory, view) = match in_parts {
+            // Each part is the caller's own object: there is no one view of them all.
+            Some(memory) => (memory, None),
+            None => memory::choose(py, staging, slots, slot_bytes, own)?,
+        };
         let core = SenderConfig::default();
         let given = |s: Option<f64>, what, default| match s {
             Some(s) => wait::positive_seconds(s, what),
@@ -105,6 +137,7 @@ impl Sender {
             write_timeout: given(write_timeout, "write_timeout", core.write_timeout)?,
             checksums: checksums.unwrap_or(core.checksums),
             notify_proxy_on_failure: failure_notices.unwrap_or(core.notify_proxy_on_failure),
+            staging_placement,
             ..core
         };
         config
@@ -318,6 +351,82 @@ impl Sender {
         self.inner
             .submit(&ReqId(req_id), last)
             .map_err(|e| errors::send_error(&e))
+    }
+
+    /// ``placement="caller"``: submits one batch of ``req_id``'s chunks read straight from
+    /// the sender's staging (the program's own memory, where their bytes already are): chunk
+    /// i from slot ``slots[i]``, named ``keys[i]`` to the receiver, ``nbytes`` long (None: the
+    /// whole slot), covering ``tokens`` tokens; ``last=True`` ends the request. Each chunk's
+    /// checksum is taken now. Do not change those slots until ``wait_released`` (or
+    /// ``released``) returns for the request; several requests may name one slot at once.
+    #[pyo3(signature = (req_id, slots, keys, *, nbytes = None, tokens = 0, last = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_slots(
+        &self,
+        py: Python<'_>,
+        req_id: String,
+        slots: Vec<u32>,
+        keys: Vec<String>,
+        nbytes: Option<usize>,
+        tokens: u64,
+        last: bool,
+    ) -> PyResult<()> {
+        if slots.len() != keys.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} slots but {} keys: one key per chunk",
+                slots.len(),
+                keys.len()
+            )));
+        }
+        let len = nbytes.unwrap_or(self.inner.slot_bytes());
+        let chunks = slots
+            .into_iter()
+            .zip(keys)
+            .map(|(slot, key)| kvx_embed::SlotChunk {
+                slot: kvx_proto::StagingSlot(slot),
+                key,
+                len,
+                tokens,
+            })
+            .collect();
+        // The checksums read every chunk: other Python threads run meanwhile.
+        py.detach(|| self.inner.submit_slots(&ReqId(req_id), chunks, last))
+            .map_err(|e| errors::send_error(&e))
+    }
+
+    /// ``placement="caller"``: waits until ``req_id`` reads none of the program's staging
+    /// any more: returns once it was delivered; raises why it failed, once its last posted
+    /// write has completed (only then may the program change or free the slots it named);
+    /// ``TimedOutError`` when ``timeout`` passed first. With kvx's own staging it is
+    /// ``wait_outcome``.
+    #[pyo3(signature = (req_id, timeout = None))]
+    fn wait_released(
+        &self,
+        py: Python<'_>,
+        req_id: String,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let id = ReqId(req_id.clone());
+        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.released(&id))?;
+        match done {
+            Some(Ok(())) => Ok(()),
+            Some(Err(f)) => Err(errors::send_failure(&f)),
+            None => Err(errors::TimedOutError::new_err(format!(
+                "request {req_id} still reads the sender's staging"
+            ))),
+        }
+    }
+
+    /// Awaitable ``wait_released``. Unbounded: bound it with ``asyncio.timeout``/``wait_for``.
+    fn released<'py>(slf: &Bound<'py, Self>, req_id: String) -> PyResult<Bound<'py, PyAny>> {
+        let me: Py<Self> = slf.clone().unbind();
+        aio::spawn(slf.py(), async move {
+            me.get()
+                .inner
+                .released(&ReqId(req_id))
+                .await
+                .map_err(|f| errors::send_failure(&f))
+        })
     }
 
     /// Cancels ``req_id`` wherever it is; its staging and the receiver's slots are freed,
