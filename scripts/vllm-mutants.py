@@ -2,6 +2,7 @@
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
 test_worker.py, test_router.py, test_two_processes.py (two engine processes over kvx),
+test_prefill_transfer.py (the prefill transfer over a scripted sender),
 test_swarm.py (the lifecycle under seeded interleavings and faults) and test_explore.py (the
 same, every interleaving of small worlds) must catch.
 
@@ -22,7 +23,7 @@ PKG = "python/kvx/vllm/"
 TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
-         "python/tests/kvx_vllm/test_explore.py"]
+         "python/tests/kvx_vllm/test_prefill_transfer.py", "python/tests/kvx_vllm/test_explore.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
@@ -86,10 +87,14 @@ MUTANTS = {
         "if not back.consumed and load.failure is None:",
         "if False:",
         "a layer whose load failed (a checksum, a lost prefill engine) is counted as received"),
-    "transfer-copies-wrong-block": (PKG + "kvx_transfer.py",
-        "slot.write(layout.page(source, part, block))",
-        "slot.write(layout.page(source, part, index))",
-        "the prefill engine copies the block at the prompt's index instead of its own block id"),
+    "transfer-sends-wrong-block": (PKG + "kvx_transfer.py",
+        "slots = layout.block_pages(layer, block_ids)",
+        "slots = layout.block_pages(layer, list(range(first_block, first_block + len(block_ids))))",
+        "the prefill engine sends the block at the prompt's index instead of its own block id"),
+    "transfer-sent-while-writes-read": (PKG + "kvx_transfer.py",
+        "if push.open or push.draining:",
+        "if push.open:",
+        "a failed push is reported sent (vLLM frees its blocks) while its posted writes still read them"),
     "granted-abort-not-cancelled": (PKG + "scheduler.py",
         "            # engine's grant until cancelled, and a push that ends later must not be\n"
         "            # reported for a request vLLM has freed.\n"

@@ -12,10 +12,14 @@ engine still sends and kvx answers as already sent. The request is received when
 layer's reservation came back consumed; it failed when any came back otherwise (the others
 are withdrawn at once).
 
-**A staging copy on the prefill side.** Each page is copied into the sender's staging and
-written from there, so the engine's blocks are free to change as soon as ``save_kv_layer``
-returns; writing from the paged tensors themselves, one write per run of blocks, is
-docs/vllm.md "Not yet" items 4 and 5.
+**No staging copy on the prefill side.** The engine's per-layer KV tensors are the sender's
+staging, lent in parts as the decode side lends its buffer (``kvx.Sender(placement="caller")``,
+docs/spec/protocol.md "Caller staging"): ``save_kv_layer`` names each page's slot and kvx
+writes it straight from the engine's block. The engine keeps a request's blocks until the
+worker reports it sent, which is only once every layer reads them no more (delivered, or
+failed with its last write completed: ``Sender.wait_released``). ``copy_staging=True``
+copies each page into kvx's own staging first instead (for a sender that must own its
+staging: a test's corrupting sender). One write per run of blocks is docs/vllm.md "Not yet".
 
 Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 ``idle_timeout_sec``, a grant by ``grant_timeout_sec`` (the scheduler's), a staging slot by
@@ -195,6 +199,8 @@ class _Push:
 
     layers: int
     open: Set[int] = field(default_factory=set)
+    #: Layers that failed and whose posted writes may still read the engine's blocks.
+    draining: Set[int] = field(default_factory=set)
     admitted: Set[int] = field(default_factory=set)
     granted: bool = False
     failure: Optional[str] = None
@@ -207,10 +213,11 @@ class _Push:
 
 
 class PrefillTransfer:
-    """The prefill engine's transfer (one TP rank): a ``kvx.Sender`` whose staging takes a
-    copy of each page as its layer is computed."""
+    """The prefill engine's transfer (one TP rank): a ``kvx.Sender`` whose staging is the
+    engine's own KV tensors (or, with ``copy_staging``, kvx's, taking a copy of each page as
+    its layer is computed)."""
 
-    #: Staging: enough pages for this many blocks of every layer in flight at once.
+    #: With ``copy_staging``: enough pages for this many blocks of every layer in flight.
     STAGING_BLOCKS = 64
 
     def __init__(
@@ -219,10 +226,12 @@ class PrefillTransfer:
         tp_rank: int = 0,
         num_blocks: Optional[int] = None,
         sender_factory: Callable[..., kvx.Sender] = kvx.Sender,
+        copy_staging: bool = False,
     ) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
+        self.copy_staging = copy_staging
         self.layout: Optional[PagedLayout] = None
         self.sender: Optional[kvx.Sender] = None
         self._sender_factory = sender_factory
@@ -237,8 +246,19 @@ class PrefillTransfer:
         layout = PagedLayout.of(kv_caches, self.num_blocks)
         s = self.settings
         self._views = {name: byte_view(kv_caches[name]) for name in layout.layer_names}
+        if self.copy_staging:
+            staging: Dict[str, Any] = {
+                "slots": self.STAGING_BLOCKS * len(layout.layer_names) * layout.pages_per_block,
+            }
+        else:
+            # The engine's pages, slot for slot as the decode engine lends its own.
+            staging = {
+                "slots": layout.slots,
+                "staging": [self._views[name] for name in layout.layer_names],
+                "placement": "caller",
+            }
         self.sender = self._sender_factory(
-            slots=self.STAGING_BLOCKS * len(layout.layer_names) * layout.pages_per_block,
+            **staging,
             slot_bytes=layout.page_bytes,
             fabric=s.fabric,
             staging_timeout=s.write_timeout_sec,
@@ -289,16 +309,26 @@ class PrefillTransfer:
         source = self._views[layer_name]
         if push.first_posted is None:
             push.first_posted = time.monotonic()
+        pages = len(block_ids) * layout.pages_per_block
         try:
-            for index, block in enumerate(block_ids, start=first_block):
-                for part in range(layout.pages_per_block):
-                    slot = tx.allocate(sub)
-                    slot.write(layout.page(source, part, block))
-                    tx.add(slot, f"{index}.{part}", nbytes=layout.page_bytes)
-                    self._counts["writes"] += 1
-                    self._counts["write_bytes"] += layout.page_bytes
-                    push.nbytes += layout.page_bytes
-            tx.submit(sub, last=last)
+            if self.copy_staging:
+                for index, block in enumerate(block_ids, start=first_block):
+                    for part in range(layout.pages_per_block):
+                        slot = tx.allocate(sub)
+                        slot.write(layout.page(source, part, block))
+                        tx.add(slot, f"{index}.{part}", nbytes=layout.page_bytes)
+                tx.submit(sub, last=last)
+            else:
+                keys = [
+                    f"{index}.{part}"
+                    for index in range(first_block, first_block + len(block_ids))
+                    for part in range(layout.pages_per_block)
+                ]
+                slots = layout.block_pages(layer, block_ids)
+                tx.submit_slots(sub, slots, keys, nbytes=layout.page_bytes, last=last)
+            self._counts["writes"] += pages
+            self._counts["write_bytes"] += pages * layout.page_bytes
+            push.nbytes += pages * layout.page_bytes
             if last:
                 push.layers_posted += 1
                 if push.layers_posted == push.layers:
@@ -328,8 +358,9 @@ class PrefillTransfer:
         self._settle(kvx_id, push)
 
     def _settle(self, kvx_id: str, push: _Push) -> None:
-        """A push whose every layer ended is sent (its blocks here may be freed)."""
-        if push.open:
+        """A push whose every layer ended, and reads the engine's blocks no more, is sent
+        (its blocks here may be freed)."""
+        if push.open or push.draining:
             return
         del self._pushes[kvx_id]
         if push.failure is not None and not push.granted:
@@ -353,10 +384,14 @@ class PrefillTransfer:
             if push is None:
                 continue
             push.open.discard(layer)
+            if error is not None and not self.copy_staging:
+                # Its posted writes may still read the engine's blocks.
+                push.draining.add(layer)
             if error is not None and push.failure is None:
                 self._fail(kvx_id, push, f"layer {layer}: {error}")
             else:
                 self._settle(kvx_id, push)
+        self._drain()
         for kvx_id, push in list(self._pushes.items()):
             if push.granted or push.failure is not None:
                 continue
@@ -374,6 +409,21 @@ class PrefillTransfer:
         events.sent |= self._sent
         self._sent.clear()
         return events
+
+    def _drain(self) -> None:
+        """Failed layers whose last posted write has completed read the engine's blocks no
+        more; a push with none left draining is settled."""
+        assert self.sender is not None
+        for kvx_id, push in list(self._pushes.items()):
+            for layer in sorted(push.draining):
+                try:
+                    self.sender.wait_released(layer_request(kvx_id, layer), timeout=0)
+                except kvx.TimedOutError:
+                    continue  # a posted write still reads its blocks
+                except kvx.KvxError:
+                    pass  # released: the failure is what it ended with
+                push.draining.discard(layer)
+            self._settle(kvx_id, push)
 
     def take_counts(self) -> Dict[str, int]:
         """Pushes delivered and failed, writes posted and their bytes, since the last call."""

@@ -69,7 +69,9 @@ def main() -> None:
         for name in layer_names()
     }
     if corrupt:
-        transfer: Any = PrefillTransfer(settings, 0, BLOCKS, sender_factory=corrupting_sender)
+        transfer: Any = PrefillTransfer(
+            settings, 0, BLOCKS, sender_factory=corrupting_sender, copy_staging=True
+        )
     else:
         transfer = transfer_for(settings, 0, BLOCKS)
     worker = KvxWorker(transfer)

@@ -21,5 +21,7 @@ class CorruptingKvxConnector(KvxConnector):
         if role == KVConnectorRole.WORKER:
             settings = settings_from(vllm_config.kv_transfer_config)
             blocks = getattr(kv_cache_config, "num_blocks", None)
-            transfer = PrefillTransfer(settings, 0, blocks, sender_factory=corrupting_sender)
+            transfer = PrefillTransfer(
+                settings, 0, blocks, sender_factory=corrupting_sender, copy_staging=True
+            )
         super().__init__(vllm_config, role, kv_cache_config, transfer=transfer)
