@@ -400,12 +400,7 @@ impl Sender {
     /// ``TimedOutError`` when ``timeout`` passed first. With kvx's own staging it is
     /// ``wait_outcome``.
     #[pyo3(signature = (req_id, timeout = None))]
-    fn wait_released(
-        &self,
-        py: Python<'_>,
-        req_id: String,
-        timeout: Option<f64>,
-    ) -> PyResult<()> {
+    fn wait_released(&self, py: Python<'_>, req_id: String, timeout: Option<f64>) -> PyResult<()> {
         let id = ReqId(req_id.clone());
         let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.released(&id))?;
         match done {
