@@ -43,7 +43,8 @@ def corrupting_sender(**kwargs: Any) -> Sender:
     """``Sender(**kwargs)`` whose every chunk is zeroed between its checksum and its write: each
     write of a chunk that was not all zeros then fails the receiver's checksum (with checksums
     on), and a receiver that did not check would hold very different bytes. For tests of what
-    a receiving program does with a failed load; never for real traffic."""
+    a receiving program does with a failed load; never for real traffic. It corrupts what
+    ``add`` staged, so it needs kvx's own staging (``placement="pool"``)."""
     return _CorruptingSender(Sender(**kwargs))  # type: ignore[return-value]
 
 
