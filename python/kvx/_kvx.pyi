@@ -209,13 +209,12 @@ class Sender:
         slots: Sequence[int],
         keys: Sequence[str],
         *,
-        nbytes: Optional[int] = None,
         tokens: int = 0,
         last: bool = False,
     ) -> None:
         """``placement="caller"``: one batch of chunks read straight from the program's
-        staging, chunk i from ``slots[i]`` named ``keys[i]`` (checksummed now). Leave those
-        slots unchanged until ``wait_released`` returns for the request."""
+        staging, chunk i the whole of slot ``slots[i]``, named ``keys[i]`` (checksummed now).
+        Leave those slots unchanged until ``wait_released`` returns for the request."""
     def wait_released(self, req_id: str, timeout: Optional[float] = None) -> None:
         """``placement="caller"``: returns once the request reads none of the program's
         staging (delivered); raises why it failed once its last write has completed, or

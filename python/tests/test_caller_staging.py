@@ -94,3 +94,26 @@ def test_bad_batches_and_settings_are_refused_with_what_is_wrong():
             tx.submit_slots("a", [0, 1], ["a@0"])
         with pytest.raises(kvx.MisuseError, match="slots 0..8"):
             tx.submit_slots("a", [8], ["a@0"])
+
+
+def test_a_pool_sender_refuses_submit_slots_and_leaves_other_requests_slots_alone():
+    """On a sender staging in kvx's pool the slots belong to the requests that took them:
+    ``submit_slots`` is refused before it touches one (its checksum or length)."""
+    rx = kvx.Receiver(slots=8, slot_bytes=SLOT, peer_share_percent=100)
+    tx = kvx.Sender(slots=2, slot_bytes=SLOT)
+    with tx, rx:
+        peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+        for req_id in ("a", "b"):
+            tx.begin(req_id, receiver=peer, total_chunks=1)
+            assert tx.wait_admitted(req_id, timeout=WAIT)
+        # A chunk shorter than its slot: a whole-slot length or checksum written over it
+        # would make its write disagree with what its batch declared.
+        slot = tx.allocate("a", timeout=WAIT)
+        slot.write(pattern(1).tobytes()[:100])
+        tx.add(slot, "a@0", nbytes=100)
+        with pytest.raises(kvx.MisuseError, match="caller staging"):
+            tx.submit_slots("b", [slot.index], ["b@0"], last=True)
+        tx.submit("a", last=True)
+        tx.wait_outcome("a", timeout=WAIT)
+        [chunk] = received(rx, 1)["a"]
+        assert chunk[:100] == pattern(1).tobytes()[:100]

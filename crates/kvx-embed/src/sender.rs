@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvx_io::{Env, SlotMemory};
 use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, StartError};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
-use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
+use kvx_proto::{PeerId, Placement, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
@@ -72,6 +72,7 @@ trait SenderApi: Send + Sync {
     fn admitted<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
     fn outcome<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
     fn released<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>>;
+    fn staging_placement(&self) -> Placement;
     fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError>;
     fn allocate_blocking(
         &self,
@@ -115,6 +116,9 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     }
     fn released<'a>(&'a self, req_id: &'a ReqId) -> BoxFuture<'a, Result<(), SendFailure>> {
         Box::pin(SenderHandle::released(self, req_id))
+    }
+    fn staging_placement(&self) -> Placement {
+        SenderHandle::staging_placement(self)
     }
     fn submit(&self, req_id: &ReqId, chunks: Vec<ChunkSpec>, last: bool) -> Result<(), SendError> {
         SenderHandle::submit(self, req_id, chunks, last)
@@ -223,15 +227,14 @@ impl fmt::Debug for Sender {
     }
 }
 
-/// One chunk of a batch read straight from the caller's own staging (`Sender::submit_slots`).
+/// One chunk of a batch read straight from the caller's own staging (`Sender::submit_slots`):
+/// the whole of its slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotChunk {
     /// The caller's slot its bytes are in.
     pub slot: StagingSlot,
     /// Names it to the receiver.
     pub key: String,
-    /// Its length: the slot's first `len` bytes (at most the slot size).
-    pub len: usize,
     /// The tokens it covers.
     pub tokens: u64,
 }
@@ -422,37 +425,49 @@ impl Sender {
 
     /// Caller staging (`SenderConfig::staging_placement = Caller`): submits one batch of
     /// `req_id`'s chunks read straight from the caller's own staging slots, where their
-    /// bytes already are (`last`: it completes the request). Each chunk's checksum is taken
-    /// now, from its slot. The slots must not change until `released` says the request reads
-    /// them no more; several requests may name one slot at once.
+    /// bytes already are (`last`: it completes the request). Each chunk is its whole slot,
+    /// so that several requests may name one slot at once and agree on what it holds; its
+    /// checksum is taken now, from the slot. The slots must not change until `released`
+    /// says the request reads them no more. Refused, touching nothing, on a sender that
+    /// stages in kvx's pool (where the slots belong to the requests that took them) and for a
+    /// slot out of range.
     pub fn submit_slots(
         &self,
         req_id: &ReqId,
         chunks: Vec<SlotChunk>,
         last: bool,
     ) -> Result<(), SendError> {
-        let slot_bytes = self.api.slot_bytes();
-        let slots = self.api.slots();
-        let mut specs = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            if c.len == 0 || c.len > slot_bytes || c.slot.0 >= slots {
-                return Err(SendError::Misuse {
-                    req_id: req_id.clone(),
-                    why: format!(
-                        "chunk {} of {} bytes in slot {}: chunks are 1..={slot_bytes} bytes, \
-                         in slots 0..{slots}",
-                        c.key, c.len, c.slot.0
-                    ),
-                });
-            }
-            self.api.staged(c.slot, c.len);
-            specs.push(ChunkSpec {
-                key: c.key,
-                staging: c.slot,
-                tokens: c.tokens,
-                bytes: c.len as u64,
-            });
+        let misuse = |why: String| SendError::Misuse {
+            req_id: req_id.clone(),
+            why,
+        };
+        if self.api.staging_placement() != Placement::Caller {
+            return Err(misuse(
+                "submit_slots is for caller staging (staging_placement = caller): this \
+                 sender stages in kvx's pool (allocate, add, submit)"
+                    .to_owned(),
+            ));
         }
+        let slots = self.api.slots();
+        if let Some(c) = chunks.iter().find(|c| c.slot.0 >= slots) {
+            return Err(misuse(format!(
+                "chunk {} in slot {}: the staging has slots 0..{slots}",
+                c.key, c.slot.0
+            )));
+        }
+        let slot_bytes = self.api.slot_bytes();
+        let specs = chunks
+            .into_iter()
+            .map(|c| {
+                self.api.staged(c.slot, slot_bytes);
+                ChunkSpec {
+                    key: c.key,
+                    staging: c.slot,
+                    tokens: c.tokens,
+                    bytes: slot_bytes as u64,
+                }
+            })
+            .collect();
         self.api.submit(req_id, specs, last)
     }
 

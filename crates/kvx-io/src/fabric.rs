@@ -211,8 +211,9 @@ pub struct FabricConn {
 }
 
 impl FabricConn {
-    /// For implementations. The channels are unbounded because the staging pool bounds them:
-    /// a sender has at most `staging_slots` writes outstanding.
+    /// For implementations. The channels are unbounded because the sender bounds them: its
+    /// writes outstanding are at most its staging pool's slots, or, with caller staging, the
+    /// chunks its receivers granted (each a slot of a bounded buffer).
     pub fn new(
         ops: mpsc::UnboundedSender<ConnOp>,
         completions: mpsc::UnboundedReceiver<Completion>,

@@ -355,19 +355,18 @@ impl Sender {
 
     /// ``placement="caller"``: submits one batch of ``req_id``'s chunks read straight from
     /// the sender's staging (the program's own memory, where their bytes already are): chunk
-    /// i from slot ``slots[i]``, named ``keys[i]`` to the receiver, ``nbytes`` long (None: the
-    /// whole slot), covering ``tokens`` tokens; ``last=True`` ends the request. Each chunk's
-    /// checksum is taken now. Do not change those slots until ``wait_released`` (or
-    /// ``released``) returns for the request; several requests may name one slot at once.
-    #[pyo3(signature = (req_id, slots, keys, *, nbytes = None, tokens = 0, last = false))]
-    #[allow(clippy::too_many_arguments)]
+    /// i is the whole of slot ``slots[i]``, named ``keys[i]`` to the receiver, covering
+    /// ``tokens`` tokens; ``last=True`` ends the request. Each chunk's checksum is taken now.
+    /// Do not change those slots until ``wait_released`` (or ``released``) returns for the
+    /// request; several requests may name one slot at once. ``MisuseError`` on a sender that
+    /// stages in kvx's pool, or for a slot out of range.
+    #[pyo3(signature = (req_id, slots, keys, *, tokens = 0, last = false))]
     fn submit_slots(
         &self,
         py: Python<'_>,
         req_id: String,
         slots: Vec<u32>,
         keys: Vec<String>,
-        nbytes: Option<usize>,
         tokens: u64,
         last: bool,
     ) -> PyResult<()> {
@@ -378,14 +377,12 @@ impl Sender {
                 keys.len()
             )));
         }
-        let len = nbytes.unwrap_or(self.inner.slot_bytes());
         let chunks = slots
             .into_iter()
             .zip(keys)
             .map(|(slot, key)| kvx_embed::SlotChunk {
                 slot: kvx_proto::StagingSlot(slot),
                 key,
-                len,
                 tokens,
             })
             .collect();

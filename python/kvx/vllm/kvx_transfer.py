@@ -17,9 +17,11 @@ staging, lent in parts as the decode side lends its buffer (``kvx.Sender(placeme
 docs/spec/protocol.md "Caller staging"): ``save_kv_layer`` names each page's slot and kvx
 writes it straight from the engine's block. The engine keeps a request's blocks until the
 worker reports it sent, which is only once every layer reads them no more (delivered, or
-failed with its last write completed: ``Sender.wait_released``). ``copy_staging=True``
-copies each page into kvx's own staging first instead (for a sender that must own its
-staging: a test's corrupting sender). One write per run of blocks is docs/vllm.md "Not yet".
+failed with its last write completed: ``Sender.wait_released``). With checksums off, or
+``copy_staging=True`` (for a sender that must own its staging: a test's corrupting sender),
+each page is copied into kvx's own staging first instead: vLLM may preempt a prefill request
+and hand its blocks to another while a write of an earlier step still reads them, which only
+the decode side's checksum can catch. One write per run of blocks is docs/vllm.md "Not yet".
 
 Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 ``idle_timeout_sec``, a grant by ``grant_timeout_sec`` (the scheduler's), a staging slot by
@@ -231,7 +233,10 @@ class PrefillTransfer:
         self.settings = settings
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
-        self.copy_staging = copy_staging
+        # Without checksums, pages are copied: vLLM may preempt a prefill request and give
+        # its blocks to another while a write of an earlier step still reads them, and only
+        # a checksum lets the decode engine tell (the load then fails, never answers wrong).
+        self.copy_staging = copy_staging or not settings.checksums
         self.layout: Optional[PagedLayout] = None
         self.sender: Optional[kvx.Sender] = None
         self._sender_factory = sender_factory
@@ -325,7 +330,7 @@ class PrefillTransfer:
                     for part in range(layout.pages_per_block)
                 ]
                 slots = layout.block_pages(layer, block_ids)
-                tx.submit_slots(sub, slots, keys, nbytes=layout.page_bytes, last=last)
+                tx.submit_slots(sub, slots, keys, last=last)
             self._counts["writes"] += pages
             self._counts["write_bytes"] += pages * layout.page_bytes
             push.nbytes += pages * layout.page_bytes

@@ -41,7 +41,7 @@ class ScriptedSender:
     def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
         return req_id in self.admitted
 
-    def submit_slots(self, req_id: str, slots, keys, *, nbytes=None, tokens=0, last=False) -> None:
+    def submit_slots(self, req_id: str, slots, keys, *, tokens=0, last=False) -> None:
         self.batches.append((req_id, list(slots), list(keys), last))
         self.reading.add(req_id)
 
@@ -62,9 +62,9 @@ class ScriptedSender:
         pass
 
 
-def transfer() -> Tuple[PrefillTransfer, ScriptedSender]:
+def transfer(extra: Optional[Dict[str, Any]] = None) -> Tuple[PrefillTransfer, ScriptedSender]:
     settings = settings_from(
-        types.SimpleNamespace(kv_role="kv_producer", engine_id="p", kv_connector_extra_config={})
+        types.SimpleNamespace(kv_role="kv_producer", engine_id="p", kv_connector_extra_config=extra or {})
     )
     made: Dict[str, ScriptedSender] = {}
 
@@ -122,3 +122,12 @@ def test_a_delivered_push_is_sent_at_once():
     pushed(t, tx, "X", [1, 4])
     tx.ends += [(layer_request("X", layer), None) for layer in range(LAYERS)]
     assert "X" in t.poll().sent
+
+
+def test_without_checksums_the_pages_are_copied_into_kvxs_own_staging():
+    """vLLM may preempt a prefill request and give its blocks to another while a write of an
+    earlier step still reads them: only a checksum lets the decode engine tell, so without
+    checksums the engine's pages are never sent in place."""
+    _, tx = transfer({"checksums": False})
+    assert "placement" not in tx.kwargs and "staging" not in tx.kwargs, tx.kwargs
+    assert tx.kwargs["checksums"] is False

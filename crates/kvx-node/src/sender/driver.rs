@@ -87,11 +87,12 @@ pub(super) struct Driver<E: Env> {
     /// Undecodable replies are logged at most once a second.
     undecodable_logged: kvx_io::LogLimiter,
     /// Writes waiting for a receiver's new fabric connection, in posting order
-    /// (`fabric_link`); at most one per staging slot.
+    /// (`fabric_link`); at most one per submitted chunk.
     parked: BTreeMap<PeerId, Vec<PostWrite>>,
-    /// Per staging slot, the write in flight from it and when it was posted (one at a time
-    /// per slot), for the write-latency metric.
-    write_started: Vec<Option<(kvx_proto::WriteId, kvx_proto::Instant)>>,
+    /// When each write in flight was posted, for the write-latency metric. By write, not by
+    /// staging slot: with caller staging several writes may read one slot, and the slots
+    /// number every page of an engine's KV.
+    write_started: BTreeMap<kvx_proto::WriteId, kvx_proto::Instant>,
     /// Receivers whose fabric has been attached before: attaching again is a reconnect.
     fabric_attached: std::collections::BTreeSet<PeerId>,
     /// The (request idle timeout, write quarantine) each receiver last stated, in ms.
@@ -130,7 +131,7 @@ impl<E: Env> Driver<E> {
             staging_freed: false,
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
-            write_started: Vec::new(),
+            write_started: BTreeMap::new(),
             fabric_attached: Default::default(),
             receiver_timeouts: BTreeMap::new(),
             refused: BTreeMap::new(),
@@ -493,12 +494,9 @@ impl<E: Env> Driver<E> {
             .set(requests.saturating_sub(waiting) as f64);
     }
 
-    /// Notes that write `id` was posted from staging slot `slot`.
-    fn write_posted(&mut self, slot: usize, id: kvx_proto::WriteId) {
-        if self.write_started.len() <= slot {
-            self.write_started.resize(slot + 1, None);
-        }
-        self.write_started[slot] = Some((id, self.env.now()));
+    /// Notes that write `id` was posted.
+    fn write_posted(&mut self, id: kvx_proto::WriteId) {
+        self.write_started.insert(id, self.env.now());
     }
 
     fn on_events(&mut self, events: Vec<SenderEvent>) {
@@ -582,15 +580,12 @@ fn routing_identity(local_id: &str, alloc: &str) -> String {
 
 /// Records write `id`'s latency when it succeeded; forgets it either way.
 fn write_done(
-    started: &mut [Option<(kvx_proto::WriteId, kvx_proto::Instant)>],
+    started: &mut BTreeMap<kvx_proto::WriteId, kvx_proto::Instant>,
     id: kvx_proto::WriteId,
     ok: bool,
     now: kvx_proto::Instant,
 ) {
-    let Some(entry) = started.iter_mut().find(|e| e.is_some_and(|(w, _)| w == id)) else {
-        return;
-    };
-    if let Some((_, at)) = entry.take() {
+    if let Some(at) = started.remove(&id) {
         if ok {
             metrics::histogram!(crate::metrics::SENDER_WRITE_SECONDS)
                 .record(now.saturating_since(at).as_secs_f64());

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvx_io::{Env, Fabric, SlotMemory};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow};
-use kvx_proto::{PeerId, ReqId, StagingSlot};
+use kvx_proto::{PeerId, Placement, ReqId, StagingSlot};
 use tokio::sync::{mpsc, watch};
 
 use super::driver::Cmd;
@@ -128,9 +128,17 @@ impl<E: Env> SenderHandle<E> {
     pub async fn released(&self, req_id: &ReqId) -> Result<(), SendFailure> {
         self.wait_for(req_id, |flow| {
             let outcome = flow.outcome(req_id)?;
-            (!flow.is_tracked(req_id)).then_some(outcome)
+            // kvx's own staging is not the caller's to reuse: nothing to wait for (and no
+            // `Drained` would wake the wait).
+            let callers = flow.config().staging_placement == Placement::Caller;
+            (!callers || !flow.is_tracked(req_id)).then_some(outcome)
         })
         .await
+    }
+
+    /// Whose memory the chunks are read from (`SenderConfig::staging_placement`).
+    pub fn staging_placement(&self) -> Placement {
+        self.shared.lock().flow.config().staging_placement
     }
 
     /// Waits until `settled` says how the wait ends; `Stopped` once the sender has stopped

@@ -93,7 +93,7 @@ impl<E: Env> Driver<E> {
             return;
         }
         let slot = w.staging.0 as usize;
-        self.write_posted(slot, w.id);
+        self.write_posted(w.id);
         let len = self.shared.lens[slot].load(Ordering::Acquire);
         let write = PostWrite {
             id: w.id,
