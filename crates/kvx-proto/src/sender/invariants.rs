@@ -3,6 +3,7 @@
 
 use super::channel::Kind;
 use super::{SenderFlow, State};
+use crate::ids::StagingSlot;
 
 impl SenderFlow {
     /// Panics if staging, writes, channels and requests disagree (`docs/invariants.md`
@@ -113,6 +114,32 @@ impl SenderFlow {
                 "invariant: caller staging is read by exactly the chunks submitted and not \
                  yet written"
             );
+            // S13, slot by slot: each slot's readers are the unwritten chunks naming it, in
+            // batches not yet answered and in posted writes.
+            let mut named = std::collections::BTreeMap::<StagingSlot, u32>::new();
+            let batches = self.channels.values().flat_map(|ch| {
+                let queued = ch.queue.iter().map(|m| &m.kind);
+                queued.chain(ch.in_flight.iter().map(|f| &f.kind))
+            });
+            for kind in batches {
+                if let Kind::Batch { chunks, .. } = kind {
+                    chunks
+                        .iter()
+                        .for_each(|c| *named.entry(c.staging).or_default() += 1);
+                }
+            }
+            for w in self.writes.values() {
+                *named.entry(w.staging).or_default() += 1;
+            }
+            for slot in (0..self.staging.capacity()).map(StagingSlot) {
+                assert_eq!(
+                    self.staging.readers(slot),
+                    named.get(&slot).copied().unwrap_or(0),
+                    "invariant: caller staging slot {} is read by exactly the unwritten \
+                     chunks naming it",
+                    slot.0
+                );
+            }
         } else {
             let orphan = self.staging.capacity() as usize
                 - self.staging.free_count() as usize
