@@ -17,7 +17,8 @@ cargo test --release --quiet
 
 # Each broken variant must fail the sweep (exit 1 with a FAIL line naming the rule).
 for variant in no-reservation release-before-complete stage-before-admit \
-    lock-across-admission no-cancel-release reuse-slot-early no-pending-flush; do
+    lock-across-admission no-cancel-release reuse-slot-early no-pending-flush \
+    released-while-writes-read; do
     if out=$(./run.sh --seeds 200 --faults --break "$variant" 2>/dev/null); then
         echo "broken variant $variant was NOT caught in 200 seeds"
         exit 1

@@ -20,6 +20,57 @@ use crate::world::World;
 
 pub type Peers = Arc<Mutex<BTreeMap<usize, PeerId>>>;
 
+/// What one engine's requests share: the receivers it is connected to, its bound on requests
+/// prefilled at once, and, with caller staging, its own KV memory.
+#[derive(Debug, Clone)]
+pub struct EngineState {
+    pub peers: Peers,
+    pub interleave: Arc<Semaphore>,
+    pub app: Option<Arc<AppStaging>>,
+}
+
+/// With caller staging (`SenderConfig::staging_placement = Caller`), the engine's own KV
+/// memory: its slots, which it hands to a request's chunks as it computes them and takes back
+/// once the request reads none of them (`SenderHandle::released`), as vLLM's block pool does.
+#[derive(Debug, Default)]
+pub struct AppStaging {
+    free: Mutex<Vec<u32>>,
+    returned: tokio::sync::Notify,
+}
+
+impl AppStaging {
+    pub fn new(slots: u32) -> Arc<Self> {
+        Arc::new(Self {
+            free: Mutex::new((0..slots).rev().collect()),
+            returned: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// A free slot, waiting for one at most `timeout`.
+    async fn take(&self, timeout: Duration) -> Option<u32> {
+        let wait = async {
+            loop {
+                let returned = self.returned.notified();
+                if let Some(slot) = lock(&self.free).pop() {
+                    return slot;
+                }
+                returned.await;
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok()
+    }
+
+    fn give_back(&self, slots: Vec<u32>) {
+        lock(&self.free).extend(slots);
+        self.returned.notify_waiters();
+    }
+
+    /// Slots free now.
+    pub fn free(&self) -> Vec<u32> {
+        lock(&self.free).clone()
+    }
+}
+
 pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -61,9 +112,13 @@ pub async fn prefill(
     h: SenderHandle<SimEnv>,
     p: usize,
     d: Dispatch,
-    peers: Peers,
-    interleave: Arc<Semaphore>,
+    engine: EngineState,
 ) {
+    let EngineState {
+        peers,
+        interleave,
+        app,
+    } = engine;
     let Dispatch {
         job,
         admitted,
@@ -115,13 +170,22 @@ pub async fn prefill(
     } else {
         let _ = admitted.send(Ok(()));
     }
+    let mut held = Vec::new();
     if go.await.is_err() {
         // Another rank was refused: the router aborts this one.
         let _ = h.cancel(&req_id);
+    } else if let Some(app) = &app {
+        held = transfer_in_place(&world, &cfg, &h, p, &job, app).await;
     } else {
         transfer(&world, &cfg, &h, p, &job).await;
     }
     let _ = done.send(h.outcome(&req_id).await.map_err(|f| f.to_string()));
+    if let Some(app) = app {
+        // The engine's slots are its own again only once no chunk of the request reads one
+        // (its writes may outlive a failure): then they go back to its pool.
+        let _ = h.released(&req_id).await;
+        app.give_back(held);
+    }
 }
 
 /// The receiver's peer id once the sender is connected to it; requests wait (bounded) for a
@@ -184,6 +248,64 @@ async fn transfer(world: &World, cfg: &SimConfig, h: &SenderHandle<SimEnv>, p: u
             return;
         }
     }
+}
+
+/// `transfer` with caller staging: each chunk is computed into a slot of the engine's own
+/// memory and the batches name those slots; nothing is allocated from kvx. Returns the slots
+/// the request took, which the engine may reuse once the request reads none of them. S13 is
+/// checked from outside: a slot the engine takes is read by no chunk.
+async fn transfer_in_place(
+    world: &World,
+    cfg: &SimConfig,
+    h: &SenderHandle<SimEnv>,
+    p: usize,
+    job: &Job,
+    app: &AppStaging,
+) -> Vec<u32> {
+    let req_id = ReqId(job.req_id.clone());
+    let mut buf = vec![0u8; cfg.chunk_bytes];
+    let mut held = Vec::new();
+    let mut batch = Vec::new();
+    // Nothing holds an engine that asked early back until admission (as kvx's pool does
+    // with `allocate`): a batch of an unadmitted request is refused. Wait for it here.
+    if h.admitted(&req_id).await.is_err() {
+        return held;
+    }
+    for chunk in 0..job.chunks {
+        let Some(slot) = app.take(cfg.prefill[p].sender.staging_timeout).await else {
+            world.record(format_args!("engine: no slot of its own for {req_id}"));
+            let _ = h.cancel(&req_id);
+            return held;
+        };
+        held.push(slot);
+        let readers = h.staging_readers(StagingSlot(slot));
+        if readers > 0 {
+            flag(
+                world,
+                format!(
+                    "S13: the engine got slot {slot} back while {readers} chunk(s) still read it"
+                ),
+            );
+        }
+        if !cfg.prefill_chunk_time.is_zero() {
+            tokio::time::sleep(cfg.prefill_chunk_time).await;
+        }
+        content(&job.req_id, job.rank, chunk, &mut buf);
+        h.stage(StagingSlot(slot), &buf);
+        batch.push(ChunkSpec {
+            key: format!("{}@{chunk}", job.req_id),
+            staging: StagingSlot(slot),
+            tokens: 256,
+            bytes: buf.len() as u64,
+        });
+        let last = chunk + 1 == job.chunks;
+        if (batch.len() as u32 == job.batch_chunks || last)
+            && h.submit(&req_id, std::mem::take(&mut batch), last).is_err()
+        {
+            return held;
+        }
+    }
+    held
 }
 
 /// Takes a staging slot for the request, bounded by `staging_timeout`; the core submits

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvx_node::{ReceiverNode, SenderNode};
-use kvx_proto::ReqId;
+use kvx_proto::{Placement, ReqId, StagingSlot};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::app::{env, flag};
@@ -47,7 +47,13 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     world.lock().mailboxes.open_engine(&name, tx);
-    let interleave = Arc::new(Semaphore::new(worker.interleave));
+    let app = (worker.sender.staging_placement == Placement::Caller)
+        .then(|| engine::AppStaging::new(worker.sender.staging_slots));
+    let state = engine::EngineState {
+        peers: peers.clone(),
+        interleave: Arc::new(Semaphore::new(worker.interleave)),
+        app: app.clone(),
+    };
     while let Some(cmd) = rx.recv().await {
         match cmd {
             EngineCmd::Prefill(d) => {
@@ -57,8 +63,7 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
                     handle.clone(),
                     p,
                     *d,
-                    peers.clone(),
-                    interleave.clone(),
+                    state.clone(),
                 );
                 tokio::spawn(run);
             }
@@ -67,7 +72,17 @@ pub async fn sender_main(world: World, cfg: Arc<SimConfig>, p: usize, rank: usiz
                 let _ = handle.cancel(&ReqId(req));
             }
             EngineCmd::Staging(reply) => {
-                let _ = reply.send((handle.staging_free(), worker.sender.staging_slots));
+                let free = match &app {
+                    // The engine's own slots: free when it holds them back and no chunk
+                    // reads them.
+                    Some(app) => app
+                        .free()
+                        .into_iter()
+                        .filter(|&s| handle.staging_readers(StagingSlot(s)) == 0)
+                        .count() as u32,
+                    None => handle.staging_free(),
+                };
+                let _ = reply.send((free, worker.sender.staging_slots));
             }
         }
     }

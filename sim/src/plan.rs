@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvx_proto::config::Pipelining;
+use kvx_proto::config::{Pipelining, Placement};
 use kvx_proto::rng::SeededRng;
 
 use crate::config::{receiver_node, sender_node, Fault, FaultEvent, RequestPlan, SimConfig};
@@ -31,6 +31,14 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
     }
     // The decoders' intake, from a generator of its own (every other draw stays the seed's).
     cfg.decoder_takes_leases = SeededRng::new(seed ^ 0x1EA5_E5DE_C0DE).chance(0.5);
+    // Caller staging for some engines (a vLLM prefill engine's own KV), from a generator of
+    // its own too; its slots are sized once the requests are drawn (below).
+    let mut staging = SeededRng::new(seed ^ 0xCA11_E125_7A61);
+    for p in &mut cfg.prefill {
+        if staging.chance(0.5) {
+            p.sender.staging_placement = Placement::Caller;
+        }
+    }
     for p in &mut cfg.prefill {
         p.sender.staging_slots = rng.range_u32(1, 24);
         p.sender.inflight_max = rng.range(1, 16) as usize;
@@ -67,6 +75,7 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
         let plan = request(&mut rng, &cfg, format!("a{i}"), start_at);
         cfg.requests.push(plan);
     }
+    size_caller_staging(&mut cfg);
     if !faults {
         return cfg;
     }
@@ -92,6 +101,7 @@ pub fn random(seed: u64, faults: bool) -> SimConfig {
         let plan = request(&mut rng, &cfg, format!("b{i}"), start_at);
         cfg.requests.push(plan);
     }
+    size_caller_staging(&mut cfg);
     cfg
 }
 
@@ -247,4 +257,24 @@ fn timeouts(rng: &mut SeededRng, cfg: &mut SimConfig) {
     }
     // Real NICs give up long before kvx's write timeout (it only has to bound the write).
     cfg.model.qp_retry_timeout = rng.duration(write_timeout / 4, write_timeout);
+}
+
+/// An engine with caller staging holds a request's slots from its first chunk until the
+/// request reads none of them (as a vLLM engine holds a request's blocks): it has room for
+/// `interleave` requests of the largest declared size at once, as an engine's KV cache is
+/// sized for the requests it runs.
+fn size_caller_staging(cfg: &mut SimConfig) {
+    for (p, worker) in cfg.prefill.iter_mut().enumerate() {
+        if worker.sender.staging_placement != Placement::Caller {
+            continue;
+        }
+        let largest = cfg
+            .requests
+            .iter()
+            .filter(|r| r.prefill == p)
+            .map(|r| r.declared)
+            .max()
+            .unwrap_or(1);
+        worker.sender.staging_slots = largest * worker.interleave as u32;
+    }
 }

@@ -26,11 +26,14 @@ pub enum Variant {
     ReuseSlotEarly,
     /// Never submit the pending batches (`handle_add`) when only they hold staging (S11).
     NoPendingFlush,
+    /// Count a failed request as gone (`SenderFlow::is_tracked`) while its posted writes may
+    /// still read the caller's staging (S13): the application takes its memory back early.
+    ReleasedWhileWritesRead,
 }
 
 impl Variant {
     /// Every variant, in declaration order.
-    pub const ALL: [Variant; 7] = [
+    pub const ALL: [Variant; 8] = [
         Variant::NoReservation,
         Variant::ReleaseBeforeComplete,
         Variant::StageBeforeAdmit,
@@ -38,6 +41,7 @@ impl Variant {
         Variant::NoCancelRelease,
         Variant::ReuseSlotEarly,
         Variant::NoPendingFlush,
+        Variant::ReleasedWhileWritesRead,
     ];
 
     /// The name `--break` takes (and `scripts/mutants.py` uses).
@@ -50,6 +54,7 @@ impl Variant {
             Variant::NoCancelRelease => "no-cancel-release",
             Variant::ReuseSlotEarly => "reuse-slot-early",
             Variant::NoPendingFlush => "no-pending-flush",
+            Variant::ReleasedWhileWritesRead => "released-while-writes-read",
         }
     }
 

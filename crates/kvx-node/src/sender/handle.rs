@@ -136,6 +136,12 @@ impl<E: Env> SenderHandle<E> {
         .await
     }
 
+    /// With caller staging, the submitted chunks that read `slot` now (`SenderFlow::
+    /// staging_readers`): the application must not change it while any does.
+    pub fn staging_readers(&self, slot: StagingSlot) -> u32 {
+        self.shared.lock().flow.staging_readers(slot)
+    }
+
     /// Whose memory the chunks are read from (`SenderConfig::staging_placement`).
     pub fn staging_placement(&self) -> Placement {
         self.shared.lock().flow.config().staging_placement
