@@ -466,9 +466,8 @@ impl SenderFlow {
     /// outstanding. A request leaves once delivered, or failed with no write outstanding;
     /// from then on it reads no staging.
     pub fn is_tracked(&self, req_id: &ReqId) -> bool {
-        let gone_early = |r: &SendRequest| {
-            broken_variant!(ReleasedWhileWritesRead) && r.state == State::Failing
-        };
+        let gone_early =
+            |r: &SendRequest| broken_variant!(ReleasedWhileWritesRead) && r.state == State::Failing;
         self.requests.get(req_id).is_some_and(|r| !gone_early(r))
     }
 
