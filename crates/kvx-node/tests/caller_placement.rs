@@ -8,6 +8,9 @@
 
 use std::time::Duration;
 
+mod lent;
+use lent::Layer;
+
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::TokioEnv;
 use kvx_node::synthetic::{self, Decoded, SyntheticRequest};
@@ -249,24 +252,8 @@ async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
     const BLOCKS: usize = 4;
     let layers: Vec<std::sync::Arc<Layer>> =
         (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
-    let parts = layers
-        .iter()
-        .map(|layer| {
-            // SAFETY: the pointer is valid for the layer's length while the owner (an `Arc`
-            // clone) keeps it; the test reads it (below) only after its request was consumed
-            // and returned.
-            unsafe {
-                kvx_io::ExternalRegion::new(
-                    layer.at(0),
-                    layer.0.len(),
-                    CHUNK,
-                    Box::new(layer.clone()),
-                )
-            }
-            .expect("a layer")
-        })
-        .collect();
-    let region = kvx_io::ExternalRegion::join(parts).expect("two equal layers");
+    // The test reads the layers (below) only after their request was consumed and returned.
+    let region = lent::region(&layers, CHUNK);
     let env = TokioEnv::new(
         ZmqTransport::new(ZmqConfig::default()).expect("ZMQ"),
         TcpFabric::new(),
@@ -312,8 +299,7 @@ async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
     );
     // SAFETY: nothing writes the layers any more (the request was consumed and its slots
     // returned), and the test keeps them.
-    let layer =
-        |l: usize| unsafe { std::slice::from_raw_parts(layers[l].at(0), layers[l].0.len()) };
+    let layer = |l: usize| unsafe { std::slice::from_raw_parts(layers[l].at(0), layers[l].len()) };
     let mut expected = vec![0u8; CHUNK];
     for (chunk, (l, block)) in [(1usize, 2usize), (0, 2)].into_iter().enumerate() {
         synthetic::chunk_bytes("r", chunk as u32, &mut expected);
@@ -330,26 +316,5 @@ async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
                 .all(|&b| b == 0),
             "layer {l} block {block} was never lent"
         );
-    }
-}
-
-/// Bytes a test lends kvx and reads back through the `Arc` it keeps (a caller's own memory).
-struct Layer(Vec<std::cell::UnsafeCell<u8>>);
-
-// SAFETY: the bytes are reached only through the region (its locks) and, once kvx is done
-// with them, by the test thread alone.
-unsafe impl Send for Layer {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Layer {}
-
-impl Layer {
-    fn zeroed(len: usize) -> std::sync::Arc<Self> {
-        std::sync::Arc::new(Self(
-            (0..len).map(|_| std::cell::UnsafeCell::new(0)).collect(),
-        ))
-    }
-
-    fn at(&self, i: usize) -> *mut u8 {
-        self.0[i].get()
     }
 }

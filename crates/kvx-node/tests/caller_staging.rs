@@ -5,10 +5,13 @@
 //! do — with nothing allocated; every byte lands as written, and `released` tells the
 //! application when a request reads none of its memory any more.
 
-#![allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
+#![allow(unsafe_code)] // the test lends its own memory (`tests/lent`) and fills it
 
 use std::sync::Arc;
 use std::time::Duration;
+
+mod lent;
+use lent::Layer;
 
 use kvx_io::mem::{MemFabric, MemTransport};
 use kvx_io::TokioEnv;
@@ -22,27 +25,6 @@ const CHUNK: usize = 4096;
 const BLOCKS: usize = 4;
 
 type Env = TokioEnv<MemTransport, MemFabric>;
-
-/// Bytes the test lends kvx (an application's own memory).
-struct Layer(Vec<std::cell::UnsafeCell<u8>>);
-
-// SAFETY: the bytes are written by the test before any chunk naming them is submitted, and
-// only read afterwards (by the fabric, through the region).
-unsafe impl Send for Layer {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Layer {}
-
-impl Layer {
-    fn zeroed(len: usize) -> Arc<Self> {
-        Arc::new(Self(
-            (0..len).map(|_| std::cell::UnsafeCell::new(0)).collect(),
-        ))
-    }
-
-    fn at(&self, i: usize) -> *mut u8 {
-        self.0[i].get()
-    }
-}
 
 async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(10), f)
@@ -79,23 +61,8 @@ async fn pair(
             }
         }
     }
-    let parts = layers
-        .iter()
-        .map(|layer| {
-            // SAFETY: valid for the layer's length while its owner (an `Arc` clone) lives;
-            // nothing writes it while kvx uses it.
-            unsafe {
-                kvx_io::ExternalRegion::new(
-                    layer.at(0),
-                    layer.0.len(),
-                    CHUNK,
-                    Box::new(layer.clone()),
-                )
-            }
-            .expect("a layer")
-        })
-        .collect();
-    let region = kvx_io::ExternalRegion::join(parts).expect("two equal layers");
+    // Nothing writes the layers while kvx uses them.
+    let region = lent::region(&layers, CHUNK);
     let cfg = SenderConfig {
         staging_slots: 2 * BLOCKS as u32,
         staging_placement: Placement::Caller,
