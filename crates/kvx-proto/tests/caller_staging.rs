@@ -6,8 +6,9 @@
 //! `Delivered`, or `Drained` after `Failed` once its last posted write has completed (S13).
 
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SenderEvent, SenderFlow};
-use kvx_proto::wire::{AllocResponse, Message};
 use kvx_proto::{Instant, PeerId, Placement, ReqId, SenderConfig, StagingSlot};
+
+mod granting;
 
 const R: PeerId = PeerId(1);
 const T0: Instant = Instant::ZERO;
@@ -65,17 +66,7 @@ impl Sender {
     /// Answers every message sent so far: probes with an empty grant, batches with a
     /// receiver slot per key.
     fn answer(&mut self) {
-        while let Some(t) = self.flow.poll_transmit() {
-            let Message::AllocRequest(req) = &t.msg else {
-                continue;
-            };
-            let n = req.keys.len();
-            let slots: Vec<i64> = (self.next_slot..self.next_slot + n as i64).collect();
-            self.next_slot += n as i64;
-            let reply = AllocResponse::granted(slots, Some(vec![1; n]), req.seq);
-            self.flow
-                .handle_message(T0, R, Message::AllocResponse(reply));
-        }
+        granting::answer(&mut self.flow, R, &mut self.next_slot);
         self.flow.check_invariants();
     }
 

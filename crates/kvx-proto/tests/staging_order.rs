@@ -5,18 +5,12 @@
 //! for `outcomes_kept` ended requests.
 
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow, WriteOp};
-use kvx_proto::wire::{AllocResponse, Message};
 use kvx_proto::{Instant, PeerId, ReqId, SenderConfig, StagingSlot};
+
+mod granting;
 
 const R: PeerId = PeerId(1);
 const T0: Instant = Instant::ZERO;
-
-fn seq_of(msg: &Message) -> Option<u64> {
-    match msg {
-        Message::AllocRequest(m) => m.seq,
-        _ => None,
-    }
-}
 
 fn spec(id: &str, total: u32) -> RequestSpec {
     RequestSpec {
@@ -60,17 +54,7 @@ impl Sender {
     /// Answers every message sent so far: probes with an empty grant, batches with a slot per
     /// key.
     fn answer(&mut self) {
-        while let Some(t) = self.flow.poll_transmit() {
-            let Message::AllocRequest(req) = &t.msg else {
-                continue;
-            };
-            let n = req.keys.len();
-            let slots: Vec<i64> = (self.next_slot..self.next_slot + n as i64).collect();
-            self.next_slot += n as i64;
-            let reply = AllocResponse::granted(slots, Some(vec![1; n]), seq_of(&t.msg));
-            self.flow
-                .handle_message(T0, R, Message::AllocResponse(reply));
-        }
+        granting::answer(&mut self.flow, R, &mut self.next_slot);
     }
 
     fn submit(&mut self, id: &str, slot: StagingSlot, chunk: u32, last: bool) {
