@@ -5,24 +5,12 @@
 //! prefix block two decoders want); and the sender says when a request no longer reads any:
 //! `Delivered`, or `Drained` after `Failed` once its last posted write has completed (S13).
 
-use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SenderEvent, SenderFlow};
-use kvx_proto::{Instant, PeerId, Placement, ReqId, SenderConfig, StagingSlot};
+use kvx_proto::sender::{ChunkSpec, SendError, SenderEvent, SenderFlow};
+use kvx_proto::{Placement, ReqId, SenderConfig, StagingSlot};
 
 mod granting;
 
-const R: PeerId = PeerId(1);
-const T0: Instant = Instant::ZERO;
-
-fn spec(id: &str, total: u32) -> RequestSpec {
-    RequestSpec {
-        req_id: ReqId(id.into()),
-        receiver: R,
-        total_chunks: total,
-        fmt: 1,
-        shape: vec![1],
-        dtype: "bf16".into(),
-    }
-}
+use granting::{spec, R, T0};
 
 fn chunk(id: &str, i: u32, slot: u32) -> ChunkSpec {
     ChunkSpec {

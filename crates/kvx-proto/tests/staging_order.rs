@@ -4,24 +4,12 @@
 //! exactly that staging; and each request's outcome is readable from the moment it is known,
 //! for `outcomes_kept` ended requests.
 
-use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure, SenderFlow, WriteOp};
-use kvx_proto::{Instant, PeerId, ReqId, SenderConfig, StagingSlot};
+use kvx_proto::sender::{ChunkSpec, SendError, SendFailure, SenderFlow, WriteOp};
+use kvx_proto::{ReqId, SenderConfig, StagingSlot};
 
 mod granting;
 
-const R: PeerId = PeerId(1);
-const T0: Instant = Instant::ZERO;
-
-fn spec(id: &str, total: u32) -> RequestSpec {
-    RequestSpec {
-        req_id: ReqId(id.into()),
-        receiver: R,
-        total_chunks: total,
-        fmt: 1,
-        shape: vec![1],
-        dtype: "bf16".into(),
-    }
-}
+use granting::{spec, R, T0};
 
 /// A sender with `staging` slots whose requests `ids` (of `total` chunks each, begun in this
 /// order) are all admitted; every message it sends is answered at once, granting slots

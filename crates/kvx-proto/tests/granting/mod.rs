@@ -1,10 +1,28 @@
-//! A receiver stand-in for the sender's own tests: it answers every message a `SenderFlow`
-//! sent so far at once, probes with an empty grant and batches with the next receiver slots,
-//! one per key (shared by `staging_order.rs` and `caller_staging.rs`).
+//! What the sender's own tests share (`staging_order.rs`, `caller_staging.rs`): one receiver,
+//! its requests' description, and a stand-in for it that answers every message a
+//! `SenderFlow` sent so far at once, probes with an empty grant and batches with the next
+//! receiver slots, one per key.
 
-use kvx_proto::sender::SenderFlow;
+use kvx_proto::sender::{RequestSpec, SenderFlow};
 use kvx_proto::wire::{AllocResponse, Message};
-use kvx_proto::{Instant, PeerId};
+use kvx_proto::{Instant, PeerId, ReqId};
+
+/// The receiver every request goes to.
+pub const R: PeerId = PeerId(1);
+/// The tests' clock: nothing here waits on time.
+pub const T0: Instant = Instant::ZERO;
+
+/// Request `id` of `total` chunks to `R`.
+pub fn spec(id: &str, total: u32) -> RequestSpec {
+    RequestSpec {
+        req_id: ReqId(id.into()),
+        receiver: R,
+        total_chunks: total,
+        fmt: 1,
+        shape: vec![1],
+        dtype: "bf16".into(),
+    }
+}
 
 /// Answers everything `flow` sent, as receiver `from`, granting slots `next_slot`, … in
 /// turn.
