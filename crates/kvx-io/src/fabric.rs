@@ -123,6 +123,12 @@ impl LocalMemory {
     pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> R {
         self.region.with_slot(slot, f)
     }
+
+    /// `SlotRegion::with_run`: slots `first .. first + n` as one span, or `None` where
+    /// they are not contiguous in memory (the TCP fabric's send of a run).
+    pub fn with_run<R>(&self, first: u32, n: u32, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        self.region.with_run(first, n, f)
+    }
 }
 
 impl SlotMemory for LocalMemory {
@@ -163,6 +169,76 @@ pub struct PostWrite {
     pub checksum: Option<u32>,
 }
 
+/// Writes posted as **one write** (a run): each piece a `PostWrite` of its own (its id,
+/// grant tag and checksum, completed and landed on its own), their staging slots
+/// consecutive, their remote slots consecutive, every piece but the last a whole slot, so
+/// the run's bytes are one contiguous span on both sides wherever each side's memory is
+/// (a run of a layer's blocks, contiguous in the prefill and the decode engine's KV).
+///
+/// A fabric that carries runs (`FabricConn::carries_runs`) puts a run on the wire as one
+/// write (`TcpFabric`: its headers, then its payload in one gather); the receiver still
+/// admits, lands and announces each piece against its own grant, so a run is exactly its
+/// pieces as far as the protocol is concerned. Other fabrics are posted the pieces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteRun {
+    pieces: Vec<PostWrite>,
+}
+
+impl WriteRun {
+    /// The most pieces in one run: bounds a receiver's queue of announced pieces, and keeps a
+    /// run's headers well inside one gather.
+    pub const MAX_PIECES: usize = 64;
+
+    /// A run of one write.
+    pub fn new(first: PostWrite) -> Self {
+        Self {
+            pieces: vec![first],
+        }
+    }
+
+    /// Whether `next` continues the run: its staging and remote slots follow the last
+    /// piece's, the last piece fills its `slot_bytes`-byte slot, and the run has room.
+    pub fn continues(&self, next: &PostWrite, slot_bytes: usize) -> bool {
+        let last = self.last();
+        self.pieces.len() < Self::MAX_PIECES
+            && last.len == slot_bytes
+            && last.local.0.checked_add(1) == Some(next.local.0)
+            && last.remote.0.checked_add(1) == Some(next.remote.0)
+    }
+
+    /// Appends `next` when it `continues` the run; gives it back otherwise.
+    pub fn push(&mut self, next: PostWrite, slot_bytes: usize) -> Result<(), PostWrite> {
+        if self.continues(&next, slot_bytes) {
+            self.pieces.push(next);
+            Ok(())
+        } else {
+            Err(next)
+        }
+    }
+
+    /// The pieces, in posting order (never empty).
+    pub fn pieces(&self) -> &[PostWrite] {
+        &self.pieces
+    }
+
+    /// The pieces, given back (to post one by one).
+    pub fn into_pieces(self) -> Vec<PostWrite> {
+        self.pieces
+    }
+
+    /// The last piece.
+    pub fn last(&self) -> &PostWrite {
+        self.pieces
+            .last()
+            .expect("invariant: a run holds at least one piece")
+    }
+
+    /// Bytes the run carries.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+}
+
 /// A posted write finished, in posting order per connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {
@@ -195,12 +271,25 @@ pub fn landing_channel(slots: u32) -> (mpsc::Sender<LandedWrite>, mpsc::Receiver
 }
 
 /// What a connection's IO task is asked to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnOp {
     /// Post this write.
     Write(PostWrite),
+    /// Post this run as one write (only to a connection that `carries_runs`).
+    Run(WriteRun),
     /// Tear the connection down: flush every outstanding write with `FabricError::Flushed`.
     Reset,
+}
+
+impl ConnOp {
+    /// The op as single writes (a run's pieces, in order), for a connection task that
+    /// carries no runs.
+    pub fn unrolled(self) -> Vec<ConnOp> {
+        match self {
+            ConnOp::Run(run) => run.into_pieces().into_iter().map(ConnOp::Write).collect(),
+            op => vec![op],
+        }
+    }
 }
 
 /// A sender's connection to one exposed buffer.
@@ -208,6 +297,7 @@ pub enum ConnOp {
 pub struct FabricConn {
     ops: mpsc::UnboundedSender<ConnOp>,
     completions: mpsc::UnboundedReceiver<Completion>,
+    carries_runs: bool,
 }
 
 impl FabricConn {
@@ -218,7 +308,36 @@ impl FabricConn {
         ops: mpsc::UnboundedSender<ConnOp>,
         completions: mpsc::UnboundedReceiver<Completion>,
     ) -> Self {
-        Self { ops, completions }
+        Self {
+            ops,
+            completions,
+            carries_runs: false,
+        }
+    }
+
+    /// `new`, for a connection whose task takes `ConnOp::Run` and carries each run as one
+    /// write.
+    pub fn carrying_runs(
+        ops: mpsc::UnboundedSender<ConnOp>,
+        completions: mpsc::UnboundedReceiver<Completion>,
+    ) -> Self {
+        Self {
+            carries_runs: true,
+            ..Self::new(ops, completions)
+        }
+    }
+
+    /// Whether a `WriteRun` goes as one write here (else `post_run` posts its pieces).
+    pub fn carries_runs(&self) -> bool {
+        self.carries_runs
+    }
+
+    /// Posts `run`: as one write where the connection `carries_runs`, else piece by piece;
+    /// every piece completes on `next_completion`, in order. Returns the writes it made (1,
+    /// or the pieces). On an error, the pieces not taken are given back (a connection that
+    /// closed takes nothing more; those it took complete).
+    pub fn post_run(&self, run: WriteRun) -> Result<usize, (FabricError, Vec<PostWrite>)> {
+        post_run(&self.ops, self.carries_runs, run)
     }
 
     /// Posts a write; its completion follows on `next_completion`.
@@ -243,14 +362,46 @@ impl FabricConn {
     /// Splits the connection into its posting side and its completion stream, so one task
     /// can post while another waits for completions.
     pub fn split(self) -> (ConnPoster, mpsc::UnboundedReceiver<Completion>) {
-        (ConnPoster { ops: self.ops }, self.completions)
+        let poster = ConnPoster {
+            ops: self.ops,
+            carries_runs: self.carries_runs,
+        };
+        (poster, self.completions)
     }
+}
+
+fn post_run(
+    ops: &mpsc::UnboundedSender<ConnOp>,
+    carries_runs: bool,
+    run: WriteRun,
+) -> Result<usize, (FabricError, Vec<PostWrite>)> {
+    if carries_runs {
+        return match ops.send(ConnOp::Run(run)) {
+            Ok(()) => Ok(1),
+            Err(mpsc::error::SendError(op)) => {
+                let pieces = op.unrolled().into_iter().filter_map(|op| match op {
+                    ConnOp::Write(w) => Some(w),
+                    _ => None,
+                });
+                Err((FabricError::Closed, pieces.collect()))
+            }
+        };
+    }
+    let pieces = run.into_pieces();
+    let n = pieces.len();
+    for (i, w) in pieces.iter().enumerate() {
+        if ops.send(ConnOp::Write(*w)).is_err() {
+            return Err((FabricError::Closed, pieces[i..].to_vec()));
+        }
+    }
+    Ok(n)
 }
 
 /// The posting side of a split `FabricConn`.
 #[derive(Debug, Clone)]
 pub struct ConnPoster {
     ops: mpsc::UnboundedSender<ConnOp>,
+    carries_runs: bool,
 }
 
 impl ConnPoster {
@@ -259,6 +410,16 @@ impl ConnPoster {
         self.ops
             .send(ConnOp::Write(write))
             .map_err(|_| FabricError::Closed)
+    }
+
+    /// See `FabricConn::carries_runs`.
+    pub fn carries_runs(&self) -> bool {
+        self.carries_runs
+    }
+
+    /// See `FabricConn::post_run`.
+    pub fn post_run(&self, run: WriteRun) -> Result<usize, (FabricError, Vec<PostWrite>)> {
+        post_run(&self.ops, self.carries_runs, run)
     }
 
     /// See `FabricConn::reset`.

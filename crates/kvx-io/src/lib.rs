@@ -14,8 +14,8 @@
 //! Map:
 //! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
 //!   `NotifySink`, `NotifySource`, and `TransportError`.
-//! - `fabric`: `Fabric`, `SlotMemory`, `LocalMemory`, `FabricConn`, `FabricListener`, writes,
-//!   completions, landed notices; `fabric_error`: `FabricError`.
+//! - `fabric`: `Fabric`, `SlotMemory`, `LocalMemory`, `FabricConn`, `FabricListener`, writes
+//!   and runs of writes (`WriteRun`), completions, landed notices; `fabric_error`: `FabricError`.
 //! - `region`: `SlotRegion` (memory split into slots, reached in place under a lock per
 //!   slot: the one place an address becomes bytes) and `ExternalRegion` (memory a caller
 //!   lends kvx).
@@ -65,7 +65,7 @@ pub use checksum::{chunk_checksum, copy_with_checksum, LandingChecksum};
 pub use env::{Env, TokioEnv};
 pub use fabric::{
     landing_channel, Completion, Fabric, FabricConn, FabricError, FabricListener, LocalMemory,
-    PostWrite, SlotMemory,
+    PostWrite, SlotMemory, WriteRun,
 };
 pub use geometry::SlotGeometry;
 pub use kvx_proto::receiver::{ChecksumCheck, LandedWrite};

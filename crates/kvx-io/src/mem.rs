@@ -263,33 +263,35 @@ impl Fabric for MemFabric {
                 why: crate::fabric::slot_size_mismatch(staging.slot_bytes(), remote.slot_bytes()),
             });
         }
-        let (ops_tx, mut ops_rx) = mpsc::unbounded_channel();
+        let (ops_tx, mut ops_rx) = mpsc::unbounded_channel::<ConnOp>();
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut flushed = false;
-            while let Some(op) = ops_rx.recv().await {
-                let ConnOp::Write(w) = op else {
-                    flushed = true;
-                    continue;
-                };
-                let result = if flushed {
-                    Err(FabricError::Flushed)
-                } else {
-                    land(&staging, &remote, &access, peer, &w).map(|notice| {
-                        // A receiver that stopped listening lost the notice; the write landed.
-                        let _ = landed.try_send(notice);
-                        notice.checksum
-                    })
-                };
-                let result = match result {
-                    Ok(ChecksumCheck::Mismatch { .. }) => Err(FabricError::Corrupt(
-                        "the landed bytes do not match the chunk's checksum".into(),
-                    )),
-                    Ok(_) => Ok(()),
-                    Err(e) => Err(e),
-                };
-                if done_tx.send(Completion { id: w.id, result }).is_err() {
-                    break;
+            'ops: while let Some(op) = ops_rx.recv().await {
+                for op in op.unrolled() {
+                    let ConnOp::Write(w) = op else {
+                        flushed = true;
+                        continue;
+                    };
+                    let result = if flushed {
+                        Err(FabricError::Flushed)
+                    } else {
+                        land(&staging, &remote, &access, peer, &w).map(|notice| {
+                            // A receiver that stopped listening lost the notice; the write landed.
+                            let _ = landed.try_send(notice);
+                            notice.checksum
+                        })
+                    };
+                    let result = match result {
+                        Ok(ChecksumCheck::Mismatch { .. }) => Err(FabricError::Corrupt(
+                            "the landed bytes do not match the chunk's checksum".into(),
+                        )),
+                        Ok(_) => Ok(()),
+                        Err(e) => Err(e),
+                    };
+                    if done_tx.send(Completion { id: w.id, result }).is_err() {
+                        break 'ops;
+                    }
                 }
             }
         });

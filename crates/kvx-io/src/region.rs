@@ -215,6 +215,39 @@ impl SlotRegion {
             unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset), self.slot_bytes) };
         f(bytes)
     }
+
+    /// Runs `f` on the bytes of slots `first .. first + n` as one span, in place, under
+    /// those slots' locks (taken in ascending order, as every multi-slot access takes them);
+    /// `None`, without calling `f`, when the slots are not all in one part (a joined
+    /// region's layers are separate ranges). Panics when the slots are out of bounds or `n`
+    /// is zero: a caller bug.
+    pub fn with_run<R>(&self, first: u32, n: u32, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        let end = first.checked_add(n).filter(|&e| n > 0 && e <= self.slots);
+        let Some(end) = end else {
+            panic!("invariant: slots {first} + {n} within {} slots", self.slots);
+        };
+        let part = first / self.part_slots;
+        if (end - 1) / self.part_slots != part {
+            return None;
+        }
+        let _guards: Vec<_> = (first..end)
+            .map(|slot| {
+                self.locks[slot as usize]
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner())
+            })
+            .collect();
+        let base = self.parts[part as usize];
+        let offset = (first % self.part_slots) as usize * self.slot_bytes;
+        // SAFETY: the slots lie in part `part` (checked above), so `offset + n × slot_bytes
+        // <= part_slots × slot_bytes`, the length the part is valid for while `_owner`
+        // lives. Their locks, held until `f` returns, make the `&mut` exclusive within this
+        // process, as in `with_slot`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(base.as_ptr().add(offset), n as usize * self.slot_bytes)
+        };
+        Some(f(bytes))
+    }
 }
 
 /// Memory a caller lends kvx — a serving framework's pinned buffer, a Python object's bytes —

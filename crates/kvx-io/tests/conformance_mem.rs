@@ -44,6 +44,12 @@ async fn mem_fabric_checks_checksums() {
 }
 
 #[tokio::test]
+async fn mem_fabric_runs_land_as_their_pieces() {
+    conformance::fabric_runs_land_as_their_pieces(&MemFabric::new(), "buffer", false).await;
+    conformance::fabric_runs_land_as_their_pieces(&MemFabric::new(), "buffer2", true).await;
+}
+
+#[tokio::test]
 async fn mem_fabric_uses_memory_the_caller_owns() {
     conformance::fabric_uses_memory_the_caller_owns(&MemFabric::new(), "buffer", true).await;
 }

@@ -111,6 +111,7 @@ impl Fabric for WiredFabric {
                             wiring.send_modify(|w| w.posted[index].push(write.id));
                             let _ = poster.post(write);
                         }
+                        Some(ConnOp::Run(_)) => unreachable!("this fabric carries no runs"),
                         Some(ConnOp::Reset) => poster.reset(),
                         None => return,
                     },

@@ -226,9 +226,10 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
     async fn take_ops(&mut self, first: Option<ConnOp>, side: Option<&mut TcpStream>) -> bool {
         let Some(first) = first else { return false };
         let mut batch = std::mem::take(&mut self.batch);
-        batch.push(first);
+        // Runs go as their pieces: a write per slot (docs/spec/fabrics.md, "Runs").
+        batch.extend(first.unrolled());
         while let Ok(next) = self.ops.try_recv() {
-            batch.push(next);
+            batch.extend(next.unrolled());
         }
         if let Some(side) = side {
             self.send_frames(&batch, side).await;
@@ -240,6 +241,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
                     self.route.posted();
                 }
                 ConnOp::Reset => self.engine.handle_reset(),
+                ConnOp::Run(_) => unreachable!("invariant: runs are unrolled in take_ops"),
             }
         }
         self.batch = batch;
@@ -268,6 +270,7 @@ impl<Q: crate::verbs::VerbsQp> Conn<Q> {
                 }
                 // Nothing after a reset is posted.
                 ConnOp::Reset => break,
+                ConnOp::Run(_) => unreachable!("invariant: runs are unrolled in take_ops"),
             }
         }
         if self.frames.is_empty() {
@@ -397,10 +400,12 @@ impl<V: Verbs> SenderTask<V> {
                 {
                     // Dead: every later post completes with `Flushed` until the owner lets go.
                     while let Some(op) = conn.ops.recv().await {
-                        if let ConnOp::Write(w) = op {
-                            conn.engine.handle_post(w);
-                            conn.route.posted();
-                            conn.emit();
+                        for op in op.unrolled() {
+                            if let ConnOp::Write(w) = op {
+                                conn.engine.handle_post(w);
+                                conn.route.posted();
+                                conn.emit();
+                            }
                         }
                     }
                 }

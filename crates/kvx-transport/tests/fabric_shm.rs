@@ -82,6 +82,13 @@ async fn shm_receiver_checks_bounds() {
 }
 
 #[tokio::test]
+async fn shm_receiver_refuses_runs() {
+    let staging = raw_staging(1024);
+    let raw = fabric_common::Raw::Staged(&staging);
+    fabric_common::receiver_bounds_runs(&ShmFabric::new(), EP, b"KVXS", raw).await;
+}
+
+#[tokio::test]
 async fn shm_reset_is_bounded_when_the_receiver_stalls() {
     let f = ShmFabric::with_config(ShmFabricConfig {
         link: TcpFabricConfig {
@@ -475,6 +482,11 @@ async fn shm_fabric_lands_only_whole_chunks() {
 #[tokio::test]
 async fn shm_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&ShmFabric::new(), EP).await;
+}
+
+#[tokio::test]
+async fn shm_fabric_runs_land_as_their_pieces() {
+    conformance::fabric_runs_land_as_their_pieces(&ShmFabric::new(), EP, false).await;
 }
 
 #[tokio::test]

@@ -72,6 +72,12 @@ async fn tcp_receiver_checks_bounds() {
 }
 
 #[tokio::test]
+async fn tcp_receiver_bounds_runs() {
+    fabric_common::receiver_bounds_runs(&TcpFabric::new(), EP, b"KVXT", fabric_common::Raw::Inline)
+        .await;
+}
+
+#[tokio::test]
 async fn tcp_reset_is_bounded_when_the_receiver_stalls() {
     let f = TcpFabric::with_config(TcpFabricConfig {
         fence_timeout: Duration::from_millis(300),
@@ -174,6 +180,15 @@ async fn tcp_fabric_lands_only_whole_chunks() {
 #[tokio::test]
 async fn tcp_fabric_checks_checksums() {
     conformance::fabric_checks_checksums(&TcpFabric::new(), EP).await;
+}
+
+/// A run goes as one write (its headers, then its payload); each piece still lands on its
+/// own grant and checksum, from staging in one part and across two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_fabric_runs_land_as_their_pieces() {
+    conformance::fabric_runs_land_as_their_pieces(&TcpFabric::new(), EP, false).await;
+    conformance::fabric_runs_land_as_their_pieces(&TcpFabric::new(), EP, true).await;
+    conformance::fabric_runs_land_as_their_pieces(&zero_copy(), EP, false).await;
 }
 
 #[tokio::test]

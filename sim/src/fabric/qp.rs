@@ -66,6 +66,7 @@ impl QueuePair {
             tokio::select! {
                 op = ops.recv() => match op {
                     Some(ConnOp::Write(w)) => self.post(w),
+                    Some(ConnOp::Run(run)) => run.into_pieces().into_iter().for_each(|w| self.post(w)),
                     Some(ConnOp::Reset) => fabric::fail(&self.world, self.id, "reset by the sender"),
                     // The sender dropped the connection: nobody waits for completions.
                     None => return fabric::close(&self.world, self.id),

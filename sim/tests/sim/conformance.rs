@@ -73,6 +73,13 @@ fn fabric_checks_checksums() {
     });
 }
 
+#[test]
+fn fabric_runs_land_as_their_pieces() {
+    with_world(10, |w| async move {
+        c::fabric_runs_land_as_their_pieces(&fabric(&w), "buffer", false).await
+    });
+}
+
 /// FIFO per connection holds with a wide latency spread (the jitter never reorders).
 #[test]
 fn transport_stays_fifo_under_jitter() {

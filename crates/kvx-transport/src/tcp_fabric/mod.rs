@@ -37,7 +37,7 @@ use kvx_io::SlotGeometry;
 pub use link::LinkConfig as TcpFabricConfig;
 use receiver::{Greeting, Landing, Rules};
 use sender::{Pending, SenderLink, Transmit};
-use wire::{WriteHeader, HEADER_LEN, TCP_MAGIC};
+use wire::{WriteHeader, FLAG_RUN, TCP_MAGIC};
 
 /// One-sided writes over TCP. Clones share the configuration only; every exposed buffer and
 /// every connection is independent.
@@ -163,19 +163,22 @@ impl Fabric for TcpFabric {
             credential,
         };
         tokio::spawn(link.run());
-        Ok(FabricConn::new(ops_tx, done_rx))
+        Ok(FabricConn::carrying_runs(ops_tx, done_rx))
     }
 }
 
 /// Bytes one `transmit` call may put on the wire before the task looks at acks and resets.
 const TRANSMIT_BUDGET: usize = 8 << 20;
 
-/// Streams each write as header + payload, the payload straight from the staging slot.
+/// Streams each write as its header(s) + payload, the payload straight from the staging
+/// slots.
 #[derive(Debug)]
 struct InlineTransmit {
     staging: Arc<LocalMemory>,
     remote: SlotGeometry,
-    /// Bytes of the current write (header + payload) already on the wire (or in `pipe`).
+    /// The write on its way.
+    frame: Frame,
+    /// Bytes of the current write (headers + payload) already on the wire (or in `pipe`).
     progress: usize,
     /// Zero-copy sends through a pipe (`splice`), where the platform has them.
     #[cfg(target_os = "linux")]
@@ -187,6 +190,7 @@ impl InlineTransmit {
         Self {
             staging,
             remote,
+            frame: Frame::default(),
             progress: 0,
             #[cfg(target_os = "linux")]
             pipe: zero_copy
@@ -223,18 +227,20 @@ impl InlineTransmit {
             if budget == 0 {
                 return Ok(());
             }
-            let Some(w) = pending.next_unsent() else {
+            if self.progress == 0 && !self.frame.start(pending) {
                 return Ok(());
-            };
-            let progress = self.progress;
-            let fed = if progress < HEADER_LEN {
-                pipe.copy_in(&WriteHeader::of(&w).encode()[progress..])
-            } else if progress < HEADER_LEN + w.len {
+            }
+            let (progress, headers) = (self.progress, self.frame.headers.len());
+            let fed = if progress < headers {
+                pipe.copy_in(&self.frame.headers[progress..])
+            } else if progress < self.frame.len() {
                 // The slot lock is held only for the call; the kernel's page references
                 // outlive it, which the staging discipline allows (see `splice`).
-                self.staging.with_slot(w.local.0, |slot| {
-                    pipe.map_in(&slot[progress - HEADER_LEN..w.len])
-                })
+                let (w, at) = self
+                    .frame
+                    .piece_at(pending, progress - headers, &self.staging);
+                self.staging
+                    .with_slot(w.local.0, |slot| pipe.map_in(&slot[at..w.len]))
             } else {
                 Ok(0)
             };
@@ -244,11 +250,83 @@ impl InlineTransmit {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
-            if self.progress == HEADER_LEN + w.len {
+            if self.progress == self.frame.len() {
                 self.progress = 0;
-                pending.mark_sent();
+                pending.mark_frame_sent(self.frame.pieces);
             }
         }
+    }
+
+    /// One non-blocking send of the current write from `progress` on: the rest of its
+    /// headers and of its payload, the payload one span where its staging slots are
+    /// contiguous in memory (a run within one part), else the rest of the current piece.
+    fn send_frame(&self, stream: &TcpStream, pending: &Pending) -> io::Result<usize> {
+        let frame = &self.frame;
+        let headers = &frame.headers[self.progress.min(frame.headers.len())..];
+        let at = self.progress.saturating_sub(frame.headers.len());
+        let send = |payload: &[u8]| {
+            if headers.is_empty() {
+                stream.try_write(payload)
+            } else {
+                stream.try_write_vectored(&[IoSlice::new(headers), IoSlice::new(payload)])
+            }
+        };
+        // The slot locks are held only for the non-blocking syscall, never across an await.
+        let first = pending.piece(0).local.0;
+        let whole = self.staging.with_run(first, frame.pieces as u32, |span| {
+            send(&span[at..frame.payload])
+        });
+        if let Some(sent) = whole {
+            return sent;
+        }
+        let (w, at) = frame.piece_at(pending, at, &self.staging);
+        self.staging
+            .with_slot(w.local.0, |slot| send(&slot[at..w.len]))
+    }
+}
+
+/// The write a connection is transmitting: its pieces (1, or a run's), their headers
+/// encoded once, and its payload's length.
+#[derive(Debug, Default)]
+struct Frame {
+    pieces: usize,
+    headers: Vec<u8>,
+    payload: usize,
+}
+
+impl Frame {
+    /// Takes the next write of `pending`; false when there is none. A run's headers all go
+    /// first, each but the last flagged `FLAG_RUN`; its payloads follow in piece order.
+    fn start(&mut self, pending: &mut Pending) -> bool {
+        let Some(pieces) = pending.next_frame() else {
+            return false;
+        };
+        self.pieces = pieces;
+        self.headers.clear();
+        self.payload = 0;
+        for i in 0..pieces {
+            let w = pending.piece(i);
+            let mut header = WriteHeader::of(&w);
+            if i + 1 < pieces {
+                header.flags |= FLAG_RUN;
+            }
+            self.headers.extend_from_slice(&header.encode());
+            self.payload += w.len;
+        }
+        true
+    }
+
+    /// Headers and payload.
+    fn len(&self) -> usize {
+        self.headers.len() + self.payload
+    }
+
+    /// The piece holding payload byte `at`, and where in its slot that byte is (every piece
+    /// but the last fills its slot: `WriteRun`).
+    fn piece_at(&self, pending: &Pending, at: usize, staging: &LocalMemory) -> (PostWrite, usize) {
+        let slot_bytes = staging.slot_bytes();
+        let i = (at / slot_bytes).min(self.pieces - 1);
+        (pending.piece(i), at - i * slot_bytes)
     }
 }
 
@@ -291,35 +369,25 @@ impl Transmit for InlineTransmit {
             return self.transmit_spliced(stream, pending);
         }
         let mut budget = TRANSMIT_BUDGET;
-        while let Some(w) = pending.next_unsent() {
-            let header = WriteHeader::of(&w).encode();
-            let progress = self.progress;
-            // The slot lock is held only for the non-blocking syscall, never across an await.
-            let wrote = self.staging.with_slot(w.local.0, |slot| {
-                let payload = &slot[..w.len];
-                if progress < HEADER_LEN {
-                    let bufs = [IoSlice::new(&header[progress..]), IoSlice::new(payload)];
-                    stream.try_write_vectored(&bufs)
-                } else {
-                    stream.try_write(&payload[progress - HEADER_LEN..])
-                }
-            });
-            let n = match wrote {
+        loop {
+            if self.progress == 0 && !self.frame.start(pending) {
+                return Ok(());
+            }
+            let n = match self.send_frame(stream, pending) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) => return Err(e),
             };
             self.progress += n;
-            if self.progress == HEADER_LEN + w.len {
+            if self.progress == self.frame.len() {
                 self.progress = 0;
-                pending.mark_sent();
+                pending.mark_frame_sent(self.frame.pieces);
             }
             budget = budget.saturating_sub(n);
             if budget == 0 {
                 return Ok(());
             }
         }
-        Ok(())
     }
 }

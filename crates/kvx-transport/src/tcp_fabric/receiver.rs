@@ -19,7 +19,7 @@
 //! write's checksum is computed over its bytes as they arrive and compared once the last one
 //! is in.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -36,7 +36,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::link::{accept_handshake, answer_fence, tune, Accept, Greeted, LinkConfig};
-use super::wire::{Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNOWN, HEADER_LEN};
+use super::wire::{
+    Ack, AckStatus, WelcomeStatus, WriteHeader, ACK_LEN, FLAGS_KNOWN, FLAG_RUN, HEADER_LEN,
+};
 use kvx_io::SlotGeometry;
 
 /// Where a connection's writes land.
@@ -260,6 +262,7 @@ async fn serve_sender(
         rules,
         held: held.clone(),
         header: [0; HEADER_LEN],
+        run: VecDeque::new(),
         state: RecvState::Header { filled: 0 },
         payload_checksum: None,
         payload_computed: None,
@@ -346,6 +349,9 @@ struct Conn {
     /// Its place in the buffer's `ConnectionBudget`: a landed write marks it heard.
     held: Arc<kvx_io::Held>,
     header: [u8; HEADER_LEN],
+    /// A run's pieces announced and not yet started (`FLAG_RUN`): their payloads follow the
+    /// run's last header, in order, and each is admitted and landed as a write of its own.
+    run: VecDeque<WriteHeader>,
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.
     payload_checksum: Option<LandingChecksum>,
@@ -422,7 +428,9 @@ impl Conn {
                 let Landing::Inline(memory) = &self.landing else {
                     unreachable!("invariant: shared landings never stream payloads")
                 };
-                let (stream, header) = (&self.stream, &mut self.header);
+                // Within a run the next bytes are the next piece's payload, not a header.
+                let next_header = if self.run.is_empty() { HEADER_LEN } else { 0 };
+                let (stream, header) = (&self.stream, &mut self.header[..next_header]);
                 let (checksum, computed) = (&mut self.payload_checksum, &mut self.payload_computed);
                 // Read the rest of the payload and, in the same call, the next header, which
                 // halves the syscalls for small writes. The checksum takes the new bytes
@@ -523,6 +531,8 @@ impl Conn {
                     self.landed(id, slot, len as u64, admitted.tag.to_imm(), check)?;
                     if got - len == HEADER_LEN {
                         self.start_write()?;
+                    } else {
+                        self.next_piece()?;
                     }
                 }
             }
@@ -533,19 +543,55 @@ impl Conn {
                 } else {
                     self.state = RecvState::Header { filled: 0 };
                     self.acks.push(Ack { id, status });
+                    self.next_piece()?;
                 }
             }
         }
         Ok(())
     }
 
-    /// A whole header is in: validate it and decide what to do with the write.
+    /// A whole header is in: validate it and decide what to do with the write (a run's
+    /// pieces wait for its last header, then go one by one).
     fn start_write(&mut self) -> Result<(), String> {
         let h = WriteHeader::decode(&self.header);
         self.state = RecvState::Header { filled: 0 };
         if h.flags & !FLAGS_KNOWN != 0 {
             return Err(format!("unknown write flags {:#x}", h.flags));
         }
+        let inline = matches!(self.landing, Landing::Inline(_));
+        if h.flags & FLAG_RUN != 0 || !self.run.is_empty() {
+            if !inline {
+                return Err("a run of writes over a fabric that carries none".to_owned());
+            }
+            if self.run.len() >= kvx_io::WriteRun::MAX_PIECES {
+                return Err(format!(
+                    "a run of more than {} writes",
+                    kvx_io::WriteRun::MAX_PIECES
+                ));
+            }
+            self.run.push_back(h);
+            if h.flags & FLAG_RUN != 0 {
+                return Ok(());
+            }
+            return self.next_piece();
+        }
+        self.start_piece(h)
+    }
+
+    /// Starts the run's next piece, if one waits and the previous write is done with; a
+    /// piece answered at once (refused with no payload) moves on to the next.
+    fn next_piece(&mut self) -> Result<(), String> {
+        while matches!(self.state, RecvState::Header { filled: 0 }) {
+            let Some(h) = self.run.pop_front() else {
+                break;
+            };
+            self.start_piece(h)?;
+        }
+        Ok(())
+    }
+
+    /// One write (or one piece of a run): bounds, admission, then its landing.
+    fn start_piece(&mut self, h: WriteHeader) -> Result<(), String> {
         let inline = matches!(self.landing, Landing::Inline(_));
         // A payload beyond any slot means the stream is not what it claims to be; skipping
         // that many bytes would only prolong the damage. (When payloads are pulled nothing

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvx_io::fabric::ConnOp;
-use kvx_io::{Completion, FabricError, PostWrite};
+use kvx_io::{Completion, FabricError, PostWrite, WriteRun};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -54,6 +54,8 @@ enum State {
 struct Entry {
     write: PostWrite,
     state: State,
+    /// The next entry is the next piece of the same run (`WriteRun`): they go as one write.
+    continues: bool,
 }
 
 /// Outstanding writes in posting order. Entries before `next_send` are on the wire (or done
@@ -70,7 +72,53 @@ impl Pending {
             Ok(()) => State::Queued,
             Err(e) => State::Done(Err(e)),
         };
-        self.entries.push_back(Entry { write, state });
+        self.entries.push_back(Entry {
+            write,
+            state,
+            continues: false,
+        });
+    }
+
+    /// Queues a run's pieces as one write, each checked (`checks`, in piece order); a run
+    /// with a piece that fails its check is queued piece by piece, each with its own result
+    /// (the others still go).
+    pub(crate) fn push_run(&mut self, run: WriteRun, checks: Vec<Result<(), FabricError>>) {
+        let whole = checks.iter().all(Result::is_ok);
+        let pieces = run.into_pieces();
+        let n = pieces.len();
+        for (i, (write, check)) in pieces.into_iter().zip(checks).enumerate() {
+            self.push(write, check);
+            if whole && i + 1 < n {
+                if let Some(e) = self.entries.back_mut() {
+                    e.continues = true;
+                }
+            }
+        }
+    }
+
+    /// The pieces of the next write to transmit (1 for a lone write, or a run's), skipping
+    /// writes that failed locally; `piece` reads them.
+    pub(crate) fn next_frame(&mut self) -> Option<usize> {
+        self.next_unsent()?;
+        let n = self
+            .entries
+            .iter()
+            .skip(self.next_send)
+            .take_while(|e| e.continues)
+            .count();
+        Some(n + 1)
+    }
+
+    /// Piece `i` of the write `next_frame` returned.
+    pub(crate) fn piece(&self, i: usize) -> PostWrite {
+        self.entries[self.next_send + i].write
+    }
+
+    /// The write `next_frame` returned, all `pieces` of it, is fully on the wire.
+    pub(crate) fn mark_frame_sent(&mut self, pieces: usize) {
+        for _ in 0..pieces {
+            self.mark_sent();
+        }
     }
 
     /// The next write to transmit, skipping writes that failed locally.
@@ -286,14 +334,16 @@ impl<T: Transmit> SenderLink<T> {
             // The owner may be gone; then nobody needs the completion.
             let _ = done.send(c);
         });
-        while let Some(op) = ops.recv().await {
-            if let ConnOp::Write(w) = op {
-                let flushed = Completion {
-                    id: w.id,
-                    result: Err(FabricError::Flushed),
-                };
-                if done.send(flushed).is_err() {
-                    break;
+        'ops: while let Some(op) = ops.recv().await {
+            for op in op.unrolled() {
+                if let ConnOp::Write(w) = op {
+                    let flushed = Completion {
+                        id: w.id,
+                        result: Err(FabricError::Flushed),
+                    };
+                    if done.send(flushed).is_err() {
+                        break 'ops;
+                    }
                 }
             }
         }
@@ -330,6 +380,10 @@ async fn serve<T: Transmit>(
                         Some(ConnOp::Write(w)) => {
                             let check = transmit.check(&w);
                             pending.push(w, check);
+                        }
+                        Some(ConnOp::Run(run)) => {
+                            let checks = run.pieces().iter().map(|w| transmit.check(w)).collect();
+                            pending.push_run(run, checks);
                         }
                     }
                     // Take everything already posted, so a burst costs one wakeup.

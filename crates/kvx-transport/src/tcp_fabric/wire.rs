@@ -9,8 +9,8 @@
 use kvx_io::{FabricCredential, PostWrite};
 
 /// The protocol version both sides must speak. Version 2 added the credential to the hello,
-/// the checksum to the write header and the refusal statuses.
-pub(crate) const VERSION: u16 = 2;
+/// the checksum to the write header and the refusal statuses; version 3, runs (`FLAG_RUN`).
+pub(crate) const VERSION: u16 = 3;
 /// First bytes of a `TcpFabric` connection.
 pub(crate) const TCP_MAGIC: [u8; 4] = *b"KVXT";
 /// First bytes of a `ShmFabric` control connection (so a TCP sender cannot talk to it).
@@ -30,8 +30,12 @@ pub(crate) const WELCOME_EXTRA_MAX: u32 = 4096;
 pub(crate) const FLAG_IMM: u32 = 1;
 /// Header flag: the write carries its chunk's checksum (`kvx_io::chunk_checksum`) at offset 28.
 pub(crate) const FLAG_CHECKSUM: u32 = 2;
+/// Header flag: the next header is the next piece of the same write, a run
+/// (`kvx_io::WriteRun`); the payloads of all the run's pieces follow its last header, in
+/// piece order (`TcpFabric` only: shared-memory writes carry no payload and no runs).
+pub(crate) const FLAG_RUN: u32 = 4;
 /// Every flag this version knows; a header with another bit set ends the connection.
-pub(crate) const FLAGS_KNOWN: u32 = FLAG_IMM | FLAG_CHECKSUM;
+pub(crate) const FLAGS_KNOWN: u32 = FLAG_IMM | FLAG_CHECKSUM | FLAG_RUN;
 
 /// Why a receiver refused a connection (`Welcome::status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -727,5 +727,6 @@ pub async fn nothing_exposed<F: Fabric>(f: &F) {
 mod raw_peer;
 #[allow(unused_imports)] // each test file uses its own part
 pub use raw_peer::{
-    a_write_never_outlives_its_grant, raw, receiver_checks_bounds, receiver_checks_grants, Raw,
+    a_write_never_outlives_its_grant, raw, receiver_bounds_runs, receiver_checks_bounds,
+    receiver_checks_grants, Raw,
 };

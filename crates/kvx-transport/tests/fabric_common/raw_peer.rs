@@ -8,7 +8,7 @@ use super::*;
 pub mod raw {
     use super::*;
 
-    /// An attaching hello (version 2), with `credential`.
+    /// An attaching hello (the current version, 3), with `credential`.
     pub fn hello(
         magic: &[u8; 4],
         slots: u32,
@@ -16,7 +16,7 @@ pub mod raw {
         credential: &FabricCredential,
     ) -> Vec<u8> {
         let mut b = hello_v1(magic, slots, slot_bytes);
-        b[4..6].copy_from_slice(&2u16.to_le_bytes());
+        b[4..6].copy_from_slice(&3u16.to_le_bytes());
         b.extend_from_slice(&credential.to_bytes());
         b.extend_from_slice(&[0u8; 8]);
         b
@@ -45,7 +45,7 @@ pub mod raw {
     ) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(magic);
-        b.extend_from_slice(&2u16.to_le_bytes()); // version
+        b.extend_from_slice(&3u16.to_le_bytes()); // version
         b.extend_from_slice(&0u16.to_le_bytes()); // status: ok
         b.extend_from_slice(&slots.to_le_bytes());
         b.extend_from_slice(&(extra.len() as u32).to_le_bytes());
@@ -245,6 +245,64 @@ impl Raw<'_> {
         }
         out
     }
+}
+
+/// Runs as a hand-written sender sends them: a run of two (`FLAG_RUN` on the first header,
+/// both payloads after the second) lands both pieces, each announced; a run longer than
+/// `WriteRun::MAX_PIECES` ends the connection (TCP), as does any run where no payload
+/// follows its headers (shared memory, which carries none).
+pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8; 4], raw: Raw<'_>) {
+    const FLAG_RUN: u32 = 4;
+    let flagged = |mut h: Vec<u8>| {
+        let flags = u32::from_le_bytes(h[12..16].try_into().expect("4")) | FLAG_RUN;
+        h[12..16].copy_from_slice(&flags.to_le_bytes());
+        h
+    };
+    let mut listener = f
+        .expose(endpoint, SlotGeometry::new(4, 1024).expect("a geometry"))
+        .await
+        .expect("expose");
+    let ep = listener.local_endpoint.clone();
+    let me = PeerId(9);
+    for slot in 0..4 {
+        listener.access.grant(slot, me, 3);
+    }
+    let credential = listener.access.credential_for(me);
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    s.write_all(&raw.hello(&ep, magic, 1024, &credential).await)
+        .await
+        .expect("hello");
+    let (status, ..) = raw::welcome(&mut s).await;
+    assert_eq!(status, 0);
+    let mut out = flagged(raw::header(1, 1, 1024, imm(1, 3)));
+    out.extend(raw::header(2, 2, 1024, imm(2, 3)));
+    let mut b = [0u8; 16];
+    if !raw.inline() {
+        s.write_all(&out).await.expect("run headers");
+        let r = step("answer to a run over shared memory", s.read(&mut b)).await;
+        assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
+        return;
+    }
+    out.extend(pattern(1, 1024));
+    out.extend(pattern(2, 1024));
+    s.write_all(&out).await.expect("a run of two");
+    assert_eq!(raw::ack(&mut s).await, (1, 0), "first piece landed");
+    assert_eq!(raw::ack(&mut s).await, (2, 0), "second piece landed");
+    for (slot, tag) in [(1, 1), (2, 2)] {
+        let l = step("landed", listener.landed.recv()).await.expect("open");
+        assert_eq!(l.slot, SlotIndex(slot));
+        let mut got = vec![0u8; 1024];
+        listener.memory.read_slot(slot, &mut got);
+        assert!(got == pattern(tag, 1024), "piece {tag} landed in its slot");
+    }
+    // One header more than a run may hold, all flagged: the receiver hangs up.
+    let mut out = Vec::new();
+    for id in 0..=kvx_io::WriteRun::MAX_PIECES as u64 {
+        out.extend(flagged(raw::header(10 + id, 0, 1024, imm(0, 3))));
+    }
+    s.write_all(&out).await.expect("an endless run");
+    let r = step("answer to an endless run", s.read(&mut b)).await;
+    assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
 }
 
 /// A hand-written sender checks the receiver's own bounds (a fabric sender checks first and
