@@ -54,7 +54,7 @@ pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
     Returned, Returns,
 };
-pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, NOTICE_LINGER};
+pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, WriteCounts, NOTICE_LINGER};
 
 /// Sleeps until the core's next deadline, or forever when it has none (the drivers'
 /// `select!` arm for timers).

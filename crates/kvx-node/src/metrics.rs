@@ -56,6 +56,13 @@ pub const SENDER_REQUESTS: &str = "kvx_sender_requests";
 pub const SENDER_ADMISSION_WAIT_SECONDS: &str = "kvx_sender_admission_wait_seconds";
 /// Histogram: from a write's posting to its successful completion, in seconds.
 pub const SENDER_WRITE_SECONDS: &str = "kvx_sender_write_seconds";
+/// Counter: fabric writes posted; a run of chunks whose staging and remote slots are both
+/// consecutive counts once where the fabric carries it as one write (`kvx_io::WriteRun`).
+pub const SENDER_FABRIC_WRITES: &str = "kvx_sender_fabric_writes_total";
+/// Histogram: bytes per fabric write posted.
+pub const SENDER_WRITE_BYTES: &str = "kvx_sender_write_bytes";
+/// Histogram: fabric writes per delivered request (its chunks, less the runs joined).
+pub const SENDER_WRITES_PER_REQUEST: &str = "kvx_sender_writes_per_request";
 /// Counter, per `channel` (control, fabric): connections to a receiver made again after
 /// one was lost.
 pub const SENDER_RECONNECTS: &str = "kvx_sender_reconnects_total";
@@ -125,7 +132,12 @@ pub fn register_receiver(label: &str, free: u32) {
 /// Registers every series of a sender, at zero but for its `staging_slots` free ones (last:
 /// once it is there, every series is).
 pub fn register_sender(staging_slots: u32) {
-    for name in [SENDER_DELIVERED, SENDER_CONFIG_CONFLICTS, DECODE_ERRORS] {
+    for name in [
+        SENDER_DELIVERED,
+        SENDER_CONFIG_CONFLICTS,
+        SENDER_FABRIC_WRITES,
+        DECODE_ERRORS,
+    ] {
         metrics::counter!(name).increment(0);
     }
     for &reason in SENDER_FAILED_REASONS {
@@ -138,7 +150,12 @@ pub fn register_sender(staging_slots: u32) {
     for &state in SENDER_REQUEST_STATES {
         metrics::gauge!(SENDER_REQUESTS, "state" => state).increment(0.0);
     }
-    for name in [SENDER_ADMISSION_WAIT_SECONDS, SENDER_WRITE_SECONDS] {
+    for name in [
+        SENDER_ADMISSION_WAIT_SECONDS,
+        SENDER_WRITE_SECONDS,
+        SENDER_WRITE_BYTES,
+        SENDER_WRITES_PER_REQUEST,
+    ] {
         let _ = metrics::histogram!(name);
     }
     metrics::gauge!(SENDER_STAGING_FREE).set(f64::from(staging_slots));

@@ -92,7 +92,7 @@ fn spec(peer: kvx_proto::PeerId, id: &str, chunks: u32) -> RequestSpec {
 
 /// Submits `req`'s chunks read from `slots`, in one batch, after marking each slot staged
 /// (its checksum taken where the bytes are).
-fn submit(tx: &SenderHandle<Env>, req: &str, slots: &[u32]) {
+fn submit<E: kvx_io::Env>(tx: &SenderHandle<E>, req: &str, slots: &[u32]) {
     let chunks = slots
         .iter()
         .enumerate()
@@ -197,4 +197,106 @@ async fn a_cancelled_request_is_released_with_its_failure() {
     tx.cancel(&ReqId("a".into())).expect("cancelled");
     let released = within("release", tx.released(&ReqId("a".into()))).await;
     assert!(released.is_err(), "{released:?}");
+}
+
+/// Over the TCP fabric, chunks whose staging slots and reserved receiver slots are both
+/// consecutive go as one write (`kvx_io::WriteRun`), as a run of a layer's KV blocks does:
+/// four such chunks are one write, and three whose receiver slots break after the second are
+/// two; every byte lands where it was reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consecutive_chunks_go_as_one_write_over_tcp() {
+    use kvx_node::WriteCounts;
+    use kvx_proto::SlotIndex;
+    use kvx_transport::tcp_fabric::TcpFabric;
+    use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
+
+    let env = TokioEnv::new(
+        ZmqTransport::new(ZmqConfig::default()).expect("ZMQ"),
+        TcpFabric::new(),
+    );
+    let cfg = ReceiverConfig {
+        buffer_slots: 8,
+        placement: Placement::Caller,
+        ..ReceiverConfig::default()
+    };
+    let mut rx = ReceiverNode::start(env.clone(), cfg, CHUNK, "tcp://127.0.0.1:0", "127.0.0.1:0")
+        .await
+        .expect("receiver starts");
+    let reader = rx.reader().clone();
+    let reserved: [(&str, &[u32], &[u32]); 2] = [
+        // (request, staging slots, reserved receiver slots)
+        ("run", &[0, 1, 2, 3], &[4, 5, 6, 7]),
+        ("split", &[4, 5, 6], &[0, 1, 3]),
+    ];
+    for (id, _, remote) in reserved {
+        let remote = remote.iter().copied().map(SlotIndex).collect();
+        reader.reserve(id, remote).await.expect("reserved");
+    }
+    let layers: Vec<Arc<Layer>> = (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
+    for (l, layer) in layers.iter().enumerate() {
+        for b in 0..BLOCKS {
+            let mut bytes = vec![0; CHUNK];
+            synthetic::chunk_bytes(&format!("slot{}", l * BLOCKS + b), 0, &mut bytes);
+            for (i, byte) in bytes.into_iter().enumerate() {
+                // SAFETY: nothing else reaches the layer yet.
+                unsafe { *layer.at(b * CHUNK + i) = byte };
+            }
+        }
+    }
+    let cfg = SenderConfig {
+        staging_slots: 2 * BLOCKS as u32,
+        staging_placement: Placement::Caller,
+        ..SenderConfig::default()
+    };
+    let region = lent::region(&layers, CHUNK);
+    let tx = SenderNode::start_in(env.clone(), cfg, region, "s0".into(), None)
+        .await
+        .expect("sender starts");
+    let addr = ReceiverAddr {
+        alloc: rx.alloc_endpoint().to_owned(),
+        fabric: rx.fabric_endpoint().to_owned(),
+    };
+    let peer = tx.add_receiver(addr).await.expect("connects");
+    for (id, staging, _) in reserved {
+        tx.begin(spec(peer, id, staging.len() as u32))
+            .expect("begins");
+        within("admission", tx.admitted(&ReqId(id.into())))
+            .await
+            .expect("admitted");
+        submit(&tx, id, staging);
+        within("release", tx.released(&ReqId(id.into())))
+            .await
+            .expect("delivered");
+    }
+    assert_eq!(
+        tx.write_counts(),
+        WriteCounts {
+            writes: 1 + 2,
+            bytes: 7 * CHUNK as u64
+        },
+        "one write for the run of four, two for the three"
+    );
+    for _ in 0..2 {
+        let Some(ReceiverNotice::Ready(ready)) = within("a ready notice", rx.next_notice()).await
+        else {
+            panic!("a ready notice");
+        };
+        let (_, staging, _) = reserved
+            .iter()
+            .find(|(id, ..)| *id == ready.key.req_id.0)
+            .expect("one of ours");
+        let lease = reader.lease(ready.clone()).await.expect("leased");
+        for (chunk, s) in staging.iter().enumerate() {
+            let mut want = vec![0; CHUNK];
+            synthetic::chunk_bytes(&format!("slot{s}"), 0, &mut want);
+            let mut got = Vec::new();
+            lease.inspect_chunk(chunk, CHUNK, &mut |b| got = b.to_vec());
+            assert!(
+                got == want,
+                "{} chunk {chunk}: not staging slot {s}'s bytes",
+                ready.key
+            );
+        }
+        lease.consume().await.expect("consumed");
+    }
 }

@@ -88,7 +88,10 @@ pub(super) struct Driver<E: Env> {
     undecodable_logged: kvx_io::LogLimiter,
     /// Writes waiting for a receiver's new fabric connection, in posting order
     /// (`fabric_link`); at most one per submitted chunk.
-    parked: BTreeMap<PeerId, Vec<PostWrite>>,
+    parked: BTreeMap<PeerId, Vec<(kvx_proto::ReqId, PostWrite)>>,
+    /// Fabric writes posted for each request not yet ended (`SENDER_WRITES_PER_REQUEST`);
+    /// bounded by the requests the flow tracks.
+    writes_by_req: BTreeMap<kvx_proto::ReqId, u32>,
     /// When each write in flight was posted, for the write-latency metric. By write, not by
     /// staging slot: with caller staging several writes may read one slot, and the slots
     /// number every page of an engine's KV.
@@ -131,6 +134,7 @@ impl<E: Env> Driver<E> {
             staging_freed: false,
             conns: BTreeMap::new(),
             parked: BTreeMap::new(),
+            writes_by_req: BTreeMap::new(),
             write_started: BTreeMap::new(),
             fabric_attached: Default::default(),
             receiver_timeouts: BTreeMap::new(),
@@ -404,8 +408,8 @@ impl<E: Env> Driver<E> {
         for t in transmits {
             self.transmit(t).await;
         }
-        for w in writes {
-            self.post(w);
+        if !writes.is_empty() {
+            self.post_all(writes);
         }
         if !events.is_empty() {
             self.on_events(events);
@@ -515,6 +519,9 @@ impl<E: Env> Driver<E> {
                 }
                 SenderEvent::Delivered { req_id } => {
                     self.shared.lock().begun_at.remove(&req_id);
+                    let writes = self.writes_by_req.remove(&req_id).unwrap_or(0);
+                    metrics::histogram!(crate::metrics::SENDER_WRITES_PER_REQUEST)
+                        .record(f64::from(writes));
                     metrics::counter!(crate::metrics::SENDER_DELIVERED).increment(1);
                     self.shared.complete(RequestEnd {
                         req_id,
@@ -523,6 +530,7 @@ impl<E: Env> Driver<E> {
                 }
                 SenderEvent::Failed { req_id, failure } => {
                     self.shared.lock().begun_at.remove(&req_id);
+                    self.writes_by_req.remove(&req_id);
                     metrics::counter!(crate::metrics::SENDER_FAILED, "reason" => failure.kind())
                         .increment(1);
                     tracing::info!(%req_id, %failure, "request failed");

@@ -2,6 +2,7 @@
 //! async), stage bytes, submit, cancel, await the outcome. It works on the shared core
 //! directly and pokes the driver task when the core has something for it to carry out.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -140,6 +141,16 @@ impl<E: Env> SenderHandle<E> {
     /// staging_readers`): the application must not change it while any does.
     pub fn staging_readers(&self, slot: StagingSlot) -> u32 {
         self.shared.lock().flow.staging_readers(slot)
+    }
+
+    /// Fabric writes this sender posted so far, and their bytes: a run of chunks
+    /// consecutive in staging and in the receiver's buffer is one write where the fabric
+    /// carries runs (TCP), so writes ≤ chunks written.
+    pub fn write_counts(&self) -> WriteCounts {
+        WriteCounts {
+            writes: self.shared.writes_posted.load(Ordering::Relaxed),
+            bytes: self.shared.write_bytes_posted.load(Ordering::Relaxed),
+        }
     }
 
     /// Whose memory the chunks are read from (`SenderConfig::staging_placement`).
@@ -438,4 +449,13 @@ impl<E: Env> SenderHandle<E> {
         self.shared.poke.notify_one();
         self.shared.wake_all();
     }
+}
+
+/// `SenderHandle::write_counts`: fabric writes posted and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteCounts {
+    /// Fabric writes posted (a run counts once where the fabric carries runs).
+    pub writes: u64,
+    /// Bytes those writes carry.
+    pub bytes: u64,
 }

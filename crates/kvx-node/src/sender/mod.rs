@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::StartError;
 use driver::Driver;
-pub use handle::SenderHandle;
+pub use handle::{SenderHandle, WriteCounts};
 use sleepers::Wakes;
 
 mod driver;
@@ -79,6 +79,9 @@ struct Shared {
     /// is computed (`SenderConfig::checksums`).
     checksums: Vec<AtomicU64>,
     compute_checksums: bool,
+    /// Fabric writes posted and their bytes (`SenderHandle::write_counts`).
+    writes_posted: AtomicU64,
+    write_bytes_posted: AtomicU64,
     /// Where the driver sends each request's end, once something subscribed
     /// (`SenderHandle::completions`).
     completions: Mutex<Option<mpsc::UnboundedSender<RequestEnd>>>,
@@ -165,6 +168,12 @@ impl Shared {
     fn checksum(&self, slot: u32) -> Option<u32> {
         let v = self.checksums[slot as usize].load(Ordering::Acquire);
         (v & CHECKSUM_SET != 0).then_some(v as u32)
+    }
+
+    /// `writes` fabric writes of `bytes` in all were posted.
+    fn count_writes(&self, writes: u64, bytes: u64) {
+        self.writes_posted.fetch_add(writes, Ordering::Relaxed);
+        self.write_bytes_posted.fetch_add(bytes, Ordering::Relaxed);
     }
 }
 
@@ -258,6 +267,8 @@ impl SenderNode {
                 .collect(),
             checksums: (0..cfg.staging_slots).map(|_| AtomicU64::new(0)).collect(),
             compute_checksums: cfg.checksums,
+            writes_posted: AtomicU64::new(0),
+            write_bytes_posted: AtomicU64::new(0),
             completions: Mutex::new(None),
         });
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();

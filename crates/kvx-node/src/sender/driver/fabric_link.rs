@@ -4,13 +4,20 @@
 //! connection is being made waits for it (so a request's first write does not fail for
 //! want of a connection), bounded by the core's write timeout; a connect that gives up fails
 //! the writes that waited, with its reason.
+//!
+//! Writes go in runs: consecutive writes of one request whose staging slots and remote
+//! slots both step by one (a run of a layer's KV blocks, contiguous in both engines' memory)
+//! are posted as one `WriteRun`, one write where the fabric carries runs (TCP). The core
+//! still sees each chunk's write: its own grant, checksum and completion.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvx_io::{Env, Fabric, FabricConn, FabricCredential, FabricError, PostWrite};
+use kvx_io::{
+    Env, Fabric, FabricConn, FabricCredential, FabricError, PostWrite, SlotMemory, WriteRun,
+};
 use kvx_proto::sender::WriteOp;
-use kvx_proto::{PeerId, WriteId};
+use kvx_proto::{PeerId, ReqId, WriteId};
 
 use super::{Cmd, Driver, Input};
 
@@ -29,9 +36,16 @@ impl<E: Env> Driver<E> {
         let (poster, mut completions) = conn.split();
         self.conn_generation += 1;
         let generation = self.conn_generation;
-        for write in self.parked.remove(&peer).unwrap_or_default() {
-            if poster.post(write).is_err() {
-                self.fail_write(write.id, "the new fabric connection closed at once");
+        let parked = self.parked.remove(&peer).unwrap_or_default();
+        for (req_id, run) in self.runs_of(parked) {
+            let pieces = run.pieces().to_vec();
+            match poster.post_run(run) {
+                Ok(writes) => self.count_writes(req_id, writes, &pieces, poster.carries_runs()),
+                Err((_, left)) => {
+                    for write in left {
+                        self.fail_write(write.id, "the new fabric connection closed at once");
+                    }
+                }
             }
         }
         self.conns.insert(peer, (generation, poster, credential));
@@ -83,36 +97,101 @@ impl<E: Env> Driver<E> {
         }
     }
 
-    /// Posts a write the core asked for. With no live connection to its receiver, the write
-    /// waits (parked, in order) for the one being made; a write still parked when its
-    /// deadline passes is flushed by `flush_parked` (the core's stall), as a reset would flush
-    /// it.
-    pub(super) fn post(&mut self, w: WriteOp) {
-        if let Some(why) = self.refused.get(&w.receiver) {
-            self.fail_write(w.id, why);
-            return;
-        }
-        let slot = w.staging.0 as usize;
-        self.write_posted(w.id);
-        let len = self.shared.lens[slot].load(Ordering::Acquire);
-        let write = PostWrite {
-            id: w.id,
-            local: w.staging,
-            remote: w.remote,
-            len,
-            imm: w.tag.map(|t| t.to_imm()),
-            checksum: self.shared.checksum(w.staging.0),
-        };
-        let peer = w.receiver;
-        if !self.parked.contains_key(&peer) {
-            match self.conns.get(&peer).map(|(_, c, _)| c.post(write)) {
-                Some(Ok(())) => return,
-                // The connection's task has ended: replace it. None connected: make one (a
-                // no-op when one is under way).
-                Some(Err(_)) | None => self.reset_fabric(peer),
+    /// Posts the writes the core asked for, in order, consecutive ones of a request in runs
+    /// (module doc). With no live connection to its receiver, a write waits (parked, in
+    /// order) for the one being made; a write still parked when its deadline passes is
+    /// flushed by `flush_parked` (the core's stall), as a reset would flush it.
+    pub(super) fn post_all(&mut self, writes: Vec<WriteOp>) {
+        let mut by_peer: Vec<(PeerId, Vec<(ReqId, PostWrite)>)> = Vec::new();
+        for w in writes {
+            if let Some(why) = self.refused.get(&w.receiver) {
+                self.fail_write(w.id, why);
+                continue;
+            }
+            self.write_posted(w.id);
+            let len = self.shared.lens[w.staging.0 as usize].load(Ordering::Acquire);
+            let write = PostWrite {
+                id: w.id,
+                local: w.staging,
+                remote: w.remote,
+                len,
+                imm: w.tag.map(|t| t.to_imm()),
+                checksum: self.shared.checksum(w.staging.0),
+            };
+            if !self.writes_by_req.contains_key(&w.req_id) {
+                self.writes_by_req.insert(w.req_id.clone(), 0);
+            }
+            match by_peer.iter_mut().find(|(p, _)| *p == w.receiver) {
+                Some((_, list)) => list.push((w.req_id, write)),
+                None => by_peer.push((w.receiver, vec![(w.req_id, write)])),
             }
         }
-        self.parked.entry(peer).or_default().push(write);
+        for (peer, writes) in by_peer {
+            for (req_id, run) in self.runs_of(writes) {
+                self.post_run(peer, req_id, run);
+            }
+        }
+    }
+
+    /// `writes` (one receiver's, in posting order) as runs: each run one request's writes
+    /// that `WriteRun::continues`.
+    fn runs_of(&self, writes: Vec<(ReqId, PostWrite)>) -> Vec<(ReqId, WriteRun)> {
+        let slot_bytes = self.memory.slot_bytes();
+        let mut runs: Vec<(ReqId, WriteRun)> = Vec::new();
+        for (req_id, write) in writes {
+            if let Some((last_req, run)) = runs.last_mut() {
+                if *last_req == req_id && run.push(write, slot_bytes).is_ok() {
+                    continue;
+                }
+            }
+            runs.push((req_id, WriteRun::new(write)));
+        }
+        runs
+    }
+
+    fn post_run(&mut self, peer: PeerId, req_id: ReqId, run: WriteRun) {
+        let left = if self.parked.contains_key(&peer) {
+            run.into_pieces()
+        } else if let Some((_, poster, _)) = self.conns.get(&peer) {
+            let (pieces, carries) = (run.pieces().to_vec(), poster.carries_runs());
+            match poster.post_run(run) {
+                Ok(writes) => {
+                    self.count_writes(req_id, writes, &pieces, carries);
+                    return;
+                }
+                // The connection's task has ended: replace it.
+                Err((_, left)) => {
+                    self.reset_fabric(peer);
+                    left
+                }
+            }
+        } else {
+            // None connected: make one (a no-op when one is under way).
+            self.reset_fabric(peer);
+            run.into_pieces()
+        };
+        let parked = self.parked.entry(peer).or_default();
+        parked.extend(left.into_iter().map(|w| (req_id.clone(), w)));
+    }
+
+    /// Counts `writes` fabric writes of `req_id` carrying `pieces` (one write of them all
+    /// where the connection `carries` runs, else one each).
+    fn count_writes(&mut self, req_id: ReqId, writes: usize, pieces: &[PostWrite], carries: bool) {
+        let bytes: usize = pieces.iter().map(|w| w.len).sum();
+        if carries {
+            metrics::histogram!(crate::metrics::SENDER_WRITE_BYTES).record(bytes as f64);
+        } else {
+            for w in pieces {
+                metrics::histogram!(crate::metrics::SENDER_WRITE_BYTES).record(w.len as f64);
+            }
+        }
+        metrics::counter!(crate::metrics::SENDER_FABRIC_WRITES).increment(writes as u64);
+        self.shared.count_writes(writes as u64, bytes as u64);
+        // Only a request still running has an entry (`post_all` makes it): a parked write
+        // of a request that failed meanwhile adds none that nothing would remove.
+        if let Some(n) = self.writes_by_req.get_mut(&req_id) {
+            *n += writes as u32;
+        }
     }
 
     fn fail_write(&self, id: WriteId, why: &str) {
@@ -126,7 +205,7 @@ impl<E: Env> Driver<E> {
     /// Fails every write parked for `peer` (its connect gave up, or a parked write became
     /// overdue: nothing may stay parked past the core's write timeout).
     pub(super) fn flush_parked(&mut self, peer: PeerId, why: &str) {
-        for write in self.parked.remove(&peer).unwrap_or_default() {
+        for (_, write) in self.parked.remove(&peer).unwrap_or_default() {
             self.fail_write(write.id, why);
         }
     }
