@@ -232,6 +232,8 @@ class Sender:
         """Up to ``max`` request ends as ``(req_id, error or None)``; ``[]`` after ``timeout``."""
     @property
     def staging_free(self) -> int: ...
+    def write_counts(self) -> Tuple[int, int]:
+        """``(writes, bytes)`` posted so far; a run of consecutive chunks is one write over TCP."""
     @property
     def slots(self) -> int: ...
     @property

@@ -95,6 +95,7 @@ trait SenderApi: Send + Sync {
     fn cancel(&self, req_id: &ReqId) -> Result<(), SendError>;
     fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd>;
     fn staging_free(&self) -> u32;
+    fn write_counts(&self) -> kvx_node::WriteCounts;
     fn slots(&self) -> u32;
     fn slot_bytes(&self) -> usize;
     fn shutdown(&self);
@@ -163,6 +164,10 @@ impl<E: Env> SenderApi for SenderHandle<E> {
     fn completions(&self) -> mpsc::UnboundedReceiver<RequestEnd> {
         SenderHandle::completions(self)
     }
+    fn write_counts(&self) -> kvx_node::WriteCounts {
+        SenderHandle::write_counts(self)
+    }
+
     fn staging_free(&self) -> u32 {
         SenderHandle::staging_free(self)
     }
@@ -536,6 +541,12 @@ impl Sender {
     /// Staging slots free now (a snapshot).
     pub fn staging_free(&self) -> u32 {
         self.api.staging_free()
+    }
+
+    /// Fabric writes posted so far and their bytes (`SenderHandle::write_counts`): a run of
+    /// chunks consecutive in staging and in the receiver's buffer is one write over TCP.
+    pub fn write_counts(&self) -> kvx_node::WriteCounts {
+        self.api.write_counts()
     }
 
     /// Staging slots in all.

@@ -473,6 +473,15 @@ impl Sender {
         self.inner.staging_free()
     }
 
+    /// ``(writes, bytes)``: fabric writes this sender posted so far and the bytes they
+    /// carried. Chunks of one request whose staging slots and receiver slots are both
+    /// consecutive (a run of KV blocks) go as one write over the TCP fabric, so
+    /// ``writes`` counts runs there, chunks elsewhere.
+    fn write_counts(&self) -> (u64, u64) {
+        let counts = self.inner.write_counts();
+        (counts.writes, counts.bytes)
+    }
+
     /// Staging slots in all.
     #[getter]
     fn slots(&self) -> u32 {

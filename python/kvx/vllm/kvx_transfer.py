@@ -21,7 +21,8 @@ failed with its last write completed: ``Sender.wait_released``). With checksums 
 ``copy_staging=True`` (for a sender that must own its staging: a test's corrupting sender),
 each page is copied into kvx's own staging first instead: vLLM may preempt a prefill request
 and hand its blocks to another while a write of an earlier step still reads them, which only
-the decode side's checksum can catch. One write per run of blocks is docs/vllm.md "Not yet".
+the decode side's checksum can catch. Pages consecutive in both engines' KV (a run of blocks)
+go as one write over TCP: the sender posts a layer's batch in runs (``kvx_io::WriteRun``).
 
 Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 ``idle_timeout_sec``, a grant by ``grant_timeout_sec`` (the scheduler's), a staging slot by
@@ -246,6 +247,8 @@ class PrefillTransfer:
         self._refused: Dict[str, str] = {}
         self._sent: Set[str] = set()
         self._counts: Counter = Counter()
+        #: The sender's ``write_counts()`` at the last ``take_counts``.
+        self._writes_counted: Tuple[int, int] = (0, 0)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layout = PagedLayout.of(kv_caches, self.num_blocks)
@@ -331,8 +334,6 @@ class PrefillTransfer:
                 ]
                 slots = layout.block_pages(layer, block_ids)
                 tx.submit_slots(sub, slots, keys, last=last)
-            self._counts["writes"] += pages
-            self._counts["write_bytes"] += pages * layout.page_bytes
             push.nbytes += pages * layout.page_bytes
             if last:
                 push.layers_posted += 1
@@ -431,8 +432,18 @@ class PrefillTransfer:
             self._settle(kvx_id, push)
 
     def take_counts(self) -> Dict[str, int]:
-        """Pushes delivered and failed, writes posted and their bytes, since the last call."""
+        """Pushes delivered and failed, and the fabric writes posted and their bytes, since
+        the last call. A write is what the fabric carries as one: over TCP a run of pages
+        consecutive in both engines' KV (``Sender.write_counts``), so writes per request are
+        layers × runs per step, not layers × blocks."""
         counts, self._counts = dict(self._counts), Counter()
+        if self.sender is not None:
+            writes, nbytes = self.sender.write_counts()
+            before_writes, before_bytes = self._writes_counted
+            self._writes_counted = (writes, nbytes)
+            if writes > before_writes:
+                counts["writes"] = writes - before_writes
+                counts["write_bytes"] = nbytes - before_bytes
         return counts
 
     def close(self) -> None:

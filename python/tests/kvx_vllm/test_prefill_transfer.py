@@ -53,6 +53,9 @@ class ScriptedSender:
         ends, self.ends = self.ends[:max], self.ends[max:]
         return ends
 
+    def write_counts(self) -> Tuple[int, int]:
+        return (0, 0)
+
     def wait_released(self, req_id: str, timeout: Optional[float] = None) -> None:
         if req_id in self.reading:
             raise kvx.TimedOutError(f"{req_id} still reads the sender's staging")

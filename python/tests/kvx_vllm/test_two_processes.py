@@ -125,9 +125,10 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
     sent = prefill.until("sent", finished=["p-k1"])
     assert sent["sent"] == ["p-k1"]
     assert decode.counts == {"received": 1}
-    # Every block of every layer is one write today (the held one too: kvx answers it).
+    # Per layer three writes: the held block is answered, not written, and no two of the
+    # others are consecutive in both engines (3 -> 5 in one step; 7 -> 6 and 8 -> 9 in the next).
     timed = {k: prefill.counts.pop(k) for k in ("push_us", "delivery_us")}
-    assert prefill.counts == {"pushed": 1, "writes": 4 * LAYERS, "write_bytes": 4 * LAYERS * BLOCK_FLOATS * 4,
+    assert prefill.counts == {"pushed": 1, "writes": 3 * LAYERS, "write_bytes": 3 * LAYERS * BLOCK_FLOATS * 4,
                               "timed_pushes": 1, "timed_bytes": 4 * LAYERS * BLOCK_FLOATS * 4}
     assert 0 <= timed["delivery_us"] <= timed["push_us"] < 60_000_000, timed
     want = prefill.blocks([3, 7, 8])
@@ -137,6 +138,21 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
         assert got[layer].any()
     untouched = decode.blocks([b for b in range(16) if b not in (5, 6, 9)])
     assert not any(layer.any() for layer in untouched), "a write outside the granted blocks"
+
+
+def test_a_run_of_blocks_consecutive_in_both_engines_is_one_write_per_layer(engines):
+    decode, prefill = engines("kv_consumer"), engines("kv_producer")
+    decode.step({"reserve": [["d-r", "r", 0, [4, 5, 6, 7, 10], 5 * 4]]})
+    assert prefill.until("granted", begin(engines, "r", 5))["granted"] == {"p-r": 1}
+    # Blocks 0-3 run 8..11 -> 4..7; block 4 (12 -> 10) breaks the run on the decode side.
+    prefill.step({"push": [["p-r", "r", 0, [8, 9, 10, 11, 12], True]]}, forward=True)
+    assert decode.until("received")["received"] == ["d-r"]
+    assert prefill.until("sent", finished=["p-r"])["sent"] == ["p-r"]
+    assert prefill.counts["writes"] == 2 * LAYERS, prefill.counts
+    assert prefill.counts["write_bytes"] == 5 * LAYERS * BLOCK_FLOATS * 4
+    want, got = prefill.blocks([8, 9, 10, 11, 12]), decode.blocks([4, 5, 6, 7, 10])
+    for layer in range(LAYERS):
+        assert np.array_equal(got[layer], want[layer]), f"layer {layer}"
 
 
 def test_a_write_corrupted_after_its_checksum_is_a_load_error(engines):
