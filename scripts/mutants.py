@@ -192,7 +192,7 @@ MUTANTS = {
         "send a run's headers without FLAG_RUN (the receiver takes the next header as payload)",
         ["-p", "kvx-transport", "--test", "fabric_tcp", "runs"]),
     "run-split-staging-from-first-slot": ("crates/kvx-transport/src/tcp_fabric/mod.rs",
-        "        let i = (at / slot_bytes).min(self.pieces - 1);",
+        "        let i = (at / slot_bytes).min(self.writes.len() - 1);",
         "        let i = 0;",
         "send a run over staging in parts from its first piece's slot only",
         ["-p", "kvx-transport", "--test", "fabric_tcp", "runs"]),

@@ -10,17 +10,21 @@
 //! Rounds interleave baseline and fabric so drift hits both alike; the summary gives the
 //! median rate of each and the median of the per-round ratios.
 //!
+//! With `--runs N`, TCP instead compares the fabric posting runs of `N` consecutive slots
+//! (`kvx_io::WriteRun`, one write each) against the same fabric posting every chunk alone:
+//! a run of a layer's KV blocks, where a block is a small chunk.
+//!
 //! ```text
 //! cargo run --release -p kvx-transport --example fabric_throughput -- \
 //!     [--gib 2] [--chunk-kib 1024] [--window 16] [--rounds 3] [--only tcp|shm] \
-//!     [--sockbuf-kib N] [--workers 2]
+//!     [--sockbuf-kib N] [--workers 2] [--runs N]
 //! ```
 
 use std::time::{Duration, Instant};
 
 use kvx_io::SlotGeometry;
 use kvx_io::{Fabric, SlotMemory};
-use kvx_io::{FabricConn, PostWrite};
+use kvx_io::{FabricConn, PostWrite, WriteRun};
 use kvx_proto::{SlotIndex, StagingSlot, WriteId};
 use kvx_transport::shm_fabric::ShmFabric;
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
@@ -36,6 +40,7 @@ struct Args {
     only: Option<String>,
     sockbuf: Option<u32>,
     workers: usize,
+    runs: u32,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -47,6 +52,7 @@ fn parse_args() -> Result<Args, String> {
         only: None,
         sockbuf: None,
         workers: 2,
+        runs: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -60,11 +66,18 @@ fn parse_args() -> Result<Args, String> {
             "--only" => a.only = Some(value()?),
             "--sockbuf-kib" => a.sockbuf = Some(number(value()?)? as u32 * 1024),
             "--workers" => a.workers = number(value()?)? as usize,
+            "--runs" => a.runs = number(value()?)? as u32,
             other => return Err(format!("unknown flag {other}")),
         }
     }
-    if a.chunk == 0 || a.window == 0 || a.total < a.chunk || a.rounds == 0 {
+    if a.chunk == 0 || a.window == 0 || a.total < a.chunk || a.rounds == 0 || a.runs == 0 {
         return Err("sizes must be positive and --gib at least one chunk".into());
+    }
+    if a.window % a.runs != 0 || a.runs as usize > kvx_io::WriteRun::MAX_PIECES {
+        return Err(format!(
+            "--runs must divide --window and be at most {}",
+            kvx_io::WriteRun::MAX_PIECES
+        ));
     }
     Ok(a)
 }
@@ -150,8 +163,15 @@ async fn shm_baseline(total: usize, chunk: usize, window: u32) -> Duration {
 }
 
 /// `total` bytes through a fabric in chunk-sized writes, `window` in flight, each carrying an
-/// immediate; timed until every completion and every landed notice is in.
-async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -> Duration {
+/// immediate, posted `run` consecutive slots at a time as one `WriteRun` (1: each alone);
+/// timed until every completion and every landed notice is in.
+async fn fabric_run<F: Fabric>(
+    f: &F,
+    total: usize,
+    chunk: usize,
+    window: u32,
+    run: u32,
+) -> Duration {
     let mut listener = f
         .expose(
             "127.0.0.1:0",
@@ -189,29 +209,37 @@ async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -
     });
     let start = Instant::now();
     let mut done = 0usize;
-    for i in 0..n {
-        if i >= window as usize {
+    let run = run as usize;
+    for first in (0..n).step_by(run) {
+        let pieces = run.min(n - first);
+        while first + pieces > done + window as usize {
             let c = conn.next_completion().await.expect("completion");
             assert_eq!(c.id, WriteId(done as u64));
             assert_eq!(c.result, Ok(()));
             done += 1;
         }
-        let k = (i % window as usize) as u32;
-        let generation = (i / window as usize) as u32 + 1;
-        access.grant(k, peer, generation);
-        let tag = kvx_proto::WriteTag {
-            slot: SlotIndex(k),
-            generation,
-        };
-        conn.post(PostWrite {
-            id: WriteId(i as u64),
-            local: StagingSlot(k),
-            remote: SlotIndex(k),
-            len: chunk,
-            imm: Some(tag.to_imm()),
-            checksum: Some(checksums[k as usize]),
-        })
-        .expect("post");
+        let mut writes = (first..first + pieces).map(|i| {
+            let k = (i % window as usize) as u32;
+            let generation = (i / window as usize) as u32 + 1;
+            access.grant(k, peer, generation);
+            let tag = kvx_proto::WriteTag {
+                slot: SlotIndex(k),
+                generation,
+            };
+            PostWrite {
+                id: WriteId(i as u64),
+                local: StagingSlot(k),
+                remote: SlotIndex(k),
+                len: chunk,
+                imm: Some(tag.to_imm()),
+                checksum: Some(checksums[k as usize]),
+            }
+        });
+        let mut joined = WriteRun::new(writes.next().expect("a piece"));
+        for w in writes {
+            joined.push(w, chunk).expect("consecutive slots");
+        }
+        conn.post_run(joined).map_err(|(e, _)| e).expect("post");
     }
     while done < n {
         let c = conn.next_completion().await.expect("completion");
@@ -227,6 +255,11 @@ async fn fabric_run<F: Fabric>(f: &F, total: usize, chunk: usize, window: u32) -
         assert!(got.iter().all(|b| *b == k as u8 ^ 0x5A), "slot {k} intact");
     }
     elapsed
+}
+
+/// Bytes of the warm-up pass before the measured rounds (page faults, socket autotuning).
+fn warm_bytes(a: &Args) -> usize {
+    (a.chunk * a.window as usize * 4).min(a.total)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -312,27 +345,43 @@ async fn run(a: Args) {
     let want = |what: &str| a.only.as_deref().is_none_or(|o| o == what);
     let mut tcp_s = Series::new("tcp", &["stream, hot buffer", "stream, same memory"]);
     let mut shm_s = Series::new("shm", &["memcpy, same memory"]);
+    let mut runs_s = Series::new("runs", &["each chunk alone"]);
+    if a.runs > 1 {
+        fabric_run(&tcp, warm_bytes(&a), a.chunk, a.window, 1).await;
+        fabric_run(&tcp, warm_bytes(&a), a.chunk, a.window, a.runs).await;
+        for round in 0..a.rounds {
+            let alone = measure(a.total, fabric_run(&tcp, a.total, a.chunk, a.window, 1)).await;
+            let runs = measure(
+                a.total,
+                fabric_run(&tcp, a.total, a.chunk, a.window, a.runs),
+            )
+            .await;
+            runs_s.push(round, &[alone], runs);
+        }
+        runs_s.summary();
+        return;
+    }
     let w = a.window as usize;
     // One warm-up pass each (page faults, socket autotuning), not reported.
-    let warm = (a.chunk * a.window as usize * 4).min(a.total);
+    let warm = warm_bytes(&a);
     if want("tcp") {
         tcp_baseline(warm, a.chunk, w).await;
-        fabric_run(&tcp, warm, a.chunk, a.window).await;
+        fabric_run(&tcp, warm, a.chunk, a.window, 1).await;
     }
     if want("shm") {
         shm_baseline(warm, a.chunk, a.window).await;
-        fabric_run(&shm, warm, a.chunk, a.window).await;
+        fabric_run(&shm, warm, a.chunk, a.window, 1).await;
     }
     for round in 0..a.rounds {
         if want("tcp") {
             let hot = measure(a.total, tcp_baseline(a.total, a.chunk, 1)).await;
-            let fab = measure(a.total, fabric_run(&tcp, a.total, a.chunk, a.window)).await;
+            let fab = measure(a.total, fabric_run(&tcp, a.total, a.chunk, a.window, 1)).await;
             let same = measure(a.total, tcp_baseline(a.total, a.chunk, w)).await;
             tcp_s.push(round, &[hot, same], fab);
         }
         if want("shm") {
             let base = measure(a.total, shm_baseline(a.total, a.chunk, a.window)).await;
-            let fab = measure(a.total, fabric_run(&shm, a.total, a.chunk, a.window)).await;
+            let fab = measure(a.total, fabric_run(&shm, a.total, a.chunk, a.window, 1)).await;
             shm_s.push(round, &[base], fab);
         }
     }
@@ -349,10 +398,11 @@ fn main() {
         }
     };
     println!(
-        "moving {:.2} GiB in {} KiB chunks, window {}, {} rounds, {} workers, socket buffers {}",
+        "moving {:.2} GiB in {} KiB chunks, window {}, runs of {}, {} rounds, {} workers, socket buffers {}",
         a.total as f64 / f64::from(1u32 << 30),
         a.chunk / 1024,
         a.window,
+        a.runs,
         a.rounds,
         a.workers,
         a.sockbuf

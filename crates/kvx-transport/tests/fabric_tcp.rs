@@ -246,3 +246,75 @@ async fn tcp_authenticated_idlers_never_lock_a_writer_out() {
     )
     .await;
 }
+
+/// A run larger than the socket's buffers (64 pieces of 64 KiB): the receiver acks its first
+/// pieces while the sender is still sending the last ones, and every piece completes and
+/// lands whole, copying sends and zero-copy alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_run_larger_than_the_socket_buffers_lands_whole() {
+    for zero_copy in [false, true] {
+        let small_buffers = TcpFabricConfig {
+            socket_buffer: Some(64 << 10),
+            zero_copy,
+            ..TcpFabricConfig::default()
+        };
+        a_long_run_lands(&TcpFabric::with_config(small_buffers)).await;
+    }
+}
+
+async fn a_long_run_lands(fabric: &TcpFabric) {
+    use kvx_io::{chunk_checksum, Fabric, PostWrite, SlotMemory, WriteRun};
+    use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId};
+
+    const PIECES: u32 = 64;
+    const BYTES: usize = 64 << 10;
+    let geometry = SlotGeometry::new(PIECES, BYTES).expect("a geometry");
+    let mut listener = fabric.expose(EP, geometry).await.expect("expose");
+    let peer = PeerId(4);
+    for slot in 0..PIECES {
+        listener.access.grant(slot, peer, 2);
+    }
+    let staging = fabric.allocate_staging(geometry).expect("staging");
+    let mut run: Option<WriteRun> = None;
+    for slot in 0..PIECES {
+        let bytes = fabric_common::pattern(slot, BYTES);
+        staging.write_slot(slot, &bytes);
+        let w = PostWrite {
+            id: WriteId(u64::from(slot)),
+            local: StagingSlot(slot),
+            remote: SlotIndex(slot),
+            len: BYTES,
+            imm: fabric_common::imm(slot, 2),
+            checksum: Some(chunk_checksum(&bytes)),
+        };
+        match run.as_mut() {
+            None => run = Some(WriteRun::new(w)),
+            Some(r) => r.push(w, BYTES).expect("consecutive"),
+        }
+    }
+    let mut conn = fabric
+        .connect(
+            &listener.local_endpoint,
+            staging,
+            listener.access.credential_for(peer),
+        )
+        .await
+        .expect("connect");
+    assert_eq!(
+        conn.post_run(run.expect("a run")).ok(),
+        Some(1),
+        "one write"
+    );
+    for id in 0..u64::from(PIECES) {
+        let c = fabric_common::completion(&mut conn, "a piece's completion").await;
+        assert_eq!((c.id, c.result), (WriteId(id), Ok(())));
+    }
+    let mut got = vec![0u8; BYTES];
+    for slot in 0..PIECES {
+        fabric_common::step("a landed notice", listener.landed.recv())
+            .await
+            .expect("listener open");
+        listener.memory.read_slot(slot, &mut got);
+        assert!(got == fabric_common::pattern(slot, BYTES), "slot {slot}");
+    }
+}

@@ -227,7 +227,7 @@ impl InlineTransmit {
             if budget == 0 {
                 return Ok(());
             }
-            if self.progress == 0 && !self.frame.start(pending) {
+            if !self.frame.in_progress() && !self.frame.start(pending) {
                 return Ok(());
             }
             let (progress, headers) = (self.progress, self.frame.headers.len());
@@ -236,9 +236,7 @@ impl InlineTransmit {
             } else if progress < self.frame.len() {
                 // The slot lock is held only for the call; the kernel's page references
                 // outlive it, which the staging discipline allows (see `splice`).
-                let (w, at) = self
-                    .frame
-                    .piece_at(pending, progress - headers, &self.staging);
+                let (w, at) = self.frame.piece_at(progress - headers, &self.staging);
                 self.staging
                     .with_slot(w.local.0, |slot| pipe.map_in(&slot[at..w.len]))
             } else {
@@ -252,7 +250,7 @@ impl InlineTransmit {
             }
             if self.progress == self.frame.len() {
                 self.progress = 0;
-                pending.mark_frame_sent(self.frame.pieces);
+                self.frame.finish();
             }
         }
     }
@@ -260,7 +258,7 @@ impl InlineTransmit {
     /// One non-blocking send of the current write from `progress` on: the rest of its
     /// headers and of its payload, the payload one span where its staging slots are
     /// contiguous in memory (a run within one part), else the rest of the current piece.
-    fn send_frame(&self, stream: &TcpStream, pending: &Pending) -> io::Result<usize> {
+    fn send_frame(&self, stream: &TcpStream) -> io::Result<usize> {
         let frame = &self.frame;
         let headers = &frame.headers[self.progress.min(frame.headers.len())..];
         let at = self.progress.saturating_sub(frame.headers.len());
@@ -272,14 +270,16 @@ impl InlineTransmit {
             }
         };
         // The slot locks are held only for the non-blocking syscall, never across an await.
-        let first = pending.piece(0).local.0;
-        let whole = self.staging.with_run(first, frame.pieces as u32, |span| {
-            send(&span[at..frame.payload])
-        });
+        let first = frame.writes[0].local.0;
+        let whole = self
+            .staging
+            .with_run(first, frame.writes.len() as u32, |span| {
+                send(&span[at..frame.payload])
+            });
         if let Some(sent) = whole {
             return sent;
         }
-        let (w, at) = frame.piece_at(pending, at, &self.staging);
+        let (w, at) = frame.piece_at(at, &self.staging);
         self.staging
             .with_slot(w.local.0, |slot| send(&slot[at..w.len]))
     }
@@ -289,7 +289,7 @@ impl InlineTransmit {
 /// encoded once, and its payload's length.
 #[derive(Debug, Default)]
 struct Frame {
-    pieces: usize,
+    writes: Vec<PostWrite>,
     headers: Vec<u8>,
     payload: usize,
 }
@@ -297,16 +297,19 @@ struct Frame {
 impl Frame {
     /// Takes the next write of `pending`; false when there is none. A run's headers all go
     /// first, each but the last flagged `FLAG_RUN`; its payloads follow in piece order.
+    /// Its pieces count as on the wire from now: the receiver acks each as it lands, which
+    /// for a run's first pieces is before its last bytes are sent.
     fn start(&mut self, pending: &mut Pending) -> bool {
         let Some(pieces) = pending.next_frame() else {
             return false;
         };
-        self.pieces = pieces;
+        self.writes.clear();
+        self.writes.extend((0..pieces).map(|i| pending.piece(i)));
+        pending.mark_frame_sent(pieces);
         self.headers.clear();
         self.payload = 0;
-        for i in 0..pieces {
-            let w = pending.piece(i);
-            let mut header = WriteHeader::of(&w);
+        for (i, w) in self.writes.iter().enumerate() {
+            let mut header = WriteHeader::of(w);
             if i + 1 < pieces {
                 header.flags |= FLAG_RUN;
             }
@@ -316,6 +319,16 @@ impl Frame {
         true
     }
 
+    /// The write is all on the wire (or in the pipe).
+    fn finish(&mut self) {
+        self.writes.clear();
+    }
+
+    /// Whether a write is partly on the wire.
+    fn in_progress(&self) -> bool {
+        !self.writes.is_empty()
+    }
+
     /// Headers and payload.
     fn len(&self) -> usize {
         self.headers.len() + self.payload
@@ -323,10 +336,10 @@ impl Frame {
 
     /// The piece holding payload byte `at`, and where in its slot that byte is (every piece
     /// but the last fills its slot: `WriteRun`).
-    fn piece_at(&self, pending: &Pending, at: usize, staging: &LocalMemory) -> (PostWrite, usize) {
+    fn piece_at(&self, at: usize, staging: &LocalMemory) -> (PostWrite, usize) {
         let slot_bytes = staging.slot_bytes();
-        let i = (at / slot_bytes).min(self.pieces - 1);
-        (pending.piece(i), at - i * slot_bytes)
+        let i = (at / slot_bytes).min(self.writes.len() - 1);
+        (self.writes[i], at - i * slot_bytes)
     }
 }
 
@@ -358,9 +371,13 @@ impl Transmit for InlineTransmit {
         check_bounds(w, staging, self.remote)
     }
 
-    #[cfg(target_os = "linux")]
+    /// A write partly sent (its pieces already count as on the wire), or bytes in the pipe.
     fn backlog(&self) -> bool {
-        self.pipe.as_ref().is_some_and(|p| p.queued() > 0)
+        #[cfg(target_os = "linux")]
+        if self.pipe.as_ref().is_some_and(|p| p.queued() > 0) {
+            return true;
+        }
+        self.frame.in_progress()
     }
 
     fn transmit(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
@@ -370,10 +387,10 @@ impl Transmit for InlineTransmit {
         }
         let mut budget = TRANSMIT_BUDGET;
         loop {
-            if self.progress == 0 && !self.frame.start(pending) {
+            if !self.frame.in_progress() && !self.frame.start(pending) {
                 return Ok(());
             }
-            let n = match self.send_frame(stream, pending) {
+            let n = match self.send_frame(stream) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -382,7 +399,7 @@ impl Transmit for InlineTransmit {
             self.progress += n;
             if self.progress == self.frame.len() {
                 self.progress = 0;
-                pending.mark_frame_sent(self.frame.pieces);
+                self.frame.finish();
             }
             budget = budget.saturating_sub(n);
             if budget == 0 {
