@@ -422,5 +422,10 @@ mod tests {
         assert_eq!(&b[28..32], &[0x44, 0x33, 0x22, 0x11]);
         assert_eq!(&b[32..36], &[8, 7, 6, 5]);
         assert_eq!(&b[36..40], &[0, 0, 0, 0]);
+        assert_eq!(
+            (FLAG_IMM, FLAG_CHECKSUM, FLAG_RUN),
+            (1, 2, 4),
+            "flag bits 0-2: immediate, checksum, run"
+        );
     }
 }
