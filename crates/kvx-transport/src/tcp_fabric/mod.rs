@@ -2,11 +2,12 @@
 //!
 //! The receiver binds a listener at the exposed endpoint; its buffer is a `LocalMemory` (kvx's own allocation, or a region the caller lends).
 //! Each sender opens one connection, handshakes (magic, version, geometry), then streams a
-//! 32-byte header and the payload for every posted write, straight from its staging slot
-//! (a vectored write, no copy). The receiver validates the header, reads the payload straight
-//! into the slot, sends its `Landed` notice if the write carries an immediate, and acks;
-//! the sender turns acks into completions in posting order. Writes are pipelined: nothing
-//! waits for an ack before the next write goes out.
+//! 40-byte header and the payload for every posted write, straight from its staging slot
+//! (a vectored write, no copy); a run of consecutive slots (`kvx_io::WriteRun`) goes as one
+//! write, its headers then its payload. The receiver validates each header, reads the
+//! payload straight into the slot, sends its `Landed` notice if the write carries an
+//! immediate, and acks; the sender turns acks into completions in posting order. Writes are
+//! pipelined: nothing waits for an ack before the next write goes out.
 //!
 //! A completion therefore means the bytes are in the receiver's memory. A reset or a broken
 //! connection flushes every outstanding write with `FabricError::Flushed`, after the receiver
@@ -205,10 +206,11 @@ impl InlineTransmit {
         }
     }
 
-    /// `transmit` through the pipe: fill it from the current write (header copied, payload
-    /// mapped), empty it into the socket, until the socket is full or the budget spent. A
-    /// write counts as sent once all of it is in the pipe; `backlog` keeps the task
-    /// interested in writability until the pipe is empty.
+    /// `transmit` through the pipe: fill it from the current write (headers copied, payload
+    /// mapped piece by piece), empty it into the socket, until the socket is full or the
+    /// budget spent. A write counts as on the wire from its first byte (`Frame::start`);
+    /// `backlog` keeps the task interested in writability until it is all in the pipe and
+    /// the pipe is empty.
     #[cfg(target_os = "linux")]
     fn transmit_spliced(&mut self, stream: &TcpStream, pending: &mut Pending) -> io::Result<()> {
         let Some(pipe) = self.pipe.as_mut() else {
