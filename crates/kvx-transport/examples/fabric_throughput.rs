@@ -73,7 +73,7 @@ fn parse_args() -> Result<Args, String> {
     if a.chunk == 0 || a.window == 0 || a.total < a.chunk || a.rounds == 0 || a.runs == 0 {
         return Err("sizes must be positive and --gib at least one chunk".into());
     }
-    if a.window % a.runs != 0 || a.runs as usize > kvx_io::WriteRun::MAX_PIECES {
+    if !a.window.is_multiple_of(a.runs) || a.runs as usize > kvx_io::WriteRun::MAX_PIECES {
         return Err(format!(
             "--runs must divide --window and be at most {}",
             kvx_io::WriteRun::MAX_PIECES
