@@ -713,7 +713,7 @@ pub async fn fabric_checks_checksums<F: Fabric>(f: &F, endpoint: &str) {
 /// lands whole; a lone write after the runs still lands (the stream stays in step). With
 /// `lent`, the same over staging in two parts (a run across them goes all the same).
 pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, lent_parts: bool) {
-    const SLOTS: u32 = 16;
+    const SLOTS: u32 = 24;
     const BYTES: usize = 4096;
     let mut listener = f
         .expose(
@@ -764,20 +764,27 @@ pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, 
         }
         run
     };
-    // 1: four whole slots, 0..4 into 8..12 (across the parts' boundary when `lent_parts`,
-    // with 6..10 below). 2: 4..7 into 4..7, slot 5 ungranted. 3: 12..15 into 12..15 with a
-    // short last piece and a wrong checksum on its middle piece.
+    // 1: four whole slots, 0..4 into 8..12. 2: 4..7 into 4..7, slot 5 ungranted. 3: 12..15
+    // into 12..15 with a short last piece and a wrong checksum on its middle piece. 4:
+    // 10..14 into 0..4 (across the parts' boundary when `lent_parts`). 5: two 100-byte
+    // pieces joined as if slots were 100 bytes: not a run of these slots (`WriteRun::fits`),
+    // so a fabric that carries runs sends them one by one.
     let mut corrupt = run_of(30..33, 12, 12, 100).into_pieces();
     corrupt[1].checksum = corrupt[1].checksum.map(|c| c ^ 1);
     let mut third = WriteRun::new(corrupt[0]);
     for w in &corrupt[1..] {
         third.push(*w, BYTES).expect("conformance: continues");
     }
+    let mut short_pieces = WriteRun::new(granted_write(60, 16, 16, &pattern(16, BYTES)[..100]));
+    short_pieces
+        .push(granted_write(61, 17, 17, &pattern(17, BYTES)[..100]), 100)
+        .expect("conformance: consecutive");
     let runs = [
         run_of(10..14, 0, 8, BYTES),
         run_of(20..23, 4, 4, BYTES),
         third,
-        run_of(40..44, 6, 0, BYTES),
+        run_of(40..44, 10, 0, BYTES),
+        short_pieces,
     ];
     for run in runs {
         conn.post_run(run)
@@ -801,6 +808,8 @@ pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, 
         (41, "ok"),
         (42, "ok"),
         (43, "ok"),
+        (60, "ok"),
+        (61, "ok"),
         (50, "ok"),
     ];
     for (id, what) in &expected {
@@ -835,6 +844,7 @@ pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, 
         .map(|&s| (s, if s == 14 { 100 } else { BYTES as u64 }, true))
         .collect();
     want.push((13, BYTES as u64, false));
+    want.extend([(16, 100, true), (17, 100, true)]);
     want.sort_unstable();
     assert_eq!(
         announced, want,
@@ -852,8 +862,8 @@ pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, 
         (11, 3),
         (4, 4),
         (6, 6),
-        (0, 6),
-        (3, 9),
+        (0, 10),
+        (3, 13),
         (15, 15),
     ] {
         assert!(
@@ -865,6 +875,12 @@ pub async fn fabric_runs_land_as_their_pieces<F: Fabric>(f: &F, endpoint: &str, 
         landed(14, 100) == pattern(14, BYTES)[..100],
         "conformance: the short last piece"
     );
+    for s in [16, 17] {
+        assert!(
+            landed(s, 100) == pattern(s, BYTES)[..100],
+            "conformance: the short piece into slot {s}"
+        );
+    }
 }
 
 /// After `reset`, every write still outstanding or posted later completes with an error,

@@ -216,6 +216,18 @@ impl WriteRun {
         }
     }
 
+    /// Whether the run is what `push` builds for slots of `slot_bytes`: consecutive staging
+    /// and remote slots, every piece but the last a whole slot, at most `MAX_PIECES`. A
+    /// fabric checks it against its own staging before carrying the run as one write.
+    pub fn fits(&self, slot_bytes: usize) -> bool {
+        self.pieces.len() <= Self::MAX_PIECES
+            && self.pieces.windows(2).all(|w| {
+                w[0].len == slot_bytes
+                    && w[0].local.0.checked_add(1) == Some(w[1].local.0)
+                    && w[0].remote.0.checked_add(1) == Some(w[1].remote.0)
+            })
+    }
+
     /// The pieces, in posting order (never empty).
     pub fn pieces(&self) -> &[PostWrite] {
         &self.pieces

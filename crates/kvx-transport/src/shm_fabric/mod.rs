@@ -301,6 +301,10 @@ impl Transmit for HeaderTransmit {
         check_bounds(w, self.staging_geometry, self.remote_geometry)
     }
 
+    fn staging_slot_bytes(&self) -> usize {
+        self.staging_geometry.slot_bytes as usize
+    }
+
     fn backlog(&self) -> bool {
         self.sent < self.filled
     }

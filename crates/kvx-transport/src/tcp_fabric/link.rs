@@ -15,8 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::wire::{
-    Hello, HelloKind, Welcome, WelcomeStatus, HELLO_BASE_LEN, HELLO_LEN, VERSION,
-    WELCOME_EXTRA_MAX, WELCOME_LEN,
+    Hello, HelloKind, Welcome, WelcomeStatus, ACCEPTED_VERSIONS, HELLO_BASE_LEN, HELLO_LEN,
+    VERSION, WELCOME_EXTRA_MAX, WELCOME_LEN,
 };
 
 /// Settings of the TCP connections a fabric makes.
@@ -265,7 +265,7 @@ pub(crate) async fn accept_handshake<S>(
         }
         let mut peer = None;
         let mut accepted_as = None;
-        let status = if base.version != VERSION {
+        let status = if !ACCEPTED_VERSIONS.contains(&base.version) {
             // Answered from the version-independent part: an older sender reads why.
             WelcomeStatus::Version
         } else {

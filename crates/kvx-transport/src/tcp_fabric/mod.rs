@@ -373,6 +373,10 @@ impl Transmit for InlineTransmit {
         check_bounds(w, staging, self.remote)
     }
 
+    fn staging_slot_bytes(&self) -> usize {
+        self.staging.slot_bytes()
+    }
+
     /// A write partly sent (its pieces already count as on the wire), or bytes in the pipe.
     fn backlog(&self) -> bool {
         #[cfg(target_os = "linux")]

@@ -481,7 +481,7 @@ impl Conn {
         };
         if n == 0 {
             return match self.state {
-                RecvState::Header { filled: 0 } => Ok(None),
+                RecvState::Header { filled: 0 } if self.run.is_empty() => Ok(None),
                 _ => Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     format!(
@@ -741,8 +741,9 @@ impl AckWriter {
     fn new() -> Self {
         AckWriter {
             // Grown as the connection's bursts need, once: `read` stops at the high water
-            // mark and one read finishes at most two writes, so it never holds more than
-            // `ACKS_HIGH_WATER` + 2 acks; a connection that never writes holds none.
+            // mark and one read finishes at most two writes, or a run's last header all its
+            // pieces refused at once, so it never holds more than `ACKS_HIGH_WATER` +
+            // `WriteRun::MAX_PIECES` acks; a connection that never writes holds none.
             buf: Vec::new(),
             sent: 0,
         }

@@ -27,6 +27,9 @@ pub(crate) trait Transmit: Send + 'static {
     /// completes with that error, in order, and never reaches the wire.
     fn check(&self, w: &PostWrite) -> Result<(), FabricError>;
 
+    /// Bytes per staging slot (what a run's pieces but the last must fill).
+    fn staging_slot_bytes(&self) -> usize;
+
     /// Whether bytes of writes already marked sent still wait in the transmitter's own buffer
     /// (so the socket's writability matters even with no unsent write).
     fn backlog(&self) -> bool {
@@ -80,10 +83,16 @@ impl Pending {
     }
 
     /// Queues a run's pieces as one write, each checked (`checks`, in piece order); a run
-    /// with a piece that fails its check is queued piece by piece, each with its own result
-    /// (the others still go).
-    pub(crate) fn push_run(&mut self, run: WriteRun, checks: Vec<Result<(), FabricError>>) {
-        let whole = checks.iter().all(Result::is_ok);
+    /// with a piece that fails its check, or that does not `fit` the staging's
+    /// `slot_bytes` (not built as `WriteRun::push` builds one), is queued piece by piece,
+    /// each with its own result (the others still go).
+    pub(crate) fn push_run(
+        &mut self,
+        run: WriteRun,
+        checks: Vec<Result<(), FabricError>>,
+        slot_bytes: usize,
+    ) {
+        let whole = checks.iter().all(Result::is_ok) && run.fits(slot_bytes);
         let pieces = run.into_pieces();
         let n = pieces.len();
         for (i, (write, check)) in pieces.into_iter().zip(checks).enumerate() {
@@ -383,7 +392,7 @@ async fn serve<T: Transmit>(
                         }
                         Some(ConnOp::Run(run)) => {
                             let checks = run.pieces().iter().map(|w| transmit.check(w)).collect();
-                            pending.push_run(run, checks);
+                            pending.push_run(run, checks, transmit.staging_slot_bytes());
                         }
                     }
                     // Take everything already posted, so a burst costs one wakeup.

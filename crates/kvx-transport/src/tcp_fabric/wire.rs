@@ -11,6 +11,11 @@ use kvx_io::{FabricCredential, PostWrite};
 /// The protocol version both sides must speak. Version 2 added the credential to the hello,
 /// the checksum to the write header and the refusal statuses; version 3, runs (`FLAG_RUN`).
 pub(crate) const VERSION: u16 = 3;
+/// The versions a receiver serves: version 2 differs from 3 only in having no runs, which a
+/// version-2 sender never sends, so receivers can be upgraded before their senders. (A
+/// version-2 receiver refuses a version-3 sender: it would drop the connection at its first
+/// run.)
+pub(crate) const ACCEPTED_VERSIONS: [u16; 2] = [2, VERSION];
 /// First bytes of a `TcpFabric` connection.
 pub(crate) const TCP_MAGIC: [u8; 4] = *b"KVXT";
 /// First bytes of a `ShmFabric` control connection (so a TCP sender cannot talk to it).

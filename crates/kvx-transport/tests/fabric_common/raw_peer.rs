@@ -250,7 +250,7 @@ impl Raw<'_> {
 /// Runs as a hand-written sender sends them: a run of two (`FLAG_RUN` on the first header,
 /// both payloads after the second) lands both pieces, each announced; a run longer than
 /// `WriteRun::MAX_PIECES` ends the connection (TCP), as does any run where no payload
-/// follows its headers (shared memory, which carries none).
+/// follows its headers (shared memory, which carries none). A version-2 hello is welcomed.
 pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8; 4], raw: Raw<'_>) {
     const FLAG_RUN: u32 = 4;
     let flagged = |mut h: Vec<u8>| {
@@ -274,6 +274,17 @@ pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8;
         .expect("hello");
     let (status, ..) = raw::welcome(&mut s).await;
     assert_eq!(status, 0);
+    // A version-2 sender (no runs) is still served: receivers upgrade before senders.
+    let mut v2 = TcpStream::connect(&ep).await.expect("raw connect");
+    let mut hello = raw.hello(&ep, magic, 1024, &credential).await;
+    hello[4..6].copy_from_slice(&2u16.to_le_bytes());
+    v2.write_all(&hello).await.expect("hello");
+    assert_eq!(
+        raw::welcome(&mut v2).await.0,
+        0,
+        "a version-2 hello is welcomed"
+    );
+    drop(v2);
     let mut out = flagged(raw::header(1, 1, 1024, imm(1, 3)));
     out.extend(raw::header(2, 2, 1024, imm(2, 3)));
     let mut b = [0u8; 16];
