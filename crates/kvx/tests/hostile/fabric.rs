@@ -11,10 +11,10 @@ use kvx_proto::{SlotIndex, WriteTag};
 pub const MAGIC: &[u8; 4] = b"KVXT";
 const WAIT: Duration = Duration::from_secs(5);
 
-/// An attaching hello of version 2 with `credential`.
+/// An attaching hello of the current version (3) with `credential`.
 pub fn hello(slots: u32, slot_bytes: u64, credential: &FabricCredential) -> Vec<u8> {
     let mut b = hello_v1(slots, slot_bytes);
-    b[4..6].copy_from_slice(&2u16.to_le_bytes());
+    b[4..6].copy_from_slice(&3u16.to_le_bytes());
     b.extend_from_slice(&credential.to_bytes());
     b.extend_from_slice(&[0u8; 8]);
     b
