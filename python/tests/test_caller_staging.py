@@ -117,3 +117,29 @@ def test_a_pool_sender_refuses_submit_slots_and_leaves_other_requests_slots_alon
         tx.wait_outcome("a", timeout=WAIT)
         [chunk] = received(rx, 1)["a"]
         assert chunk[:100] == pattern(1).tobytes()[:100]
+
+
+def test_chunks_consecutive_on_both_sides_go_as_one_write():
+    """Four chunks read from consecutive slots into consecutive reserved slots are one TCP
+    write (``write_counts``); three whose reserved slots break after two are two."""
+    layers = [np.zeros(BLOCKS * SLOT, dtype=np.uint8) for _ in range(LAYERS)]
+    for layer, buf in enumerate(layers):
+        for block in range(BLOCKS):
+            buf[block * SLOT:(block + 1) * SLOT] = pattern(layer * BLOCKS + block)
+    rx = kvx.Receiver(slots=8, slot_bytes=SLOT, placement="caller")
+    tx = kvx.Sender(slots=LAYERS * BLOCKS, slot_bytes=SLOT, staging=layers, placement="caller")
+    with tx, rx:
+        peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+        assert tx.write_counts() == (0, 0)
+        cases = {"run": ([0, 1, 2, 3], [4, 5, 6, 7]), "split": ([4, 5, 6], [0, 1, 3])}
+        for req_id, (staging, reserved) in cases.items():
+            rx.reserve(req_id, reserved)
+            tx.begin(req_id, receiver=peer, total_chunks=len(staging))
+            assert tx.wait_admitted(req_id, timeout=WAIT)
+            tx.submit_slots(req_id, staging, [f"{req_id}@{i}" for i in range(len(staging))], last=True)
+            tx.wait_released(req_id, timeout=WAIT)
+        assert tx.write_counts() == (1 + 2, 7 * SLOT)
+        got = received(rx, 2)
+        for req_id, (staging, _) in cases.items():
+            for chunk, slot in enumerate(staging):
+                assert got[req_id][chunk] == pattern(slot).tobytes(), (req_id, chunk)
