@@ -50,17 +50,7 @@ async fn pair(
     let rx = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "buffer")
         .await
         .expect("receiver starts");
-    let layers: Vec<Arc<Layer>> = (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
-    for (l, layer) in layers.iter().enumerate() {
-        for b in 0..BLOCKS {
-            let mut bytes = vec![0; CHUNK];
-            synthetic::chunk_bytes(&format!("slot{}", l * BLOCKS + b), 0, &mut bytes);
-            for (i, byte) in bytes.into_iter().enumerate() {
-                // SAFETY: nothing else reaches the layer yet.
-                unsafe { *layer.at(b * CHUNK + i) = byte };
-            }
-        }
-    }
+    let layers = filled_layers();
     // Nothing writes the layers while kvx uses them.
     let region = lent::region(&layers, CHUNK);
     let cfg = SenderConfig {
@@ -77,6 +67,23 @@ async fn pair(
     };
     let peer = tx.add_receiver(addr).await.expect("connects");
     (rx, tx, peer, layers)
+}
+
+/// Two lent layers of `BLOCKS` slots, slot `s` filled with `synthetic::chunk_bytes("slot{s}",
+/// 0)`.
+fn filled_layers() -> Vec<Arc<Layer>> {
+    let layers: Vec<Arc<Layer>> = (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
+    for (l, layer) in layers.iter().enumerate() {
+        for b in 0..BLOCKS {
+            let mut bytes = vec![0; CHUNK];
+            synthetic::chunk_bytes(&format!("slot{}", l * BLOCKS + b), 0, &mut bytes);
+            for (i, byte) in bytes.into_iter().enumerate() {
+                // SAFETY: nothing else reaches the layer yet.
+                unsafe { *layer.at(b * CHUNK + i) = byte };
+            }
+        }
+    }
+    layers
 }
 
 fn spec(peer: kvx_proto::PeerId, id: &str, chunks: u32) -> RequestSpec {
@@ -232,17 +239,7 @@ async fn consecutive_chunks_go_as_one_write_over_tcp() {
         let remote = remote.iter().copied().map(SlotIndex).collect();
         reader.reserve(id, remote).await.expect("reserved");
     }
-    let layers: Vec<Arc<Layer>> = (0..2).map(|_| Layer::zeroed(BLOCKS * CHUNK)).collect();
-    for (l, layer) in layers.iter().enumerate() {
-        for b in 0..BLOCKS {
-            let mut bytes = vec![0; CHUNK];
-            synthetic::chunk_bytes(&format!("slot{}", l * BLOCKS + b), 0, &mut bytes);
-            for (i, byte) in bytes.into_iter().enumerate() {
-                // SAFETY: nothing else reaches the layer yet.
-                unsafe { *layer.at(b * CHUNK + i) = byte };
-            }
-        }
-    }
+    let layers = filled_layers();
     let cfg = SenderConfig {
         staging_slots: 2 * BLOCKS as u32,
         staging_placement: Placement::Caller,
