@@ -89,6 +89,11 @@ fn nothing_is_allocated_added_or_released_from_the_callers_staging() {
         matches!(&refused, Err(SendError::Misuse { why, .. }) if why.contains("staging_placement = caller")),
         "{refused:?}"
     );
+    let said = refused.expect_err("refused").to_string();
+    assert!(
+        !said.contains("cancelled"),
+        "a refused allocate changes nothing: {said}"
+    );
     let refused = s.flow.release_staging(&id("a"), StagingSlot(0));
     assert!(
         matches!(refused, Err(SendError::Misuse { .. })),
@@ -97,8 +102,8 @@ fn nothing_is_allocated_added_or_released_from_the_callers_staging() {
     assert_eq!(s.flow.staging_free(), 0, "no slot is ever free to take");
     let refused = s.flow.handle_add(T0, &id("a"), chunk("a", 0, 0));
     assert!(
-        matches!(refused, Err(SendError::Misuse { .. })),
-        "{refused:?}"
+        matches!(&refused, Err(SendError::Misuse { why, .. }) if why.ends_with("(the request was cancelled)")),
+        "a refused chunk cancels the request, and says so: {refused:?}"
     );
     assert!(
         !s.flow.is_admitted(&id("a")),

@@ -61,7 +61,7 @@ impl SenderFlow {
             self.fail(now, req_id, super::SendFailure::Misuse(why.clone()));
             return Err(SendError::Misuse {
                 req_id: req_id.clone(),
-                why,
+                why: format!("{why} (the request was cancelled)"),
             });
         }
         self.requests

@@ -255,9 +255,10 @@ pub enum SendError {
     #[error("request {0} failed: {1}")]
     Failed(ReqId, SendFailure),
     /// The call broke the API's contract (see `handle_submit`, `try_allocate`,
-    /// `release_staging`); the request was cancelled, except for `release_staging`, which
-    /// changes nothing.
-    #[error("request {req_id}: {why} (the request was cancelled)")]
+    /// `release_staging`). A refused batch (`handle_add`, `handle_submit`) also cancels the
+    /// request, and `why` says so; a refused `try_allocate` or `release_staging` changes
+    /// nothing.
+    #[error("request {req_id}: {why}")]
     Misuse {
         /// The request.
         req_id: ReqId,
@@ -507,7 +508,7 @@ impl SenderFlow {
             self.fail(now, req_id, SendFailure::Misuse(why.clone()));
             return Err(SendError::Misuse {
                 req_id: req_id.clone(),
-                why,
+                why: format!("{why} (the request was cancelled)"),
             });
         }
         let receiver = req.spec.receiver;
