@@ -315,6 +315,9 @@ impl Frame {
             if i + 1 < pieces {
                 header.flags |= FLAG_RUN;
             }
+            if i == 0 && pieces > 1 {
+                header.run = pieces as u32;
+            }
             self.headers.extend_from_slice(&header.encode());
             self.payload += w.len;
         }

@@ -263,6 +263,7 @@ async fn serve_sender(
         held: held.clone(),
         header: [0; HEADER_LEN],
         run: VecDeque::new(),
+        run_headers: Vec::new(),
         state: RecvState::Header { filled: 0 },
         payload_checksum: None,
         payload_computed: None,
@@ -312,6 +313,9 @@ const READ_BUDGET: usize = 16 << 20;
 enum RecvState {
     /// Reading a header; `filled` bytes of it are in `Conn::header`.
     Header { filled: usize },
+    /// Reading the rest of a run's headers (`total` bytes, after its first) into
+    /// `Conn::run_headers`; `filled` of them are in.
+    RunHeaders { filled: usize, total: usize },
     /// Reading a payload straight into its slot (its running checksum is
     /// `Conn::payload_checksum`).
     Payload {
@@ -352,6 +356,9 @@ struct Conn {
     /// A run's pieces announced and not yet started (`FLAG_RUN`): their payloads follow the
     /// run's last header, in order, and each is admitted and landed as a write of its own.
     run: VecDeque<WriteHeader>,
+    /// Where a run's headers after its first are read, all at once; grown once, to at most
+    /// `WriteRun::MAX_PIECES - 1` headers.
+    run_headers: Vec<u8>,
     state: RecvState,
     /// The checksum of the current payload's bytes so far, when its header carries one.
     payload_checksum: Option<LandingChecksum>,
@@ -417,6 +424,9 @@ impl Conn {
     fn read_once(&mut self) -> io::Result<Option<usize>> {
         let n = match self.state {
             RecvState::Header { filled } => self.stream.try_read(&mut self.header[filled..])?,
+            RecvState::RunHeaders { filled, total } => {
+                self.stream.try_read(&mut self.run_headers[filled..total])?
+            }
             RecvState::Payload {
                 id,
                 slot,
@@ -497,6 +507,15 @@ impl Conn {
     /// Accounts for `n` bytes just read in the current state.
     fn advance(&mut self, n: usize) -> Result<(), String> {
         match self.state {
+            RecvState::RunHeaders { filled, total } => {
+                let filled = filled + n;
+                self.state = RecvState::RunHeaders { filled, total };
+                if filled == total {
+                    self.state = RecvState::Header { filled: 0 };
+                    self.queue_run_headers(total)?;
+                    self.next_piece()?;
+                }
+            }
             RecvState::Header { filled } => {
                 let filled = filled + n;
                 self.state = RecvState::Header { filled };
@@ -559,23 +578,57 @@ impl Conn {
             return Err(format!("unknown write flags {:#x}", h.flags));
         }
         let inline = matches!(self.landing, Landing::Inline(_));
-        if h.flags & FLAG_RUN != 0 || !self.run.is_empty() {
-            if !inline {
-                return Err("a run of writes over a fabric that carries none".to_owned());
-            }
-            if self.run.len() >= kvx_io::WriteRun::MAX_PIECES {
+        if h.flags & FLAG_RUN == 0 {
+            if h.run != 0 {
                 return Err(format!(
-                    "a run of more than {} writes",
-                    kvx_io::WriteRun::MAX_PIECES
+                    "a lone write {} announcing a run of {}",
+                    h.id, h.run
+                ));
+            }
+            return self.start_piece(h);
+        }
+        if !inline {
+            return Err("a run of writes over a fabric that carries none".to_owned());
+        }
+        let pieces = h.run as usize;
+        if !(2..=kvx_io::WriteRun::MAX_PIECES).contains(&pieces) {
+            return Err(format!(
+                "a run of {pieces} writes (2 to {} are carried)",
+                kvx_io::WriteRun::MAX_PIECES
+            ));
+        }
+        // The run's other headers follow at once: read them in one go.
+        let total = (pieces - 1) * HEADER_LEN;
+        if self.run_headers.len() < total {
+            self.run_headers.resize(total, 0);
+        }
+        self.run.push_back(h);
+        self.state = RecvState::RunHeaders { filled: 0, total };
+        Ok(())
+    }
+
+    /// Queues the run's headers after its first, all `total` bytes of them in: each must
+    /// be a write of this version, flagged as continued but the last, naming no run of its
+    /// own.
+    fn queue_run_headers(&mut self, total: usize) -> Result<(), String> {
+        let count = total / HEADER_LEN;
+        for i in 0..count {
+            let mut b = [0u8; HEADER_LEN];
+            b.copy_from_slice(&self.run_headers[i * HEADER_LEN..(i + 1) * HEADER_LEN]);
+            let h = WriteHeader::decode(&b);
+            let continued = h.flags & FLAG_RUN != 0;
+            if h.flags & !FLAGS_KNOWN != 0 || continued != (i + 1 < count) || h.run != 0 {
+                return Err(format!(
+                    "piece {} of a run of {}: flags {:#x}, run {}",
+                    i + 2,
+                    count + 1,
+                    h.flags,
+                    h.run
                 ));
             }
             self.run.push_back(h);
-            if h.flags & FLAG_RUN != 0 {
-                return Ok(());
-            }
-            return self.next_piece();
         }
-        self.start_piece(h)
+        Ok(())
     }
 
     /// Starts the run's next piece, if one waits and the previous write is done with; a

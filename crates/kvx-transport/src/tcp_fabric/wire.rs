@@ -230,6 +230,9 @@ pub(crate) struct WriteHeader {
     /// The staging slot the bytes come from (`ShmFabric`, where the receiver copies them
     /// out of the sender's staging; ignored over TCP, where they follow the header).
     pub local: u32,
+    /// A run's first header: the run's pieces (2 ..= `WriteRun::MAX_PIECES`), so the
+    /// receiver reads the other headers at once; 0 in every other header.
+    pub run: u32,
 }
 
 impl WriteHeader {
@@ -248,6 +251,7 @@ impl WriteHeader {
             imm: w.imm.unwrap_or(0),
             checksum: w.checksum.unwrap_or(0),
             local: w.local.0,
+            run: 0,
         }
     }
 
@@ -268,7 +272,7 @@ impl WriteHeader {
         b[24..28].copy_from_slice(&self.imm.to_le_bytes());
         b[28..32].copy_from_slice(&self.checksum.to_le_bytes());
         b[32..36].copy_from_slice(&self.local.to_le_bytes());
-        // 36..40 reserved, zero.
+        b[36..40].copy_from_slice(&self.run.to_le_bytes());
         b
     }
 
@@ -281,6 +285,7 @@ impl WriteHeader {
             imm: u32_at(b, 24),
             checksum: u32_at(b, 28),
             local: u32_at(b, 32),
+            run: u32_at(b, 36),
         }
     }
 }
@@ -390,6 +395,7 @@ mod tests {
             imm: 0xdead_beef,
             checksum: 0x1234_5678,
             local: 3,
+            run: 4,
         };
         assert_eq!(WriteHeader::decode(&hd.encode()), hd);
         assert_eq!(hd.imm(), Some(0xdead_beef));
@@ -417,6 +423,7 @@ mod tests {
             imm: 0xAABB_CCDD,
             checksum: 0x1122_3344,
             local: 0x0506_0708,
+            run: 0x0A0B_0C0D,
         };
         let b = hd.encode();
         assert_eq!(&b[0..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
@@ -426,7 +433,7 @@ mod tests {
         assert_eq!(&b[24..28], &[0xDD, 0xCC, 0xBB, 0xAA]);
         assert_eq!(&b[28..32], &[0x44, 0x33, 0x22, 0x11]);
         assert_eq!(&b[32..36], &[8, 7, 6, 5]);
-        assert_eq!(&b[36..40], &[0, 0, 0, 0]);
+        assert_eq!(&b[36..40], &[0x0D, 0x0C, 0x0B, 0x0A]);
         assert_eq!(
             (FLAG_IMM, FLAG_CHECKSUM, FLAG_RUN),
             (1, 2, 4),

@@ -247,15 +247,22 @@ impl Raw<'_> {
     }
 }
 
-/// Runs as a hand-written sender sends them: a run of two (`FLAG_RUN` on the first header,
-/// both payloads after the second) lands both pieces, each announced; a run longer than
-/// `WriteRun::MAX_PIECES` ends the connection (TCP), as does any run where no payload
-/// follows its headers (shared memory, which carries none). A version-2 hello is welcomed.
+/// Runs as a hand-written sender sends them: a run of two (`FLAG_RUN` and the count 2 on the
+/// first header, both payloads after the second) lands both pieces, each announced; a run
+/// announced longer than `WriteRun::MAX_PIECES`, or whose headers' flags disagree with its
+/// count, ends the connection (TCP), as does any run where no payload follows its headers
+/// (shared memory, which carries none). A version-2 hello is welcomed.
 pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8; 4], raw: Raw<'_>) {
     const FLAG_RUN: u32 = 4;
     let flagged = |mut h: Vec<u8>| {
         let flags = u32::from_le_bytes(h[12..16].try_into().expect("4")) | FLAG_RUN;
         h[12..16].copy_from_slice(&flags.to_le_bytes());
+        h
+    };
+    // A run's first header: flagged, with the run's length at offset 36.
+    let first = |h: Vec<u8>, pieces: u32| {
+        let mut h = flagged(h);
+        h[36..40].copy_from_slice(&pieces.to_le_bytes());
         h
     };
     let mut listener = f
@@ -285,7 +292,7 @@ pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8;
         "a version-2 hello is welcomed"
     );
     drop(v2);
-    let mut out = flagged(raw::header(1, 1, 1024, imm(1, 3)));
+    let mut out = first(raw::header(1, 1, 1024, imm(1, 3)), 2);
     out.extend(raw::header(2, 2, 1024, imm(2, 3)));
     let mut b = [0u8; 16];
     if !raw.inline() {
@@ -306,13 +313,24 @@ pub async fn receiver_bounds_runs<F: Fabric>(f: &F, endpoint: &str, magic: &[u8;
         listener.memory.read_slot(slot, &mut got);
         assert!(got == pattern(tag, 1024), "piece {tag} landed in its slot");
     }
-    // One header more than a run may hold, all flagged: the receiver hangs up.
-    let mut out = Vec::new();
-    for id in 0..=kvx_io::WriteRun::MAX_PIECES as u64 {
-        out.extend(flagged(raw::header(10 + id, 0, 1024, imm(0, 3))));
-    }
-    s.write_all(&out).await.expect("an endless run");
-    let r = step("answer to an endless run", s.read(&mut b)).await;
+    // A run of three whose second header says it is the last: the receiver hangs up.
+    let mut out = first(raw::header(3, 0, 1024, imm(0, 3)), 3);
+    out.extend(raw::header(4, 1, 1024, imm(1, 3)));
+    out.extend(raw::header(5, 2, 1024, imm(2, 3)));
+    s.write_all(&out).await.expect("a run that ends early");
+    let r = step("answer to a run that ends early", s.read(&mut b)).await;
+    assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
+    // One piece more than a run may hold: the receiver hangs up at its first header.
+    let max = kvx_io::WriteRun::MAX_PIECES as u32;
+    let mut s = TcpStream::connect(&ep).await.expect("raw connect");
+    s.write_all(&raw.hello(&ep, magic, 1024, &credential).await)
+        .await
+        .expect("hello");
+    assert_eq!(raw::welcome(&mut s).await.0, 0);
+    s.write_all(&first(raw::header(6, 0, 1024, imm(0, 3)), max + 1))
+        .await
+        .expect("an overlong run");
+    let r = step("answer to an overlong run", s.read(&mut b)).await;
     assert!(matches!(r, Ok(0) | Err(_)), "connection dropped: {r:?}");
 }
 
