@@ -201,9 +201,15 @@ async fn fabric_run<F: Fabric>(
         .await
         .expect("connect");
     let n = total / chunk;
+    // As a receiver's ledger does, a slot is granted again only once the notice of its last
+    // write was handled (else a reader that falls behind on a busy host fills the notice
+    // channel, and a fabric drops what does not fit).
+    let handled = std::sync::Arc::new(tokio::sync::Semaphore::new(window as usize));
+    let handled_by_reader = handled.clone();
     let notices = tokio::spawn(async move {
         for _ in 0..n {
             listener.landed.recv().await.expect("landed");
+            handled_by_reader.add_permits(1);
         }
         listener
     });
@@ -218,6 +224,11 @@ async fn fabric_run<F: Fabric>(
             assert_eq!(c.result, Ok(()));
             done += 1;
         }
+        handled
+            .acquire_many(pieces as u32)
+            .await
+            .expect("the reader holds the semaphore")
+            .forget();
         let mut writes = (first..first + pieces).map(|i| {
             let k = (i % window as usize) as u32;
             let generation = (i / window as usize) as u32 + 1;
