@@ -1,6 +1,6 @@
 """An in-process stand-in for kvx between two engines' worker sides: a decode end and a
 prefill end of ``KvTransfer`` over one hub, moving bytes between the engines' CPU paged KV
-tensors, one copy per run of blocks (``kvx.vllm.runs.block_runs``). It follows the
+tensors, one copy per run of blocks (``runs.block_runs``). It follows the
 transfer's contract (a claim is granted once the id is reserved; received once the last
 writes are in; a withdrawn id refuses its claim), not kvx's wire protocol."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Set, Tuple
 
-from kvx.vllm.runs import block_runs
+from runs import block_runs
 from kvx.vllm.transfer import TransferEvents
 from transfer_ends import QuietEnd, take_events
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvx.vllm import params
 from kvx.vllm.params import ParamsError, RemoteDecode, RemotePrefill, parse
-from kvx.vllm.runs import block_runs
+from runs import block_runs
 
 
 def test_round_trip():

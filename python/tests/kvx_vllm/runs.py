@@ -1,7 +1,8 @@
-"""Runs of blocks: the unit of one write. A request's blocks on the prefill engine and its
-granted blocks on the decode engine are each a list of block ids; wherever both lists step by
-one together, the blocks are contiguous in both engines' per-layer KV tensors and go as one
-write. A request therefore takes at most layers × runs writes, not layers × blocks."""
+"""Runs of blocks, for the loopback transfer (``loopback.py``), which copies one run at a
+time as kvx's sender writes one (``kvx_io::WriteRun``, docs/spec/fabrics.md §3 "Runs"). A
+request's blocks on the prefill engine and its granted blocks on the decode engine are each
+a list of block ids; wherever both lists step by one together, the blocks are contiguous in
+both engines' per-layer KV tensors."""
 
 from __future__ import annotations
 
