@@ -86,6 +86,28 @@ fn filled_layers() -> Vec<Arc<Layer>> {
     layers
 }
 
+/// Leases `ready`, checks that chunk i holds staging slot `staging[i]`'s bytes
+/// (`filled_layers`), and consumes it.
+async fn consume_checked(
+    reader: &kvx_node::ChunkReader<kvx_io::LocalMemory>,
+    ready: kvx_node::ReadyRequest,
+    staging: &[u32],
+) {
+    let key = ready.key.clone();
+    let lease = reader.lease(ready).await.expect("leased");
+    for (chunk, s) in staging.iter().enumerate() {
+        let mut want = vec![0; CHUNK];
+        synthetic::chunk_bytes(&format!("slot{s}"), 0, &mut want);
+        let mut got = Vec::new();
+        lease.inspect_chunk(chunk, CHUNK, &mut |b| got = b.to_vec());
+        assert!(
+            got == want,
+            "{key} chunk {chunk}: not staging slot {s}'s bytes"
+        );
+    }
+    lease.consume().await.expect("consumed");
+}
+
 fn spec(peer: kvx_proto::PeerId, id: &str, chunks: u32) -> RequestSpec {
     RequestSpec {
         req_id: ReqId(id.into()),
@@ -143,21 +165,8 @@ async fn two_requests_send_straight_from_the_slots_they_name_one_of_them_shared(
                     "a" => vec![0, 5],
                     _ => vec![5, 7],
                 };
-                let reader = rx.reader().clone();
-                let lease = reader.lease(ready.clone()).await.expect("leased");
-                for (chunk, staging) in slots.iter().enumerate() {
-                    let mut want = vec![0; CHUNK];
-                    synthetic::chunk_bytes(&format!("slot{staging}"), 0, &mut want);
-                    let mut got = Vec::new();
-                    lease.inspect_chunk(chunk, CHUNK, &mut |b| got = b.to_vec());
-                    assert!(
-                        got == want,
-                        "{} chunk {chunk}: not staging slot {staging}'s bytes",
-                        ready.key
-                    );
-                }
-                lease.consume().await.expect("consumed");
                 seen.push(ready.key.req_id.0.clone());
+                consume_checked(rx.reader(), ready, &slots).await;
             }
             Some(ReceiverNotice::Ended { .. }) => {}
             None => panic!("the receiver stopped"),
@@ -282,18 +291,6 @@ async fn consecutive_chunks_go_as_one_write_over_tcp() {
             .iter()
             .find(|(id, ..)| *id == ready.key.req_id.0)
             .expect("one of ours");
-        let lease = reader.lease(ready.clone()).await.expect("leased");
-        for (chunk, s) in staging.iter().enumerate() {
-            let mut want = vec![0; CHUNK];
-            synthetic::chunk_bytes(&format!("slot{s}"), 0, &mut want);
-            let mut got = Vec::new();
-            lease.inspect_chunk(chunk, CHUNK, &mut |b| got = b.to_vec());
-            assert!(
-                got == want,
-                "{} chunk {chunk}: not staging slot {s}'s bytes",
-                ready.key
-            );
-        }
-        lease.consume().await.expect("consumed");
+        consume_checked(&reader, ready, staging).await;
     }
 }
