@@ -81,6 +81,8 @@ mod tests_cost;
 mod tests_device;
 #[cfg(test)]
 mod tests_node;
+#[cfg(test)]
+mod tests_runs;
 
 pub use config::{PathMtu, RdmaConfig};
 pub use fabric::{RdmaError, RdmaFabric};

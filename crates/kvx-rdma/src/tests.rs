@@ -13,9 +13,9 @@ use kvx_proto::{PeerId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::fake::FakeVerbs;
 use crate::{PathMtu, RdmaConfig, RdmaFabric};
 
-const STEP: Duration = Duration::from_secs(10);
+pub(crate) const STEP: Duration = Duration::from_secs(10);
 
-fn fabric() -> (RdmaFabric<FakeVerbs>, FakeVerbs) {
+pub(crate) fn fabric() -> (RdmaFabric<FakeVerbs>, FakeVerbs) {
     let verbs = FakeVerbs::new();
     let config = RdmaConfig {
         fence_timeout: Duration::from_secs(2),
@@ -790,49 +790,4 @@ async fn a_buffer_lent_in_parts_is_refused_saying_why() {
         "{:?}",
         refused.map(|_| ())
     );
-}
-
-/// A run (`kvx_io::WriteRun`) goes over RDMA as its pieces: a work request each, completed
-/// in order and announced each for its own slot.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_goes_as_its_pieces() {
-    let (f, _) = fabric();
-    let mut listener = f
-        .expose(
-            "127.0.0.1:0",
-            SlotGeometry::new(8, 1024).expect("a geometry"),
-        )
-        .await
-        .expect("expose");
-    let staging = f
-        .allocate_staging(SlotGeometry::new(4, 1024).expect("a geometry"))
-        .expect("staging");
-    let credential = attach(&listener, 0..8, 1);
-    let conn = f
-        .connect(&listener.local_endpoint, staging, credential)
-        .await
-        .expect("connect");
-    assert!(!conn.carries_runs(), "RDMA posts a run's pieces");
-    let mut run = kvx_io::WriteRun::new(write(0, 4, 1));
-    for i in 1..4 {
-        run.push(write(i, 4 + i as u32, 1), 1024)
-            .expect("consecutive slots");
-    }
-    let mut conn = conn;
-    assert_eq!(conn.post_run(run).ok(), Some(4), "four writes");
-    let out = completions(&mut conn, 4).await;
-    assert_eq!(
-        out,
-        (0..4).map(|i| (i, Ok(()))).collect::<Vec<_>>(),
-        "completions in posting order"
-    );
-    let mut slots = Vec::new();
-    for _ in 0..4 {
-        let landed = tokio::time::timeout(STEP, listener.landed.recv())
-            .await
-            .expect("a notice in time")
-            .expect("listener open");
-        slots.push(landed.slot.0);
-    }
-    assert_eq!(slots, vec![4, 5, 6, 7]);
 }
