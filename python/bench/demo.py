@@ -1,7 +1,7 @@
 """`kvx demo`'s workload driven from Python through the kvx package, against `kvx demo`
 itself in the same run (docs/PERFORMANCE.md, "Python").
 
-    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm] [--driver threads|asyncio]
+    target/pyenv/bin/python python/bench/demo.py [--kvx target/release/kvx] [--rounds 3] [--fabric tcp|shm] [--driver threads|asyncio] [--cpus 0]
     target/pyenv/bin/python python/bench/demo.py --baseline-kvx BIN --baseline-package DIR [--rounds 20]
 
 Both sides: 2 senders × 50 requests of 4..16 chunks of 1 MiB (uniform, seeded), 4 requests
@@ -272,8 +272,16 @@ def main():
                     help="a baseline build's kvx binary, to compare with (needs --baseline-package)")
     ap.add_argument("--baseline-package", metavar="DIR",
                     help="the directory holding that build's kvx package (its wheel unpacked)")
+    ap.add_argument("--cpus", metavar="LIST",
+                    help="run both on these CPUs only, e.g. 0 (one core) or 0,1: the affinity "
+                    "is set on this process and inherited by every run it starts")
     ap.add_argument("--one-python-round", type=int, metavar="SEED", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        except (ValueError, OSError) as e:
+            ap.error(f"--cpus {args.cpus}: {e}")
     if args.one_python_round is not None:
         p = python_demo(args.one_python_round, args.fabric)
         if p["bytes_verified"] != p["bytes_expected"] or p["chunks_corrupted"]:
