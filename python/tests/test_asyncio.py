@@ -3,6 +3,7 @@
 typed errors, and cancellation that leaves nothing held and loses nothing."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -119,6 +120,29 @@ def test_a_cancelled_ready_loses_no_request():
         await stage(tx, "r", 0)
         tx.submit("r", last=True)
         await tx.outcome("r")
+        return await asyncio.wait_for(decode(rx, 1), WAIT)
+
+    assert run(main()) == {"r": True}
+
+
+def test_a_ready_cancelled_after_it_took_its_leases_loses_none():
+    """The narrow case: the leases are taken and on their way to the loop when the await is
+    cancelled (the loop is blocked meanwhile, so the cancel lands before the result). They
+    go back to the receiver, and the next call gets them."""
+    tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
+
+    async def main():
+        tx.begin("r", receiver=peer, total_chunks=1)
+        await tx.admitted("r")
+        await stage(tx, "r", 0)
+        tx.submit("r", last=True)
+        await tx.outcome("r")
+        waiting = asyncio.ensure_future(rx.ready())
+        await asyncio.sleep(0)  # the await starts; its leases are ready to be taken
+        time.sleep(0.3)  # the loop blocked: the result waits for it, behind the cancel
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
         return await asyncio.wait_for(decode(rx, 1), WAIT)
 
     assert run(main()) == {"r": True}

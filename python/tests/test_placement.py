@@ -2,8 +2,12 @@
 §Caller placement): the program owns the receive buffer's slots and lends each request's
 (``reserve``), a real ``kvx.Sender`` fills exactly those slots in chunk order over ZeroMQ and
 the TCP fabric on loopback, and every reservation comes back (``returned``) consumed or with
-the reason it was not. This is what a vLLM decode engine's connector does with its KV
-blocks."""
+the reason it was not (``returned``, or awaited: ``returned_async``). This is what a vLLM
+decode engine's connector does with its KV blocks."""
+
+import asyncio
+import threading
+import time
 
 import pytest
 
@@ -138,3 +142,38 @@ def test_a_buffer_in_parts_must_split_evenly_into_equal_parts():
     with pytest.raises(ValueError, match="buffer part 1"):
         kvx.Receiver(slots=8, slot_bytes=SLOT,
                      buffer=[np.zeros(4 * SLOT, dtype=np.uint8), np.zeros(2 * SLOT, dtype=np.uint8)])
+
+
+def test_returns_are_awaitable_and_a_cancelled_await_loses_none():
+    """``returned_async``: an awaited return, and the narrow case of an await cancelled after
+    its returns were taken (the loop blocked meanwhile, so the cancel lands first). Those
+    go back, and a caller already waiting in ``returned`` is woken with them."""
+    _, rx, _, _ = caller_pair()
+
+    async def main():
+        rx.reserve("a", [0])
+        waiting = asyncio.ensure_future(rx.returned_async())
+        await asyncio.sleep(0.05)
+        rx.withdraw("a")
+        [back] = await asyncio.wait_for(waiting, WAIT)
+        assert (back.req_id, back.slots, back.consumed) == ("a", [0], False)
+
+        rx.reserve("b", [1])
+        rx.withdraw("b")
+        cancelled = asyncio.ensure_future(rx.returned_async())
+        await asyncio.sleep(0)  # the await starts and takes b's return
+        time.sleep(0.3)  # the loop blocked: the result waits for it, behind the cancel
+        got = []
+        other = threading.Thread(target=lambda: got.extend(rx.returned(timeout=WAIT)))
+        other.start()
+        time.sleep(0.1)  # the other caller waits for the next return
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        started = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, other.join)
+        return got, time.monotonic() - started
+
+    got, waited = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [r.req_id for r in got] == ["b"]
+    assert waited < WAIT / 2, "woken by the return handed back, not by its timeout"

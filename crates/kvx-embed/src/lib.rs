@@ -20,6 +20,8 @@
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
 //!   never lost to a caller that stops waiting), the blocking form of kvx-node's
 //!   `ReadyLeases`.
+//! - `returns`: `ReturnQueue`, caller placement's returned reservations for every caller of
+//!   one receiver, with those a caller handed back unseen first.
 //! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends; with
 //!   caller staging, batches of the caller's own slots, `SlotChunk`, and `released`), and
 //!   `unique_local_id`, a sender identity of its own for each sender.
@@ -36,6 +38,7 @@ pub mod memory;
 pub mod named;
 pub mod proxy;
 pub mod receiver;
+mod returns;
 pub mod runtime;
 pub mod sender;
 

@@ -29,6 +29,7 @@ use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::{EnvChoice, EnvVisitor};
 use crate::memory::{Memory, MemoryView};
+use crate::returns::ReturnQueue;
 use crate::runtime::Runtime;
 use crate::EmbedError;
 
@@ -150,8 +151,8 @@ impl EnvVisitor for Start {
 pub struct Receiver {
     runtime: Runtime,
     leases: Arc<ReadyLeases>,
-    /// Returned reservations (caller placement), one caller at a time.
-    returns: Arc<tokio::sync::Mutex<Returns>>,
+    /// Returned reservations (caller placement).
+    returns: Arc<ReturnQueue>,
     reader: Arc<dyn ReaderApi>,
     alloc_endpoint: String,
     fabric_endpoint: String,
@@ -239,7 +240,7 @@ impl Receiver {
         Ok(Self {
             runtime: runtime.clone(),
             leases: Arc::new(started.leases),
-            returns: Arc::new(tokio::sync::Mutex::new(started.returns)),
+            returns: Arc::new(ReturnQueue::new(started.returns)),
             reader: Arc::from(started.reader),
             alloc_endpoint: started.alloc_endpoint,
             fabric_endpoint: started.fabric_endpoint,
@@ -343,21 +344,17 @@ impl Receiver {
     /// the wait with a timeout around it); `Placement(Stopped)` once the receiver has
     /// stopped and every return was taken. Cancel-safe: nothing is lost to a dropped call.
     pub async fn returned(&self, max: usize) -> Result<Vec<Returned>, EmbedError> {
-        if max == 0 {
-            return Ok(Vec::new());
-        }
-        let mut returns = self.returns.lock().await;
-        let Some(first) = returns.recv().await else {
-            return Err(EmbedError::Placement(PlacementError::Stopped));
-        };
-        let mut out = vec![first];
-        while out.len() < max {
-            match returns.try_recv() {
-                Ok(next) => out.push(next),
-                Err(_) => break,
-            }
-        }
-        Ok(out)
+        self.returns
+            .take(max)
+            .await
+            .ok_or(EmbedError::Placement(PlacementError::Stopped))
+    }
+
+    /// Hands returned reservations back unseen: the next `returned` call gets them first.
+    /// For a caller that took them but can no longer pass them on (its own caller went
+    /// away), as `give_back` is for leases.
+    pub fn give_back_returns(&self, returns: Vec<Returned>) {
+        self.returns.give_back(returns);
     }
 
     /// Slots in the buffer.

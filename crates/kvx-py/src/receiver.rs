@@ -190,15 +190,15 @@ impl Receiver {
         Ok(leases.into_iter().map(|l| self.lease(py, l)).collect())
     }
 
-    /// Awaitable ``next_ready``: up to ``max`` ready requests, leased, once the first is
-    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when its
+    /// Awaitable ``next_ready`` (a coroutine; the wait starts at the call): up to ``max``
+    /// ready requests, leased, once the first is ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when its
     /// one request ended before it was leased; ``StoppedError`` once the receiver has
     /// stopped. Cancelled, it loses nothing: leases it had taken go to the next
     /// ``ready``/``next_ready`` call.
     #[pyo3(signature = (max = 16))]
     fn ready<'py>(slf: &Bound<'py, Self>, max: usize) -> PyResult<Bound<'py, PyAny>> {
         let owner: Py<Self> = slf.clone().unbind();
-        aio::spawn(slf.py(), async move {
+        aio::spawn_delivery(slf.py(), async move {
             let leases = owner
                 .get()
                 .inner
@@ -283,6 +283,24 @@ impl Receiver {
         Ok(got.into_iter().map(placement::Returned::from).collect())
     }
 
+    /// Awaitable ``returned`` (a coroutine; the wait starts at the call): up to ``max``
+    /// reservations back with the program, once the first has come (unbounded: bound it with ``asyncio.timeout``/``wait_for``);
+    /// ``StoppedError`` once the receiver has stopped and every return was taken. Cancelled,
+    /// it loses nothing: returns it had taken go to the next ``returned``/``returned_async``.
+    #[pyo3(signature = (max = 64))]
+    fn returned_async<'py>(slf: &Bound<'py, Self>, max: usize) -> PyResult<Bound<'py, PyAny>> {
+        let owner: Py<Self> = slf.clone().unbind();
+        aio::spawn_delivery(slf.py(), async move {
+            let returns = owner
+                .get()
+                .inner
+                .returned(max)
+                .await
+                .map_err(|e| errors::embed(&e))?;
+            Ok(ReturnsOnTheirWay { owner, returns })
+        })
+    }
+
     /// Slots in the buffer.
     #[getter]
     fn slots(&self) -> u32 {
@@ -333,22 +351,53 @@ impl Receiver {
     }
 }
 
-/// Leases on their way to an awaiting caller: made into ``ReadLease`` objects on the loop's
-/// thread, or given back to the receiver if the caller was cancelled before that.
+/// Returned reservations on their way to an awaiting caller (in an `aio::Delivery`): made
+/// into ``Returned`` objects in the caller's coroutine, or handed back to the receiver if the
+/// await was cancelled before that.
+struct ReturnsOnTheirWay {
+    owner: Py<Receiver>,
+    returns: Vec<kvx_node::Returned>,
+}
+
+impl aio::Deliverable for ReturnsOnTheirWay {
+    fn deliver(mut self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let returns = std::mem::take(&mut self.returns);
+        Ok(
+            PyList::new(py, returns.into_iter().map(placement::Returned::from))?
+                .into_any()
+                .unbind(),
+        )
+    }
+}
+
+impl Drop for ReturnsOnTheirWay {
+    fn drop(&mut self) {
+        if !self.returns.is_empty() {
+            self.owner
+                .get()
+                .inner
+                .give_back_returns(std::mem::take(&mut self.returns));
+        }
+    }
+}
+
+/// Leases on their way to an awaiting caller (in an `aio::Delivery`): made into
+/// ``ReadLease`` objects in the caller's coroutine, or given back to the receiver if the
+/// await was cancelled before that.
 struct Leased {
     owner: Py<Receiver>,
     leases: Vec<Lease>,
 }
 
-impl<'py> IntoPyObject<'py> for Leased {
-    type Target = PyList;
-    type Output = Bound<'py, PyList>;
-    type Error = PyErr;
-
-    fn into_pyobject(mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+impl aio::Deliverable for Leased {
+    fn deliver(mut self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let leases = std::mem::take(&mut self.leases);
         let owner = self.owner.get();
-        PyList::new(py, leases.into_iter().map(|l| owner.lease(py, l)))
+        Ok(
+            PyList::new(py, leases.into_iter().map(|l| owner.lease(py, l)))?
+                .into_any()
+                .unbind(),
+        )
     }
 }
 
