@@ -2,7 +2,7 @@
 
 from asyncio import Future
 from os import PathLike
-from typing import Any, Coroutine, Dict, List, Literal, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
 
@@ -342,11 +342,10 @@ class Receiver:
         first (None: as long as it takes); ``[]`` when none came. Ended requests' notices
         (consumed ones too) do not end the wait. ``StoppedError`` once the receiver has
         stopped."""
-    def ready(self, max: int = 16) -> Coroutine[Any, Any, List[ReadLease]]:
-        """Awaitable ``next_ready`` (a coroutine; the wait starts at the call): up to ``max``
-        ready requests once the first is ready. Unbounded (bound it with
-        ``asyncio.timeout``/``wait_for``); cancelled, it loses nothing: leases it had taken go
-        to the next ``ready``/``next_ready``.
+    def ready(self, max: int = 16) -> Future[List[ReadLease]]:
+        """Awaitable ``next_ready``: up to ``max`` ready requests once the first is ready.
+        Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
+        nothing: leases it had taken go to the next ``ready``/``next_ready``.
         ``StoppedError`` once the receiver has stopped."""
     def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0, *, held: int = 0) -> None:
         """Caller placement: lends ``slots`` (chunk i to ``slots[i]``) to request ``req_id``,
@@ -363,9 +362,8 @@ class Receiver:
         """Caller placement: up to ``max`` reservations back with the program, waiting at most
         ``timeout`` seconds for the first (None: as long as it takes); ``[]`` when none came.
         ``StoppedError`` once the receiver has stopped and every return was taken."""
-    def returned_async(self, max: int = 64) -> Coroutine[Any, Any, List[Returned]]:
-        """Awaitable ``returned`` (a coroutine; the wait starts at the call): up to ``max``
-        reservations back once the first has come.
+    def returned_async(self, max: int = 64) -> Future[List[Returned]]:
+        """Awaitable ``returned``: up to ``max`` reservations back once the first has come.
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
         nothing: returns it had taken go to the next ``returned``/``returned_async``.
         ``StoppedError`` once the receiver has stopped and every return was taken."""

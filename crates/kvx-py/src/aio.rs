@@ -9,8 +9,8 @@
 //!
 //! What must reach the caller or go back (leases, returned reservations) travels as a
 //! `Delivery` (`spawn_delivery`): the runtime's side ends before the loop knows whether its
-//! await was cancelled meanwhile, so the Python objects are made only in the caller's own
-//! coroutine (`kvx._aio.delivered`), and a `Delivery` dropped unopened hands its contents
+//! await was cancelled meanwhile, so the Python objects are made only in a task of the loop
+//! (`kvx._aio.delivered`), and a `Delivery` dropped unopened hands its contents
 //! back.
 
 use std::future::Future;
@@ -48,8 +48,8 @@ pub(crate) trait Deliverable: Send + 'static {
     fn deliver(self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>>;
 }
 
-/// Contents on their way to an awaiting caller: opened by ``kvx._aio.delivered`` once the
-/// caller's coroutine has resumed; dropped unopened (the await was cancelled), the contents'
+/// Contents on their way to an awaiting caller: opened by ``kvx._aio.delivered``'s task once
+/// it has resumed; dropped unopened (the await was cancelled), the contents'
 /// own drop hands them back.
 #[pyclass(module = "kvx._kvx", frozen)]
 pub(crate) struct Delivery {
@@ -75,7 +75,7 @@ impl Delivery {
 }
 
 /// `fut` as an awaitable of the running loop whose result is `fut`'s contents, delivered
-/// (`Delivery`): a coroutine over the runtime's future.
+/// (`Delivery`): a task of the loop that opens the runtime's result.
 pub(crate) fn spawn_delivery<'py, F, D>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = PyResult<D>> + Send + 'static,

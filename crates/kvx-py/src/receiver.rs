@@ -190,8 +190,8 @@ impl Receiver {
         Ok(leases.into_iter().map(|l| self.lease(py, l)).collect())
     }
 
-    /// Awaitable ``next_ready`` (a coroutine; the wait starts at the call): up to ``max``
-    /// ready requests, leased, once the first is ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when its
+    /// Awaitable ``next_ready``: up to ``max`` ready requests, leased, once the first is
+    /// ready (unbounded: bound it with ``asyncio.timeout``/``wait_for``); ``[]`` only when its
     /// one request ended before it was leased; ``StoppedError`` once the receiver has
     /// stopped. Cancelled, it loses nothing: leases it had taken go to the next
     /// ``ready``/``next_ready`` call.
@@ -283,8 +283,8 @@ impl Receiver {
         Ok(got.into_iter().map(placement::Returned::from).collect())
     }
 
-    /// Awaitable ``returned`` (a coroutine; the wait starts at the call): up to ``max``
-    /// reservations back with the program, once the first has come (unbounded: bound it with ``asyncio.timeout``/``wait_for``);
+    /// Awaitable ``returned``: up to ``max`` reservations back with the program, once the
+    /// first has come (unbounded: bound it with ``asyncio.timeout``/``wait_for``);
     /// ``StoppedError`` once the receiver has stopped and every return was taken. Cancelled,
     /// it loses nothing: returns it had taken go to the next ``returned``/``returned_async``.
     #[pyo3(signature = (max = 64))]
