@@ -24,6 +24,14 @@ async def stage(tx, req_id, chunk):
     tx.add(slot, f"{req_id}@{chunk}", tokens=256)
 
 
+async def send_one(tx, peer, req_id):
+    """Begins ``req_id`` as a request of one chunk and submits it."""
+    tx.begin(req_id, receiver=peer, total_chunks=1)
+    await tx.admitted(req_id)
+    await stage(tx, req_id, 0)
+    tx.submit(req_id, last=True)
+
+
 async def decode(rx, expect):
     """Awaits ready requests until ``expect`` came; each chunk checked byte for byte."""
     results = {}
@@ -115,10 +123,7 @@ def test_a_cancelled_ready_loses_no_request():
         waiting = asyncio.ensure_future(rx.ready())
         await asyncio.sleep(0.1)
         waiting.cancel()
-        tx.begin("r", receiver=peer, total_chunks=1)
-        await tx.admitted("r")
-        await stage(tx, "r", 0)
-        tx.submit("r", last=True)
+        await send_one(tx, peer, "r")
         await tx.outcome("r")
         return await asyncio.wait_for(decode(rx, 1), WAIT)
 
@@ -132,10 +137,7 @@ def test_a_ready_cancelled_after_it_took_its_leases_loses_none():
     tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
 
     async def main():
-        tx.begin("r", receiver=peer, total_chunks=1)
-        await tx.admitted("r")
-        await stage(tx, "r", 0)
-        tx.submit("r", last=True)
+        await send_one(tx, peer, "r")
         await tx.outcome("r")
         waiting = asyncio.ensure_future(rx.ready())
         await asyncio.sleep(0)  # the await starts; its leases are ready to be taken
@@ -154,10 +156,7 @@ def test_ready_waits_past_the_notice_of_a_consumed_request():
     tx, rx, peer, _, _ = make_pair(buffer_slots=4, staging_slots=2)
 
     async def main():
-        tx.begin("r", receiver=peer, total_chunks=1)
-        await tx.admitted("r")
-        await stage(tx, "r", 0)
-        tx.submit("r", last=True)
+        await send_one(tx, peer, "r")
         assert await asyncio.wait_for(decode(rx, 1), WAIT) == {"r": True}
         with pytest.raises(asyncio.TimeoutError):
             early = await asyncio.wait_for(rx.ready(), 0.3)
