@@ -352,8 +352,8 @@ impl Receiver {
 }
 
 /// Returned reservations on their way to an awaiting caller (in an `aio::Delivery`): made
-/// into ``Returned`` objects in the caller's coroutine, or handed back to the receiver if the
-/// await was cancelled before that.
+/// into ``Returned`` objects in a task of the caller's loop, or handed back to the receiver
+/// if the await was cancelled before that.
 struct ReturnsOnTheirWay {
     owner: Py<Receiver>,
     returns: Vec<kvx_node::Returned>,
@@ -382,8 +382,8 @@ impl Drop for ReturnsOnTheirWay {
 }
 
 /// Leases on their way to an awaiting caller (in an `aio::Delivery`): made into
-/// ``ReadLease`` objects in the caller's coroutine, or given back to the receiver if the
-/// await was cancelled before that.
+/// ``ReadLease`` objects in a task of the caller's loop, or given back to the receiver if
+/// the await was cancelled before that.
 struct Leased {
     owner: Py<Receiver>,
     leases: Vec<Lease>,
