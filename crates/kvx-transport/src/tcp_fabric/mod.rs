@@ -14,11 +14,13 @@
 //! has confirmed it stopped applying this sender's writes (bounded; see
 //! `docs/spec/fabrics.md` §Flush, which also gives the wire format and measured throughput).
 //!
-//! Submodules `link`, `sender`, `receiver` and `wire` are shared with `ShmFabric`, whose
+//! Submodules `link`, `sender`, `receiver` (with `receiver_conn`, one connection's task) and
+//! `wire` are shared with `ShmFabric`, whose
 //! control channel is this protocol without payloads.
 
 pub(crate) mod link;
 pub(crate) mod receiver;
+mod receiver_conn;
 pub(crate) mod sender;
 #[cfg(target_os = "linux")]
 mod splice;
