@@ -2,14 +2,24 @@
 //! receiver refuses a staging offer from a process of a user it does not trust, and accepts
 //! one once that user is in `trusted_uids`; a sender refuses to hand its staging to a
 //! handoff socket bound by an untrusted user. The other user is `nobody` (65534), played by
-//! this test binary re-run as that user (`untrusted_peer`), so these tests need root to
-//! switch users; without it they say so and pass without checking.
+//! this test binary re-run as that user (`untrusted_peer`).
+//!
+//! That needs root (to switch users) and a copy of this binary that `nobody` may execute:
+//! the checkout, and so the binary, may lie in a directory only its owner can enter (a home
+//! directory, a `mktemp -d`), so each test copies the binary into a fresh directory of its
+//! own under the first of `/tmp`, `/var/tmp`, `/dev/shm` where `nobody` runs it, and removes
+//! it after. Where either is impossible the tests say why and skip, unless
+//! `KVX_REQUIRE_CROSS_USER=1` (CI), under which a skip fails.
+//! `cross_user_checks_run_from_a_private_directory` runs them from a 0700 directory.
 
 mod fabric_common;
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use fabric_common::{port_of, raw};
@@ -19,28 +29,121 @@ use kvx_transport::shm_fabric::{ShmFabric, ShmFabricConfig};
 
 const NOBODY: u32 = 65534;
 const EP: &str = "127.0.0.1:0";
+/// Where a copy of the binary may go: world-searchable directories, usually without `noexec`.
+const PLACES: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
 
-fn root() -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("not root: cannot run a peer as another user; the cross-user checks are skipped");
-    false
+/// Skips a cross-user check with `why`, or fails it under `KVX_REQUIRE_CROSS_USER=1`.
+fn skip(why: &str) {
+    assert!(
+        std::env::var("KVX_REQUIRE_CROSS_USER").as_deref() != Ok("1"),
+        "KVX_REQUIRE_CROSS_USER=1, but the cross-user checks cannot run: {why}"
+    );
+    eprintln!("the cross-user checks are skipped: {why}");
 }
 
-/// This test binary, re-run as `nobody`, playing `role` against `port`.
-fn as_nobody(role: &str, port: u16, credential: Option<&FabricCredential>) -> Child {
-    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["--exact", "untrusted_peer", "--ignored", "--nocapture"])
-        .env("KVX_SHM_TRUST_ROLE", role)
-        .env("KVX_SHM_TRUST_PORT", port.to_string())
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .stdout(Stdio::piped());
-    if let Some(c) = credential {
-        cmd.env("KVX_SHM_TRUST_CREDENTIAL", hex::encode(c.to_bytes()));
+/// A copy of this test binary that `nobody` can execute, in a directory of its own that is
+/// removed on drop.
+struct PeerBinary {
+    dir: PathBuf,
+    exe: PathBuf,
+}
+
+impl PeerBinary {
+    /// The copy, or why there can be none (then the test skips through [`skip`]).
+    fn place() -> Result<PeerBinary, String> {
+        if !rustix::process::geteuid().is_root() {
+            return Err("not root: cannot run a peer as another user".into());
+        }
+        let original = std::env::current_exe().map_err(|e| format!("this binary's path: {e}"))?;
+        let mut tried = Vec::new();
+        for place in PLACES {
+            match PeerBinary::copy_into(Path::new(place), &original) {
+                Ok(peer) => return Ok(peer),
+                Err(why) => tried.push(format!("{place}: {why}")),
+            }
+        }
+        Err(format!(
+            "nowhere for nobody to run this binary from ({})",
+            tried.join("; ")
+        ))
     }
-    cmd.spawn().expect("spawn the untrusted peer")
+
+    /// Copies `original` into a new directory under `place` (0755, as root) and checks that
+    /// `nobody` runs it there (a directory it cannot enter, `noexec`, ... fail the probe).
+    fn copy_into(place: &Path, original: &Path) -> Result<PeerBinary, String> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = place.join(format!(
+            "kvx-shm-trust-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&dir).map_err(|e| e.to_string())?;
+        // From here on the directory goes with `peer`, whatever fails.
+        let peer = PeerBinary {
+            exe: dir.join("shm_trust_peer"),
+            dir,
+        };
+        std::fs::set_permissions(&peer.dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        std::fs::copy(original, &peer.exe).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&peer.exe, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        let probe = output_of_fresh_copy(peer.command("probe", 0).stderr(Stdio::null()))
+            .map_err(|e| format!("nobody cannot start it: {e}"))?;
+        let said = String::from_utf8_lossy(&probe.stdout);
+        if !said.lines().any(|l| l == "PROBE") {
+            return Err(format!("nobody cannot run it ({})", probe.status));
+        }
+        Ok(peer)
+    }
+
+    /// The copy run as `nobody`, playing `role` against `port`, from its own directory.
+    fn command(&self, role: &str, port: u16) -> Command {
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["--exact", "untrusted_peer", "--ignored", "--nocapture"])
+            .env("KVX_SHM_TRUST_ROLE", role)
+            .env("KVX_SHM_TRUST_PORT", port.to_string())
+            .current_dir(&self.dir)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .stdout(Stdio::piped());
+        cmd
+    }
+
+    /// The copy started as `nobody`, playing `role` against `port`.
+    fn spawn(&self, role: &str, port: u16, credential: Option<&FabricCredential>) -> Child {
+        let mut cmd = self.command(role, port);
+        if let Some(c) = credential {
+            cmd.env("KVX_SHM_TRUST_CREDENTIAL", hex::encode(c.to_bytes()));
+        }
+        cmd.spawn().expect("spawn the untrusted peer")
+    }
+}
+
+impl Drop for PeerBinary {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `cmd`'s output, where its program was copied just now: while the copy was open for
+/// writing, a process that another test thread forked may hold it open until that process
+/// execs, and exec fails with ETXTBSY meanwhile. Retried, bounded (2 s).
+fn output_of_fresh_copy(cmd: &mut Command) -> std::io::Result<std::process::Output> {
+    for _ in 0..100 {
+        match cmd.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            done => return done,
+        }
+    }
+    cmd.output()
+}
+
+/// The peer binary, or `None` after saying why the test skips.
+fn peer_binary() -> Option<PeerBinary> {
+    PeerBinary::place().map_err(|why| skip(&why)).ok()
 }
 
 /// The first line the child prints that starts with `prefix`, without it (bounded by the
@@ -62,9 +165,10 @@ fn line_from(child: &mut Child, prefix: &str) -> String {
 /// `trusted_uids`, the same offer is accepted.
 #[tokio::test]
 async fn shm_receiver_refuses_an_untrusted_user() {
-    if !root() {
+    let Some(peer) = peer_binary() else {
         return;
-    }
+    };
+    let peer = std::sync::Arc::new(peer);
     for (trusted, expect) in [(vec![], 2u16), (vec![NOBODY], 0)] {
         let f = ShmFabric::with_config(ShmFabricConfig {
             trusted_uids: trusted.clone(),
@@ -76,8 +180,9 @@ async fn shm_receiver_refuses_an_untrusted_user() {
             .expect("expose");
         let credential = listener.access.credential_for(kvx_proto::PeerId(1));
         let port = port_of(&listener.local_endpoint);
+        let peer = peer.clone();
         let child = tokio::task::spawn_blocking(move || {
-            let mut child = as_nobody("offer", port, Some(&credential));
+            let mut child = peer.spawn("offer", port, Some(&credential));
             let answer = line_from(&mut child, "ANSWER ");
             let _ = child.wait();
             answer
@@ -99,17 +204,17 @@ async fn shm_receiver_refuses_an_untrusted_user() {
 /// `nobody` receives no descriptor.
 #[tokio::test]
 async fn shm_sender_refuses_a_socket_of_an_untrusted_user() {
-    if !root() {
+    let Some(peer) = peer_binary() else {
         return;
-    }
+    };
     // The control port: a listener that never answers (the handoff comes first).
     let control = tokio::net::TcpListener::bind(EP).await.expect("bind");
     let ep = control.local_addr().expect("addr").to_string();
     let port = port_of(&ep);
-    let mut child = tokio::task::spawn_blocking(move || {
-        let mut child = as_nobody("squat", port, None);
+    let child = tokio::task::spawn_blocking(move || {
+        let mut child = peer.spawn("squat", port, None);
         assert_eq!(line_from(&mut child, "BOUND"), "");
-        child
+        (child, peer)
     })
     .await
     .expect("child bound");
@@ -123,9 +228,11 @@ async fn shm_sender_refuses_a_socket_of_an_untrusted_user() {
         panic!("refused: {r:?}");
     };
     assert!(why.contains("belongs to uid 65534"), "{why}");
+    let (mut child, peer) = child;
     let got = tokio::task::spawn_blocking(move || {
         let got = line_from(&mut child, "DESCRIPTORS ");
         let _ = child.wait();
+        drop(peer);
         got
     })
     .await
@@ -135,6 +242,7 @@ async fn shm_sender_refuses_a_socket_of_an_untrusted_user() {
 
 /// The untrusted peer, run by the tests above as `nobody` (does nothing when run directly).
 /// `offer`: offers a sealed memfd of 2 × 4096 bytes and prints `ANSWER <status> <reason>`.
+/// `probe`: prints `PROBE` (the copy runs as `nobody`).
 /// `squat`: binds the handoff name, prints `BOUND`, takes one connection and prints how many
 /// descriptors came with what it read.
 #[test]
@@ -148,6 +256,7 @@ fn untrusted_peer() {
     };
     let port: u16 = port.parse().expect("port");
     match role.as_str() {
+        "probe" => println!("PROBE"),
         "offer" => {
             let hex_credential = std::env::var("KVX_SHM_TRUST_CREDENTIAL").expect("credential");
             let bytes: [u8; FabricCredential::LEN] = hex::decode(hex_credential)
@@ -216,4 +325,40 @@ fn untrusted_peer() {
         }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// The checkout in a private directory (a home directory, a `mktemp -d`): this binary,
+/// copied into a 0700 directory and run from there under `KVX_REQUIRE_CROSS_USER=1`, runs
+/// both cross-user checks and passes them (a skip would fail them).
+#[test]
+fn cross_user_checks_run_from_a_private_directory() {
+    // Root, and somewhere `nobody` may run this binary from: otherwise skipped as the checks are.
+    let Some(_peer) = peer_binary() else {
+        return;
+    };
+    let private =
+        std::env::temp_dir().join(format!("kvx-shm-trust-private-{}", std::process::id()));
+    std::fs::create_dir(&private).expect("a private directory");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("0700");
+    let exe = private.join("shm_trust");
+    std::fs::copy(std::env::current_exe().expect("this binary"), &exe).expect("copy");
+    let out = output_of_fresh_copy(
+        Command::new(&exe)
+            .args([
+                "--exact",
+                "shm_receiver_refuses_an_untrusted_user",
+                "shm_sender_refuses_a_socket_of_an_untrusted_user",
+            ])
+            .env("KVX_REQUIRE_CROSS_USER", "1")
+            .current_dir(&private),
+    )
+    .expect("run the copy");
+    let _ = std::fs::remove_dir_all(&private);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "from a 0700 directory: {said}");
+    assert!(said.contains("2 passed"), "both checks ran: {said}");
 }
