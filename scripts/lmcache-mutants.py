@@ -6,7 +6,8 @@ Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx
 the test environment beside it, applies one mutation at a time to the copy, and runs the
 LMCache tests against it (the copy comes first on PYTHONPATH). Needs the test environment of
 scripts/python-tests.sh (target/pyenv with the kvx wheel, lmcache==0.5.6 and torch).
-Usage: python3 scripts/lmcache-mutants.py [NAME ...]   (default: all). Exit status 1 if any
+Usage: python3 scripts/lmcache-mutants.py [NAME ... | --check | --changed] (default: all;
+scripts/mutant_selection.py). Exit status 1 if any
 is missed.
 """
 import os

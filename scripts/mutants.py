@@ -2,24 +2,31 @@
 """Deliberately broken variants of kvx-proto (and of the fabrics' access rules), each of which
 the tests must catch.
 
-Copies the workspace to a scratch folder, applies one mutation at a time, runs the scenario
-and property tests there (or, for a variant outside kvx-proto, the tests it names), and
-reports whether they failed (caught) or passed (missed).
-Usage: python3 scripts/mutants.py [NAME ...]   (default: all). Exit status 1 if any is missed.
-`--list` prints the names and what each breaks. KVX_MUTANTS_SCRATCH sets the scratch folder
-(default /tmp/kvx-mutants; its target folder is the same path with `-target`), so that two
-checkouts can run mutants at once.
-The simulation issue turns these into `--break` variants of the swarm runner.
+Applies one mutation at a time to the checkout itself, runs the scenario and property tests
+(or, for a variant outside kvx-proto, the tests it names) in the workspace's own target
+folder, so each variant rebuilds only the crates it touches and reuses every dependency the
+workspace built, then puts the file back, and reports whether the tests failed (caught) or
+passed (missed). The original of a file under mutation waits in target/mutant-originals/
+until it is put back; a run that was killed leaves it there, and the next run restores it
+first. Don't edit a file while its variant runs.
 
-`python3 scripts/mutants.py --curve [NAME ...]` runs instead the broken variants of the ZMQ
-transport's CURVE mechanism (`CURVE_MUTANTS`) against kvx-transport's unit tests and
-`tests/zmq_curve.rs` (which needs python3 with pyzmq: KVX_REQUIRE_PYTHON=1 is set, so a
-missing pyzmq is a failure, not a skip).
+Usage: python3 scripts/mutants.py [--curve] [NAME ... | --check | --changed]
+  (no names: every variant; --check: only that every pattern still applies; --changed: the
+  patterns, then the variants whose file changed since the last full evidence run; see
+  scripts/mutant_selection.py). Exit status 1 if any is missed or stale.
+`--list` prints the names and what each breaks.
+
+`--curve` runs instead the broken variants of the ZMQ transport's CURVE mechanism
+(`CURVE_MUTANTS`) against kvx-transport's unit tests and `tests/zmq_curve.rs` (which needs
+python3 with pyzmq: KVX_REQUIRE_PYTHON=1 is set, so a missing pyzmq is a failure, not a skip).
+The simulation's `--break` variants are compiled in (`sim/sweeps.sh` runs them).
 """
-import os, re, shutil, subprocess, sys
+import os, re, signal, subprocess, sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRATCH = os.environ.get("KVX_MUTANTS_SCRATCH", "/tmp/kvx-mutants")
+import mutant_selection
+
+ROOT = mutant_selection.ROOT
+ORIGINALS = os.path.join(ROOT, "target/mutant-originals")
 SRC = "crates/kvx-proto/src/"
 
 # The tests a variant of kvx-proto runs against.
@@ -343,37 +350,64 @@ CURVE_MUTANTS = {
         "a peer greeting with the other mechanism (NULL against CURVE) goes on to the handshake"),
 }
 
+def restore_leftovers():
+    """Puts back the originals a killed run left under target/mutant-originals/."""
+    for dirpath, _, files in os.walk(ORIGINALS):
+        for f in files:
+            saved = os.path.join(dirpath, f)
+            path = os.path.join(ROOT, os.path.relpath(saved, ORIGINALS))
+            print(f"mutants: restoring {os.path.relpath(path, ROOT)}, left mutated by a run that was stopped")
+            os.replace(saved, path)
+
+
+def mutated(path, change):
+    """Writes `change(text)` over `path` (relative to the root), keeping the original under
+    ORIGINALS; returns the function that puts it back. The original goes back with a new
+    modification time, so cargo rebuilds what the mutated file built."""
+    full = os.path.join(ROOT, path)
+    original = open(full).read()
+    saved = os.path.join(ORIGINALS, path)
+    os.makedirs(os.path.dirname(saved), exist_ok=True)
+    with open(saved, "w") as f:
+        f.write(original)
+    with open(full, "w") as f:
+        f.write(change(original))
+
+    def put_back():
+        with open(full, "w") as f:
+            f.write(original)
+        os.remove(saved)
+    return put_back
+
+
+def apply_all(text, pairs):
+    for old, new in pairs:
+        text = text.replace(old, new)
+    return text
+
+
 def run_curve(name):
     path, pairs, what = CURVE_MUTANTS[name]
-    target = os.path.join(SCRATCH, path)
-    shutil.copy(os.path.join(ROOT, path), target)
-    text = open(target).read()
-    for old, new in pairs:
-        if old not in text:
-            return name, "STALE (pattern not found: update scripts/mutants.py)", what
-        text = text.replace(old, new)
-    open(target, "w").write(text)
-    env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", KVX_REQUIRE_PYTHON="1")
+    env = dict(os.environ, KVX_REQUIRE_PYTHON="1")
     cmd = ["cargo", "test", "-q", "--no-fail-fast", "-p", "kvx-transport", "--lib", "--test", "zmq_curve"]
-    return verdict(name, what, path, target, cmd, env)
+    return verdict(name, what, path, lambda text: apply_all(text, pairs), cmd, env)
+
 
 def run(name):
     path, old, new, what, *selection = MUTANTS[name]
     selection = selection[0] if selection else PROTO_TESTS
-    target = os.path.join(SCRATCH, path)
-    shutil.copy(os.path.join(ROOT, path), target)
-    text = open(target).read()
-    if old not in text:
-        return name, "STALE (pattern not found: update scripts/mutants.py)", what
-    open(target, "w").write(text.replace(old, new, 1))
-    env = dict(os.environ, CARGO_TARGET_DIR=SCRATCH + "-target", PROPTEST_CASES="1000")
+    env = dict(os.environ, PROPTEST_CASES="1000")
     env.pop("KVX_TRACE", None)
     cmd = ["cargo", "test", "-q", "--release", "--no-fail-fast"] + selection
-    return verdict(name, what, path, target, cmd, env)
+    return verdict(name, what, path, lambda text: text.replace(old, new, 1), cmd, env)
 
-def verdict(name, what, path, target, cmd, env):
-    proc = subprocess.run(cmd, cwd=SCRATCH, env=env, capture_output=True, text=True, timeout=900)
-    shutil.copy(os.path.join(ROOT, path), target)
+
+def verdict(name, what, path, change, cmd, env):
+    put_back = mutated(path, change)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        put_back()
     out = proc.stdout + proc.stderr
     # `cargo test -q` lists failing tests indented under a "failures:" heading.
     failed, in_list = [], False
@@ -389,6 +423,7 @@ def verdict(name, what, path, target, cmd, env):
         return name, "BUILD ERROR", what
     return name, ("caught by " + ", ".join(failed)) if proc.returncode else "MISSED", what
 
+
 def main():
     args = sys.argv[1:]
     if "-h" in args or "--help" in args:
@@ -402,14 +437,16 @@ def main():
     curve = "--curve" in args
     args = [a for a in args if a != "--curve"]
     table, runner = (CURVE_MUTANTS, run_curve) if curve else (MUTANTS, run)
-    names = args or list(table)
-    shutil.rmtree(SCRATCH, ignore_errors=True)
-    shutil.copytree(ROOT, SCRATCH, ignore=shutil.ignore_patterns("target", ".git"))
+    script = "scripts/mutants.py" + (" --curve" if curve else "")
+    # A stop (Ctrl-C, SIGTERM) puts the file under mutation back on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    restore_leftovers()
+    names = mutant_selection.select(table, args, script)
     missed = False
     for name in names:
-        name, verdict, what = runner(name)
-        missed |= not verdict.startswith("caught")
-        print(f"{name:28} {verdict}\n{'':28} ({what})", flush=True)
+        name, verdict_, what = runner(name)
+        missed |= not verdict_.startswith("caught")
+        print(f"{name:28} {verdict_}\n{'':28} ({what})", flush=True)
     sys.exit(1 if missed else 0)
 
 if __name__ == "__main__":

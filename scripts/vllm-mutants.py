@@ -10,7 +10,8 @@ Copies python/ to a scratch folder, with the native module (kvx._kvx) of the kvx
 the test environment beside it, applies one mutation at a time to the copy, and runs the
 scheduler tests against it (the copy comes first on PYTHONPATH). Needs the environment of
 scripts/vllm-tests.sh (KVX_VLLM_VENV, default target/vllm-venv: vllm==0.33.0 and the kvx
-wheel). Usage: python3 scripts/vllm-mutants.py [NAME ...]   (default: all). Exit status 1 if
+wheel). Usage: python3 scripts/vllm-mutants.py [NAME ... | --check | --changed] (default:
+all; scripts/mutant_selection.py). Exit status 1 if
 any is missed.
 """
 import os

