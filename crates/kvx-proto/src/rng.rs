@@ -5,7 +5,7 @@
 //! xorshift64* (Vigna, "An experimental exploration of Marsaglia's xorshift generators"),
 //! seeded through splitmix64. Written here rather than taken from a crate such as `rand_pcg`
 //! because the seeds kept as regression tests were found on this very stream: the swarm's
-//! scenarios and sweeps (`sim/tests/sim/swarm.rs`, `sim/ci.sh`, the broken variants' catch
+//! scenarios and sweeps (`sim/tests/sim/swarm.rs`, `sim/sweeps.sh`, the broken variants' catch
 //! table in `docs/sim.md`) and the harness's property-found scenarios
 //! (`crates/kvx-proto/tests/scenarios.rs`, with fixed seeds). Another generator would change
 //! what each of them exercises, and a kept seed that no longer reaches its bug passes
