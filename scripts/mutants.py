@@ -14,7 +14,8 @@ Usage: python3 scripts/mutants.py [--curve] [NAME ... | --check | --changed]
   (no names: every variant; --check: only that every pattern still applies; --changed: the
   patterns, then the variants whose file changed since the last full evidence run; see
   scripts/mutant_selection.py). Exit status 1 if any is missed or stale.
-`--list` prints the names and what each breaks.
+`--list` prints the names and what each breaks. `--self-test` shows that a variant that does not
+compile is reported as an error: only tests that fail count as a catch.
 
 `--curve` runs instead the broken variants of the ZMQ transport's CURVE mechanism
 (`CURVE_MUTANTS`) against kvx-transport's unit tests and `tests/zmq_curve.rs` (which needs
@@ -350,6 +351,26 @@ CURVE_MUTANTS = {
         "a peer greeting with the other mechanism (NULL against CURVE) goes on to the handshake"),
 }
 
+# The runner's own check (`--self-test`): a variant that does not compile must be reported as
+# an error, never as caught, though cargo fails on it as it does on a caught one.
+SELF_TEST = {
+    "uncompilable": ("crates/kvx-io/src/lib.rs",
+        "pub mod access;",
+        "pub mod access;\ncompile_error!(\"a variant that does not build\");",
+        "a variant that does not compile (the runner must call it an error)",
+        ["-p", "kvx-io", "--lib"]),
+}
+
+
+def self_test():
+    MUTANTS.update(SELF_TEST)
+    for name in SELF_TEST:
+        _, verdict_, _ = run(name)
+        if not verdict_.startswith("ERROR"):
+            sys.exit(f"mutants self-test: {name} was reported {verdict_!r}, not as an error")
+        print(f"mutants self-test: {name}: reported as an error, as it must be")
+
+
 def restore_leftovers():
     """Puts back the originals a killed run left under target/mutant-originals/."""
     for dirpath, _, files in os.walk(ORIGINALS):
@@ -419,9 +440,14 @@ def verdict(name, what, path, change, cmd, env):
         elif in_list and line.startswith("test result"):
             in_list = False
     failed = sorted(set(failed))
-    if "error[" in out:
-        return name, "BUILD ERROR", what
-    return name, ("caught by " + ", ".join(failed)) if proc.returncode else "MISSED", what
+    if proc.returncode == 0:
+        return name, "MISSED", what
+    if not failed:
+        # Not one test failed, yet cargo did: a build error, a denied lint, a missing test
+        # target, the harness killed... The variant checked nothing.
+        errors = [l for l in out.splitlines() if l.startswith("error")] or out.strip().splitlines()[-1:]
+        return name, f"ERROR (cargo exit {proc.returncode}, no test failed): {'; '.join(errors[:3])}", what
+    return name, "caught by " + ", ".join(failed), what
 
 
 def main():
@@ -433,6 +459,10 @@ def main():
         table = CURVE_MUTANTS if "--curve" in args else MUTANTS
         for name, entry in table.items():
             print(f"{name:28} {entry[3] if table is MUTANTS else entry[2]}")
+        return
+    if "--self-test" in args:
+        restore_leftovers()
+        self_test()
         return
     curve = "--curve" in args
     args = [a for a in args if a != "--curve"]
