@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
-test_worker.py, test_router.py, test_two_processes.py (two engine processes over kvx),
+test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
 test_swarm.py (the lifecycle under seeded interleavings and faults) and test_explore.py (the
 same, every interleaving of small worlds) must catch.
@@ -21,13 +21,26 @@ import python_mutants
 ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
-TESTS = ["python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+# The router's tests first: they take seconds, and its variants are caught there.
+TESTS = ["python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
          "python/tests/kvx_vllm/test_prefill_transfer.py", "python/tests/kvx_vllm/test_explore.py"]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "router-header-deadline-never": (PKG + "router_guard.py",
+        "if c.waiting_since is not None and now - c.waiting_since > self.header_timeout_sec",
+        "if c.waiting_since is not None and now - c.waiting_since > self.header_timeout_sec and False",
+        "the router never closes a connection that trickles its headers"),
+    "router-no-room-for-newcomers": (PKG + "router_guard.py",
+        "waiting = [c for c in self._conns.values() if c.waiting_since is not None]",
+        "waiting = []",
+        "at a connection cap the router refuses every newcomer: trickling connections lock clients out"),
+    "router-containers-unbounded": (PKG + "router_guard.py",
+        "if containers > MAX_JSON_CONTAINERS:",
+        "if False:",
+        "the router parses a body of any number of JSON objects and arrays"),
     "received-at-reserve": (PKG + "worker.py",
         "for kvx_id in events.received:",
         "for kvx_id in set(events.received) | set(self._reserved):",

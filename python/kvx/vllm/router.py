@@ -15,8 +15,11 @@ or ``recompute`` on the decode engine itself).
 
 Engines are chosen by fewest requests in flight, in turn among equals. ``GET /v1/models``
 is the first decode engine's; ``GET /health`` answers while the router runs; ``GET
-/kvx/stats`` counts requests and failures. Needs aiohttp (which vLLM installs) and, for a
-YAML configuration, PyYAML (``router_config.py``).
+/kvx/stats`` counts requests, failures, refusals and open connections. Connections, request
+bodies and the ``/v1/`` paths are bounded and guarded as ``router_guard.py`` says (caps per
+client and in all, header and body deadlines, a body-size limit checked before parsing, an
+optional API key), and it serves https given a certificate. Needs aiohttp (which vLLM
+installs) and, for a YAML configuration, PyYAML (``router_config.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import signal
 import sys
@@ -34,6 +36,7 @@ from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar
 
 from kvx.vllm import params
 from kvx.vllm.router_config import DecodeEngine, PrefillEngine, RouterConfig, RouterConfigError, load
+from kvx.vllm.router_guard import ConnectionGuard, Refused, authorized, raise_open_files_limit, read_json
 
 try:
     import aiohttp
@@ -128,7 +131,12 @@ class Router:
             "prefill_failed": 0,
             "decode_unreachable": 0,
             "client_gone": 0,
+            "unauthorized": 0,
+            "bodies_refused": 0,
         }
+        self.guard = ConnectionGuard(
+            config.max_connections, config.max_connections_per_client, config.header_timeout_sec
+        )
         self._session: Optional[aiohttp.ClientSession] = None
         # Prefill requests still running after their decode answer was sent.
         self._background: set = set()
@@ -140,7 +148,7 @@ class Router:
         return self._session
 
     def app(self) -> "web.Application":
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._guarded])
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completion)
         app.router.add_get("/v1/models", self.models)
@@ -148,6 +156,47 @@ class Router:
         app.router.add_get("/kvx/stats", self.stats_page)
         app.on_cleanup.append(lambda _app: self.close())
         return app
+
+    @web.middleware if web is not None else (lambda f: f)
+    async def _guarded(self, request: "web.Request", handler: Any) -> "web.StreamResponse":
+        """Marks the connection as in a request (its header deadline stops), and turns away
+        an unauthorized ``/v1/`` request or a body declared too large before the handler."""
+        self.guard.request_started(request.transport)
+        try:
+            if request.path.startswith("/v1/") and not authorized(request.headers, self.config.api_key):
+                self.stats["unauthorized"] += 1
+                return _error(401, "a valid API key is needed: Authorization: Bearer <key>", "authentication_error")
+            return await handler(request)
+        finally:
+            self.guard.request_ended(request.transport)
+
+    async def start(self, host: Optional[str] = None, port: Optional[int] = None, sock: Any = None) -> "web.AppRunner":
+        """Serves the router on ``sock``, or on ``host``:``port`` (the configuration's by
+        default), behind its connection guard, with https when the configuration names a
+        certificate; the runner, whose ``cleanup()`` stops it."""
+        ssl_context = None
+        if self.config.tls_cert is not None:
+            import ssl
+
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        # handler_cancellation: a client that goes away cancels its handler, which closes both
+        # upstream requests even while the decode engine has sent nothing yet.
+        # lingering_time: after a refused body, what the client still sends is read (so that
+        # it gets the answer, not a reset) for a second at most, not aiohttp's ten.
+        runner = web.AppRunner(self.app(), handler_cancellation=True, lingering_time=1.0)
+        await runner.setup()
+        site = _GuardedSite(
+            runner, self.guard, self.config.header_timeout_sec, ssl_context,
+            host=self.config.host if host is None and sock is None else host,
+            port=self.config.port if port is None and sock is None else port,
+            sock=sock,
+        )
+        await site.start()
+        sweeper = asyncio.create_task(self.guard.sweep())
+        self._background.add(sweeper)
+        sweeper.add_done_callback(self._background.discard)
+        return runner
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -163,7 +212,11 @@ class Router:
 
     async def stats_page(self, _request: "web.Request") -> "web.Response":
         return web.json_response(
-            dict(self.stats, prefill_in_flight=self.prefill.in_flight(), decode_in_flight=self.decode.in_flight())
+            dict(
+                self.stats, **self.guard.counts,
+                connections=self.guard.open_connections(),
+                prefill_in_flight=self.prefill.in_flight(), decode_in_flight=self.decode.in_flight(),
+            )
         )
 
     async def models(self, _request: "web.Request") -> "web.Response":
@@ -176,9 +229,13 @@ class Router:
 
     async def completion(self, request: "web.Request") -> "web.StreamResponse":
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not JSON", "invalid_request_error")
+            body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_sec)
+        except Refused as r:
+            self.stats["bodies_refused"] += 1
+            refusal = _error(r.status, r.message, r.kind)
+            # What is left of the body is not read: the connection cannot carry another request.
+            refusal.force_close()
+            return refusal
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
         if "kv_transfer_params" in body:
@@ -254,18 +311,45 @@ class Router:
             self.prefill.done(slot)
 
 
+class _GuardedSite(web.BaseSite if web is not None else object):  # type: ignore[misc]
+    """A listening socket (``sock``, or ``host``:``port``) whose connections pass the guard
+    before aiohttp sees them; a TLS handshake counts against the header deadline."""
+
+    def __init__(self, runner: Any, guard: ConnectionGuard, handshake_sec: float, ssl_context: Any,
+                 host: Optional[str], port: Optional[int], sock: Any) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=1024)
+        self._guard, self._handshake_sec = guard, handshake_sec
+        self._host, self._port, self._sock = host, port, sock
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        where = {"sock": self._sock} if self._sock is not None else {"host": self._host, "port": self._port}
+        self._server = await loop.create_server(
+            self._guard.protocol(self._runner.server), ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_sec if self._ssl_context else None, **where,
+        )
+
+
 async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     """Runs the router until ``stop`` is set."""
+    # Room for every client connection, two upstream connections per request and the rest.
+    soft, _ = raise_open_files_limit(config.max_connections + 256)
+    if soft < config.max_connections + 256:
+        logger.warning(
+            "kvx.vllm.router: the open-files limit is %d, too low for max_connections=%d: raise it "
+            "(ulimit -n) or lower max_connections", soft, config.max_connections,
+        )
     router = Router(config)
-    # handler_cancellation: a client that goes away cancels its handler, which closes both
-    # upstream requests even while the decode engine has sent nothing yet.
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    runner = await router.start()
     logger.info(
-        "kvx.vllm.router on %s:%d: %d prefill, %d decode engines",
-        config.host, config.port, len(config.prefill), len(config.decode),
+        "kvx.vllm.router on %s://%s:%d: %d prefill, %d decode engines%s",
+        "https" if config.tls_cert else "http", config.host, config.port, len(config.prefill),
+        len(config.decode), ", API key required" if config.api_key else "",
     )
     try:
         await stop.wait()

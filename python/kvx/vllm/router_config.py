@@ -13,25 +13,48 @@ to write instead, and an unknown key is refused with the list of known ones.
         kvx_alloc: [tcp://10.0.0.2:8400]      # one per decode TP rank
         kvx_fabric: [tcp://10.0.0.2:8300]
     request_timeout_sec: 600                  # optional: one request, end to end
+    # Optional, what lets it face a network (router_guard.py), with their defaults:
+    max_body_bytes: 4194304                   # a request body, at most (413 past it)
+    header_timeout_sec: 10                    # to send a request's headers
+    body_timeout_sec: 30                      # to send a request's body (408 past it)
+    max_connections: 1000                     # open at once, all clients together
+    max_connections_per_client: 64            # open at once from one client address
+    api_key: null                             # /v1/ paths need "Authorization: Bearer KEY"
+    tls_cert: null                            # PEM files: serve https
+    tls_key: null
 
-This module does not import vLLM or aiohttp.
+The API key may come from the environment instead (``KVX_ROUTER_API_KEY``), which keeps it
+out of the file. This module does not import vLLM or aiohttp.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Mapping, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
-TOP_KEYS = ("listen", "prefill", "decode", "request_timeout_sec")
+TOP_KEYS = (
+    "listen", "prefill", "decode", "request_timeout_sec", "max_body_bytes", "header_timeout_sec",
+    "body_timeout_sec", "max_connections", "max_connections_per_client", "api_key", "tls_cert", "tls_key",
+)
 PREFILL_KEYS = ("url",)
 DECODE_KEYS = ("url", "kvx_alloc", "kvx_fabric")
 
 #: How long one request may take end to end when the configuration does not say.
 DEFAULT_REQUEST_TIMEOUT_SEC = 600.0
+#: A request body's bound: the 4 MiB that vLLM's own server buffers for one incomplete HTTP
+#: event by default (``--h11-max-incomplete-event-size``); a 128k-token prompt is about 1 MB.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_SEC = 10.0
+DEFAULT_BODY_TIMEOUT_SEC = 30.0
+DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
+#: The environment variable an API key may come from instead of the file.
+API_KEY_ENV = "KVX_ROUTER_API_KEY"
 
 
 class RouterConfigError(ValueError):
@@ -64,6 +87,15 @@ class RouterConfig:
     prefill: Tuple[PrefillEngine, ...]
     decode: Tuple[DecodeEngine, ...]
     request_timeout_sec: float = DEFAULT_REQUEST_TIMEOUT_SEC
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_sec: float = DEFAULT_HEADER_TIMEOUT_SEC
+    body_timeout_sec: float = DEFAULT_BODY_TIMEOUT_SEC
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    #: Never printed: ``repr`` leaves it out.
+    api_key: Optional[str] = field(default=None, repr=False)
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
 
 
 def _unknown(where: str, got: Mapping[str, Any], known: Tuple[str, ...]) -> None:
@@ -88,6 +120,42 @@ def _endpoints(where: str, value: Any) -> Tuple[str, ...]:
         if parts is None or parts.scheme != "tcp" or not parts.hostname or parts.port is None:
             raise RouterConfigError(f"{where}: {v!r} is not a tcp://host:port endpoint")
     return tuple(value)
+
+
+def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RouterConfigError(f"{key}={value!r}: positive finite seconds")
+    return float(value)
+
+
+def _count(raw: Mapping[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise RouterConfigError(f"{key}={value!r}: a positive whole number")
+    return value
+
+
+def _api_key(raw: Mapping[str, Any]) -> Optional[str]:
+    value = raw.get("api_key")
+    if value is None:
+        value = os.environ.get(API_KEY_ENV) or None
+        where = API_KEY_ENV
+    else:
+        where = "api_key"
+    if value is not None and (not isinstance(value, str) or not value.strip() or value != value.strip()):
+        raise RouterConfigError(f"{where}: a non-empty string without surrounding spaces")
+    return value
+
+
+def _tls(raw: Mapping[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    cert, key = raw.get("tls_cert"), raw.get("tls_key")
+    if (cert is None) != (key is None):
+        raise RouterConfigError("tls_cert and tls_key: both (PEM files) to serve https, or neither")
+    for name, value in (("tls_cert", cert), ("tls_key", key)):
+        if value is not None and (not isinstance(value, str) or not Path(value).is_file()):
+            raise RouterConfigError(f"{name}={value!r}: the path of a PEM file")
+    return cert, key
 
 
 def _listen(value: Any) -> Tuple[str, int]:
@@ -137,10 +205,25 @@ def config_from(raw: Any) -> RouterConfig:
             )
         ranks = len(alloc)
         decode.append(DecodeEngine(_url(f"decode[{i}].url", item.get("url")), alloc, fabric))
-    timeout = raw.get("request_timeout_sec", DEFAULT_REQUEST_TIMEOUT_SEC)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-        raise RouterConfigError(f"request_timeout_sec={timeout!r}: positive finite seconds")
-    return RouterConfig(host, port, tuple(prefill), tuple(decode), float(timeout))
+    max_connections = _count(raw, "max_connections", DEFAULT_MAX_CONNECTIONS)
+    per_client = _count(raw, "max_connections_per_client", DEFAULT_MAX_CONNECTIONS_PER_CLIENT)
+    if per_client > max_connections:
+        raise RouterConfigError(
+            f"max_connections_per_client={per_client}: at most max_connections ({max_connections})"
+        )
+    tls_cert, tls_key = _tls(raw)
+    return RouterConfig(
+        host, port, tuple(prefill), tuple(decode),
+        request_timeout_sec=_seconds(raw, "request_timeout_sec", DEFAULT_REQUEST_TIMEOUT_SEC),
+        max_body_bytes=_count(raw, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+        header_timeout_sec=_seconds(raw, "header_timeout_sec", DEFAULT_HEADER_TIMEOUT_SEC),
+        body_timeout_sec=_seconds(raw, "body_timeout_sec", DEFAULT_BODY_TIMEOUT_SEC),
+        max_connections=max_connections,
+        max_connections_per_client=per_client,
+        api_key=_api_key(raw),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
 
 
 def load(path: str) -> RouterConfig:
