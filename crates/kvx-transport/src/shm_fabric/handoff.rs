@@ -15,6 +15,14 @@
 //! Reply: `magic "KVXD"`, `status u16` (`HandoffStatus`), `reason length u16` (≤ 512),
 //! `ticket u64` (zero unless accepted), then the reason, UTF-8.
 //!
+//! Descriptors, receiver side, before anything is judged: the connecting process's user is
+//! known at accept (`SO_PEERCRED`), where the connection budget caps connections per user
+//! and in all; an untrusted user's descriptors never enter this process (its offer is read
+//! with no room for them, so the kernel closes them), and of a trusted user's only the
+//! first is kept while it is the only one: a second refuses the offer, every descriptor
+//! taken is closed as it comes, and later reads leave no room. A peer that trickles its
+//! offer with descriptors attached to every byte so costs the receiver a socket.
+//!
 //! Checks, receiver side, once the whole offer is read, each refused with a reason the
 //! sender reads: the connecting process runs as an allowed user (`SO_PEERCRED`, below); the
 //! offer's credential was issued by this buffer; exactly one descriptor came with it; that
@@ -406,17 +414,20 @@ async fn judge(
     rules: &Rules,
     held: &Held<u32>,
 ) -> Result<u64, (HandoffStatus, String)> {
-    // The offer is read before anything is judged, an untrusted peer's too (its descriptors
-    // are closed unexamined): a reply sent before the offer was read could close the socket
+    // The peer's user is known at accept (`SO_PEERCRED`): an untrusted one's descriptors are
+    // never taken into this process (the kernel closes them), a trusted one's beyond the
+    // first are closed as they come. The offer is read before anything is judged, an
+    // untrusted peer's too: a reply sent before the offer was read could close the socket
     // under the sender's `sendmsg`, which would then fail without the reason.
-    let (bytes, fds, truncated) = recv_offer(stream)
-        .await
-        .map_err(|e| (HandoffStatus::Staging, format!("reading the offer: {e}")))?;
-    held.heard();
     let cred = stream
         .peer_cred()
         .map_err(|e| (HandoffStatus::Unauthorized, format!("SO_PEERCRED: {e}")))?;
-    if !rules.trust.admits(cred.uid()) {
+    let trusted = rules.trust.admits(cred.uid());
+    let (bytes, fds, truncated) = recv_offer(stream, trusted)
+        .await
+        .map_err(|e| (HandoffStatus::Staging, format!("reading the offer: {e}")))?;
+    held.heard();
+    if !trusted {
         return Err((
             HandoffStatus::Unauthorized,
             format!(
@@ -448,12 +459,11 @@ async fn judge(
             )
         })?;
     let _ = held.authenticated();
-    let n = fds.len();
-    let mut fds = fds.into_iter();
-    let (Some(fd), None, false) = (fds.next(), fds.next(), truncated) else {
+    let Descriptors { first, seen } = fds;
+    let (Some(fd), 1, false) = (first, seen, truncated) else {
         return Err((
             HandoffStatus::Staging,
-            format!("the offer carries {n} descriptors (truncated: {truncated}), not one"),
+            format!("the offer carries {seen} descriptors (truncated: {truncated}), not one"),
         ));
     };
     let view = StagingView::sealed(
@@ -466,18 +476,39 @@ async fn judge(
     rules.tickets.park(peer, view)
 }
 
-/// Reads an offer's bytes and every descriptor that came with them (closed on drop unless
-/// used). Bounded: each pass reads at least one byte of the 48 or ends.
-async fn recv_offer(stream: &UnixStream) -> io::Result<([u8; OFFER_LEN], Vec<OwnedFd>, bool)> {
+/// The descriptors that came with an offer: the first, kept only while it is the only one
+/// (closed on drop unless used), and how many were seen.
+#[derive(Debug, Default)]
+struct Descriptors {
+    first: Option<OwnedFd>,
+    seen: usize,
+}
+
+/// Reads an offer's bytes and the descriptors that came with them. With `take_fds` false
+/// (an untrusted peer) no descriptor enters this process: the kernel closes what a read
+/// without room for them leaves. Otherwise the first is kept; once a second comes, every
+/// one taken is closed at once and later reads leave no room, so one connection holds at
+/// most `FDS_MAX` descriptors, briefly, whatever it sends. Bounded: each pass reads at
+/// least one byte of the 48 or ends.
+async fn recv_offer(
+    stream: &UnixStream,
+    take_fds: bool,
+) -> io::Result<([u8; OFFER_LEN], Descriptors, bool)> {
     let mut b = [0u8; OFFER_LEN];
-    let mut fds = Vec::new();
+    let mut fds = Descriptors::default();
     let mut truncated = false;
     let mut got = 0;
     while got < OFFER_LEN {
+        let room = take_fds && fds.seen <= 1;
         let n = stream
             .async_io(Interest::READABLE, || {
                 let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
-                let mut control = RecvAncillaryBuffer::new(&mut space);
+                let space = if room {
+                    &mut space[..]
+                } else {
+                    &mut space[..0]
+                };
+                let mut control = RecvAncillaryBuffer::new(space);
                 let msg = rustix::net::recvmsg(
                     stream,
                     &mut [IoSliceMut::new(&mut b[got..])],
@@ -486,9 +517,19 @@ async fn recv_offer(stream: &UnixStream) -> io::Result<([u8; OFFER_LEN], Vec<Own
                 )?;
                 for m in control.drain() {
                     if let RecvAncillaryMessage::ScmRights(received) = m {
-                        fds.extend(received);
+                        for fd in received {
+                            fds.seen += 1;
+                            if fds.seen == 1 {
+                                fds.first = Some(fd);
+                            }
+                            // Past the first, each is dropped (closed) here.
+                        }
                     }
                 }
+                if fds.seen > 1 {
+                    fds.first = None;
+                }
+                // With no room, descriptors the peer sent show only as a cut control message.
                 truncated |= msg.flags.contains(ReturnFlags::CTRUNC);
                 Ok(msg.bytes)
             })
