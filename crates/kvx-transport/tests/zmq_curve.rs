@@ -213,6 +213,58 @@ async fn principals_follow_the_key_not_the_identity() {
     }
 }
 
+/// Under CURVE an identity belongs to the key that first presented it: another allowed key
+/// presenting it after the first key's connection ended is refused, with the reason, and
+/// the first key gets it back; its `PeerId` (and every right bound to it) never changes
+/// hands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_belongs_to_the_key_that_first_presented_it() {
+    let (server_keys, a, b) = (
+        CurveKeyPair::generate(),
+        CurveKeyPair::generate(),
+        CurveKeyPair::generate(),
+    );
+    let ts = transport(server_side(&server_keys, &[&a, &b]));
+    let mut server = ts.serve("tcp://127.0.0.1:0").await.expect("bind");
+    let endpoint = server.local_endpoint().to_owned();
+    let ta = transport(client_side(&a, &server_keys));
+    let first = step("a connects", ta.connect(&endpoint, "s0"))
+        .await
+        .expect("a connects");
+    first.send(Bytes::from_static(b"hi")).await.expect("send");
+    let (peer, _) = step("a's request", server.recv()).await.expect("a request");
+    drop(first);
+    // A's connection is gone; B presents A's identity.
+    let tb = transport(client_side(&b, &server_keys));
+    let mut refused = None;
+    for _ in 0..50 {
+        match step("b connects", tb.connect(&endpoint, "s0")).await {
+            // A's connection may still hold the identity for a moment.
+            Err(TransportError::Refused { why, .. }) if why.contains("another connection") => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(TransportError::Refused { why, .. }) => {
+                refused = Some(why);
+                break;
+            }
+            other => panic!("b refused, not {:?}", other.map(|_| "connected")),
+        }
+    }
+    let why = refused.expect("b refused within a second");
+    assert!(why.contains("another CURVE key"), "{why}");
+    counted("identities refused", 1, || ts.stats().identities_refused).await;
+    // A gets its identity back, with its PeerId.
+    let again = step("a reconnects", ta.connect(&endpoint, "s0"))
+        .await
+        .expect("a reconnects");
+    again
+        .send(Bytes::from_static(b"again"))
+        .await
+        .expect("send");
+    let (same, _) = step("a's request", server.recv()).await.expect("a request");
+    assert_eq!(same, peer, "the identity's PeerId stays the key's");
+}
+
 #[test]
 fn curve_settings_are_validated() {
     let keys = CurveKeyPair::generate();

@@ -66,7 +66,15 @@ struct Entry {
     id: PeerId,
     /// When the identity was last heard from, in `PeerTable::clock` ticks (unique).
     last_seen: u64,
+    /// Under CURVE, the key that first presented the identity: the identity, and so its
+    /// `PeerId` and every right bound to it (fabric credential, grants, requests, cancels),
+    /// belong to that key for as long as the identity is remembered (`bind_key`).
+    key: Option<[u8; 32]>,
 }
+
+/// An identity that a CURVE key other than its own presented (`PeerTable::bind_key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BoundToAnotherKey;
 
 #[derive(Debug)]
 pub(crate) struct PeerTable {
@@ -122,6 +130,7 @@ impl PeerTable {
             Entry {
                 id,
                 last_seen: self.clock,
+                key: None,
             },
         );
         self.by_id.insert(id, identity.clone());
@@ -132,6 +141,34 @@ impl PeerTable {
     /// The routing identity behind `id`, if it is still remembered.
     pub(crate) fn identity_of(&self, id: PeerId) -> Option<Bytes> {
         self.by_id.get(&id).cloned()
+    }
+
+    /// Binds `identity` to the CURVE `key` a connection presenting it proved, the first
+    /// time; refuses it to any other key while the identity is remembered (a forgotten
+    /// identity comes back with a new `PeerId`, so no right outlives the binding). Without
+    /// CURVE (`key` is `None`) there is nothing to bind.
+    pub(crate) fn bind_key(
+        &mut self,
+        identity: &Bytes,
+        key: Option<[u8; 32]>,
+    ) -> Result<(), BoundToAnotherKey> {
+        let Some(key) = key else { return Ok(()) };
+        if identity.first() == Some(&0) {
+            // Made up by the ROUTER for an anonymous peer: no peer can announce it.
+            return Ok(());
+        }
+        self.peer_for(identity);
+        let entry = self
+            .by_identity
+            .get_mut(identity)
+            .expect("invariant: peer_for remembers the identity it was asked for");
+        match entry.key {
+            Some(bound) if bound != key => Err(BoundToAnotherKey),
+            _ => {
+                entry.key = Some(key);
+                Ok(())
+            }
+        }
     }
 
     /// A connection of `principal` now holds `identity` (a ROUTER claimed it): it is not
@@ -220,6 +257,32 @@ mod tests {
             announced_identity(&lower).is_err(),
             "names are case-insensitive"
         );
+    }
+
+    #[test]
+    fn an_identity_belongs_to_the_key_that_first_presented_it() {
+        let mut t = PeerTable::new(2);
+        let (key_a, key_b) = ([1u8; 32], [2u8; 32]);
+        assert_eq!(t.bind_key(&b("s0"), Some(key_a)), Ok(()));
+        assert_eq!(
+            t.bind_key(&b("s0"), Some(key_a)),
+            Ok(()),
+            "its own key again"
+        );
+        assert_eq!(t.bind_key(&b("s0"), Some(key_b)), Err(BoundToAnotherKey));
+        assert_eq!(
+            t.bind_key(&b("s1"), None),
+            Ok(()),
+            "nothing to bind without CURVE"
+        );
+        let first = t.peer_for(&b("s0"));
+        // Forgotten (the table is full and s0 is the least recently heard), the identity is
+        // free again, under a new id: nothing of the old binding's rights comes with it.
+        t.peer_for(&b("x"));
+        t.peer_for(&b("y"));
+        assert_eq!(t.identity_of(first), None);
+        assert_eq!(t.bind_key(&b("s0"), Some(key_b)), Ok(()));
+        assert_ne!(t.peer_for(&b("s0")), first);
     }
 
     #[test]

@@ -261,6 +261,11 @@ impl Routes {
 /// names no identity: the peer knows its own.
 pub(crate) const IDENTITY_HELD: &str = "identity refused: another connection holds it";
 
+/// The reason a CURVE ROUTER's ERROR gives a peer presenting an identity that another key
+/// presented first (`peers::PeerTable::bind_key`).
+pub(crate) const IDENTITY_OF_ANOTHER_KEY: &str =
+    "identity refused: it belongs to another CURVE key";
+
 type SharedRoutes = Arc<Mutex<Routes>>;
 
 fn lock(routes: &SharedRoutes) -> MutexGuard<'_, Routes> {
@@ -364,6 +369,19 @@ async fn router_conn(
         refuse(&shared, &mut writer, IDENTITY_HELD).await;
         return;
     };
+    // Under CURVE the identity belongs to the key that first presented it.
+    let bound = shared.peers().bind_key(&identity, client_key);
+    if bound.is_err() {
+        lock(&routes).release(&identity, conn);
+        shared.refused(
+            &shared.counters.identities_refused,
+            "ROUTER",
+            "identity refused: it belongs to another CURVE key; connection closed",
+            &kvx_io::SecretLabel(&identity),
+        );
+        refuse(&shared, &mut writer, IDENTITY_OF_ANOTHER_KEY).await;
+        return;
+    }
     if !accept(&shared, &mut writer, &mut sealer, "ROUTER").await {
         lock(&routes).release(&identity, conn);
         return;
