@@ -135,6 +135,11 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// The limits it was made with.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
     /// An empty buffer: nothing reserved, pinned or waiting.
     pub fn new(limits: Limits) -> Self {
         Self {

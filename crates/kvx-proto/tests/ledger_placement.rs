@@ -536,3 +536,118 @@ fn held_chunks_are_counted_against_the_declared_total() {
         "the declared total (3) is the sender's"
     );
 }
+
+/// Claims for ids nobody reserved (ghosts) have budgets: a principal waits for at most its
+/// share of the buffer's slots (`peer_cap`), all senders together for the buffer's slots;
+/// past them a ghost is refused at once, naming the bound. A claim whose reservation is out
+/// is never refused for them: 9,000 ghosts from 40 identities of one principal, and 300
+/// from another, leave the real claim admitted at once.
+#[test]
+fn ghost_claims_have_budgets_and_never_crowd_out_a_reserved_claim() {
+    use kvx_proto::Principal;
+    let mut ledger = caller_ledger(16);
+    let attacker = Principal::new(7);
+    // Sends a ghost claim; which budget refused it, if one did.
+    let ghost = |ledger: &mut ReceiverLedger, peer: PeerId, n: u32| -> Option<bool> {
+        let id = format!("ghost-{}-{n}", peer.0);
+        let answers = send(ledger, at(0), peer, batch(&id, 1, 1, true, 1));
+        let why = answers.into_iter().next()?.error.unwrap_or_default();
+        match () {
+            () if why.contains("this sender's share") => Some(true),
+            () if why.contains("all senders together") => Some(false),
+            () => panic!("a ghost refused for another reason: {why}"),
+        }
+    };
+    let (mut refused_own, mut refused_all) = (0, 0);
+    for n in 0..9_000u32 {
+        let peer = PeerId(100 + u64::from(n % 40));
+        ledger.bind_principal(peer, attacker);
+        match ghost(&mut ledger, peer, n) {
+            Some(true) => refused_own += 1,
+            Some(false) => refused_all += 1,
+            None => {}
+        }
+    }
+    // The default share is 75 %: 12 of 16 slots.
+    assert_eq!(
+        ledger.tracked_requests(),
+        12,
+        "one principal waits for its share at most"
+    );
+    assert_eq!(refused_own, 9_000 - 12);
+    // Another principal fills the rest of the buffer's budget, and is refused past it.
+    for n in 0..300u32 {
+        match ghost(&mut ledger, PeerId(500), n) {
+            Some(true) => refused_own += 1,
+            Some(false) => refused_all += 1,
+            None => {}
+        }
+    }
+    assert_eq!(
+        ledger.tracked_requests(),
+        16,
+        "all together wait for the buffer's slots at most"
+    );
+    assert_eq!(refused_all, 300 - 4);
+    assert_eq!(
+        refused_own,
+        9_000 - 12,
+        "the other principal is within its share"
+    );
+    // The real request: reserved, then claimed (and the other order for a second one).
+    ledger
+        .handle_reserve(at(1), "real", slots(&[0, 1]))
+        .expect("reserve");
+    let granted = send(&mut ledger, at(1), A, batch("real", 2, 2, true, 1));
+    assert_eq!(granted.len(), 1, "{granted:?}");
+    assert!(granted[0].error.is_none(), "{granted:?}");
+    assert_eq!(
+        tags(&granted[0]).len(),
+        2,
+        "admitted at once, its chunks granted"
+    );
+    let early = send(&mut ledger, at(1), B, batch("second", 1, 1, true, 1));
+    assert!(
+        early.iter().all(|r| r
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("all senders together"))),
+        "a claim before its reservation counts against the budget: {early:?}"
+    );
+}
+
+/// `requests_max` bounds what waits, never a claim whose reservation is out: with the table
+/// full of ghosts, the reserved request is admitted.
+#[test]
+fn a_reserved_claim_is_admitted_with_the_request_table_full() {
+    let mut ledger = ReceiverLedger::new(ReceiverConfig {
+        buffer_slots: 16,
+        placement: Placement::Caller,
+        requests_max: 4,
+        ..ReceiverConfig::default()
+    })
+    .expect("config");
+    for n in 0..4u64 {
+        let ghost = batch(&format!("ghost-{n}"), 1, 1, true, 1);
+        assert!(send(&mut ledger, at(0), PeerId(10 + n), ghost).is_empty());
+    }
+    let refused = send(
+        &mut ledger,
+        at(0),
+        PeerId(20),
+        batch("ghost-5", 1, 1, true, 1),
+    );
+    assert!(
+        refused[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("requests_max")),
+        "{refused:?}"
+    );
+    ledger
+        .handle_reserve(at(1), "real", slots(&[0]))
+        .expect("reserve");
+    let granted = send(&mut ledger, at(1), A, batch("real", 1, 1, true, 1));
+    assert!(granted[0].error.is_none(), "{granted:?}");
+    assert_eq!(ledger.tracked_requests(), 5);
+}

@@ -130,14 +130,16 @@ impl ReceiverLedger {
             );
             return self.refuse_and_remember(now, key, &msg, Failure::ProtocolViolation(why));
         }
+        if self.cfg.placement == Placement::Caller {
+            // Its own budgets: a claim of a reservation that is out is never refused for
+            // what else is tracked.
+            return self.claim(now, key, msg);
+        }
         if self.requests.len() >= self.cfg.requests_max {
             let failure = Failure::TooManyRequests {
                 max: self.cfg.requests_max,
             };
             return self.refuse_and_remember(now, key, &msg, failure);
-        }
-        if self.cfg.placement == Placement::Caller {
-            return self.claim(now, key, msg);
         }
         let ticket = self.new_ticket();
         let deadline = now + self.cfg.admission_timeout;

@@ -61,6 +61,15 @@ pub enum Failure {
     /// Caller placement: another sender connection already claimed this request id; a
     /// reservation is claimed once.
     AlreadyClaimed,
+    /// Caller placement: a first batch came before its reservation, and its sender's
+    /// principal (or all senders together) already waits for as many reservations as the
+    /// bound allows.
+    TooManyWaitingClaims {
+        /// The bound: the principal's share of slots, or the buffer's slots.
+        max: u32,
+        /// Which bound.
+        whose: &'static str,
+    },
     /// Caller placement: the request declares more chunks than its reservation has slots.
     LargerThanReservation {
         /// The request's `total_chunks`.
@@ -114,6 +123,11 @@ impl fmt::Display for Failure {
             Failure::AdmissionQueueFull { max } => {
                 write!(f, "admission queue is full ({max} requests wait): retry later or add receivers")
             }
+            Failure::TooManyWaitingClaims { max, whose } => write!(
+                f,
+                "{max} first batches already wait for reservations the decode side has not made \
+                 ({whose}): claim a request once it is reserved, or retry later"
+            ),
             Failure::TooManyRequests { max } => {
                 write!(f, "receiver tracks {max} requests already: retry later or raise requests_max")
             }

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{batch, Failure, Outcome, Phase, ReceiverEvent, ReceiverLedger};
 use crate::config::Placement;
-use crate::ids::{ReqId, ReqKey, SlotIndex};
+use crate::ids::{PeerId, ReqId, ReqKey, SlotIndex};
 use crate::slots::SlotState;
 use crate::time::Instant;
 use crate::wire::AllocRequest;
@@ -101,6 +101,11 @@ pub(super) struct Placements {
     /// First batches that came before their reservation: the id's claimer, waiting
     /// (`Phase::Waiting`, with a timer at `admission_timeout`).
     pub claims: BTreeMap<ReqId, ReqKey>,
+    /// `claims` counted by their sender's principal (its share key): a principal waits for
+    /// at most its share of slots (`peer_cap`) of reservations nobody made yet, and all
+    /// together for at most the buffer's slots, so claims for ids nobody reserves cost
+    /// little, and a claim whose reservation is out is never refused for them.
+    pub waiting_by_share: BTreeMap<PeerId, u32>,
     /// The unclaimed reservations by deadline (those in `PlacedState::Open`).
     pub open: BTreeSet<(Instant, ReqId)>,
 }
@@ -202,7 +207,7 @@ impl ReceiverLedger {
         };
         self.placements.by_id.insert(id.clone(), placed);
         self.placements.open.insert((deadline, id.clone()));
-        if let Some(key) = self.placements.claims.remove(&id) {
+        if let Some(key) = self.stop_waiting(&id) {
             self.admit_waiting_claim(now, &key);
         }
         Ok(())
@@ -233,8 +238,55 @@ impl ReceiverLedger {
         Ok(())
     }
 
-    /// A first batch under caller placement: admitted on its reservation, or waiting for it.
-    /// The common checks (id, sizes, `requests_max`) are done.
+    /// The waiting claim of `id`, no longer waiting (its reservation came, or it ended).
+    fn stop_waiting(&mut self, id: &ReqId) -> Option<ReqKey> {
+        let key = self.placements.claims.remove(id)?;
+        let share = self.principals.share_key(key.peer);
+        let waiting = &mut self.placements.waiting_by_share;
+        match waiting.get_mut(&share) {
+            Some(n) if *n > 1 => *n -= 1,
+            _ => {
+                waiting.remove(&share);
+            }
+        }
+        Some(key)
+    }
+
+    /// Why a first batch of `key`'s sender may not wait for a reservation nobody made yet,
+    /// if it may not: its principal waits for its share of slots already, or all senders
+    /// together for the buffer's slots, or the receiver tracks `requests_max` requests.
+    fn claim_budget_refusal(&self, key: &ReqKey) -> Option<Failure> {
+        let limits = self.admission.limits();
+        let share = self.principals.share_key(key.peer);
+        let own = self
+            .placements
+            .waiting_by_share
+            .get(&share)
+            .copied()
+            .unwrap_or(0);
+        if own >= limits.peer_cap.max(1) {
+            return Some(Failure::TooManyWaitingClaims {
+                max: limits.peer_cap.max(1),
+                whose: "this sender's share of the buffer",
+            });
+        }
+        if self.placements.claims.len() >= limits.capacity as usize {
+            return Some(Failure::TooManyWaitingClaims {
+                max: limits.capacity,
+                whose: "the buffer's slots, all senders together",
+            });
+        }
+        if self.requests.len() >= self.cfg.requests_max {
+            return Some(Failure::TooManyRequests {
+                max: self.cfg.requests_max,
+            });
+        }
+        None
+    }
+
+    /// A first batch under caller placement: admitted on its reservation (whatever else
+    /// waits: the reservation already counts against the buffer), or waiting for it within
+    /// the claim budgets (`claim_budget_refusal`). The common checks (id, sizes) are done.
     pub(super) fn claim(&mut self, now: Instant, key: ReqKey, msg: AllocRequest) {
         match self.placements.by_id.get(&key.req_id).map(|p| &p.state) {
             Some(PlacedState::Open { .. }) => {
@@ -249,6 +301,9 @@ impl ReceiverLedger {
                 self.refuse_and_remember(now, key, &msg, Failure::AlreadyClaimed);
             }
             None => {
+                if let Some(failure) = self.claim_budget_refusal(&key) {
+                    return self.refuse_and_remember(now, key, &msg, failure);
+                }
                 let bytes = batch::queued_bytes(&msg);
                 if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
                     let failure = Failure::TooLarge(format!(
@@ -263,6 +318,8 @@ impl ReceiverLedger {
                 let phase = Phase::Waiting { first: msg.clone() };
                 self.track(now, key.clone(), ticket, &msg, phase);
                 self.set_timer(&key, now + self.cfg.admission_timeout);
+                let share = self.principals.share_key(key.peer);
+                *self.placements.waiting_by_share.entry(share).or_insert(0) += 1;
                 self.placements.claims.insert(key.req_id.clone(), key);
             }
         }
@@ -338,7 +395,7 @@ impl ReceiverLedger {
     /// in quarantine. A first batch that was still waiting for its reservation is forgotten.
     pub(super) fn placement_ended(&mut self, key: &ReqKey, outcome: &Outcome) {
         if self.placements.claims.get(&key.req_id) == Some(key) {
-            self.placements.claims.remove(&key.req_id);
+            self.stop_waiting(&key.req_id);
         }
         let Some(placed) = self.placements.by_id.get(&key.req_id) else {
             return;
@@ -485,6 +542,22 @@ impl ReceiverLedger {
                 }
             }
         }
+        let mut by_share: BTreeMap<PeerId, u32> = BTreeMap::new();
+        for key in p.claims.values() {
+            *by_share
+                .entry(self.principals.share_key(key.peer))
+                .or_insert(0) += 1;
+        }
+        assert_eq!(
+            by_share, p.waiting_by_share,
+            "invariant: waiting claims are counted by principal"
+        );
+        let limits = self.admission.limits();
+        assert!(
+            p.claims.len() <= limits.capacity as usize
+                && by_share.values().all(|&n| n <= limits.peer_cap.max(1)),
+            "invariant: waiting claims within their budgets"
+        );
         for (id, key) in &p.claims {
             assert_eq!(&key.req_id, id, "invariant: a claim waits under its own id");
             assert!(
