@@ -13,7 +13,9 @@
 //! credential, loses to a peer that authenticated, and among peers that did, an idle one goes
 //! before one that is writing. A newcomer never closes an authenticated connection itself:
 //! when only those are left it is taken beyond the cap while it greets (`open`), and its own
-//! authentication closes the quietest of them. A cap per source keeps one address (or, for a Unix socket, one
+//! authentication closes one of them: its own source's quietest, else the quietest of the
+//! source holding the most, so authenticated idlers from a few addresses close each other and
+//! never a lone sender's idle connection. A cap per source keeps one address (or, for a Unix socket, one
 //! user) from taking the whole table, so that evictions fall on its own connections first.
 //!
 //! A connection's task runs its work through `Held::run`, which ends it when it is evicted;
@@ -111,7 +113,8 @@ impl<K: Copy + Eq> ConnectionBudget<K> {
     /// newcomer never closes an authenticated connection. Where only authenticated ones are
     /// left to close, it is taken beyond the cap while it greets (with at most a quarter of
     /// `total_max` others, `pending_max`; past that the oldest of them goes), and it is its own
-    /// authentication that closes the quietest authenticated connection (`Held::authenticated`).
+    /// authentication that closes an authenticated connection (`Held::authenticated`): its own
+    /// source's quietest, else the quietest of the source holding the most.
     /// A listener whose connections never authenticate keeps exactly `total_max`.
     pub fn open(&self, from: K) -> (Held<K>, Evicted) {
         let inner = &self.inner;
@@ -179,6 +182,17 @@ enum Among {
 
 const UNAUTHENTICATED: Among = Among::Unauthenticated;
 
+impl Among {
+    /// Whether connection `id` is one of these.
+    fn takes<K>(self, id: u64, e: &Entry<K>) -> bool {
+        let authenticated = e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED;
+        match self {
+            Among::Unauthenticated => !authenticated,
+            Among::AuthenticatedBut(this) => authenticated && id != this,
+        }
+    }
+}
+
 impl<K: Copy + Eq> Table<K> {
     /// Connections not authenticated.
     fn unauthenticated(&self) -> usize {
@@ -188,6 +202,28 @@ impl<K: Copy + Eq> Table<K> {
             .count()
     }
 
+    /// The source with the most connections of `among`, the one whose quietest connection
+    /// is quietest among equals.
+    fn busiest_source(&self, among: Among) -> Option<K> {
+        // (source, its connections, its quietest's eviction order: lowest goes first)
+        type Quietest = ((u8, u64), u64);
+        let mut counts: Vec<(K, usize, Quietest)> = Vec::new();
+        for (id, e) in self.held.iter().filter(|(id, e)| among.takes(**id, e)) {
+            let quiet = (e.mark.key(), *id);
+            match counts.iter_mut().find(|(from, _, _)| *from == e.from) {
+                Some((_, n, quietest)) => {
+                    *n += 1;
+                    *quietest = (*quietest).min(quiet);
+                }
+                None => counts.push((e.from, 1, quiet)),
+            }
+        }
+        counts
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)))
+            .map(|(from, _, _)| from)
+    }
+
     /// Closes the quietest connection of `among` (from `from`, if given). False when there is
     /// none.
     fn evict(&mut self, from: Option<K>, among: Among) -> bool {
@@ -195,13 +231,7 @@ impl<K: Copy + Eq> Table<K> {
             .held
             .iter()
             .filter(|(_, e)| from.is_none_or(|f| e.from == f))
-            .filter(|(id, e)| {
-                let authenticated = e.mark.standing.load(Ordering::Relaxed) >= AUTHENTICATED;
-                match among {
-                    Among::Unauthenticated => !authenticated,
-                    Among::AuthenticatedBut(this) => authenticated && **id != this,
-                }
-            })
+            .filter(|(id, e)| among.takes(**id, e))
             .min_by_key(|(id, e)| (e.mark.key(), **id))
             .map(|(id, _)| *id);
         match quietest.and_then(|id| self.held.remove(&id)) {
@@ -241,8 +271,11 @@ impl<K> Held<K> {
 impl<K: Copy + Eq> Held<K> {
     /// The connection authenticated (and was heard from): from now on no newcomer closes it,
     /// and it goes only for another authenticated connection, by how recently each was heard.
-    /// If that takes the authenticated connections past the total cap, or its source's past
-    /// the per-source cap, the quietest of those others is closed now (counted in the answer).
+    /// If that takes its source's authenticated connections past the per-source cap, its
+    /// source's quietest other is closed now; if it takes all of them past the total cap, its
+    /// own source's quietest other, or, where its source holds no other, the quietest of the
+    /// source holding the most (counted in the answer). So authenticated idlers from a few
+    /// addresses close each other, never a lone sender's idle connection.
     pub fn authenticated(&self) -> Evicted {
         self.mark
             .standing
@@ -267,7 +300,13 @@ impl<K: Copy + Eq> Held<K> {
             evicted += usize::from(table.evict(Some(from), others));
         }
         if table.held.len() - table.unauthenticated() > inner.total_max {
-            evicted += usize::from(table.evict(None, others));
+            // Its own source's quietest first; else the quietest of the source that holds the
+            // most authenticated connections: a flood's, never a lone sender's first.
+            let closed = table.evict(Some(from), others)
+                || table
+                    .busiest_source(others)
+                    .is_some_and(|busiest| table.evict(Some(busiest), others));
+            evicted += usize::from(closed);
         }
         Evicted(evicted)
     }
@@ -365,13 +404,22 @@ mod tests {
         pause().await;
         n3.authenticated();
         // Only authenticated ones are left: a newcomer is taken beyond the cap while it
-        // greets, and its authentication closes the authenticated one heard longest ago.
+        // greets, and its authentication closes its own address's authenticated one heard
+        // longest ago (not the other addresses' idle one).
         let (n4, evicted) = budget.open(ip(9));
         assert_eq!((evicted, budget.len()), (Evicted(0), 5));
         assert_eq!(n4.authenticated(), Evicted(1));
         assert!(
-            gone(&idle_authenticated) && !gone(&writer),
-            "then the authenticated one heard longest ago"
+            gone(&n2) && !gone(&idle_authenticated) && !gone(&writer),
+            "then its own address's authenticated one heard longest ago"
+        );
+        // From an address holding no other, the authenticated one heard longest ago of the
+        // address holding the most (127.0.0.9: two).
+        let (n7, _) = budget.open(ip(8));
+        assert_eq!(n7.authenticated(), Evicted(1));
+        assert!(
+            gone(&n3) && !gone(&idle_authenticated) && !gone(&writer),
+            "then the busiest address's"
         );
         // Newcomers that do not authenticate close one another, never the writer.
         let (n5, _) = budget.open(ip(9));
@@ -425,6 +473,37 @@ mod tests {
     }
 
     /// Polls `f` once: its output if it is ready at once.
+    /// Authenticated idlers from a few addresses, past the total cap, close each other (the
+    /// newcomer's own address's first, else the busiest address's), never a lone sender's
+    /// idle connection, however long it has been quiet.
+    #[tokio::test]
+    async fn authenticated_idlers_close_each_other_not_a_lone_sender() {
+        let budget = ConnectionBudget::new(4, 4);
+        let (sender, _) = budget.open(ip(1));
+        let _ = sender.authenticated();
+        std::thread::sleep(std::time::Duration::from_millis(2)); // it is the quietest
+        let mut idlers = Vec::new();
+        for from in [2, 2, 3] {
+            let (h, _) = budget.open(ip(from));
+            assert_eq!(h.authenticated(), Evicted(0));
+            idlers.push(h);
+        }
+        let gone = |h: &Held| futures_now(h.run(std::future::pending::<()>())) == Some(None);
+        // From an address with others: one of its own goes.
+        let (own, _) = budget.open(ip(3));
+        assert_eq!(own.authenticated(), Evicted(1));
+        assert!(gone(&idlers[2]) && !gone(&sender), "its own address's");
+        // From a new address: the busiest address (127.0.0.2, two) loses its quietest.
+        let (fresh, _) = budget.open(ip(4));
+        assert_eq!(fresh.authenticated(), Evicted(1));
+        assert!(gone(&idlers[0]) && !gone(&sender), "the busiest address's");
+        assert_eq!(
+            futures_now(sender.run(async { 1 })),
+            Some(Some(1)),
+            "the lone sender keeps its connection"
+        );
+    }
+
     fn futures_now<F: std::future::Future>(f: F) -> Option<F::Output> {
         let mut f = std::pin::pin!(f);
         let waker = std::task::Waker::noop();
