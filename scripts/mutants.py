@@ -432,7 +432,7 @@ def apply_all(text, pairs):
 
 def run_curve(name):
     path, pairs, what = CURVE_MUTANTS[name]
-    env = dict(os.environ, KVX_REQUIRE_PYTHON="1")
+    env = dict(os.environ, KVX_REQUIRE_PYTHON="1", PROPTEST_DISABLE_FAILURE_PERSISTENCE="1")
     cmd = ["cargo", "test", "-q", "--no-fail-fast", "-p", "kvx-transport", "--lib", "--test", "zmq_curve"]
     return verdict(name, what, path, lambda text: apply_all(text, pairs), cmd, env)
 
@@ -440,7 +440,9 @@ def run_curve(name):
 def run(name):
     path, old, new, what, *selection = MUTANTS[name]
     selection = selection[0] if selection else PROTO_TESTS
-    env = dict(os.environ, PROPTEST_CASES="1000")
+    # The failures a variant makes are its own: proptest must not keep them in the checkout's
+    # regression files.
+    env = dict(os.environ, PROPTEST_CASES="1000", PROPTEST_DISABLE_FAILURE_PERSISTENCE="1")
     env.pop("KVX_TRACE", None)
     if os.geteuid() == 0:
         # As root the cross-user tests can run, so a variant must not turn them into a skip.
