@@ -213,6 +213,15 @@ fn main() -> Result<()> {
         println!("failing seeds: {}", shown.join(" "));
         std::process::exit(1);
     }
+    if done != a.seeds {
+        // A worker that died without reporting (a panic outside a run's own catch) leaves
+        // seeds that never ran: a sweep that checked less than it was asked to is no pass.
+        println!(
+            "kvx-sim: ran {done} of the {} seeds asked for: failing (a worker ended early)",
+            a.seeds
+        );
+        std::process::exit(3);
+    }
     Ok(())
 }
 
