@@ -168,22 +168,29 @@ class Cluster:
                  tokens_of_last: int = CHUNK_TOKENS) -> bool:
         """The decode side's retrieve of every chunk (get, compare, remove); True when each
         one holds exactly the bytes the sender wrote."""
+        return self.retrieve_status(req_id, total, rank, tokens_of_last)[1]
+
+    def retrieve_status(self, req_id: str, total: int, rank: int = 0,
+                        tokens_of_last: int = CHUNK_TOKENS) -> "tuple[bool, bool]":
+        """``retrieve``, telling apart (every chunk is there with its token count, each holds
+        exactly the sender's bytes). LMCache's own ``mock_memory`` channel moves no bytes
+        (its decode side reads zeros), so only the first can hold for it."""
         sm = self.receivers[rank]
-        good = True
+        present, exact = True, True
         for c in range(total):
             key = chunk_key(req_id, c, rank, len(self.receivers))
             try:
                 obj = sm.get(key)
             except AssertionError:  # LMCache's own backend asserts on a missing key.
-                return False
+                return False, False
             if obj is None:
-                return False
+                return False, False
             raw = obj.tensor.reshape(-1).view(torch.uint8)
             want_tokens = tokens_of_last if c == total - 1 else CHUNK_TOKENS
-            good &= obj.get_num_tokens() == want_tokens
-            good &= bool(torch.equal(raw, chunk_bytes(req_id, c, raw.numel())))
+            present &= obj.get_num_tokens() == want_tokens
+            exact &= bool(torch.equal(raw, chunk_bytes(req_id, c, raw.numel())))
             sm.remove(key)
-        return good
+        return present, present and exact
 
     def close(self, timeout: float = 10.0) -> int:
         """Closes every StorageManager, each within ``timeout`` (on a thread of its own: a
@@ -213,6 +220,8 @@ class Decoder(threading.Thread):
         self.tokens_of_last = tokens_of_last
         self.deadline = time.monotonic() + deadline_s
         self.delivered: Dict[str, bool] = {}
+        #: Requests notified ready whose every chunk the decode side found (bytes aside).
+        self.present: Dict[str, bool] = {}
         self.failed: Dict[str, str] = {}
         self._ranks_heard: Dict[str, int] = {}
 
@@ -227,10 +236,12 @@ class Decoder(threading.Thread):
                 continue
             self._ranks_heard[req_id] = self._ranks_heard.get(req_id, 0) + 1
             if self._ranks_heard[req_id] == self.ranks:
-                self.delivered[req_id] = all(
-                    self.cluster.retrieve(req_id, self.totals[req_id], rank, self.tokens_of_last)
+                status = [
+                    self.cluster.retrieve_status(req_id, self.totals[req_id], rank, self.tokens_of_last)
                     for rank in range(self.ranks)
-                )
+                ]
+                self.present[req_id] = all(p for p, _ in status)
+                self.delivered[req_id] = all(e for _, e in status)
 
 
 def interleave(cluster, plans, batch, step_timeout=None):
