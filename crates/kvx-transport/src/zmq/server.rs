@@ -266,6 +266,19 @@ pub(crate) const IDENTITY_HELD: &str = "identity refused: another connection hol
 pub(crate) const IDENTITY_OF_ANOTHER_KEY: &str =
     "identity refused: it belongs to another CURVE key";
 
+/// Refuses a ROUTER peer's identity: counted in `identities_refused`, logged sparsely as
+/// `log` with `label` (never the identity's bytes), and answered with an ERROR saying `reason`.
+async fn refuse_identity(
+    shared: &Shared,
+    writer: &mut OwnedWriteHalf,
+    log: &'static str,
+    label: &(dyn std::fmt::Display + Sync),
+    reason: &str,
+) {
+    shared.refused(&shared.counters.identities_refused, "ROUTER", log, label);
+    refuse(shared, writer, reason).await;
+}
+
 type SharedRoutes = Arc<Mutex<Routes>>;
 
 fn lock(routes: &SharedRoutes) -> MutexGuard<'_, Routes> {
@@ -347,40 +360,25 @@ async fn router_conn(
     let announced = match peers::announced_identity(&props) {
         Ok(announced) => announced,
         Err(why) => {
-            shared.refused(
-                &shared.counters.identities_refused,
-                "ROUTER",
-                "identity refused; connection closed",
-                &why,
-            );
-            refuse(&shared, &mut writer, &format!("identity refused: {why}")).await;
-            return;
+            let reason = format!("identity refused: {why}");
+            let log = "identity refused; connection closed";
+            return refuse_identity(&shared, &mut writer, log, &why, &reason).await;
         }
     };
     let claimed = lock(&routes).claim(announced.clone());
     let Some((conn, identity, queue)) = claimed else {
         let taken = announced.unwrap_or_default();
-        shared.refused(
-            &shared.counters.identities_refused,
-            "ROUTER",
-            "identity refused: another connection holds it; connection closed",
-            &kvx_io::SecretLabel(&taken),
-        );
-        refuse(&shared, &mut writer, IDENTITY_HELD).await;
-        return;
+        let log = "identity refused: another connection holds it; connection closed";
+        let label = kvx_io::SecretLabel(&taken);
+        return refuse_identity(&shared, &mut writer, log, &label, IDENTITY_HELD).await;
     };
     // Under CURVE the identity belongs to the key that first presented it.
     let bound = shared.peers().bind_key(&identity, client_key);
     if bound.is_err() {
         lock(&routes).release(&identity, conn);
-        shared.refused(
-            &shared.counters.identities_refused,
-            "ROUTER",
-            "identity refused: it belongs to another CURVE key; connection closed",
-            &kvx_io::SecretLabel(&identity),
-        );
-        refuse(&shared, &mut writer, IDENTITY_OF_ANOTHER_KEY).await;
-        return;
+        let log = "identity refused: it belongs to another CURVE key; connection closed";
+        let label = kvx_io::SecretLabel(&identity);
+        return refuse_identity(&shared, &mut writer, log, &label, IDENTITY_OF_ANOTHER_KEY).await;
     }
     if !accept(&shared, &mut writer, &mut sealer, "ROUTER").await {
         lock(&routes).release(&identity, conn);
