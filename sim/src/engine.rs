@@ -140,6 +140,7 @@ pub async fn prefill(
                 fmt: 1,
                 shape: vec![2, 1, 256, 1],
                 dtype: "bfloat16".into(),
+                claim: None,
             };
             h.begin(spec).map_err(|e| e.to_string())
         }

@@ -25,7 +25,7 @@ use kvx_node::{
     BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned, Returns, StartError,
 };
 use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
-use kvx_proto::{ReceiverConfig, ReqKey, SlotIndex};
+use kvx_proto::{ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::{EnvChoice, EnvVisitor};
 use crate::memory::{Memory, MemoryView};
@@ -60,6 +60,7 @@ trait ReaderApi: Send + Sync {
         req_id: &'a str,
         held: u32,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
     ) -> BoxFuture<'a, Result<(), PlacementError>>;
     fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>>;
     fn memory_view(&self) -> Option<MemoryView>;
@@ -79,8 +80,9 @@ impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
         req_id: &'a str,
         held: u32,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
     ) -> BoxFuture<'a, Result<(), PlacementError>> {
-        Box::pin(ChunkReader::reserve_held(self, req_id, held, slots))
+        Box::pin(ChunkReader::reserve_held(self, req_id, held, slots, secret))
     }
     fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>> {
         Box::pin(ChunkReader::withdraw(self, req_id))
@@ -316,16 +318,18 @@ impl Receiver {
     /// the receiver places requests itself, the id is reserved already, a slot is out of
     /// range, named twice or reserved for another request not yet returned. The request's
     /// first `held` chunks are the application's already (its sender is told they are sent;
-    /// chunk `held + i` goes to `slots[i]`).
+    /// chunk `held + i` goes to `slots[i]`). Only a first batch that carries `secret`
+    /// claims the reservation.
     pub fn reserve(
         &self,
         req_id: &str,
         held: u32,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
         timeout: Duration,
     ) -> Result<(), EmbedError> {
         self.runtime
-            .block_on_for(timeout, self.reader.reserve(req_id, held, slots))
+            .block_on_for(timeout, self.reader.reserve(req_id, held, slots, secret))
             .ok_or(EmbedError::TimedOut(timeout))?
             .map_err(EmbedError::Placement)
     }

@@ -82,6 +82,7 @@ fn four_senders_in_one_process_with_default_identities_all_deliver() {
                 fmt: 1,
                 shape: vec![1],
                 dtype: "bfloat16".into(),
+                claim: None,
             })
             .expect("begins");
         assert!(

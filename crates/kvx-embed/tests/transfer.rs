@@ -117,6 +117,7 @@ fn spec(id: &str, receiver: PeerId, chunks: u32) -> RequestSpec {
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),
+        claim: None,
     }
 }
 

@@ -7,16 +7,22 @@
 //! back (`Returned`) is the receiver's output, beside its notices (`receiver.rs`).
 
 use kvx_proto::receiver::PlacementError;
-use kvx_proto::SlotIndex;
+use kvx_proto::{ClaimSecret, SlotIndex};
 
 use crate::receiver::{ChunkReader, Cmd, ReceiverHandle, Returns};
 
 impl<M> ChunkReader<M> {
-    /// Lends `slots` (chunk i to `slots[i]`) to request `req_id`, which its sender's first
-    /// batch then claims (`ReceiverLedger::handle_reserve`). Refused with nothing changed
-    /// (the reason says why), or `Stopped` once the driver has ended.
-    pub async fn reserve(&self, req_id: &str, slots: Vec<SlotIndex>) -> Result<(), PlacementError> {
-        self.reserve_held(req_id, 0, slots).await
+    /// Lends `slots` (chunk i to `slots[i]`) to request `req_id`, which the first batch
+    /// that carries `secret` then claims (`ReceiverLedger::handle_reserve`): hand `secret`
+    /// to the one sender meant to claim it. Refused with nothing changed (the reason says
+    /// why), or `Stopped` once the driver has ended.
+    pub async fn reserve(
+        &self,
+        req_id: &str,
+        slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
+    ) -> Result<(), PlacementError> {
+        self.reserve_held(req_id, 0, slots, secret).await
     }
 
     /// `reserve` for a request whose first `held` chunks the application holds already
@@ -27,11 +33,12 @@ impl<M> ChunkReader<M> {
         req_id: &str,
         held: u32,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
     ) -> Result<(), PlacementError> {
         let req_id = req_id.to_owned();
         self.link
             .ask_or(
-                |tx| Cmd::Reserve(req_id, held, slots, tx),
+                |tx| Cmd::Reserve(req_id, held, slots, secret, tx),
                 || PlacementError::Stopped,
             )
             .await

@@ -79,6 +79,7 @@ pub(crate) enum Cmd {
         String,
         u32,
         Vec<SlotIndex>,
+        kvx_proto::ClaimSecret,
         oneshot::Sender<Result<(), PlacementError>>,
     ),
     Withdraw(String, oneshot::Sender<Result<(), PlacementError>>),
@@ -393,9 +394,10 @@ impl<E: Env> Driver<E> {
                             admission_queue_len: l.admission_queue_len(),
                         }));
                     }
-                    Some(Cmd::Reserve(req_id, held, slots, reply)) => {
+                    Some(Cmd::Reserve(req_id, held, slots, secret, reply)) => {
                         let now = self.env.now();
-                        let reserved = self.ledger.handle_reserve_held(now, &req_id, held, slots);
+                        let reserved =
+                            self.ledger.handle_reserve_held(now, &req_id, held, slots, secret);
                         let _ = reply.send(reserved);
                     }
                     Some(Cmd::Withdraw(req_id, reply)) => {

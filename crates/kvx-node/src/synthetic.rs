@@ -106,6 +106,21 @@ pub fn chunk_matches(req_id: &str, chunk: u32, got: &[u8]) -> bool {
         .all(|(j, w)| w == &word(key, i + j)[..w.len()])
 }
 
+/// The claim secret of a synthetic request's caller-placement reservation: derived from its
+/// id, so that a test's receiver and sender agree on it without a channel between them. Not
+/// secret at all; an application draws one at random per reservation and hands it to the
+/// one sender meant to claim it.
+pub fn claim_secret(req_id: &ReqId) -> kvx_proto::ClaimSecret {
+    let id: String = req_id
+        .0
+        .chars()
+        .filter(char::is_ascii_graphic)
+        .take(64)
+        .collect();
+    kvx_proto::ClaimSecret::new(format!("synthetic-claim-{id}"))
+        .expect("invariant: 16..=128 printable bytes")
+}
+
 /// One request of the synthetic workload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyntheticRequest {
@@ -154,6 +169,7 @@ pub async fn admit<E: Env>(
         fmt: 1,
         shape: vec![2, 1, 256, (req.chunk_bytes / 1024).max(1) as u64],
         dtype: "bfloat16".into(),
+        claim: Some(claim_secret(&req.req_id)),
     };
     let started = tokio::time::Instant::now();
     sender

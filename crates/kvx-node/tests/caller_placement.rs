@@ -22,6 +22,11 @@ const CHUNK: usize = 4096;
 
 type Env = TokioEnv<MemTransport, MemFabric>;
 
+/// Request `id`'s claim secret, which the synthetic sender carries.
+fn secret(id: &str) -> kvx_proto::ClaimSecret {
+    synthetic::claim_secret(&ReqId(id.into()))
+}
+
 fn slots(list: &[u32]) -> Vec<SlotIndex> {
     list.iter().copied().map(SlotIndex).collect()
 }
@@ -92,7 +97,7 @@ async fn reserve_and_send(id: &str, held: u32, reserved: &[u32], chunks: u32) ->
     assert!(rx.take_returns().is_none(), "taken once");
     let reader = rx.reader().clone();
     reader
-        .reserve_held(id, held, slots(reserved))
+        .reserve_held(id, held, slots(reserved), secret(id))
         .await
         .expect("reserved");
     let addr = ReceiverAddr {
@@ -192,7 +197,7 @@ async fn a_withdrawn_reservation_comes_back_and_its_sender_is_told_why() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!admit.is_finished(), "no admission before the reservation");
     reader
-        .reserve("w", slots(&[0, 2, 5]))
+        .reserve("w", slots(&[0, 2, 5]), secret("w"))
         .await
         .expect("reserved");
     let waited = within("the admission", admit)
@@ -221,7 +226,7 @@ async fn reservations_are_refused_by_a_pool_receiver_and_by_a_stopped_one() {
     let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
     let pool = receiver(&env, Placement::Pool).await;
     assert_eq!(
-        pool.reader().reserve("r", slots(&[0])).await,
+        pool.reader().reserve("r", slots(&[0]), secret("r")).await,
         Err(PlacementError::NotCaller)
     );
     let env = TokioEnv::new(MemTransport::new(), MemFabric::new());
@@ -230,7 +235,7 @@ async fn reservations_are_refused_by_a_pool_receiver_and_by_a_stopped_one() {
     reader.shutdown().await;
     let stopped = within("a stopped driver's answer", async {
         loop {
-            match reader.reserve("r", slots(&[0])).await {
+            match reader.reserve("r", slots(&[0]), secret("r")).await {
                 Err(PlacementError::Stopped) => break,
                 _ => tokio::time::sleep(Duration::from_millis(10)).await,
             }
@@ -270,7 +275,10 @@ async fn chunks_land_in_the_layer_ranges_of_a_buffer_lent_in_parts() {
     let mut returns = rx.take_returns().expect("the returns stream");
     let reader = rx.reader().clone();
     // Block 2 of layer 1, then block 2 of layer 0.
-    reader.reserve("r", slots(&[6, 2])).await.expect("reserved");
+    reader
+        .reserve("r", slots(&[6, 2]), secret("r"))
+        .await
+        .expect("reserved");
     let addr = ReceiverAddr {
         alloc: rx.alloc_endpoint().to_owned(),
         fabric: rx.fabric_endpoint().to_owned(),

@@ -116,7 +116,13 @@ fn spec(peer: kvx_proto::PeerId, id: &str, chunks: u32) -> RequestSpec {
         fmt: 1,
         shape: vec![1],
         dtype: "bf16".into(),
+        claim: Some(synthetic_secret(id)),
     }
+}
+
+/// Request `id`'s claim secret, as its reservation was made with.
+fn synthetic_secret(id: &str) -> kvx_proto::ClaimSecret {
+    synthetic::claim_secret(&ReqId(id.into()))
 }
 
 /// Submits `req`'s chunks read from `slots`, in one batch, after marking each slot staged
@@ -246,7 +252,10 @@ async fn consecutive_chunks_go_as_one_write_over_tcp() {
     ];
     for (id, _, remote) in reserved {
         let remote = remote.iter().copied().map(SlotIndex).collect();
-        reader.reserve(id, remote).await.expect("reserved");
+        reader
+            .reserve(id, remote, synthetic_secret(id))
+            .await
+            .expect("reserved");
     }
     let layers = filled_layers();
     let cfg = SenderConfig {

@@ -61,6 +61,7 @@ fn spec(peer: PeerId, req_id: &ReqId) -> RequestSpec {
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),
+        claim: None,
     }
 }
 

@@ -105,6 +105,7 @@ fn request(peer: kvx_proto::PeerId, id: &str, total_chunks: u32) -> RequestSpec 
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),
+        claim: None,
     }
 }
 
@@ -301,6 +302,7 @@ async fn a_chunk_changed_after_staging_fails_everywhere_with_the_reason() {
             fmt: 1,
             shape: vec![1],
             dtype: "bfloat16".into(),
+            claim: None,
         })
         .expect("begins");
     sender.admitted(&id).await.expect("admitted");

@@ -6,6 +6,7 @@
 //! Map:
 //! - `wire`: LMCache-compatible msgpack messages and their codec.
 //! - `ids`, `time`, `config`: newtype ids, virtual time, configuration with bounds.
+//! - `claim`: `ClaimSecret`, what a claim of a caller-placement reservation must prove.
 //! - `admission`: FIFO reservation of a request's whole `total_chunks`.
 //! - `slots`: the receiver's buffer slots, generations and quarantine.
 //! - `receiver`: `ReceiverLedger`, the decode side (admission + ledger + leases).
@@ -35,6 +36,7 @@ macro_rules! broken_variant {
 pub mod admission;
 #[cfg(feature = "testing")]
 mod canon;
+pub mod claim;
 pub mod config;
 pub mod ids;
 pub mod proxy;
@@ -45,6 +47,7 @@ pub mod slots;
 pub mod time;
 pub mod wire;
 
+pub use claim::ClaimSecret;
 pub use config::{
     ConfigError, LegacySenders, Placement, ProxyConfig, ReceiverConfig, SenderConfig,
 };

@@ -18,6 +18,7 @@ fn first_batch(req: &str, total: u32) -> Message {
     Message::AllocRequest(AllocRequest {
         keys: vec![format!("{req}@0")],
         chunk_bytes: Some(vec![64]),
+        claim: None,
         fmt: 1,
         shape: vec![2, 2, 256, 64],
         dtype: "bfloat16".into(),

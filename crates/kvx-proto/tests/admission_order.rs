@@ -61,6 +61,7 @@ fn probe(req: &str, total: u32) -> Message {
     Message::AllocRequest(AllocRequest {
         keys: vec![],
         chunk_bytes: None,
+        claim: None,
         fmt: 1,
         shape: vec![2, 2, 256, 64],
         dtype: "bfloat16".into(),

@@ -10,6 +10,7 @@ fn batch(id: &str, keys: &[&str], total: u32, shape: Vec<u64>, dtype: &str) -> A
     AllocRequest {
         keys: keys.iter().map(|k| (*k).to_owned()).collect(),
         chunk_bytes: Some(vec![64; keys.len()]),
+        claim: None,
         fmt: 1,
         shape,
         dtype: dtype.into(),
@@ -114,6 +115,7 @@ fn the_ready_event_gives_the_token_count_to_the_last_chunk_alone() {
     let b = AllocRequest {
         seq: None, // an LMCache-style sender: ready when the application says so
         chunk_bytes: None,
+        claim: None,
         ..batch("r", &["k0", "k1", "k2"], 3, vec![1], "bfloat16")
     };
     l.handle_message(Instant::ZERO, PeerId(1), Message::AllocRequest(b));

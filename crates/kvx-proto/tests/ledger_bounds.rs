@@ -11,6 +11,7 @@ use kvx_proto::{Instant, PeerId, ReceiverConfig};
 fn batch(id: String, keys: Vec<String>, total: u32) -> Message {
     Message::AllocRequest(AllocRequest {
         chunk_bytes: Some(vec![64; keys.len()]),
+        claim: None,
         keys,
         fmt: 1,
         shape: vec![2, 2, 256, 64],

@@ -36,6 +36,7 @@ fn batch(id: &str, keys: usize, seq: Option<u64>) -> Message {
         total_chunks: keys as u32,
         seq,
         chunk_bytes: seq.map(|_| vec![CHUNK; keys]),
+        claim: None,
     })
 }
 
@@ -246,6 +247,7 @@ fn a_partial_last_chunk_lands_whole_at_its_shorter_length() {
             total_chunks: 2,
             seq: Some(1),
             chunk_bytes: Some(vec![CHUNK, CHUNK * 100 / 256]),
+            claim: None,
         };
         l.handle_message(Instant::ZERO, OWNER, Message::AllocRequest(msg));
         while l.poll_transmit().is_some() {}

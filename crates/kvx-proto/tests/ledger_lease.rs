@@ -12,6 +12,7 @@ fn ready_request(ledger: &mut ReceiverLedger, id: &str) -> ReqKey {
     let batch = AllocRequest {
         keys: vec!["k0".into(), "k1".into()],
         chunk_bytes: None,
+        claim: None,
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),

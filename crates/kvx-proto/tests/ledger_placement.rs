@@ -10,7 +10,9 @@ use kvx_proto::receiver::{
 };
 use kvx_proto::slots::SlotState;
 use kvx_proto::wire::{AllocRequest, AllocResponse, Message};
-use kvx_proto::{Instant, PeerId, Placement, ReceiverConfig, ReqId, ReqKey, SlotIndex, WriteTag};
+use kvx_proto::{
+    ClaimSecret, Instant, PeerId, Placement, ReceiverConfig, ReqId, ReqKey, SlotIndex, WriteTag,
+};
 
 const A: PeerId = PeerId(1);
 const B: PeerId = PeerId(2);
@@ -40,11 +42,19 @@ fn key(peer: PeerId, id: &str) -> ReqKey {
     }
 }
 
-/// A kvx sender's batch of `n` chunks of `id` (of `total`), `seq` as given.
+/// The claim secret of `id`'s reservation, which its own sender knows.
+fn secret(id: &str) -> ClaimSecret {
+    let id = &id[..id.len().min(64)];
+    ClaimSecret::new(format!("secret-of-{id}-0123456789")).expect("a valid secret")
+}
+
+/// A kvx sender's batch of `n` chunks of `id` (of `total`), `seq` as given, carrying the
+/// reservation's secret as the sender it was made for does.
 fn batch(id: &str, n: usize, total: u32, last: bool, seq: u64) -> AllocRequest {
     AllocRequest {
         keys: (0..n).map(|i| format!("{id}-{seq}-{i}")).collect(),
         chunk_bytes: Some(vec![CHUNK; n]),
+        claim: Some(secret(id)),
         fmt: 1,
         shape: vec![1],
         dtype: "float32".into(),
@@ -124,7 +134,7 @@ fn ended(evs: &[ReceiverEvent]) -> Option<Outcome> {
 fn chunks_go_to_the_reserved_slots_in_order_and_come_back_after_the_consume() {
     let mut ledger = caller_ledger(8);
     ledger
-        .handle_reserve(at(0), "r", slots(&[5, 2, 7]))
+        .handle_reserve(at(0), "r", slots(&[5, 2, 7]), secret("r"))
         .expect("reserve");
     let first = send(&mut ledger, at(0), A, batch("r", 2, 3, false, 1));
     let second = send(&mut ledger, at(0), A, batch("r", 1, 3, true, 2));
@@ -156,7 +166,7 @@ fn chunks_go_to_the_reserved_slots_in_order_and_come_back_after_the_consume() {
     }
     // The slots may be lent again, and a new grant of a slot carries a new generation.
     ledger
-        .handle_reserve(at(1), "r2", slots(&[7]))
+        .handle_reserve(at(1), "r2", slots(&[7]), secret("r2"))
         .expect("lent again");
     let again = send(&mut ledger, at(1), A, batch("r2", 1, 1, true, 3));
     let tag = tags(&again[0])[0];
@@ -180,7 +190,7 @@ fn a_claim_before_its_reservation_waits_for_it() {
         "no answer before the reservation: {early:?}"
     );
     ledger
-        .handle_reserve(at(2), "r", slots(&[3, 1]))
+        .handle_reserve(at(2), "r", slots(&[3, 1]), secret("r"))
         .expect("reserve");
     let granted = replies(&mut ledger);
     assert_eq!(granted.len(), 1);
@@ -220,7 +230,7 @@ fn a_claim_never_reserved_is_refused_at_the_admission_timeout() {
     assert_eq!(ledger.tracked_requests(), 0);
     // A reservation made later is not claimed by the refused batch.
     ledger
-        .handle_reserve(deadline, "r", slots(&[0]))
+        .handle_reserve(deadline, "r", slots(&[0]), secret("r"))
         .expect("reserve");
     assert!(replies(&mut ledger).is_empty());
 }
@@ -229,10 +239,10 @@ fn a_claim_never_reserved_is_refused_at_the_admission_timeout() {
 fn an_unclaimed_reservation_is_returned_at_its_deadline_or_when_withdrawn() {
     let mut ledger = caller_ledger(4);
     ledger
-        .handle_reserve(at(0), "late", slots(&[0, 1]))
+        .handle_reserve(at(0), "late", slots(&[0, 1]), secret("late"))
         .expect("reserve");
     ledger
-        .handle_reserve(at(0), "aborted", slots(&[2]))
+        .handle_reserve(at(0), "aborted", slots(&[2]), secret("aborted"))
         .expect("reserve");
     ledger.handle_withdraw(at(1), "aborted").expect("withdraw");
     ledger.check_invariants();
@@ -265,7 +275,7 @@ fn a_withdrawal_returns_the_slots_only_once_no_write_can_land() {
     for late_write in [true, false] {
         let mut ledger = caller_ledger(4);
         ledger
-            .handle_reserve(at(0), "r", slots(&[2, 0, 3]))
+            .handle_reserve(at(0), "r", slots(&[2, 0, 3]), secret("r"))
             .expect("reserve");
         let granted = tags(&send(&mut ledger, at(0), A, batch("r", 2, 3, false, 1))[0]);
         land(&mut ledger, at(0), A, granted[0]);
@@ -303,7 +313,7 @@ fn a_withdrawal_returns_the_slots_only_once_no_write_can_land() {
 fn a_reservation_is_claimed_once() {
     let mut ledger = caller_ledger(4);
     ledger
-        .handle_reserve(at(0), "r", slots(&[0]))
+        .handle_reserve(at(0), "r", slots(&[0]), secret("r"))
         .expect("reserve");
     assert!(tags(&send(&mut ledger, at(0), A, batch("r", 1, 1, true, 1))[0]).len() == 1);
     let second = send(&mut ledger, at(0), B, batch("r", 1, 1, true, 1));
@@ -318,14 +328,34 @@ fn a_reservation_is_claimed_once() {
         ended(&events(&mut ledger)),
         Some(Outcome::Failed(Failure::AlreadyClaimed))
     );
-    // Also while the first claim still waits for the reservation.
+    // Also when both claims came before the reservation (a duplicate prefill that knows
+    // the secret too): both wait, since which of them proves the secret is known only once
+    // the reservation comes; then the first is admitted and the second refused.
     assert!(send(&mut ledger, at(0), A, batch("w", 1, 1, true, 2)).is_empty());
-    let rival = send(&mut ledger, at(0), B, batch("w", 1, 1, true, 2));
-    assert!(rival[0].error.is_some(), "{rival:?}");
+    assert!(send(&mut ledger, at(0), B, batch("w", 1, 1, true, 2)).is_empty());
     ledger
-        .handle_reserve(at(0), "w", slots(&[1]))
+        .handle_reserve(at(0), "w", slots(&[1]), secret("w"))
         .expect("reserve");
-    let granted = replies(&mut ledger);
+    let answers: Vec<_> = std::iter::from_fn(|| ledger.poll_transmit()).collect();
+    ledger.check_invariants();
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    let rival = answers
+        .iter()
+        .find(|(peer, _)| *peer == B)
+        .expect("B answered");
+    assert!(
+        rival
+            .1
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("already claimed")),
+        "{rival:?}"
+    );
+    let granted: Vec<_> = answers
+        .into_iter()
+        .filter(|(peer, _)| *peer == A)
+        .map(|(_, r)| r)
+        .collect();
     assert_eq!(granted.len(), 1, "the first claimer's batch is answered");
     // B's write into A's grant is refused.
     let tag = tags(&granted[0])[0];
@@ -340,7 +370,7 @@ fn a_reservation_is_claimed_once() {
 fn a_claim_larger_than_its_reservation_is_refused_and_the_slots_returned() {
     let mut ledger = caller_ledger(4);
     ledger
-        .handle_reserve(at(0), "r", slots(&[0, 1]))
+        .handle_reserve(at(0), "r", slots(&[0, 1]), secret("r"))
         .expect("reserve");
     let refused = send(&mut ledger, at(0), A, batch("r", 1, 3, false, 1));
     assert!(
@@ -367,7 +397,7 @@ fn a_claim_larger_than_its_reservation_is_refused_and_the_slots_returned() {
 fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
     let mut pool = ReceiverLedger::new(ReceiverConfig::default()).expect("config");
     assert_eq!(
-        pool.handle_reserve(at(0), "r", slots(&[0])),
+        pool.handle_reserve(at(0), "r", slots(&[0]), secret("r")),
         Err(PlacementError::NotCaller)
     );
     assert_eq!(
@@ -376,7 +406,7 @@ fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
     );
     let mut ledger = caller_ledger(4);
     ledger
-        .handle_reserve(at(0), "held", slots(&[1]))
+        .handle_reserve(at(0), "held", slots(&[1]), secret("held"))
         .expect("reserve");
     let long = "x".repeat(ReceiverConfig::default().req_id_bytes_max + 1);
     for (id, list, want) in [
@@ -393,7 +423,7 @@ fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
         ("held", vec![2], "request held is already reserved"),
     ] {
         let err = ledger
-            .handle_reserve(at(0), id, slots(&list))
+            .handle_reserve(at(0), id, slots(&list), secret(id))
             .expect_err(want);
         assert!(err.to_string().contains(want), "{err} lacks {want:?}");
         ledger.check_invariants();
@@ -413,7 +443,7 @@ fn a_reservation_that_cannot_be_lent_is_refused_with_nothing_changed() {
 fn on_a_fabric_that_stops_revoked_writes_a_withdrawal_returns_the_slots_at_once() {
     let mut ledger = caller_ledger(4).with_revocation_stopping_writes();
     ledger
-        .handle_reserve(at(0), "r", slots(&[2, 0, 3]))
+        .handle_reserve(at(0), "r", slots(&[2, 0, 3]), secret("r"))
         .expect("reserve");
     ledger.handle_message(at(0), A, Message::AllocRequest(batch("r", 2, 3, false, 1)));
     let granted = {
@@ -451,7 +481,7 @@ fn on_a_fabric_that_stops_revoked_writes_a_withdrawal_returns_the_slots_at_once(
 fn chunks_the_application_holds_are_answered_as_sent_and_take_no_slot() {
     let mut ledger = caller_ledger(8);
     ledger
-        .handle_reserve_held(at(0), "r", 3, slots(&[6, 1]))
+        .handle_reserve_held(at(0), "r", 3, slots(&[6, 1]), secret("r"))
         .expect("reserve");
     // A probe, then a batch of chunks 0..2 (all held), then 2..5 (one held, two written).
     assert!(tags(&send(&mut ledger, at(0), A, batch("r", 0, 5, false, 1))[0]).is_empty());
@@ -498,7 +528,7 @@ fn chunks_the_application_holds_are_answered_as_sent_and_take_no_slot() {
 fn held_chunks_are_counted_against_the_declared_total() {
     let mut ledger = caller_ledger(8);
     ledger
-        .handle_reserve_held(at(0), "big", 1, slots(&[0, 1]))
+        .handle_reserve_held(at(0), "big", 1, slots(&[0, 1]), secret("big"))
         .expect("reserve");
     let refused = send(&mut ledger, at(0), A, batch("big", 1, 4, false, 1));
     assert!(
@@ -515,7 +545,7 @@ fn held_chunks_are_counted_against_the_declared_total() {
     ));
 
     ledger
-        .handle_reserve_held(at(0), "none", 2, slots(&[2]))
+        .handle_reserve_held(at(0), "none", 2, slots(&[2]), secret("none"))
         .expect("reserve");
     let refused = send(&mut ledger, at(0), A, batch("none", 1, 2, false, 2));
     assert!(
@@ -524,7 +554,7 @@ fn held_chunks_are_counted_against_the_declared_total() {
     );
 
     ledger
-        .handle_reserve_held(at(0), "ok", 1, slots(&[3, 4]))
+        .handle_reserve_held(at(0), "ok", 1, slots(&[3, 4]), secret("ok"))
         .expect("reserve");
     let first = send(&mut ledger, at(0), A, batch("ok", 1, 3, false, 3));
     assert_eq!(first[0].already_sent_indexes, [0]);
@@ -596,7 +626,7 @@ fn ghost_claims_have_budgets_and_never_crowd_out_a_reserved_claim() {
     );
     // The real request: reserved, then claimed (and the other order for a second one).
     ledger
-        .handle_reserve(at(1), "real", slots(&[0, 1]))
+        .handle_reserve(at(1), "real", slots(&[0, 1]), secret("real"))
         .expect("reserve");
     let granted = send(&mut ledger, at(1), A, batch("real", 2, 2, true, 1));
     assert_eq!(granted.len(), 1, "{granted:?}");
@@ -645,9 +675,111 @@ fn a_reserved_claim_is_admitted_with_the_request_table_full() {
         "{refused:?}"
     );
     ledger
-        .handle_reserve(at(1), "real", slots(&[0]))
+        .handle_reserve(at(1), "real", slots(&[0]), secret("real"))
         .expect("reserve");
     let granted = send(&mut ledger, at(1), A, batch("real", 1, 1, true, 1));
     assert!(granted[0].error.is_none(), "{granted:?}");
     assert_eq!(ledger.tracked_requests(), 5);
+}
+
+/// `batch` carrying `claim` in place of the reservation's own secret (an attacker who knows
+/// the request id only).
+fn forged(id: &str, claim: Option<&str>) -> AllocRequest {
+    AllocRequest {
+        claim: claim.map(|c| ClaimSecret::new(c).expect("a valid secret")),
+        ..batch(id, 1, 1, true, 9)
+    }
+}
+
+fn refusal(answers: &[AllocResponse]) -> String {
+    assert_eq!(answers.len(), 1, "{answers:?}");
+    answers[0].error.clone().expect("refused")
+}
+
+/// A claim is bound to the sender the reservation was made for: the request id alone (a
+/// batch without the secret, or with another one) claims nothing, in either order, and
+/// costs the reservation nothing: its own sender's claim then succeeds. The secret is never
+/// printed.
+#[test]
+fn only_the_reservations_secret_claims_it_in_either_order() {
+    const EVE: PeerId = PeerId(66);
+    // Reserved first, then the forged claims, then the real one.
+    let mut ledger = caller_ledger(4);
+    ledger
+        .handle_reserve(at(0), "r", slots(&[0, 1]), secret("r"))
+        .expect("reserve");
+    let none = refusal(&send(&mut ledger, at(0), EVE, forged("r", None)));
+    assert!(none.contains("no claim secret"), "{none}");
+    let wrong = refusal(&send(
+        &mut ledger,
+        at(0),
+        PeerId(68),
+        forged("r", Some("guessed-0123456789")),
+    ));
+    assert!(wrong.contains("not its reservation's"), "{wrong}");
+    assert_eq!(
+        ended(&events(&mut ledger)),
+        Some(Outcome::Failed(Failure::ClaimNotProven {
+            secret_sent: false
+        }))
+    );
+    let granted = send(&mut ledger, at(0), A, batch("r", 2, 2, true, 1));
+    assert_eq!(
+        tags(&granted[0]).len(),
+        2,
+        "the real claim is admitted: {granted:?}"
+    );
+
+    // The forged claim came first and waits; one without any secret is refused at once.
+    let mut ledger = caller_ledger(4);
+    assert!(send(
+        &mut ledger,
+        at(0),
+        EVE,
+        forged("w", Some("guessed-0123456789"))
+    )
+    .is_empty());
+    let none = refusal(&send(&mut ledger, at(0), PeerId(67), forged("w", None)));
+    assert!(none.contains("no claim secret"), "{none}");
+    ledger
+        .handle_reserve(at(1), "w", slots(&[2]), secret("w"))
+        .expect("reserve");
+    let wrong = refusal(&replies(&mut ledger));
+    assert!(wrong.contains("not its reservation's"), "{wrong}");
+    let granted = send(&mut ledger, at(1), A, batch("w", 1, 1, true, 1));
+    assert_eq!(
+        tags(&granted[0]).len(),
+        1,
+        "the real claim is admitted: {granted:?}"
+    );
+
+    // Both came first: the forged one first, the real one after; the real one is admitted.
+    let mut ledger = caller_ledger(4);
+    assert!(send(
+        &mut ledger,
+        at(0),
+        EVE,
+        forged("b", Some("guessed-0123456789"))
+    )
+    .is_empty());
+    assert!(send(&mut ledger, at(0), A, batch("b", 1, 1, true, 1)).is_empty());
+    ledger
+        .handle_reserve(at(1), "b", slots(&[3]), secret("b"))
+        .expect("reserve");
+    let answers: Vec<_> = std::iter::from_fn(|| ledger.poll_transmit()).collect();
+    ledger.check_invariants();
+    for (peer, answer) in &answers {
+        let printed = format!("{answer:?}");
+        assert!(
+            !printed.contains("secret-of-"),
+            "the secret is never printed: {printed}"
+        );
+        match *peer {
+            EVE => assert!(answer.error.is_some(), "{answer:?}"),
+            A => assert!(answer.error.is_none(), "{answer:?}"),
+            other => panic!("{other:?} answered"),
+        }
+    }
+    assert_eq!(answers.len(), 2);
+    assert!(!format!("{:?}", batch("b", 1, 1, true, 1)).contains("secret-of-"));
 }

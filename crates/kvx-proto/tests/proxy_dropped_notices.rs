@@ -35,6 +35,7 @@ fn every_dropped_notice_is_counted_once() {
     let not_a_notice = AllocRequest {
         keys: vec!["k".into()],
         chunk_bytes: None,
+        claim: None,
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),

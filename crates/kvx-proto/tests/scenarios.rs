@@ -177,6 +177,7 @@ fn raw_batch(req: &str, keys: usize, total: u32, last: bool, seq: u64) -> Messag
     Message::AllocRequest(AllocRequest {
         keys: (0..keys).map(|k| format!("{req}@{k}")).collect(),
         chunk_bytes: Some(vec![64; keys]),
+        claim: None,
         fmt: 1,
         shape: vec![2, 2, 256, 64],
         dtype: "bfloat16".into(),

@@ -21,6 +21,7 @@ fn spec(id: &ReqId, total_chunks: u32) -> RequestSpec {
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),
+        claim: None,
     }
 }
 

@@ -40,6 +40,7 @@ fn a_grant_processed_after_its_deadline_is_not_written() {
         fmt: 1,
         shape: vec![1],
         dtype: "bf16".into(),
+        claim: None,
     };
     s.handle_begin(t0, spec).expect("begin");
     let probe = s.poll_transmit().expect("probe");
@@ -114,6 +115,7 @@ fn begin_and_stage(flow: &mut SenderFlow, id: &ReqId) -> Vec<ChunkSpec> {
             fmt: 1,
             shape: vec![1],
             dtype: "bfloat16".into(),
+            claim: None,
         },
     )
     .expect("begin");

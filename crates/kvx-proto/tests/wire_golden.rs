@@ -58,6 +58,7 @@ fn alloc_request(
         total_chunks,
         seq: None,
         chunk_bytes: None,
+        claim: None,
     })
 }
 
@@ -214,6 +215,7 @@ mod worked_examples {
             total_chunks: 5,
             seq: None,
             chunk_bytes: None,
+            claim: None,
         });
         assert_exact("§2.3 AllocRequest", &bytes, &expected);
     }
@@ -275,6 +277,7 @@ fn extensions_round_trip_and_are_absent_when_unset() {
             total_chunks: 1,
             seq: Some(u64::MAX),
             chunk_bytes: Some(vec![1 << 40]),
+            claim: None,
         }),
         Message::AllocResponse(AllocResponse::granted(
             vec![4, 5],

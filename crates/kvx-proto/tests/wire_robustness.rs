@@ -575,6 +575,7 @@ fn message() -> impl Strategy<Value = Message> {
                     total_chunks,
                     seq,
                     chunk_bytes: None,
+                    claim: None,
                 })
             },
         );

@@ -2,7 +2,7 @@
 //! reservation back with the program (``Receiver.reserve``, ``withdraw``, ``returned``).
 
 use kvx_proto::receiver::Outcome;
-use kvx_proto::Placement;
+use kvx_proto::{ClaimSecret, Placement};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -15,6 +15,12 @@ pub(crate) fn named(name: &str) -> PyResult<Placement> {
             "placement must be \"pool\" or \"caller\", not {other:?}"
         ))),
     }
+}
+
+/// ``claim_secret=`` as the core's `ClaimSecret`; a `ValueError` saying what a secret is
+/// otherwise (the secret itself is not repeated).
+pub(crate) fn claim_secret(secret: String) -> PyResult<ClaimSecret> {
+    ClaimSecret::new(secret).map_err(|e| PyValueError::new_err(format!("claim_secret: {e}")))
 }
 
 /// A reservation back with the program (``Receiver.returned``): its ``slots`` are the

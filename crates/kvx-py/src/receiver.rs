@@ -231,26 +231,32 @@ impl Receiver {
     }
 
     /// Caller placement: lends ``slots`` (chunk i goes to ``slots[i]``) to request
-    /// ``req_id``; the first sender whose request has that id claims them (one that came
-    /// first waits for this). ``MisuseError`` with the reason, nothing changed, for an id
-    /// reserved and not yet returned, a slot out of range, named twice or reserved for another
-    /// request not yet returned, or a ``placement="pool"`` receiver; ``TimedOutError``
-    /// when kvx's driver does not answer within ``timeout`` seconds; ``StoppedError``.
-    /// ``held``: the request's first ``held`` chunks are the program's already (a local
-    /// prefix hit): its sender, which sends every chunk, is told they are sent, and chunk
-    /// ``held + i`` goes to ``slots[i]``.
-    #[pyo3(signature = (req_id, slots, timeout = 5.0, *, held = 0))]
+    /// ``req_id``; the first sender whose request has that id and carries ``claim_secret``
+    /// claims them (one that came first waits for this). Hand ``claim_secret`` (16..=128
+    /// printable ASCII bytes, drawn at random per reservation: ``kvx.new_claim_secret()``)
+    /// to the one sender meant to claim it (``Sender.begin(..., claim_secret=...)``): the
+    /// request id alone claims nothing. ``MisuseError`` with the reason, nothing changed,
+    /// for an id reserved and not yet returned, a slot out of range, named twice or reserved
+    /// for another request not yet returned, or a ``placement="pool"`` receiver;
+    /// ``ValueError`` for a malformed secret; ``TimedOutError`` when kvx's driver does not
+    /// answer within ``timeout`` seconds; ``StoppedError``. ``held``: the request's first
+    /// ``held`` chunks are the program's already (a local prefix hit): its sender, which
+    /// sends every chunk, is told they are sent, and chunk ``held + i`` goes to
+    /// ``slots[i]``.
+    #[pyo3(signature = (req_id, slots, timeout = 5.0, *, claim_secret, held = 0))]
     fn reserve(
         &self,
         py: Python<'_>,
         req_id: &str,
         slots: Vec<u32>,
         timeout: f64,
+        claim_secret: String,
         held: u32,
     ) -> PyResult<()> {
         let timeout = wait::positive_seconds(timeout, "timeout")?;
+        let secret = placement::claim_secret(claim_secret)?;
         let slots = slots.into_iter().map(SlotIndex).collect();
-        py.detach(|| self.inner.reserve(req_id, held, slots, timeout))
+        py.detach(|| self.inner.reserve(req_id, held, slots, secret, timeout))
             .map_err(|e| errors::embed(&e))
     }
 

@@ -186,8 +186,12 @@ impl Sender {
 
     /// Begins request ``req_id`` of ``total_chunks`` chunks to receiver ``receiver`` (an id
     /// from ``add_receiver``); its admission probe goes out at once. ``shape``, ``dtype`` and
-    /// ``fmt`` describe the KV layout to the receiver (LMCache's fields).
-    #[pyo3(signature = (req_id, *, receiver, total_chunks, shape = vec![1], dtype = "bfloat16".to_owned(), fmt = 1))]
+    /// ``fmt`` describe the KV layout to the receiver (LMCache's fields). ``claim_secret``:
+    /// the secret of the receiver's reservation for this request (``Receiver.reserve``),
+    /// which a receiver with ``placement="caller"`` requires; sent with the request's first
+    /// message only, never printed.
+    #[pyo3(signature = (req_id, *, receiver, total_chunks, shape = vec![1], dtype = "bfloat16".to_owned(), fmt = 1, claim_secret = None))]
+    #[allow(clippy::too_many_arguments)] // Python keywords, each with its default
     fn begin(
         &self,
         req_id: String,
@@ -196,7 +200,11 @@ impl Sender {
         shape: Vec<u64>,
         dtype: String,
         fmt: u32,
+        claim_secret: Option<String>,
     ) -> PyResult<()> {
+        let claim = claim_secret
+            .map(crate::placement::claim_secret)
+            .transpose()?;
         let spec = RequestSpec {
             req_id: ReqId(req_id),
             receiver: PeerId(receiver),
@@ -204,6 +212,7 @@ impl Sender {
             fmt,
             shape,
             dtype,
+            claim,
         };
         self.inner.begin(spec).map_err(|e| errors::send_error(&e))
     }

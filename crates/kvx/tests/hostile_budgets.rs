@@ -207,6 +207,7 @@ fn churn(
 fn probe(req: &str) -> Vec<u8> {
     wire::encode(&Message::AllocRequest(AllocRequest {
         chunk_bytes: Some(vec![]),
+        claim: None,
         keys: vec![],
         fmt: 1,
         shape: vec![2, 2, 16, 32],

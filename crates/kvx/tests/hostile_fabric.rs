@@ -46,6 +46,7 @@ fn first_batch(req: &str, keys: Vec<String>, total: u32, seq: u64, chunk: Option
         is_last_batch: false,
         total_chunks: total,
         seq: Some(seq),
+        claim: None,
     }))
 }
 
@@ -340,6 +341,7 @@ fn one_chunk(req: &str, bytes: u64, seq: u64) -> Vec<u8> {
         total_chunks: 1,
         seq: Some(seq),
         chunk_bytes: Some(vec![bytes]),
+        claim: None,
     }))
 }
 

@@ -33,6 +33,7 @@ fn probe(req_id: &str, total: u32) -> Vec<u8> {
         total_chunks: total,
         seq: Some(1),
         chunk_bytes: None,
+        claim: None,
     }))
 }
 

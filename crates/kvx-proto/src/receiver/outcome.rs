@@ -61,6 +61,13 @@ pub enum Failure {
     /// Caller placement: another sender connection already claimed this request id; a
     /// reservation is claimed once.
     AlreadyClaimed,
+    /// Caller placement: the first batch does not carry the reservation's claim secret
+    /// (`crate::claim`), so it is not from the sender the reservation was made for. The
+    /// reservation is not touched: its own sender may still claim it.
+    ClaimNotProven {
+        /// Whether the batch carried a secret at all (a wrong one), or none.
+        secret_sent: bool,
+    },
     /// Caller placement: a first batch came before its reservation, and its sender's
     /// principal (or all senders together) already waits for as many reservations as the
     /// bound allows.
@@ -151,6 +158,15 @@ impl fmt::Display for Failure {
             Failure::Unclaimed => f.write_str(
                 "no sender claimed the reservation within admission_timeout: the prefill side \
                  never sent the request, or sent it elsewhere",
+            ),
+            Failure::ClaimNotProven { secret_sent: false } => f.write_str(
+                "the request carries no claim secret: this receiver's reservations are claimed \
+                 only with the secret the application handed to the sender it chose (the \
+                 request id alone claims nothing)",
+            ),
+            Failure::ClaimNotProven { secret_sent: true } => f.write_str(
+                "the request's claim secret is not its reservation's: only the sender the \
+                 reservation was made for can claim it",
             ),
             Failure::AlreadyClaimed => f.write_str(
                 "another sender connection already claimed this request id: a reservation is \

@@ -1,13 +1,16 @@
 //! Caller placement (`Placement::Caller`, `docs/spec/protocol.md` §Caller placement): the
 //! application owns the buffer and lends kvx one request's slots at a time.
 //!
-//! A reservation (`handle_reserve`) names a request id and the slots its chunks go to, in
-//! chunk order. The first batch with that id, from whichever sender connection comes first,
-//! claims it: it is admitted at once and chunk i is granted slot i, under a fresh generation
-//! and bound to that connection as every grant is. A first batch that comes before the
-//! reservation waits for it up to `admission_timeout`; a reservation nobody claims within
-//! `admission_timeout` is returned. A reservation is claimed once: a second claim of its id,
-//! from any connection, is refused. The slots go back to the application with one
+//! A reservation (`handle_reserve`) names a request id, the slots its chunks go to, in
+//! chunk order, and the claim secret (`crate::claim`) that the application handed to the
+//! one sender it chose. The first batch with that id that carries the secret claims it: it
+//! is admitted at once and chunk i is granted slot i, under a fresh generation and bound to
+//! that connection as every grant is. A batch without the secret is refused and costs the
+//! reservation nothing: the id alone claims nothing. First batches that come before the
+//! reservation wait for it up to `admission_timeout` (several may wait for one id: which of
+//! them holds the secret is known only once the reservation comes); a reservation nobody
+//! claims within `admission_timeout` is returned. A reservation is claimed once: a second
+//! claim of its id, from any connection, is refused. The slots go back to the application with one
 //! `ReceiverEvent::Returned` once the request ended and no write of its grants can land in
 //! them (a slot in quarantine holds the return back until it clears).
 //!
@@ -20,6 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{batch, Failure, Outcome, Phase, ReceiverEvent, ReceiverLedger};
+use crate::claim::ClaimSecret;
 use crate::config::Placement;
 use crate::ids::{PeerId, ReqId, ReqKey, SlotIndex};
 use crate::slots::SlotState;
@@ -79,6 +83,8 @@ pub(super) struct Placed {
     pub slots: Vec<SlotIndex>,
     /// The request's first chunks, which the application holds already: never written.
     pub held: u32,
+    /// What the claiming batch must carry.
+    pub secret: ClaimSecret,
     pub state: PlacedState,
 }
 
@@ -98,9 +104,11 @@ pub(super) enum PlacedState {
 pub(super) struct Placements {
     pub by_id: BTreeMap<ReqId, Placed>,
     pub reserved_by: BTreeMap<SlotIndex, ReqId>,
-    /// First batches that came before their reservation: the id's claimer, waiting
-    /// (`Phase::Waiting`, with a timer at `admission_timeout`).
-    pub claims: BTreeMap<ReqId, ReqKey>,
+    /// First batches that came before their reservation, by id in the order they came,
+    /// waiting (`Phase::Waiting`, with a timer at `admission_timeout`); never an empty list.
+    pub claims: BTreeMap<ReqId, Vec<ReqKey>>,
+    /// The waiting claims, all ids together.
+    pub claims_waiting: usize,
     /// `claims` counted by their sender's principal (its share key): a principal waits for
     /// at most its share of slots (`peer_cap`) of reservations nobody made yet, and all
     /// together for at most the buffer's slots, so claims for ids nobody reserves cost
@@ -111,6 +119,13 @@ pub(super) struct Placements {
 }
 
 impl Placements {
+    /// Whether `key` waits for its reservation.
+    fn waits(&self, key: &ReqKey) -> bool {
+        self.claims
+            .get(&key.req_id)
+            .is_some_and(|keys| keys.contains(key))
+    }
+
     /// The earliest deadline of an unclaimed reservation.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.open.first().map(|(at, _)| *at)
@@ -141,17 +156,19 @@ impl ReceiverLedger {
     }
 
     /// The application lends `slots` (chunk i goes to `slots[i]`) to the request `req_id`
-    /// (`Placement::Caller` only). The first batch with that id, from any sender connection,
-    /// claims them; one already waiting is admitted now. Refused, with nothing changed, for
-    /// an id reserved and not yet returned, and for a slot out of range, named twice, or
-    /// reserved for another request not yet returned.
+    /// (`Placement::Caller` only). The first batch with that id that carries `secret`, from
+    /// any sender connection, claims them; one already waiting is admitted now, and waiting
+    /// batches of that id without it are refused. Refused, with nothing changed, for an id
+    /// reserved and not yet returned, and for a slot out of range, named twice, or reserved
+    /// for another request not yet returned.
     pub fn handle_reserve(
         &mut self,
         now: Instant,
         req_id: &str,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
     ) -> Result<(), PlacementError> {
-        self.handle_reserve_held(now, req_id, 0, slots)
+        self.handle_reserve_held(now, req_id, 0, slots, secret)
     }
 
     /// `handle_reserve` for a request whose first `held` chunks the application holds
@@ -163,6 +180,7 @@ impl ReceiverLedger {
         req_id: &str,
         held: u32,
         slots: Vec<SlotIndex>,
+        secret: ClaimSecret,
     ) -> Result<(), PlacementError> {
         self.caller_placement()?;
         if req_id.is_empty() || req_id.len() > self.cfg.req_id_bytes_max {
@@ -203,14 +221,43 @@ impl ReceiverLedger {
         let placed = Placed {
             slots,
             held,
+            secret,
             state: PlacedState::Open { deadline },
         };
         self.placements.by_id.insert(id.clone(), placed);
         self.placements.open.insert((deadline, id.clone()));
-        if let Some(key) = self.stop_waiting(&id) {
-            self.admit_waiting_claim(now, &key);
+        // The first waiting batch that proves the secret claims it; the others are refused.
+        let waiting = self.placements.claims.get(&id).cloned().unwrap_or_default();
+        for key in waiting {
+            let presented = match &self.requests[&key].phase {
+                Phase::Waiting { first } => first.claim.clone(),
+                _ => unreachable!("invariant: a waiting claim is in Phase::Waiting"),
+            };
+            match self.claim_refusal(&id, presented.as_ref()) {
+                None => {
+                    self.stop_waiting(&key);
+                    self.admit_waiting_claim(now, &key);
+                }
+                // Nothing was granted to a waiting claim: nothing of it can land.
+                Some(failure) => self.fail(now, &key, failure, true),
+            }
         }
         Ok(())
+    }
+
+    /// Why a first batch that presents `presented` may not claim reservation `id` (which is
+    /// out), if it may not: it does not prove the secret, or the reservation is claimed.
+    fn claim_refusal(&self, id: &ReqId, presented: Option<&ClaimSecret>) -> Option<Failure> {
+        let placed = &self.placements.by_id[id];
+        if !placed.secret.proven_by(presented) {
+            return Some(Failure::ClaimNotProven {
+                secret_sent: presented.is_some(),
+            });
+        }
+        match placed.state {
+            PlacedState::Open { .. } => None,
+            PlacedState::Claimed(_) | PlacedState::Ending(_) => Some(Failure::AlreadyClaimed),
+        }
     }
 
     /// The application takes reservation `req_id` back (its request was aborted there). An
@@ -238,9 +285,20 @@ impl ReceiverLedger {
         Ok(())
     }
 
-    /// The waiting claim of `id`, no longer waiting (its reservation came, or it ended).
-    fn stop_waiting(&mut self, id: &ReqId) -> Option<ReqKey> {
-        let key = self.placements.claims.remove(id)?;
+    /// `key`, no longer waiting for its reservation (it came, or `key` ended). Whether it
+    /// waited.
+    fn stop_waiting(&mut self, key: &ReqKey) -> bool {
+        let Some(keys) = self.placements.claims.get_mut(&key.req_id) else {
+            return false;
+        };
+        let Some(at) = keys.iter().position(|k| k == key) else {
+            return false;
+        };
+        keys.remove(at);
+        if keys.is_empty() {
+            self.placements.claims.remove(&key.req_id);
+        }
+        self.placements.claims_waiting -= 1;
         let share = self.principals.share_key(key.peer);
         let waiting = &mut self.placements.waiting_by_share;
         match waiting.get_mut(&share) {
@@ -249,7 +307,7 @@ impl ReceiverLedger {
                 waiting.remove(&share);
             }
         }
-        Some(key)
+        true
     }
 
     /// Why a first batch of `key`'s sender may not wait for a reservation nobody made yet,
@@ -270,7 +328,7 @@ impl ReceiverLedger {
                 whose: "this sender's share of the buffer",
             });
         }
-        if self.placements.claims.len() >= limits.capacity as usize {
+        if self.placements.claims_waiting >= limits.capacity as usize {
             return Some(Failure::TooManyWaitingClaims {
                 max: limits.capacity,
                 whose: "the buffer's slots, all senders together",
@@ -284,45 +342,50 @@ impl ReceiverLedger {
         None
     }
 
-    /// A first batch under caller placement: admitted on its reservation (whatever else
-    /// waits: the reservation already counts against the buffer), or waiting for it within
-    /// the claim budgets (`claim_budget_refusal`). The common checks (id, sizes) are done.
+    /// A first batch under caller placement: admitted on its reservation when it proves
+    /// the reservation's secret (whatever else waits: the reservation already counts against
+    /// the buffer), refused when it does not (the reservation keeps waiting for its own
+    /// sender), or waiting for a reservation nobody made yet within the claim budgets
+    /// (`claim_budget_refusal`). The common checks (id, sizes) are done.
     pub(super) fn claim(&mut self, now: Instant, key: ReqKey, msg: AllocRequest) {
-        match self.placements.by_id.get(&key.req_id).map(|p| &p.state) {
-            Some(PlacedState::Open { .. }) => {
-                let ticket = self.new_ticket();
-                self.track(now, key.clone(), ticket, &msg, Phase::Receiving);
-                self.admit_claim(now, &key, std::time::Duration::ZERO, msg);
-            }
-            Some(PlacedState::Claimed(_) | PlacedState::Ending(_)) => {
-                self.refuse_and_remember(now, key, &msg, Failure::AlreadyClaimed);
-            }
-            None if self.placements.claims.contains_key(&key.req_id) => {
-                self.refuse_and_remember(now, key, &msg, Failure::AlreadyClaimed);
-            }
-            None => {
-                if let Some(failure) = self.claim_budget_refusal(&key) {
-                    return self.refuse_and_remember(now, key, &msg, failure);
-                }
-                let bytes = batch::queued_bytes(&msg);
-                if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
-                    let failure = Failure::TooLarge(format!(
-                        "the first batches waiting for their reservation hold {} bytes; this \
-                         one's {bytes} would exceed queued_bytes_max {}",
-                        self.queued_bytes, self.cfg.queued_bytes_max
-                    ));
-                    return self.refuse_and_remember(now, key, &msg, failure);
-                }
-                self.queued_bytes += bytes;
-                let ticket = self.new_ticket();
-                let phase = Phase::Waiting { first: msg.clone() };
-                self.track(now, key.clone(), ticket, &msg, phase);
-                self.set_timer(&key, now + self.cfg.admission_timeout);
-                let share = self.principals.share_key(key.peer);
-                *self.placements.waiting_by_share.entry(share).or_insert(0) += 1;
-                self.placements.claims.insert(key.req_id.clone(), key);
-            }
+        if msg.claim.is_none() {
+            // Every reservation has a secret: a batch without one can never claim.
+            let failure = Failure::ClaimNotProven { secret_sent: false };
+            return self.refuse_and_remember(now, key, &msg, failure);
         }
+        if self.placements.by_id.contains_key(&key.req_id) {
+            return match self.claim_refusal(&key.req_id, msg.claim.as_ref()) {
+                None => {
+                    let ticket = self.new_ticket();
+                    self.track(now, key.clone(), ticket, &msg, Phase::Receiving);
+                    self.admit_claim(now, &key, std::time::Duration::ZERO, msg);
+                }
+                Some(failure) => self.refuse_and_remember(now, key, &msg, failure),
+            };
+        }
+        // No reservation yet: wait for it, within the budgets.
+        if let Some(failure) = self.claim_budget_refusal(&key) {
+            return self.refuse_and_remember(now, key, &msg, failure);
+        }
+        let bytes = batch::queued_bytes(&msg);
+        if self.queued_bytes + bytes > self.cfg.queued_bytes_max {
+            let failure = Failure::TooLarge(format!(
+                "the first batches waiting for their reservation hold {} bytes; this \
+                 one's {bytes} would exceed queued_bytes_max {}",
+                self.queued_bytes, self.cfg.queued_bytes_max
+            ));
+            return self.refuse_and_remember(now, key, &msg, failure);
+        }
+        self.queued_bytes += bytes;
+        let ticket = self.new_ticket();
+        let phase = Phase::Waiting { first: msg.clone() };
+        self.track(now, key.clone(), ticket, &msg, phase);
+        self.set_timer(&key, now + self.cfg.admission_timeout);
+        let share = self.principals.share_key(key.peer);
+        *self.placements.waiting_by_share.entry(share).or_insert(0) += 1;
+        self.placements.claims_waiting += 1;
+        let waiting = self.placements.claims.entry(key.req_id.clone());
+        waiting.or_default().push(key);
     }
 
     /// The reservation of a first batch that waited for it has come.
@@ -394,9 +457,7 @@ impl ReceiverLedger {
     /// `key` ended: its reservation, if it holds one, is returned once none of its slots is
     /// in quarantine. A first batch that was still waiting for its reservation is forgotten.
     pub(super) fn placement_ended(&mut self, key: &ReqKey, outcome: &Outcome) {
-        if self.placements.claims.get(&key.req_id) == Some(key) {
-            self.stop_waiting(&key.req_id);
-        }
+        self.stop_waiting(key);
         let Some(placed) = self.placements.by_id.get(&key.req_id) else {
             return;
         };
@@ -543,7 +604,12 @@ impl ReceiverLedger {
             }
         }
         let mut by_share: BTreeMap<PeerId, u32> = BTreeMap::new();
-        for key in p.claims.values() {
+        assert_eq!(
+            p.claims.values().map(Vec::len).sum::<usize>(),
+            p.claims_waiting,
+            "invariant: the waiting claims are counted"
+        );
+        for key in p.claims.values().flatten() {
             *by_share
                 .entry(self.principals.share_key(key.peer))
                 .or_insert(0) += 1;
@@ -554,11 +620,19 @@ impl ReceiverLedger {
         );
         let limits = self.admission.limits();
         assert!(
-            p.claims.len() <= limits.capacity as usize
+            p.claims_waiting <= limits.capacity as usize
                 && by_share.values().all(|&n| n <= limits.peer_cap.max(1)),
             "invariant: waiting claims within their budgets"
         );
-        for (id, key) in &p.claims {
+        for (id, key) in p
+            .claims
+            .iter()
+            .flat_map(|(id, keys)| keys.iter().map(move |k| (id, k)))
+        {
+            assert!(
+                !p.claims[id].is_empty(),
+                "invariant: no empty list of waiting claims"
+            );
             assert_eq!(&key.req_id, id, "invariant: a claim waits under its own id");
             assert!(
                 matches!(
@@ -572,7 +646,7 @@ impl ReceiverLedger {
             let waiting = matches!(req.phase, Phase::Waiting { .. });
             assert_eq!(
                 waiting,
-                p.claims.get(&key.req_id) == Some(key),
+                p.waits(key),
                 "invariant: {key} waits iff it waits for its reservation"
             );
             if !waiting {
@@ -617,9 +691,10 @@ impl ReceiverLedger {
             }
         }
         enc.len(self.placements.claims.len());
-        for (id, key) in &self.placements.claims {
+        for (id, keys) in &self.placements.claims {
             enc.str(&id.0);
-            enc.u(key.peer.0);
+            enc.len(keys.len());
+            keys.iter().for_each(|key| enc.u(key.peer.0));
         }
     }
 }
@@ -641,7 +716,12 @@ mod tests {
         };
         let mut ledger = ReceiverLedger::new(cfg).expect("config");
         ledger
-            .handle_reserve(Instant::ZERO, "r", vec![SlotIndex(1), SlotIndex(2)])
+            .handle_reserve(
+                Instant::ZERO,
+                "r",
+                vec![SlotIndex(1), SlotIndex(2)],
+                ClaimSecret::new("the-secret-of-r!").expect("secret"),
+            )
             .expect("reserve");
         ledger.check_invariants();
         let id = ReqId("r".into());
@@ -661,7 +741,8 @@ mod tests {
                     peer: PeerId(1),
                     req_id: ReqId("w".into()),
                 };
-                l.placements.claims.insert(key.req_id.clone(), key);
+                l.placements.claims.insert(key.req_id.clone(), vec![key]);
+                l.placements.claims_waiting += 1;
             }),
         ] as [(&str, fn(&mut ReceiverLedger)); 3]
         {

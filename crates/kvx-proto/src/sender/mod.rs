@@ -40,6 +40,7 @@ mod staging;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
+use crate::claim::ClaimSecret;
 use crate::config::{ConfigError, Placement, SenderConfig};
 use crate::ids::{PeerId, ReqId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::time::{earliest, Instant};
@@ -102,6 +103,10 @@ pub struct RequestSpec {
     pub shape: Vec<u64>,
     /// torch dtype name, sent as is.
     pub dtype: String,
+    /// The claim secret of the receiver's caller-placement reservation for this request
+    /// (`crate::claim`), carried by the request's first message only; `None` for a
+    /// receiver that places requests itself.
+    pub claim: Option<ClaimSecret>,
 }
 
 /// Why a request failed on the sender.
@@ -408,7 +413,12 @@ impl SenderFlow {
         if self.requests.len() >= self.cfg.requests_max {
             return Err(SendError::TooManyRequests(self.cfg.requests_max));
         }
-        let probe = self.alloc_request(&spec, Vec::new(), 0, false);
+        let mut probe = self.alloc_request(&spec, Vec::new(), 0, false);
+        // The first message claims a caller-placement reservation; only it carries the
+        // secret, so later batches never repeat it.
+        if let Message::AllocRequest(m) = &mut probe {
+            m.claim.clone_from(&spec.claim);
+        }
         self.check_channel_room(spec.receiver)?;
         self.stats.begun += 1;
         self.outcomes.remove(&spec.req_id);
@@ -785,6 +795,7 @@ impl SenderFlow {
             total_chunks: spec.total_chunks,
             seq: None, // set when enqueued
             chunk_bytes: None,
+            claim: None,
         })
     }
 }

@@ -17,6 +17,7 @@ fn check_invariants_catches_a_miscounted_write() {
         fmt: 1,
         shape: vec![1],
         dtype: "bfloat16".into(),
+        claim: None,
     };
     flow.handle_begin(Instant::ZERO, spec).expect("begin");
     flow.check_invariants();

@@ -4,6 +4,7 @@
 //! allocates more than a small multiple of the frame, because every length is checked against
 //! the bytes that are actually left (`docs/spec/wire.md`).
 
+use crate::claim::ClaimSecret;
 use rmp::Marker;
 
 use super::{
@@ -102,6 +103,7 @@ fn decode_alloc_request(r: &mut Reader<'_>, entries: usize) -> Result<AllocReque
         total_chunks: 0,
         seq: None,
         chunk_bytes: None,
+        claim: None,
     };
     for _ in 0..entries {
         match r.key(M)? {
@@ -118,6 +120,7 @@ fn decode_alloc_request(r: &mut Reader<'_>, entries: usize) -> Result<AllocReque
             b"chunk_bytes" => {
                 m.chunk_bytes = r.optional("AllocRequest.chunk_bytes", Reader::u64_list)?;
             }
+            b"claim" => m.claim = r.optional("AllocRequest.claim", Reader::claim_secret)?,
             unknown => r.skip_unknown(M, unknown)?,
         }
     }
@@ -373,6 +376,13 @@ impl<'a> Reader<'a> {
 
     fn string(&mut self, path: Path) -> Result<String> {
         self.str_value(path).map(str::to_owned)
+    }
+
+    /// A claim secret (`crate::claim`): a str of its length and bytes.
+    fn claim_secret(&mut self, path: Path) -> Result<ClaimSecret> {
+        let value = self.str_value(path)?;
+        ClaimSecret::new(value)
+            .map_err(|e| Box::new(DecodeError::Malformed(format!("`{path}`: {e}"))))
     }
 
     fn str_list(&mut self, path: Path) -> Result<Vec<String>> {

@@ -43,7 +43,7 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) {
 }
 
 fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
-    let extensions = [m.seq.is_some(), m.chunk_bytes.is_some()];
+    let extensions = [m.seq.is_some(), m.chunk_bytes.is_some(), m.claim.is_some()];
     header(out, 8 + count_some(&extensions), "AllocRequest");
     field_list(out, "keys", &m.keys, |out, k| write_str(out, k));
     field_uint(out, "fmt", u64::from(m.fmt));
@@ -58,6 +58,9 @@ fn encode_alloc_request(m: &AllocRequest, out: &mut Vec<u8>) {
     }
     if let Some(bytes) = &m.chunk_bytes {
         field_list(out, "chunk_bytes", bytes, |out, &b| write_uint(out, b));
+    }
+    if let Some(claim) = &m.claim {
+        field_str(out, "claim", claim.expose());
     }
 }
 
@@ -111,6 +114,7 @@ fn encoded_len_hint(msg: &Message) -> usize {
                 + (m.shape.len() + m.chunk_bytes.as_ref().map_or(0, Vec::len)) * 9
                 + m.dtype.len()
                 + m.req_id.len()
+                + m.claim.as_ref().map_or(0, |c| c.expose().len() + 8)
         }
         Message::AllocResponse(m) => {
             96 + (m.remote_indexes.len() + m.already_sent_indexes.len()) * 9

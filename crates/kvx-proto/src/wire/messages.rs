@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::claim::ClaimSecret;
+
 /// Sender → receiver: one batch of chunk keys for one request (or, with no keys, an
 /// admission probe: kvx asks for the reservation before any chunk takes staging).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +40,11 @@ pub struct AllocRequest {
     /// only if it brings exactly this many bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk_bytes: Option<Vec<u64>>,
+    /// kvx extension: the claim secret of the caller-placement reservation this request
+    /// claims (`crate::claim`); a first batch without the reservation's secret claims
+    /// nothing. Never printed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<ClaimSecret>,
 }
 
 /// Receiver → sender: the slots to write, or `[-1]` entries on failure.

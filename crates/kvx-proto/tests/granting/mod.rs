@@ -21,6 +21,7 @@ pub fn spec(id: &str, total: u32) -> RequestSpec {
         fmt: 1,
         shape: vec![1],
         dtype: "bf16".into(),
+        claim: None,
     }
 }
 

@@ -15,6 +15,7 @@ pub fn alloc_request(req_id: &str, range: std::ops::Range<u32>, total_chunks: u3
     wire::encode(&Message::AllocRequest(AllocRequest {
         // Each chunk's length, as a kvx sender declares it (these are never written).
         chunk_bytes: Some(vec![4096; range.len()]),
+        claim: None,
         keys: keys(req_id, range),
         fmt: 1,
         shape: vec![2, 2, 16, 32],

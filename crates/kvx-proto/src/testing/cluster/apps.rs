@@ -147,6 +147,7 @@ impl Cluster {
             fmt: 1,
             shape: vec![2, 2, 256, 64],
             dtype: "bfloat16".into(),
+            claim: None,
         };
         if let Err(e) = self.senders[s].flow.handle_begin(now, spec) {
             self.end_plan(i, End::Failed(e.to_string()));

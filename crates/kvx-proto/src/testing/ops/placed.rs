@@ -95,7 +95,13 @@ impl OpWorld {
         let at = app.free.len() - (total - held) as usize;
         let slots: Vec<SlotIndex> = app.free.drain(at..).rev().collect();
         self.receiver
-            .handle_reserve_held(self.now, &id.0, held, slots.clone())
+            .handle_reserve_held(
+                self.now,
+                &id.0,
+                held,
+                slots.clone(),
+                super::claim_secret(&id),
+            )
             .unwrap_or_else(|e| panic!("checker: reserving {} {slots:?} refused: {e}", id.0));
         app.reserved.insert(id.clone());
         app.out.insert(id, slots);
