@@ -129,16 +129,17 @@ class Pair:
             return first - start, 0.0
         if self.name == "kvx":
             kvx_id = uuid.uuid4().hex
+            secret = params.new_claim_secret()
             done: Dict[str, float] = {}
 
             def prefill() -> None:
                 post(self.p_port, {**one, "kv_transfer_params": params.for_prefill(
-                    kvx_id, [f"tcp://127.0.0.1:{self.alloc}"], [f"tcp://127.0.0.1:{self.fabric}"])})
+                    kvx_id, secret, [f"tcp://127.0.0.1:{self.alloc}"], [f"tcp://127.0.0.1:{self.fabric}"])})
                 done["at"] = time.monotonic()
 
             t = threading.Thread(target=prefill)
             t.start()
-            first = first_token(self.d_port, {**body, "kv_transfer_params": params.for_decode(kvx_id)})
+            first = first_token(self.d_port, {**body, "kv_transfer_params": params.for_decode(kvx_id, secret)})
             t.join()
             return first - start, first - done["at"]
         if self.name == "nixl":

@@ -32,6 +32,16 @@ from kvx._kvx import (
 )
 from kvx.config import ReceiverConfig, SenderConfig
 
+
+def new_claim_secret() -> str:
+    """A fresh claim secret for one caller-placement reservation (``Receiver.reserve``):
+    192 random bits as 32 URL-safe characters. Hand it to the one sender meant to claim the
+    reservation (``Sender.begin(..., claim_secret=)``), and to nobody else."""
+    import secrets
+
+    return secrets.token_urlsafe(24)
+
+
 __all__ = [
     "CancelledError",
     "IdentityRefusedError",
@@ -54,4 +64,5 @@ __all__ = [
     "__version__",
     "configure",
     "defaults",
+    "new_claim_secret",
 ]

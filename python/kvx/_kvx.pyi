@@ -184,8 +184,11 @@ class Sender:
         shape: Sequence[int] = ...,
         dtype: str = ...,
         fmt: int = 1,
+        claim_secret: Optional[str] = None,
     ) -> None:
-        """Begins a request; its admission probe goes out at once."""
+        """Begins a request; its admission probe goes out at once. ``claim_secret``: the
+        secret of the receiver's reservation for it, which a ``placement="caller"`` receiver
+        requires (``Receiver.reserve``); sent with the first message only, never printed."""
     def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
         """True once admitted, False when ``timeout`` passed; raises when it failed."""
     def admitted(self, req_id: str) -> Future[None]:
@@ -347,11 +350,17 @@ class Receiver:
         Unbounded (bound it with ``asyncio.timeout``/``wait_for``); cancelled, it loses
         nothing: leases it had taken go to the next ``ready``/``next_ready``.
         ``StoppedError`` once the receiver has stopped."""
-    def reserve(self, req_id: str, slots: Sequence[int], timeout: float = 5.0, *, held: int = 0) -> None:
+    def reserve(
+        self, req_id: str, slots: Sequence[int], timeout: float = 5.0, *, claim_secret: str, held: int = 0
+    ) -> None:
         """Caller placement: lends ``slots`` (chunk i to ``slots[i]``) to request ``req_id``,
-        which the first sender with that id claims. ``MisuseError`` (nothing changed) for an
+        which the first sender with that id that carries ``claim_secret`` claims: hand the
+        secret (16..128 printable ASCII bytes, fresh per reservation: ``kvx.new_claim_secret()``)
+        to the one sender meant to claim it (``Sender.begin(..., claim_secret=)``); the id alone
+        claims nothing. ``MisuseError`` (nothing changed) for an
         id reserved and not yet returned, a slot out of range, named twice or reserved for another
-        request not yet returned, or a ``placement="pool"`` receiver. ``held``: the request's
+        request not yet returned, or a ``placement="pool"`` receiver; ``ValueError`` for a
+        malformed secret. ``held``: the request's
         first ``held`` chunks are the program's already (a local prefix hit): the sender, which
         sends every chunk, is told they are sent, and chunk ``held + i`` goes to ``slots[i]``."""
     def withdraw(self, req_id: str, timeout: float = 5.0) -> None:

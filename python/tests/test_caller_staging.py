@@ -133,8 +133,9 @@ def test_chunks_consecutive_on_both_sides_go_as_one_write():
         assert tx.write_counts() == (0, 0)
         cases = {"run": ([0, 1, 2, 3], [4, 5, 6, 7]), "split": ([4, 5, 6], [0, 1, 3])}
         for req_id, (staging, reserved) in cases.items():
-            rx.reserve(req_id, reserved)
-            tx.begin(req_id, receiver=peer, total_chunks=len(staging))
+            secret = f"secret-of-{req_id}-0123456789"
+            rx.reserve(req_id, reserved, claim_secret=secret)
+            tx.begin(req_id, receiver=peer, total_chunks=len(staging), claim_secret=secret)
             assert tx.wait_admitted(req_id, timeout=WAIT)
             tx.submit_slots(req_id, staging, [f"{req_id}@{i}" for i in range(len(staging))], last=True)
             tx.wait_released(req_id, timeout=WAIT)

@@ -115,3 +115,45 @@ def test_the_lmcache_curve_keys_are_optional_paths():
     extra = settings._extra(Config())
     assert extra["kvx_curve_secret_key"] == "/etc/kvx/r.key_secret"
     assert extra["kvx_curve_allow"] is None
+
+
+@pytest.mark.parametrize("order", ["reserved first", "claimed first"])
+def test_under_curve_an_allowed_principal_without_the_secret_claims_nothing(certs, order):
+    """Caller placement under CURVE: another allowed principal (its own key, on the
+    allow-list) that knows a reservation's id claims nothing without the secret the
+    application handed to the prefill it chose; that prefill's claim then succeeds."""
+    zmq_auth.create_certificates(str(certs / "allowed"), "other")
+    server = {"curve_secret_key": certs / "server.key_secret", "curve_allow": certs / "allowed"}
+    rx = kvx.Receiver(slots=4, slot_bytes=SLOT, placement="caller", **server)
+
+    def sender(name):
+        tx = kvx.Sender(
+            slots=2,
+            slot_bytes=SLOT,
+            curve_secret_key=str(certs / "allowed" / f"{name}.key_secret"),
+            curve_server_key=str(certs / "server.key"),
+        )
+        return tx, tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+
+    secret = kvx.new_claim_secret()
+    other, other_peer = sender("other")
+    if order == "reserved first":
+        rx.reserve("c", [3], claim_secret=secret)
+    other.begin("c", receiver=other_peer, total_chunks=1, claim_secret=kvx.new_claim_secret())
+    if order == "claimed first":
+        assert not other.wait_admitted("c", timeout=0.2), "a forged claim waits: it proves nothing yet"
+        rx.reserve("c", [3], claim_secret=secret)
+    with pytest.raises(kvx.RefusedError, match="not its reservation's"):
+        other.wait_admitted("c", timeout=WAIT)
+    tx, peer = sender("prefill")
+    tx.begin("c", receiver=peer, total_chunks=1, claim_secret=secret)
+    assert tx.wait_admitted("c", timeout=WAIT)
+    slot = tx.allocate("c", timeout=WAIT)
+    slot.write(b"\x05" * SLOT)
+    tx.add(slot, "c@0", tokens=1)
+    tx.submit("c", last=True)
+    [lease] = rx.next_ready(max=1, timeout=WAIT)
+    assert lease.slots == [3] and bytes(lease.views()[0]) == b"\x05" * SLOT
+    lease.consume()
+    tx.wait_outcome("c", timeout=WAIT)
+    rx.close()

@@ -19,6 +19,11 @@ SLOT = 4096
 WAIT = 10.0
 
 
+def secret(req_id: str) -> str:
+    """The claim secret of ``req_id``'s reservation, which its sender is handed."""
+    return f"secret-of-{req_id}-0123456789"
+
+
 def pattern(req_id: str, chunk: int) -> "np.ndarray":
     seed = (sum(req_id.encode()) * 31 + chunk * 7) % 251
     return ((np.arange(SLOT, dtype=np.uint32) + seed) % 251).astype(np.uint8)
@@ -33,7 +38,7 @@ def caller_pair(slots=8):
 
 
 def send(tx, peer, req_id, chunks):
-    tx.begin(req_id, receiver=peer, total_chunks=chunks)
+    tx.begin(req_id, receiver=peer, total_chunks=chunks, claim_secret=secret(req_id))
     assert tx.wait_admitted(req_id, timeout=WAIT)
     for c in range(chunks):
         slot = tx.allocate(req_id, timeout=WAIT)
@@ -48,7 +53,7 @@ def slot_bytes(buffer, slot):
 
 def test_chunks_land_in_the_reserved_slots_in_order_and_the_slots_come_back():
     tx, rx, peer, buffer = caller_pair()
-    rx.reserve("r", [6, 1, 4])
+    rx.reserve("r", [6, 1, 4], claim_secret=secret("r"))
     send(tx, peer, "r", 3)
     [lease] = rx.next_ready(max=1, timeout=WAIT)
     assert lease.slots == [6, 1, 4]
@@ -66,16 +71,16 @@ def test_chunks_land_in_the_reserved_slots_in_order_and_the_slots_come_back():
 
 def test_a_sender_that_comes_first_waits_for_its_reservation():
     tx, rx, peer, _ = caller_pair()
-    tx.begin("early", receiver=peer, total_chunks=1)
+    tx.begin("early", receiver=peer, total_chunks=1, claim_secret=secret("early"))
     assert not tx.wait_admitted("early", timeout=0.2)
-    rx.reserve("early", [3])
+    rx.reserve("early", [3], claim_secret=secret("early"))
     assert tx.wait_admitted("early", timeout=WAIT)
 
 
 def test_a_withdrawn_reservation_comes_back_and_fails_its_sender_with_the_reason():
     tx, rx, peer, _ = caller_pair()
-    rx.reserve("w", [0, 1])
-    tx.begin("w", receiver=peer, total_chunks=2)
+    rx.reserve("w", [0, 1], claim_secret=secret("w"))
+    tx.begin("w", receiver=peer, total_chunks=2, claim_secret=secret("w"))
     assert tx.wait_admitted("w", timeout=WAIT)
     rx.withdraw("w")
     [back] = rx.returned(timeout=WAIT)
@@ -90,9 +95,58 @@ def test_a_withdrawn_reservation_comes_back_and_fails_its_sender_with_the_reason
         rx.withdraw("w")
 
 
+@pytest.mark.parametrize("order", ["reserved first", "claimed first"])
+def test_the_request_id_alone_claims_nothing(order):
+    """A sender of its own, with no relation to the request, that knows its id (it crosses
+    HTTP and logs in clear): without the reservation's secret, or with another, its claim is
+    refused with the reason, its bytes land nowhere, and the real sender's claim then
+    succeeds, whether the reservation came before the forged claims or after them."""
+    tx, rx, peer, buffer = caller_pair()
+    forged = {"x-none": None, "x-wrong": "guessed-0123456789abcdef"}
+    if order == "reserved first":
+        rx.reserve("x", [5, 2], claim_secret=secret("x"))
+    for name, claim in forged.items():
+        # A sender of its own per forged claim (one sender runs one request of an id).
+        mallory = kvx.Sender(slots=2, slot_bytes=SLOT, local_id=name)
+        p = mallory.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
+        mallory.begin("x", receiver=p, total_chunks=2, claim_secret=claim)
+        forged[name] = mallory
+    if order == "claimed first":
+        # The claim without a secret is refused at once; the wrong one waits.
+        with pytest.raises(kvx.RefusedError, match="no claim secret"):
+            forged["x-none"].wait_admitted("x", timeout=WAIT)
+        assert not forged["x-wrong"].wait_admitted("x", timeout=0.2)
+        rx.reserve("x", [5, 2], claim_secret=secret("x"))
+    with pytest.raises(kvx.RefusedError, match="no claim secret"):
+        forged["x-none"].wait_admitted("x", timeout=WAIT)
+    with pytest.raises(kvx.RefusedError, match="not its reservation's"):
+        forged["x-wrong"].wait_admitted("x", timeout=WAIT)
+    assert rx.snapshot()["tracked_requests"] <= 1
+    send(tx, peer, "x", 2)
+    [lease] = rx.next_ready(max=1, timeout=WAIT)
+    assert lease.slots == [5, 2]
+    assert np.array_equal(slot_bytes(buffer, 5), pattern("x", 0))
+    assert np.array_equal(slot_bytes(buffer, 2), pattern("x", 1))
+    lease.consume()
+    tx.wait_outcome("x", timeout=WAIT)
+    [back] = rx.returned(timeout=WAIT)
+    assert back.consumed
+
+
+def test_a_malformed_claim_secret_is_refused_without_repeating_it():
+    _, rx, _, _ = caller_pair(slots=4)
+    for bad in ["short", "x" * 129, "has space in it!!"]:
+        with pytest.raises(ValueError, match="claim_secret") as caught:
+            rx.reserve("r", [0], claim_secret=bad)
+        assert bad not in str(caught.value)
+    tx = kvx.Sender(slots=1, slot_bytes=SLOT)
+    with pytest.raises(ValueError, match="claim_secret"):
+        tx.begin("r", receiver=0, total_chunks=1, claim_secret="short")
+
+
 def test_reservations_that_cannot_be_lent_are_refused_with_the_reason():
     _, rx, _, _ = caller_pair(slots=4)
-    rx.reserve("held", [1])
+    rx.reserve("held", [1], claim_secret=secret("held"))
     for req_id, slots, why in [
         ("r", [4], "outside the buffer's 4 slots"),
         ("r", [0, 0], "named twice"),
@@ -101,15 +155,15 @@ def test_reservations_that_cannot_be_lent_are_refused_with_the_reason():
         ("r", [], "at least one slot"),
     ]:
         with pytest.raises(kvx.MisuseError, match=why.replace("(", r"\(").replace(")", r"\)")):
-            rx.reserve(req_id, slots)
+            rx.reserve(req_id, slots, claim_secret=secret(req_id))
     pool = kvx.Receiver(slots=4, slot_bytes=SLOT)
     with pytest.raises(kvx.MisuseError, match="placement = caller"):
-        pool.reserve("r", [0])
+        pool.reserve("r", [0], claim_secret=secret("r"))
     with pytest.raises(ValueError, match='"pool" or "caller"'):
         kvx.Receiver(slots=4, slot_bytes=SLOT, placement="vllm")
     rx.close()
     with pytest.raises(kvx.StoppedError):
-        rx.reserve("late", [2])
+        rx.reserve("late", [2], claim_secret=secret("late"))
 
 
 def test_a_buffer_lent_in_per_layer_parts_takes_each_chunk_into_its_layer():
@@ -122,7 +176,7 @@ def test_a_buffer_lent_in_per_layer_parts_takes_each_chunk_into_its_layer():
     tx = kvx.Sender(slots=2, slot_bytes=SLOT)
     peer = tx.add_receiver(rx.alloc_endpoint, rx.fabric_endpoint)
     # Block 3 of layer 1, block 1 of layer 0.
-    rx.reserve("r", [7, 1])
+    rx.reserve("r", [7, 1], claim_secret=secret("r"))
     send(tx, peer, "r", 2)
     [lease] = rx.next_ready(max=1, timeout=WAIT)
     views = lease.views()
@@ -151,14 +205,14 @@ def test_returns_are_awaitable_and_a_cancelled_await_loses_none():
     _, rx, _, _ = caller_pair()
 
     async def main():
-        rx.reserve("a", [0])
+        rx.reserve("a", [0], claim_secret=secret("a"))
         waiting = asyncio.ensure_future(rx.returned_async())
         await asyncio.sleep(0.05)
         rx.withdraw("a")
         [back] = await asyncio.wait_for(waiting, WAIT)
         assert (back.req_id, back.slots, back.consumed) == ("a", [0], False)
 
-        rx.reserve("b", [1])
+        rx.reserve("b", [1], claim_secret=secret("b"))
         rx.withdraw("b")
         cancelled = asyncio.ensure_future(rx.returned_async())
         await asyncio.sleep(0)  # the await starts and takes b's return

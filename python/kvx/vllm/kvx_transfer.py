@@ -106,14 +106,19 @@ class DecodeTransfer:
             raise RuntimeError("kvx.vllm: register_kv_caches has not run on this worker")
         return self.receiver, self.layout
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
         rx, layout = self._rx()
         load = _Load(out=set())
         self._loads[kvx_id] = load
         held = first_block * layout.pages_per_block
         for layer in range(len(layout.layer_names)):
             try:
-                rx.reserve(layer_request(kvx_id, layer), layout.block_pages(layer, block_ids), held=held)
+                rx.reserve(
+                    layer_request(kvx_id, layer), layout.block_pages(layer, block_ids),
+                    claim_secret=claim_secret, held=held,
+                )
             except kvx.KvxError as e:
                 load.failure = load.failure or f"reserving layer {layer}: {e}"
                 break
@@ -177,7 +182,7 @@ class DecodeTransfer:
         counts, self._counts = dict(self._counts), Counter()
         return counts
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
         raise RuntimeError("kvx.vllm: a decode engine (kv_consumer) claims nothing")
 
     def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int,
@@ -283,13 +288,15 @@ class PrefillTransfer:
             raise RuntimeError("kvx.vllm: register_kv_caches has not run on this worker")
         return self.sender, self.layout
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
         raise RuntimeError("kvx.vllm: a prefill engine (kv_producer) reserves nothing")
 
     def release(self, kvx_id: str, reserved: bool) -> None:
         raise RuntimeError("kvx.vllm: a prefill engine (kv_producer) releases nothing")
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
         tx, layout = self._tx()
         push = _Push(layers=len(layout.layer_names))
         self._pushes[kvx_id] = push
@@ -301,7 +308,7 @@ class PrefillTransfer:
             chunks = num_blocks * layout.pages_per_block
             for layer in range(push.layers):
                 tx.begin(layer_request(kvx_id, layer), receiver=peer, total_chunks=chunks,
-                         shape=[layout.page_bytes], dtype="uint8")
+                         shape=[layout.page_bytes], dtype="uint8", claim_secret=claim_secret)
                 push.open.add(layer)
         except kvx.KvxError as e:
             self._fail(kvx_id, push, f"claiming at {alloc}: {e}")

@@ -5,29 +5,36 @@ unchanged (``Request.kv_transfer_params``); these keys are the contract between
 
 Decode engine::
 
-    {"do_remote_prefill": true, "kvx_request_id": "<id>"}
+    {"do_remote_prefill": true, "kvx_request_id": "<id>", "kvx_claim_secret": "<secret>"}
 
 Prefill engine::
 
-    {"do_remote_decode": true, "kvx_request_id": "<id>",
+    {"do_remote_decode": true, "kvx_request_id": "<id>", "kvx_claim_secret": "<secret>",
      "kvx_decode_alloc": ["tcp://d:8400", ...], "kvx_decode_fabric": ["tcp://d:8300", ...]}
 
 (one endpoint per decode TP rank; prefill rank r pushes to decode rank r). ``kvx_request_id``
 names the request at kvx on both sides: the router chooses it, so the two engines' own
-request ids (which vLLM may rewrite) never need to agree.
+request ids (which vLLM may rewrite) never need to agree. ``kvx_claim_secret`` is what the
+prefill engine proves to claim the decode engine's reservation: the id travels in logs and
+in clear, so it claims nothing alone. The router draws a fresh secret per request and hands
+it to the two engines it chose only; it is never logged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 REQUEST_ID = "kvx_request_id"
+CLAIM_SECRET = "kvx_claim_secret"
 DECODE_ALLOC = "kvx_decode_alloc"
 DECODE_FABRIC = "kvx_decode_fabric"
 
 #: The longest kvx request id (kvx's receiver refuses longer ones: req_id_bytes_max).
 REQUEST_ID_BYTES_MAX = 512
+#: A claim secret's bounds in bytes (kvx's ``ClaimSecret``: printable ASCII).
+CLAIM_SECRET_BYTES = (16, 128)
 
 
 class ParamsError(ValueError):
@@ -40,6 +47,8 @@ class RemotePrefill:
     """Decode side: this request's KV is computed by a prefill engine and pushed here."""
 
     kvx_id: str
+    #: What the prefill engine proves to claim this engine's reservation.
+    claim_secret: str = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class RemoteDecode:
     """Prefill side: push this request's KV into the decode engine at these endpoints."""
 
     kvx_id: str
+    #: Proves to the decode engine that this engine may claim its reservation.
+    claim_secret: str = field(repr=False)
     decode_alloc: Tuple[str, ...]
     decode_fabric: Tuple[str, ...]
 
@@ -58,6 +69,26 @@ def _kvx_id(params: Mapping[str, Any]) -> str:
     if len(value.encode()) > REQUEST_ID_BYTES_MAX:
         raise ParamsError(f"kv_transfer_params {REQUEST_ID}: at most {REQUEST_ID_BYTES_MAX} bytes")
     return value
+
+
+def _claim_secret(params: Mapping[str, Any]) -> str:
+    value = params.get(CLAIM_SECRET)
+    low, high = CLAIM_SECRET_BYTES
+    # The value itself is never repeated in the message: it is a secret.
+    if not isinstance(value, str) or not low <= len(value) <= high or not all(
+        "!" <= c <= "~" for c in value
+    ):
+        raise ParamsError(
+            f"kv_transfer_params {CLAIM_SECRET}: {low}..{high} printable ASCII characters "
+            "(the router draws one per request)"
+        )
+    return value
+
+
+def new_claim_secret() -> str:
+    """A fresh claim secret (192 random bits), for one request (``kvx.new_claim_secret``'s,
+    without importing kvx's native module into the router)."""
+    return secrets.token_urlsafe(24)
 
 
 def _endpoints(params: Mapping[str, Any], key: str) -> Tuple[str, ...]:
@@ -83,7 +114,7 @@ def parse(params: Optional[Mapping[str, Any]]) -> Union[RemotePrefill, RemoteDec
     if prefill and decode:
         raise ParamsError("kv_transfer_params: do_remote_prefill and do_remote_decode together")
     if prefill:
-        return RemotePrefill(_kvx_id(params))
+        return RemotePrefill(_kvx_id(params), _claim_secret(params))
     if decode:
         alloc, fabric = _endpoints(params, DECODE_ALLOC), _endpoints(params, DECODE_FABRIC)
         if len(alloc) != len(fabric):
@@ -91,20 +122,23 @@ def parse(params: Optional[Mapping[str, Any]]) -> Union[RemotePrefill, RemoteDec
                 f"kv_transfer_params: {len(alloc)} {DECODE_ALLOC} but {len(fabric)} "
                 f"{DECODE_FABRIC} endpoints (one of each per decode TP rank)"
             )
-        return RemoteDecode(_kvx_id(params), alloc, fabric)
+        return RemoteDecode(_kvx_id(params), _claim_secret(params), alloc, fabric)
     return None
 
 
-def for_decode(kvx_id: str) -> Dict[str, Any]:
+def for_decode(kvx_id: str, claim_secret: str) -> Dict[str, Any]:
     """The ``kv_transfer_params`` the router sends to the decode engine."""
-    return {"do_remote_prefill": True, REQUEST_ID: kvx_id}
+    return {"do_remote_prefill": True, REQUEST_ID: kvx_id, CLAIM_SECRET: claim_secret}
 
 
-def for_prefill(kvx_id: str, decode_alloc: List[str], decode_fabric: List[str]) -> Dict[str, Any]:
+def for_prefill(
+    kvx_id: str, claim_secret: str, decode_alloc: List[str], decode_fabric: List[str]
+) -> Dict[str, Any]:
     """The ``kv_transfer_params`` the router sends to the prefill engine."""
     return {
         "do_remote_decode": True,
         REQUEST_ID: kvx_id,
+        CLAIM_SECRET: claim_secret,
         DECODE_ALLOC: list(decode_alloc),
         DECODE_FABRIC: list(decode_fabric),
     }

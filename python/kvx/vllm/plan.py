@@ -18,6 +18,8 @@ class Reserve:
 
     req_id: str
     kvx_id: str
+    #: What the claiming prefill engine must prove (the router's, per request).
+    claim_secret: str = field(repr=False)
     first_block: int
     block_ids: Tuple[int, ...]
     num_tokens: int
@@ -42,6 +44,8 @@ class Begin:
 
     req_id: str
     kvx_id: str
+    #: Proves to the decode engine's receiver that this claim is the router's choice.
+    claim_secret: str = field(repr=False)
     decode_alloc: Tuple[str, ...]
     decode_fabric: Tuple[str, ...]
     #: The prompt's blocks: every one is pushed (the decode engine answers those it holds).

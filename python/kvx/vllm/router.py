@@ -91,15 +91,17 @@ def new_kvx_id() -> str:
     return f"kvx-{uuid.uuid4().hex}"
 
 
-def decode_body(body: Dict[str, Any], kvx_id: str) -> Dict[str, Any]:
+def decode_body(body: Dict[str, Any], kvx_id: str, claim_secret: str) -> Dict[str, Any]:
     """The client's request as the decode engine gets it: unchanged but for its
     ``kv_transfer_params``."""
     out = dict(body)
-    out["kv_transfer_params"] = params.for_decode(kvx_id)
+    out["kv_transfer_params"] = params.for_decode(kvx_id, claim_secret)
     return out
 
 
-def prefill_body(body: Dict[str, Any], path: str, kvx_id: str, decode: DecodeEngine) -> Dict[str, Any]:
+def prefill_body(
+    body: Dict[str, Any], path: str, kvx_id: str, claim_secret: str, decode: DecodeEngine
+) -> Dict[str, Any]:
     """The same prompt for the prefill engine: one token, not streamed, one sequence, with
     the decode engine's kvx endpoints to push to."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
@@ -107,7 +109,9 @@ def prefill_body(body: Dict[str, Any], path: str, kvx_id: str, decode: DecodeEng
     if path == "/v1/chat/completions":
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = params.for_prefill(kvx_id, list(decode.kvx_alloc), list(decode.kvx_fabric))
+    out["kv_transfer_params"] = params.for_prefill(
+        kvx_id, claim_secret, list(decode.kvx_alloc), list(decode.kvx_fabric)
+    )
     return out
 
 
@@ -242,13 +246,20 @@ class Router:
             return _error(400, "kv_transfer_params are the router's to set", "invalid_request_error")
         self.stats["requests"] += 1
         kvx_id = new_kvx_id()
+        # Handed to the two engines chosen here only: the prefill engine proves it to claim
+        # the decode engine's reservation (the id alone claims nothing). Never logged.
+        claim_secret = params.new_claim_secret()
         path = request.path
         decode, prefill = self.decode.take(), self.prefill.take()
         prefill_task = asyncio.create_task(
-            self._prefill(prefill, path, prefill_body(body, path, kvx_id, decode.engine), kvx_id)
+            self._prefill(
+                prefill, path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id
+            )
         )
         try:
-            response = await self._relay_decode(request, decode.engine, path, decode_body(body, kvx_id), kvx_id)
+            response = await self._relay_decode(
+                request, decode.engine, path, decode_body(body, kvx_id, claim_secret), kvx_id
+            )
             if response is None:
                 # No decode engine holds the request: a push could only wait for a
                 # reservation that never comes.

@@ -92,7 +92,9 @@ class DecodeScheduler:
                 f"kvx: request {rid} has {len(block_ids)} blocks for {end} tokens "
                 f"({last} needed)"
             )
-        reserve = Reserve(rid, params.kvx_id, first, tuple(block_ids[first:last]), end)
+        reserve = Reserve(
+            rid, params.kvx_id, params.claim_secret, first, tuple(block_ids[first:last]), end
+        )
         self.reserved[rid] = reserve
         self._plan.reserve.append(reserve)
 
@@ -182,7 +184,10 @@ class PrefillScheduler:
             self.claiming[rid] = (params, self.clock() + self.grant_timeout_sec)
             blocks = -(-request.num_prompt_tokens // self.block_size)
             self._plan.begin.append(
-                Begin(rid, params.kvx_id, params.decode_alloc, params.decode_fabric, blocks)
+                Begin(
+                    rid, params.kvx_id, params.claim_secret, params.decode_alloc,
+                    params.decode_fabric, blocks,
+                )
             )
 
     def get_num_new_matched_tokens(

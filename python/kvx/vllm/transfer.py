@@ -40,16 +40,20 @@ class KvTransfer(Protocol):
         """The engine's paged KV, one tensor per layer name: the decode side's receive
         memory, the prefill side's write source."""
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
         """Decode: blocks ``block_ids`` (block indexes ``first_block`` on) are reserved for
-        ``kvx_id``'s ``num_tokens``; grant them to the prefill engine that claims it."""
+        ``kvx_id``'s ``num_tokens``; grant them to the prefill engine that claims it with
+        ``claim_secret``, and to no other."""
 
     def release(self, kvx_id: str, reserved: bool) -> None:
         """Decode: withdraw ``kvx_id``; when ``reserved``, report it ``received`` once no
         write can land in its blocks, else refuse any later claim of it."""
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
-        """Prefill: claim ``kvx_id``'s reservation at the decode receiver at ``alloc`` for
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        """Prefill: claim ``kvx_id``'s reservation, proving ``claim_secret``, at the decode
+        receiver at ``alloc`` for
         the prompt's ``num_blocks`` blocks, every one of which will be written (the decode
         engine answers those it holds already); report ``granted`` or ``refused``."""
 

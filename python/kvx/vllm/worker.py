@@ -44,7 +44,7 @@ class KvxWorker:
         self._plan = plan
         for r in plan.reserve:
             self._reserved[r.kvx_id] = r
-            self.transfer.reserve(r.kvx_id, r.first_block, r.block_ids, r.num_tokens)
+            self.transfer.reserve(r.kvx_id, r.claim_secret, r.first_block, r.block_ids, r.num_tokens)
         for rel in plan.release:
             if rel.reserved and rel.kvx_id in self._reserved:
                 self._withdrawn.add(rel.kvx_id)
@@ -53,7 +53,9 @@ class KvxWorker:
             self._claimed[b.req_id] = b.kvx_id
             self._by_kvx[b.kvx_id] = b.req_id
             rank = self.tp_rank % len(b.decode_alloc)
-            self.transfer.begin(b.kvx_id, b.decode_alloc[rank], b.decode_fabric[rank], b.num_blocks)
+            self.transfer.begin(
+                b.kvx_id, b.claim_secret, b.decode_alloc[rank], b.decode_fabric[rank], b.num_blocks
+            )
         for rid in plan.cancel:
             kvx_id = self._claimed.get(rid)
             if kvx_id is None:

@@ -45,11 +45,23 @@ def layer_names():
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
+def claim_secret(kvx_id: str) -> str:
+    """The claim secret the tests' router would hand both engines for ``kvx_id``."""
+    return f"secret-of-{kvx_id}-0123456789"
+
+
 def plan_of(d: Dict[str, Any]) -> StepPlan:
+    """A step plan from JSON lists; a ``begin`` may name its claim secret sixth (a forged
+    claim), else both sides use ``claim_secret(kvx_id)``."""
     return StepPlan(
-        reserve=[Reserve(r[0], r[1], r[2], tuple(r[3]), r[4]) for r in d.get("reserve", [])],
+        reserve=[
+            Reserve(r[0], r[1], claim_secret(r[1]), r[2], tuple(r[3]), r[4]) for r in d.get("reserve", [])
+        ],
         release=[Release(r[0], r[1], r[2]) for r in d.get("release", [])],
-        begin=[Begin(b[0], b[1], tuple(b[2]), tuple(b[3]), b[4]) for b in d.get("begin", [])],
+        begin=[
+            Begin(b[0], b[1], b[5] if len(b) > 5 else claim_secret(b[1]), tuple(b[2]), tuple(b[3]), b[4])
+            for b in d.get("begin", [])
+        ],
         push=[Push(p[0], p[1], p[2], tuple(p[3]), p[4]) for p in d.get("push", [])],
         cancel=list(d.get("cancel", [])),
     )

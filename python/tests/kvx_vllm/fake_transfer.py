@@ -14,6 +14,8 @@ class FakeTransfer:
 
     calls: List[Tuple[Any, ...]] = field(default_factory=list)
     reserved: Dict[str, Tuple[int, Tuple[int, ...], int]] = field(default_factory=dict)
+    #: The claim secret each id was reserved or claimed with.
+    secrets: Dict[str, str] = field(default_factory=dict)
     pending: TransferEvents = field(default_factory=TransferEvents)
     posted: Set[str] = field(default_factory=set)
 
@@ -40,7 +42,10 @@ class FakeTransfer:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.calls.append(("register", tuple(kv_caches)))
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
+        self.secrets[kvx_id] = claim_secret
         self.calls.append(("reserve", kvx_id, first_block, tuple(block_ids), num_tokens))
         self.reserved[kvx_id] = (first_block, tuple(block_ids), num_tokens)
 
@@ -49,7 +54,8 @@ class FakeTransfer:
         if reserved:  # no write can land once the grant is withdrawn (here: at once)
             self.pending.received.add(kvx_id)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        self.secrets[kvx_id] = claim_secret
         self.calls.append(("begin", kvx_id, alloc, fabric))
 
     def write_layer(

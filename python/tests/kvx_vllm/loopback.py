@@ -20,6 +20,9 @@ class Hub:
 
     reserved: Dict[str, Tuple[int, Tuple[int, ...]]] = field(default_factory=dict)
     claimed: Set[str] = field(default_factory=set)
+    #: The claim secrets reservations were made with, and claims carried.
+    secrets: Dict[str, str] = field(default_factory=dict)
+    claim_secrets: Dict[str, str] = field(default_factory=dict)
     released: Set[str] = field(default_factory=set)
     decode_kv: Dict[str, Any] = field(default_factory=dict)
     decode_events: TransferEvents = field(default_factory=TransferEvents)
@@ -33,7 +36,10 @@ class Hub:
                 self.prefill_events.refused[kvx_id] = "request already ended"
                 self.claimed.discard(kvx_id)
             elif kvx_id in self.reserved:
-                self.prefill_events.granted.add(kvx_id)
+                if self.claim_secrets.get(kvx_id) != self.secrets.get(kvx_id):
+                    self.prefill_events.refused[kvx_id] = "the claim secret is not its reservation's"
+                else:
+                    self.prefill_events.granted.add(kvx_id)
                 self.claimed.discard(kvx_id)
 
 
@@ -46,15 +52,18 @@ class DecodeEnd(QuietEnd):
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.hub.decode_kv = dict(kv_caches)
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
         self.hub.reserved[kvx_id] = (first_block, tuple(block_ids))
+        self.hub.secrets[kvx_id] = claim_secret
 
     def release(self, kvx_id: str, reserved: bool) -> None:
         self.hub.released.add(kvx_id)
         if self.hub.reserved.pop(kvx_id, None) is not None:
             self.hub.decode_events.received.add(kvx_id)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
         raise AssertionError("a decode engine claims nothing")
 
     def write_layer(self, *args: Any) -> None:
@@ -86,8 +95,9 @@ class PrefillEnd(QuietEnd):
     def release(self, *args: Any) -> None:
         raise AssertionError("a prefill engine releases nothing")
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
         self.hub.claimed.add(kvx_id)
+        self.hub.claim_secrets[kvx_id] = claim_secret
 
     def write_layer(
         self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int, block_ids: Sequence[int], last: bool

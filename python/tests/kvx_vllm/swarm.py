@@ -80,6 +80,8 @@ class KvxModel:
         #: admission timeout.
         self.gone: Set[str] = set()
         self.claims: Dict[str, Claim] = {}
+        #: The claim secret each id was reserved or first claimed with.
+        self.secrets: Dict[str, str] = {}
         self.decode_events = TransferEvents()
         self.prefill_events = TransferEvents()
         #: Called with each write as it lands (the world's safety checks).
@@ -90,9 +92,10 @@ class KvxModel:
         self.delivered: Set[str] = set()
 
     # -- the decode end ------------------------------------------------------------------
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int]) -> None:
+    def reserve(self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int]) -> None:
         assert kvx_id not in self.reservations, f"{kvx_id} reserved twice"
         self.reservations[kvx_id] = Reservation(first_block, tuple(block_ids))
+        self.secrets[kvx_id] = claim_secret
 
     def release(self, kvx_id: str, reserved: bool) -> None:
         res = self.reservations.get(kvx_id)
@@ -103,8 +106,11 @@ class KvxModel:
         res.withdrawn = True
 
     # -- the prefill end -----------------------------------------------------------------
-    def begin(self, kvx_id: str) -> None:
+    def begin(self, kvx_id: str, claim_secret: str) -> None:
         assert kvx_id not in self.claims, f"{kvx_id} claimed twice"
+        # The claim proves the secret the decode engine reserved with (kvx refuses it else).
+        assert self.secrets.setdefault(kvx_id, claim_secret) == claim_secret, \
+            f"{kvx_id}: claimed with another secret than its reservation's"
         self.claims[kvx_id] = Claim()
 
     def write_layer(self, kvx_id: str, layer: str, first_block: int, block_ids: Sequence[int],
@@ -245,8 +251,10 @@ class DecodeEnd(QuietEnd):
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.kvx.decode_kv = dict(kv_caches)
 
-    def reserve(self, kvx_id: str, first_block: int, block_ids: Sequence[int], num_tokens: int) -> None:
-        self.kvx.reserve(kvx_id, first_block, block_ids)
+    def reserve(
+        self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
+        self.kvx.reserve(kvx_id, claim_secret, first_block, block_ids)
 
     def release(self, kvx_id: str, reserved: bool) -> None:
         self.kvx.release(kvx_id, reserved)
@@ -264,8 +272,8 @@ class PrefillEnd(QuietEnd):
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.kvx.prefill_kv = dict(kv_caches)
 
-    def begin(self, kvx_id: str, alloc: str, fabric: str, num_blocks: int) -> None:
-        self.kvx.begin(kvx_id)
+    def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
+        self.kvx.begin(kvx_id, claim_secret)
 
     def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int,
                     block_ids: Sequence[int], last: bool) -> None:
@@ -367,9 +375,9 @@ class World:
     def add(self, side: str, rid: str) -> None:
         i = rid[1:]
         if side == "decode":
-            self.decode.add(rid, 0, params.for_decode(f"k{i}"), max_tokens=3, tokens=self.prompts[rid])
+            self.decode.add(rid, 0, params.for_decode(f"k{i}", "secret-0123456789abcdef"), max_tokens=3, tokens=self.prompts[rid])
         else:
-            self.prefill.add(rid, 0, params.for_prefill(f"k{i}", ["tcp://d:1"], ["tcp://d:2"]),
+            self.prefill.add(rid, 0, params.for_prefill(f"k{i}", "secret-0123456789abcdef", ["tcp://d:1"], ["tcp://d:2"]),
                              max_tokens=1, tokens=self.prompts[rid])
 
     def abort(self, side: str, rid: str) -> None:

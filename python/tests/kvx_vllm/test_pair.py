@@ -50,9 +50,9 @@ def run_until(predicate, *engines, steps=20):
 @pytest.mark.parametrize("decode_first", [True, False])
 def test_the_decode_engine_runs_on_the_prefill_engines_kv_byte_for_byte(decode_first):
     hub, decode, prefill = pair(max_batched_tokens=2 * BLOCK_SIZE)  # chunked: two steps
-    add_decode = lambda: decode.add("d1", PROMPT, params.for_decode("X"))  # noqa: E731
+    add_decode = lambda: decode.add("d1", PROMPT, params.for_decode("X", "secret-0123456789abcdef"))  # noqa: E731
     add_prefill = lambda: prefill.add(  # noqa: E731
-        "p1", PROMPT, params.for_prefill("X", ["tcp://d:8400"], ["tcp://d:8300"]), max_tokens=1
+        "p1", PROMPT, params.for_prefill("X", "secret-0123456789abcdef", ["tcp://d:8400"], ["tcp://d:8300"]), max_tokens=1
     )
     first, second = (add_decode, add_prefill) if decode_first else (add_prefill, add_decode)
     first()
@@ -84,11 +84,11 @@ def test_the_decode_engine_runs_on_the_prefill_engines_kv_byte_for_byte(decode_f
 
 def test_a_decode_abort_while_reserved_refuses_nothing_late_and_frees_both_sides():
     hub, decode, prefill = pair()
-    decode.add("d1", PROMPT, params.for_decode("X"))
+    decode.add("d1", PROMPT, params.for_decode("X", "secret-0123456789abcdef"))
     decode.step()
     d_free = decode.free_blocks() + 4
     decode.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
-    prefill.add("p1", PROMPT, params.for_prefill("X", ["tcp://d:8400"], ["tcp://d:8300"]), max_tokens=1)
+    prefill.add("p1", PROMPT, params.for_prefill("X", "secret-0123456789abcdef", ["tcp://d:8400"], ["tcp://d:8300"]), max_tokens=1)
     for _ in range(4):
         decode.step()
         prefill.step()

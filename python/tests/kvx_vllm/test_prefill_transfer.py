@@ -85,7 +85,7 @@ def transfer(extra: Optional[Dict[str, Any]] = None) -> Tuple[PrefillTransfer, S
 
 
 def pushed(t: PrefillTransfer, tx: ScriptedSender, kvx_id: str, blocks: List[int]) -> None:
-    t.begin(kvx_id, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", len(blocks))
+    t.begin(kvx_id, "secret-0123456789abcdef", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", len(blocks))
     assert kvx_id in t.poll().granted
     for layer in range(LAYERS):
         t.write_layer(kvx_id, f"model.layers.{layer}.self_attn.attn", None, 0, blocks, last=True)

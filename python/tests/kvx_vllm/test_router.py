@@ -151,6 +151,8 @@ def test_a_completion_goes_to_the_decode_engine_unchanged_and_to_prefill_for_one
             assert isinstance(decode_wants, params.RemotePrefill)
             assert isinstance(prefill_wants, params.RemoteDecode)
             assert decode_wants.kvx_id == prefill_wants.kvx_id, "one kvx id names the request on both sides"
+            assert decode_wants.claim_secret == prefill_wants.claim_secret, \
+                "the prefill engine proves the secret the decode engine reserves with"
             assert prefill_wants.decode_alloc == tuple(DECODE_ALLOC)
             assert prefill_wants.decode_fabric == tuple(DECODE_FABRIC)
             assert {k: v for k, v in d.items() if k != "kv_transfer_params"} == request
@@ -161,7 +163,7 @@ def test_a_completion_goes_to_the_decode_engine_unchanged_and_to_prefill_for_one
     run(go())
 
 
-def test_each_request_gets_a_kvx_id_of_its_own():
+def test_each_request_gets_a_kvx_id_and_a_claim_secret_of_its_own():
     async def go():
         async with Rig([FakeEngine("p")], [FakeEngine("d")]) as rig:
             for _ in range(3):
@@ -169,6 +171,8 @@ def test_each_request_gets_a_kvx_id_of_its_own():
                     assert r.status == 200
             ids = {b["kv_transfer_params"][params.REQUEST_ID] for b in rig.decode[0].bodies}
             assert len(ids) == 3
+            secrets = {b["kv_transfer_params"][params.CLAIM_SECRET] for b in rig.decode[0].bodies}
+            assert len(secrets) == 3, "a fresh claim secret per request"
 
     run(go())
 

@@ -27,11 +27,11 @@ FABRIC = ["tcp://10.0.0.2:8300"]
 
 
 def decode_params(kvx_id: str) -> dict:
-    return params.for_decode(kvx_id)
+    return params.for_decode(kvx_id, "secret-0123456789abcdef")
 
 
 def prefill_params(kvx_id: str) -> dict:
-    return params.for_prefill(kvx_id, ALLOC, FABRIC)
+    return params.for_prefill(kvx_id, "secret-0123456789abcdef", ALLOC, FABRIC)
 
 
 def req_blocks(engine: Engine, req_id: str) -> list:

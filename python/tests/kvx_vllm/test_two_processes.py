@@ -140,6 +140,25 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
     assert not any(layer.any() for layer in untouched), "a write outside the granted blocks"
 
 
+def test_a_prefill_engine_without_the_routers_secret_claims_nothing(engines):
+    """Another prefill engine that knows the request's kvx id (it travels in clear), but not
+    the claim secret the router handed the chosen one, is refused with the reason; the
+    chosen engine's claim is then granted and its push delivered."""
+    decode, forger, prefill = engines("kv_consumer"), engines("kv_producer"), engines("kv_producer")
+    decode.step({"reserve": [["d-f", "f", 0, [3, 4], 2 * 4]]})
+    alloc, fabric = engines.endpoints
+    forged = {"begin": [["p-f", "f", alloc, fabric, 2, "guessed-0123456789abcdef"]]}
+    refused = forger.until("refused", forged)["refused"]
+    assert "not its reservation's" in refused["p-f"], refused
+    assert prefill.until("granted", begin(engines, "f", 2))["granted"] == {"p-f": 1}
+    prefill.step({"push": [["p-f", "f", 0, [6, 7], True]]}, forward=True)
+    assert decode.until("received")["received"] == ["d-f"]
+    assert prefill.until("sent", finished=["p-f"])["sent"] == ["p-f"]
+    want, got = prefill.blocks([6, 7]), decode.blocks([3, 4])
+    for layer in range(LAYERS):
+        assert np.array_equal(got[layer], want[layer]), f"layer {layer}"
+
+
 def test_a_run_of_blocks_consecutive_in_both_engines_is_one_write_per_layer(engines):
     decode, prefill = engines("kv_consumer"), engines("kv_producer")
     decode.step({"reserve": [["d-r", "r", 0, [4, 5, 6, 7, 10], 5 * 4]]})

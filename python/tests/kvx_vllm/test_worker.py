@@ -33,7 +33,7 @@ def decode():
 
 def test_a_reservation_is_reported_received_only_when_the_transfer_says_so():
     worker, transfer = decode()
-    reserve = Reserve("r1", "k1", 0, (7, 8, 9), 40)
+    reserve = Reserve("r1", "k1", "secret-of-k1-0123456789", 0, (7, 8, 9), 40)
     assert step(worker, StepPlan(reserve=[reserve]))[1] == set()
     assert transfer.reserved == {"k1": (0, (7, 8, 9), 40)}
     assert step(worker, StepPlan())[1] == set()
@@ -46,7 +46,7 @@ def test_a_reservation_is_reported_received_only_when_the_transfer_says_so():
 
 def test_a_failed_load_reports_its_blocks_in_the_same_step_as_the_request():
     worker, transfer = decode()
-    step(worker, StepPlan(reserve=[Reserve("r1", "k1", 1, (7, 8), 40)]))
+    step(worker, StepPlan(reserve=[Reserve("r1", "k1", "secret-of-k1-0123456789", 1, (7, 8), 40)]))
     transfer.fail("k1")
     _, received, errors, _ = step(worker, StepPlan())
     assert received == {"r1"} and errors == {7, 8}
@@ -55,7 +55,7 @@ def test_a_failed_load_reports_its_blocks_in_the_same_step_as_the_request():
 
 def test_a_withdrawn_reservation_is_reported_without_load_errors():
     worker, transfer = decode()
-    step(worker, StepPlan(reserve=[Reserve("r1", "k1", 0, (7,), 10)]))
+    step(worker, StepPlan(reserve=[Reserve("r1", "k1", "secret-of-k1-0123456789", 0, (7,), 10)]))
     _, received, errors, _ = step(worker, StepPlan(release=[Release("r1", "k1", True)]))
     assert ("release", "k1", True) in transfer.calls
     assert received == {"r1"} and errors == set()
@@ -68,7 +68,7 @@ def test_a_release_of_an_id_never_reserved_here_is_passed_on_unreserved():
 
 
 def prefill_push(worker, transfer):
-    begin = Begin("p1", "k1", ("tcp://d:8400", "tcp://d:8401"), ("tcp://d:8300", "tcp://d:8301"), 2)
+    begin = Begin("p1", "k1", "secret-of-k1-0123456789", ("tcp://d:8400", "tcp://d:8401"), ("tcp://d:8300", "tcp://d:8301"), 2)
     step(worker, StepPlan(begin=[begin]), forward=False)
     transfer.grant("k1")
     _, _, _, report = step(worker, StepPlan(), forward=False)
@@ -98,7 +98,7 @@ def test_sent_is_reported_only_after_vllm_said_the_request_finished():
 def test_a_cancel_before_any_write_forgets_the_request():
     transfer = FakeTransfer()
     worker = KvxWorker(transfer)
-    step(worker, StepPlan(begin=[Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",), 2)]), forward=False)
+    step(worker, StepPlan(begin=[Begin("p1", "k1", "secret-of-k1-0123456789", ("tcp://d:1",), ("tcp://d:2",), 2)]), forward=False)
     step(worker, StepPlan(cancel=["p1"]), forward=False)
     assert ("cancel", "k1") in transfer.calls
     assert worker._claimed == {} and worker._by_kvx == {}
@@ -107,7 +107,7 @@ def test_a_cancel_before_any_write_forgets_the_request():
 def test_a_cancel_after_writes_is_reported_sent_once_drained():
     transfer = FakeTransfer()
     worker = KvxWorker(transfer)
-    begin = Begin("p1", "k1", ("tcp://d:1",), ("tcp://d:2",), 2)
+    begin = Begin("p1", "k1", "secret-of-k1-0123456789", ("tcp://d:1",), ("tcp://d:2",), 2)
     step(worker, StepPlan(begin=[begin]), forward=False)
     step(worker, StepPlan(push=[Push("p1", "k1", 0, (3,), False)]))
     step(worker, StepPlan(cancel=["p1"]), forward=False)  # the fake drains at once
