@@ -96,6 +96,7 @@ fn admission(c: &mut Criterion) {
                 seq: Some(n),
                 // A probe carries no keys, so no lengths.
                 chunk_bytes: None,
+                claim: None,
             };
             let now = Instant::ZERO;
             ledger.handle_message(now, PeerId(1), Message::AllocRequest(probe));

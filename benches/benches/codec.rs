@@ -23,6 +23,7 @@ fn alloc_request_16() -> Message {
         seq: Some(12_345),
         // A kvx sender declares each chunk's length (2 × 32 × 256 × 128 bf16 values).
         chunk_bytes: Some(vec![4 << 20; 16]),
+        claim: None,
     })
 }
 

@@ -100,17 +100,21 @@ mod tests {
         assert!(ClaimSecret::new("a".repeat(128)).is_ok());
         assert!(ClaimSecret::new("a".repeat(129)).is_err());
         assert_eq!(
-            ClaimSecret::new(format!("{}\n", "a".repeat(16))).unwrap_err(),
+            ClaimSecret::new(format!("{}\n", "a".repeat(16))).expect_err("not printable"),
             ClaimSecretError::NotPrintable
         );
     }
 
+    fn secret(s: &str) -> ClaimSecret {
+        ClaimSecret::new(s).expect("a valid secret")
+    }
+
     #[test]
     fn only_the_same_secret_proves_it_and_none_is_printed() {
-        let s = ClaimSecret::new("0123456789abcdef").unwrap();
-        assert!(s.proven_by(Some(&ClaimSecret::new("0123456789abcdef").unwrap())));
-        assert!(!s.proven_by(Some(&ClaimSecret::new("0123456789abcdeF").unwrap())));
-        assert!(!s.proven_by(Some(&ClaimSecret::new("0123456789abcdef0").unwrap())));
+        let s = secret("0123456789abcdef");
+        assert!(s.proven_by(Some(&secret("0123456789abcdef"))));
+        assert!(!s.proven_by(Some(&secret("0123456789abcdeF"))));
+        assert!(!s.proven_by(Some(&secret("0123456789abcdef0"))));
         assert!(!s.proven_by(None));
         assert!(!format!("{s:?}").contains("0123"));
     }
