@@ -2,6 +2,7 @@
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
 test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
+test_reasons.py and test_failure_reasons.py (a failed transfer's reason, through the router to its client),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
 test_swarm.py (the lifecycle under seeded interleavings and faults) and test_explore.py (the
 same, every interleaving of small worlds) must catch.
@@ -24,6 +25,7 @@ PKG = "python/kvx/vllm/"
 # The router's tests first: they take seconds, and its variants are caught there.
 TESTS = ["python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
+         "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
          "python/tests/kvx_vllm/test_prefill_transfer.py", "python/tests/kvx_vllm/test_explore.py"]
 
@@ -123,6 +125,30 @@ MUTANTS = {
         "            self._plan.cancel.append(rid)\n",
         "",
         "a prefill request aborted after its grant, before it ran, keeps its claim: the push's end is later reported for a request vLLM freed"),
+    "router-transfer-reason-dropped": (PKG + "router.py",
+        "    return reason if isinstance(reason, str) and reason else None\n",
+        "    return None\n",
+        "the router ignores why the prefill engine's push never began: its client waits for the decode engine's claim timeout, then gets no reason"),
+    "router-decode-error-bare": (PKG + "router.py",
+        "            if opened.error is not None:\n",
+        "            if False:\n",
+        "the router relays the decode engine's bare \"Internal server error\" for a failed load, without the reason or the kvx id"),
+    "transfer-no-refused-probe": (PKG + "kvx_transfer.py",
+        "refused = connection_refused(alloc, min(timeout, self.PROBE_TIMEOUT_SEC))",
+        "refused = None",
+        "a closed alloc port is found only by kvx's connect timeout, and reported as a timeout"),
+    "prefill-answer-without-reason": (PKG + "scheduler.py",
+        "            return False, {\"kvx_request_id\": kvx_id, ERROR: reason}\n",
+        "            return False, None\n",
+        "a prefill request whose claim failed answers without saying why"),
+    "reasons-in-chunk-bytes": (PKG + "reasons.py",
+        "    sizes = _SIZES.search(reason)\n",
+        "    sizes = None\n",
+        "unequal page sizes are logged in kvx's chunk and slot bytes, not as the engines' --block-size"),
+    "decode-withdrawn-failure-unlogged": (PKG + "kvx_transfer.py",
+        "elif not back.consumed and load.withdrawn and not _withdrawal(back.reason):",
+        "elif False:",
+        "a decode load that failed before its request was withdrawn is never logged with its reason"),
     "refused-push-end-kept": (PKG + "worker.py",
         "        self._sent_early.discard(rid)\n",
         "",

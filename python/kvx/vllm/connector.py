@@ -143,7 +143,7 @@ class KvxConnector(KVConnectorBase_V1):
             rank = _tp_rank()
             if transfer is None:
                 num_blocks = getattr(kv_cache_config, "num_blocks", None)
-                transfer = transfer_for(self.settings, rank, num_blocks)
+                transfer = transfer_for(self.settings, rank, num_blocks, block_size)
             self._worker = KvxWorker(transfer, rank)
 
     # ---- scheduler side -------------------------------------------------------------

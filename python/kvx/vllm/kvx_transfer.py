@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import kvx
 from kvx.vllm.pages import PagedLayout, byte_view
+from kvx.vllm.reasons import connection_refused, explain
 from kvx.vllm.settings import KvxVllmSettings
 from kvx.vllm.transfer import TransferEvents
 
@@ -55,22 +56,38 @@ def split_layer_request(req_id: str) -> Tuple[str, int]:
     return kvx_id, int(layer)
 
 
+def _withdrawal(reason: Optional[str]) -> bool:
+    """kvx's reason for a reservation this engine withdrew itself."""
+    return "withdrew the request's reservation" in (reason or "")
+
+
 @dataclass
 class _Load:
     """A decode request's layers whose reservations are still out, and why it failed."""
 
     out: Set[int]
     failure: Optional[str] = None
+    #: Withdrawn (its request ended here): a layer that failed otherwise first is logged,
+    #: since the worker reports a withdrawn load without its reason.
+    withdrawn: bool = False
 
 
 class DecodeTransfer:
     """The decode engine's transfer (one TP rank): the engine's KV tensors are kvx's
     receive buffer under caller placement; each request's reservation is its blocks."""
 
-    def __init__(self, settings: KvxVllmSettings, tp_rank: int = 0, num_blocks: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        settings: KvxVllmSettings,
+        tp_rank: int = 0,
+        num_blocks: Optional[int] = None,
+        block_size: Optional[int] = None,
+    ) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
+        #: vLLM's --block-size, for reasons in its terms (``kvx.vllm.reasons``).
+        self.block_size = block_size
         self.layout: Optional[PagedLayout] = None
         self.receiver: Optional[kvx.Receiver] = None
         self._loads: Dict[str, _Load] = {}
@@ -133,6 +150,7 @@ class DecodeTransfer:
             # never comes and is refused at claim_timeout_sec.
             return
         load.failure = load.failure or "withdrawn: the request ended on the decode engine"
+        load.withdrawn = True
         self._withdraw_rest(kvx_id, load)
 
     def _withdraw_rest(self, kvx_id: str, load: _Load) -> None:
@@ -165,8 +183,14 @@ class DecodeTransfer:
                 continue
             load.out.discard(layer)
             if not back.consumed and load.failure is None:
-                load.failure = f"layer {layer}: {back.reason}"
+                load.failure = self._explain(back.reason)
                 self._withdraw_rest(kvx_id, load)
+            elif not back.consumed and load.withdrawn and not _withdrawal(back.reason):
+                # It had failed before the request ended here (the router ends it at once
+                # when the prefill engine reports a failed claim): the reason is this one.
+                load.withdrawn = False
+                logger.warning("kvx: KV of kvx %s had failed to load before it was withdrawn: %s",
+                               kvx_id, self._explain(back.reason))
             if not load.out and kvx_id in self._loads:
                 del self._loads[kvx_id]
                 if load.failure is None:
@@ -176,6 +200,13 @@ class DecodeTransfer:
                     events.failed[kvx_id] = load.failure
                     self._counts["load_failures"] += 1
         return events
+
+    def _explain(self, reason: Optional[str]) -> str:
+        layout = self.layout
+        return explain(
+            reason or "no reason given", "decode", self.block_size,
+            layout.page_bytes if layout else None, layout.pages_per_block if layout else 1,
+        )
 
     def take_counts(self) -> Dict[str, int]:
         """Loads received and failed (withdrawals among them) since the last call."""
@@ -220,6 +251,11 @@ class _Push:
     nbytes: int = 0
 
 
+class _NoReceiver(kvx.KvxError):
+    """No kvx receiver can be reached at a decode endpoint (the message says why, in the
+    connector's terms)."""
+
+
 class PrefillTransfer:
     """The prefill engine's transfer (one TP rank): a ``kvx.Sender`` whose staging is the
     engine's own KV tensors (or, with ``copy_staging``, kvx's, taking a copy of each page as
@@ -235,10 +271,16 @@ class PrefillTransfer:
         num_blocks: Optional[int] = None,
         sender_factory: Callable[..., kvx.Sender] = kvx.Sender,
         copy_staging: bool = False,
+        block_size: Optional[int] = None,
     ) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
+        #: vLLM's --block-size, for reasons in its terms (``kvx.vllm.reasons``).
+        self.block_size = block_size
+        #: Whether a new decode receiver's port is tried before kvx connects to it
+        #: (``_add_receiver``): kvx's own sender's connect only times out on a closed port.
+        self.probe_ports = sender_factory is kvx.Sender
         # Without checksums, pages are copied: vLLM may preempt a prefill request and give
         # its blocks to another while a write of an earlier step still reads them, and only
         # a checksum lets the decode engine tell (the load then fails, never answers wrong).
@@ -303,7 +345,7 @@ class PrefillTransfer:
         try:
             peer = self._receivers.get((alloc, fabric))
             if peer is None:
-                peer = tx.add_receiver(alloc, fabric, timeout=self.settings.connect_timeout_sec)
+                peer = self._add_receiver(tx, alloc, fabric)
                 self._receivers[(alloc, fabric)] = peer
             chunks = num_blocks * layout.pages_per_block
             for layer in range(push.layers):
@@ -311,7 +353,37 @@ class PrefillTransfer:
                          shape=[layout.page_bytes], dtype="uint8", claim_secret=claim_secret)
                 push.open.add(layer)
         except kvx.KvxError as e:
-            self._fail(kvx_id, push, f"claiming at {alloc}: {e}")
+            self._fail(kvx_id, push, self._explain(e))
+
+    #: How long the probe of a new decode receiver's port may wait for an answer.
+    PROBE_TIMEOUT_SEC = 1.0
+
+    def _add_receiver(self, tx: kvx.Sender, alloc: str, fabric: str) -> int:
+        """The id of the receiver at ``alloc``; ``_NoReceiver`` saying why there is none. A
+        port nothing listens on is refused at once: kvx's connect (ZeroMQ connects lazily and
+        retries) would hold the engine's step for ``connect_timeout_sec`` and then report a
+        timeout, not the refusal."""
+        timeout = self.settings.connect_timeout_sec
+        refused = connection_refused(alloc, min(timeout, self.PROBE_TIMEOUT_SEC)) if self.probe_ports else None
+        if refused is not None:
+            raise _NoReceiver(refused)
+        try:
+            return tx.add_receiver(alloc, fabric, timeout=timeout)
+        except (kvx.TimedOutError, kvx.StartError) as e:
+            raise _NoReceiver(
+                f"no kvx receiver answered at {alloc} ({e}): a firewall drops the connection, "
+                "another service holds that port, or the engines' CURVE keys do not match"
+            ) from None
+
+    def _explain(self, error: Any) -> str:
+        """kvx's error, in vLLM's terms (``kvx.vllm.reasons.explain``)."""
+        if isinstance(error, _NoReceiver):
+            return str(error)
+        layout = self.layout
+        return explain(
+            str(error), "prefill", self.block_size,
+            layout.page_bytes if layout else None, layout.pages_per_block if layout else 1,
+        )
 
     def write_layer(self, kvx_id: str, layer_name: str, kv_layer: Any, first_block: int,
                     block_ids: Sequence[int], last: bool) -> None:
@@ -347,7 +419,7 @@ class PrefillTransfer:
                 if push.layers_posted == push.layers:
                     push.last_posted = time.monotonic()
         except kvx.KvxError as e:
-            self._fail(kvx_id, push, f"writing layer {layer}: {e}")
+            self._fail(kvx_id, push, self._explain(e))
 
     def finish(self, kvx_id: str) -> None:
         # Each layer's last batch went with its last write_layer; delivery comes in `poll`.
@@ -401,7 +473,7 @@ class PrefillTransfer:
                 # Its posted writes may still read the engine's blocks.
                 push.draining.add(layer)
             if error is not None and push.failure is None:
-                self._fail(kvx_id, push, f"layer {layer}: {error}")
+                self._fail(kvx_id, push, self._explain(error))
             else:
                 self._settle(kvx_id, push)
         self._drain()
@@ -458,11 +530,13 @@ class PrefillTransfer:
             self.sender.close()
 
 
-def transfer_for(settings: KvxVllmSettings, tp_rank: int, num_blocks: Optional[int]) -> Any:
-    """The transfer of ``settings.side``."""
+def transfer_for(
+    settings: KvxVllmSettings, tp_rank: int, num_blocks: Optional[int], block_size: Optional[int] = None
+) -> Any:
+    """The transfer of ``settings.side``; ``block_size`` (vLLM's) words its failures."""
     if settings.side == "decode":
-        return DecodeTransfer(settings, tp_rank, num_blocks)
-    return PrefillTransfer(settings, tp_rank, num_blocks)
+        return DecodeTransfer(settings, tp_rank, num_blocks, block_size=block_size)
+    return PrefillTransfer(settings, tp_rank, num_blocks, block_size=block_size)
 
 
 __all__: List[str] = ["DecodeTransfer", "PrefillTransfer", "layer_request", "transfer_for"]

@@ -9,9 +9,15 @@ its own kvx receiver that the KV is complete.
 
 When the client goes away, both upstream requests are closed, which makes vLLM abort them (the
 connector then withdraws the decode engine's reservation and cancels the prefill engine's
-push). A failed prefill request is logged and counted; the decode engine's request then fails
-its load after ``claim_timeout_sec`` and vLLM's ``kv_load_failure_policy`` applies (``fail``,
-or ``recompute`` on the decode engine itself).
+push). A prefill engine whose push could not begin says why in its answer's
+``kv_transfer_params`` (``kvx_error``: a refused connection, a refused claim, no grant): the
+decode request is closed at once (its reservation withdrawn) and the client gets 502 in
+OpenAI's error shape with that reason. A decode engine that fails a request before any
+output (vLLM's bare ``Internal server error`` for a failed KV load) is answered likewise,
+with the prefill engine's reason when it gave one, and the kvx id under which both engines
+log it. Any other failed prefill request is logged and counted; the decode engine's request
+then fails its load after ``claim_timeout_sec`` and vLLM's ``kv_load_failure_policy`` applies
+(``fail``, or ``recompute`` on the decode engine itself).
 
 Engines are chosen by fewest requests in flight, in turn among equals. ``GET /v1/models``
 is the first decode engine's; ``GET /health`` answers while the router runs; ``GET
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import signal
 import sys
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar
 
 from kvx.vllm import params
+from kvx.vllm.reasons import ERROR
 from kvx.vllm.router_config import DecodeEngine, PrefillEngine, RouterConfig, RouterConfigError, load
 from kvx.vllm.router_guard import ConnectionGuard, Refused, authorized, raise_open_files_limit, read_json
 
@@ -53,6 +61,14 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Request keys that cannot go to a one-token prefill request: ``min_tokens`` would contradict
 #: ``max_tokens: 1``, the others ask for more than one sequence or for streaming.
 _NOT_FOR_PREFILL = ("min_tokens", "best_of", "stream_options", "n")
+
+#: Once the decode engine answered an error before any output, how long the router waits for
+#: the prefill engine's answer, which says why when the push failed on its side.
+PREFILL_REASON_WAIT_SEC = 10.0
+
+#: The most the router reads of a decode answer before it relays any of it, to tell an
+#: error from an answer: an error's body, or a stream's first event.
+FIRST_PART_MAX = 64 * 1024
 
 E = TypeVar("E")
 
@@ -120,6 +136,51 @@ def _error(status: int, message: str, kind: str) -> "web.Response":
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+def _error_object(data: bytes) -> Optional[Dict[str, Any]]:
+    """The error in an OpenAI-shaped body (``{"error": {...}}``, or vLLM's older flat one
+    with ``"object": "error"``), or None."""
+    try:
+        d = json.loads(data)
+    except ValueError:
+        return None
+    if isinstance(d, dict) and isinstance(d.get("error"), dict):
+        return d["error"]
+    if isinstance(d, dict) and d.get("object") == "error":
+        return d
+    return None
+
+
+def _stream_error(first: bytes) -> Optional[Dict[str, Any]]:
+    """The error a stream of server-sent events opens with (vLLM's answer to a streamed
+    request that failed before any output), or None."""
+    for line in first.split(b"\n"):
+        if line.startswith(b"data:"):
+            return _error_object(line[len(b"data:"):].strip())
+    return None
+
+
+def transfer_error(answer: bytes) -> Optional[str]:
+    """Why the prefill engine's push never began, from its answer's ``kv_transfer_params``
+    (``kvx_error``, set by the connector), or None."""
+    try:
+        d = json.loads(answer)
+    except ValueError:
+        return None
+    kv = d.get("kv_transfer_params") if isinstance(d, dict) else None
+    reason = kv.get(ERROR) if isinstance(kv, dict) else None
+    return reason if isinstance(reason, str) and reason else None
+
+
+@dataclass
+class _Opened:
+    """A decode engine's answer, begun: ``first`` is what was read of it ahead of the relay;
+    ``error`` its error when it failed before any output."""
+
+    upstream: "aiohttp.ClientResponse"
+    first: bytes
+    error: Optional[Dict[str, Any]]
+
+
 class Router:
     """The router's state: its engines, its HTTP client session and its counters. ``app()``
     is the aiohttp application; ``close()`` ends what is still running."""
@@ -133,6 +194,8 @@ class Router:
         self.stats: Dict[str, int] = {
             "requests": 0,
             "prefill_failed": 0,
+            "transfer_failed": 0,
+            "decode_failed": 0,
             "decode_unreachable": 0,
             "client_gone": 0,
             "unauthorized": 0,
@@ -256,21 +319,33 @@ class Router:
                 prefill, path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id
             )
         )
+        decode_task = asyncio.create_task(
+            self._open_decode(decode.engine, path, decode_body(body, kvx_id, claim_secret), kvx_id)
+        )
         try:
-            response = await self._relay_decode(
-                request, decode.engine, path, decode_body(body, kvx_id, claim_secret), kvx_id
-            )
-            if response is None:
+            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            reason = _result(prefill_task)
+            if reason is not None and not decode_task.done():
+                # The push never began: the decode engine's request could only wait for a
+                # claim that never comes. Closed, it is aborted and its reservation withdrawn.
+                decode_task.cancel()
+                await asyncio.gather(decode_task, return_exceptions=True)
+                return _error(502, f"the KV transfer failed: {reason} (kvx request {kvx_id})", "kv_transfer_failed")
+            opened = await decode_task
+            if opened is None:
                 # No decode engine holds the request: a push could only wait for a
                 # reservation that never comes.
                 prefill_task.cancel()
                 return _error(502, f"decode engine {decode.engine.url} unreachable", "upstream_unreachable")
-            return response
+            if opened.error is not None:
+                return await self._decode_failed(opened, decode.engine, prefill_task, kvx_id)
+            return await self._relay(request, opened)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
             # connection closed): vLLM aborts both requests once their connections close.
             self.stats["client_gone"] += 1
             prefill_task.cancel()
+            decode_task.cancel()
             raise
         finally:
             self.decode.done(decode)
@@ -280,11 +355,12 @@ class Router:
                 self._background.add(prefill_task)
                 prefill_task.add_done_callback(self._background.discard)
 
-    async def _relay_decode(
-        self, request: "web.Request", decode: DecodeEngine, path: str, body: Dict[str, Any], kvx_id: str
-    ) -> "Optional[web.StreamResponse]":
-        """Streams the decode engine's answer to the client; None when the engine cannot be
-        reached (nothing was sent to the client)."""
+    async def _open_decode(
+        self, decode: DecodeEngine, path: str, body: Dict[str, Any], kvx_id: str
+    ) -> Optional[_Opened]:
+        """Sends the request to the decode engine and reads the start of its answer (enough
+        to tell an error before any output from an answer); None when the engine cannot be
+        reached."""
         session = await self._client()
         try:
             upstream = await session.post(decode.url + path, json=body)
@@ -293,9 +369,32 @@ class Router:
             logger.warning("kvx %s: decode engine %s unreachable: %r", kvx_id, decode.url, e)
             return None
         try:
+            if upstream.status >= 500:
+                first = await upstream.content.read(FIRST_PART_MAX)
+                text = first.decode(errors="replace").strip()
+                return _Opened(upstream, first, _error_object(first) or {"message": text[:300] or "no message"})
+            first = b""
+            if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                while b"\n\n" not in first and len(first) < FIRST_PART_MAX:
+                    chunk = await upstream.content.readany()
+                    if not chunk:
+                        break
+                    first += chunk
+            return _Opened(upstream, first, _stream_error(first))
+        except BaseException:
+            # Closed, not given back to the pool: vLLM sees the connection go and aborts.
+            upstream.close()
+            raise
+
+    async def _relay(self, request: "web.Request", opened: _Opened) -> "web.StreamResponse":
+        """Streams the decode engine's answer to the client as it comes."""
+        upstream = opened.upstream
+        try:
             response = web.StreamResponse(status=upstream.status)
             response.content_type = upstream.content_type
             await response.prepare(request)
+            if opened.first:
+                await response.write(opened.first)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             await response.write_eof()
@@ -306,20 +405,63 @@ class Router:
         upstream.release()
         return response
 
-    async def _prefill(self, slot: _Slot[PrefillEngine], path: str, body: Dict[str, Any], kvx_id: str) -> None:
+    async def _decode_failed(
+        self, opened: _Opened, decode: DecodeEngine, prefill_task: "asyncio.Task", kvx_id: str
+    ) -> "web.Response":
+        """The decode engine failed the request before any output (for a failed KV load
+        vLLM says only "Internal server error"): the client gets 502 with the prefill
+        engine's reason when it gave one, and the kvx id under which both engines log it."""
+        opened.upstream.close()
+        self.stats["decode_failed"] += 1
+        said = str(opened.error.get("message") or "no message") if opened.error else "no message"
+        if not prefill_task.done():
+            await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_WAIT_SEC)
+        reason = _result(prefill_task)
+        logger.warning("kvx %s: decode engine %s failed the request: %s", kvx_id, decode.url, said)
+        if reason is not None:
+            return _error(
+                502, f"the KV transfer failed: {reason} (kvx request {kvx_id}; the decode engine answered: {said})",
+                "kv_transfer_failed",
+            )
+        return _error(
+            502, f"decode engine {decode.url} failed the request: {said} (kvx request {kvx_id}: both "
+            "engines log why a KV transfer failed under this id)", "upstream_error",
+        )
+
+    async def _prefill(
+        self, slot: _Slot[PrefillEngine], path: str, body: Dict[str, Any], kvx_id: str
+    ) -> Optional[str]:
+        """Sends the prefill request; why its push never began, when its answer says so."""
         url = slot.engine.url
         try:
             session = await self._client()
             async with session.post(url + path, json=body) as up:
-                text = await up.text()
+                text = await up.read()
                 if up.status != 200:
                     self.stats["prefill_failed"] += 1
-                    logger.warning("kvx %s: prefill engine %s answered %d: %s", kvx_id, url, up.status, text[:300])
+                    logger.warning(
+                        "kvx %s: prefill engine %s answered %d: %s", kvx_id, url, up.status,
+                        text[:300].decode(errors="replace"),
+                    )
+                    return None
+                reason = transfer_error(text)
+                if reason is not None:
+                    self.stats["transfer_failed"] += 1
+                    logger.warning("kvx %s: prefill engine %s could not push its KV: %s", kvx_id, url, reason)
+                return reason
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.stats["prefill_failed"] += 1
             logger.warning("kvx %s: prefill engine %s: %r", kvx_id, url, e)
+            return None
         finally:
             self.prefill.done(slot)
+
+
+def _result(task: "asyncio.Task") -> Optional[str]:
+    """A finished prefill task's reason, else None (running, cancelled or failed)."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
 
 
 class _GuardedSite(web.BaseSite if web is not None else object):  # type: ignore[misc]

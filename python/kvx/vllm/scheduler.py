@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvx.vllm.params import ParamsError, RemoteDecode, RemotePrefill, parse
 from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan, WorkerReport
+from kvx.vllm.reasons import ERROR
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -170,6 +171,9 @@ class PrefillScheduler:
         self.granted: Dict[str, RemoteDecode] = {}
         #: Runs without a push: refused by the decode engine or not granted in time.
         self.refused: Set[str] = set()
+        #: Why each of those runs without a push (request id → (kvx id, reason)): its answer
+        #: carries the reason (``request_finished``), for the router to hand its client.
+        self.failures: Dict[str, Tuple[str, str]] = {}
         self.pushing: Dict[str, _Pushing] = {}
         #: Finished; blocks held until the workers report the push delivered or drained.
         self.sending: Set[str] = set()
@@ -204,20 +208,22 @@ class PrefillScheduler:
                 return 0, False
         params, deadline = self.claiming[rid]
         if self.clock() >= deadline:
-            logger.warning(
-                "kvx: request %s (kvx %s) got no grant within %.0f s: it runs without a push",
-                rid, params.kvx_id, self.grant_timeout_sec,
+            reason = (
+                f"the decode engine granted no blocks within grant_timeout_sec (prefill) "
+                f"({self.grant_timeout_sec:g} s)"
             )
-            self._refuse(rid)
+            logger.warning("kvx: request %s (kvx %s): %s: it runs without a push", rid, params.kvx_id, reason)
+            self._refuse(rid, reason)
             return 0, False
         return None, False
 
-    def _refuse(self, rid: str) -> None:
+    def _refuse(self, rid: str, reason: str) -> None:
         entry = self.claiming.pop(rid, None)
         self.grant_counts.pop(rid, None)
         self.granted.pop(rid, None)
         if entry is not None:
             self._plan.cancel.append(rid)
+            self.failures[rid] = (entry[0].kvx_id, reason)
         self.refused.add(rid)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -272,9 +278,9 @@ class PrefillScheduler:
                     self.granted[rid] = params
             for rid, reason in report.refused.items():
                 if rid in self.claiming:
-                    logger.warning("kvx: request %s refused by its decode engine (%s): it "
-                                   "runs without a push", rid, reason)
-                    self._refuse(rid)
+                    logger.warning("kvx: request %s (kvx %s) cannot push its KV: %s; it runs "
+                                   "without a push", rid, self.claiming[rid][0].kvx_id, reason)
+                    self._refuse(rid, reason)
         for rid in finished_sending or ():
             self.sending.discard(rid)
 
@@ -283,10 +289,15 @@ class PrefillScheduler:
         Claimed or granted but never scheduled: cancelled, and the blocks free at once.
         Pushes begun but not all planned (aborted, preempted out): the transfer is cancelled
         and the blocks stay until the cancel is drained. Nothing pushed yet: cancelled, and
-        the blocks free at once."""
+        the blocks free at once. Run without a push because its claim failed: its answer's
+        ``kv_transfer_params`` say why (``kvx_error``), for the router's client."""
         rid = request.request_id
         self._warned.discard(rid)
         self.refused.discard(rid)
+        failure = self.failures.pop(rid, None)
+        if failure is not None:
+            kvx_id, reason = failure
+            return False, {"kvx_request_id": kvx_id, ERROR: reason}
         if self.granted.pop(rid, None) is not None:
             # Granted, never scheduled: nothing was pushed, but the claim holds the decode
             # engine's grant until cancelled, and a push that ends later must not be

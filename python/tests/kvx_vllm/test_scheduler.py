@@ -253,7 +253,18 @@ def test_prefill_abort_after_the_grant_before_it_ran_cancels_and_frees_at_once()
     assert not engine.connector.has_pending_push_work()
 
 
-def test_prefill_refused_runs_without_a_push():
+def finished_params(engine: Engine, req_id: str):
+    """The kv_transfer_params of ``req_id``'s finished output (what vLLM's server answers
+    with)."""
+    for out in engine.outputs:
+        for engine_outputs in out.values():
+            for o in engine_outputs.outputs:
+                if o.request_id == req_id and o.finish_reason is not None:
+                    return o.kv_transfer_params
+    raise AssertionError(f"{req_id} has not finished")
+
+
+def test_prefill_refused_runs_without_a_push_and_its_answer_says_why():
     engine = Engine("kv_producer")
     engine.add("p1", PROMPT, prefill_params("k1"), max_tokens=1)
     engine.step()
@@ -266,6 +277,8 @@ def test_prefill_refused_runs_without_a_push():
     assert engine.transfer.named("write") == []
     assert "p1" not in engine.scheduler.requests
     assert engine.free_blocks() == free + 0 and not engine.connector.has_pending_push_work()
+    # For the router, which hands it to its client.
+    assert finished_params(engine, "p1") == {"kvx_request_id": "k1", "kvx_error": "request already ended"}
 
 
 def test_prefill_without_a_grant_in_time_runs_without_a_push():
@@ -278,6 +291,8 @@ def test_prefill_without_a_grant_in_time_runs_without_a_push():
     assert engine.step().num_scheduled_tokens == {"p1": PROMPT}
     assert ("cancel", "k1") in engine.transfer.calls
     assert engine.transfer.named("write") == []
+    engine.step()
+    assert "grant_timeout_sec" in finished_params(engine, "p1")["kvx_error"]
 
 
 def test_prefill_with_two_tp_ranks_waits_for_both_grants():
