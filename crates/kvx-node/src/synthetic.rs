@@ -282,6 +282,11 @@ pub async fn decode<M: SlotMemory>(
                 break;
             }
         }
+        if matches!(result, Decoded::Verified(_)) {
+            // Said only once every chunk was read and matched: what a test waits for to know
+            // the decoder did read (the twin of "decoder read corrupt bytes" never showing).
+            tracing::debug!(key = %lease.key(), chunks = lease.slots().len(), "decoder verified a request");
+        }
     }
     let key = lease.key().clone();
     if let Err(e) = lease.consume().await {

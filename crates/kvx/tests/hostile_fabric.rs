@@ -102,7 +102,7 @@ fn run_sender(receiver: &Kvx, proxy: &Kvx, args: &[&str]) -> (serde_json::Value,
 #[test]
 fn forged_landings_and_overwrites_are_refused_during_a_real_transfer() {
     let chunk = CHUNK.to_string();
-    let mut receiver = Kvx::receiver_with(BUFFER, CHUNK, &[]);
+    let mut receiver = Kvx::receiver_verifying(BUFFER, CHUNK);
     let proxy = Kvx::proxy();
     let fabric_addr = receiver.fabric_addr();
     let (_control, credential) = own_credential(&receiver);
@@ -136,8 +136,13 @@ fn forged_landings_and_overwrites_are_refused_during_a_real_transfer() {
     assert!(refused > 1_000, "the attack ran: {refused} writes refused");
     assert_eq!(other, 0, "no attacking write was accepted");
     receiver.assert_alive();
-    // The decoder verified what it read; give it a moment to finish the last requests.
-    std::thread::sleep(Duration::from_millis(500));
+    // The decoder read and verified every request (the twin of the check below, which
+    // would pass as well if it read nothing).
+    assert!(
+        receiver.wait_verified("", 200, Duration::from_secs(10)),
+        "the decoder verified all 200 requests: {:?}",
+        receiver.lines()
+    );
     assert_eq!(
         receiver.log_count("decoder read corrupt bytes"),
         0,
@@ -395,7 +400,7 @@ fn attach(addr: SocketAddr, credential: &FabricCredential) -> FabricPeer {
 /// ones), and the decoder never reads a chunk that is not whole.
 #[test]
 fn a_chunk_lands_whole_or_not_at_all() {
-    let mut receiver = Kvx::receiver_with(1, CHUNK, &[]);
+    let mut receiver = Kvx::receiver_verifying(1, CHUNK);
     let addr = receiver.fabric_addr();
     let (mut control, credential) = own_credential(&receiver);
     // The probe that fetched the credential holds the only slot's reservation: let it go.
@@ -447,7 +452,11 @@ fn a_chunk_lands_whole_or_not_at_all() {
     f.send(&fabric::header(6, slot, CHUNK + 1, Some(imm), None))
         .expect("sent");
     assert!(f.closed(), "a write beyond the slot ends its connection");
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        receiver.wait_verified("old", 1, Duration::from_secs(5)),
+        "the decoder read the whole chunk: {:?}",
+        receiver.lines()
+    );
     assert_eq!(
         receiver.log_count("decoder read corrupt bytes"),
         0,
@@ -458,6 +467,11 @@ fn a_chunk_lands_whole_or_not_at_all() {
     let mut f = attach(addr, &credential);
     f.send(&write(7, slot, imm, &new)).expect("sent");
     assert_eq!(ack(&mut f), (7, 0), "the whole chunk lands");
+    assert!(
+        receiver.wait_verified("new", 1, Duration::from_secs(5)),
+        "the decoder read it whole: {:?}",
+        receiver.lines()
+    );
 
     // A write cut mid-payload never completes: its grant is used (admitted at its header),
     // nothing is announced, and the request is never ready (its lease runs out).
@@ -489,7 +503,7 @@ fn a_chunk_lands_whole_or_not_at_all() {
 /// first half the receiver had not read before the cancel is refused too.
 #[test]
 fn a_write_never_outlives_its_grant() {
-    let mut receiver = Kvx::receiver_with(1, CHUNK, &[]);
+    let mut receiver = Kvx::receiver_verifying(1, CHUNK);
     let addr = receiver.fabric_addr();
     let chunk = |req: &str| {
         let mut b = vec![0u8; CHUNK as usize];
@@ -533,7 +547,11 @@ fn a_write_never_outlives_its_grant() {
         (1, 2),
         "the rest of a write whose grant was revoked is refused"
     );
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        receiver.wait_verified("victim", 1, Duration::from_secs(5)),
+        "the decoder read the victim's chunk: {:?}",
+        receiver.lines()
+    );
     assert_eq!(
         receiver.log_count("decoder read corrupt bytes"),
         0,

@@ -62,6 +62,34 @@ impl Kvx {
         Kvx::receiver_at_log(buffer_chunks, chunk_bytes, extra, "warn")
     }
 
+    /// `receiver_with`, whose decoder also says which requests it read and verified
+    /// (`decoder verified a request`, with the request's key): the positive twin of a check
+    /// that no corrupt bytes were read.
+    pub fn receiver_verifying(buffer_chunks: u32, chunk_bytes: u64) -> Kvx {
+        Kvx::receiver_at_log(
+            buffer_chunks,
+            chunk_bytes,
+            &[],
+            "warn,kvx_node::synthetic=debug",
+        )
+    }
+
+    /// Waits (bounded by `within`) until the decoder has verified `n` requests whose log
+    /// lines contain `needle`; whether it did.
+    pub fn wait_verified(&self, needle: &str, n: usize, within: Duration) -> bool {
+        let count = || {
+            self.lines()
+                .iter()
+                .filter(|l| l.contains("decoder verified a request") && l.contains(needle))
+                .count()
+        };
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline && count() < n {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        count() >= n
+    }
+
     /// `receiver()` logging at `rust_log` (e.g. `debug`, to see everything it could say).
     pub fn receiver_logging(rust_log: &str) -> Kvx {
         Kvx::receiver_at_log(1024, 4096, &["--no-verify"], rust_log)
