@@ -381,6 +381,9 @@ class Router:
                         break
                     first += chunk
             return _Opened(upstream, first, _stream_error(first))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            upstream.close()
+            return _Opened(upstream, b"", {"message": f"its answer broke off before any output: {e!r}"})
         except BaseException:
             # Closed, not given back to the pool: vLLM sees the connection go and aborts.
             upstream.close()

@@ -348,3 +348,30 @@ def test_the_command_reports_a_bad_configuration_and_has_help(tmp_path):
         [sys.executable, "-m", "kvx.vllm.router", "--help"], capture_output=True, text=True, timeout=60
     )
     assert helped.returncode == 0 and "--config" in helped.stdout
+
+
+class BrokenEngine(FakeEngine):
+    """A decode engine whose streamed answer breaks off before its first event."""
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        await response.write(b"data: {\"choi")
+        request.transport.close()
+        return response
+
+
+def test_a_decode_answer_that_breaks_off_before_any_output_is_a_502_in_openai_shape():
+    async def go():
+        async with Rig([FakeEngine("p")], [BrokenEngine("d")]) as rig:
+            request = {"prompt": "x", "stream": True}
+            async with rig.client.post(rig.url + "/v1/completions", json=request) as r:
+                assert r.status == 502
+                err = (await r.json())["error"]
+                assert err["type"] == "upstream_error" and "broke off" in err["message"], err
+                assert "kvx request kvx-" in err["message"]
+            assert rig.router.stats["decode_failed"] == 1
+
+    run(go())
