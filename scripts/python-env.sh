@@ -21,6 +21,7 @@ skip() {
     exit 1
   fi
   echo "$label: skipped: $1"
+  [[ -n "${KVX_SKIP_LOG:-}" ]] && echo "$label (all of it): $1" >>"$KVX_SKIP_LOG"
   exit 0
 }
 

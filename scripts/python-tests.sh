@@ -27,7 +27,9 @@ if [[ "${KVX_MUTANTS_ONLY:-0}" != 1 ]]; then
   # The `kvx` binary, for the tests that talk to a kvx process.
   cargo build --release --quiet -p kvx
   start=$SECONDS
-  KVX_BIN="$PWD/target/release/kvx" "$venv/bin/python" -m pytest -q python/tests
+  # kvx.vllm's modules run in scripts/vllm-tests.sh (with vLLM) and scripts/evidence.sh.
+  KVX_BIN="$PWD/target/release/kvx" "$venv/bin/python" -m pytest -q python/tests \
+    --ignore=python/tests/kvx_vllm --ignore=python/tests/kvx_vllm_e2e
   echo "$label: passed in $((SECONDS - start)) s"
 fi
 run_variants scripts/lmcache-mutants.py KVX_PYTHON="$venv/bin/python"

@@ -23,6 +23,10 @@ def run_one(scratch, python, mutant, pytest_args, script):
         return f"STALE (pattern not found: update {script})", what
     open(target, "w").write(text.replace(old, new, 1))
     env = dict(os.environ, PYTHONPATH=os.path.join(scratch, "python"))
+    # A variant's run is judged by its named tests alone: the suite's skip policy and skip
+    # log belong to the test command's own runs (python/tests/conftest.py).
+    for key in ("KVX_NO_MODULE_SKIPS", "KVX_SKIP_LOG"):
+        env.pop(key, None)
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_level=CRITICAL",
            *pytest_args(scratch)]
     proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=900)
@@ -39,6 +43,10 @@ def main(mutants, python, scratch, pytest_args, script):
     """Runs the variants the command line selects (scripts/mutant_selection.py: all by
     default, names, --check or --changed); exits 1 if any is stale or not caught.
     `pytest_args(scratch)` gives the tests (and options) to run in the copy."""
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        # The calling script's docstring is its help; never a run of every variant.
+        print(sys.modules["__main__"].__doc__ or "")
+        return
     names = mutant_selection.select(mutants, sys.argv[1:], script)
     if not names:
         return

@@ -1,5 +1,10 @@
 """Shared helpers for the kvx package's tests: LMCache's wire messages (pyzmq + msgspec,
-as LMCache's own PD backend speaks them), skipped with a message when those are missing."""
+as LMCache's own PD backend speaks them), skipped with a message when those are missing; and
+the suite's skip policy: every skip is written to ``KVX_SKIP_LOG`` (when set: the README's
+test command prints them at its end), and with ``KVX_NO_MODULE_SKIPS=1`` (CI) a test module
+skipped whole fails the run, since a module that cannot run checks nothing."""
+
+import os
 
 import pytest
 
@@ -44,3 +49,36 @@ def push():
 
 def encode(msg) -> bytes:
     return msgspec.msgpack.encode(msg)
+
+
+_skips = []
+
+
+def _reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _skips.append(("module", report.nodeid, _reason(report)))
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and report.when in ("setup", "call"):
+        _skips.append(("test", report.nodeid, _reason(report)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    log = os.environ.get("KVX_SKIP_LOG")
+    if log:
+        with open(log, "a", encoding="utf-8") as out:
+            for kind, nodeid, reason in _skips:
+                out.write(f"python {kind} {nodeid}: {reason}\n")
+    modules = [(n, r) for kind, n, r in _skips if kind == "module"]
+    if modules and os.environ.get("KVX_NO_MODULE_SKIPS") == "1":
+        for nodeid, reason in modules:
+            print(f"\nkvx: module {nodeid} was skipped ({reason}); KVX_NO_MODULE_SKIPS=1: failing")
+        session.exitstatus = 1
