@@ -201,6 +201,11 @@ impl Admission {
         self.waiting.len()
     }
 
+    /// Whether a request of a peer other than `peer` waits (linear in the queue's length).
+    pub fn waits_for_other_than(&self, peer: PeerId) -> bool {
+        self.waiting.iter().any(|w| w.peer != peer)
+    }
+
     /// Whether `ticket` is in the queue (linear in the queue's length).
     pub fn is_waiting(&self, ticket: Ticket) -> bool {
         self.waiting.iter().any(|w| w.ticket == ticket)

@@ -63,6 +63,12 @@ pub struct ReceiverConfig {
     pub requests_max: usize,
     /// An admitted request with no batch and no landed chunk for this long is rolled back.
     pub request_idle_timeout: Duration,
+    /// An admitted request of a kvx sender that lands no chunk for this long while another
+    /// sender (principal) waits for admission loses its reservation (`Failure::Stalled`);
+    /// alone, it keeps it until `request_idle_timeout` (which, when shorter, ends a stalled
+    /// request first anyway). Keep it above the longest gap between two chunks of a healthy request (a chunked
+    /// prefill's step, a write's time on the fabric).
+    pub stall_timeout: Duration,
     /// A complete request the decoder has not consumed for this long is released.
     pub unconsumed_ttl: Duration,
     /// How long a slot of a rolled-back request stays out of use when a write into it may
@@ -110,6 +116,7 @@ impl Default for ReceiverConfig {
             admission_queue_max: 4096,
             requests_max: 8192,
             request_idle_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(5),
             unconsumed_ttl: Duration::from_secs(300),
             write_quarantine: Duration::from_secs(60),
             tombstone_ttl: Duration::from_secs(600),
@@ -171,6 +178,9 @@ impl ReceiverConfig {
         })?;
         require(!self.request_idle_timeout.is_zero(), || {
             "request_idle_timeout must be positive".into()
+        })?;
+        require(!self.stall_timeout.is_zero(), || {
+            "stall_timeout must be positive".into()
         })?;
         require(!self.admission_timeout.is_zero(), || {
             "admission_timeout must be positive".into()
@@ -383,6 +393,12 @@ pub struct ProxyConfig {
     /// each id from its first notice, from `tp_ranks` senders. `None` (the default): only
     /// ids given to `handle_expect` are awaited.
     pub await_on_first_notice: Option<u32>,
+    /// Ranks of one request one notice connection may speak for (`docs/spec/protocol.md`
+    /// §Proxy): a connection's notices past it for a request are refused, not counted as
+    /// further ranks. Default 1, one sender process per TP rank, each with its own connection
+    /// (LMCache's, `kvx sender`'s); raise it only for a sender that pushes several ranks'
+    /// notices over one connection.
+    pub ranks_per_connection: u32,
 }
 
 impl Default for ProxyConfig {
@@ -396,19 +412,23 @@ impl Default for ProxyConfig {
             req_id_bytes_max: 512,
             reason_bytes_max: 1024,
             await_on_first_notice: None,
+            ranks_per_connection: 1,
         }
     }
 }
 
 impl ProxyConfig {
-    /// Refuses a zero `requests_max`, a zero `kv_ready_timeout` or `await_on_first_notice` of 0
-    /// ranks. `ProxyTracker::new` calls it.
+    /// Refuses a zero `requests_max`, a zero `kv_ready_timeout`, `await_on_first_notice` of 0
+    /// ranks or a zero `ranks_per_connection`. `ProxyTracker::new` calls it.
     pub fn validate(&self) -> Result<(), ConfigError> {
         require(self.requests_max > 0, || {
             "requests_max must be at least 1".into()
         })?;
         require(self.await_on_first_notice != Some(0), || {
             "await_on_first_notice must be at least 1 TP rank".into()
+        })?;
+        require(self.ranks_per_connection > 0, || {
+            "ranks_per_connection must be at least 1".into()
         })?;
         require(!self.kv_ready_timeout.is_zero(), || {
             "kv_ready_timeout must be positive".into()

@@ -37,6 +37,10 @@ fn a_waiting_request_is_refused_at_its_admission_deadline() {
         buffer_slots: 4,
         peer_share_percent: 100,
         admission_timeout,
+        // The holder lands nothing: here it keeps its reservation for its idle lease, so that
+        // the waiter's own deadline is what ends the wait (`stalled_reservations.rs` covers
+        // the stall rule).
+        stall_timeout: ReceiverConfig::default().request_idle_timeout,
         ..ReceiverConfig::default()
     };
     assert!(

@@ -70,14 +70,20 @@ impl ReceiverDefault {
     }
 }
 
-/// One legitimate sender with a 2-chunk request that begins after the hog has struck.
+/// One legitimate sender with a 2-chunk request that begins after the hog has struck. The
+/// stall rule (§Stalls) is off (a stall time of an hour): these tests show
+/// what shares and queue bounds do on their own; `stalled_reservations.rs` shows the rule.
 fn spec(share: u32) -> ClusterSpec {
-    ClusterSpec::new(1, 1, BUFFER, 2)
+    let mut spec = ClusterSpec::new(1, 1, BUFFER, 2)
         .with_peer_share(share)
         .with(RequestPlan {
             start_after: Duration::from_secs(1),
             ..RequestPlan::new(0, 0, "legit", 2, 2)
-        })
+        });
+    for r in &mut spec.receivers {
+        r.stall_timeout = Duration::from_secs(3600);
+    }
+    spec
 }
 
 fn legit_delivered(report: &Report) -> bool {

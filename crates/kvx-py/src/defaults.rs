@@ -28,6 +28,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         admission_queue_max,
         requests_max,
         request_idle_timeout,
+        stall_timeout,
         unconsumed_ttl,
         write_quarantine,
         tombstone_ttl,
@@ -48,6 +49,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     receiver.set_item("admission_queue_max", admission_queue_max)?;
     receiver.set_item("requests_max", requests_max)?;
     receiver.set_item("request_idle_timeout", secs(request_idle_timeout))?;
+    receiver.set_item("stall_timeout", secs(stall_timeout))?;
     receiver.set_item("unconsumed_ttl", secs(unconsumed_ttl))?;
     receiver.set_item("write_quarantine", secs(write_quarantine))?;
     receiver.set_item("tombstone_ttl", secs(tombstone_ttl))?;

@@ -90,6 +90,12 @@ pub struct ReceiverKnobs {
     /// in seconds. Must exceed every sender's --write-timeout-s.
     #[arg(long, default_value_t = secs(ReceiverConfig::default().request_idle_timeout), value_parser = seconds, help_heading = RECEIVER)]
     pub request_idle_timeout_s: f64,
+    /// An admitted request that lands no chunk for this long while another sender waits
+    /// for the buffer loses its reservation (its sender is told why: stall_timeout), in
+    /// seconds; alone, it keeps it. Keep it above the longest gap between two chunks of a
+    /// healthy request.
+    #[arg(long, default_value_t = secs(ReceiverConfig::default().stall_timeout), value_parser = seconds, help_heading = RECEIVER)]
+    pub stall_timeout_s: f64,
     /// A complete request the decoder has not consumed for this long is released, in
     /// seconds. Must exceed the proxy's --kv-ready-timeout-s.
     #[arg(long, default_value_t = secs(ReceiverConfig::default().unconsumed_ttl), value_parser = seconds, help_heading = RECEIVER)]
@@ -142,6 +148,7 @@ impl ReceiverKnobs {
             admission_queue_max: self.admission_queue_max,
             requests_max: self.requests_max,
             request_idle_timeout: duration(self.request_idle_timeout_s),
+            stall_timeout: duration(self.stall_timeout_s),
             unconsumed_ttl: duration(self.unconsumed_ttl_s),
             write_quarantine: duration(self.write_quarantine_s),
             tombstone_ttl: duration(self.tombstone_ttl_s),

@@ -13,6 +13,7 @@ impl ReceiverLedger {
     pub fn check_invariants(&self) {
         self.admission.check_invariants();
         self.slots.check_invariants();
+        self.check_stalls();
         match self.cfg.placement {
             Placement::Pool => self.check_pool(),
             Placement::Caller => {

@@ -106,7 +106,9 @@ impl ReceiverLedger {
                     .get_mut(&key)
                     .expect("invariant: ticket maps to a request");
                 req.landed += 1;
+                let (ticket, notices) = (req.ticket, req.notices);
                 self.touch(&key, now);
+                self.stall_progress(ticket, notices, now);
                 self.maybe_ready(now, &key);
                 LandingVerdict::Accepted
             }

@@ -9,6 +9,8 @@
 //! - `tombstones.rs`: ended ids remembered for a while, so late batches are refused.
 //! - `placement.rs`: caller placement, where the application lends each request's slots
 //!   (`handle_reserve`, `handle_withdraw`, `ReceiverEvent::Returned`).
+//! - `stalls.rs`: a reservation that lands nothing for `stall_timeout` while another
+//!   principal waits is taken back (`Failure::Stalled`).
 //! - `checks.rs`: `check_invariants`, the ledger's consistency checks.
 //! - `canon.rs` (feature `testing`): the explorer's canonical encoding.
 
@@ -20,6 +22,7 @@ mod landing;
 mod outcome;
 mod placement;
 mod principals;
+mod stalls;
 mod tombstones;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -137,6 +140,9 @@ pub struct ReceiverStats {
     pub refused_landings: u64,
     /// Chunks that landed empty or failed their checksum (each failed its request).
     pub corrupt_chunks: u64,
+    /// Reservations taken back because nothing landed for `stall_timeout` while another
+    /// principal waited (`Failure::Stalled`).
+    pub stalled: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -217,6 +223,8 @@ pub struct ReceiverLedger {
     requests: BTreeMap<ReqKey, Request>,
     tickets: BTreeMap<Ticket, ReqKey>,
     timers: BTreeSet<(Instant, Ticket)>,
+    /// Stall deadlines of the admitted requests (`stalls.rs`).
+    stalls: stalls::Stalls,
     next_ticket: u64,
     tombstones: Tombstones,
     /// Which principal each peer's share counts under.
@@ -256,6 +264,7 @@ impl ReceiverLedger {
             requests: BTreeMap::new(),
             tickets: BTreeMap::new(),
             timers: BTreeSet::new(),
+            stalls: stalls::Stalls::default(),
             next_ticket: 0,
             transmits: VecDeque::new(),
             events: VecDeque::new(),
@@ -388,6 +397,7 @@ impl ReceiverLedger {
             self.fail(now, &key, Failure::AdmissionTimeout, false);
         }
         self.drain_admitted(now);
+        self.expire_stalls(now);
         while let Some(&(at, ticket)) = self.timers.first() {
             if at > now {
                 break;
@@ -431,6 +441,7 @@ impl ReceiverLedger {
             self.timers.first().map(|t| t.0),
         );
         let t = earliest(t, self.placements.next_deadline());
+        let t = earliest(t, self.next_stall());
         earliest(
             earliest(t, self.slots.next_deadline()),
             self.tombstones.next_deadline(),
@@ -609,6 +620,9 @@ impl ReceiverLedger {
             .get_mut(key)
             .expect("invariant: ready check on a tracked request");
         req.phase = Phase::Ready;
+        let ticket = req.ticket;
+        self.stalls.disarm(ticket);
+        let req = &self.requests[key];
         let event = ReceiverEvent::Ready {
             key: key.clone(),
             slots: req.slots.iter().map(|t| t.slot).collect(),
@@ -657,6 +671,7 @@ impl ReceiverLedger {
             .expect("invariant: ending a tracked request");
         self.tickets.remove(&req.ticket);
         self.timers.remove(&(req.deadline, req.ticket));
+        self.stalls.disarm(req.ticket);
         // Under caller placement on a fabric that stops revoked writes, revoking the grants
         // (mirrored before the application hears `Returned`) is as good as a drain.
         let revoked = self.cfg.placement == Placement::Caller && self.revocation_stops_writes;
@@ -721,5 +736,8 @@ impl ReceiverLedger {
             waited,
         });
         self.set_timer(key, now + self.cfg.request_idle_timeout);
+        let req = &self.requests[key];
+        let (ticket, notices) = (req.ticket, req.notices);
+        self.stall_progress(ticket, notices, now);
     }
 }

@@ -61,6 +61,12 @@ pub enum Failure {
     /// Caller placement: another sender connection already claimed this request id; a
     /// reservation is claimed once.
     AlreadyClaimed,
+    /// Nothing of the request landed for `stall_timeout` while another principal waited for
+    /// the buffer: its reservation was taken back (`docs/spec/protocol.md` §Stalls).
+    Stalled {
+        /// The stall time (`stall_timeout`).
+        after: std::time::Duration,
+    },
     /// Caller placement: the first batch does not carry the reservation's claim secret
     /// (`crate::claim`), so it is not from the sender the reservation was made for. The
     /// reservation is not touched: its own sender may still claim it.
@@ -167,6 +173,12 @@ impl fmt::Display for Failure {
             Failure::ClaimNotProven { secret_sent: true } => f.write_str(
                 "the request's claim secret is not its reservation's: only the sender the \
                  reservation was made for can claim it",
+            ),
+            Failure::Stalled { after } => write!(
+                f,
+                "no chunk of this request landed for {after:?} (stall_timeout) while another \
+                 sender waited for the buffer: its reservation was taken back; land chunks \
+                 as they are computed, or raise the receiver's stall_timeout"
             ),
             Failure::AlreadyClaimed => f.write_str(
                 "another sender connection already claimed this request id: a reservation is \
