@@ -232,6 +232,7 @@ impl ReceiverNode {
         } else {
             ledger
         };
+        let ledger = ledger.with_slot_bytes(listener.memory.slot_bytes() as u64);
         let (notice_tx, notice_rx) = mpsc::unbounded_channel();
         let (returns_tx, returns_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);

@@ -783,3 +783,44 @@ fn only_the_reservations_secret_claims_it_in_either_order() {
     assert_eq!(answers.len(), 2);
     assert!(!format!("{:?}", batch("b", 1, 1, true, 1)).contains("secret-of-"));
 }
+
+/// A sender whose chunks are longer than the receiver's slots (two vLLM engines started with
+/// different block sizes: the prefill engine's larger) fails at its first batch of chunks,
+/// naming both sizes, before any write; its reservation comes back with that reason, so
+/// the decode side can say it too.
+#[test]
+fn chunks_longer_than_the_slots_fail_the_request_naming_both_sizes() {
+    let mut ledger = caller_ledger(4).with_slot_bytes(CHUNK);
+    ledger
+        .handle_reserve(at(0), "r", slots(&[0, 1]), secret("r"))
+        .expect("reserve");
+    let probe = AllocRequest {
+        keys: Vec::new(),
+        chunk_bytes: Some(Vec::new()),
+        ..batch("r", 0, 1, false, 1)
+    };
+    assert!(
+        send(&mut ledger, at(0), A, probe)[0].error.is_none(),
+        "claimed"
+    );
+    let long = AllocRequest {
+        chunk_bytes: Some(vec![2 * CHUNK]),
+        ..batch("r", 1, 1, true, 2)
+    };
+    let refused = send(&mut ledger, at(0), A, long);
+    let why = refused[0].error.clone().expect("refused");
+    assert!(
+        why.contains("chunks are 8192 bytes but the receiver's slots are 4096 bytes"),
+        "{why}"
+    );
+    let evs = events(&mut ledger);
+    let failure = Failure::ChunkSizeMismatch {
+        chunk: 2 * CHUNK,
+        slot: CHUNK,
+    };
+    assert_eq!(ended(&evs), Some(Outcome::Failed(failure.clone())));
+    assert_eq!(
+        returned(&evs),
+        Some((slots(&[0, 1]), Outcome::Failed(failure)))
+    );
+}

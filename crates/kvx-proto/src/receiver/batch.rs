@@ -86,6 +86,21 @@ impl ReceiverLedger {
             let failure = Failure::AlreadyEnded(Box::new(prior.clone()));
             return self.refuse(peer, &msg, failure);
         }
+        if let Some(failure) = self.chunk_too_long(&msg) {
+            return match self.requests.get(&key) {
+                Some(_) => {
+                    self.stats.refused += 1;
+                    let reply = AllocResponse::refused(
+                        msg.keys.len(),
+                        format!("request {key}: {failure}"),
+                        msg.seq,
+                    );
+                    self.fail(now, &key, failure, false);
+                    self.transmits.push_back((key.peer, reply));
+                }
+                None => self.refuse_and_remember(now, key, &msg, failure),
+            };
+        }
         match self
             .requests
             .get(&key)
@@ -214,6 +229,13 @@ impl ReceiverLedger {
         };
         self.requests.insert(key.clone(), request);
         self.tickets.insert(ticket, key);
+    }
+
+    /// A chunk the batch declares longer than the buffer's slots (`with_slot_bytes`), if any.
+    fn chunk_too_long(&self, msg: &AllocRequest) -> Option<Failure> {
+        let slot = self.slot_bytes?;
+        let chunk = msg.chunk_bytes.as_ref()?.iter().copied().max()?;
+        (chunk > slot).then_some(Failure::ChunkSizeMismatch { chunk, slot })
     }
 
     /// Why a batch's fields are larger than this receiver accepts, if they are: every string

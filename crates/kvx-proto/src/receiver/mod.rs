@@ -235,6 +235,8 @@ pub struct ReceiverLedger {
     placements: placement::Placements,
     /// The driver's fabric stops a revoked grant's write (`with_revocation_stopping_writes`).
     revocation_stops_writes: bool,
+    /// The buffer's slot size, when the driver told it (`with_slot_bytes`).
+    slot_bytes: Option<u64>,
     transmits: VecDeque<(PeerId, AllocResponse)>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
@@ -253,6 +255,7 @@ impl ReceiverLedger {
             },
             placements: placement::Placements::default(),
             revocation_stops_writes: false,
+            slot_bytes: None,
             tombstones: Tombstones::new(
                 cfg.tombstone_ttl,
                 cfg.tombstones_max,
@@ -281,6 +284,14 @@ impl ReceiverLedger {
     /// keeps its quarantine either way (a late write that still lands clears it).
     pub fn with_revocation_stopping_writes(mut self) -> Self {
         self.revocation_stops_writes = true;
+        self
+    }
+
+    /// The buffer's slot size in bytes, which the driver knows from its memory: a batch that
+    /// declares a longer chunk fails its request at once (`Failure::ChunkSizeMismatch`),
+    /// naming both sizes, rather than at its first write (which could never land).
+    pub fn with_slot_bytes(mut self, bytes: u64) -> Self {
+        self.slot_bytes = Some(bytes);
         self
     }
 

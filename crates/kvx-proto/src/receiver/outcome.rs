@@ -83,6 +83,15 @@ pub enum Failure {
         /// Which bound.
         whose: &'static str,
     },
+    /// A batch declares a chunk longer than the receiver's slots (`chunk_bytes`): no write
+    /// of it could ever land, so the request fails before it writes (the two ends were
+    /// started with different chunk sizes; under the vLLM connector, block sizes).
+    ChunkSizeMismatch {
+        /// The sender's chunk, in bytes.
+        chunk: u64,
+        /// The receiver's slot, in bytes.
+        slot: u64,
+    },
     /// Caller placement: the request declares more chunks than its reservation has slots.
     LargerThanReservation {
         /// The request's `total_chunks`.
@@ -183,6 +192,13 @@ impl fmt::Display for Failure {
             Failure::AlreadyClaimed => f.write_str(
                 "another sender connection already claimed this request id: a reservation is \
                  claimed once (a restarted or duplicate prefill cannot write into it)",
+            ),
+            // Worded as the fabrics' own refusal (`kvx_io::fabric::slot_size_mismatch`), which
+            // the vLLM connector translates into both engines' block sizes.
+            Failure::ChunkSizeMismatch { chunk, slot } => write!(
+                f,
+                "the sender's chunks are {chunk} bytes but the receiver's slots are {slot} bytes: \
+                 start both with the same chunk size"
             ),
             Failure::LargerThanReservation { need, reserved } => write!(
                 f,
