@@ -175,11 +175,13 @@ def test_a_smaller_prefill_block_size_is_named_to_the_client_and_in_both_engines
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_larger_prefill_block_size_is_an_openai_error_and_the_prefill_log_names_both(pair, stream):
+def test_a_larger_prefill_block_size_is_an_openai_error_and_both_logs_name_both(pair, stream):
     # 12 tokens: 2 blocks of 8 on the prefill engine, 3 of 4 on the decode engine; the claim
-    # is granted and the first write finds pages of 2 x 8 x 32 floats where the decode
-    # engine's are half that. Its answer was sent already: the decode engine answers vLLM's
-    # bare error, the router an OpenAI error with the kvx id both engines log.
+    # is granted and the first batch declares pages of 2 x 8 x 32 floats where the decode
+    # engine's are half that: kvx's receiver refuses it naming both sizes, before any write,
+    # and its reservation comes back with that reason. The prefill engine's answer was sent
+    # already: the decode engine answers vLLM's bare error, the router an OpenAI error with
+    # the kvx id, and both engines log the same sentence in vLLM's terms.
     prefill, decode, alloc, fabric = pair(8, 4)
     status, answer, took = run(ask(prefill, decode, alloc, fabric, stream=stream))
     error = openai_error(status, answer)
@@ -190,4 +192,5 @@ def test_a_larger_prefill_block_size_is_an_openai_error_and_the_prefill_log_name
     log = until_logged(prefill, block_size_mismatch(8 * page, 4 * page, "prefill", 8, 8 * page))
     assert "block size 8 on the prefill engine, 4 on the decode engine" in log
     assert kvx_id in log
-    assert kvx_id in until_logged(decode, "the prefill engine cancelled its push")
+    decode_log = until_logged(decode, "block size 8 on the prefill engine, 4 on the decode engine")
+    assert kvx_id in decode_log
