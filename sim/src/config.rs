@@ -175,6 +175,10 @@ impl SimConfig {
             buffer_slots,
             admission_timeout: Duration::from_secs(5),
             request_idle_timeout: Duration::from_secs(2),
+            // Below the idle lease, so that the stall rule (a reservation that lands nothing
+            // while another principal waits is taken back) is live in every run: G4 then shows
+            // it never fails a request whose chunks land at the fabric's pace.
+            stall_timeout: Duration::from_secs(1),
             // Longer than the proxy's kv_ready_timeout: a rank that finished first keeps its
             // KV until the proxy has decided.
             unconsumed_ttl: Duration::from_secs(15),
