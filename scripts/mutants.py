@@ -31,7 +31,7 @@ ORIGINALS = os.path.join(ROOT, "target/mutant-originals")
 SRC = "crates/kvx-proto/src/"
 
 # The tests a variant of kvx-proto runs against.
-PROTO_TESTS = ["-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "caller_staging", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices"]
+PROTO_TESTS = ["-p", "kvx-proto", "--test", "scenarios", "--test", "properties", "--test", "explore", "--test", "ledger_integrity", "--test", "ledger_bounds", "--test", "fair_shares", "--test", "sender_replies", "--test", "staging_order", "--test", "caller_staging", "--test", "admission_deadline", "--test", "proxy_dropped_notices", "--test", "admission_order", "--test", "proxy_early_notices", "--test", "proxy_binding"]
 
 # name: (file, old, new, what it breaks[, the `cargo test` selection that must catch it])
 MUTANTS = {
@@ -268,6 +268,11 @@ MUTANTS = {
         "_ => self.dropped_notices += 1,",
         "_ => self.dropped_notices -= 1,",
         "count a notice the proxy drops (over-long id, not a notice) down instead of up"),
+    "notices-from-anyone": (SRC + "proxy.rs",
+        "        if !self.connections.is_empty() && self.principal != from.principal {\n            return Err(NoticeRefusal::OtherPrincipal);\n        }\n        if rank && self.ranks_of(from.connection) >= per_connection {",
+        "        if false {\n            return Err(NoticeRefusal::OtherPrincipal);\n        }\n        if false && rank && self.ranks_of(from.connection) >= per_connection {",
+        "count every notice whoever sent it, as before the binding: another allowed key's ProxyNotif and FailNotif for a request, and one connection's repeat as another TP rank",
+        ["-p", "kvx-proto", "--test", "proxy_binding", "-p", "kvx-node", "--test", "proxy_binding_zmq"]),
     "write-outlives-grant": ("crates/kvx-io/src/access.rs",
         "if cell.epoch != write.epoch {",
         "if false && cell.epoch != write.epoch {",

@@ -107,11 +107,15 @@ class Proxy:
         *,
         kv_ready_timeout: Optional[float] = None,
         standalone_tp_ranks: Optional[int] = None,
+        ranks_per_connection: Optional[int] = None,
         curve_secret_key: Optional[_Path] = None,
         curve_allow: Optional[_Path] = None,
     ) -> Self:
-        """``curve_secret_key`` and ``curve_allow`` (both or neither): CURVE on the notice
-        channel, as for ``Receiver``."""
+        """``ranks_per_connection`` (``None``: 1): the TP ranks of one request one sender's
+        connection may speak for; its further notices for the request are refused, not
+        counted. ``curve_secret_key`` and ``curve_allow`` (both or neither): CURVE on the
+        notice channel, as for ``Receiver``; a request then counts notices only from the key
+        of its first notice."""
     @property
     def endpoint(self) -> str: ...
     def expect(self, req_id: str, tp_ranks: int = 1) -> ProxyWait: ...

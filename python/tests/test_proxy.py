@@ -11,14 +11,31 @@ from conftest import FailNotif, ProxyNotif, encode
 def test_a_request_is_ready_once_every_rank_reported(push):
     proxy = kvx.Proxy()
     wait = proxy.expect("r1", tp_ranks=2)
-    sock = push(proxy.endpoint)
-    sock.send(encode(ProxyNotif(req_id="r1")))
+    rank0, rank1 = push(proxy.endpoint), push(proxy.endpoint)
+    rank0.send(encode(ProxyNotif(req_id="r1")))
     with pytest.raises(kvx.TimedOutError):
         wait.wait(timeout=0.2)
-    sock.send(encode(ProxyNotif(req_id="r1")))
+    # Each TP rank's sender pushes on a connection of its own: a second notice on rank 0's
+    # is a repeat, refused, not the other rank.
+    rank0.send(encode(ProxyNotif(req_id="r1")))
+    with pytest.raises(kvx.TimedOutError):
+        wait.wait(timeout=0.2)
+    rank1.send(encode(ProxyNotif(req_id="r1")))
     wait.wait(timeout=5)
     with pytest.raises(kvx.MisuseError):
         wait.wait(timeout=0)
+
+
+def test_one_connection_speaks_for_as_many_ranks_as_configured(push):
+    proxy = kvx.Proxy(ranks_per_connection=2)
+    assert kvx.defaults()["proxy"]["ranks_per_connection"] == 1
+    wait = proxy.expect("both", tp_ranks=2)
+    sock = push(proxy.endpoint)
+    sock.send(encode(ProxyNotif(req_id="both")))
+    sock.send(encode(ProxyNotif(req_id="both")))
+    wait.wait(timeout=5)
+    with pytest.raises(kvx.StartError):
+        kvx.Proxy(ranks_per_connection=0)
 
 
 def test_a_reported_failure_raises_refused_with_the_reason(push):

@@ -30,11 +30,14 @@ fn an_expected_request_is_ready_after_every_rank_and_a_failure_says_why() {
     );
     let endpoint = proxy.endpoint().to_owned();
     rt.block_on(async {
-        let sink = ZmqTransport::default()
-            .notify_sink(&endpoint)
-            .await
-            .expect("push connects");
+        // One PUSH per TP rank, as each rank's sender process has its own: a connection
+        // speaks for one rank of a request.
+        let t = ZmqTransport::default();
+        let mut ranks = Vec::new();
         for _ in 0..2 {
+            ranks.push(t.notify_sink(&endpoint).await.expect("push connects"));
+        }
+        for sink in &ranks {
             let n = ProxyNotif {
                 req_id: "r1".into(),
             };
@@ -42,6 +45,7 @@ fn an_expected_request_is_ready_after_every_rank_and_a_failure_says_why() {
                 .await
                 .expect("sent");
         }
+        let sink = &ranks[0];
         let f = FailNotif {
             req_id: "r2".into(),
             reason: "refused by the receiver".into(),

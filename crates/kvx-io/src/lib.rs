@@ -13,7 +13,7 @@
 //!
 //! Map:
 //! - `transport`: `Transport`, the channel-backed handles `ControlServer`, `ControlClient`,
-//!   `NotifySink`, `NotifySource`, and `TransportError`.
+//!   `NotifySink`, `NotifySource` (each `Notice` with who sent it), and `TransportError`.
 //! - `fabric`: `Fabric`, `SlotMemory`, `LocalMemory`, `FabricConn`, `FabricListener`, writes
 //!   and runs of writes (`WriteRun`), completions, landed notices; `fabric_error`: `FabricError`.
 //! - `region`: `SlotRegion` (memory split into slots, reached in place under a lock per
@@ -73,6 +73,6 @@ pub use log_limit::LogLimiter;
 pub use region::{ExternalRegion, SlotRegion};
 pub use secret_label::SecretLabel;
 pub use transport::{
-    ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
-    DISCONNECT_ACK,
+    ClientEvent, ControlClient, ControlServer, Notice, NotifySink, NotifySource, Transport,
+    TransportError, DISCONNECT_ACK,
 };

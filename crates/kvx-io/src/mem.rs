@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use kvx_proto::proxy::NoticeFrom;
 use kvx_proto::PeerId;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::access::{FabricAccess, FabricCredential};
 use crate::checksum::copy_with_checksum;
@@ -18,8 +19,8 @@ use crate::fabric::{
 use crate::geometry::SlotGeometry;
 use crate::region::ExternalRegion;
 use crate::transport::{
-    ClientEvent, ControlClient, ControlServer, NotifySink, NotifySource, Transport, TransportError,
-    CHANNEL_DEPTH,
+    ClientEvent, ControlClient, ControlServer, Notice, NotifySink, NotifySource, Transport,
+    TransportError, CHANNEL_DEPTH,
 };
 use kvx_proto::receiver::{ChecksumCheck, LandedWrite};
 
@@ -39,8 +40,10 @@ struct ServerEntry {
 #[derive(Debug, Default)]
 struct Registry {
     servers: HashMap<String, ServerEntry>,
-    notices: HashMap<String, mpsc::Sender<Bytes>>,
+    notices: HashMap<String, mpsc::Sender<Notice>>,
     next_peer: u64,
+    /// The number the next notice sink's connection gets.
+    next_notice_connection: u64,
 }
 
 /// An in-process transport: endpoints are names in a registry shared by clones.
@@ -134,9 +137,34 @@ impl Transport for MemTransport {
     }
 
     async fn notify_sink(&self, endpoint: &str) -> Result<NotifySink, TransportError> {
-        let reg = lock(&self.registry);
-        let tx = reg.notices.get(endpoint).ok_or_else(|| unknown(endpoint))?;
-        Ok(NotifySink::new(tx.clone()))
+        let (incoming, connection) = {
+            let mut reg = lock(&self.registry);
+            let tx = reg.notices.get(endpoint).ok_or_else(|| unknown(endpoint))?;
+            let tx = tx.clone();
+            reg.next_notice_connection += 1;
+            (tx, reg.next_notice_connection)
+        };
+        // Each sink is one connection, as a PUSH's is: its notices carry its number, so the
+        // proxy counts them as one sender's.
+        let from = NoticeFrom::connection(connection);
+        let label: std::sync::Arc<str> = format!("in-process sink {connection}").into();
+        let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(CHANNEL_DEPTH);
+        let (ended_tx, ended_rx) = watch::channel(());
+        tokio::spawn(async move {
+            let _ended = ended_tx;
+            while let Some(payload) = out_rx.recv().await {
+                let label = label.clone();
+                let notice = Notice {
+                    from,
+                    label,
+                    payload,
+                };
+                if incoming.send(notice).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(NotifySink::served_by(out_tx, ended_rx))
     }
 
     async fn notify_source(&self, endpoint: &str) -> Result<NotifySource, TransportError> {

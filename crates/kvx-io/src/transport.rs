@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvx_proto::proxy::NoticeFrom;
 use kvx_proto::{PeerId, Principal};
 use tokio::sync::{mpsc, watch};
 
@@ -247,16 +248,31 @@ impl NotifySink {
     }
 }
 
+/// One notice as the proxy's notice channel received it, and who sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The connection it came on and, under CURVE, its key's principal: what the proxy
+    /// binds each request to (`kvx_proto::proxy`).
+    pub from: NoticeFrom,
+    /// How a log names the sender: under CURVE the fingerprint of its public key, else the
+    /// address it connects from (or the in-process sender's name). Never a secret.
+    pub label: Arc<str>,
+    /// The notice's bytes.
+    pub payload: Bytes,
+}
+
 /// The proxy's side of the notice channel (LMCache: PULL bound to the proxy port).
 #[derive(Debug)]
 pub struct NotifySource {
     local_endpoint: String,
-    incoming: mpsc::Receiver<Bytes>,
+    incoming: mpsc::Receiver<Notice>,
 }
 
 impl NotifySource {
-    /// For implementations: wraps the channel their IO task serves.
-    pub fn new(local_endpoint: String, incoming: mpsc::Receiver<Bytes>) -> Self {
+    /// For implementations: wraps the channel their IO task serves. Each notice's
+    /// `NoticeFrom::connection` is one number per sink connection, never reused while the
+    /// source lasts.
+    pub fn new(local_endpoint: String, incoming: mpsc::Receiver<Notice>) -> Self {
         Self {
             local_endpoint,
             incoming,
@@ -268,9 +284,17 @@ impl NotifySource {
         &self.local_endpoint
     }
 
-    /// The next notice; None once the transport has shut down. Cancel-safe.
-    pub async fn recv(&mut self) -> Option<Bytes> {
+    /// The next notice and who sent it; None once the transport has shut down. Cancel-safe.
+    /// A proxy needs the sender: a notice counts only from the senders its request is bound
+    /// to.
+    pub async fn recv_notice(&mut self) -> Option<Notice> {
         self.incoming.recv().await
+    }
+
+    /// The next notice's bytes alone, for a reader that counts nothing by sender (a test of
+    /// the transport itself); None once the transport has shut down. Cancel-safe.
+    pub async fn recv(&mut self) -> Option<Bytes> {
+        Some(self.recv_notice().await?.payload)
     }
 }
 

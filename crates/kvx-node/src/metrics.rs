@@ -79,6 +79,10 @@ pub const PROXY_EVENTS_DROPPED: &str = "kvx_proxy_events_dropped_total";
 /// Counter: notices the proxy could not use (an over-long id, a message that is no notice,
 /// an early notice pushed out of its full table or too large to keep), each counted once.
 pub const PROXY_NOTICES_DROPPED: &str = "kvx_proxy_notices_dropped_total";
+/// Counter, per `reason` (`NoticeRefusal::kind`: other_principal, rank_repeated): notices
+/// the proxy refused because their sender is not one the request is bound to
+/// (`docs/spec/protocol.md` §Proxy).
+pub const PROXY_NOTICES_REFUSED: &str = "kvx_proxy_notices_refused_total";
 
 /// The `reason` values of `SENDER_FAILED`: every `SendFailure::kind`.
 pub const SENDER_FAILED_REASONS: &[&str] = &[
@@ -174,6 +178,9 @@ pub fn register_proxy() {
     }
     for &reason in PROXY_FAILED_REASONS {
         metrics::counter!(PROXY_FAILED, "reason" => reason).increment(0);
+    }
+    for why in kvx_proto::proxy::NoticeRefusal::ALL {
+        metrics::counter!(PROXY_NOTICES_REFUSED, "reason" => why.kind()).increment(0);
     }
 }
 

@@ -8,14 +8,23 @@
 //! proxy that nobody tells of requests (`kvx proxy` on its own) sets
 //! `ProxyConfig::await_on_first_notice`: each id is then awaited from its first notice.
 //!
-//! Contract: a driver feeds `handle_expect`, `handle_message` (every decoded notice) and
-//! `handle_timeout` (at `poll_timeout`), and after each call drains `poll_event`; each awaited
-//! request ends in exactly one event.
+//! Notices count only from the senders a request is bound to (`docs/spec/protocol.md`
+//! §Proxy): each notice comes with who sent it (`NoticeFrom`: its connection and, under
+//! CURVE, its key's principal). A request binds to the principal of its first notice, so
+//! another key's notices for it are refused; and one connection speaks for at most
+//! `ProxyConfig::ranks_per_connection` ranks of it, so a repeated notice is refused rather
+//! than counted as another rank. Refusals are counted (`refused_notices`) and returned to
+//! the driver, which logs them. Nothing else tells a forged notice from a real one: the wire
+//! carries no rank and no proof, so the binding is all a proxy can hold a sender to.
+//!
+//! Contract: a driver feeds `handle_expect`, `handle_message` (every decoded notice, with
+//! its sender) and `handle_timeout` (at `poll_timeout`), and after each call drains
+//! `poll_event`; each awaited request ends in exactly one event.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::{ConfigError, ProxyConfig};
-use crate::ids::ReqId;
+use crate::ids::{Principal, ReqId};
 use crate::time::{earliest, Instant};
 use crate::wire::Message;
 
@@ -96,20 +105,143 @@ pub enum ExpectError {
     ProxyGone,
 }
 
+/// Who sent a notice, as the notice channel's transport knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NoticeFrom {
+    /// The connection it came on: a number the transport gives each connection of one notice
+    /// channel, never twice while it runs (a PUSH that reconnects comes on a new one).
+    pub connection: u64,
+    /// Under CURVE, the principal of the key the connection proved (a keyed hash, as for the
+    /// alloc channel's `Principal`); `None` where nothing authenticates the sender (NULL).
+    pub principal: Option<Principal>,
+}
+
+impl NoticeFrom {
+    /// A notice from `connection`, with no authenticated principal (NULL).
+    pub fn connection(connection: u64) -> Self {
+        Self {
+            connection,
+            principal: None,
+        }
+    }
+}
+
+/// Why a notice was refused: its sender is not one the request is bound to. A refused
+/// notice changes nothing; it is counted (`ProxyTracker::refused_notices`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum NoticeRefusal {
+    /// Under CURVE: the request is bound to the key of its first notice, and this one came
+    /// from another.
+    OtherPrincipal,
+    /// A `ProxyNotif` from a connection that has spoken for `ranks_per_connection` ranks of
+    /// the request already: a repeat, not another rank.
+    RankRepeated,
+}
+
+impl NoticeRefusal {
+    /// Every refusal, in the order `kind` labels them.
+    pub const ALL: [NoticeRefusal; 2] =
+        [NoticeRefusal::OtherPrincipal, NoticeRefusal::RankRepeated];
+
+    /// A short name of the refusal: a metric's label.
+    pub fn kind(self) -> &'static str {
+        match self {
+            NoticeRefusal::OtherPrincipal => "other_principal",
+            NoticeRefusal::RankRepeated => "rank_repeated",
+        }
+    }
+}
+
+/// A refused notice, for the driver's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// Why.
+    pub why: NoticeRefusal,
+    /// The request it named.
+    pub req_id: ReqId,
+    /// The principal the request is bound to (`None` without CURVE).
+    pub bound_to: Option<Principal>,
+}
+
+/// Who a request's notices came from: the principal its first notice bound it to, and every
+/// connection that spoke for it with the ranks each counted for. Bounded by the notices
+/// counted (at most `ranks` entries for an awaited request; for a kept one, its entry's bytes
+/// count every connection: `early_bytes`).
+#[derive(Debug, Clone, Default)]
+struct Binding {
+    /// The first notice's principal; meaningful once `connections` is not empty.
+    principal: Option<Principal>,
+    /// (connection, ranks counted from it); a connection that only failed the request counts
+    /// 0 ranks.
+    connections: Vec<(u64, u32)>,
+}
+
+impl Binding {
+    /// Whether a notice from `from` may count (`rank`: a `ProxyNotif`, which counts a rank;
+    /// else a `FailNotif`). A failure needs the right principal only: without CURVE any
+    /// connection may be a rank not heard from yet, and a failure ends the request whoever
+    /// of its ranks says so.
+    fn admits(
+        &self,
+        from: NoticeFrom,
+        rank: bool,
+        per_connection: u32,
+    ) -> Result<(), NoticeRefusal> {
+        if !self.connections.is_empty() && self.principal != from.principal {
+            return Err(NoticeRefusal::OtherPrincipal);
+        }
+        if rank && self.ranks_of(from.connection) >= per_connection {
+            return Err(NoticeRefusal::RankRepeated);
+        }
+        Ok(())
+    }
+
+    /// Records a notice `admits` let through.
+    fn record(&mut self, from: NoticeFrom, rank: bool) {
+        if self.connections.is_empty() {
+            self.principal = from.principal;
+        }
+        let add = u32::from(rank);
+        match self
+            .connections
+            .iter_mut()
+            .find(|(c, _)| *c == from.connection)
+        {
+            Some((_, ranks)) => *ranks = ranks.saturating_add(add),
+            None => self.connections.push((from.connection, add)),
+        }
+    }
+
+    fn ranks_of(&self, connection: u64) -> u32 {
+        self.connections
+            .iter()
+            .find(|(c, _)| *c == connection)
+            .map_or(0, |(_, ranks)| *ranks)
+    }
+
+    /// Ranks counted, over every connection.
+    fn ranks(&self) -> u64 {
+        self.connections.iter().map(|(_, r)| u64::from(*r)).sum()
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Awaited {
     ranks: u32,
     seen: u32,
     deadline: Instant,
+    binding: Binding,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Early {
     notices: u32,
     failed: bool,
     /// Its key in `early_order`: when it was last kept, and a sequence number that orders
     /// entries kept at the same instant.
     order: (Instant, u64),
+    binding: Binding,
 }
 
 impl Early {
@@ -144,12 +276,17 @@ pub struct ProxyTracker {
     /// Notices or failures for ids neither awaited nor kept, or too large to keep (counted
     /// for metrics).
     pub dropped_notices: u64,
+    /// Notices refused, per `NoticeRefusal` in `NoticeRefusal::ALL`'s order.
+    refused: [u64; NoticeRefusal::ALL.len()],
 }
 
 /// What one kept early notice holds, about: its id twice (map and order), its failure reason,
-/// and the overhead of both entries.
-fn early_bytes(req_id: &ReqId, reason: Option<&String>) -> usize {
-    2 * req_id.0.len() + reason.map_or(0, String::len) + 128
+/// the connections it is bound to, and the overhead of both entries.
+fn early_bytes(req_id: &ReqId, early: &Early, reason: Option<&String>) -> usize {
+    2 * req_id.0.len()
+        + reason.map_or(0, String::len)
+        + early.binding.connections.len() * std::mem::size_of::<(u64, u32)>()
+        + 128
 }
 
 impl ProxyTracker {
@@ -166,7 +303,13 @@ impl ProxyTracker {
             early_bytes: 0,
             events: VecDeque::new(),
             dropped_notices: 0,
+            refused: [0; NoticeRefusal::ALL.len()],
         })
+    }
+
+    /// Notices refused so far for `why`.
+    pub fn refused_notices(&self, why: NoticeRefusal) -> u64 {
+        self.refused[why as usize]
     }
 
     /// Starts awaiting `req_id` from `tp_ranks` senders.
@@ -207,20 +350,29 @@ impl ProxyTracker {
                 ranks: tp_ranks,
                 seen: 0,
                 deadline,
+                binding: early.binding,
             },
         );
         self.deadlines.insert((deadline, req_id.clone()));
-        // More early notices than ranks (a repeated notice, a reused id): ready once.
+        // More early notices than ranks (more connections than ranks, a reused id): ready
+        // once.
         for _ in 0..early.notices.min(tp_ranks) {
             self.count_notice(&req_id);
         }
         Ok(())
     }
 
-    /// A message from the PULL socket (`ProxyNotif`, or kvx's `FailNotif`). An id longer
-    /// than `req_id_bytes_max` can name no awaited request and is dropped (counted); a
-    /// failure's reason is cut to `reason_bytes_max`.
-    pub fn handle_message(&mut self, now: Instant, msg: Message) {
+    /// A message from the PULL socket (`ProxyNotif`, or kvx's `FailNotif`) and who sent it.
+    /// An id longer than `req_id_bytes_max` can name no awaited request and is dropped
+    /// (counted); a failure's reason is cut to `reason_bytes_max`. A notice from a sender the
+    /// request is not bound to is refused (module documentation): counted, and returned so
+    /// that the driver can log it.
+    pub fn handle_message(
+        &mut self,
+        now: Instant,
+        from: NoticeFrom,
+        msg: Message,
+    ) -> Option<Refused> {
         if let Some(ranks) = self.cfg.await_on_first_notice {
             let id = match &msg {
                 Message::ProxyNotif(n) => Some(&n.req_id),
@@ -235,28 +387,56 @@ impl ProxyTracker {
                 }
             }
         }
+        let per_connection = self.cfg.ranks_per_connection;
         match msg {
             Message::ProxyNotif(n) if n.req_id.len() <= self.cfg.req_id_bytes_max => {
                 let req_id = ReqId(n.req_id);
-                if self.awaited.contains_key(&req_id) {
+                if let Some(a) = self.awaited.get_mut(&req_id) {
+                    if let Err(why) = a.binding.admits(from, true, per_connection) {
+                        let bound_to = a.binding.principal;
+                        return Some(self.refuse(why, req_id, bound_to));
+                    }
+                    a.binding.record(from, true);
                     self.count_notice(&req_id);
                 } else {
-                    self.keep_early(now, req_id, None);
+                    return self.keep_early(now, req_id, from, None);
                 }
             }
             Message::FailNotif(f) if f.req_id.len() <= self.cfg.req_id_bytes_max => {
                 let req_id = ReqId(f.req_id);
                 let reason = cut(f.reason, self.cfg.reason_bytes_max);
-                if let Some(a) = self.awaited.remove(&req_id) {
-                    self.deadlines.remove(&(a.deadline, req_id.clone()));
+                if let Some(a) = self.awaited.get(&req_id) {
+                    if let Err(why) = a.binding.admits(from, false, per_connection) {
+                        let bound_to = a.binding.principal;
+                        return Some(self.refuse(why, req_id, bound_to));
+                    }
+                    let deadline = a.deadline;
+                    self.awaited.remove(&req_id);
+                    self.deadlines.remove(&(deadline, req_id.clone()));
                     let failure = ProxyFailure::Reported(reason);
                     self.events
                         .push_back(ProxyEvent::Failed { req_id, failure });
                 } else {
-                    self.keep_early(now, req_id, Some(reason));
+                    return self.keep_early(now, req_id, from, Some(reason));
                 }
             }
             _ => self.dropped_notices += 1,
+        }
+        None
+    }
+
+    /// Counts a refusal and says what it was.
+    fn refuse(
+        &mut self,
+        why: NoticeRefusal,
+        req_id: ReqId,
+        bound_to: Option<Principal>,
+    ) -> Refused {
+        self.refused[why as usize] += 1;
+        Refused {
+            why,
+            req_id,
+            bound_to,
         }
     }
 
@@ -326,23 +506,41 @@ impl ProxyTracker {
         }
     }
 
-    /// Keeps a notice (`failure`: None) or a failure for an id not awaited yet. An id kept
-    /// already is taken out and kept afresh with what it had (one entry per id, as of its
-    /// last message), so the bounds are enforced the same way for both. Every message lost
-    /// on the way, this one's or an entry's pushed out, is counted in `dropped_notices` once.
-    fn keep_early(&mut self, now: Instant, req_id: ReqId, failure: Option<String>) {
-        let (prior, prior_reason) = self.take_early(&req_id);
+    /// Keeps a notice (`failure`: None) or a failure for an id not awaited yet, bound as an
+    /// awaited request's would be (a notice its binding refuses is refused here too, and
+    /// the entry stays as it was). An id kept already is taken out and kept afresh with what
+    /// it had (one entry per id, as of its last message), so the bounds are enforced the
+    /// same way for both. Every message lost on the way, this one's or an entry's pushed
+    /// out, is counted in `dropped_notices` once.
+    fn keep_early(
+        &mut self,
+        now: Instant,
+        req_id: ReqId,
+        from: NoticeFrom,
+        failure: Option<String>,
+    ) -> Option<Refused> {
         let is_failure = failure.is_some();
+        if let Some((kept, _)) = self.early.get(&req_id) {
+            let binding = &kept.binding;
+            if let Err(why) = binding.admits(from, !is_failure, self.cfg.ranks_per_connection) {
+                let bound_to = binding.principal;
+                return Some(self.refuse(why, req_id, bound_to));
+            }
+        }
+        let (prior, prior_reason) = self.take_early(&req_id);
         let reason = failure.or(prior_reason);
+        let mut binding = prior.binding;
+        binding.record(from, !is_failure);
         let early = Early {
             notices: prior.notices.saturating_add(u32::from(!is_failure)),
             failed: prior.failed || is_failure,
             order: (now, self.next_early),
+            binding,
         };
-        let size = early_bytes(&req_id, reason.as_ref());
+        let size = early_bytes(&req_id, &early, reason.as_ref());
         if self.cfg.early_notices_max == 0 || size > self.cfg.early_notices_bytes_max {
             self.dropped_notices += early.messages();
-            return;
+            return None;
         }
         while self.early.len() >= self.cfg.early_notices_max
             || self.early_bytes + size > self.cfg.early_notices_bytes_max
@@ -354,6 +552,7 @@ impl ProxyTracker {
         self.early_order.insert(early.order, req_id.clone());
         self.early.insert(req_id, (early, reason));
         self.early_bytes += size;
+        None
     }
 
     /// Removes `req_id`'s early notices and its order entry (it is awaited now, or kept
@@ -361,7 +560,7 @@ impl ProxyTracker {
     fn take_early(&mut self, req_id: &ReqId) -> (Early, Option<String>) {
         match self.early.remove(req_id) {
             Some((early, reason)) => {
-                self.early_bytes -= early_bytes(req_id, reason.as_ref());
+                self.early_bytes -= early_bytes(req_id, &early, reason.as_ref());
                 self.early_order.remove(&early.order);
                 (early, reason)
             }
@@ -382,8 +581,9 @@ impl ProxyTracker {
         })
     }
 
-    /// Panics if a table exceeds its bound, the kept bytes are miscounted, or an awaited
-    /// request has every notice but was not reported.
+    /// Panics if a table exceeds its bound, the kept bytes are miscounted, an awaited
+    /// request has every notice but was not reported, or a request counted notices its
+    /// binding does not account for (or more from one connection than it may).
     pub fn check_invariants(&self) {
         assert!(
             self.awaited.len() <= self.cfg.requests_max,
@@ -408,7 +608,7 @@ impl ProxyTracker {
         let bytes: usize = self
             .early
             .iter()
-            .map(|(id, (_, reason))| early_bytes(id, reason.as_ref()))
+            .map(|(id, (e, reason))| early_bytes(id, e, reason.as_ref()))
             .sum();
         assert_eq!(bytes, self.early_bytes, "invariant: early bytes counted");
         assert!(
@@ -424,6 +624,30 @@ impl ProxyTracker {
             assert!(
                 a.seen < a.ranks,
                 "invariant: {id} should have been reported ready"
+            );
+        }
+        let per_connection = self.cfg.ranks_per_connection;
+        let bindings = self
+            .awaited
+            .iter()
+            .map(|(id, a)| (id, &a.binding, u64::from(a.seen)))
+            .chain(
+                self.early
+                    .iter()
+                    .map(|(id, (e, _))| (id, &e.binding, u64::from(e.notices))),
+            );
+        for (id, binding, counted) in bindings {
+            assert_eq!(
+                binding.ranks(),
+                counted,
+                "invariant: {id}'s counted notices are its connections'"
+            );
+            assert!(
+                binding
+                    .connections
+                    .iter()
+                    .all(|(_, r)| *r <= per_connection),
+                "invariant: no connection of {id} counted past ranks_per_connection"
             );
         }
     }
@@ -447,6 +671,16 @@ mod tests {
     use super::*;
     use crate::wire::{FailNotif, ProxyNotif};
 
+    /// Two ranks' connections (NULL: no principal).
+    const RANK0: NoticeFrom = NoticeFrom {
+        connection: 1,
+        principal: None,
+    };
+    const RANK1: NoticeFrom = NoticeFrom {
+        connection: 2,
+        principal: None,
+    };
+
     fn notif(id: &str) -> Message {
         Message::ProxyNotif(ProxyNotif { req_id: id.into() })
     }
@@ -461,19 +695,19 @@ mod tests {
     #[test]
     fn check_invariants_catches_miscounts_and_an_unreported_request() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
-        p.handle_message(Instant::ZERO, notif("early"));
+        p.handle_message(Instant::ZERO, RANK0, notif("early"));
         p.handle_expect(Instant::ZERO, "awaited".into(), 2)
             .expect("fresh id");
         assert_eq!(violation(&p), None);
 
         let mut bytes = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
-        bytes.handle_message(Instant::ZERO, notif("early"));
+        bytes.handle_message(Instant::ZERO, RANK0, notif("early"));
         bytes.early_bytes += 1;
         let said = violation(&bytes).expect("miscounted bytes are caught");
         assert!(said.contains("early bytes counted"), "{said}");
 
         let mut order = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
-        order.handle_message(Instant::ZERO, notif("early"));
+        order.handle_message(Instant::ZERO, RANK0, notif("early"));
         order
             .early_order
             .insert((Instant::ZERO, 99), ReqId::from("ghost"));
@@ -506,7 +740,7 @@ mod tests {
             req_id: "r".into(),
             reason: "éééééé".into(),
         };
-        p.handle_message(Instant::ZERO, Message::FailNotif(failed));
+        p.handle_message(Instant::ZERO, RANK0, Message::FailNotif(failed));
         assert_eq!(
             p.poll_event(),
             Some(ProxyEvent::Failed {
@@ -539,9 +773,9 @@ mod tests {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
         p.handle_expect(Instant::ZERO, "r1".into(), 2)
             .expect("fresh id");
-        p.handle_message(Instant::ZERO, notif("r1"));
+        p.handle_message(Instant::ZERO, RANK0, notif("r1"));
         assert_eq!(p.poll_event(), None);
-        p.handle_message(Instant::ZERO, notif("r1"));
+        p.handle_message(Instant::ZERO, RANK1, notif("r1"));
         assert_eq!(
             p.poll_event(),
             Some(ProxyEvent::Ready {
@@ -554,7 +788,7 @@ mod tests {
     #[test]
     fn early_notice_and_failure_and_timeout() {
         let mut p = ProxyTracker::new(ProxyConfig::default()).expect("valid config");
-        p.handle_message(Instant::ZERO, notif("early"));
+        p.handle_message(Instant::ZERO, RANK0, notif("early"));
         p.handle_expect(Instant::ZERO, "early".into(), 1)
             .expect("fresh id");
         assert_eq!(
@@ -567,6 +801,7 @@ mod tests {
             .expect("fresh id");
         p.handle_message(
             Instant::ZERO,
+            RANK0,
             Message::FailNotif(FailNotif {
                 req_id: "bad".into(),
                 reason: "x".into(),
@@ -597,7 +832,7 @@ mod tests {
             ..ProxyConfig::default()
         };
         let mut p = ProxyTracker::new(cfg).expect("valid config");
-        p.handle_message(Instant::ZERO, notif(&"x".repeat(1 << 20)));
+        p.handle_message(Instant::ZERO, RANK0, notif(&"x".repeat(1 << 20)));
         assert_eq!(p.dropped_notices, 1, "an id longer than req_id_bytes_max");
         // Nor is such an id awaited (a standalone proxy awaits each id it hears of).
         let long = ReqId("x".repeat(1 << 20));
@@ -614,13 +849,13 @@ mod tests {
                 req_id: format!("{i:0>400}"),
                 reason: "r".repeat(1 << 20),
             };
-            p.handle_message(Instant::ZERO, Message::FailNotif(fail));
+            p.handle_message(Instant::ZERO, RANK0, Message::FailNotif(fail));
         }
         p.check_invariants();
         assert!(p.early_bytes <= 1 << 20);
         p.handle_expect(Instant::ZERO, "real".into(), 1)
             .expect("fresh id");
-        p.handle_message(Instant::ZERO, notif("real"));
+        p.handle_message(Instant::ZERO, RANK0, notif("real"));
         assert_eq!(
             p.poll_event(),
             Some(ProxyEvent::Ready {
@@ -638,9 +873,9 @@ mod tests {
             ..ProxyConfig::default()
         };
         let mut p = ProxyTracker::new(cfg).expect("valid config");
-        p.handle_message(Instant::ZERO, notif("a"));
+        p.handle_message(Instant::ZERO, RANK0, notif("a"));
         assert_eq!((p.awaited(), p.poll_event()), (1, None), "one of two ranks");
-        p.handle_message(Instant::ZERO, notif("a"));
+        p.handle_message(Instant::ZERO, RANK1, notif("a"));
         assert_eq!(
             p.poll_event(),
             Some(ProxyEvent::Ready { req_id: "a".into() })
@@ -649,7 +884,7 @@ mod tests {
             req_id: "b".into(),
             reason: "receiver refused".into(),
         };
-        p.handle_message(Instant::ZERO, Message::FailNotif(fail));
+        p.handle_message(Instant::ZERO, RANK0, Message::FailNotif(fail));
         assert_eq!(
             p.poll_event(),
             Some(ProxyEvent::Failed {
@@ -657,7 +892,7 @@ mod tests {
                 failure: ProxyFailure::Reported("receiver refused".into()),
             })
         );
-        p.handle_message(Instant::ZERO, notif("c"));
+        p.handle_message(Instant::ZERO, RANK0, notif("c"));
         let at = p.poll_timeout().expect("c's deadline");
         p.handle_timeout(at);
         assert_eq!(

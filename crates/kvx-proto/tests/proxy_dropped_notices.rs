@@ -4,7 +4,7 @@
 //! early table. An operator reads it as "notices lost", so it may neither miss one nor go
 //! backwards.
 
-use kvx_proto::proxy::{ProxyEvent, ProxyTracker};
+use kvx_proto::proxy::{NoticeFrom, ProxyEvent, ProxyTracker};
 use kvx_proto::wire::{AllocRequest, FailNotif, Message, ProxyNotif};
 use kvx_proto::{Instant, ProxyConfig};
 
@@ -21,11 +21,14 @@ fn every_dropped_notice_is_counted_once() {
     let long = "x".repeat(cfg.req_id_bytes_max + 1);
     let mut p = ProxyTracker::new(cfg).expect("valid config");
     let now = Instant::ZERO;
+    // One sender's connection: each id below has one notice, one rank.
+    let from = NoticeFrom::connection(1);
 
-    p.handle_message(now, notif(&long));
+    p.handle_message(now, from, notif(&long));
     assert_eq!(p.dropped_notices, 1, "a ProxyNotif with an over-long id");
     p.handle_message(
         now,
+        from,
         Message::FailNotif(FailNotif {
             req_id: long.clone(),
             reason: "r".into(),
@@ -45,14 +48,14 @@ fn every_dropped_notice_is_counted_once() {
         total_chunks: 1,
         seq: None,
     };
-    p.handle_message(now, Message::AllocRequest(not_a_notice));
+    p.handle_message(now, from, Message::AllocRequest(not_a_notice));
     assert_eq!(p.dropped_notices, 3, "a message that is no notice");
 
     // Two early notices fit; a third pushes the oldest out.
-    p.handle_message(now, notif("a"));
-    p.handle_message(now, notif("b"));
+    p.handle_message(now, from, notif("a"));
+    p.handle_message(now, from, notif("b"));
     assert_eq!(p.dropped_notices, 3, "kept, not dropped");
-    p.handle_message(now, notif("c"));
+    p.handle_message(now, from, notif("c"));
     assert_eq!(p.dropped_notices, 4, "the oldest early notice pushed out");
     p.check_invariants();
 

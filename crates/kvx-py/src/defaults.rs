@@ -115,6 +115,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         req_id_bytes_max,
         reason_bytes_max,
         await_on_first_notice,
+        ranks_per_connection,
     } = ProxyConfig::default();
     let proxy = PyDict::new(py);
     proxy.set_item("kv_ready_timeout", secs(kv_ready_timeout))?;
@@ -125,6 +126,7 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     proxy.set_item("req_id_bytes_max", req_id_bytes_max)?;
     proxy.set_item("reason_bytes_max", reason_bytes_max)?;
     proxy.set_item("await_on_first_notice", await_on_first_notice)?;
+    proxy.set_item("ranks_per_connection", ranks_per_connection)?;
 
     let node = PyDict::new(py);
     node.set_item("chunk_bytes", kvx_embed::defaults::CHUNK_BYTES)?;

@@ -16,13 +16,17 @@ use crate::{env, errors, runtime, wait};
 /// ``ProxyNotif`` and ``FailNotif`` to).
 ///
 /// ``Proxy(endpoint="tcp://127.0.0.1:0", *, kv_ready_timeout=None, standalone_tp_ranks=None,
-/// curve_secret_key=None, curve_allow=None)``:
+/// ranks_per_connection=None, curve_secret_key=None, curve_allow=None)``:
 /// binds ``endpoint`` (port 0: the OS picks; read ``endpoint`` back). ``kv_ready_timeout``
 /// ``None`` is kvx's default, the one ``kvx proxy`` runs with (``kvx.defaults()["proxy"]``). With
 /// ``standalone_tp_ranks`` set, every request id is awaited from its first notice, from that
 /// many TP ranks, and outcomes come from ``next_event``; otherwise call ``expect`` for each
-/// request before its prefill starts. ``curve_secret_key``, ``curve_allow``: CURVE on the
-/// notice channel (both or neither), as for ``Receiver``.
+/// request before its prefill starts. ``ranks_per_connection``: the TP ranks of one request
+/// one sender's connection may speak for (``None``: 1, one connection per rank, as each
+/// ``Sender`` and each LMCache process has); its further notices for the request are refused,
+/// not counted as more ranks. ``curve_secret_key``, ``curve_allow``: CURVE on the notice
+/// channel (both or neither), as for ``Receiver``; a request then counts notices only from the
+/// key of its first notice.
 #[pyclass(module = "kvx", frozen)]
 pub(crate) struct Proxy {
     inner: kvx_embed::Proxy,
@@ -39,12 +43,15 @@ pub(crate) struct ProxyWait {
 impl Proxy {
     #[new]
     #[pyo3(signature = (endpoint = "tcp://127.0.0.1:0", *, kv_ready_timeout = None,
-        standalone_tp_ranks = None, curve_secret_key = None, curve_allow = None))]
+        standalone_tp_ranks = None, ranks_per_connection = None, curve_secret_key = None,
+        curve_allow = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         kv_ready_timeout: Option<f64>,
         standalone_tp_ranks: Option<u32>,
+        ranks_per_connection: Option<u32>,
         curve_secret_key: Option<PathBuf>,
         curve_allow: Option<PathBuf>,
     ) -> PyResult<Self> {
@@ -57,6 +64,7 @@ impl Proxy {
         let cfg = ProxyConfig {
             kv_ready_timeout,
             await_on_first_notice: standalone_tp_ranks,
+            ranks_per_connection: ranks_per_connection.unwrap_or(core.ranks_per_connection),
             ..core
         };
         let rt = runtime::get()?;

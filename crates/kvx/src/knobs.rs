@@ -321,6 +321,9 @@ pub struct ProxyKnobs {
     /// A failure's reason is cut to this many bytes.
     #[arg(long, default_value_t = ProxyConfig::default().reason_bytes_max, value_parser = at_least_one, help_heading = PROXY)]
     pub reason_bytes_max: usize,
+    /// TP ranks of one request that one notice connection may speak for: a connection's further notices for the request are refused (counted in kvx_proxy_notices_refused_total, logged once), not counted as more ranks. Keep 1 where each TP rank's sender has its own connection (LMCache's senders, kvx sender); set it to the TP size for one process that pushes every rank's notices over one connection.
+    #[arg(long, default_value_t = ProxyConfig::default().ranks_per_connection, value_parser = clap::value_parser!(u32).range(1..), help_heading = PROXY)]
+    pub ranks_per_connection: u32,
 }
 
 impl ProxyKnobs {
@@ -336,6 +339,7 @@ impl ProxyKnobs {
             req_id_bytes_max: self.req_id_bytes_max,
             reason_bytes_max: self.reason_bytes_max,
             await_on_first_notice: Some(tp_ranks),
+            ranks_per_connection: self.ranks_per_connection,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -511,6 +515,8 @@ mod tests {
             "6",
             "--reason-bytes-max",
             "7",
+            "--ranks-per-connection",
+            "9",
         ]) else {
             panic!("a proxy")
         };
@@ -526,6 +532,7 @@ mod tests {
         );
         assert_eq!((c.req_id_bytes_max, c.reason_bytes_max), (6, 7));
         assert_eq!(c.await_on_first_notice, Some(8));
+        assert_eq!(c.ranks_per_connection, 9);
     }
 
     /// With no flag, no TOML key and no LMCache file, each role runs with exactly the core's

@@ -8,7 +8,8 @@
 //!   `ZmqTransport` does), reconnects with backoff and reports `Reconnected`; the server
 //!   keeps one `PeerId` per identity and routes a reply to the peer's current connection,
 //!   dropping it when there is none (ROUTER);
-//! - notices (PUSH → PULL) are FIFO per sink.
+//! - notices (PUSH → PULL) are FIFO per sink, and each sink is one connection: its notices
+//!   carry its number (`kvx_io::Notice`), with no principal (no CURVE here).
 //!
 //! madsim's own `Endpoint` may reorder datagrams, so it is not used: connections are tables in
 //! the `World` (`state`: the tables and what a break does to them) and pipes are tasks on its
@@ -25,7 +26,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvx_io::transport::CHANNEL_DEPTH;
 use kvx_io::TransportError;
-use kvx_io::{ControlClient, ControlServer, NotifySink, NotifySource, Transport};
+use kvx_io::{ControlClient, ControlServer, Notice, NotifySink, NotifySource, Transport};
+use kvx_proto::proxy::NoticeFrom;
 use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
@@ -137,13 +139,17 @@ impl Transport for SimTransport {
     }
 
     async fn notify_sink(&self, endpoint: &str) -> Result<NotifySink, TransportError> {
-        let to = {
-            let w = self.world.lock();
+        let (to, connection) = {
+            let mut w = self.world.lock();
             let source = w.net.sources.get(endpoint);
             let source =
                 source.ok_or_else(|| endpoint_error(endpoint, "nothing is bound there"))?;
-            source.node.clone()
+            let to = source.node.clone();
+            w.net.next_sink += 1;
+            (to, w.net.next_sink)
         };
+        let from_sink = NoticeFrom::connection(connection);
+        let label: std::sync::Arc<str> = format!("{} (sink {connection})", self.node).into();
         let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(CHANNEL_DEPTH);
         let (pipe_tx, mut pipe_rx) = mpsc::unbounded_channel::<(Duration, Bytes)>();
         let (world, from, ep) = (self.world.clone(), self.node.clone(), endpoint.to_owned());
@@ -177,7 +183,12 @@ impl Transport for SimTransport {
                     }
                     incoming
                 };
-                let _ = incoming.send(bytes).await;
+                let notice = Notice {
+                    from: from_sink,
+                    label: label.clone(),
+                    payload: bytes,
+                };
+                let _ = incoming.send(notice).await;
             }
         });
         Ok(NotifySink::new(out_tx))

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvx_io::Notice;
 use kvx_proto::PeerId;
 use tokio::sync::{mpsc, watch};
 
@@ -22,7 +23,7 @@ pub(crate) struct Server {
 #[derive(Debug)]
 pub(crate) struct Source {
     pub(crate) node: String,
-    pub(crate) incoming: mpsc::Sender<Bytes>,
+    pub(crate) incoming: mpsc::Sender<Notice>,
 }
 
 #[derive(Debug)]
@@ -53,6 +54,8 @@ pub struct NetState {
     pub(crate) sources: BTreeMap<String, Source>,
     pub(crate) links: BTreeMap<u64, Link>,
     pub(crate) next_link: u64,
+    /// The number the next notice sink's connection gets (`kvx_io::Notice`).
+    pub(crate) next_sink: u64,
 }
 
 impl NetState {

@@ -104,7 +104,9 @@ pub async fn transport_request_reply<T: Transport>(t: &T, server_endpoint: &str,
     }
 }
 
-/// Notices from two sinks all arrive, each sink's in order; a 64 KiB payload arrives intact.
+/// Notices from two sinks all arrive, each sink's in order; a 64 KiB payload arrives intact;
+/// each sink's notices name one connection, another than the other sink's (the proxy counts
+/// a connection as one sender: `kvx_proto::proxy`).
 pub async fn transport_notices<T: Transport>(t: &T, source_endpoint: &str, n: usize) {
     let mut source = t
         .notify_source(source_endpoint)
@@ -124,18 +126,30 @@ pub async fn transport_notices<T: Transport>(t: &T, source_endpoint: &str, n: us
     }
     a.send(big.clone()).await.expect("conformance: notify big");
     let mut next = [0usize; 2];
+    let mut connections = [None; 2];
     let mut got_big = false;
     for _ in 0..2 * n + 1 {
-        let payload = step("notice", source.recv())
+        let notice = step("notice", source.recv_notice())
             .await
             .expect("conformance: source open");
+        let payload = notice.payload;
         if payload.len() == big.len() {
             assert_eq!(payload, big, "conformance: large payload intact");
+            assert_eq!(
+                Some(notice.from.connection),
+                connections[0],
+                "conformance: a sink's notices name one connection"
+            );
             got_big = true;
             continue;
         }
         let text = String::from_utf8(payload.to_vec()).expect("conformance: payload intact");
         let who = usize::from(text.starts_with('b'));
+        let connection = *connections[who].get_or_insert(notice.from.connection);
+        assert_eq!(
+            notice.from.connection, connection,
+            "conformance: a sink's notices name one connection"
+        );
         assert_eq!(
             text[1..].parse::<usize>().ok(),
             Some(next[who]),
@@ -144,6 +158,10 @@ pub async fn transport_notices<T: Transport>(t: &T, source_endpoint: &str, n: us
         next[who] += 1;
     }
     assert!(got_big, "conformance: the large notice arrived");
+    assert_ne!(
+        connections[0], connections[1],
+        "conformance: two sinks are two connections"
+    );
 }
 
 fn pattern(slot: u32, len: usize) -> Vec<u8> {

@@ -8,7 +8,9 @@
 //! - `connect` opens a DEALER (`dealer`) with the sender's identity in its ZMTP READY, as
 //!   libzmq does; it watches the connection and reconnects with backoff (`link`), reporting
 //!   `Disconnected` and `Reconnected`.
-//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice.
+//! - `notify_sink` / `notify_source`: PUSH (`push`) → PULL (`server`), one frame per notice;
+//!   the PULL tags each notice with its connection's number and, under CURVE, the principal
+//!   of the key it proved (`kvx_io::Notice`), which the proxy binds requests to.
 //! - `conn`: reading messages and task lifetimes, shared by every connection.
 //! - `inbound`: the byte budget of received messages a bound socket's handle has not
 //!   finished with.
@@ -392,8 +394,15 @@ impl Shared {
     /// process's, so no peer can choose a value that lands it in another principal's share.
     fn principal(&self, peer: PeerId) -> Option<Principal> {
         let who = self.peers().principal_of(peer)?;
+        Some(self.principal_of(who.key, who.source))
+    }
+
+    /// The principal of a connection that proved `key` (CURVE), or else came from `source`:
+    /// `principal`'s hash, which the PULL uses too, so that a key is one principal on every
+    /// socket of this transport.
+    fn principal_of(&self, key: Option<[u8; KEY_BYTES]>, source: IpAddr) -> Principal {
         let mut h = self.principal_key.build_hasher();
-        match (who.key, who.source.to_canonical()) {
+        match (key, source.to_canonical()) {
             (Some(key), _) => {
                 h.write_u8(b'k');
                 h.write(&key);
@@ -407,7 +416,7 @@ impl Shared {
                 h.write(&a.octets());
             }
         }
-        Some(Principal::new(h.finish()))
+        Principal::new(h.finish())
     }
 
     fn peers(&self) -> MutexGuard<'_, PeerTable> {

@@ -11,12 +11,14 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_io::transport::{ControlServer, NotifySource, TransportError, CHANNEL_DEPTH};
+use kvx_io::transport::{ControlServer, Notice, NotifySource, TransportError, CHANNEL_DEPTH};
 use kvx_io::{ConnectionBudget, Evicted, Held};
+use kvx_proto::proxy::NoticeFrom;
 use kvx_proto::PeerId;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -28,7 +30,7 @@ use super::conn::{next_message, watch_liveness, AbortOnDrop};
 use super::frames::error_command;
 use super::handshake::{handshake_server, Handshaken};
 use super::zmtp::{FrameReader, HandshakeError, ReadLimits, Sealer};
-use super::{bump, framing, peers, worth_logging, Shared};
+use super::{bump, fingerprint, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
 /// for errors.
@@ -525,6 +527,8 @@ pub(super) async fn notify_source(
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
     let budget = InboundBudget::new(shared.config.inbound_bytes_max);
     let large = InboundBudget::new(shared.config.unfinished_bytes_max);
+    // Numbers this socket's connections, for the proxy's binding (`kvx_proto::proxy`).
+    let connections = Arc::new(AtomicU64::new(0));
     let closed = {
         let tx = tx.clone();
         async move {
@@ -539,20 +543,27 @@ pub(super) async fn notify_source(
         closed,
         move |stream, held| {
             let incoming = (tx.clone(), budget.clone(), large.clone());
-            pull_conn(shared.clone(), incoming, stream, held)
+            let connection = connections.fetch_add(1, Ordering::Relaxed) + 1;
+            pull_conn(shared.clone(), incoming, connection, stream, held)
         },
     ));
     tracing::debug!(endpoint = %local, "PULL bound");
     Ok(NotifySource::new(local, rx))
 }
 
-/// One PUSH's connection: handshake, then one notice per message.
+/// One PUSH's connection, number `connection` of its socket: handshake, then one notice per
+/// message, each tagged with who sent it (the connection, and under CURVE the principal of
+/// the key it proved).
 async fn pull_conn(
     shared: Arc<Shared>,
-    (incoming, budget, large): (mpsc::Sender<Bytes>, InboundBudget, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<Notice>, InboundBudget, InboundBudget),
+    connection: u64,
     stream: TcpStream,
     held: Arc<Held>,
 ) {
+    let source = stream
+        .peer_addr()
+        .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
     // The write half stays open for the connection's life: closing it would tell the PUSH
     // that this end is gone.
     let (mut reader, mut writer) = reader_for(&shared, stream, large);
@@ -564,6 +575,17 @@ async fn pull_conn(
     if !accept(&shared, &mut writer, &mut handshaken.sealer, "PULL").await {
         return;
     }
+    // Without CURVE the connection alone stands for the sender: an address is shared by
+    // every process of a host, so it cannot tell two TP ranks apart.
+    let key = handshaken.client_key;
+    let from = NoticeFrom {
+        connection,
+        principal: key.map(|k| shared.principal_of(Some(k), source)),
+    };
+    let label: Arc<str> = match key {
+        Some(k) => format!("key {}", fingerprint(&k)).into(),
+        None => format!("address {source}").into(),
+    };
     let max = shared.config.frame_max_bytes;
     loop {
         let next = tokio::select! {
@@ -580,7 +602,13 @@ async fn pull_conn(
                     payload = budget.admit(payload) => payload,
                 };
                 reader.release_reserved();
-                if incoming.send(payload).await.is_err() {
+                let label = label.clone();
+                let notice = Notice {
+                    from,
+                    label,
+                    payload,
+                };
+                if incoming.send(notice).await.is_err() {
                     break;
                 }
             }

@@ -448,7 +448,9 @@ impl Cluster {
                         .or_default() += 1;
                     self.checker.on_proxy_notif(&n.req_id);
                 }
-                self.proxy.handle_message(now, msg);
+                // Every request is awaited from one rank, so one connection stands for all.
+                let from = crate::proxy::NoticeFrom::connection(0);
+                self.proxy.handle_message(now, from, msg);
                 self.drain_proxy();
             }
             Ev::WriteLands {
