@@ -59,20 +59,24 @@ async fn flushed(proxy: &ProxyHandle, sink: &NotifySink, marker: &str) {
     assert_eq!(outcome, Ok(()), "{marker}");
 }
 
-/// Waits (at most `STEP`) until the proxy has refused `want` notices in all.
-async fn refused(proxy: &ProxyHandle, want: u64) {
+/// Waits (at most `STEP`) until the proxy has refused `want` notices in all, while the awaited
+/// request stays undecided: a notice that should be refused and decided it instead fails the
+/// test at once, saying how.
+async fn refused(proxy: &ProxyHandle, want: u64, outcome: &mut oneshot::Receiver<ProxyOutcome>) {
     step("the refusals counted", async {
         while proxy.notices_refused() < want {
+            if let Ok(decided) = outcome.try_recv() {
+                panic!("a notice that should have been refused decided the request: {decided:?}");
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await;
     assert_eq!(proxy.notices_refused(), want);
-}
-
-/// Whether the awaited request has no outcome yet.
-fn pending(outcome: &mut oneshot::Receiver<ProxyOutcome>) -> bool {
-    matches!(outcome.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+    assert!(
+        matches!(outcome.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+        "the refused notices decided nothing"
+    );
 }
 
 /// Two keys on the proxy's allow-list: B forges A's request ready and failed; both notices
@@ -117,11 +121,7 @@ async fn under_curve_another_allowed_keys_notices_are_refused_and_counted() {
         reason: "forged by B".into(),
     };
     send(&b_sink, Message::FailNotif(forged)).await;
-    refused(&proxy, 2).await;
-    assert!(
-        pending(&mut outcome),
-        "B's notices made A's request neither ready nor failed"
-    );
+    refused(&proxy, 2, &mut outcome).await;
 
     let a_rank1 = step("A's rank 1", ta.notify_sink(&endpoint))
         .await
@@ -145,8 +145,7 @@ async fn without_curve_one_connection_speaks_for_one_rank() {
     let mut outcome = proxy.expect("r".into(), 2).await.expect("awaited");
     send(&rank0, notif("r")).await;
     send(&rank0, notif("r")).await;
-    refused(&proxy, 1).await;
-    assert!(pending(&mut outcome), "one connection is one rank of two");
+    refused(&proxy, 1, &mut outcome).await;
     let rank1 = step("rank 1", t.notify_sink(&endpoint))
         .await
         .expect("connects");
