@@ -31,7 +31,8 @@
 //!   dropped (from any thread, never blocking); `ReadyLeases` — ready requests handed out as
 //!   leases to callers on many tasks or threads, none lost to a cancelled wait (what
 //!   Python's `Receiver.next_ready` runs on).
-//! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request.
+//! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request; notices
+//!   from a sender the request is not bound to are refused, counted and logged once per sender.
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
 //! - `synthetic`: a workload whose bytes the decoder can verify (demo, load generator,
 //!   end-to-end tests).

@@ -11,7 +11,8 @@
 //! - `slots`: the receiver's buffer slots, generations and quarantine.
 //! - `receiver`: `ReceiverLedger`, the decode side (admission + ledger + leases).
 //! - `sender`: `SenderFlow`, the prefill side (staging, pipelined channels, ProxyNotif).
-//! - `proxy`: `ProxyTracker`, aggregation of ProxyNotif across TP ranks.
+//! - `proxy`: `ProxyTracker`, aggregation of ProxyNotif across TP ranks, each request's
+//!   notices counted only from the senders it is bound to (`NoticeFrom`).
 //! - `rng`: `SeededRng`, the deterministic generator of whatever kvx draws from a seed (the
 //!   harness, the simulation, the demo's workload); the core itself draws nothing.
 //! - `testing` (feature): `Cluster`, a synchronous harness with virtual time.
