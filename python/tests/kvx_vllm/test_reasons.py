@@ -111,8 +111,10 @@ def test_kvxs_own_words_are_recognized_on_both_sides():
     sender_said, returned = kvx_words(receiver_slot_bytes=1024, sender_chunk_bytes=2048, reserved=3, declared=2)
     said = explain(sender_said, "prefill", block_size=8, page_bytes=2048)
     assert said.startswith("block size 8 on the prefill engine, 4 on the decode engine"), sender_said
-    # The decode engine hears only the cancel (kvx does not tell it the sizes).
-    assert explain(returned, "decode").startswith("the prefill engine cancelled its push"), returned
+    # The decode engine hears the sizes too: kvx's receiver refuses the first batch of longer
+    # chunks and the reservation comes back with that reason (ChunkSizeMismatch).
+    heard = explain(returned, "decode", block_size=4, page_bytes=1024)
+    assert heard.startswith("block size 8 on the prefill engine, 4 on the decode engine"), returned
 
 
 def test_a_load_that_failed_before_its_withdrawal_is_logged_with_its_reason(caplog):
