@@ -5,130 +5,13 @@
 
 use std::time::Duration;
 
-use kvx_proto::receiver::{
-    ChecksumCheck, Failure, LandedWrite, Outcome, PlacementError, ReceiverEvent, ReceiverLedger,
-};
+mod placement;
+use placement::*;
+
+use kvx_proto::receiver::{Failure, Outcome, PlacementError, ReceiverEvent, ReceiverLedger};
 use kvx_proto::slots::SlotState;
 use kvx_proto::wire::{AllocRequest, AllocResponse, Message};
-use kvx_proto::{
-    ClaimSecret, Instant, PeerId, Placement, ReceiverConfig, ReqId, ReqKey, SlotIndex, WriteTag,
-};
-
-const A: PeerId = PeerId(1);
-const B: PeerId = PeerId(2);
-const CHUNK: u64 = 4096;
-
-fn caller_ledger(slots: u32) -> ReceiverLedger {
-    ReceiverLedger::new(ReceiverConfig {
-        buffer_slots: slots,
-        placement: Placement::Caller,
-        ..ReceiverConfig::default()
-    })
-    .expect("config")
-}
-
-fn at(secs: u64) -> Instant {
-    Instant::ZERO + Duration::from_secs(secs)
-}
-
-fn slots(list: &[u32]) -> Vec<SlotIndex> {
-    list.iter().copied().map(SlotIndex).collect()
-}
-
-fn key(peer: PeerId, id: &str) -> ReqKey {
-    ReqKey {
-        peer,
-        req_id: ReqId(id.into()),
-    }
-}
-
-/// The claim secret of `id`'s reservation, which its own sender knows.
-fn secret(id: &str) -> ClaimSecret {
-    let id = &id[..id.len().min(64)];
-    ClaimSecret::new(format!("secret-of-{id}-0123456789")).expect("a valid secret")
-}
-
-/// A kvx sender's batch of `n` chunks of `id` (of `total`), `seq` as given, carrying the
-/// reservation's secret as the sender it was made for does.
-fn batch(id: &str, n: usize, total: u32, last: bool, seq: u64) -> AllocRequest {
-    AllocRequest {
-        keys: (0..n).map(|i| format!("{id}-{seq}-{i}")).collect(),
-        chunk_bytes: Some(vec![CHUNK; n]),
-        claim: Some(secret(id)),
-        fmt: 1,
-        shape: vec![1],
-        dtype: "float32".into(),
-        last_chunk_toks: 1,
-        req_id: id.into(),
-        is_last_batch: last,
-        total_chunks: total,
-        seq: Some(seq),
-    }
-}
-
-/// Sends `msg` from `peer` and returns the replies it caused.
-fn send(
-    ledger: &mut ReceiverLedger,
-    now: Instant,
-    peer: PeerId,
-    msg: AllocRequest,
-) -> Vec<AllocResponse> {
-    ledger.handle_message(now, peer, Message::AllocRequest(msg));
-    replies(ledger)
-}
-
-fn replies(ledger: &mut ReceiverLedger) -> Vec<AllocResponse> {
-    ledger.check_invariants();
-    while ledger.poll_grant_change().is_some() {}
-    std::iter::from_fn(|| ledger.poll_transmit().map(|(_, r)| r)).collect()
-}
-
-fn events(ledger: &mut ReceiverLedger) -> Vec<ReceiverEvent> {
-    std::iter::from_fn(|| ledger.poll_event()).collect()
-}
-
-/// The granted write tags of a reply.
-fn tags(reply: &AllocResponse) -> Vec<WriteTag> {
-    assert!(reply.error.is_none(), "granted: {reply:?}");
-    let generations = reply.generations.clone().expect("a kvx sender's reply");
-    reply
-        .remote_indexes
-        .iter()
-        .zip(generations)
-        .map(|(&slot, generation)| WriteTag {
-            slot: SlotIndex(slot as u32),
-            generation,
-        })
-        .collect()
-}
-
-fn land(ledger: &mut ReceiverLedger, now: Instant, peer: PeerId, tag: WriteTag) {
-    ledger.handle_chunk_landed(
-        now,
-        LandedWrite {
-            peer,
-            slot: tag.slot,
-            tag,
-            bytes: CHUNK,
-            checksum: ChecksumCheck::Match,
-        },
-    );
-    ledger.check_invariants();
-}
-
-fn returned(evs: &[ReceiverEvent]) -> Option<(Vec<SlotIndex>, Outcome)> {
-    evs.iter().find_map(|e| match e {
-        ReceiverEvent::Returned { slots, outcome, .. } => Some((slots.clone(), outcome.clone())),
-        _ => None,
-    })
-}
-
-fn ended(evs: &[ReceiverEvent]) -> Option<Outcome> {
-    evs.iter().find_map(|e| match e {
-        ReceiverEvent::Ended { outcome, .. } => Some(outcome.clone()),
-        _ => None,
-    })
-}
+use kvx_proto::{ClaimSecret, PeerId, Placement, ReceiverConfig, SlotIndex, WriteTag};
 
 #[test]
 fn chunks_go_to_the_reserved_slots_in_order_and_come_back_after_the_consume() {
@@ -691,6 +574,22 @@ fn forged(id: &str, claim: Option<&str>) -> AllocRequest {
     }
 }
 
+/// Eve's claim of `id` with a guessed secret, before the reservation: it waits, since what
+/// it proves is known only once the reservation comes.
+fn forged_claim_waits(ledger: &mut ReceiverLedger, id: &str) {
+    let answers = send(ledger, at(0), EVE, forged(id, Some("guessed-0123456789")));
+    assert!(answers.is_empty(), "{answers:?}");
+}
+
+/// Asserts the real claim's batch was granted its `n` chunks.
+fn assert_granted(answers: &[AllocResponse], n: usize) {
+    assert_eq!(
+        tags(&answers[0]).len(),
+        n,
+        "the real claim is admitted: {answers:?}"
+    );
+}
+
 fn refusal(answers: &[AllocResponse]) -> String {
     assert_eq!(answers.len(), 1, "{answers:?}");
     answers[0].error.clone().expect("refused")
@@ -702,7 +601,6 @@ fn refusal(answers: &[AllocResponse]) -> String {
 /// printed.
 #[test]
 fn only_the_reservations_secret_claims_it_in_either_order() {
-    const EVE: PeerId = PeerId(66);
     // Reserved first, then the forged claims, then the real one.
     let mut ledger = caller_ledger(4);
     ledger
@@ -723,22 +621,11 @@ fn only_the_reservations_secret_claims_it_in_either_order() {
             secret_sent: false
         }))
     );
-    let granted = send(&mut ledger, at(0), A, batch("r", 2, 2, true, 1));
-    assert_eq!(
-        tags(&granted[0]).len(),
-        2,
-        "the real claim is admitted: {granted:?}"
-    );
+    assert_granted(&send(&mut ledger, at(0), A, batch("r", 2, 2, true, 1)), 2);
 
     // The forged claim came first and waits; one without any secret is refused at once.
     let mut ledger = caller_ledger(4);
-    assert!(send(
-        &mut ledger,
-        at(0),
-        EVE,
-        forged("w", Some("guessed-0123456789"))
-    )
-    .is_empty());
+    forged_claim_waits(&mut ledger, "w");
     let none = refusal(&send(&mut ledger, at(0), PeerId(67), forged("w", None)));
     assert!(none.contains("no claim secret"), "{none}");
     ledger
@@ -746,22 +633,11 @@ fn only_the_reservations_secret_claims_it_in_either_order() {
         .expect("reserve");
     let wrong = refusal(&replies(&mut ledger));
     assert!(wrong.contains("not its reservation's"), "{wrong}");
-    let granted = send(&mut ledger, at(1), A, batch("w", 1, 1, true, 1));
-    assert_eq!(
-        tags(&granted[0]).len(),
-        1,
-        "the real claim is admitted: {granted:?}"
-    );
+    assert_granted(&send(&mut ledger, at(1), A, batch("w", 1, 1, true, 1)), 1);
 
     // Both came first: the forged one first, the real one after; the real one is admitted.
     let mut ledger = caller_ledger(4);
-    assert!(send(
-        &mut ledger,
-        at(0),
-        EVE,
-        forged("b", Some("guessed-0123456789"))
-    )
-    .is_empty());
+    forged_claim_waits(&mut ledger, "b");
     assert!(send(&mut ledger, at(0), A, batch("b", 1, 1, true, 1)).is_empty());
     ledger
         .handle_reserve(at(1), "b", slots(&[3]), secret("b"))

@@ -103,9 +103,8 @@ pub struct RequestSpec {
     pub shape: Vec<u64>,
     /// torch dtype name, sent as is.
     pub dtype: String,
-    /// The claim secret of the receiver's caller-placement reservation for this request
-    /// (`crate::claim`), carried by the request's first message only; `None` for a
-    /// receiver that places requests itself.
+    /// The secret of the receiver's caller-placement reservation (`crate::claim`), carried
+    /// by the request's first message only; `None` for a receiver that places requests.
     pub claim: Option<ClaimSecret>,
 }
 
@@ -413,12 +412,8 @@ impl SenderFlow {
         if self.requests.len() >= self.cfg.requests_max {
             return Err(SendError::TooManyRequests(self.cfg.requests_max));
         }
-        let mut probe = self.alloc_request(&spec, Vec::new(), 0, false);
-        // The first message claims a caller-placement reservation; only it carries the
-        // secret, so later batches never repeat it.
-        if let Message::AllocRequest(m) = &mut probe {
-            m.claim.clone_from(&spec.claim);
-        }
+        // Only the first message (the claim) carries the secret.
+        let probe = self.alloc_request(&spec, Vec::new(), 0, false, spec.claim.clone());
         self.check_channel_room(spec.receiver)?;
         self.stats.begun += 1;
         self.outcomes.remove(&spec.req_id);
@@ -540,7 +535,7 @@ impl SenderFlow {
         let keys = chunks.iter().map(|c| c.key.clone()).collect();
         let last_toks = chunks.last().map_or(0, |c| c.tokens);
         let spec = req.spec.clone();
-        let mut msg = self.alloc_request(&spec, keys, last_toks, is_last);
+        let mut msg = self.alloc_request(&spec, keys, last_toks, is_last, None);
         if let Message::AllocRequest(m) = &mut msg {
             m.chunk_bytes = Some(chunks.iter().map(|c| c.bytes).collect());
         }
@@ -783,6 +778,7 @@ impl SenderFlow {
         keys: Vec<String>,
         last_toks: u64,
         is_last: bool,
+        claim: Option<ClaimSecret>,
     ) -> Message {
         Message::AllocRequest(AllocRequest {
             keys,
@@ -795,7 +791,7 @@ impl SenderFlow {
             total_chunks: spec.total_chunks,
             seq: None, // set when enqueued
             chunk_bytes: None,
-            claim: None,
+            claim,
         })
     }
 }

@@ -22,7 +22,7 @@ impl OpWorld {
             shape: vec![1],
             dtype: "bf16".into(),
             // Every sender proves its request's reservation (under caller placement).
-            claim: Some(super::claim_secret(&req_id)),
+            claim: Some(super::placed::claim_secret(&req_id)),
         };
         if self.sides[s].flow.handle_begin(self.now, spec).is_ok() {
             self.sides[s].requests.push((req_id, total, 0));

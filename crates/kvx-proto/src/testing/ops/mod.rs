@@ -796,10 +796,3 @@ impl OpWorld {
         }
     }
 }
-
-/// The claim secret of request `id`'s reservation, which its sender knows (the world's
-/// application hands it over, as the vLLM router does).
-fn claim_secret(id: &crate::ids::ReqId) -> crate::claim::ClaimSecret {
-    crate::claim::ClaimSecret::new(format!("claim-secret-of-{}", id.0))
-        .expect("invariant: a printable secret of at least 16 bytes")
-}

@@ -95,13 +95,7 @@ impl OpWorld {
         let at = app.free.len() - (total - held) as usize;
         let slots: Vec<SlotIndex> = app.free.drain(at..).rev().collect();
         self.receiver
-            .handle_reserve_held(
-                self.now,
-                &id.0,
-                held,
-                slots.clone(),
-                super::claim_secret(&id),
-            )
+            .handle_reserve_held(self.now, &id.0, held, slots.clone(), claim_secret(&id))
             .unwrap_or_else(|e| panic!("checker: reserving {} {slots:?} refused: {e}", id.0));
         app.reserved.insert(id.clone());
         app.out.insert(id, slots);
@@ -168,4 +162,11 @@ impl OpWorld {
         enc.len(app.reserved.len());
         app.reserved.iter().for_each(|id| enc.str(&id.0));
     }
+}
+
+/// The claim secret of request `id`'s reservation, which its sender knows (the world's
+/// application hands it over, as the vLLM router does).
+pub(super) fn claim_secret(id: &crate::ids::ReqId) -> crate::claim::ClaimSecret {
+    crate::claim::ClaimSecret::new(format!("claim-secret-of-{}", id.0))
+        .expect("invariant: a printable secret of at least 16 bytes")
 }
