@@ -29,7 +29,7 @@ done
 exec cargo mutants --package kvx-proto \
     --file 'crates/kvx-proto/src/admission.rs' \
     --file 'crates/kvx-proto/src/slots.rs' \
-    --file 'crates/kvx-proto/src/proxy.rs' \
+    --file 'crates/kvx-proto/src/proxy/*.rs' \
     --file 'crates/kvx-proto/src/receiver/**' \
     --file 'crates/kvx-proto/src/sender/**' \
     --exclude canon.rs \

@@ -17,9 +17,13 @@
 //! the driver, which logs them. Nothing else tells a forged notice from a real one: the wire
 //! carries no rank and no proof, so the binding is all a proxy can hold a sender to.
 //!
+//! `binding.rs` holds who a notice comes from (`NoticeFrom`) and the binding rules.
+//!
 //! Contract: a driver feeds `handle_expect`, `handle_message` (every decoded notice, with
 //! its sender) and `handle_timeout` (at `poll_timeout`), and after each call drains
 //! `poll_event`; each awaited request ends in exactly one event.
+
+mod binding;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -105,126 +109,8 @@ pub enum ExpectError {
     ProxyGone,
 }
 
-/// Who sent a notice, as the notice channel's transport knows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NoticeFrom {
-    /// The connection it came on: a number the transport gives each connection of one notice
-    /// channel, never twice while it runs (a PUSH that reconnects comes on a new one).
-    pub connection: u64,
-    /// Under CURVE, the principal of the key the connection proved (a keyed hash, as for the
-    /// alloc channel's `Principal`); `None` where nothing authenticates the sender (NULL).
-    pub principal: Option<Principal>,
-}
-
-impl NoticeFrom {
-    /// A notice from `connection`, with no authenticated principal (NULL).
-    pub fn connection(connection: u64) -> Self {
-        Self {
-            connection,
-            principal: None,
-        }
-    }
-}
-
-/// Why a notice was refused: its sender is not one the request is bound to. A refused
-/// notice changes nothing; it is counted (`ProxyTracker::refused_notices`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[non_exhaustive]
-pub enum NoticeRefusal {
-    /// Under CURVE: the request is bound to the key of its first notice, and this one came
-    /// from another.
-    OtherPrincipal,
-    /// A `ProxyNotif` from a connection that has spoken for `ranks_per_connection` ranks of
-    /// the request already: a repeat, not another rank.
-    RankRepeated,
-}
-
-impl NoticeRefusal {
-    /// Every refusal, in the order `kind` labels them.
-    pub const ALL: [NoticeRefusal; 2] =
-        [NoticeRefusal::OtherPrincipal, NoticeRefusal::RankRepeated];
-
-    /// A short name of the refusal: a metric's label.
-    pub fn kind(self) -> &'static str {
-        match self {
-            NoticeRefusal::OtherPrincipal => "other_principal",
-            NoticeRefusal::RankRepeated => "rank_repeated",
-        }
-    }
-}
-
-/// A refused notice, for the driver's log.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refused {
-    /// Why.
-    pub why: NoticeRefusal,
-    /// The request it named.
-    pub req_id: ReqId,
-    /// The principal the request is bound to (`None` without CURVE).
-    pub bound_to: Option<Principal>,
-}
-
-/// Who a request's notices came from: the principal its first notice bound it to, and every
-/// connection that spoke for it with the ranks each counted for. Bounded by the notices
-/// counted (at most `ranks` entries for an awaited request; for a kept one, its entry's bytes
-/// count every connection: `early_bytes`).
-#[derive(Debug, Clone, Default)]
-struct Binding {
-    /// The first notice's principal; meaningful once `connections` is not empty.
-    principal: Option<Principal>,
-    /// (connection, ranks counted from it); a connection that only failed the request counts
-    /// 0 ranks.
-    connections: Vec<(u64, u32)>,
-}
-
-impl Binding {
-    /// Whether a notice from `from` may count (`rank`: a `ProxyNotif`, which counts a rank;
-    /// else a `FailNotif`). A failure needs the right principal only: without CURVE any
-    /// connection may be a rank not heard from yet, and a failure ends the request whoever
-    /// of its ranks says so.
-    fn admits(
-        &self,
-        from: NoticeFrom,
-        rank: bool,
-        per_connection: u32,
-    ) -> Result<(), NoticeRefusal> {
-        if !self.connections.is_empty() && self.principal != from.principal {
-            return Err(NoticeRefusal::OtherPrincipal);
-        }
-        if rank && self.ranks_of(from.connection) >= per_connection {
-            return Err(NoticeRefusal::RankRepeated);
-        }
-        Ok(())
-    }
-
-    /// Records a notice `admits` let through.
-    fn record(&mut self, from: NoticeFrom, rank: bool) {
-        if self.connections.is_empty() {
-            self.principal = from.principal;
-        }
-        let add = u32::from(rank);
-        match self
-            .connections
-            .iter_mut()
-            .find(|(c, _)| *c == from.connection)
-        {
-            Some((_, ranks)) => *ranks = ranks.saturating_add(add),
-            None => self.connections.push((from.connection, add)),
-        }
-    }
-
-    fn ranks_of(&self, connection: u64) -> u32 {
-        self.connections
-            .iter()
-            .find(|(c, _)| *c == connection)
-            .map_or(0, |(_, ranks)| *ranks)
-    }
-
-    /// Ranks counted, over every connection.
-    fn ranks(&self) -> u64 {
-        self.connections.iter().map(|(_, r)| u64::from(*r)).sum()
-    }
-}
+use binding::Binding;
+pub use binding::{NoticeFrom, NoticeRefusal, Refused};
 
 #[derive(Debug, Clone)]
 struct Awaited {
