@@ -123,11 +123,12 @@ def test_lmcaches_own_backend_delivers_a_request_alone(lmcaches_own):
 def test_two_requests_interleaved_on_one_thread_wedge_lmcaches_own_backend(lmcaches_own):
     """LMCache's sender holds the receiver's only channel while the second request waits
     for admission, so the first request's remaining batches cannot go: nothing moves until
-    the admission wait times out. Then the first is delivered, and the second never is:
-    the decode side does not find its chunks, and no failure notice reaches the proxy."""
+    the admission wait times out. The second is never delivered: the decode side does not
+    find its chunks, and no failure notice reaches the proxy. Whether the first gets through
+    after the timeout depends on LMCache's threads' timing (on a quiet machine it does, on a
+    loaded one it can be lost too), so only the second's loss is asserted."""
     case = lmcaches_own["interleaved"]
     assert case["backend"] == "PDBackendAsync"
-    assert case["present"].get("a") is True, case
     assert case["present"].get("b") is not True, case
     assert "b" not in case["failed"], case  # No failure notice.
     assert case["took"] >= case["timeout"], case
