@@ -4,6 +4,7 @@ python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler)
 test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
 test_reasons.py and test_failure_reasons.py (a failed transfer's reason, through the router to its client),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
+test_host_buffer.py (KV through a host buffer, the GPU engines' path, on CPU tensors),
 test_swarm.py (the lifecycle under seeded interleavings and faults) and test_explore.py (the
 same, every interleaving of small worlds) must catch.
 
@@ -23,7 +24,7 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 # The router's tests first: they take seconds, and its variants are caught there.
-TESTS = ["python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+TESTS = ["python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
@@ -31,6 +32,18 @@ TESTS = ["python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/te
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "host-copy-not-awaited": (PKG + "host_buffer.py",
+        "            elif not w.copy.ready():\n                return\n",
+        "",
+        "a layer's writes go before its device-to-host copy completed: they carry the host blocks' old bytes"),
+    "decode-device-copy-skipped": (PKG + "host_buffer.py",
+        "                self.copier.to_device(host, self.device[name], self._block_dim, blocks)\n",
+        "                pass\n",
+        "a received request's blocks stay in the host buffer: the decode engine reads its own old KV"),
+    "host-buffer-blocks-on-first-dim": (PKG + "host_buffer.py",
+        "self._block_dim = 0 if layout.pages_per_block == 1 else 1",
+        "self._block_dim = 0",
+        "K and V apart ([2, num_blocks, ...]): the copies take K or V of other blocks"),
     "router-header-deadline-never": (PKG + "router_guard.py",
         "if c.waiting_since is not None and now - c.waiting_since > self.header_timeout_sec",
         "if c.waiting_since is not None and now - c.waiting_since > self.header_timeout_sec and False",

