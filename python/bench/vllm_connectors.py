@@ -11,6 +11,8 @@ request goes as vLLM's examples send it for that connector.
   ``kv_transfer_params`` then go with the request to the decode engine, streaming.
 - Example: to the prefill engine with one token, then the same prompt to the decode engine,
   which finds the prompt's KV in the shared folder.
+- kvx-host-buffer: as kvx, each engine's KV moved through a host copy of its blocks (the path
+  of GPU engines, ``host_buffer: true``), against kvx in place in the same run.
 - single: one engine without a connector, for reference (its handover reads 0).
 
 Measured per request, at this proxy: the time to first token (request start → the decode
@@ -100,12 +102,15 @@ class Pair:
             proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
 
     def configs(self) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, str], Dict[str, str]]:
-        if self.name == "kvx":
+        if self.name in ("kvx", "kvx-host-buffer"):
             self.alloc, self.fabric = free_port(), free_port()
             base = {"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm"}
-            return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": {}},
+            # kvx-host-buffer: the KV through a host copy of each engine's blocks, the path
+            # of GPU engines (docs/vllm.md, "GPU engines"), on these CPU engines.
+            staged = {"host_buffer": self.name == "kvx-host-buffer"}
+            return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": staged},
                     {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-                        "host": "127.0.0.1", "alloc_port": self.alloc, "fabric_port": self.fabric}}, {}, {})
+                        "host": "127.0.0.1", "alloc_port": self.alloc, "fabric_port": self.fabric, **staged}}, {}, {})
         if self.name == "nixl":
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             side = lambda: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",  # noqa: E731
@@ -117,7 +122,7 @@ class Pair:
             return ({"kv_connector": "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra},
                     {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": extra},
                     {}, {})
-        raise SystemExit(f"unknown connector {self.name!r}: kvx, nixl, example or single")
+        raise SystemExit(f"unknown connector {self.name!r}: kvx, kvx-host-buffer, nixl, example or single")
 
     def request(self, prompt: str, max_tokens: int) -> Tuple[float, float]:
         """One request through the pair: (TTFT, handover) in seconds."""
@@ -127,7 +132,7 @@ class Pair:
         if self.name == "single":
             first = first_token(self.d_port, body)
             return first - start, 0.0
-        if self.name == "kvx":
+        if self.name.startswith("kvx"):
             kvx_id = uuid.uuid4().hex
             secret = params.new_claim_secret()
             done: Dict[str, float] = {}
@@ -197,7 +202,7 @@ def summary(ttft: List[float], handover: List[float]) -> Dict[str, float]:
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--connectors", default="single,kvx,nixl,example",
-                    help="comma-separated: kvx, nixl, example, and single (one engine, no connector: "
+                    help="comma-separated: kvx, kvx-host-buffer, nixl, example, and single (one engine, no connector: "
                          "the reference)")
     ap.add_argument("--requests", type=int, default=40, help="measured requests per connector (default 40)")
     ap.add_argument("--warmup", type=int, default=3, help="requests before measuring (default 3)")
@@ -247,6 +252,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             pair.stop()
         print(f"{name}: {results[name]}", file=sys.stderr)
     kvx = results.get("kvx", {})
+    staged = results.get("kvx-host-buffer", {})
+    if "ttft_p50_ms" in kvx and "ttft_p50_ms" in staged:
+        results["kvx-host-buffer_over_kvx"] = {k: round(staged[k] / kvx[k], 3) for k in staged
+                                               if k.endswith("_ms") and kvx.get(k)}
     for anchor in ("nixl", "example"):
         other = results.get(anchor, {})
         if "ttft_p50_ms" in kvx and "ttft_p50_ms" in other:

@@ -73,6 +73,6 @@ pub use log_limit::LogLimiter;
 pub use region::{ExternalRegion, SlotRegion};
 pub use secret_label::SecretLabel;
 pub use transport::{
-    ClientEvent, ControlClient, ControlServer, Notice, NotifySink, NotifySource, Transport,
-    TransportError, DISCONNECT_ACK,
+    ClientEvent, ControlClient, ControlServer, Inbound, Notice, NotifySink, NotifySource,
+    Transport, TransportError, DISCONNECT_ACK,
 };

@@ -71,11 +71,31 @@ pub enum TransportError {
 /// Who stands behind a connected peer (`kvx_proto::Principal`), as a transport knows it.
 pub type PrincipalOf = Arc<dyn Fn(PeerId) -> Option<Principal> + Send + Sync>;
 
+/// What a `ControlServer` hears, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inbound {
+    /// A payload from `PeerId`.
+    Message(PeerId, Bytes),
+    /// `PeerId`'s last connection closed (the peer went away, or its connection broke and
+    /// no other holds its identity): what it began will not be finished through this
+    /// connection, and its own side has failed it already (a kvx sender fails its requests
+    /// when its control connection breaks: `SenderFlow::handle_receiver_lost`). Anything it
+    /// sends after reconnecting comes after this.
+    Lost(PeerId),
+}
+
+/// Where a `ControlServer`'s inbound traffic comes from: payloads only (a transport that
+/// cannot tell when a peer goes), or payloads and lost peers in one order.
+enum Incoming {
+    Payloads(mpsc::Receiver<(PeerId, Bytes)>),
+    Events(mpsc::Receiver<Inbound>),
+}
+
 /// The receiver's side of the alloc channel (LMCache: a ROUTER bound to the alloc port):
 /// payloads from many senders, each tagged with the sender's `PeerId`, and replies to them.
 pub struct ControlServer {
     local_endpoint: String,
-    incoming: mpsc::Receiver<(PeerId, Bytes)>,
+    incoming: Incoming,
     outgoing: mpsc::Sender<(PeerId, Bytes)>,
     principal_of: Option<PrincipalOf>,
 }
@@ -98,7 +118,22 @@ impl ControlServer {
     ) -> Self {
         Self {
             local_endpoint,
-            incoming,
+            incoming: Incoming::Payloads(incoming),
+            outgoing,
+            principal_of: None,
+        }
+    }
+
+    /// For implementations that know when a peer's last connection closes: payloads and
+    /// lost peers on one channel, in the order they happened (`Inbound`).
+    pub fn with_lost_peers(
+        local_endpoint: String,
+        incoming: mpsc::Receiver<Inbound>,
+        outgoing: mpsc::Sender<(PeerId, Bytes)>,
+    ) -> Self {
+        Self {
+            local_endpoint,
+            incoming: Incoming::Events(incoming),
             outgoing,
             principal_of: None,
         }
@@ -123,8 +158,26 @@ impl ControlServer {
     }
 
     /// The next payload and its sender; None once the transport has shut down. Cancel-safe.
+    /// Lost peers are passed over (`next` reports them).
     pub async fn recv(&mut self) -> Option<(PeerId, Bytes)> {
-        self.incoming.recv().await
+        loop {
+            match self.next().await? {
+                Inbound::Message(peer, payload) => return Some((peer, payload)),
+                Inbound::Lost(_) => continue,
+            }
+        }
+    }
+
+    /// The next payload or lost peer, in the order they happened; None once the transport
+    /// has shut down. Cancel-safe.
+    pub async fn next(&mut self) -> Option<Inbound> {
+        match &mut self.incoming {
+            Incoming::Payloads(rx) => rx
+                .recv()
+                .await
+                .map(|(peer, payload)| Inbound::Message(peer, payload)),
+            Incoming::Events(rx) => rx.recv().await,
+        }
     }
 
     /// Queues a reply to `to`. A peer that is gone loses it silently, as with ZMQ's ROUTER.

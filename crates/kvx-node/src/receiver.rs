@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use kvx_io::{
-    ControlServer, Env, ExternalRegion, Fabric, FabricListener, LogLimiter, SlotMemory, Transport,
+    ControlServer, Env, ExternalRegion, Fabric, FabricListener, Inbound, LogLimiter, SlotMemory,
+    Transport,
 };
 use kvx_proto::receiver::{
     ChunkLayout, ConsumeError, LandedWrite, LandingVerdict, Outcome, PlacementError, ReceiverEvent,
@@ -362,15 +363,22 @@ impl<E: Env> Driver<E> {
                     let now = self.env.now();
                     let _ = self.ledger.handle_consume(now, &key);
                 }
-                msg = self.server.recv() => {
-                    let Some((peer, bytes)) = msg else { return };
-                    // Shares count per principal: who stands behind this peer, as the
-                    // transport knows it (its public key, or its source address).
-                    if let Some(principal) = self.server.principal(peer) {
-                        self.ledger.bind_principal(peer, principal);
+                inbound = self.server.next() => match inbound {
+                    Some(Inbound::Message(peer, bytes)) => {
+                        // Shares count per principal: who stands behind this peer, as the
+                        // transport knows it (its public key, or its source address).
+                        if let Some(principal) = self.server.principal(peer) {
+                            self.ledger.bind_principal(peer, principal);
+                        }
+                        self.on_message(peer, bytes, &replies).await;
                     }
-                    self.on_message(peer, bytes, &replies).await;
-                }
+                    // Its open requests fail now, not after the idle timeout.
+                    Some(Inbound::Lost(peer)) => {
+                        let now = self.env.now();
+                        self.ledger.handle_peer_lost(now, peer);
+                    }
+                    None => return,
+                },
                 cmd = self.cmds.recv() => match cmd {
                     Some(Cmd::Acquire(key, reply)) => {
                         let _ = reply.send(self.ledger.handle_acquire(&key));

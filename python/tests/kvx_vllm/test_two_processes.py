@@ -187,7 +187,9 @@ def test_a_write_corrupted_after_its_checksum_is_a_load_error(engines):
 
 
 def test_a_prefill_engine_that_dies_mid_push_fails_the_load(engines):
-    decode = engines("kv_consumer", idle_timeout_sec=1.0)
+    # With kvx's idle timeout (30 s): the decode engine hears the prefill engine's control
+    # connection close and fails the load at once (well within ``until``'s 15 s).
+    decode = engines("kv_consumer")
     prefill = engines("kv_producer")
     decode.step({"reserve": [["d-k3", "k3", 0, [1, 2, 3], 12]]})
     prefill.until("granted", begin(engines, "k3", 3))

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_io::{ClientEvent, TransportError};
+use kvx_io::{ClientEvent, Inbound, TransportError};
 use kvx_proto::{wire, PeerId};
 use tokio::sync::{mpsc, watch};
 
@@ -87,7 +87,7 @@ async fn up_pipe(
     link: u64,
     epoch: u64,
     mut rx: mpsc::UnboundedReceiver<(Duration, Bytes)>,
-    incoming: mpsc::Sender<(PeerId, Bytes)>,
+    incoming: mpsc::Sender<Inbound>,
     peer: PeerId,
 ) {
     while let Some((at, bytes)) = rx.recv().await {
@@ -105,7 +105,7 @@ async fn up_pipe(
                 w.checker.on_request(now, &server, peer, &client, &msg);
             }
         }
-        if incoming.send((peer, bytes)).await.is_err() {
+        if incoming.send(Inbound::Message(peer, bytes)).await.is_err() {
             return;
         }
     }

@@ -100,7 +100,11 @@ impl Transport for SimTransport {
                 route_reply(&world, &ep, peer, bytes);
             }
         });
-        Ok(ControlServer::new(endpoint.to_owned(), in_rx, out_tx))
+        Ok(ControlServer::with_lost_peers(
+            endpoint.to_owned(),
+            in_rx,
+            out_tx,
+        ))
     }
 
     async fn connect(

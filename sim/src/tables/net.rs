@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_io::Notice;
+use kvx_io::{Inbound, Notice};
 use kvx_proto::PeerId;
 use tokio::sync::{mpsc, watch};
 
@@ -15,7 +15,7 @@ use crate::trace::Trace;
 #[derive(Debug)]
 pub(crate) struct Server {
     pub(crate) node: String,
-    pub(crate) incoming: mpsc::Sender<(PeerId, Bytes)>,
+    pub(crate) incoming: mpsc::Sender<Inbound>,
     pub(crate) peers: BTreeMap<String, PeerId>,
     pub(crate) routes: BTreeMap<PeerId, u64>,
 }
@@ -71,6 +71,10 @@ impl NetState {
         if let Some(server) = self.servers.get_mut(&endpoint) {
             if server.routes.get(&s.peer) == Some(&link) {
                 server.routes.remove(&s.peer);
+                // The server hears that the peer's connection closed, as the ZMQ ROUTER
+                // reports it (`Inbound::Lost`); here at once, which is the earliest a real
+                // one could (a partition closes a TCP connection only at its timeout).
+                let _ = server.incoming.try_send(Inbound::Lost(s.peer));
             }
         }
         trace.record(

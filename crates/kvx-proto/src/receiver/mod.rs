@@ -336,6 +336,30 @@ impl ReceiverLedger {
         }
     }
 
+    /// `peer`'s last control connection closed (`kvx_io::Inbound::Lost`): every request
+    /// of `peer` that is not ready yet fails at once (`Failure::SenderLost`) instead of
+    /// waiting out `request_idle_timeout` or `admission_timeout`, since the sender fails
+    /// them on its side when its connection breaks. A ready request keeps its bytes for the
+    /// decoder: every chunk of it landed and was verified. Its slots are freed as for a
+    /// cancel without a drain confirmation (a write of the lost sender may still be on
+    /// its way: quarantined, or under caller placement its grants revoked).
+    pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) {
+        let first = ReqKey {
+            peer,
+            req_id: ReqId(String::new()),
+        };
+        let open: Vec<ReqKey> = self
+            .requests
+            .range(first..)
+            .take_while(|(k, _)| k.peer == peer)
+            .filter(|(_, r)| !matches!(r.phase, Phase::Ready))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in open {
+            self.fail(now, &key, Failure::SenderLost, false);
+        }
+    }
+
     /// The decoder starts reading ready request `key`: until `handle_consume`, its slots stay
     /// put even if the request is cancelled meanwhile (a read is a lease; freeing the slots
     /// under it would hand the decoder another request's bytes). Returns the slots in chunk

@@ -43,6 +43,10 @@ pub enum Failure {
     Cancelled,
     /// No batch and no landed chunk for `request_idle_timeout`: the sender is presumed dead.
     IdleTimeout,
+    /// The sender's control connection closed before the request was complete
+    /// (`ReceiverLedger::handle_peer_lost`): its process ended or its connection broke, and
+    /// a kvx sender fails its requests on its side when that happens.
+    SenderLost,
     /// Complete but not consumed by the decoder within `unconsumed_ttl`.
     Unconsumed,
     /// The request already ended; a late batch is refused, never admitted afresh.
@@ -188,6 +192,11 @@ impl fmt::Display for Failure {
                 "no chunk of this request landed for {after:?} (stall_timeout) while another \
                  sender waited for the buffer: its reservation was taken back; land chunks \
                  as they are computed, or raise the receiver's stall_timeout"
+            ),
+            Failure::SenderLost => f.write_str(
+                "the sender's control connection closed before the request was complete (its \
+                 process ended, or the connection broke): it fails the request on its side too; \
+                 retry it",
             ),
             Failure::AlreadyClaimed => f.write_str(
                 "another sender connection already claimed this request id: a reservation is \

@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvx_io::transport::{ControlServer, Notice, NotifySource, TransportError, CHANNEL_DEPTH};
+use kvx_io::transport::{
+    ControlServer, Inbound, Notice, NotifySource, TransportError, CHANNEL_DEPTH,
+};
 use kvx_io::{ConnectionBudget, Evicted, Held};
 use kvx_proto::proxy::NoticeFrom;
 use kvx_proto::PeerId;
@@ -328,7 +330,7 @@ pub(super) async fn serve(
         },
     ));
     tracing::debug!(endpoint = %local, "ROUTER bound");
-    Ok(ControlServer::new(local, in_rx, out_tx)
+    Ok(ControlServer::with_lost_peers(local, in_rx, out_tx)
         .with_principals(Arc::new(move |peer| principals.principal(peer))))
 }
 
@@ -336,7 +338,7 @@ pub(super) async fn serve(
 async fn router_conn(
     shared: Arc<Shared>,
     routes: SharedRoutes,
-    (incoming, budget, large): (mpsc::Sender<(PeerId, Bytes)>, InboundBudget, InboundBudget),
+    (incoming, budget, large): (mpsc::Sender<Inbound>, InboundBudget, InboundBudget),
     stream: TcpStream,
     held: Arc<Held>,
 ) {
@@ -400,6 +402,8 @@ async fn router_conn(
         queue,
     )));
     let max = shared.config.frame_max_bytes;
+    // The `PeerId` this connection's messages went under, once one did.
+    let mut spoke: Option<PeerId> = None;
     loop {
         let next = tokio::select! {
             () = incoming.closed() => break,
@@ -421,13 +425,27 @@ async fn router_conn(
                 // Its bytes are in the inbound budget now: their share of the unfinished
                 // one goes back.
                 reader.release_reserved();
-                if incoming.send((peer, payload)).await.is_err() {
+                spoke = Some(peer);
+                if incoming
+                    .send(Inbound::Message(peer, payload))
+                    .await
+                    .is_err()
+                {
                     break;
                 }
             }
             Err(reject) => shared.rejected("ROUTER", &reject),
         }
         reader.release_reserved();
+    }
+    // The peer's last connection is gone (this one held its identity: no other could
+    // connect under it). Said before the identity is released, so that whatever it sends
+    // after reconnecting comes after; only for a peer that said anything (nothing of a
+    // silent one can be open); bounded, since a receiver that stopped reading has closed
+    // its channel or is shutting down.
+    if let Some(peer) = spoke {
+        let lost = incoming.send(Inbound::Lost(peer));
+        let _ = tokio::time::timeout(shared.config.send_timeout, lost).await;
     }
     lock(&routes).release(&identity, conn);
     shared.peers().released(&identity);
