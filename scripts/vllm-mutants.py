@@ -32,6 +32,22 @@ TESTS = ["python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/tes
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "router-dead-engine-kept": (PKG + "router_pool.py",
+        "            slot.down_since = time.monotonic()\n",
+        "            pass\n",
+        "an engine whose connection failed keeps getting new requests, each failing in turn"),
+    "router-down-for-ever": (PKG + "router.py",
+        "                        pool.mark_up(slot)\n",
+        "                        pass\n",
+        "an engine marked down never takes requests again, though its /health answers"),
+    "router-prefill-not-retried": (PKG + "router.py",
+        "                errors.append(f\"{url}: {e!r}\")\n                continue\n",
+        "                errors.append(f\"{url}: {e!r}\")\n                return None\n",
+        "a prefill engine that cannot be connected to costs the request, though another is up"),
+    "router-stream-cut-bare": (PKG + "router.py",
+        "                if not streamed:\n                    raise\n",
+        "                raise\n",
+        "a decode engine that dies mid-stream cuts the client's stream without an error event or [DONE]"),
     "host-copy-not-awaited": (PKG + "host_buffer.py",
         "            elif not w.copy.ready():\n                return\n",
         "",

@@ -19,6 +19,12 @@ log it. Any other failed prefill request is logged and counted; the decode engin
 then fails its load after ``claim_timeout_sec`` and vLLM's ``kv_load_failure_policy`` applies
 (``fail``, or ``recompute`` on the decode engine itself).
 
+An engine whose connection fails or breaks is down (``router_pool.py``): it gets no new
+request until its ``/health`` answers, a prefill engine that cannot be connected to is passed
+over for the next one within the request, and with none of a kind up a request is a 503 at
+once. A decode engine that dies mid-stream ends the client's stream with an error event and
+``[DONE]``.
+
 Engines are chosen by fewest requests in flight, in turn among equals. ``GET /v1/models``
 is the first decode engine's; ``GET /health`` answers while the router runs; ``GET
 /kvx/stats`` counts requests, failures, refusals and open connections. Connections, request
@@ -32,19 +38,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import signal
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Generic, List, Optional, Sequence, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvx.vllm import params
 from kvx.vllm.reasons import ERROR
 from kvx.vllm.router_config import DecodeEngine, PrefillEngine, RouterConfig, RouterConfigError, load
 from kvx.vllm.router_guard import ConnectionGuard, Refused, authorized, raise_open_files_limit, read_json
+from kvx.vllm.router_pool import EnginePool, Slot
 
 try:
     import aiohttp
@@ -70,37 +76,22 @@ PREFILL_REASON_WAIT_SEC = 10.0
 #: error from an answer: an error's body, or a stream's first event.
 FIRST_PART_MAX = 64 * 1024
 
-E = TypeVar("E")
+#: How long one ``/health`` probe of a down engine may take.
+PROBE_TIMEOUT_SEC = 1.0
+
+#: Errors that say an engine's connection failed or broke (its process died, restarted, or
+#: was never there): the engine is marked down. A timeout is not one (it may only be busy).
+ENGINE_LOST = ((aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+               if aiohttp is not None else ())
 
 
 @dataclass
-class _Slot(Generic[E]):
-    engine: E
-    in_flight: int = 0
-    last_pick: int = 0
+class PushFailed:
+    """Why a request's push never began (the prefill engine said, or no prefill engine could
+    be reached); ``retryable``: the same request may succeed when sent again (503)."""
 
-
-class EnginePool(Generic[E]):
-    """Engines of one kind; ``take`` chooses the one with the fewest requests in flight, the
-    least recently chosen among equals, and counts the request until ``done``."""
-
-    def __init__(self, engines: Sequence[E]) -> None:
-        self._slots = [_Slot(e) for e in engines]
-        self._picks = itertools.count(1)
-
-    def take(self) -> _Slot[E]:
-        slot = min(self._slots, key=lambda s: (s.in_flight, s.last_pick))
-        slot.in_flight += 1
-        slot.last_pick = next(self._picks)
-        return slot
-
-    @staticmethod
-    def done(slot: _Slot[E]) -> None:
-        slot.in_flight -= 1
-
-    def in_flight(self) -> List[int]:
-        return [s.in_flight for s in self._slots]
-
+    reason: str
+    retryable: bool = False
 
 def new_kvx_id() -> str:
     """A kvx request id no other request has (well under ``params.REQUEST_ID_BYTES_MAX``)."""
@@ -197,6 +188,9 @@ class Router:
             "transfer_failed": 0,
             "decode_failed": 0,
             "decode_unreachable": 0,
+            "decode_broke_off": 0,
+            "no_engine_up": 0,
+            "engines_marked_down": 0,
             "client_gone": 0,
             "unauthorized": 0,
             "bodies_refused": 0,
@@ -260,9 +254,10 @@ class Router:
             sock=sock,
         )
         await site.start()
-        sweeper = asyncio.create_task(self.guard.sweep())
-        self._background.add(sweeper)
-        sweeper.add_done_callback(self._background.discard)
+        for loop in (self.guard.sweep(), self._probe_down_engines()):
+            task = asyncio.create_task(loop)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return runner
 
     async def close(self) -> None:
@@ -283,6 +278,8 @@ class Router:
                 self.stats, **self.guard.counts,
                 connections=self.guard.open_connections(),
                 prefill_in_flight=self.prefill.in_flight(), decode_in_flight=self.decode.in_flight(),
+                prefill_down={s.engine.url: s.why_down for s in self.prefill.down()},
+                decode_down={s.engine.url: s.why_down for s in self.decode.down()},
             )
         )
 
@@ -313,33 +310,38 @@ class Router:
         # the decode engine's reservation (the id alone claims nothing). Never logged.
         claim_secret = params.new_claim_secret()
         path = request.path
-        decode, prefill = self.decode.take(), self.prefill.take()
+        decode = self.decode.take()
+        if decode is None or self.prefill.up_count() == 0:
+            if decode is not None:
+                self.decode.done(decode)
+            return self._none_up("decode" if decode is None else "prefill", self.decode if decode is None else self.prefill)
         prefill_task = asyncio.create_task(
-            self._prefill(
-                prefill, path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id
-            )
+            self._prefill(path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id)
         )
         decode_task = asyncio.create_task(
-            self._open_decode(decode.engine, path, decode_body(body, kvx_id, claim_secret), kvx_id)
+            self._open_decode(decode, path, decode_body(body, kvx_id, claim_secret), kvx_id)
         )
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-            reason = _result(prefill_task)
-            if reason is not None and not decode_task.done():
+            failed = _result(prefill_task)
+            if failed is not None and not decode_task.done():
                 # The push never began: the decode engine's request could only wait for a
                 # claim that never comes. Closed, it is aborted and its reservation withdrawn.
                 decode_task.cancel()
                 await asyncio.gather(decode_task, return_exceptions=True)
-                return _error(502, f"the KV transfer failed: {reason} (kvx request {kvx_id})", "kv_transfer_failed")
+                return _error(503 if failed.retryable else 502,
+                              f"the KV transfer failed: {failed.reason} (kvx request {kvx_id})", "kv_transfer_failed")
             opened = await decode_task
             if opened is None:
                 # No decode engine holds the request: a push could only wait for a
-                # reservation that never comes.
+                # reservation that never comes. Retryable: the engine is down now, and the
+                # next request goes elsewhere.
                 prefill_task.cancel()
-                return _error(502, f"decode engine {decode.engine.url} unreachable", "upstream_unreachable")
+                return _error(503, f"decode engine {decode.engine.url} unreachable (kvx request {kvx_id})",
+                              "upstream_unreachable")
             if opened.error is not None:
                 return await self._decode_failed(opened, decode.engine, prefill_task, kvx_id)
-            return await self._relay(request, opened)
+            return await self._relay(request, opened, decode)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
             # connection closed): vLLM aborts both requests once their connections close.
@@ -355,18 +357,58 @@ class Router:
                 self._background.add(prefill_task)
                 prefill_task.add_done_callback(self._background.discard)
 
+    def _none_up(self, kind: str, pool: "EnginePool[Any]") -> "web.Response":
+        """No engine of ``kind`` is up: 503 at once, saying why each is down (retryable: the
+        router probes them, and sends again as soon as one answers)."""
+        self.stats["no_engine_up"] += 1
+        why = "; ".join(f"{s.engine.url}: {s.why_down}" for s in pool.down())
+        return _error(503, f"no {kind} engine is up ({why}); retry shortly", "no_engine_up")
+
+    def _mark_down(self, kind: str, slot: Slot[Any], error: BaseException) -> None:
+        """``slot``'s engine failed a connection: no new request goes to it until its
+        ``/health`` answers (``_probe_down_engines``)."""
+        pool = self.decode if kind == "decode" else self.prefill
+        if pool.mark_down(slot, repr(error)):
+            self.stats["engines_marked_down"] += 1
+            logger.warning("%s engine %s is down (%r): no new requests until its /health answers",
+                           kind, slot.engine.url, error)
+
+    async def _probe_down_engines(self) -> None:
+        """Every ``health_interval_sec``, asks each down engine's ``/health``; one that
+        answers 200 takes requests again."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_sec)
+            for kind, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                for slot in pool.down():
+                    if await self._healthy(slot.engine.url):
+                        pool.mark_up(slot)
+                        logger.info("%s engine %s answers its /health again: it takes requests", kind,
+                                    slot.engine.url)
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            session = await self._client()
+            timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_SEC, self.config.health_interval_sec))
+            async with session.get(url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
     async def _open_decode(
-        self, decode: DecodeEngine, path: str, body: Dict[str, Any], kvx_id: str
+        self, slot: Slot[DecodeEngine], path: str, body: Dict[str, Any], kvx_id: str
     ) -> Optional[_Opened]:
         """Sends the request to the decode engine and reads the start of its answer (enough
         to tell an error before any output from an answer); None when the engine cannot be
-        reached."""
+        reached (it is marked down)."""
+        decode = slot.engine
         session = await self._client()
         try:
             upstream = await session.post(decode.url + path, json=body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.stats["decode_unreachable"] += 1
             logger.warning("kvx %s: decode engine %s unreachable: %r", kvx_id, decode.url, e)
+            if isinstance(e, ENGINE_LOST):
+                self._mark_down("decode", slot, e)
             return None
         try:
             if upstream.status >= 500:
@@ -383,23 +425,38 @@ class Router:
             return _Opened(upstream, first, _stream_error(first))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             upstream.close()
+            if isinstance(e, ENGINE_LOST):
+                self._mark_down("decode", slot, e)
             return _Opened(upstream, b"", {"message": f"its answer broke off before any output: {e!r}"})
         except BaseException:
             # Closed, not given back to the pool: vLLM sees the connection go and aborts.
             upstream.close()
             raise
 
-    async def _relay(self, request: "web.Request", opened: _Opened) -> "web.StreamResponse":
-        """Streams the decode engine's answer to the client as it comes."""
+    async def _relay(self, request: "web.Request", opened: _Opened, slot: Slot[DecodeEngine]) -> "web.StreamResponse":
+        """Streams the decode engine's answer to the client as it comes. When the decode
+        engine's connection breaks mid-answer (it died), a stream ends with an error event in
+        OpenAI's shape and ``[DONE]``, never a bare cut; the engine is marked down."""
         upstream = opened.upstream
+        streamed = upstream.content_type == "text/event-stream"
         try:
             response = web.StreamResponse(status=upstream.status)
             response.content_type = upstream.content_type
             await response.prepare(request)
             if opened.first:
                 await response.write(opened.first)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, *ENGINE_LOST) as e:
+                self.stats["decode_broke_off"] += 1
+                self._mark_down("decode", slot, e)
+                upstream.close()
+                if not streamed:
+                    raise
+                error = {"error": {"message": f"decode engine {slot.engine.url} broke off its answer: {e!r}",
+                                   "type": "upstream_broke_off", "code": 502}}
+                await response.write(b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
             await response.write_eof()
         except BaseException:
             # Closed, not given back to the pool: vLLM sees the connection go and aborts.
@@ -419,11 +476,12 @@ class Router:
         said = str(opened.error.get("message") or "no message") if opened.error else "no message"
         if not prefill_task.done():
             await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_WAIT_SEC)
-        reason = _result(prefill_task)
+        failed = _result(prefill_task)
         logger.warning("kvx %s: decode engine %s failed the request: %s", kvx_id, decode.url, said)
-        if reason is not None:
+        if failed is not None:
             return _error(
-                502, f"the KV transfer failed: {reason} (kvx request {kvx_id}; the decode engine answered: {said})",
+                503 if failed.retryable else 502,
+                f"the KV transfer failed: {failed.reason} (kvx request {kvx_id}; the decode engine answered: {said})",
                 "kv_transfer_failed",
             )
         return _error(
@@ -431,37 +489,58 @@ class Router:
             "engines log why a KV transfer failed under this id)", "upstream_error",
         )
 
-    async def _prefill(
-        self, slot: _Slot[PrefillEngine], path: str, body: Dict[str, Any], kvx_id: str
-    ) -> Optional[str]:
-        """Sends the prefill request; why its push never began, when its answer says so."""
-        url = slot.engine.url
-        try:
-            session = await self._client()
-            async with session.post(url + path, json=body) as up:
-                text = await up.read()
-                if up.status != 200:
-                    self.stats["prefill_failed"] += 1
-                    logger.warning(
-                        "kvx %s: prefill engine %s answered %d: %s", kvx_id, url, up.status,
-                        text[:300].decode(errors="replace"),
-                    )
+    async def _prefill(self, path: str, body: Dict[str, Any], kvx_id: str) -> Optional[PushFailed]:
+        """Sends the prefill request to an up prefill engine; why its push never began,
+        when its answer says so. An engine that cannot be connected to never got the
+        request: it is marked down and the next up one is tried (the decode engine's
+        reservation waits for whichever claims it); when none can be reached, that is the
+        (retryable) reason. An engine whose connection breaks after it got the request may
+        have claimed the reservation: not retried (the decode engine's receiver fails the
+        load when the engine's kvx connection closes)."""
+        tried: List[Slot[PrefillEngine]] = []
+        errors: List[str] = []
+        while True:
+            slot = self.prefill.take(avoid=tried)
+            if slot is None:
+                if not errors:
+                    return PushFailed("no prefill engine is up", retryable=True)
+                return PushFailed("no prefill engine could be reached (" + "; ".join(errors) + ")", retryable=True)
+            tried.append(slot)
+            url = slot.engine.url
+            try:
+                session = await self._client()
+                async with session.post(url + path, json=body) as up:
+                    text = await up.read()
+                    if up.status != 200:
+                        self.stats["prefill_failed"] += 1
+                        logger.warning(
+                            "kvx %s: prefill engine %s answered %d: %s", kvx_id, url, up.status,
+                            text[:300].decode(errors="replace"),
+                        )
+                        return None
+                    reason = transfer_error(text)
+                    if reason is not None:
+                        self.stats["transfer_failed"] += 1
+                        logger.warning("kvx %s: prefill engine %s could not push its KV: %s", kvx_id, url, reason)
+                        return PushFailed(reason)
                     return None
-                reason = transfer_error(text)
-                if reason is not None:
-                    self.stats["transfer_failed"] += 1
-                    logger.warning("kvx %s: prefill engine %s could not push its KV: %s", kvx_id, url, reason)
-                return reason
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.stats["prefill_failed"] += 1
-            logger.warning("kvx %s: prefill engine %s: %r", kvx_id, url, e)
-            return None
-        finally:
-            self.prefill.done(slot)
+            except aiohttp.ClientConnectorError as e:
+                self.stats["prefill_failed"] += 1
+                self._mark_down("prefill", slot, e)
+                errors.append(f"{url}: {e!r}")
+                continue
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.stats["prefill_failed"] += 1
+                logger.warning("kvx %s: prefill engine %s: %r", kvx_id, url, e)
+                if isinstance(e, ENGINE_LOST):
+                    self._mark_down("prefill", slot, e)
+                return None
+            finally:
+                self.prefill.done(slot)
 
 
-def _result(task: "asyncio.Task") -> Optional[str]:
-    """A finished prefill task's reason, else None (running, cancelled or failed)."""
+def _result(task: "asyncio.Task") -> Optional[PushFailed]:
+    """A finished prefill task's failure, else None (running, cancelled or failed)."""
     if not task.done() or task.cancelled() or task.exception() is not None:
         return None
     return task.result()

@@ -13,6 +13,7 @@ to write instead, and an unknown key is refused with the list of known ones.
         kvx_alloc: [tcp://10.0.0.2:8400]      # one per decode TP rank
         kvx_fabric: [tcp://10.0.0.2:8300]
     request_timeout_sec: 600                  # optional: one request, end to end
+    health_interval_sec: 1                    # optional: how often a down engine is probed
     # Optional, what lets it face a network (router_guard.py), with their defaults:
     max_body_bytes: 4194304                   # a request body, at most (413 past it)
     header_timeout_sec: 10                    # to send a request's headers
@@ -38,7 +39,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 TOP_KEYS = (
-    "listen", "prefill", "decode", "request_timeout_sec", "max_body_bytes", "header_timeout_sec",
+    "listen", "prefill", "decode", "request_timeout_sec", "health_interval_sec", "max_body_bytes", "header_timeout_sec",
     "body_timeout_sec", "max_connections", "max_connections_per_client", "api_key", "tls_cert", "tls_key",
 )
 PREFILL_KEYS = ("url",)
@@ -46,6 +47,8 @@ DECODE_KEYS = ("url", "kvx_alloc", "kvx_fabric")
 
 #: How long one request may take end to end when the configuration does not say.
 DEFAULT_REQUEST_TIMEOUT_SEC = 600.0
+#: How often the router asks a down engine's ``/health`` (``router_pool``).
+DEFAULT_HEALTH_INTERVAL_SEC = 1.0
 #: A request body's bound: the 4 MiB that vLLM's own server buffers for one incomplete HTTP
 #: event by default (``--h11-max-incomplete-event-size``); a 128k-token prompt is about 1 MB.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -87,6 +90,7 @@ class RouterConfig:
     prefill: Tuple[PrefillEngine, ...]
     decode: Tuple[DecodeEngine, ...]
     request_timeout_sec: float = DEFAULT_REQUEST_TIMEOUT_SEC
+    health_interval_sec: float = DEFAULT_HEALTH_INTERVAL_SEC
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_sec: float = DEFAULT_HEADER_TIMEOUT_SEC
     body_timeout_sec: float = DEFAULT_BODY_TIMEOUT_SEC
@@ -215,6 +219,7 @@ def config_from(raw: Any) -> RouterConfig:
     return RouterConfig(
         host, port, tuple(prefill), tuple(decode),
         request_timeout_sec=_seconds(raw, "request_timeout_sec", DEFAULT_REQUEST_TIMEOUT_SEC),
+        health_interval_sec=_seconds(raw, "health_interval_sec", DEFAULT_HEALTH_INTERVAL_SEC),
         max_body_bytes=_count(raw, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
         header_timeout_sec=_seconds(raw, "header_timeout_sec", DEFAULT_HEADER_TIMEOUT_SEC),
         body_timeout_sec=_seconds(raw, "body_timeout_sec", DEFAULT_BODY_TIMEOUT_SEC),

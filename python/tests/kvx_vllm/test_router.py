@@ -27,12 +27,13 @@ DECODE_FABRIC = ["tcp://127.0.0.1:8300", "tcp://127.0.0.1:8301"]
 BOUND = 10.0
 
 
-async def serve(app: web.Application) -> Tuple[web.AppRunner, str]:
-    """Serves ``app`` on a loopback port of its own; its URL."""
+async def serve(app: web.Application, port: int = 0) -> Tuple[web.AppRunner, str]:
+    """Serves ``app`` on a loopback port of its own (``port``, or one the OS picks); its URL."""
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     site = web.SockSite(runner, sock)
     await site.start()
     return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -80,12 +81,18 @@ class FakeEngine:
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": f"{self.name}-model"}]})
 
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
     async def start(self) -> "FakeEngine":
+        """Serves on a port of its own; again on the same one after ``stop`` (a restart)."""
         app = web.Application()
         app.router.add_post("/v1/completions", self.completion)
         app.router.add_post("/v1/chat/completions", self.completion)
         app.router.add_get("/v1/models", self.models)
-        self.runner, self.url = await serve(app)
+        app.router.add_get("/health", self.health)
+        port = int(self.url.rsplit(":", 1)[1]) if self.url else 0
+        self.runner, self.url = await serve(app, port)
         return self
 
     async def stop(self) -> None:
@@ -107,18 +114,23 @@ def router_config(prefill: List[FakeEngine], decode: List[FakeEngine], **extra: 
 class Rig:
     """A router in front of fake engines, all on this event loop."""
 
-    def __init__(self, prefill: List[FakeEngine], decode: List[FakeEngine]) -> None:
-        self.prefill, self.decode = prefill, decode
+    def __init__(self, prefill: List[FakeEngine], decode: List[FakeEngine], **config: Any) -> None:
+        self.prefill, self.decode, self.config = prefill, decode, config
 
     async def __aenter__(self) -> "Rig":
         for e in self.prefill + self.decode:
             await e.start()
-        self.router = Router(router_config(self.prefill, self.decode))
+        self.router = Router(router_config(self.prefill, self.decode, **self.config))
+        if self.config.get("health_interval_sec"):
+            # What Router.start runs beside the server: the probes of down engines.
+            self.probes = asyncio.create_task(self.router._probe_down_engines())
         self.runner, self.url = await serve(self.router.app())
         self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND))
         return self
 
     async def __aexit__(self, *_exc: Any) -> None:
+        if hasattr(self, "probes"):
+            self.probes.cancel()
         await self.client.close()
         await self.runner.cleanup()
         for e in self.prefill + self.decode:
@@ -233,13 +245,13 @@ def test_kv_transfer_params_from_the_client_are_refused():
     run(go())
 
 
-def test_an_unreachable_decode_engine_is_a_502_and_its_prefill_is_withdrawn():
+def test_an_unreachable_decode_engine_is_a_503_and_its_prefill_is_withdrawn():
     async def go():
         gone = FakeEngine("d")
         async with Rig([FakeEngine("p", delay=BOUND)], [gone]) as rig:
             await gone.stop()
             async with rig.client.post(rig.url + "/v1/completions", json={"prompt": "x"}) as r:
-                assert r.status == 502
+                assert r.status == 503, "retryable"
                 err = (await r.json())["error"]
                 assert err["type"] == "upstream_unreachable" and gone.url in err["message"]
             # Withdrawn before it was sent, or aborted once there: never left running.
@@ -373,5 +385,101 @@ def test_a_decode_answer_that_breaks_off_before_any_output_is_a_502_in_openai_sh
                 assert err["type"] == "upstream_error" and "broke off" in err["message"], err
                 assert "kvx request kvx-" in err["message"]
             assert rig.router.stats["decode_failed"] == 1
+
+    run(go())
+
+
+async def post_status(rig: Rig, request: Optional[Dict[str, Any]] = None) -> Tuple[int, bytes]:
+    async with rig.client.post(rig.url + "/v1/completions", json=request or {"prompt": "x"}) as r:
+        return r.status, await r.read()
+
+
+def test_a_dead_decode_engine_gets_no_new_requests_until_its_health_answers_again():
+    async def go():
+        dead, live = FakeEngine("d0"), FakeEngine("d1")
+        async with Rig([FakeEngine("p")], [dead, live], health_interval_sec=0.1) as rig:
+            await dead.stop()
+            statuses = [(await post_status(rig))[0] for _ in range(6)]
+            # At most the first request met the dead engine (a retryable 503); it is down
+            # from then on, and every later request goes to the live one.
+            assert statuses.count(503) <= 1 and statuses[1:] == [200] * 5, statuses
+            assert len(live.bodies) >= 5
+            async with rig.client.get(rig.url + "/kvx/stats") as r:
+                stats = await r.json()
+            assert list(stats["decode_down"]) == [dead.url], stats
+            # Restarted on the same port: its /health answers, and it takes requests again.
+            await dead.start()
+            await until(lambda: not rig.router.decode.down(), "the restarted engine is up again")
+            before = len(dead.bodies)
+            for _ in range(4):
+                assert (await post_status(rig))[0] == 200
+            assert len(dead.bodies) > before, "the restarted engine takes requests"
+
+    run(go())
+
+
+def test_a_dead_prefill_engine_is_passed_over_for_a_live_one_within_the_request():
+    async def go():
+        dead, live = FakeEngine("p0"), FakeEngine("p1")
+        async with Rig([dead, live], [FakeEngine("d")], health_interval_sec=0.1) as rig:
+            await dead.stop()
+            for _ in range(4):
+                status, body = await post_status(rig)
+                assert status == 200, body
+            await until(lambda: len(live.bodies) == 4, "every push went through the live prefill engine")
+            assert [s.engine.url for s in rig.router.prefill.down()] == [dead.url]
+
+    run(go())
+
+
+def test_with_no_prefill_engine_up_a_request_is_a_503_at_once_and_the_decode_engine_is_spared():
+    async def go():
+        dead = FakeEngine("p")
+        decode = FakeEngine("d", delay=BOUND)
+        async with Rig([dead], [decode], health_interval_sec=0.1) as rig:
+            await dead.stop()
+            started = time.monotonic()
+            status, body = await post_status(rig)
+            assert status == 503, body
+            err = json.loads(body)["error"]
+            assert err["type"] == "kv_transfer_failed" and "no prefill engine could be reached" in err["message"], err
+            # The next one is refused before any engine is asked.
+            status, body = await post_status(rig)
+            assert status == 503 and json.loads(body)["error"]["type"] == "no_engine_up", body
+            assert time.monotonic() - started < BOUND / 2, "at once, not after the decode engine's answer"
+            await until(lambda: rig.router.decode.in_flight() == [0], "the decode request ended")
+            await asyncio.sleep(0.2)
+            assert len(decode.bodies) == len(decode.aborted) <= 1, "never left running"
+
+    run(go())
+
+
+class DyingEngine(FakeEngine):
+    """A decode engine that streams one event, then dies (its connection cut mid-answer)."""
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        await response.write(self.events()[0])
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return response
+
+
+def test_a_decode_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event_and_done():
+    async def go():
+        dying = DyingEngine("d")
+        async with Rig([FakeEngine("p")], [dying]) as rig:
+            status, got = await post_status(rig, {"prompt": "x", "stream": True})
+            assert status == 200
+            assert got.startswith(dying.events()[0]), got
+            events = [e for e in got.split(b"\n\n") if e.startswith(b"data: ")]
+            assert events[-1] == b"data: [DONE]", got
+            error = json.loads(events[-2][len(b"data: "):])["error"]
+            assert error["type"] == "upstream_broke_off" and dying.url in error["message"], error
+            assert rig.router.stats["decode_broke_off"] == 1
+            assert [s.engine.url for s in rig.router.decode.down()] == [dying.url]
 
     run(go())

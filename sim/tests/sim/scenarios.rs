@@ -292,38 +292,20 @@ fn no_proxy_notif_after_a_failed_transfer() {
     );
 }
 
-/// A sender dies mid-request: its reservation is reclaimed (LMCache leaks it forever, W4),
-/// at the stall time since another sender waits, and that sender's request then gets the
-/// buffer.
+/// A sender dies mid-request: its control connection closes, and the receiver fails its
+/// request at once (`Failure::SenderLost`; LMCache leaks it forever, W4), so the sender that
+/// waits gets the buffer long before the stall time.
 #[test]
-fn dead_sender_reservation_is_reclaimed() {
-    let mut dies = plan("dies", 0, 8, 2);
-    dies.fault_free = false;
-    let mut cfg = SimConfig::new(2, 1, 10, 8)
-        .with(dies)
-        .with(at("waits", 1, 8, 2, 21 * MS));
-    cfg.prefill_chunk_time = MS;
-    let crash = Fault::Crash {
+fn dead_sender_reservation_is_reclaimed_at_once() {
+    let (cfg, stall, idle) = one_dies_one_waits(Fault::Crash {
         node: "p0r0".into(),
         lasts: 30_000 * MS,
-    };
-    cfg.faults = vec![FaultEvent {
-        at: 25 * MS,
-        fault: crash,
-    }];
-    cfg.heal_at = 30_100 * MS;
-    let receiver = &cfg.decode[0].receiver;
-    let (idle, stall) = (receiver.request_idle_timeout, receiver.stall_timeout);
-    assert!(
-        stall < idle,
-        "the stall rule acts first while another sender waits"
-    );
+    });
     let r = passes(cfg);
-    // Another sender waits: the dead sender's reservation, landing nothing, is taken back
-    // at the stall time (docs/spec/protocol.md §Stalls), before its idle lease ends.
     let end = rec(&r, "dies").ranks[0].receiver_end.clone();
     assert!(
-        end.as_deref().is_some_and(|e| e.contains("stall_timeout")),
+        end.as_deref()
+            .is_some_and(|e| e.contains("control connection closed")),
         "{end:?}"
     );
     assert!(
@@ -333,9 +315,54 @@ fn dead_sender_reservation_is_reclaimed() {
     assert!(delivered(&r, "waits"));
     let waited = rec(&r, "waits").ranks[0].admitted_at.unwrap_or_default();
     assert!(
-        waited >= stall && waited < idle,
-        "admitted once the dead sender's request stalled: {waited:?}"
+        waited < stall.min(idle),
+        "admitted once the dead sender's connection closed: {waited:?}"
     );
+}
+
+/// A sender hangs mid-request (its connections stay up): its reservation is reclaimed at
+/// the stall time since another sender waits, and that sender's request then gets the
+/// buffer.
+#[test]
+fn hung_sender_reservation_is_reclaimed_at_the_stall_time() {
+    let (cfg, stall, idle) = one_dies_one_waits(Fault::Pause {
+        node: "p0r0".into(),
+        lasts: 30_000 * MS,
+    });
+    let r = passes(cfg);
+    // Another sender waits: the hung sender's reservation, landing nothing, is taken back
+    // at the stall time (docs/spec/protocol.md §Stalls), before its idle lease ends.
+    let end = rec(&r, "dies").ranks[0].receiver_end.clone();
+    assert!(
+        end.as_deref().is_some_and(|e| e.contains("stall_timeout")),
+        "{end:?}"
+    );
+    assert!(delivered(&r, "waits"));
+    let waited = rec(&r, "waits").ranks[0].admitted_at.unwrap_or_default();
+    assert!(
+        waited >= stall && waited < idle,
+        "admitted once the hung sender's request stalled: {waited:?}"
+    );
+}
+
+/// Sender "dies" (8 chunks into a buffer of 10) meets `fault` at 25 ms; "waits" (8 chunks)
+/// comes at 21 ms from another sender. The configuration, the stall time and the idle lease.
+fn one_dies_one_waits(fault: Fault) -> (SimConfig, Duration, Duration) {
+    let mut dies = plan("dies", 0, 8, 2);
+    dies.fault_free = false;
+    let mut cfg = SimConfig::new(2, 1, 10, 8)
+        .with(dies)
+        .with(at("waits", 1, 8, 2, 21 * MS));
+    cfg.prefill_chunk_time = MS;
+    cfg.faults = vec![FaultEvent { at: 25 * MS, fault }];
+    cfg.heal_at = 30_100 * MS;
+    let receiver = &cfg.decode[0].receiver;
+    let (idle, stall) = (receiver.request_idle_timeout, receiver.stall_timeout);
+    assert!(
+        stall < idle,
+        "the stall rule acts first while another sender waits"
+    );
+    (cfg, stall, idle)
 }
 
 /// Requests the decoder never consumes are released after their TTL (LMCache counts their
