@@ -8,7 +8,7 @@ mod placement;
 use placement::*;
 
 use kvx_proto::receiver::{Failure, Outcome, ReceiverEvent, ReceiverLedger};
-use kvx_proto::{Placement, ReceiverConfig, SlotIndex};
+use kvx_proto::{ReceiverConfig, SlotIndex};
 
 fn ended_by(evs: &[ReceiverEvent], id: &str) -> Option<Outcome> {
     evs.iter().find_map(|e| match e {
@@ -145,5 +145,4 @@ fn a_peer_with_nothing_open_changes_nothing() {
     l.check_invariants();
     assert!(events(&mut l).is_empty());
     assert!(l.is_quiescent());
-    let _ = Placement::Caller;
 }

@@ -1,6 +1,9 @@
-//! What the caller-placement ledger tests share (`ledger_placement.rs`): a caller-placement
-//! ledger, a kvx sender's batches carrying their reservation's claim secret, and readers of
-//! its replies and events.
+//! What the caller-placement ledger tests share (`ledger_placement.rs`, `lost_senders.rs`):
+//! a caller-placement ledger, a kvx sender's batches carrying their reservation's claim
+//! secret, and readers of its replies and events.
+
+// Each test binary that includes this module uses a part of it.
+#![allow(dead_code)]
 
 use std::time::Duration;
 
