@@ -1,11 +1,13 @@
 //! Chaos with real processes on loopback: a proxy, a receiver and two senders as separate
-//! `kvx` processes. During a run one sender is killed (SIGKILL), the receiver is killed and
-//! restarted on the same ports, and the proxy is frozen (SIGSTOP) and thawed (SIGCONT). The
-//! receiver must reclaim the killed sender's slots when their lease ends, the other sender
-//! must keep going through all of it and end every request exactly once, and once the run
-//! stops no slot stays held. Bounded: every wait has a deadline. The same run with the
-//! receiver's lease as good as off (`--request-idle-timeout-s 1000`) must fail: the killed
-//! sender's slots are never reclaimed.
+//! `kvx` processes. During a run one sender hangs (SIGSTOP) and is then killed (SIGKILL), the
+//! receiver is killed and restarted on the same ports, and the proxy is frozen (SIGSTOP) and
+//! thawed (SIGCONT). The receiver must reclaim the hung sender's slots when their lease ends
+//! (its connections stay up: nothing else says it is gone), the other sender must keep going
+//! through all of it and end every request exactly once, and once the run stops no slot stays
+//! held. Bounded: every wait has a deadline. The same run with the receiver's lease as good
+//! as off (`--request-idle-timeout-s 1000`) must fail: the hung sender's slots are never
+//! reclaimed. (A sender that is killed outright is reclaimed at once, its control connection
+//! closed: `python/tests/test_lost_sender.py`, `kvx-proto` `tests/lost_senders.rs`.)
 
 mod processes;
 
@@ -181,15 +183,18 @@ fn chaos(idle_s: &str) -> Result<(), String> {
             admitted() > 20.0
         })?;
 
-        // 1. A sender dies mid-transfer: its slots come back when their lease ends.
-        victim.signal("-KILL");
-        let _ = victim.end(Duration::from_secs(5));
+        // 1. A sender hangs mid-transfer: its slots come back when their lease ends. Then
+        //    it is killed (its connections close: nothing of it is left open).
+        victim.signal("-STOP");
         let rolled_back = || metric(p.m_receiver, "kvx_receiver_rolled_back_total").unwrap_or(0.0);
-        wait_until(
-            "the killed sender's requests rolled back by their lease",
+        let leased = wait_until(
+            "the hung sender's requests rolled back by their lease",
             Duration::from_secs(15),
             || rolled_back() > 0.0,
-        )?;
+        );
+        victim.signal("-KILL");
+        let _ = victim.end(Duration::from_secs(5));
+        leased?;
 
         // 2. The receiver dies and comes back on the same ports.
         if let Some(old) = rx.take() {
