@@ -144,3 +144,84 @@ impl ReceiverLedger {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ReceiverConfig;
+    use crate::ids::PeerId;
+    use crate::time::Instant;
+    use crate::wire::{AllocRequest, Message};
+
+    /// A pool ledger holding one admitted request of 2 of its 4 chunks and one first batch
+    /// that waits (the buffer is full).
+    fn ledger() -> ReceiverLedger {
+        let mut l = ReceiverLedger::new(ReceiverConfig {
+            buffer_slots: 4,
+            ..ReceiverConfig::default()
+        })
+        .expect("config");
+        for (peer, id) in [(1, "a"), (2, "b")] {
+            let batch = AllocRequest {
+                keys: vec![format!("{id}0"), format!("{id}1")],
+                chunk_bytes: Some(vec![64, 64]),
+                claim: None,
+                fmt: 1,
+                shape: vec![1],
+                dtype: "float32".into(),
+                last_chunk_toks: 1,
+                req_id: id.into(),
+                is_last_batch: false,
+                total_chunks: 4,
+                seq: Some(1),
+            };
+            l.handle_message(Instant::ZERO, PeerId(peer), Message::AllocRequest(batch));
+        }
+        l.check_invariants();
+        assert_eq!(l.admission_queue_len(), 1, "b waits");
+        l
+    }
+
+    /// The checker catches what it is there for, each by its own check: the pool's books,
+    /// the requests' timers, tickets, reservations and reads, and the waiting bytes out of
+    /// step with the rest.
+    #[test]
+    fn check_invariants_catches_pool_and_request_books_out_of_step() {
+        let ledger = ledger();
+        for (what, corrupt) in [
+            ("has a timer", |l: &mut ReceiverLedger| {
+                l.timers.clear();
+            }),
+            ("ticket index", |l| {
+                // The waiting request's (the admitted one's is also its stall's).
+                l.tickets.retain(|_, key| key.req_id.0 != "b");
+            }),
+            ("waiting first batches' bytes are counted", |l| {
+                l.queued_bytes += 1;
+            }),
+            ("reservations add up", |l| {
+                let r = l
+                    .requests
+                    .values_mut()
+                    .find(|r| !matches!(r.phase, Phase::Waiting { .. }));
+                let r = r.expect("the admitted request");
+                r.reservation += 1;
+                r.total += 1;
+            }),
+            ("is read only when ready", |l| {
+                for r in l.requests.values_mut() {
+                    r.reading = true;
+                }
+            }),
+        ] as [(&str, fn(&mut ReceiverLedger)); 5]
+        {
+            let mut bad = ledger.clone();
+            corrupt(&mut bad);
+            let caught = crate::testing::panic_message(|| bad.check_invariants());
+            assert!(
+                caught.as_deref().is_some_and(|m| m.contains(what)),
+                "\"{what}\" is caught by its own check: {caught:?}"
+            );
+        }
+    }
+}
