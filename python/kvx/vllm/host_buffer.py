@@ -47,6 +47,14 @@ from kvx.vllm.settings import ConfigError
 from kvx.vllm.transfer import KvTransfer, TransferEvents
 
 
+def _parts(tensor: Any, block_dim: int) -> List[Any]:
+    """The tensor as parts whose first dimension is the blocks: itself when blocks come
+    first, else each part of its first dimension (K, V). A run of blocks of a part of a
+    contiguous host tensor is contiguous, so a copy between it and the device never goes
+    through a staging copy of torch's own."""
+    return [tensor] if block_dim == 0 else [tensor.select(0, i) for i in range(tensor.shape[0])]
+
+
 def block_runs(block_ids: Sequence[int]) -> List[Tuple[int, int]]:
     """``block_ids`` as runs of consecutive blocks, in order: (first block, length)."""
     runs: List[Tuple[int, int]] = []
@@ -102,16 +110,14 @@ class Copier:
         """Starts copying ``block_ids`` of ``src`` (the engine's) into ``dst`` (the host's)."""
         torch = self._torch
         if not self.cuda:
-            for first, n in block_runs(block_ids):
-                dst.narrow(block_dim, first, n).copy_(src.narrow(block_dim, first, n))
+            self._copy(src, dst, block_dim, block_ids)
             return PendingCopy()
         computed = torch.cuda.Event()
         computed.record(torch.cuda.current_stream(src.device))
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(computed)
-            for first, n in block_runs(block_ids):
-                dst.narrow(block_dim, first, n).copy_(src.narrow(block_dim, first, n), non_blocking=True)
+            self._copy(src, dst, block_dim, block_ids)
             done = torch.cuda.Event()
             done.record(self._stream)
         return _CudaCopy(done)
@@ -119,8 +125,14 @@ class Copier:
     def to_device(self, src: Any, dst: Any, block_dim: int, block_ids: Sequence[int]) -> None:
         """Copies ``block_ids`` of ``src`` (the host's) into ``dst`` (the engine's), ordered
         before whatever the compute stream runs next."""
-        for first, n in block_runs(block_ids):
-            dst.narrow(block_dim, first, n).copy_(src.narrow(block_dim, first, n), non_blocking=self.cuda)
+        self._copy(src, dst, block_dim, block_ids)
+
+    def _copy(self, src: Any, dst: Any, block_dim: int, block_ids: Sequence[int]) -> None:
+        """Copies the runs of ``block_ids``, part by part, on the current stream
+        (asynchronously from and to pinned memory on CUDA)."""
+        for s_part, d_part in zip(_parts(src, block_dim), _parts(dst, block_dim)):
+            for first, n in block_runs(block_ids):
+                d_part.narrow(0, first, n).copy_(s_part.narrow(0, first, n), non_blocking=self.cuda)
 
 
 def _device_type(tensor: Any) -> str:

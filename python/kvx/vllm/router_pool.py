@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Generic, List, Optional, Sequence, TypeVar
+from typing import Any, Generic, List, Optional, Sequence, TypeVar
 
 E = TypeVar("E")
 
@@ -54,7 +54,7 @@ class EnginePool(Generic[E]):
         slot.in_flight -= 1
 
     @staticmethod
-    def mark_down(slot: Slot[E], why: str) -> bool:
+    def mark_down(slot: Slot[Any], why: str) -> bool:
         """``slot``'s engine failed a connection; whether it was up until now."""
         was_up = slot.down_since is None
         if was_up:
@@ -63,7 +63,7 @@ class EnginePool(Generic[E]):
         return was_up
 
     @staticmethod
-    def mark_up(slot: Slot[E]) -> None:
+    def mark_up(slot: Slot[Any]) -> None:
         slot.down_since = None
         slot.why_down = None
 
