@@ -44,7 +44,7 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from kvx.vllm import params
 from kvx.vllm.reasons import ERROR
@@ -92,6 +92,7 @@ class PushFailed:
 
     reason: str
     retryable: bool = False
+
 
 def new_kvx_id() -> str:
     """A kvx request id no other request has (well under ``params.REQUEST_ID_BYTES_MAX``)."""
@@ -311,10 +312,11 @@ class Router:
         claim_secret = params.new_claim_secret()
         path = request.path
         decode = self.decode.take()
-        if decode is None or self.prefill.up_count() == 0:
-            if decode is not None:
-                self.decode.done(decode)
-            return self._none_up("decode" if decode is None else "prefill", self.decode if decode is None else self.prefill)
+        if decode is None:
+            return self._none_up("decode", self.decode)
+        if self.prefill.up_count() == 0:
+            self.decode.done(decode)
+            return self._none_up("prefill", self.prefill)
         prefill_task = asyncio.create_task(
             self._prefill(path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id)
         )
