@@ -62,9 +62,17 @@ pub(super) struct Driver<E: Env> {
     /// begun on it would have its admission probe dropped).
     awaiting_connect: BTreeMap<PeerId, Vec<(ReceiverAddr, ConnectReply)>>,
     /// Receivers whose control channel is down (between the transport's `Disconnected` and
-    /// `Reconnected`): what would be sent to them is lost, so requests fail at once instead
-    /// of waiting out the reply timeout.
+    /// `Reconnected`): what was sent to them before is lost (its requests failed when the
+    /// `Disconnected` was processed).
     control_down: std::collections::BTreeSet<PeerId>,
+    /// What requests begun while their receiver's channel was down (a restarted receiver
+    /// the transport reconnects to) would send it, in order, with the request it is for:
+    /// sent once the channel is back (`flush_due`), so that such a request waits for the
+    /// reconnection instead of failing, bounded by the sender's reply timeout. Everything
+    /// begun before the break has failed already, so nothing held is older than it.
+    held: BTreeMap<PeerId, Vec<(Option<kvx_proto::ReqId>, Bytes)>>,
+    /// Receivers whose channel came back with messages held for it.
+    flush_due: Vec<PeerId>,
     /// Receivers whose `Disconnected` has been processed (their requests failed) and not yet
     /// acknowledged to the transport (`kvx_io::DISCONNECT_ACK`), which drops everything sent
     /// to them until then.
@@ -130,6 +138,8 @@ impl<E: Env> Driver<E> {
             clients: BTreeMap::new(),
             awaiting_connect: BTreeMap::new(),
             control_down: Default::default(),
+            held: BTreeMap::new(),
+            flush_due: Vec::new(),
             acks_due: Vec::new(),
             staging_freed: false,
             conns: BTreeMap::new(),
@@ -254,6 +264,8 @@ impl<E: Env> Driver<E> {
             Input::Client(peer, ClientEvent::Disconnected) => {
                 self.control_down.insert(peer);
                 core.flow.handle_receiver_lost(now, peer);
+                // Their requests have just failed with the rest.
+                self.held.remove(&peer);
                 self.acks_due.push(peer);
             }
             // The receiver may have restarted: its fabric endpoint is a new listener, so the
@@ -264,6 +276,9 @@ impl<E: Env> Driver<E> {
                     .increment(1);
                 self.control_down.remove(&peer);
                 drop(core);
+                if self.held.contains_key(&peer) {
+                    self.flush_due.push(peer);
+                }
                 self.credentials.remove(&peer);
                 self.reset_fabric(peer);
             }
@@ -405,6 +420,10 @@ impl<E: Env> Driver<E> {
                 let _ = client.send(kvx_io::DISCONNECT_ACK).await;
             }
         }
+        // Then what waited for a channel that is back, before anything newer.
+        for peer in std::mem::take(&mut self.flush_due) {
+            self.flush_held(peer).await;
+        }
         for t in transmits {
             self.transmit(t).await;
         }
@@ -428,9 +447,18 @@ impl<E: Env> Driver<E> {
                     self.shared.lock().flow.handle_receiver_lost(now, peer);
                     return;
                 };
-                // The transport drops what it is handed while reconnecting (a request held
-                // across the gap could be one already failed); fail it here, at once.
-                if self.control_down.contains(&peer) || client.send(bytes).await.is_err() {
+                // The transport drops what it is handed while reconnecting: a request begun
+                // since the break waits for the channel to come back (`held`).
+                if self.control_down.contains(&peer) {
+                    let req_id = match &t.msg {
+                        wire::Message::AllocRequest(r) => Some(r.req_id.as_str().into()),
+                        wire::Message::CancelNotif(c) => Some(c.req_id.as_str().into()),
+                        _ => None,
+                    };
+                    self.held.entry(peer).or_default().push((req_id, bytes));
+                    return;
+                }
+                if client.send(bytes).await.is_err() {
                     let now = self.env.now();
                     self.shared.lock().flow.handle_receiver_lost(now, peer);
                 }
@@ -443,6 +471,27 @@ impl<E: Env> Driver<E> {
                 }
                 None => tracing::debug!(msg = ?t.msg, "no proxy configured: notice dropped"),
             },
+        }
+    }
+
+    /// Sends what was held for `peer` while its channel was down, in order, leaving out the
+    /// messages of requests that ended meanwhile (their reply timeout ran out).
+    async fn flush_held(&mut self, peer: PeerId) {
+        let Some(held) = self.held.remove(&peer) else {
+            return;
+        };
+        let Some(client) = self.clients.get(&peer) else {
+            return;
+        };
+        for (req_id, bytes) in held {
+            let live = req_id
+                .as_ref()
+                .is_none_or(|r| self.shared.lock().flow.is_tracked(r));
+            if live && client.send(bytes).await.is_err() {
+                let now = self.env.now();
+                self.shared.lock().flow.handle_receiver_lost(now, peer);
+                return;
+            }
         }
     }
 
