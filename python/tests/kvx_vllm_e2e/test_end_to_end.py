@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -137,19 +137,28 @@ def disaggregated(model: str, logdir: str, *, policy: str, connector: str = "Kvx
     return r_port, d_port, procs
 
 
+def router_stats(r_port: int) -> Dict[str, object]:
+    return json.load(urllib.request.urlopen(f"http://127.0.0.1:{r_port}/kvx/stats", timeout=10))
+
+
+def answered_disaggregated(model: str, logdir: str, **kwargs: object) -> Tuple[List[str], Dict[str, float], Dict[str, object]]:
+    """``complete_all`` through a disaggregated pair started with ``kwargs``
+    (``disaggregated``'s), then stopped: the answers, the decode engine's prompt token
+    sources and the router's counts."""
+    r_port, d_port, procs = disaggregated(model, logdir, **kwargs)  # type: ignore[arg-type]
+    try:
+        return complete_all(r_port, model), prompt_sources(d_port), router_stats(r_port)
+    finally:
+        for p in procs:
+            p.stop()
+
+
 @pytest.mark.parametrize("host_buffer", [False, True], ids=["in-place", "host-buffer"])
 def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model, single_engine_outputs, tmp_path,
                                                                            host_buffer):
     # host-buffer: both engines move their KV through a host copy of their blocks, the path
     # of GPU engines (kvx.vllm.host_buffer), here over CPU tensors.
-    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail", extra={"host_buffer": host_buffer})
-    try:
-        got = complete_all(r_port, model)
-        sources = prompt_sources(d_port)
-        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{r_port}/kvx/stats", timeout=10))
-    finally:
-        for p in procs:
-            p.stop()
+    got, sources, stats = answered_disaggregated(model, str(tmp_path), policy="fail", extra={"host_buffer": host_buffer})
     assert got == single_engine_outputs
     assert stats["requests"] == len(prompts()) + 1 and stats["prefill_failed"] == 0, stats
     assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
@@ -159,14 +168,8 @@ def test_the_decode_engine_answers_as_a_single_engine_on_kv_that_came_over(model
 
 
 def test_corrupted_writes_are_recomputed_never_answered_from(model, single_engine_outputs, tmp_path):
-    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="recompute",
-                                          connector="CorruptingKvxConnector", module="corrupting_connector")
-    try:
-        got = complete_all(r_port, model)
-        sources = prompt_sources(d_port)
-    finally:
-        for p in procs:
-            p.stop()
+    got, sources, _ = answered_disaggregated(model, str(tmp_path), policy="recompute",
+                                             connector="CorruptingKvxConnector", module="corrupting_connector")
     assert got == single_engine_outputs
     assert sources.get("local_compute", 0) > 0, f"nothing was recomputed: {sources}"
 
@@ -177,15 +180,9 @@ def test_kv_zeroed_undetected_changes_the_answers(model, single_engine_outputs, 
     recomputed), and the decode engine's answers differ from the single engine's. A model or
     a setup whose answers did not depend on the KV moved would make the equality checks
     above pass for the wrong reason; this fails then."""
-    r_port, d_port, procs = disaggregated(model, str(tmp_path), policy="fail",
-                                          connector="CorruptingKvxConnector", module="corrupting_connector",
-                                          extra={"checksums": False})
-    try:
-        got = complete_all(r_port, model)
-        sources = prompt_sources(d_port)
-    finally:
-        for p in procs:
-            p.stop()
+    got, sources, _ = answered_disaggregated(model, str(tmp_path), policy="fail",
+                                             connector="CorruptingKvxConnector", module="corrupting_connector",
+                                             extra={"checksums": False})
     assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
     assert sources["external_kv_transfer"] > 0, sources
     differ = [i for i, (a, b) in enumerate(zip(got, single_engine_outputs)) if a != b]
@@ -228,7 +225,7 @@ def test_a_prefill_engine_killed_mid_push_costs_seconds_and_no_wrong_tokens(mode
         with pytest.raises(urllib.error.HTTPError) as refused:
             complete(r_port, model, prompts()[1])
         assert refused.value.code == 503 and time.monotonic() - started < 5
-        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{r_port}/kvx/stats", timeout=10))
+        stats = router_stats(r_port)
         assert list(stats["prefill_down"]) == [f"http://127.0.0.1:{prefill_port(tmp_path)}"], stats
         deadline = time.monotonic() + 30
         while kv_usage(d_port) != 0.0:
