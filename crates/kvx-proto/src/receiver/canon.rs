@@ -85,6 +85,12 @@ impl ReceiverLedger {
             enc.time(at);
             enc.ticket(ticket);
         }
+        // A stall deadline decides when a waiter of another principal takes the buffer back.
+        enc.len(self.stalls.len());
+        for &(at, ticket) in self.stalls.iter() {
+            enc.time(at);
+            enc.ticket(ticket);
+        }
         self.tombstones.canon(enc);
         self.canon_placements(enc);
         enc.len(self.transmits.len());
