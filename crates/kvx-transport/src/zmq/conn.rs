@@ -45,19 +45,34 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// Reads the next message, skipping commands (ZMTP 3.0 peers send none after READY; PING
-/// and the like are ignored). `Ok(None)`: a message arrived but was dropped (counted and
-/// logged): over `frame_max_bytes`, or too many frames. `Err` says why the connection is
-/// over: closed, broken, too slow (`message_timeout`), its stream can no longer be trusted,
-/// or (CURVE) a box failed authentication; the last three are counted and logged sparsely.
+/// What `next_message` read.
+#[derive(Debug)]
+pub(super) enum Read {
+    /// A message's frames.
+    Message(Vec<Bytes>),
+    /// A message that arrived but was dropped (counted and logged): over
+    /// `frame_max_bytes`, or too many frames.
+    Dropped,
+    /// A heartbeat's PING, with the context to answer in the PONG.
+    Ping(Bytes),
+    /// A heartbeat's PONG.
+    Pong,
+}
+
+/// Reads the next message or heartbeat, skipping other commands. `Err` says why the
+/// connection is over: closed, broken, too slow (`message_timeout`), its stream can no
+/// longer be trusted, or (CURVE) a box failed authentication; the last three are counted and
+/// logged sparsely.
 pub(super) async fn next_message(
     shared: &Shared,
     socket: &'static str,
     reader: &mut FrameReader<OwnedReadHalf>,
-) -> Result<Option<Vec<Bytes>>, String> {
+) -> Result<Read, String> {
     loop {
         match reader.next().await {
-            Ok(Incoming::Message(frames)) => return Ok(Some(frames)),
+            Ok(Incoming::Message(frames)) => return Ok(Read::Message(frames)),
+            Ok(Incoming::Ping(context)) => return Ok(Read::Ping(context)),
+            Ok(Incoming::Pong) => return Ok(Read::Pong),
             Ok(Incoming::Command) => {}
             Ok(Incoming::Oversize(len)) => {
                 let max = shared.config.frame_max_bytes;
@@ -68,11 +83,11 @@ pub(super) async fn next_message(
                         max,
                     },
                 );
-                return Ok(None);
+                return Ok(Read::Dropped);
             }
             Ok(Incoming::TooManyFrames(_)) => {
                 shared.rejected(socket, &Reject::Malformed("more frames than any shape has"));
-                return Ok(None);
+                return Ok(Read::Dropped);
             }
             Ok(Incoming::Closed) => return Err("the peer closed the connection".into()),
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {

@@ -25,6 +25,9 @@ pub(super) const MESSAGE_OVERHEAD: usize = 8 + 8 + 16 + 1;
 /// The bytes of a box's authentication tag (Poly1305).
 pub(super) const TAG: usize = 16;
 
+/// The flags byte inside a MESSAGE box of a command (RFC 26: bit 1).
+pub(super) const COMMAND_INSIDE: u8 = 0x02;
+
 pub(super) fn nonce(prefix: &[u8], tail: &[u8]) -> [u8; 24] {
     debug_assert_eq!(prefix.len() + tail.len(), 24);
     let mut n = [0u8; 24];
@@ -104,6 +107,17 @@ impl CurveTx {
     /// Appends one frame as a MESSAGE command (itself one ZMTP frame without flags): `more`
     /// is the frame's MORE bit, carried inside the box.
     pub(super) fn message(&mut self, more: bool, frame: &[u8], out: &mut Vec<u8>) {
+        self.boxed(u8::from(more), frame, out);
+    }
+
+    /// Appends one command (PING, PONG) as a MESSAGE command with the command flag inside
+    /// the box, as libzmq sends its heartbeats under CURVE.
+    pub(super) fn command(&mut self, body: &[u8], out: &mut Vec<u8>) {
+        self.boxed(COMMAND_INSIDE, body, out);
+    }
+
+    /// One MESSAGE command: `flags` (MORE, or the command flag) and `frame`, in a box.
+    fn boxed(&mut self, flags: u8, frame: &[u8], out: &mut Vec<u8>) {
         let len = MESSAGE_OVERHEAD + frame.len();
         if len < 256 {
             out.extend_from_slice(&[0, len as u8]);
@@ -116,7 +130,7 @@ impl CurveTx {
         out.extend_from_slice(&short);
         let start = out.len();
         out.extend_from_slice(&[0u8; TAG]);
-        out.push(u8::from(more));
+        out.push(flags);
         out.extend_from_slice(frame);
         let tag = self
             .cipher

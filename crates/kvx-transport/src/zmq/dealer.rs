@@ -4,7 +4,10 @@
 //!
 //! Per connection, a reader task hands replies straight to the `ControlClient`'s channel and
 //! ends when the peer goes (EOF is seen the moment a restarted receiver's old process exits);
-//! this task writes requests, batching whatever is queued into one write.
+//! this task writes requests, batching whatever is queued into one write, and, to a peer that
+//! announced heartbeats (a kvx ROUTER), a PING every `heartbeat_interval`: a peer from which
+//! nothing has come for `heartbeat_timeout` is presumed hung (a stopped process, a link that
+//! went down without a reset) and the connection is given up.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -13,13 +16,14 @@ use kvx_io::transport::{ClientEvent, ControlClient, TransportError, CHANNEL_DEPT
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::conn::{next_message, AbortOnDrop};
+use super::conn::{next_message, AbortOnDrop, Read};
+use super::frames::ping_body;
 use super::link::{
     discard_queued, next_batch, note_broken, open, reconnect, write_bounded, Backoff, End, Link,
     Outgoing, Role,
 };
 use super::peers::check_identity;
-use super::{framing, zmtp, Shared};
+use super::{bump, framing, zmtp, Shared};
 
 /// libzmq's rules for a routing identity (`peers::check_identity`): 1 to 255 bytes, not
 /// starting with a zero byte (those are reserved for identities the ROUTER generates). An
@@ -69,7 +73,8 @@ struct Dealer {
     outgoing: Outgoing,
 }
 
-/// Replies heard on one connection, and when the last one came: the writer's silence check.
+/// Replies heard on one connection, and when the last reply or heartbeat came: the writer's
+/// silence checks.
 #[derive(Debug)]
 struct Heard {
     replies: u64,
@@ -128,6 +133,7 @@ impl Dealer {
             reader,
             writer,
             sealer,
+            heartbeats,
         } = link;
         let heard_on = SharedHeard::new(Mutex::new(Heard {
             replies: 0,
@@ -140,7 +146,7 @@ impl Dealer {
             heard_on.clone(),
         )));
         let (end, reader_joined) = self
-            .write_requests(writer, sealer, &mut reading, &heard_on)
+            .write_requests(writer, sealer, heartbeats, &mut reading, &heard_on)
             .await;
         if !reader_joined {
             // Aborting only asks: wait until the reader is really gone.
@@ -153,24 +159,37 @@ impl Dealer {
     /// Writes requests until the connection breaks or the handle goes; true with the end when
     /// it came from the reader (whose task is then joined already). A connection with
     /// requests outstanding and no reply for `recv_timeout` is presumed dead: a half-open TCP
-    /// connection never reports EOF, and every LMCache request gets a reply.
+    /// connection never reports EOF, and every LMCache request gets a reply. With
+    /// `heartbeats` (the peer announced them), PINGs go out every `heartbeat_interval`, and a
+    /// peer silent for `heartbeat_timeout` is presumed dead whether or not anything is
+    /// outstanding.
     async fn write_requests(
         &mut self,
         mut writer: tokio::net::tcp::OwnedWriteHalf,
         mut sealer: zmtp::Sealer,
+        heartbeats: bool,
         reading: &mut AbortOnDrop<End>,
         heard_on: &SharedHeard,
     ) -> (End, bool) {
         let recv_timeout = self.shared.config.recv_timeout;
+        let (interval, liveness) = (
+            self.shared.config.heartbeat_interval,
+            self.shared.config.heartbeat_timeout,
+        );
+        let ping = ping_body(liveness);
+        let mut next_ping = Instant::now() + interval;
         // Requests written; with `Heard`, what is outstanding, and since when it is silent.
         let mut sent = 0u64;
         let mut silent_since = Instant::now();
         let mut buf = Vec::with_capacity(1024);
-        let mut encode = |payload: &[u8], out: &mut Vec<u8>| {
-            sealer.message(&framing::enveloped_out(payload), out);
-        };
         loop {
-            let outstanding = sent > heard(heard_on).replies;
+            let (outstanding, last_heard) = {
+                let h = heard(heard_on);
+                (sent > h.replies, h.last)
+            };
+            let mut encode = |payload: &[u8], out: &mut Vec<u8>| {
+                sealer.message(&framing::enveloped_out(payload), out);
+            };
             tokio::select! {
                 _ = self.events.closed() => return (End::HandleGone, false),
                 ended = &mut reading.0 => {
@@ -201,6 +220,25 @@ impl Dealer {
                     let why = format!("{} request(s) unanswered for {recv_timeout:?}", sent - h.replies);
                     return (End::Broken(why), false);
                 }
+                () = tokio::time::sleep_until(next_ping), if heartbeats => {
+                    buf.clear();
+                    sealer.command(&ping, &mut buf);
+                    if let Err(why) = write_bounded(&self.shared, &mut writer, &buf).await {
+                        return (End::Broken(why), false);
+                    }
+                    next_ping = Instant::now() + interval;
+                }
+                () = tokio::time::sleep_until(last_heard + liveness), if heartbeats => {
+                    if heard(heard_on).last > last_heard {
+                        continue;
+                    }
+                    bump(&self.shared.counters.peers_silent);
+                    let why = format!(
+                        "nothing heard for {liveness:?} (heartbeat_timeout) from a peer that \
+                         answers heartbeats: hung, or its link is down"
+                    );
+                    return (End::Broken(why), false);
+                }
             }
         }
     }
@@ -220,12 +258,22 @@ async fn read_replies(
             Err(why) => return End::Broken(why),
         };
         // Every message answers a request, even one dropped as oversize: the peer is alive.
-        {
+        // So is one that answers a heartbeat.
+        let frames = {
             let mut h = heard(&heard_on);
-            h.replies += 1;
             h.last = Instant::now();
-        }
-        let Some(frames) = next else { continue };
+            match next {
+                Read::Message(frames) => {
+                    h.replies += 1;
+                    frames
+                }
+                Read::Dropped => {
+                    h.replies += 1;
+                    continue;
+                }
+                Read::Ping(_) | Read::Pong => continue,
+            }
+        };
         match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
                 if events.send(ClientEvent::Message(payload)).await.is_err() {

@@ -50,6 +50,8 @@ pub(super) struct Link {
     pub(super) writer: OwnedWriteHalf,
     /// How messages are written: plain, or boxed under CURVE.
     pub(super) sealer: Sealer,
+    /// The peer announced heartbeats in its READY (a kvx ROUTER answers PING with PONG).
+    pub(super) heartbeats: bool,
 }
 
 /// The most messages one write gathers from the queue: enough to pay one system call for a
@@ -186,7 +188,7 @@ async fn open_unbounded(
         .curve
         .as_ref()
         .and_then(|c| Some((&c.keys, c.server_key.as_ref()?)));
-    let (_, sealer) = handshake(
+    let (props, sealer) = handshake(
         &mut reader,
         &mut writer,
         role.ours,
@@ -219,6 +221,7 @@ async fn open_unbounded(
         reader,
         writer,
         sealer,
+        heartbeats: zmtp::announces_heartbeats(&props),
     })
 }
 

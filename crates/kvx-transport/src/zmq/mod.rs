@@ -87,6 +87,16 @@ pub struct ZmqConfig {
     /// connection dead (a half-open TCP connection never reports EOF) and reconnects. Keep it
     /// above the protocol's own reply timeouts, which are the precise ones.
     pub recv_timeout: Duration,
+    /// How often a DEALER sends a heartbeat (ZMTP 3.1 PING) on a connection to a peer that
+    /// announced heartbeats (a kvx ROUTER, which answers each with PONG). Default 1 s.
+    pub heartbeat_interval: Duration,
+    /// The liveness deadline: a connection whose peer announced heartbeats (`X-Kvx-Heartbeat`
+    /// in its READY) and from which nothing (message, PING or PONG) has arrived for this long
+    /// is presumed dead and closed; a DEALER reconnects and reports `Disconnected`, a ROUTER
+    /// reports the peer `Lost`. Unlike TCP's own timers it finds a peer whose process is
+    /// stopped or hung (its kernel still acknowledges every byte). Default 4 s; at least
+    /// twice `heartbeat_interval`. Peers that announce nothing (libzmq's) are not held to it.
+    pub heartbeat_timeout: Duration,
     /// First wait before a reconnect attempt; it doubles up to `reconnect_backoff_max`.
     pub reconnect_backoff_min: Duration,
     pub reconnect_backoff_max: Duration,
@@ -168,6 +178,8 @@ impl Default for ZmqConfig {
             connect_timeout: Duration::from_secs(5),
             send_timeout: Duration::from_secs(5),
             recv_timeout: Duration::from_secs(60),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(4),
             reconnect_backoff_min: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             frame_max_bytes: DEFAULT_FRAME_MAX_BYTES,
@@ -201,6 +213,7 @@ impl ZmqConfig {
             ("connect_timeout", self.connect_timeout),
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
+            ("heartbeat_interval", self.heartbeat_interval),
             ("reconnect_backoff_min", self.reconnect_backoff_min),
             ("handshake_timeout", self.handshake_timeout),
             ("message_timeout", self.message_timeout),
@@ -214,6 +227,7 @@ impl ZmqConfig {
             ("connect_timeout", self.connect_timeout),
             ("send_timeout", self.send_timeout),
             ("recv_timeout", self.recv_timeout),
+            ("heartbeat_timeout", self.heartbeat_timeout),
             ("reconnect_backoff_max", self.reconnect_backoff_max),
             ("handshake_timeout", self.handshake_timeout),
             ("message_timeout", self.message_timeout),
@@ -222,6 +236,13 @@ impl ZmqConfig {
             return Err(ZmqConfigError(format!(
                 "{name} must be at most {SETTING_MAX:?}"
             )));
+        }
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval {
+            return Err(ZmqConfigError(
+                "heartbeat_timeout must be at least twice heartbeat_interval (one late \
+                 heartbeat must not end a connection)"
+                    .into(),
+            ));
         }
         if self.reconnect_backoff_max < self.reconnect_backoff_min {
             return Err(ZmqConfigError(
@@ -328,6 +349,10 @@ pub struct ZmqStats {
     /// wrong server key, a forgery), a client key not on the allow-list, and after the
     /// handshake a MESSAGE box that does not authenticate or replays a nonce.
     pub curve_refused: u64,
+    /// Connections closed because a peer that announced heartbeats sent nothing for
+    /// `heartbeat_timeout` (a hung process, a link down without a reset): a DEALER's to its
+    /// ROUTER, a ROUTER's to its DEALERs.
+    pub peers_silent: u64,
 }
 
 #[derive(Debug, Default)]
@@ -345,6 +370,7 @@ struct Counters {
     messages_timed_out: AtomicU64,
     protocol_violations: AtomicU64,
     curve_refused: AtomicU64,
+    peers_silent: AtomicU64,
 }
 
 /// Adds one; returns the new count.
@@ -508,6 +534,7 @@ impl ZmqTransport {
             messages_timed_out: get(&c.messages_timed_out),
             protocol_violations: get(&c.protocol_violations),
             curve_refused: get(&c.curve_refused),
+            peers_silent: get(&c.peers_silent),
         }
     }
 
@@ -676,6 +703,11 @@ mod tests {
             ..ZmqConfig::default()
         };
         assert!(backwards.validate().is_err());
+        let twitchy = ZmqConfig {
+            heartbeat_timeout: Duration::from_millis(1500),
+            ..ZmqConfig::default()
+        };
+        assert!(twitchy.validate().is_err());
         let forever = ZmqConfig {
             recv_timeout: Duration::MAX,
             ..ZmqConfig::default()

@@ -83,6 +83,7 @@ impl Pusher {
             mut reader,
             mut writer,
             mut sealer,
+            heartbeats: _,
         } = link;
         let shared = self.shared.clone();
         // Anything a PULL sends is ignored; the read ends when the connection does.

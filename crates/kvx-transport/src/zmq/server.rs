@@ -28,10 +28,10 @@ use tokio::sync::mpsc;
 
 use super::inbound::InboundBudget;
 
-use super::conn::{next_message, watch_liveness, AbortOnDrop};
-use super::frames::error_command;
+use super::conn::{next_message, watch_liveness, AbortOnDrop, Read};
+use super::frames::{error_command, pong_body};
 use super::handshake::{handshake_server, Handshaken};
-use super::zmtp::{FrameReader, HandshakeError, ReadLimits, Sealer};
+use super::zmtp::{announces_heartbeats, FrameReader, HandshakeError, ReadLimits, Sealer};
 use super::{bump, fingerprint, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
@@ -395,13 +395,20 @@ async fn router_conn(
         key: client_key,
     };
     shared.peers().held(&identity, principal);
+    // A kvx DEALER pings (it announced heartbeats): each PING is answered, and one that falls
+    // silent for `heartbeat_timeout` is hung or cut off and lost like a closed one.
+    let heartbeats = announces_heartbeats(&props);
+    let (pongs, pongs_rx) = mpsc::channel(PONGS_QUEUED);
     let mut writing = AbortOnDrop(tokio::spawn(write_replies(
         shared.clone(),
         writer,
         sealer,
         queue,
+        pongs_rx,
     )));
     let max = shared.config.frame_max_bytes;
+    let liveness = shared.config.heartbeat_timeout;
+    let mut last_heard = tokio::time::Instant::now();
     // The `PeerId` this connection's messages went under, once one did.
     let mut spoke: Option<PeerId> = None;
     loop {
@@ -410,11 +417,36 @@ async fn router_conn(
             // The replies' side is over (a write timed out): stop taking requests that
             // could never be answered here.
             _ = &mut writing.0 => break,
+            // Dropping a message half read is fine here: the connection goes with it.
+            () = tokio::time::sleep_until(last_heard + liveness), if heartbeats => {
+                let n = bump(&shared.counters.peers_silent);
+                if worth_logging(n) {
+                    tracing::warn!(peer = %kvx_io::SecretLabel(&identity), ?liveness,
+                        silent_so_far = n,
+                        "ROUTER: a peer that sends heartbeats fell silent (hung, or its link \
+                         is down); connection closed");
+                }
+                break;
+            }
             next = next_message(&shared, "ROUTER", &mut reader) => next.ok(),
         };
         let Some(next) = next else { break };
+        last_heard = tokio::time::Instant::now();
+        let frames = match next {
+            Read::Message(frames) => frames,
+            Read::Dropped => {
+                held.heard(); // counted
+                continue;
+            }
+            Read::Ping(context) => {
+                // A full queue means PONGs are not being written: the writer's own
+                // `send_timeout` ends the connection then.
+                let _ = pongs.try_send(context);
+                continue;
+            }
+            Read::Pong => continue,
+        };
         held.heard();
-        let Some(frames) = next else { continue }; // dropped, counted
         match framing::enveloped_in(&frames, max) {
             Ok(payload) => {
                 let peer = shared.peers().peer_for(&identity);
@@ -451,7 +483,12 @@ async fn router_conn(
     shared.peers().released(&identity);
 }
 
-/// Writes one connection's replies as `["", payload]`, as many as are queued per write. A
+/// PONGs waiting to be written on one connection; a peer pinging faster than they are written
+/// finds the rest dropped.
+const PONGS_QUEUED: usize = 4;
+
+/// Writes one connection's replies as `["", payload]`, as many as are queued per write, and
+/// the PONGs answering its peer's heartbeats. A
 /// write that takes longer than `send_timeout` (the peer stopped reading, or vanished
 /// without closing) ends the connection: its replies are lost, as the peer is.
 async fn write_replies(
@@ -459,15 +496,25 @@ async fn write_replies(
     mut writer: OwnedWriteHalf,
     mut sealer: Sealer,
     mut queue: mpsc::Receiver<Bytes>,
+    mut pongs: mpsc::Receiver<Bytes>,
 ) {
     use tokio::io::AsyncWriteExt;
     let after = shared.config.send_timeout;
     let mut buf = Vec::new();
-    while let Some(payload) = queue.recv().await {
+    loop {
         buf.clear();
-        sealer.message(&framing::enveloped_out(&payload), &mut buf);
-        while let Ok(more) = queue.try_recv() {
-            sealer.message(&framing::enveloped_out(&more), &mut buf);
+        tokio::select! {
+            payload = queue.recv() => {
+                let Some(payload) = payload else { return };
+                sealer.message(&framing::enveloped_out(&payload), &mut buf);
+                while let Ok(more) = queue.try_recv() {
+                    sealer.message(&framing::enveloped_out(&more), &mut buf);
+                }
+            }
+            context = pongs.recv() => {
+                let Some(context) = context else { return };
+                sealer.command(&pong_body(&context), &mut buf);
+            }
         }
         match tokio::time::timeout(after, writer.write_all(&buf)).await {
             Ok(Ok(())) => {}
@@ -611,8 +658,16 @@ async fn pull_conn(
             next = next_message(&shared, "PULL", &mut reader) => next.ok(),
         };
         let Some(next) = next else { break };
+        let frames = match next {
+            Read::Message(frames) => frames,
+            Read::Dropped => {
+                held.heard(); // counted
+                continue;
+            }
+            // A PUSH sends no heartbeats; one that does is not answered.
+            Read::Ping(_) | Read::Pong => continue,
+        };
         held.heard();
-        let Some(frames) = next else { continue }; // dropped, counted
         match framing::notice_in(&frames, max) {
             Ok(payload) => {
                 let payload = tokio::select! {

@@ -20,8 +20,11 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::curve_box::{CurveRx, CurveTx, MESSAGE_OVERHEAD};
-use super::frames::{command_frame, encode_message, COMMAND, LONG, MORE};
+use super::curve_box::{CurveRx, CurveTx, COMMAND_INSIDE, MESSAGE_OVERHEAD};
+use super::frames::{
+    command_frame, encode_message, parse_heartbeat, Heartbeat, COMMAND, HEARTBEAT_PROPERTY, LONG,
+    MORE,
+};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::inbound::{read_mapped, InboundBudget};
@@ -96,8 +99,9 @@ pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     command_frame(&body)
 }
 
-/// The properties a READY (or CURVE's INITIATE and READY boxes) carry: `Socket-Type`, and
-/// a DEALER's `Identity`.
+/// The properties a READY (or CURVE's INITIATE and READY boxes) carry: `Socket-Type`, a
+/// DEALER's `Identity`, and for a DEALER or ROUTER `X-Kvx-Heartbeat` (`HEARTBEAT_PROPERTY`:
+/// it takes part in heartbeats; libzmq keeps unknown properties as metadata).
 pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     let mut body = Vec::with_capacity(32 + identity.map_or(0, <[u8]>::len));
     let mut property = |name: &[u8], value: &[u8]| {
@@ -110,7 +114,16 @@ pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     if let Some(identity) = identity {
         property(b"Identity", identity);
     }
+    if matches!(socket_type, "DEALER" | "ROUTER") {
+        property(HEARTBEAT_PROPERTY, b"1");
+    }
     body
+}
+
+/// Whether a peer's READY properties announce heartbeats (`HEARTBEAT_PROPERTY`).
+pub(super) fn announces_heartbeats(props: &[(String, Bytes)]) -> bool {
+    let name = std::str::from_utf8(HEARTBEAT_PROPERTY).unwrap_or_default();
+    props.iter().any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
 /// The properties of a READY command body; an error for anything else.
@@ -165,7 +178,11 @@ pub(super) const SMALL_FRAME: usize = 16 << 10;
 pub(super) enum Incoming {
     /// A complete message's frames.
     Message(Vec<Bytes>),
-    /// A command frame (after the handshake: PING and the like), skipped without buffering.
+    /// A PING (ZMTP 3.1 heartbeat), with the context its PONG sends back.
+    Ping(Bytes),
+    /// A PONG, answering one of this end's PINGs.
+    Pong,
+    /// Any other command frame after the handshake, skipped without buffering.
     Command,
     /// A message whose frames add up to more than `frame_max_bytes` (the count is the total
     /// when it crossed the limit); what was past the limit was skipped without buffering.
@@ -415,10 +432,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let (flags, len) = self.header(count).await?;
             count += 1;
             if flags & COMMAND != 0 {
-                // Commands after the handshake (ZMTP 3.1's PING, say) are ignored: never
-                // buffered, whatever their size.
-                self.skip(len).await?;
-                return Ok(Incoming::Command);
+                // Heartbeats are read (a few bytes); other commands after the handshake are
+                // ignored, never buffered, whatever their size.
+                if len > HEARTBEAT_MAX_BYTES {
+                    self.skip(len).await?;
+                    return Ok(Incoming::Command);
+                }
+                let body = self.body(len as usize).await?;
+                return Ok(read_command(&body));
             }
             total = total.saturating_add(len);
             if total > self.limits.message_max_bytes {
@@ -470,13 +491,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let rx = self.curve.as_mut().expect("invariant: under CURVE");
             let (inner, frame) = rx.open(&command)?;
             count += 1;
-            if inner & 0x02 != 0 {
-                // A command inside the box (ZMTP 3.1's PING, from libzmq with heartbeats
-                // on): ignored, as without CURVE. Never part of a message.
+            if inner & COMMAND_INSIDE != 0 {
+                // A command inside the box (ZMTP 3.1's PING or PONG): never part of a message.
                 if count > 1 || inner & MORE != 0 {
                     return Err(invalid("a command frame inside a multipart message".into()));
                 }
-                return Ok(Incoming::Command);
+                return Ok(read_command(&frame));
             }
             total = total.saturating_add(frame.len() as u64);
             if total > self.limits.message_max_bytes {
@@ -524,6 +544,27 @@ impl Sealer {
             Self::Null => ready(ours, None),
             Self::Curve(tx) => tx.ready(&metadata(ours, None)),
         }
+    }
+
+    /// Appends the command `body` (PING, PONG) to `out`: a command frame, or boxed.
+    pub(super) fn command(&mut self, body: &[u8], out: &mut Vec<u8>) {
+        match self {
+            Self::Null => out.extend_from_slice(&command_frame(body)),
+            Self::Curve(tx) => tx.command(body, out),
+        }
+    }
+}
+
+/// The longest command after the handshake that is read rather than skipped: a PING with
+/// the longest context is 23 bytes.
+const HEARTBEAT_MAX_BYTES: u64 = 64;
+
+/// What a command read after the handshake is.
+fn read_command(body: &[u8]) -> Incoming {
+    match parse_heartbeat(body) {
+        Some(Heartbeat::Ping(context)) => Incoming::Ping(context),
+        Some(Heartbeat::Pong) => Incoming::Pong,
+        None => Incoming::Command,
     }
 }
 

@@ -4,7 +4,9 @@
 use super::*;
 use tokio::io::AsyncWriteExt;
 
-use crate::zmq::frames::{encode_message, error_command, COMMAND, LONG, MORE};
+use crate::zmq::frames::{
+    encode_message, error_command, ping_body, pong_body, COMMAND, LONG, MORE,
+};
 
 fn limits(max: usize, refuse: usize) -> ReadLimits {
     ReadLimits {
@@ -60,6 +62,11 @@ async fn messages_commands_and_oversize_frames() {
     s.push(COMMAND | LONG); // an oversize command: skipped, still a command
     s.extend_from_slice(&300u64.to_be_bytes());
     s.extend_from_slice(&[0u8; 300]);
+    let mut ping = b"\x04PING\x00\x32".to_vec(); // a TTL of 5 s and a context
+    ping.extend_from_slice(b"ctx-0123456789abcdef"); // cut to 16 bytes
+    s.extend_from_slice(&command_frame(&ping));
+    s.extend_from_slice(&command_frame(&pong_body(b"ctx")));
+    s.extend_from_slice(&command_frame(&ping_body(Duration::from_secs(4))));
     let got = read_all(&s, 256, 1024).await;
     let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
     assert_eq!(
@@ -70,6 +77,9 @@ async fn messages_commands_and_oversize_frames() {
             Incoming::Oversize(300),
             Incoming::Message(vec![Bytes::from(vec![9u8; 256])]),
             Incoming::Command,
+            Incoming::Ping(Bytes::from_static(b"ctx-0123456789ab")),
+            Incoming::Pong,
+            Incoming::Ping(Bytes::new()),
             Incoming::Closed,
         ]
     );
@@ -249,8 +259,14 @@ fn greeting_and_ready_round_trip() {
     let props = parse_ready(&frame[2..]).expect("parses");
     assert_eq!(
         props,
-        [("Socket-Type".to_owned(), Bytes::from_static(b"ROUTER"))]
+        [
+            ("Socket-Type".to_owned(), Bytes::from_static(b"ROUTER")),
+            ("X-Kvx-Heartbeat".to_owned(), Bytes::from_static(b"1")),
+        ]
     );
+    assert!(announces_heartbeats(&props));
+    let pull = parse_ready(&ready("PULL", None)[2..]).expect("parses");
+    assert!(!announces_heartbeats(&pull), "a PULL answers no PING");
     let frame = ready("DEALER", Some(b"s0-to-r0"));
     let props = parse_ready(&frame[2..]).expect("parses");
     assert_eq!(
@@ -258,6 +274,7 @@ fn greeting_and_ready_round_trip() {
         [
             ("Socket-Type".to_owned(), Bytes::from_static(b"DEALER")),
             ("Identity".to_owned(), Bytes::from_static(b"s0-to-r0")),
+            ("X-Kvx-Heartbeat".to_owned(), Bytes::from_static(b"1")),
         ]
     );
     // A 255-byte identity makes a READY too long for a short command frame.
