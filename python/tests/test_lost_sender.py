@@ -1,8 +1,10 @@
-"""A sender process that dies mid-request: the receiver hears its control connection close
-and fails what it had open at once, with the reason (``SenderLost``), instead of holding the
-reservation for ``request_idle_timeout`` (30 s here). Real processes, ZeroMQ and the TCP
-fabric on loopback."""
+"""A sender process that dies or hangs mid-request: the receiver hears its control connection
+close (or, for a stopped process, its heartbeats stop for ``heartbeat_timeout``, 4 s) and
+fails what it had open, with the reason (``SenderLost``), instead of holding the reservation
+for ``request_idle_timeout`` (30 s here). Real processes, ZeroMQ and the TCP fabric on
+loopback."""
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ np = pytest.importorskip("numpy")
 SLOT = 4096
 IDLE = 30.0
 WAIT = 10.0
+HEARTBEAT_TIMEOUT = 4.0  # kvx_transport::zmq::ZmqConfig's default
 SECRET = "secret-of-the-lost-sender-0123"
 
 SENDER = textwrap.dedent("""
@@ -41,7 +44,7 @@ def start_sender(rx):
     return proc
 
 
-@pytest.mark.parametrize("how", ["killed", "exited"])
+@pytest.mark.parametrize("how", ["killed", "exited", "stopped"])
 def test_a_dead_senders_reservation_comes_back_at_once_with_the_reason(how):
     buffer = np.zeros(8 * SLOT, dtype=np.uint8)
     with kvx.Receiver(slots=8, slot_bytes=SLOT, buffer=buffer, placement="caller",
@@ -52,12 +55,21 @@ def test_a_dead_senders_reservation_comes_back_at_once_with_the_reason(how):
         died = time.monotonic()
         if how == "killed":
             proc.kill()
-        else:
+        elif how == "exited":
             proc.terminate()
-        proc.wait(timeout=WAIT)
-        back = rx.returned(timeout=WAIT)
-        took = time.monotonic() - died
+        else:
+            # Stopped, as a hung engine is: its connections stay open and its kernel keeps
+            # acknowledging; only the missing heartbeats say it is gone.
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            back = rx.returned(timeout=WAIT)
+            took = time.monotonic() - died
+        finally:
+            proc.kill()
+            proc.wait(timeout=WAIT)
         assert [b.req_id for b in back] == ["r"], f"nothing came back within {WAIT} s (idle timeout {IDLE} s)"
         assert not back[0].consumed and back[0].slots == [5, 2, 7]
         assert "control connection closed" in back[0].reason, back[0].reason
         assert took < IDLE, took
+        if how == "stopped":
+            assert HEARTBEAT_TIMEOUT * 0.75 <= took < HEARTBEAT_TIMEOUT + 3.0, took

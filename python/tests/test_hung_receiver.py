@@ -1,0 +1,48 @@
+"""A receiver process that hangs mid-request (stopped, as a frozen decode engine is): its
+connections stay open and its kernel keeps acknowledging bytes, so only the heartbeats on the
+control channel can tell. The sender's request fails with a typed error within
+``heartbeat_timeout`` (4 s) and a little, not after ``recv_timeout`` (60 s) or never; once
+the receiver runs again, the next request succeeds. Real processes, ZeroMQ and the TCP fabric
+on loopback."""
+
+import signal
+import time
+
+import pytest
+
+import kvx
+from kvx.testing import free_port
+
+from test_restarted_receiver import Receiver, begin, finish
+
+pytest.importorskip("numpy")
+
+WAIT = 20.0
+HEARTBEAT_TIMEOUT = 4.0  # kvx_transport::zmq::ZmqConfig's default
+
+
+def test_a_hung_receivers_request_fails_typed_within_the_heartbeat_timeout():
+    endpoints = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    rx = Receiver(endpoints)
+    tx = kvx.Sender(slots=4, slot_bytes=4096)
+    try:
+        peer = tx.add_receiver(*endpoints)
+        rx.reserve("during")
+        begin(tx, peer, "during")
+        rx.proc.send_signal(signal.SIGSTOP)
+        hung = time.monotonic()
+        with pytest.raises(kvx.KvxError) as failed:
+            finish(tx, "during")
+        took = time.monotonic() - hung
+        assert HEARTBEAT_TIMEOUT * 0.75 <= took < HEARTBEAT_TIMEOUT + 3.0, (took, failed.value)
+        # It runs again: the sender's channel reconnects, and the next request goes through
+        # (the receiver failed "during" too: its DEALER's heartbeats stopped reaching it).
+        rx.proc.send_signal(signal.SIGCONT)
+        rx.reserve("after")
+        begin(tx, peer, "after")
+        finish(tx, "after")
+        rx.consumed()
+    finally:
+        tx.close()
+        rx.proc.send_signal(signal.SIGCONT)
+        rx.kill()
