@@ -19,11 +19,14 @@ log it. Any other failed prefill request is logged and counted; the decode engin
 then fails its load after ``claim_timeout_sec`` and vLLM's ``kv_load_failure_policy`` applies
 (``fail``, or ``recompute`` on the decode engine itself).
 
-An engine whose connection fails or breaks is down (``router_pool.py``): it gets no new
-request until its ``/health`` answers, a prefill engine that cannot be connected to is passed
-over for the next one within the request, and with none of a kind up a request is a 503 at
-once. A decode engine that dies mid-stream ends the client's stream with an error event and
-``[DONE]``.
+An engine whose connection fails or breaks, or whose ``/health`` has not answered for
+``engine_liveness_sec`` (a stopped or hung engine), is down (``router_pool.py``): it gets no
+new request until its ``/health`` answers, a prefill engine that cannot be connected to is
+passed over for the next one within the request, and with none of a kind up a request is a
+503 at once. A decode engine that dies mid-stream ends the client's stream with an error
+event and ``[DONE]``; one that falls silent ends its requests in flight the same way (or with
+a 503 before any output), and a silent prefill engine's requests are dropped by the router
+(the decode engine's receiver fails their loads once the prefill engine's heartbeats stop).
 
 Engines are chosen by fewest requests in flight, in turn among equals. ``GET /v1/models``
 is the first decode engine's; ``GET /health`` answers while the router runs; ``GET
@@ -44,7 +47,7 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from kvx.vllm import params
 from kvx.vllm.reasons import ERROR
@@ -83,6 +86,10 @@ PROBE_TIMEOUT_SEC = 1.0
 #: was never there): the engine is marked down. A timeout is not one (it may only be busy).
 ENGINE_LOST = ((aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
                if aiohttp is not None else ())
+
+
+class EngineSilent(Exception):
+    """The decode engine of a request in flight fell silent (``Router._watch_engines``)."""
 
 
 @dataclass
@@ -192,6 +199,7 @@ class Router:
             "decode_broke_off": 0,
             "no_engine_up": 0,
             "engines_marked_down": 0,
+            "engines_unresponsive": 0,
             "client_gone": 0,
             "unauthorized": 0,
             "bodies_refused": 0,
@@ -255,7 +263,7 @@ class Router:
             sock=sock,
         )
         await site.start()
-        for loop in (self.guard.sweep(), self._probe_down_engines()):
+        for loop in (self.guard.sweep(), self._watch_engines()):
             task = asyncio.create_task(loop)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -317,6 +325,15 @@ class Router:
         if self.prefill.up_count() == 0:
             self.decode.done(decode)
             return self._none_up("prefill", self.prefill)
+        # Set when the decode engine falls silent (``_watch_engines``): nothing else would end
+        # a request to a stopped engine.
+        silent: "asyncio.Future[str]" = asyncio.get_running_loop().create_future()
+
+        def abort(why: str) -> None:
+            if not silent.done():
+                silent.set_result(why)
+
+        decode.aborts.add(abort)
         prefill_task = asyncio.create_task(
             self._prefill(path, prefill_body(body, path, kvx_id, claim_secret, decode.engine), kvx_id)
         )
@@ -324,7 +341,7 @@ class Router:
             self._open_decode(decode, path, decode_body(body, kvx_id, claim_secret), kvx_id)
         )
         try:
-            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(_futures(prefill_task, decode_task, silent), return_when=asyncio.FIRST_COMPLETED)
             failed = _result(prefill_task)
             if failed is not None and not decode_task.done():
                 # The push never began: the decode engine's request could only wait for a
@@ -333,7 +350,13 @@ class Router:
                 await asyncio.gather(decode_task, return_exceptions=True)
                 return _error(503 if failed.retryable else 502,
                               f"the KV transfer failed: {failed.reason} (kvx request {kvx_id})", "kv_transfer_failed")
-            opened = await decode_task
+            await asyncio.wait(_futures(decode_task, silent), return_when=asyncio.FIRST_COMPLETED)
+            if not decode_task.done():
+                decode_task.cancel()
+                prefill_task.cancel()
+                await asyncio.gather(decode_task, return_exceptions=True)
+                return _error(503, f"{silent.result()} (kvx request {kvx_id}); retry", "engine_unresponsive")
+            opened = decode_task.result()
             if opened is None:
                 # No decode engine holds the request: a push could only wait for a
                 # reservation that never comes. Retryable: the engine is down now, and the
@@ -343,7 +366,7 @@ class Router:
                               "upstream_unreachable")
             if opened.error is not None:
                 return await self._decode_failed(opened, decode.engine, prefill_task, kvx_id)
-            return await self._relay(request, opened, decode)
+            return await self._relay(request, opened, decode, silent)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (aiohttp cancels the handler, or a write finds the
             # connection closed): vLLM aborts both requests once their connections close.
@@ -352,6 +375,7 @@ class Router:
             decode_task.cancel()
             raise
         finally:
+            decode.aborts.discard(abort)
             self.decode.done(decode)
             if not prefill_task.done():
                 # Its decode answer is sent; it ends by itself, bounded by the session's
@@ -368,24 +392,43 @@ class Router:
 
     def _mark_down(self, kind: str, slot: Slot[Any], error: BaseException) -> None:
         """``slot``'s engine failed a connection: no new request goes to it until its
-        ``/health`` answers (``_probe_down_engines``)."""
+        ``/health`` answers (``_watch_engines``)."""
         pool = self.decode if kind == "decode" else self.prefill
         if pool.mark_down(slot, repr(error)):
             self.stats["engines_marked_down"] += 1
             logger.warning("%s engine %s is down (%r): no new requests until its /health answers",
                            kind, slot.engine.url, error)
 
-    async def _probe_down_engines(self) -> None:
-        """Every ``health_interval_sec``, asks each down engine's ``/health``; one that
-        answers 200 takes requests again."""
+    async def _watch_engines(self) -> None:
+        """Every ``health_interval_sec``, asks every engine's ``/health`` at once. A down one
+        that answers 200 takes requests again; an up one that has not answered for
+        ``engine_liveness_sec`` is down, and its requests in flight are ended (its slot's
+        aborts): a stopped process keeps its connections open, so nothing else ends them."""
         while True:
             await asyncio.sleep(self.config.health_interval_sec)
-            for kind, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                for slot in pool.down():
-                    if await self._healthy(slot.engine.url):
+            slots = [(kind, pool, slot) for kind, pool in (("prefill", self.prefill), ("decode", self.decode))
+                     for slot in pool.slots()]
+            answers = await asyncio.gather(*(self._healthy(slot.engine.url) for _, _, slot in slots))
+            for (kind, pool, slot), healthy in zip(slots, answers):
+                if healthy:
+                    pool.answered(slot)
+                    if slot.down_since is not None:
                         pool.mark_up(slot)
                         logger.info("%s engine %s answers its /health again: it takes requests", kind,
                                     slot.engine.url)
+                elif slot.down_since is None and pool.silent_for(slot) >= self.config.engine_liveness_sec:
+                    self._unresponsive(kind, pool, slot)
+
+    def _unresponsive(self, kind: str, pool: "EnginePool[Any]", slot: Slot[Any]) -> None:
+        silent = pool.silent_for(slot)
+        why = (f"{kind} engine {slot.engine.url} stopped answering: no /health answer for {silent:.1f} s "
+               f"(engine_liveness_sec {self.config.engine_liveness_sec:g}); hung, stopped, or cut off")
+        pool.mark_down(slot, why)
+        self.stats["engines_marked_down"] += 1
+        self.stats["engines_unresponsive"] += 1
+        logger.warning("%s; its %d request(s) in flight end now", why, len(slot.aborts))
+        for abort in list(slot.aborts):
+            abort(why)
 
     async def _healthy(self, url: str) -> bool:
         try:
@@ -435,10 +478,14 @@ class Router:
             upstream.close()
             raise
 
-    async def _relay(self, request: "web.Request", opened: _Opened, slot: Slot[DecodeEngine]) -> "web.StreamResponse":
+    async def _relay(
+        self, request: "web.Request", opened: _Opened, slot: Slot[DecodeEngine], silent: "asyncio.Future[str]"
+    ) -> "web.StreamResponse":
         """Streams the decode engine's answer to the client as it comes. When the decode
-        engine's connection breaks mid-answer (it died), a stream ends with an error event in
-        OpenAI's shape and ``[DONE]``, never a bare cut; the engine is marked down."""
+        engine's connection breaks mid-answer (it died), or the engine falls silent
+        (``silent``: its ``/health`` stopped answering), a stream ends with an error event in
+        OpenAI's shape and ``[DONE]``, never a bare cut or a wait without end; the engine is
+        marked down."""
         upstream = opened.upstream
         streamed = upstream.content_type == "text/event-stream"
         try:
@@ -448,16 +495,28 @@ class Router:
             if opened.first:
                 await response.write(opened.first)
             try:
-                async for chunk in upstream.content.iter_any():
+                while True:
+                    read = asyncio.ensure_future(upstream.content.readany())
+                    await asyncio.wait(_futures(read, silent), return_when=asyncio.FIRST_COMPLETED)
+                    if not read.done():
+                        read.cancel()
+                        raise EngineSilent(silent.result())
+                    chunk = read.result()
+                    if not chunk:
+                        break
                     await response.write(chunk)
-            except (aiohttp.ClientPayloadError, *ENGINE_LOST) as e:
-                self.stats["decode_broke_off"] += 1
-                self._mark_down("decode", slot, e)
+            except (aiohttp.ClientPayloadError, EngineSilent, *ENGINE_LOST) as e:
                 upstream.close()
+                if isinstance(e, EngineSilent):
+                    message, kind, code = str(e), "engine_unresponsive", 503
+                else:
+                    self.stats["decode_broke_off"] += 1
+                    self._mark_down("decode", slot, e)
+                    message, kind, code = f"decode engine {slot.engine.url} broke off its answer: {e!r}", \
+                        "upstream_broke_off", 502
                 if not streamed:
                     raise
-                error = {"error": {"message": f"decode engine {slot.engine.url} broke off its answer: {e!r}",
-                                   "type": "upstream_broke_off", "code": 502}}
+                error = {"error": {"message": message, "type": kind, "code": code}}
                 await response.write(b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
             await response.write_eof()
         except BaseException:
@@ -509,6 +568,15 @@ class Router:
                 return PushFailed("no prefill engine could be reached (" + "; ".join(errors) + ")", retryable=True)
             tried.append(slot)
             url = slot.engine.url
+            # A silent prefill engine's request is dropped here (the decode engine's
+            # receiver fails the load when the engine's heartbeats stop).
+            this = asyncio.current_task()
+
+            def abort(_why: str, task: "Optional[asyncio.Task[Any]]" = this) -> None:
+                if task is not None:
+                    task.cancel()
+
+            slot.aborts.add(abort)
             try:
                 session = await self._client()
                 async with session.post(url + path, json=body) as up:
@@ -538,7 +606,13 @@ class Router:
                     self._mark_down("prefill", slot, e)
                 return None
             finally:
+                slot.aborts.discard(abort)
                 self.prefill.done(slot)
+
+
+def _futures(*futures: "asyncio.Future[Any]") -> "Set[asyncio.Future[Any]]":
+    """``futures`` as the set ``asyncio.wait`` takes (their result types differ)."""
+    return set(futures)
 
 
 def _result(task: "asyncio.Task") -> Optional[PushFailed]:

@@ -13,7 +13,8 @@ to write instead, and an unknown key is refused with the list of known ones.
         kvx_alloc: [tcp://10.0.0.2:8400]      # one per decode TP rank
         kvx_fabric: [tcp://10.0.0.2:8300]
     request_timeout_sec: 600                  # optional: one request, end to end
-    health_interval_sec: 1                    # optional: how often a down engine is probed
+    health_interval_sec: 1                    # optional: how often each engine's /health is asked
+    engine_liveness_sec: 4                    # optional: an engine silent this long is down
     # Optional, what lets it face a network (router_guard.py), with their defaults:
     max_body_bytes: 4194304                   # a request body, at most (413 past it)
     header_timeout_sec: 10                    # to send a request's headers
@@ -39,7 +40,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 TOP_KEYS = (
-    "listen", "prefill", "decode", "request_timeout_sec", "health_interval_sec", "max_body_bytes", "header_timeout_sec",
+    "listen", "prefill", "decode", "request_timeout_sec", "health_interval_sec", "engine_liveness_sec", "max_body_bytes", "header_timeout_sec",
     "body_timeout_sec", "max_connections", "max_connections_per_client", "api_key", "tls_cert", "tls_key",
 )
 PREFILL_KEYS = ("url",)
@@ -49,6 +50,10 @@ DECODE_KEYS = ("url", "kvx_alloc", "kvx_fabric")
 DEFAULT_REQUEST_TIMEOUT_SEC = 600.0
 #: How often the router asks a down engine's ``/health`` (``router_pool``).
 DEFAULT_HEALTH_INTERVAL_SEC = 1.0
+#: An engine whose ``/health`` has not answered for this long (a stopped or hung process, a
+#: link that went down) is down, and its requests in flight end with a typed error: the
+#: bound of ``docs/reliability.md`` is 5 s from the fault to the client's answer.
+DEFAULT_ENGINE_LIVENESS_SEC = 4.0
 #: A request body's bound: the 4 MiB that vLLM's own server buffers for one incomplete HTTP
 #: event by default (``--h11-max-incomplete-event-size``); a 128k-token prompt is about 1 MB.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -91,6 +96,7 @@ class RouterConfig:
     decode: Tuple[DecodeEngine, ...]
     request_timeout_sec: float = DEFAULT_REQUEST_TIMEOUT_SEC
     health_interval_sec: float = DEFAULT_HEALTH_INTERVAL_SEC
+    engine_liveness_sec: float = DEFAULT_ENGINE_LIVENESS_SEC
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_sec: float = DEFAULT_HEADER_TIMEOUT_SEC
     body_timeout_sec: float = DEFAULT_BODY_TIMEOUT_SEC
@@ -216,10 +222,18 @@ def config_from(raw: Any) -> RouterConfig:
             f"max_connections_per_client={per_client}: at most max_connections ({max_connections})"
         )
     tls_cert, tls_key = _tls(raw)
+    health = _seconds(raw, "health_interval_sec", DEFAULT_HEALTH_INTERVAL_SEC)
+    liveness = _seconds(raw, "engine_liveness_sec", DEFAULT_ENGINE_LIVENESS_SEC)
+    if liveness < 2 * health:
+        raise RouterConfigError(
+            f"engine_liveness_sec={liveness:g}: at least twice health_interval_sec ({health:g}), "
+            "so that one late answer does not take an engine down"
+        )
     return RouterConfig(
         host, port, tuple(prefill), tuple(decode),
         request_timeout_sec=_seconds(raw, "request_timeout_sec", DEFAULT_REQUEST_TIMEOUT_SEC),
-        health_interval_sec=_seconds(raw, "health_interval_sec", DEFAULT_HEALTH_INTERVAL_SEC),
+        health_interval_sec=health,
+        engine_liveness_sec=liveness,
         max_body_bytes=_count(raw, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
         header_timeout_sec=_seconds(raw, "header_timeout_sec", DEFAULT_HEADER_TIMEOUT_SEC),
         body_timeout_sec=_seconds(raw, "body_timeout_sec", DEFAULT_BODY_TIMEOUT_SEC),

@@ -2,10 +2,13 @@
 which ones are down.
 
 An engine is **down** from the moment a request to it fails to connect, or its connection
-breaks before or while it answers (its process died, or restarted): it gets no new request
-until its ``/health`` answers again, which the router asks every ``health_interval_sec``
-(``probe``). So a dead engine costs at most the requests that were on it when it died, not
-every later request. Among the engines that are up, ``take`` chooses the one with the fewest
+breaks before or while it answers (its process died, or restarted), or its ``/health`` has
+not answered for ``engine_liveness_sec`` (its process is stopped or hung, or its link is
+down: nothing breaks, it only falls silent). It gets no new request until its ``/health``
+answers again, which the router asks of every engine every ``health_interval_sec``. So a
+dead engine costs at most the requests that were on it when it died, not every later
+request; a silent one's requests in flight are ended by the aborts each registered on its
+slot (``Slot.aborts``), since nothing else would end them. Among the engines that are up, ``take`` chooses the one with the fewest
 requests in flight, the least recently chosen among equals. Does not import aiohttp.
 """
 
@@ -13,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
-from typing import Any, Generic, List, Optional, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, List, Optional, Sequence, Set, TypeVar
 
 E = TypeVar("E")
 
@@ -28,6 +31,11 @@ class Slot(Generic[E]):
     last_pick: int = 0
     down_since: Optional[float] = None
     why_down: Optional[str] = None
+    #: When its ``/health`` last answered (or the router started).
+    last_answer: float = field(default_factory=time.monotonic)
+    #: Ends a request in flight on this engine, saying why: called when the engine falls
+    #: silent (each request adds its own and removes it when it ends).
+    aborts: Set[Callable[[str], None]] = field(default_factory=set)
 
 
 class EnginePool(Generic[E]):
@@ -66,6 +74,19 @@ class EnginePool(Generic[E]):
     def mark_up(slot: Slot[Any]) -> None:
         slot.down_since = None
         slot.why_down = None
+
+    @staticmethod
+    def answered(slot: Slot[Any]) -> None:
+        """``slot``'s ``/health`` answered just now."""
+        slot.last_answer = time.monotonic()
+
+    @staticmethod
+    def silent_for(slot: Slot[Any]) -> float:
+        """Seconds since ``slot``'s ``/health`` last answered."""
+        return time.monotonic() - slot.last_answer
+
+    def slots(self) -> List[Slot[E]]:
+        return list(self._slots)
 
     def down(self) -> List[Slot[E]]:
         return [s for s in self._slots if s.down_since is not None]

@@ -122,8 +122,8 @@ class Rig:
             await e.start()
         self.router = Router(router_config(self.prefill, self.decode, **self.config))
         if self.config.get("health_interval_sec"):
-            # What Router.start runs beside the server: the probes of down engines.
-            self.probes = asyncio.create_task(self.router._probe_down_engines())
+            # What Router.start runs beside the server: the engines' health probes.
+            self.probes = asyncio.create_task(self.router._watch_engines())
         self.runner, self.url = await serve(self.router.app())
         self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND))
         return self
@@ -483,3 +483,101 @@ def test_a_decode_engine_that_dies_mid_stream_ends_the_stream_with_an_error_even
             assert [s.engine.url for s in rig.router.decode.down()] == [dying.url]
 
     run(go())
+
+
+class FreezingEngine(FakeEngine):
+    """An engine that freezes (as a stopped process looks from outside: connections stay
+    open, nothing answers) once it has streamed ``before`` events of a request; its
+    ``/health`` stops answering then too."""
+
+    def __init__(self, name: str, before: int) -> None:
+        super().__init__(name)
+        self.before, self.frozen = before, False
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        try:
+            if self.before == 0:
+                self.frozen = True
+                await asyncio.sleep(3 * BOUND)
+            response = web.StreamResponse()
+            response.content_type = "text/event-stream"
+            await response.prepare(request)
+            for event in self.events()[: self.before]:
+                await response.write(event)
+            self.frozen = True
+            await asyncio.sleep(3 * BOUND)
+            return response
+        except asyncio.CancelledError:
+            self.aborted.append(body)
+            raise
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.frozen:
+            await asyncio.sleep(3 * BOUND)
+        return await super().health(request)
+
+
+LIVENESS = {"health_interval_sec": 0.1, "engine_liveness_sec": 0.5}
+
+
+def test_a_decode_engine_that_freezes_mid_stream_ends_the_stream_typed_within_the_liveness_bound():
+    async def go():
+        freezing = FreezingEngine("d", before=1)
+        async with Rig([FakeEngine("p")], [freezing], **LIVENESS) as rig:
+            started = time.monotonic()
+            status, got = await post_status(rig, {"prompt": "x", "stream": True})
+            took = time.monotonic() - started
+            assert status == 200
+            assert got.startswith(freezing.events()[0]), got
+            events = [e for e in got.split(b"\n\n") if e.startswith(b"data: ")]
+            assert events[-1] == b"data: [DONE]", got
+            error = json.loads(events[-2][len(b"data: "):])["error"]
+            assert error["type"] == "engine_unresponsive" and freezing.url in error["message"], error
+            assert took < 0.5 + 1.0, took
+            assert rig.router.stats["engines_unresponsive"] == 1
+            assert [s.engine.url for s in rig.router.decode.down()] == [freezing.url]
+            await until(lambda: freezing.aborted, "the frozen engine's request closed")
+
+    run(go())
+
+
+def test_a_decode_engine_that_freezes_before_any_output_is_a_503_and_gets_no_new_request():
+    async def go():
+        freezing, live = FreezingEngine("d0", before=0), FakeEngine("d1")
+        async with Rig([FakeEngine("p")], [freezing, live], **LIVENESS) as rig:
+            started = time.monotonic()
+            status, got = await post_status(rig, {"prompt": "x"})
+            took = time.monotonic() - started
+            assert status == 503, got
+            error = json.loads(got)["error"]
+            assert error["type"] == "engine_unresponsive", error
+            assert took < 0.5 + 1.0, took
+            # The next request goes to the engine that answers.
+            status, got = await post_status(rig, {"prompt": "y"})
+            assert status == 200 and b"d1-answer" in got, got
+            assert len(freezing.bodies) == 1
+
+    run(go())
+
+
+def test_a_frozen_prefill_engine_is_dropped_and_passed_over():
+    async def go():
+        frozen, live = FreezingEngine("p0", before=0), FakeEngine("p1")
+        async with Rig([frozen, live], [FakeEngine("d")], **LIVENESS) as rig:
+            status, _ = await post_status(rig, {"prompt": "x"})
+            assert status == 200  # the fake decode engine answers whatever the prefill does
+            await until(lambda: rig.router.prefill.down(), "the frozen prefill engine marked down")
+            await until(lambda: frozen.aborted, "its request dropped by the router")
+            for _ in range(2):
+                status, _ = await post_status(rig, {"prompt": "y"})
+                assert status == 200
+            assert len(frozen.bodies) == 1 and len(live.bodies) >= 2
+
+    run(go())
+
+
+def test_engine_liveness_must_leave_room_for_a_late_health_answer():
+    with pytest.raises(RouterConfigError, match="engine_liveness_sec"):
+        config_from({**good_config(), "health_interval_sec": 2, "engine_liveness_sec": 3})
