@@ -3,7 +3,8 @@ engine's and a prefill engine's (``engine_process.py``: ``KvxWorker`` over kvx's
 transfer, NumPy arrays as the paged KV), kvx over loopback TCP between them; the test plays
 both schedulers. Every byte of the pushed blocks is compared; blocks outside the grant stay
 untouched. Then the failures: a write corrupted after its checksum, a prefill engine killed
-mid-push, an abort on the decode side. No vLLM needed."""
+mid-push, an abort on the decode side; each engine killed and hung (stopped) mid-push, the
+survivor's outcome within its bound. No vLLM needed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import base64
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -198,6 +200,56 @@ def test_a_prefill_engine_that_dies_mid_push_fails_the_load(engines):
     prefill.proc.wait()
     failed = decode.until("received")
     assert failed["received"] == ["d-k3"] and failed["errors"] == [1, 2, 3]
+
+
+#: kvx's liveness deadline on the control channel (``ZmqConfig::heartbeat_timeout``), and
+#: what the survivor's outcome may take beyond it (steps, a loaded machine).
+HEARTBEAT_TIMEOUT, SLACK = 4.0, 3.0
+
+
+def test_a_prefill_engine_that_hangs_mid_push_fails_the_load_within_the_heartbeat_bound(engines):
+    # A stopped process keeps its connections open: only its heartbeats' silence says so.
+    decode = engines("kv_consumer")
+    prefill = engines("kv_producer")
+    decode.step({"reserve": [["d-k5", "k5", 0, [1, 2, 3], 12]]})
+    prefill.until("granted", begin(engines, "k5", 3))
+    prefill.step({"push": [["p-k5", "k5", 0, [0], False]]}, forward=True)
+    prefill.proc.send_signal(signal.SIGSTOP)
+    hung = time.monotonic()
+    try:
+        failed = decode.until("received", timeout=HEARTBEAT_TIMEOUT + SLACK + 5)
+        took = time.monotonic() - hung
+    finally:
+        prefill.proc.kill()
+        prefill.proc.wait()
+    assert failed["received"] == ["d-k5"] and failed["errors"] == [1, 2, 3]
+    assert took < HEARTBEAT_TIMEOUT + SLACK, took
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_decode_engine_that_dies_or_hangs_mid_push_frees_the_prefill_engines_blocks(engines, fault):
+    # The prefill engine's push of the first layers went out; the decode engine goes before
+    # the rest. The push ends (its blocks come back to vLLM: finished sending) within the
+    # bound: at once for a closed connection, the heartbeat deadline for a stopped process.
+    decode = engines("kv_consumer")
+    prefill = engines("kv_producer")
+    decode.step({"reserve": [["d-k6", "k6", 0, [4, 5], 8]]})
+    prefill.until("granted", begin(engines, "k6", 2))
+    if fault == "killed":
+        decode.proc.kill()
+        decode.proc.wait()
+    else:
+        decode.proc.send_signal(signal.SIGSTOP)
+    gone = time.monotonic()
+    try:
+        prefill.step({"push": [["p-k6", "k6", 0, [0, 1], True]]}, forward=True)
+        prefill.until("sent", finished=["p-k6"], timeout=HEARTBEAT_TIMEOUT + SLACK + 5)
+        took = time.monotonic() - gone
+    finally:
+        decode.proc.kill()
+        decode.proc.wait()
+    bound = SLACK if fault == "killed" else HEARTBEAT_TIMEOUT + SLACK
+    assert took < bound, (fault, took)
 
 
 def test_an_abort_on_the_decode_side_ends_the_push_and_frees_both_sides(engines):
