@@ -61,12 +61,15 @@ class Process:
 
 
 def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = None,
-           env: Optional[Dict[str, str]] = None, cpus: Optional[str] = None) -> Tuple[Process, int]:
-    """A vLLM OpenAI server for ``model`` on a free port, with ``kv`` as its
-    ``--kv-transfer-config``; returns it and its port. ``KVX_E2E_ENGINE_ARGS`` adds
+           env: Optional[Dict[str, str]] = None, cpus: Optional[str] = None,
+           netns: Optional[str] = None, port: Optional[int] = None) -> Tuple[Process, int]:
+    """A vLLM OpenAI server for ``model`` on ``port`` (default: a free one), with ``kv`` as
+    its ``--kv-transfer-config``; returns it and its port. ``KVX_E2E_ENGINE_ARGS`` adds
     arguments of one's own to every engine (a benchmark's variations). ``cpus`` (a
-    ``taskset -c`` list) pins the engine's processes and its compute threads to those CPUs."""
-    port = free_port()
+    ``taskset -c`` list) pins the engine's processes and its compute threads to those CPUs;
+    ``netns`` runs it in that network namespace (``ip netns exec``, which keeps the pid, so
+    signals to the process group reach the engine)."""
+    port = port or free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
             "--gpu-memory-utilization", "0.2", "--seed", "0"]
@@ -78,6 +81,8 @@ def engine(name: str, model: str, logdir: str, kv: Optional[Dict[str, Any]] = No
     if cpus is not None:
         args = ["taskset", "-c", cpus, *args]
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
     return Process(name, args, logdir, env), port
 
 

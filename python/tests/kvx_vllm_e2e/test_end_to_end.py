@@ -207,7 +207,7 @@ def test_a_prefill_engine_killed_mid_push_costs_seconds_and_no_wrong_tokens(mode
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(complete, r_port, model, prompts()[index])
             deadline = time.monotonic() + 300
-            while not (os.path.exists(mark) and open(mark).read()):
+            while not (os.path.exists(mark) and "posted" in open(mark).read()):
                 assert time.monotonic() < deadline, "the prefill engine never posted a layer's writes"
                 assert not answer.done(), f"answered before the push was under way: {answer.result()!r}"
                 time.sleep(0.05)
