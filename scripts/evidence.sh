@@ -7,6 +7,9 @@
 #   lmcache-variants  every broken variant of kvx.lmcache caught, against LMCache's classes
 #   vllm-variants     every broken variant of kvx.vllm caught, against vLLM's scheduler
 #   vllm-e2e          kvx.vllm end to end on real CPU vLLM engines (scripts/vllm-e2e.sh)
+#   fault-matrix      every fault at every state of a request on real engines, each in a
+#                     network namespace (scripts/fault-matrix.sh; no cell hangs or answers
+#                     wrong tokens); its table goes to target/evidence/fault-matrix.json
 #   sim-sweeps        the simulation's long sweeps, determinism, its --break variants
 #   fuzz              a fuzz run of every cargo-fuzz target (scripts/fuzz-smoke.sh)
 #
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 # cross-user tests (which a broken variant may otherwise turn into a silent skip), fails.
 # Run it as CI runs, as root.
 export KVX_REQUIRE_PYTHON=1 KVX_REQUIRE_CROSS_USER=1
-all=(rust-variants curve-variants lmcache-variants vllm-variants vllm-e2e sim-sweeps fuzz)
+all=(rust-variants curve-variants lmcache-variants vllm-variants vllm-e2e fault-matrix sim-sweeps fuzz)
 parts=("$@")
 [[ ${#parts[@]} -gt 0 ]] || parts=("${all[@]}")
 
@@ -33,6 +36,7 @@ run_part() {
     lmcache-variants) KVX_MUTANTS=all KVX_MUTANTS_ONLY=1 bash scripts/python-tests.sh ;;
     vllm-variants) KVX_MUTANTS=all KVX_MUTANTS_ONLY=1 bash scripts/vllm-tests.sh ;;
     vllm-e2e) bash scripts/vllm-e2e.sh ;;
+    fault-matrix) bash scripts/fault-matrix.sh --out target/evidence/fault-matrix.json ;;
     sim-sweeps) sim/sweeps.sh ;;
     fuzz) SECONDS_PER_TARGET="${SECONDS_PER_TARGET:-45}" bash scripts/fuzz-smoke.sh ;;
     *) echo "no such part: $1 (the parts: ${all[*]})"; return 2 ;;
@@ -49,7 +53,7 @@ summary_of() {
   if ((caught + missed > 0)); then
     echo "$caught caught, $missed not"
   else
-    grep -E '[0-9]+ passed|^fuzz: |Done [0-9]+ runs' "$log" | tail -1 | cut -c1-100
+    grep -E '[0-9]+ passed|^fuzz: |Done [0-9]+ runs|cells in [0-9]+ s' "$log" | tail -1 | cut -c1-100
   fi
 }
 

@@ -11,13 +11,17 @@
 # Not part of the CI gate: it takes about 20 minutes on 2 cores. scripts/evidence.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+label="fault matrix"
+source scripts/python-env.sh
 venv=$(realpath -m "${KVX_VLLM_CPU_VENV:-target/vllm-cpu-venv}")
 if [[ ! -x $venv/bin/python ]]; then
-  echo "fault matrix: no vLLM CPU environment at $venv (bash scripts/vllm-e2e.sh makes it)" >&2
+  echo "$label: no vLLM CPU environment at $venv (bash scripts/vllm-e2e.sh makes it)" >&2
   exit 1
 fi
+# This checkout's kvx, as the end-to-end tests install it.
+venv_install_kvx "$venv" kvx kvx.vllm
 if [[ $(id -u) != 0 ]]; then
-  echo "fault matrix: needs root for its network namespaces" >&2
+  echo "$label: needs root for its network namespaces" >&2
   exit 1
 fi
 

@@ -256,9 +256,28 @@ def until_idle(kind: str, since: float, bound: float) -> Optional[float]:
     return None
 
 
+def router_sees_all_up(bound: float) -> bool:
+    """Waits until the router counts no engine down (its probes found the last cell's engines
+    back)."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        try:
+            stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{PORTS['router']}/kvx/stats", timeout=2))
+            if not stats["prefill_down"] and not stats["decode_down"]:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
 def cell(cluster: Cluster, model: str, references: List[str], index: int, fault: str, state: str,
          hang_bound: float) -> Dict[str, Any]:
-    """One cell: prompt ``2 * index`` meets the fault, ``2 * index + 1`` is the next request."""
+    """One cell: prompt ``2 * index`` meets the fault, ``2 * index + 1`` is the next request.
+    Begins once both engines are idle and the router sees them up."""
+    for kind in ("decode", "prefill"):
+        until_idle(kind, time.monotonic(), 60)
+    router_sees_all_up(30)
     if os.path.exists(cluster.mark):
         os.remove(cluster.mark)
     reference = references[2 * index]

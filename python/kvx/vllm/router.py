@@ -319,6 +319,11 @@ class Router:
         # the decode engine's reservation (the id alone claims nothing). Never logged.
         claim_secret = params.new_claim_secret()
         path = request.path
+        # With no engine of a kind up, those down are asked at once rather than at the next
+        # probe: one restarted a moment ago takes this request instead of a 503.
+        for kind, pool in (("decode", self.decode), ("prefill", self.prefill)):
+            if pool.up_count() == 0:
+                await self._probe(kind, pool)
         decode = self.decode.take()
         if decode is None:
             return self._none_up("decode", self.decode)
@@ -411,13 +416,24 @@ class Router:
             answers = await asyncio.gather(*(self._healthy(slot.engine.url) for _, _, slot in slots))
             for (kind, pool, slot), healthy in zip(slots, answers):
                 if healthy:
-                    pool.answered(slot)
-                    if slot.down_since is not None:
-                        pool.mark_up(slot)
-                        logger.info("%s engine %s answers its /health again: it takes requests", kind,
-                                    slot.engine.url)
+                    self._answered(kind, pool, slot)
                 elif slot.down_since is None and pool.silent_for(slot) >= self.config.engine_liveness_sec:
                     self._unresponsive(kind, pool, slot)
+
+    async def _probe(self, kind: str, pool: "EnginePool[Any]") -> None:
+        """Asks each down engine of ``pool`` at once; one that answers is up again."""
+        down = pool.down()
+        answers = await asyncio.gather(*(self._healthy(slot.engine.url) for slot in down))
+        for slot, healthy in zip(down, answers):
+            if healthy:
+                self._answered(kind, pool, slot)
+
+    @staticmethod
+    def _answered(kind: str, pool: "EnginePool[Any]", slot: Slot[Any]) -> None:
+        pool.answered(slot)
+        if slot.down_since is not None:
+            pool.mark_up(slot)
+            logger.info("%s engine %s answers its /health again: it takes requests", kind, slot.engine.url)
 
     def _unresponsive(self, kind: str, pool: "EnginePool[Any]", slot: Slot[Any]) -> None:
         silent = pool.silent_for(slot)

@@ -581,3 +581,21 @@ def test_a_frozen_prefill_engine_is_dropped_and_passed_over():
 def test_engine_liveness_must_leave_room_for_a_late_health_answer():
     with pytest.raises(RouterConfigError, match="engine_liveness_sec"):
         config_from({**good_config(), "health_interval_sec": 2, "engine_liveness_sec": 3})
+
+
+def test_with_every_engine_of_a_kind_down_one_back_up_takes_the_request_before_its_probe():
+    async def go():
+        prefill = FakeEngine("p")
+        # Probes far apart: only the request's own asking can find the engine back.
+        async with Rig([prefill], [FakeEngine("d")], health_interval_sec=30, engine_liveness_sec=60) as rig:
+            await prefill.stop()
+            status, _ = await post_status(rig)
+            assert status == 503  # no prefill engine could be reached
+            assert rig.router.prefill.down()
+            await prefill.start()  # back on its port
+            status, got = await post_status(rig)
+            assert status == 200, got
+            assert not rig.router.prefill.down()
+            assert len(prefill.bodies) == 1
+
+    run(go())
