@@ -236,10 +236,11 @@ def _dechunk(body: bytes) -> bytes:
     return out
 
 
-def wait_state(mark: str, state: str, bound: float) -> bool:
+def wait_state(mark: str, state: str, bound: float, request: "Streamed") -> bool:
+    """Whether the request reached ``state`` (within ``bound``, and before it ended)."""
     want = {"computing": ("saving", 1), "mid-push": ("posted", 1), "pushed": ("posted", tiny_llama.LAYERS)}[state]
     deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and request.ended is None:
         lines = open(mark).read().split() if os.path.exists(mark) else []
         if lines.count(want[0]) >= want[1]:
             return True
@@ -283,9 +284,9 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
     reference = references[2 * index]
     request = Streamed(model, prompt(2 * index), hang_bound)
     row: Dict[str, Any] = {"fault": fault, "state": state}
-    if not wait_state(cluster.mark, state, 120):
+    if not wait_state(cluster.mark, state, 120, request):
         request.thread.join(hang_bound)
-        row["outcome"] = "state not reached"
+        row["outcome"] = f"state not reached (the request: {request.error or 'answered'})"
         return row
     faulted = time.monotonic()
     stopped: List[str] = []

@@ -124,7 +124,10 @@ async fn a_router_that_announces_nothing_is_not_held_to_heartbeats() {
 async fn a_hung_dealer_is_lost_after_the_heartbeat_timeout() {
     let t = transport(quick());
     let mut server = t.serve("tcp://127.0.0.1:0").await.expect("bind");
-    let addr = server.local_endpoint().trim_start_matches("tcp://").to_owned();
+    let addr = server
+        .local_endpoint()
+        .trim_start_matches("tcp://")
+        .to_owned();
     let mut tcp = TcpStream::connect(&addr).await.expect("connect");
     let mut hello = handshake(
         b"DEALER",

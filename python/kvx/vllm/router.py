@@ -173,11 +173,13 @@ def transfer_error(answer: bytes) -> Optional[str]:
 @dataclass
 class _Opened:
     """A decode engine's answer, begun: ``first`` is what was read of it ahead of the relay;
-    ``error`` its error when it failed before any output."""
+    ``error`` its error when it failed before any output; ``lost``: the engine's connection
+    broke (it died) rather than the engine answering an error."""
 
     upstream: "aiohttp.ClientResponse"
     first: bytes
     error: Optional[Dict[str, Any]]
+    lost: bool = False
 
 
 class Router:
@@ -486,9 +488,10 @@ class Router:
             return _Opened(upstream, first, _stream_error(first))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             upstream.close()
-            if isinstance(e, ENGINE_LOST):
+            lost = isinstance(e, (aiohttp.ClientPayloadError, *ENGINE_LOST))
+            if lost:
                 self._mark_down("decode", slot, e)
-            return _Opened(upstream, b"", {"message": f"its answer broke off before any output: {e!r}"})
+            return _Opened(upstream, b"", {"message": f"its answer broke off before any output: {e!r}"}, lost)
         except BaseException:
             # Closed, not given back to the pool: vLLM sees the connection go and aborts.
             upstream.close()
@@ -551,6 +554,11 @@ class Router:
         opened.upstream.close()
         self.stats["decode_failed"] += 1
         said = str(opened.error.get("message") or "no message") if opened.error else "no message"
+        if opened.lost:
+            # The engine died: nothing the prefill engine could add is worth the wait, and the
+            # request may succeed elsewhere (or once the engine is back).
+            return _error(503, f"decode engine {decode.url} broke off before any output: {said} (kvx request "
+                          f"{kvx_id}); retry", "upstream_broke_off")
         if not prefill_task.done():
             await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_WAIT_SEC)
         failed = _result(prefill_task)

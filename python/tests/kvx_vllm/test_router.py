@@ -375,16 +375,21 @@ class BrokenEngine(FakeEngine):
         return response
 
 
-def test_a_decode_answer_that_breaks_off_before_any_output_is_a_502_in_openai_shape():
+def test_a_decode_answer_that_breaks_off_before_any_output_is_a_retryable_503_at_once():
     async def go():
-        async with Rig([FakeEngine("p")], [BrokenEngine("d")]) as rig:
+        # The prefill engine takes long to answer: the router does not wait for its reason
+        # when the decode engine died.
+        async with Rig([FakeEngine("p", delay=5.0)], [BrokenEngine("d")]) as rig:
             request = {"prompt": "x", "stream": True}
+            started = time.monotonic()
             async with rig.client.post(rig.url + "/v1/completions", json=request) as r:
-                assert r.status == 502
+                assert r.status == 503
                 err = (await r.json())["error"]
-                assert err["type"] == "upstream_error" and "broke off" in err["message"], err
+                assert err["type"] == "upstream_broke_off" and "broke off" in err["message"], err
                 assert "kvx request kvx-" in err["message"]
+            assert time.monotonic() - started < 1.0
             assert rig.router.stats["decode_failed"] == 1
+            assert [s.engine.url for s in rig.router.decode.down()] == [rig.decode[0].url]
 
     run(go())
 

@@ -371,7 +371,7 @@ mod tests {
             let got = handshake_server(&mut sr, &mut sw, "ROUTER", &["DEALER"], curve).await;
             match got {
                 Ok(mut h) => {
-                    sw.write_all(&h.sealer.ready("ROUTER"))
+                    sw.write_all(&h.sealer.ready("ROUTER", None))
                         .await
                         .expect("write");
                     Ok(h)
@@ -391,6 +391,7 @@ mod tests {
                 &mut cw,
                 "DEALER",
                 Some(b"s0-to-r0"),
+                None,
                 &["ROUTER"],
                 curve,
             )

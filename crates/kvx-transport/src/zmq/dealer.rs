@@ -92,6 +92,7 @@ impl Dealer {
     /// dropped (clones of `ControlClient::sender()` alone do not keep the socket alive).
     async fn run(mut self, first: Link) {
         let mut link = first;
+        let mut epoch = link.epoch;
         loop {
             let began = Instant::now();
             let why = match self.serve(link).await {
@@ -119,6 +120,14 @@ impl Dealer {
             .await;
             let Some(fresh) = back else { break };
             link = fresh;
+            if epoch.is_some_and(|before| link.epoch.is_some_and(|now| now != before)) {
+                // What it held went with the old incarnation; the requests sent to it failed
+                // at the `Disconnected` above.
+                bump(&self.shared.counters.peer_restarts);
+                tracing::info!(endpoint = %self.endpoint,
+                    "DEALER: the receiver came back as a new process (a new epoch): it restarted");
+            }
+            epoch = link.epoch.or(epoch);
             if self.events.send(ClientEvent::Reconnected).await.is_err() {
                 break;
             }
@@ -134,6 +143,7 @@ impl Dealer {
             writer,
             sealer,
             heartbeats,
+            epoch: _,
         } = link;
         let heard_on = SharedHeard::new(Mutex::new(Heard {
             replies: 0,

@@ -60,6 +60,11 @@ pub(super) fn command_frame(body: &[u8]) -> Vec<u8> {
 /// so a libzmq peer, which announces nothing, is never cut off for keeping quiet.
 pub(super) const HEARTBEAT_PROPERTY: &[u8] = b"X-Kvx-Heartbeat";
 
+/// The READY property in which a kvx DEALER or ROUTER announces its process's epoch, 16 hex
+/// digits (`docs/spec/protocol.md` §Restarts and epochs): the peer then knows when it talks to
+/// a new incarnation.
+pub(super) const EPOCH_PROPERTY: &[u8] = b"X-Kvx-Epoch";
+
 /// The most context bytes a PING carries (RFC 37).
 pub(super) const PING_CONTEXT_MAX: usize = 16;
 

@@ -34,7 +34,7 @@ pub(super) struct Handshaken {
 }
 
 /// The handshake of a connecting socket of type `ours` (with `identity` in its READY, for a
-/// DEALER): our greeting and READY out, the peer's checked (greeting, then READY with a
+/// DEALER, and `epoch`): our greeting and READY out, the peer's checked (greeting, then READY with a
 /// `Socket-Type` in `peers`). Under CURVE (`curve` set), the greeting names CURVE and READY
 /// is CURVE's handshake (`curve::client`). Returns the peer's READY properties and how to
 /// write to it; `Refused` when the peer answered with ERROR. The caller bounds it in time.
@@ -43,6 +43,7 @@ pub(super) async fn handshake<R, W>(
     writer: &mut W,
     ours: &str,
     identity: Option<&[u8]>,
+    epoch: Option<u64>,
     peers: &[&str],
     curve: ClientCurve<'_>,
 ) -> Result<(Vec<(String, Bytes)>, Sealer), HandshakeError>
@@ -53,7 +54,7 @@ where
     let failed = |e: io::Error| HandshakeError::Failed(e.to_string());
     let Some((keys, server)) = curve else {
         let mut hello = greeting(NULL, false).to_vec();
-        hello.extend_from_slice(&ready(ours, identity));
+        hello.extend_from_slice(&ready(ours, identity, epoch));
         writer.write_all(&hello).await.map_err(failed)?;
         let greeting = reader.greeting().await.map_err(failed)?;
         check_greeting(&greeting, NULL)?;
@@ -67,8 +68,14 @@ where
         .map_err(failed)?;
     let greeting = reader.greeting().await.map_err(failed)?;
     check_greeting(&greeting, CURVE)?;
-    let (props, tx) =
-        curve::client(reader, writer, keys, server, &metadata(ours, identity)).await?;
+    let (props, tx) = curve::client(
+        reader,
+        writer,
+        keys,
+        server,
+        &metadata(ours, identity, epoch),
+    )
+    .await?;
     check_socket_type(&props, ours, peers)?;
     Ok((props, Sealer::Curve(tx)))
 }

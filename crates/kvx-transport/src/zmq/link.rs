@@ -52,6 +52,8 @@ pub(super) struct Link {
     pub(super) sealer: Sealer,
     /// The peer announced heartbeats in its READY (a kvx ROUTER answers PING with PONG).
     pub(super) heartbeats: bool,
+    /// The epoch the peer announced (its process's incarnation), if it did.
+    pub(super) epoch: Option<u64>,
 }
 
 /// The most messages one write gathers from the queue: enough to pay one system call for a
@@ -193,6 +195,7 @@ async fn open_unbounded(
         &mut writer,
         role.ours,
         role.identity.as_deref(),
+        Some(shared.epoch),
         role.peers,
         curve,
     )
@@ -222,6 +225,7 @@ async fn open_unbounded(
         writer,
         sealer,
         heartbeats: zmtp::announces_heartbeats(&props),
+        epoch: zmtp::announced_epoch(&props),
     })
 }
 

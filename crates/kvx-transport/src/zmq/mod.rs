@@ -353,6 +353,9 @@ pub struct ZmqStats {
     /// `heartbeat_timeout` (a hung process, a link down without a reset): a DEALER's to its
     /// ROUTER, a ROUTER's to its DEALERs.
     pub peers_silent: u64,
+    /// Peers heard under a new epoch: a DEALER's ROUTER, or a ROUTER's sender identity, that
+    /// came back as a new process (it restarted).
+    pub peer_restarts: u64,
 }
 
 #[derive(Debug, Default)]
@@ -371,6 +374,13 @@ struct Counters {
     protocol_violations: AtomicU64,
     curve_refused: AtomicU64,
     peers_silent: AtomicU64,
+    peer_restarts: AtomicU64,
+}
+
+/// A transport's epoch: 64 bits from the operating system's random numbers.
+fn new_epoch() -> u64 {
+    use crypto_box::aead::rand_core::RngCore;
+    crypto_box::aead::OsRng.next_u64()
 }
 
 /// Adds one; returns the new count.
@@ -410,6 +420,9 @@ struct Shared {
     peers: Mutex<PeerTable>,
     /// The key of this process's principal hashes (SipHash, random keys per process).
     principal_key: RandomState,
+    /// This transport's epoch, announced in its DEALERs' and ROUTERs' READY
+    /// (`docs/spec/protocol.md` §Restarts and epochs).
+    epoch: u64,
 }
 
 impl Shared {
@@ -509,12 +522,20 @@ impl ZmqTransport {
                 counters: Counters::default(),
                 peers,
                 principal_key: RandomState::new(),
+                epoch: new_epoch(),
             }),
         }
     }
 
     pub fn config(&self) -> &ZmqConfig {
         &self.shared.config
+    }
+
+    /// This transport's epoch: 64 random bits drawn when it was made, announced to every kvx
+    /// peer in the handshake (`X-Kvx-Epoch`), so that a peer knows a restarted process for a
+    /// new incarnation (`docs/spec/protocol.md` §Restarts and epochs).
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
     }
 
     pub fn stats(&self) -> ZmqStats {
@@ -535,6 +556,7 @@ impl ZmqTransport {
             protocol_violations: get(&c.protocol_violations),
             curve_refused: get(&c.curve_refused),
             peers_silent: get(&c.peers_silent),
+            peer_restarts: get(&c.peer_restarts),
         }
     }
 

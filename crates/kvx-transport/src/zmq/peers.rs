@@ -70,6 +70,9 @@ struct Entry {
     /// `PeerId` and every right bound to it (fabric credential, grants, requests, cancels),
     /// belong to that key for as long as the identity is remembered (`bind_key`).
     key: Option<[u8; 32]>,
+    /// The epoch its last connection announced (`X-Kvx-Epoch`): the sender process's
+    /// incarnation (`docs/spec/protocol.md` §Restarts and epochs).
+    epoch: Option<u64>,
 }
 
 /// An identity that a CURVE key other than its own presented (`PeerTable::bind_key`).
@@ -131,6 +134,7 @@ impl PeerTable {
                 id,
                 last_seen: self.clock,
                 key: None,
+                epoch: None,
             },
         );
         self.by_id.insert(id, identity.clone());
@@ -169,6 +173,20 @@ impl PeerTable {
                 Ok(())
             }
         }
+    }
+
+    /// A connection announcing `epoch` now speaks for `identity`; whether the identity's
+    /// previous connection announced another one (its sender process restarted).
+    pub(crate) fn epoch_seen(&mut self, identity: &Bytes, epoch: Option<u64>) -> bool {
+        let Some(epoch) = epoch else { return false };
+        self.peer_for(identity);
+        let entry = self
+            .by_identity
+            .get_mut(identity)
+            .expect("invariant: peer_for remembers the identity it was asked for");
+        let restarted = entry.epoch.is_some_and(|before| before != epoch);
+        entry.epoch = Some(epoch);
+        restarted
     }
 
     /// A connection of `principal` now holds `identity` (a ROUTER claimed it): it is not
@@ -283,6 +301,25 @@ mod tests {
         assert_eq!(t.identity_of(first), None);
         assert_eq!(t.bind_key(&b("s0"), Some(key_b)), Ok(()));
         assert_ne!(t.peer_for(&b("s0")), first);
+    }
+
+    #[test]
+    fn a_new_epoch_under_a_known_identity_is_a_restart() {
+        let mut t = PeerTable::new(4);
+        assert!(!t.epoch_seen(&b("s0"), Some(7)), "the first connection");
+        assert!(
+            !t.epoch_seen(&b("s0"), Some(7)),
+            "a reconnect of the same process"
+        );
+        assert!(
+            t.epoch_seen(&b("s0"), Some(8)),
+            "another process under the identity"
+        );
+        assert!(
+            !t.epoch_seen(&b("s0"), None),
+            "a peer that announces none (libzmq)"
+        );
+        assert!(!t.epoch_seen(&b("s1"), Some(8)), "another identity");
     }
 
     #[test]

@@ -84,6 +84,7 @@ impl Pusher {
             mut writer,
             mut sealer,
             heartbeats: _,
+            epoch: _,
         } = link;
         let shared = self.shared.clone();
         // Anything a PULL sends is ignored; the read ends when the connection does.

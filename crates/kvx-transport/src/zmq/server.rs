@@ -31,7 +31,9 @@ use super::inbound::InboundBudget;
 use super::conn::{next_message, watch_liveness, AbortOnDrop, Read};
 use super::frames::{error_command, pong_body};
 use super::handshake::{handshake_server, Handshaken};
-use super::zmtp::{announces_heartbeats, FrameReader, HandshakeError, ReadLimits, Sealer};
+use super::zmtp::{
+    announced_epoch, announces_heartbeats, FrameReader, HandshakeError, ReadLimits, Sealer,
+};
 use super::{bump, fingerprint, framing, peers, worth_logging, Shared};
 
 /// Binds `bind` (`tcp://host:port`, already normalised); `endpoint` is the caller's text,
@@ -171,7 +173,7 @@ async fn accept(
     ours: &'static str,
 ) -> bool {
     use tokio::io::AsyncWriteExt;
-    let ready = sealer.ready(ours);
+    let ready = sealer.ready(ours, Some(shared.epoch));
     let bound = shared.config.handshake_timeout;
     matches!(
         tokio::time::timeout(bound, writer.write_all(&ready)).await,
@@ -395,6 +397,16 @@ async fn router_conn(
         key: client_key,
     };
     shared.peers().held(&identity, principal);
+    if shared
+        .peers()
+        .epoch_seen(&identity, announced_epoch(&props))
+    {
+        // Its previous connection's requests failed when it closed (`Inbound::Lost` came
+        // before the identity was free to take).
+        bump(&shared.counters.peer_restarts);
+        tracing::info!(peer = %kvx_io::SecretLabel(&identity),
+            "ROUTER: a sender came back as a new process (a new epoch): it restarted");
+    }
     // A kvx DEALER pings (it announced heartbeats): each PING is answered, and one that falls
     // silent for `heartbeat_timeout` is hung or cut off and lost like a closed one.
     let heartbeats = announces_heartbeats(&props);

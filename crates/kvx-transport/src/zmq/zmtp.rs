@@ -22,8 +22,8 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::curve_box::{CurveRx, CurveTx, COMMAND_INSIDE, MESSAGE_OVERHEAD};
 use super::frames::{
-    command_frame, encode_message, parse_heartbeat, Heartbeat, COMMAND, HEARTBEAT_PROPERTY, LONG,
-    MORE,
+    command_frame, encode_message, parse_heartbeat, Heartbeat, COMMAND, EPOCH_PROPERTY,
+    HEARTBEAT_PROPERTY, LONG, MORE,
 };
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -92,17 +92,18 @@ pub(super) fn check_greeting(g: &[u8; 64], ours: &[u8]) -> Result<(), HandshakeE
 }
 
 /// A READY command announcing `socket_type` (and, for a DEALER, its routing `identity`, as
-/// libzmq sends it), as one frame on the wire.
-pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
+/// libzmq sends it; for a DEALER or ROUTER, `epoch`), as one frame on the wire.
+pub(super) fn ready(socket_type: &str, identity: Option<&[u8]>, epoch: Option<u64>) -> Vec<u8> {
     let mut body = b"\x05READY".to_vec();
-    body.extend_from_slice(&metadata(socket_type, identity));
+    body.extend_from_slice(&metadata(socket_type, identity, epoch));
     command_frame(&body)
 }
 
 /// The properties a READY (or CURVE's INITIATE and READY boxes) carry: `Socket-Type`, a
 /// DEALER's `Identity`, and for a DEALER or ROUTER `X-Kvx-Heartbeat` (`HEARTBEAT_PROPERTY`:
-/// it takes part in heartbeats; libzmq keeps unknown properties as metadata).
-pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
+/// it takes part in heartbeats) and `X-Kvx-Epoch` (`EPOCH_PROPERTY`, when `epoch` is given).
+/// libzmq keeps unknown properties as metadata.
+pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>, epoch: Option<u64>) -> Vec<u8> {
     let mut body = Vec::with_capacity(32 + identity.map_or(0, <[u8]>::len));
     let mut property = |name: &[u8], value: &[u8]| {
         body.push(name.len() as u8);
@@ -116,8 +117,19 @@ pub(super) fn metadata(socket_type: &str, identity: Option<&[u8]>) -> Vec<u8> {
     }
     if matches!(socket_type, "DEALER" | "ROUTER") {
         property(HEARTBEAT_PROPERTY, b"1");
+        if let Some(epoch) = epoch {
+            property(EPOCH_PROPERTY, format!("{epoch:016x}").as_bytes());
+        }
     }
     body
+}
+
+/// The epoch a peer's READY properties announce (`EPOCH_PROPERTY`), if one is well formed.
+pub(super) fn announced_epoch(props: &[(String, Bytes)]) -> Option<u64> {
+    let name = std::str::from_utf8(EPOCH_PROPERTY).unwrap_or_default();
+    let (_, value) = props.iter().find(|(k, _)| k.eq_ignore_ascii_case(name))?;
+    let text = std::str::from_utf8(value).ok()?;
+    (text.len() == 16).then(|| u64::from_str_radix(text, 16).ok())?
 }
 
 /// Whether a peer's READY properties announce heartbeats (`HEARTBEAT_PROPERTY`).
@@ -538,11 +550,11 @@ impl Sealer {
         }
     }
 
-    /// A bound socket's READY of type `ours`, accepting the peer.
-    pub(super) fn ready(&mut self, ours: &str) -> Vec<u8> {
+    /// A bound socket's READY of type `ours` (announcing `epoch`), accepting the peer.
+    pub(super) fn ready(&mut self, ours: &str, epoch: Option<u64>) -> Vec<u8> {
         match self {
-            Self::Null => ready(ours, None),
-            Self::Curve(tx) => tx.ready(&metadata(ours, None)),
+            Self::Null => ready(ours, None, epoch),
+            Self::Curve(tx) => tx.ready(&metadata(ours, None, epoch)),
         }
     }
 

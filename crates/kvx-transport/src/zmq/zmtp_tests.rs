@@ -49,7 +49,7 @@ async fn error_commands_carry_their_reason() {
             .count(),
         127
     );
-    assert_eq!(parse_error(&ready("ROUTER", None)[2..]), None);
+    assert_eq!(parse_error(&ready("ROUTER", None, None)[2..]), None);
 }
 
 #[tokio::test]
@@ -254,7 +254,7 @@ fn greeting_and_ready_round_trip() {
         Err(HandshakeError::Unauthenticated(_))
     ));
     assert_eq!(check_greeting(&curve, CURVE), Ok(()));
-    let frame = ready("ROUTER", None);
+    let frame = ready("ROUTER", None, None);
     assert_eq!(frame[0], COMMAND);
     let props = parse_ready(&frame[2..]).expect("parses");
     assert_eq!(
@@ -265,9 +265,14 @@ fn greeting_and_ready_round_trip() {
         ]
     );
     assert!(announces_heartbeats(&props));
-    let pull = parse_ready(&ready("PULL", None)[2..]).expect("parses");
+    let pull = parse_ready(&ready("PULL", None, Some(7))[2..]).expect("parses");
+    assert_eq!(announced_epoch(&pull), None, "a PULL announces no epoch");
+    let router = parse_ready(&ready("ROUTER", None, Some(0xfeed))[2..]).expect("parses");
+    assert_eq!(announced_epoch(&router), Some(0xfeed));
+    let bad = [("X-Kvx-Epoch".to_owned(), Bytes::from_static(b"12"))];
+    assert_eq!(announced_epoch(&bad), None, "not 16 hex digits");
     assert!(!announces_heartbeats(&pull), "a PULL answers no PING");
-    let frame = ready("DEALER", Some(b"s0-to-r0"));
+    let frame = ready("DEALER", Some(b"s0-to-r0"), None);
     let props = parse_ready(&frame[2..]).expect("parses");
     assert_eq!(
         props,
@@ -278,7 +283,7 @@ fn greeting_and_ready_round_trip() {
         ]
     );
     // A 255-byte identity makes a READY too long for a short command frame.
-    let frame = ready("DEALER", Some(&[b'x'; 255]));
+    let frame = ready("DEALER", Some(&[b'x'; 255]), None);
     assert_eq!(frame[0], COMMAND | LONG);
     let props = parse_ready(&frame[9..]).expect("parses");
     assert_eq!(props[1].1.len(), 255);
