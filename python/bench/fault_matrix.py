@@ -354,6 +354,12 @@ def reference_answers(model: str, logdir: str, count: int) -> List[str]:
         proc.stop()
 
 
+def short(outcome: str) -> str:
+    """An outcome as the table gives it: a typed failure by its status and type alone."""
+    found = re.match(r"typed failure: (?:event )?(\d+ )?(\w+)", outcome)
+    return f"typed failure (`{(found.group(1) or '')}{found.group(2)}`)" if found else outcome
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
     out = ["| fault | state | outcome at the client | client s | decode idle s | prefill idle s | next request |",
            "|---|---|---|---|---|---|---|"]
@@ -361,7 +367,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         nxt = r.get("next", "")
         if r.get("restart_s"):
             nxt += f" (engine back in {r['restart_s']} s)"
-        out.append(f"| {r['fault']} | {r['state']} | {r.get('outcome')} | {r.get('client_s', '')} | "
+        out.append(f"| {r['fault']} | {r['state']} | {short(str(r.get('outcome')))} | {r.get('client_s', '')} | "
                    f"{r.get('decode_idle_s', '')} | {r.get('prefill_idle_s', '')} | {nxt} |")
     return "\n".join(out)
 
