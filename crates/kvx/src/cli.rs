@@ -86,6 +86,42 @@ pub struct CurveClientArgs {
     pub curve_server_key: Option<PathBuf>,
 }
 
+/// Heartbeats on the control channel (`docs/spec/zmq.md` §5.1): how a stopped or hung peer
+/// process is found, whose connections stay open.
+#[derive(Debug, Clone, Args)]
+pub struct HeartbeatArgs {
+    /// Seconds between a sender's PINGs to each receiver.
+    #[arg(long, default_value_t = kvx_transport::zmq::ZmqConfig::default().heartbeat_interval.as_secs_f64())]
+    pub heartbeat_interval_s: f64,
+    /// Seconds of silence after which a peer that announced heartbeats is given up (a
+    /// receiver fails the sender's requests, a sender the receiver's); at least twice
+    /// --heartbeat-interval-s.
+    #[arg(long, default_value_t = kvx_transport::zmq::ZmqConfig::default().heartbeat_timeout.as_secs_f64())]
+    pub heartbeat_timeout_s: f64,
+}
+
+impl HeartbeatArgs {
+    /// Sets them on `choice`'s ZMQ transport, checked.
+    pub fn apply(&self, choice: &mut kvx_embed::EnvChoice) -> anyhow::Result<()> {
+        let positive = |name: &str, s: f64| {
+            if s.is_finite() && s > 0.0 && s <= 86_400.0 {
+                Ok(std::time::Duration::from_secs_f64(s))
+            } else {
+                Err(anyhow::anyhow!(
+                    "--{name}: a positive number of seconds, at most a day, not {s}"
+                ))
+            }
+        };
+        if let kvx_embed::TransportChoice::Zmq(config) = &mut choice.transport {
+            config.heartbeat_interval =
+                positive("heartbeat-interval-s", self.heartbeat_interval_s)?;
+            config.heartbeat_timeout = positive("heartbeat-timeout-s", self.heartbeat_timeout_s)?;
+            config.validate()?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// How chunk bytes move.
@@ -173,6 +209,8 @@ pub struct ReceiverArgs {
     pub protocol: crate::knobs::ReceiverKnobs,
     #[command(flatten)]
     pub curve: CurveServerArgs,
+    #[command(flatten)]
+    pub heartbeats: HeartbeatArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -232,6 +270,8 @@ pub struct SenderArgs {
     pub protocol: crate::knobs::SenderKnobs,
     #[command(flatten)]
     pub curve: CurveClientArgs,
+    #[command(flatten)]
+    pub heartbeats: HeartbeatArgs,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -168,7 +168,8 @@ impl EnvVisitor for Receiver {
 
 pub async fn receiver(args: ReceiverArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
-    let choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
+    let mut choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
+    args.heartbeats.apply(&mut choice)?;
     choice.visit(Receiver(args))?.await
 }
 
@@ -183,7 +184,8 @@ impl EnvVisitor for Sender {
 
 pub async fn sender(args: SenderArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
-    let choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
+    let mut choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
+    args.heartbeats.apply(&mut choice)?;
     choice.visit(Sender(args))?.await
 }
 

@@ -1,13 +1,15 @@
 //! Chaos with real processes on loopback: a proxy, a receiver and two senders as separate
 //! `kvx` processes. During a run one sender hangs (SIGSTOP) and is then killed (SIGKILL), the
 //! receiver is killed and restarted on the same ports, and the proxy is frozen (SIGSTOP) and
-//! thawed (SIGCONT). The receiver must reclaim the hung sender's slots when their lease ends
-//! (its connections stay up: nothing else says it is gone), the other sender must keep going
-//! through all of it and end every request exactly once, and once the run stops no slot stays
-//! held. Bounded: every wait has a deadline. The same run with the receiver's lease as good
-//! as off (`--request-idle-timeout-s 1000`) must fail: the hung sender's slots are never
-//! reclaimed. (A sender that is killed outright is reclaimed at once, its control connection
-//! closed: `python/tests/test_lost_sender.py`, `kvx-proto` `tests/lost_senders.rs`.)
+//! thawed (SIGCONT). The receiver must reclaim the hung sender's slots, whose connections stay
+//! up, by either of the two rules that find it: their lease ends (`--request-idle-timeout-s`),
+//! or its heartbeats stop (`--heartbeat-timeout-s`). The other sender must keep going through
+//! all of it and end every request exactly once, and once the run stops no slot stays held.
+//! Bounded: every wait has a deadline. Three runs: both rules on; the lease as good as off
+//! (the heartbeats alone find the hung sender); both as good as off, which must fail: the hung
+//! sender's slots are never reclaimed. (A sender that is killed outright is reclaimed at once,
+//! its control connection closed: `python/tests/test_lost_sender.py`, `kvx-proto`
+//! `tests/lost_senders.rs`.)
 
 mod processes;
 
@@ -88,7 +90,7 @@ fn tail(path: &std::path::Path) -> String {
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
 
-fn receiver(p: &Ports, idle_s: &str) -> Proc {
+fn receiver(p: &Ports, idle_s: &str, heartbeat_s: &str) -> Proc {
     let log = std::fs::File::create(receiver_log(p)).expect("a log file");
     Proc(Some(
         kvx()
@@ -97,6 +99,7 @@ fn receiver(p: &Ports, idle_s: &str) -> Proc {
             .args(["--alloc-ports", &p.alloc.to_string()])
             .args(["--fabric-ports", &p.fabric.to_string()])
             .args(["--metrics", &format!("127.0.0.1:{}", p.m_receiver)])
+            .args(["--heartbeat-timeout-s", heartbeat_s])
             .args([
                 "--request-idle-timeout-s",
                 idle_s,
@@ -143,7 +146,7 @@ fn sender(p: &Ports, index: u32) -> Proc {
 }
 
 /// The run; Err says which expectation failed.
-fn chaos(idle_s: &str) -> Result<(), String> {
+fn chaos(idle_s: &str, heartbeat_s: &str) -> Result<(), String> {
     let p = Ports {
         alloc: free_port(),
         fabric: free_port(),
@@ -166,7 +169,7 @@ fn chaos(idle_s: &str) -> Result<(), String> {
             .spawn()
             .expect("kvx proxy starts"),
     ));
-    let mut rx = Some(receiver(&p, idle_s));
+    let mut rx = Some(receiver(&p, idle_s, heartbeat_s));
     let ready = |port| move || matches!(get(port, "/ready"), Some((200, _)));
     let result = (|| {
         wait_until("the proxy ready", Duration::from_secs(20), ready(p.m_proxy))?;
@@ -183,12 +186,13 @@ fn chaos(idle_s: &str) -> Result<(), String> {
             admitted() > 20.0
         })?;
 
-        // 1. A sender hangs mid-transfer: its slots come back when their lease ends. Then
-        //    it is killed (its connections close: nothing of it is left open).
+        // 1. A sender hangs mid-transfer: its slots come back when their lease ends or its
+        //    heartbeats stop. Then it is killed (its connections close: nothing of it is left
+        //    open).
         victim.signal("-STOP");
         let rolled_back = || metric(p.m_receiver, "kvx_receiver_rolled_back_total").unwrap_or(0.0);
         let leased = wait_until(
-            "the hung sender's requests rolled back by their lease",
+            "the hung sender's requests rolled back (lease, heartbeats)",
             Duration::from_secs(15),
             || rolled_back() > 0.0,
         );
@@ -201,7 +205,7 @@ fn chaos(idle_s: &str) -> Result<(), String> {
             old.signal("-KILL");
             let _ = old.end(Duration::from_secs(5));
         }
-        rx = Some(receiver(&p, idle_s));
+        rx = Some(receiver(&p, idle_s, heartbeat_s));
         wait_until(
             "the receiver back",
             Duration::from_secs(20),
@@ -259,11 +263,13 @@ fn chaos(idle_s: &str) -> Result<(), String> {
     result
 }
 
-/// One test, the two runs one after the other: run in parallel, each run's processes open
+/// One test, the runs one after the other: run in parallel, each run's processes open
 /// outgoing connections whose ephemeral ports can take a port the other has just picked.
 #[test]
-fn a_cluster_of_processes_survives_kills_restarts_and_a_frozen_proxy_and_needs_its_leases() {
-    chaos("2").expect("the cluster recovers");
-    let err = chaos("1000").expect_err("with leases off the check must fail");
-    assert!(err.contains("lease"), "{err}");
+fn a_cluster_of_processes_survives_kills_restarts_and_a_frozen_proxy_and_needs_a_liveness_rule() {
+    chaos("2", "4").expect("the cluster recovers");
+    chaos("1000", "4").expect("the heartbeats alone find the hung sender");
+    let err =
+        chaos("1000", "1000").expect_err("with leases and heartbeats off the check must fail");
+    assert!(err.contains("lease, heartbeats"), "{err}");
 }
