@@ -10,22 +10,14 @@ use kvx_io::transport::{ClientEvent, ControlClient, Inbound, DISCONNECT_ACK};
 use kvx_io::Transport;
 use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
 
-const STEP: Duration = Duration::from_secs(10);
-
-async fn step<F: std::future::Future>(what: &str, fut: F) -> F::Output {
-    tokio::time::timeout(STEP, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {STEP:?}"))
-}
+mod zmq_common;
+use zmq_common::{quick, serve_again, step};
 
 fn transport() -> ZmqTransport {
-    ZmqTransport::new(ZmqConfig {
-        connect_timeout: Duration::from_millis(500),
-        reconnect_backoff_min: Duration::from_millis(20),
+    zmq_common::transport(ZmqConfig {
         reconnect_backoff_max: Duration::from_millis(100),
-        ..ZmqConfig::default()
+        ..quick()
     })
-    .expect("valid config")
 }
 
 async fn said(client: &mut ControlClient, want: ClientEvent) {
@@ -52,15 +44,7 @@ async fn a_dealer_tells_a_restarted_receiver_from_a_reconnect() {
     drop(server);
     said(&mut client, ClientEvent::Disconnected).await;
     client.send(DISCONNECT_ACK).await.expect("ack");
-    let again = step("rebind", async {
-        loop {
-            match first.serve(&endpoint).await {
-                Ok(s) => return s,
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        }
-    })
-    .await;
+    let again = serve_again(&first, &endpoint).await;
     said(&mut client, ClientEvent::Reconnected).await;
     assert_eq!(tc.stats().peer_restarts, 0);
 
@@ -69,15 +53,7 @@ async fn a_dealer_tells_a_restarted_receiver_from_a_reconnect() {
     said(&mut client, ClientEvent::Disconnected).await;
     client.send(DISCONNECT_ACK).await.expect("ack");
     let second = transport();
-    let _server = step("bind anew", async {
-        loop {
-            match second.serve(&endpoint).await {
-                Ok(s) => return s,
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        }
-    })
-    .await;
+    let _server = serve_again(&second, &endpoint).await;
     said(&mut client, ClientEvent::Reconnected).await;
     assert_eq!(tc.stats().peer_restarts, 1);
 }

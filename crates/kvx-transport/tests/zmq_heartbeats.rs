@@ -10,33 +10,23 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvx_io::transport::{ClientEvent, Inbound};
 use kvx_io::Transport;
-use kvx_transport::zmq::{AllowList, CurveConfig, CurveKeyPair, ZmqConfig, ZmqTransport};
+use kvx_transport::zmq::{AllowList, CurveConfig, CurveKeyPair, ZmqConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const STEP: Duration = Duration::from_secs(10);
 const INTERVAL: Duration = Duration::from_millis(100);
 const LIVENESS: Duration = Duration::from_millis(500);
 
-async fn step<F: std::future::Future>(what: &str, fut: F) -> F::Output {
-    tokio::time::timeout(STEP, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {STEP:?}"))
-}
+mod zmq_common;
+use zmq_common::{step, transport};
 
+/// `zmq_common::quick`, with heartbeats ten times as fast.
 fn quick() -> ZmqConfig {
     ZmqConfig {
-        connect_timeout: Duration::from_millis(500),
-        reconnect_backoff_min: Duration::from_millis(20),
-        reconnect_backoff_max: Duration::from_millis(200),
         heartbeat_interval: INTERVAL,
         heartbeat_timeout: LIVENESS,
-        ..ZmqConfig::default()
+        ..zmq_common::quick()
     }
-}
-
-fn transport(config: ZmqConfig) -> ZmqTransport {
-    ZmqTransport::new(config).expect("valid config")
 }
 
 /// A NULL greeting (ZMTP 3.0) and a READY of `socket_type` with `props`, as raw bytes.

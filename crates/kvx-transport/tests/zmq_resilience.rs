@@ -16,27 +16,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
-const STEP: Duration = Duration::from_secs(10);
-
-async fn step<F: std::future::Future>(what: &str, fut: F) -> F::Output {
-    tokio::time::timeout(STEP, fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {STEP:?}"))
-}
-
-/// Fast reconnects, so the tests spend little time waiting.
-fn quick() -> ZmqConfig {
-    ZmqConfig {
-        connect_timeout: Duration::from_millis(500),
-        reconnect_backoff_min: Duration::from_millis(20),
-        reconnect_backoff_max: Duration::from_millis(200),
-        ..ZmqConfig::default()
-    }
-}
-
-fn transport(config: ZmqConfig) -> ZmqTransport {
-    ZmqTransport::new(config).expect("valid config")
-}
+mod zmq_common;
+use zmq_common::{quick, serve_again, step, transport};
 
 async fn event(client: &mut ControlClient, what: &str) -> ClientEvent {
     step(what, client.recv()).await.expect("client open")
@@ -54,17 +35,6 @@ async fn round_trip(client: &mut ControlClient, server: &mut ControlServer, text
         event(client, "reply").await,
         ClientEvent::Message(Bytes::from_static(text.as_bytes()))
     );
-}
-
-/// Binds `endpoint` again once the previous socket has let go of the port (bounded).
-async fn serve_again(t: &ZmqTransport, endpoint: &str) -> ControlServer {
-    for _ in 0..100 {
-        match t.serve(endpoint).await {
-            Ok(server) => return server,
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    panic!("could not bind {endpoint} again within 5 s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
