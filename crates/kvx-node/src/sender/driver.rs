@@ -66,11 +66,11 @@ pub(super) struct Driver<E: Env> {
     /// `Disconnected` was processed).
     control_down: std::collections::BTreeSet<PeerId>,
     /// What requests begun while their receiver's channel was down (a restarted receiver
-    /// the transport reconnects to) would send it, in order, with the request it is for:
-    /// sent once the channel is back (`flush_due`), so that such a request waits for the
-    /// reconnection instead of failing, bounded by the sender's reply timeout. Everything
-    /// begun before the break has failed already, so nothing held is older than it.
-    held: BTreeMap<PeerId, Vec<(Option<kvx_proto::ReqId>, Bytes)>>,
+    /// the transport reconnects to) would send it, in order, with its `seq`: sent once the
+    /// channel is back (`flush_due`), so that such a request waits for the reconnection
+    /// instead of failing, bounded by the sender's reply timeout. Everything begun before
+    /// the break has failed already, so nothing held is older than it.
+    held: BTreeMap<PeerId, Vec<(Option<u64>, Bytes)>>,
     /// Receivers whose channel came back with messages held for it.
     flush_due: Vec<PeerId>,
     /// Receivers whose `Disconnected` has been processed (their requests failed) and not yet
@@ -450,12 +450,12 @@ impl<E: Env> Driver<E> {
                 // The transport drops what it is handed while reconnecting: a request begun
                 // since the break waits for the channel to come back (`held`).
                 if self.control_down.contains(&peer) {
-                    let req_id = match &t.msg {
-                        wire::Message::AllocRequest(r) => Some(r.req_id.as_str().into()),
-                        wire::Message::CancelNotif(c) => Some(c.req_id.as_str().into()),
+                    let seq = match &t.msg {
+                        wire::Message::AllocRequest(r) => r.seq,
+                        wire::Message::CancelNotif(c) => c.seq,
                         _ => None,
                     };
-                    self.held.entry(peer).or_default().push((req_id, bytes));
+                    self.held.entry(peer).or_default().push((seq, bytes));
                     return;
                 }
                 if client.send(bytes).await.is_err() {
@@ -475,7 +475,13 @@ impl<E: Env> Driver<E> {
     }
 
     /// Sends what was held for `peer` while its channel was down, in order, leaving out the
-    /// messages of requests that ended meanwhile (their reply timeout ran out).
+    /// messages whose reply the core no longer awaits (the reply timeout reset the channel
+    /// meanwhile: a reply to them would be taken for a newer message's on a serial
+    /// channel). Whether the message's *request* still runs does not matter: the cancel of
+    /// a request that ended is in flight all the same, and a channel still probing admits
+    /// nothing else until its reply comes (found by `receiver_restart_mid_run`: a request
+    /// begun during the reconnection once waited out the reply timeout behind a cancel held
+    /// and never sent).
     async fn flush_held(&mut self, peer: PeerId) {
         let Some(held) = self.held.remove(&peer) else {
             return;
@@ -483,11 +489,9 @@ impl<E: Env> Driver<E> {
         let Some(client) = self.clients.get(&peer) else {
             return;
         };
-        for (req_id, bytes) in held {
-            let live = req_id
-                .as_ref()
-                .is_none_or(|r| self.shared.lock().flow.is_tracked(r));
-            if live && client.send(bytes).await.is_err() {
+        for (seq, bytes) in held {
+            let awaited = seq.is_none_or(|seq| self.shared.lock().flow.awaits_reply(peer, seq));
+            if awaited && client.send(bytes).await.is_err() {
                 let now = self.env.now();
                 self.shared.lock().flow.handle_receiver_lost(now, peer);
                 return;

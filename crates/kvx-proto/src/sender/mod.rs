@@ -477,6 +477,15 @@ impl SenderFlow {
         self.requests.get(req_id).is_some_and(|r| !gone_early(r))
     }
 
+    /// Whether the message numbered `seq` to `receiver` is in flight: sent as far as this
+    /// flow knows, its reply awaited. A driver that held the message back (its channel was
+    /// down) must then send it: the channel may admit nothing else until that reply comes.
+    pub fn awaits_reply(&self, receiver: PeerId, seq: u64) -> bool {
+        self.channels
+            .get(&receiver)
+            .is_some_and(|ch| ch.in_flight.iter().any(|f| f.seq == seq))
+    }
+
     /// Whether `req_id` runs, or ended recently enough that its outcome is remembered.
     pub fn knows(&self, req_id: &ReqId) -> bool {
         self.requests.contains_key(req_id) || self.outcomes.contains_key(req_id)
