@@ -71,7 +71,8 @@ def defaults() -> Dict[str, Dict[str, Any]]:
     """The default of every setting, from kvx's core: ``{"receiver": ..., "sender": ...,
     "proxy": ..., "node": ...}``, each keyed by the core's field name (durations in seconds);
     ``node`` also lists the names ``transport=`` and ``fabric=`` take in this build
-    (``"transports"``, ``"fabrics"``)."""
+    (``"transports"``, ``"fabrics"``), and the ZeroMQ transport's heartbeats
+    (``"heartbeat_interval"``, ``"heartbeat_timeout"``)."""
 
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""
@@ -172,10 +173,16 @@ class Sender:
         curve_secret_key: Optional[_Path] = None,
         curve_server_key: Optional[_Path] = None,
         placement: Literal["pool", "caller"] = "pool",
+        heartbeat_interval: Optional[float] = None,
+        heartbeat_timeout: Optional[float] = None,
     ) -> Self:
         """A protocol setting given as ``None`` is kvx's default (``defaults()["sender"]``).
         ``curve_secret_key`` (this sender's ``NAME.key_secret``) and ``curve_server_key`` (the
-        receivers' and proxy's ``NAME.key``), both or neither: CURVE on the control channels."""
+        receivers' and proxy's ``NAME.key``), both or neither: CURVE on the control channels.
+        ``heartbeat_interval`` / ``heartbeat_timeout`` (``"zmq"`` only; defaults in
+        ``defaults()["node"]``): how often this sender's connections ping each receiver, and
+        the silence after which it gives a receiver up (failing its requests); the timeout at
+        least twice the interval."""
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
         """Connects to a receiver; returns its id for ``begin``. ``IdentityRefusedError`` when
         the receiver refuses this sender's identity (another sender's connection holds it)."""
@@ -331,6 +338,8 @@ class Receiver:
         curve_allow: Optional[_Path] = None,
         placement: Literal["pool", "caller"] = "pool",
         request_idle_timeout: Optional[float] = None,
+        heartbeat_interval: Optional[float] = None,
+        heartbeat_timeout: Optional[float] = None,
     ) -> Self:
         """A protocol setting given as ``None`` is kvx's default (``defaults()["receiver"]``).
         ``curve_secret_key`` (this receiver's ``NAME.key_secret``) and ``curve_allow`` (the
@@ -339,7 +348,10 @@ class Receiver:
         request's (``reserve``); ``"pool"``: kvx's admission places requests. ``buffer`` may be
         a list of buffers of the same size (per-layer tensors), each holding
         ``slots / len(buffer)`` slots, numbered part after part. ``request_idle_timeout``: how
-        long an admitted request may go without a landed write before it fails."""
+        long an admitted request may go without a landed write before it fails.
+        ``heartbeat_interval`` / ``heartbeat_timeout`` (``"zmq"`` only; defaults in
+        ``defaults()["node"]``): the pings a sender's connection is expected to send, and the
+        silence after which this receiver gives the sender up (failing its requests)."""
     @property
     def alloc_endpoint(self) -> str: ...
     @property

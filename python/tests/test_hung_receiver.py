@@ -21,10 +21,15 @@ WAIT = 20.0
 HEARTBEAT_TIMEOUT = 4.0  # kvx_transport::zmq::ZmqConfig's default
 
 
-def test_a_hung_receivers_request_fails_typed_within_the_heartbeat_timeout():
+@pytest.mark.parametrize("heartbeat_timeout", [None, 1.0])
+def test_a_hung_receivers_request_fails_typed_within_the_heartbeat_timeout(heartbeat_timeout):
+    """With the default deadline, and with a shorter one set on the sender (the keyword
+    reaches its transport: the request fails well before the default's 4 s)."""
     endpoints = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     rx = Receiver(endpoints)
-    tx = kvx.Sender(slots=4, slot_bytes=4096)
+    deadline = heartbeat_timeout or HEARTBEAT_TIMEOUT
+    given = {} if heartbeat_timeout is None else {"heartbeat_interval": 0.25, "heartbeat_timeout": heartbeat_timeout}
+    tx = kvx.Sender(slots=4, slot_bytes=4096, **given)
     try:
         peer = tx.add_receiver(*endpoints)
         rx.reserve("during")
@@ -34,7 +39,7 @@ def test_a_hung_receivers_request_fails_typed_within_the_heartbeat_timeout():
         with pytest.raises(kvx.KvxError) as failed:
             finish(tx, "during")
         took = time.monotonic() - hung
-        assert HEARTBEAT_TIMEOUT * 0.75 <= took < HEARTBEAT_TIMEOUT + 3.0, (took, failed.value)
+        assert deadline * 0.75 <= took < deadline + 2.0, (took, failed.value)
         # It runs again: the sender's channel reconnects, and the next request goes through
         # (the receiver failed "during" too: its DEALER's heartbeats stopped reaching it).
         rx.proc.send_signal(signal.SIGCONT)
@@ -46,3 +51,15 @@ def test_a_hung_receivers_request_fails_typed_within_the_heartbeat_timeout():
         tx.close()
         rx.proc.send_signal(signal.SIGCONT)
         rx.kill()
+
+
+def test_heartbeat_settings_are_checked():
+    assert kvx.defaults()["node"]["heartbeat_timeout"] == HEARTBEAT_TIMEOUT
+    with pytest.raises(ValueError, match="at least twice heartbeat_interval"):
+        kvx.Sender(slots=1, slot_bytes=64, heartbeat_interval=1.0, heartbeat_timeout=1.5)
+    with pytest.raises(ValueError, match="at least twice heartbeat_interval"):
+        kvx.Receiver(slots=1, slot_bytes=64, heartbeat_timeout=1.0)  # the interval's default: 1 s
+    with pytest.raises(ValueError, match="heartbeat_interval must be a positive"):
+        kvx.Sender(slots=1, slot_bytes=64, heartbeat_interval=0)
+    with pytest.raises(ValueError, match='settings of the "zmq" transport'):
+        kvx.Sender(slots=1, slot_bytes=64, transport="mem", fabric="mem", heartbeat_timeout=8.0)

@@ -57,6 +57,43 @@ pub enum EnvError {
     Rdma(#[source] kvx_rdma::RdmaError),
 }
 
+/// Why heartbeat settings could not be applied (`TransportChoice::set_heartbeats`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HeartbeatError {
+    /// Heartbeats are the ZeroMQ transport's (`docs/spec/zmq.md` §5.1); the in-process one
+    /// has no connection to lose.
+    #[error("heartbeats are settings of the \"zmq\" transport, not of {0:?}")]
+    NotZmq(&'static str),
+    /// The pair cannot work (zero, over a day, or a timeout under twice the interval).
+    #[error("{0}")]
+    Invalid(#[source] kvx_transport::zmq::ZmqConfigError),
+}
+
+impl TransportChoice {
+    /// Sets the ZeroMQ transport's heartbeats (`docs/spec/zmq.md` §5.1), checked together:
+    /// the one place the `kvx` binary's flags and the Python keywords both go through.
+    pub fn set_heartbeats(
+        &mut self,
+        interval: std::time::Duration,
+        timeout: std::time::Duration,
+    ) -> Result<(), HeartbeatError> {
+        match self {
+            Self::Zmq(config) => {
+                let changed = ZmqConfig {
+                    heartbeat_interval: interval,
+                    heartbeat_timeout: timeout,
+                    ..config.clone()
+                };
+                changed.validate().map_err(HeartbeatError::Invalid)?;
+                *config = changed;
+                Ok(())
+            }
+            Self::Mem(_) => Err(HeartbeatError::NotZmq("mem")),
+        }
+    }
+}
+
 /// Generic code run on the environment a choice names.
 pub trait EnvVisitor {
     /// What the visit yields (a started driver's handle, typically a boxed future of it).

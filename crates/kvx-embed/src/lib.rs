@@ -42,7 +42,7 @@ mod returns;
 pub mod runtime;
 pub mod sender;
 
-pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, TransportChoice};
+pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, HeartbeatError, TransportChoice};
 pub use error::EmbedError;
 pub use memory::{Memory, MemoryView};
 pub use named::{InProcess, NameError, FABRIC_NAMES, TRANSPORT_NAMES};

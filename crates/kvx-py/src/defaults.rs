@@ -134,6 +134,9 @@ pub(crate) fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         "connect_timeout",
         secs(kvx_embed::defaults::CONNECT_TIMEOUT),
     )?;
+    let zmq = kvx_transport::zmq::ZmqConfig::default();
+    node.set_item("heartbeat_interval", secs(zmq.heartbeat_interval))?;
+    node.set_item("heartbeat_timeout", secs(zmq.heartbeat_timeout))?;
 
     // The names `transport=`/`fabric=` take (`kvx_embed::named`), the fabrics only as far
     // as this build has them.

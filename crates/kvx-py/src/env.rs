@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kvx_embed::{EnvChoice, FabricChoice, InProcess, NameError};
-use kvx_transport::zmq::{load_public_key, AllowList, CurveConfig, CurveKeyPair};
+use kvx_transport::zmq::{load_public_key, AllowList, CurveConfig, CurveKeyPair, ZmqConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -61,14 +61,48 @@ pub(crate) fn curve_client(
     }
 }
 
+/// The ZeroMQ heartbeats a `Sender` or `Receiver` was given (`heartbeat_interval=`,
+/// `heartbeat_timeout=`, seconds; `docs/spec/zmq.md` §5.1). One given alone keeps the other's
+/// default.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Heartbeats {
+    pub(crate) interval: Option<f64>,
+    pub(crate) timeout: Option<f64>,
+}
+
 /// The environment named by `transport` (with `curve`, from `curve_server` or
-/// `curve_client`) and `fabric` (`kvx_embed::named`, the mapping the `kvx` binary uses).
+/// `curve_client`, and `heartbeats`) and `fabric` (`kvx_embed::named`, the mapping the `kvx`
+/// binary uses).
 pub(crate) fn choice(
     transport_name: &str,
     fabric: &str,
     curve: Option<CurveConfig>,
+    heartbeats: Heartbeats,
 ) -> PyResult<EnvChoice> {
-    EnvChoice::named(transport_name, fabric, curve, in_process()).map_err(bad_name)
+    let mut choice =
+        EnvChoice::named(transport_name, fabric, curve, in_process()).map_err(bad_name)?;
+    if heartbeats.interval.is_some() || heartbeats.timeout.is_some() {
+        let zmq = ZmqConfig::default();
+        let or_default = |given: Option<f64>, what, default| match given {
+            Some(s) => crate::wait::positive_seconds(s, what),
+            None => Ok(default),
+        };
+        let interval = or_default(
+            heartbeats.interval,
+            "heartbeat_interval",
+            zmq.heartbeat_interval,
+        )?;
+        let timeout = or_default(
+            heartbeats.timeout,
+            "heartbeat_timeout",
+            zmq.heartbeat_timeout,
+        )?;
+        choice
+            .transport
+            .set_heartbeats(interval, timeout)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    }
+    Ok(choice)
 }
 
 fn bad_name(e: NameError) -> PyErr {

@@ -68,7 +68,7 @@ impl Receiver {
         alloc = "tcp://127.0.0.1:0", fabric_endpoint = "tcp://127.0.0.1:0",
         peer_share_percent = None, admission_timeout = None, unconsumed_ttl = None,
         require_checksums = None, curve_secret_key = None, curve_allow = None,
-        placement = "pool", request_idle_timeout = None))]
+        placement = "pool", request_idle_timeout = None, heartbeat_interval = None, heartbeat_timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -87,10 +87,16 @@ impl Receiver {
         curve_allow: Option<PathBuf>,
         placement: &str,
         request_idle_timeout: Option<f64>,
+        heartbeat_interval: Option<f64>,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let placement = placement::named(placement)?;
         let curve = env::curve_server(curve_secret_key, curve_allow)?;
-        let choice = env::choice(transport, fabric, curve)?;
+        let heartbeats = env::Heartbeats {
+            interval: heartbeat_interval,
+            timeout: heartbeat_timeout,
+        };
+        let choice = env::choice(transport, fabric, curve, heartbeats)?;
         let own = env::needs_own_mapping(&choice);
         let in_parts = match buffer {
             Some(b) if b.is_instance_of::<PyList>() || b.is_instance_of::<PyTuple>() => {

@@ -79,7 +79,7 @@ impl Sender {
     #[pyo3(signature = (*, slots, slot_bytes, staging = None, transport = "zmq", fabric = "tcp",
         proxy = None, local_id = None, staging_timeout = None, reply_timeout = None,
         write_timeout = None, checksums = None, failure_notices = None, curve_secret_key = None,
-        curve_server_key = None, placement = "pool"))]
+        curve_server_key = None, placement = "pool", heartbeat_interval = None, heartbeat_timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -98,10 +98,16 @@ impl Sender {
         curve_secret_key: Option<PathBuf>,
         curve_server_key: Option<PathBuf>,
         placement: &str,
+        heartbeat_interval: Option<f64>,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let staging_placement = placement::named(placement)?;
         let curve = env::curve_client(curve_secret_key, curve_server_key)?;
-        let choice = env::choice(transport, fabric, curve)?;
+        let heartbeats = env::Heartbeats {
+            interval: heartbeat_interval,
+            timeout: heartbeat_timeout,
+        };
+        let choice = env::choice(transport, fabric, curve, heartbeats)?;
         let own = env::needs_own_mapping(&choice);
         if staging_placement == Placement::Caller && (staging.is_none() || own) {
             return Err(PyValueError::new_err(

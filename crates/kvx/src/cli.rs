@@ -112,13 +112,9 @@ impl HeartbeatArgs {
                 ))
             }
         };
-        if let kvx_embed::TransportChoice::Zmq(config) = &mut choice.transport {
-            config.heartbeat_interval =
-                positive("heartbeat-interval-s", self.heartbeat_interval_s)?;
-            config.heartbeat_timeout = positive("heartbeat-timeout-s", self.heartbeat_timeout_s)?;
-            config.validate()?;
-        }
-        Ok(())
+        let interval = positive("heartbeat-interval-s", self.heartbeat_interval_s)?;
+        let timeout = positive("heartbeat-timeout-s", self.heartbeat_timeout_s)?;
+        Ok(choice.transport.set_heartbeats(interval, timeout)?)
     }
 }
 

@@ -26,7 +26,8 @@ go as one write over TCP: the sender posts a layer's batch in runs (``kvx_io::Wr
 
 Every wait is bounded: a claim by ``claim_timeout_sec``, a silent request by
 ``idle_timeout_sec``, a grant by ``grant_timeout_sec`` (the scheduler's), a staging slot by
-``write_timeout_sec``, a connection by ``connect_timeout_sec``.
+``write_timeout_sec``, a connection by ``connect_timeout_sec``, a silent peer engine by
+``heartbeat_timeout_sec``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class DecodeTransfer:
             require_checksums=s.checksums,
             curve_secret_key=s.curve_secret_key,
             curve_allow=s.curve_allow,
+            heartbeat_interval=s.heartbeat_interval_sec,
+            heartbeat_timeout=s.heartbeat_timeout_sec,
         )
         self.layout = layout
         logger.info(
@@ -322,6 +325,8 @@ class PrefillTransfer:
             checksums=s.checksums,
             curve_secret_key=s.curve_secret_key,
             curve_server_key=s.curve_server_key,
+            heartbeat_interval=s.heartbeat_interval_sec,
+            heartbeat_timeout=s.heartbeat_timeout_sec,
         )
         self.layout = layout
 

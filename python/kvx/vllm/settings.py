@@ -95,6 +95,19 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
         _DEFAULTS["receiver"]["request_idle_timeout"],
         "decode: how long a claimed request may go without a landed write before the load fails",
     ),
+    # Heartbeats on the control channels (docs/spec/zmq.md §5.1): how a stopped or hung
+    # engine, or a link down without a reset, is found while its connection stays open.
+    "heartbeat_interval_sec": (
+        float,
+        _DEFAULTS["node"]["heartbeat_interval"],
+        "prefill: how often its connection to each decode engine pings it",
+    ),
+    "heartbeat_timeout_sec": (
+        float,
+        _DEFAULTS["node"]["heartbeat_timeout"],
+        "the silence after which a peer engine is given up and its requests fail (prefill: "
+        "a decode engine; decode: a prefill engine); at least twice heartbeat_interval_sec",
+    ),
     # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak
     # ZeroMQ's NULL mechanism and the network is trusted.
     "curve_secret_key": (
@@ -140,6 +153,8 @@ class KvxVllmSettings:
     write_timeout_sec: float
     claim_timeout_sec: float
     idle_timeout_sec: float
+    heartbeat_interval_sec: float = _DEFAULTS["node"]["heartbeat_interval"]
+    heartbeat_timeout_sec: float = _DEFAULTS["node"]["heartbeat_timeout"]
     curve_secret_key: Optional[str] = None
     curve_allow: Optional[str] = None
     curve_server_key: Optional[str] = None
@@ -168,6 +183,12 @@ def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     for name in ("alloc_port", "fabric_port"):
         if not 1 <= out[name] <= 65535:
             raise ConfigError(f"kv_connector_extra_config {name}={out[name]}: a port, 1..65535")
+    if out["heartbeat_timeout_sec"] < 2 * out["heartbeat_interval_sec"]:
+        raise ConfigError(
+            f"kv_connector_extra_config heartbeat_timeout_sec={out['heartbeat_timeout_sec']}: at "
+            f"least twice heartbeat_interval_sec ({out['heartbeat_interval_sec']}), so that one "
+            "late heartbeat does not end a connection"
+        )
     return out
 
 

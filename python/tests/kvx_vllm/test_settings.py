@@ -30,7 +30,16 @@ def test_defaults_are_kvxs_own():
     assert s.connect_timeout_sec == d["node"]["connect_timeout"]
     assert s.claim_timeout_sec == d["receiver"]["admission_timeout"]
     assert s.idle_timeout_sec == d["receiver"]["request_idle_timeout"]
+    assert s.heartbeat_interval_sec == d["node"]["heartbeat_interval"]
+    assert s.heartbeat_timeout_sec == d["node"]["heartbeat_timeout"]
     assert settings_from(cfg("kv_producer")).side == "prefill"
+
+
+def test_heartbeats_are_checked_together():
+    s = settings_from(cfg(heartbeat_interval_sec=0.5, heartbeat_timeout_sec="1.5"))
+    assert (s.heartbeat_interval_sec, s.heartbeat_timeout_sec) == (0.5, 1.5)
+    with pytest.raises(ConfigError, match="heartbeat_timeout_sec=1.0: at least twice"):
+        settings_from(cfg(heartbeat_timeout_sec=1.0))
 
 
 def test_endpoints_per_tp_rank():
