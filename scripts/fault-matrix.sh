@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fault matrix of docs/reliability.md (python/bench/fault_matrix.py): real vLLM CPU
-# engines with kvx's connector, the prefill and the decode engine each in a network
+# engines with kvx's connector (and with vLLM's NixlConnector beside it), the prefill and the decode engine each in a network
 # namespace of its own, joined to each other by a veth pair (kvx's traffic; the link that
 # goes down) and each to the host by one more (the router's HTTP). Makes the namespaces and
 # links, removes them on exit (also after a failure). Needs root (ip netns) and the
@@ -8,7 +8,7 @@
 #
 #   bash scripts/fault-matrix.sh [fault_matrix.py's arguments, e.g. --faults prefill-hung]
 #
-# Not part of the CI gate: it takes about 20 minutes on 2 cores. scripts/evidence.sh runs it.
+# Not part of the CI gate: it takes about 50 minutes on 2 cores (both connectors). scripts/evidence.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 label="fault matrix"
@@ -18,8 +18,11 @@ if [[ ! -x $venv/bin/python ]]; then
   echo "$label: no vLLM CPU environment at $venv (bash scripts/vllm-e2e.sh makes it)" >&2
   exit 1
 fi
-# This checkout's kvx, as the end-to-end tests install it.
+# This checkout's kvx, as the end-to-end tests install it; NIXL for the NixlConnector rows
+# (its UCX backend starts on a CPU-only machine; the CUDA packages are only its wheels' names).
 venv_install_kvx "$venv" kvx kvx.vllm
+"$venv/bin/python" -c "import nixl" 2>/dev/null ||
+  venv_install "$venv" --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
 if [[ $(id -u) != 0 ]]; then
   echo "$label: needs root for its network namespaces" >&2
   exit 1

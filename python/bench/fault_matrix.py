@@ -4,8 +4,9 @@ host's. For each fault, at each state of a request, one streamed request meets t
 the cell records the outcome and how long it took:
 
 - **outcome** at the client (through the router): ``correct`` (the single engine's tokens),
-  ``typed failure`` (an OpenAI error object or error event, with its type), ``WRONG TOKENS``,
-  or ``HANG`` (no end within ``--hang-bound``);
+  ``typed failure`` (an OpenAI error object or error event, with its type), ``UNTYPED
+  failure`` (the connection cut without an answer), ``WRONG TOKENS``, or ``HANG`` (no end
+  within ``--hang-bound``);
 - **client s**: from the fault to the request's end at the client;
 - **decode idle s** / **prefill idle s**: from the fault until the engine holds no KV blocks
   and runs no request (its ``vllm:kv_cache_usage_perc`` and ``vllm:num_requests_running``
@@ -17,12 +18,32 @@ the cell records the outcome and how long it took:
 Faults: an engine killed (SIGKILL to its process group) or hung (SIGSTOP), the prefill–decode
 link down (``ip link set down`` on the veth) for 1 s or for 30 s, and the client going away.
 States, from the prefill engine's connector (``slow_connector.py``: each layer's save takes
-``KVX_E2E_SLOW_SAVE_SEC``): ``computing`` (the prefill engine's first layer is being
-computed: the reservation is claimed, nothing written), ``mid-push`` (one layer's writes
-posted, the next being computed), ``pushed`` (every layer's writes posted).
+``KVX_E2E_SLOW_SAVE_SEC``; the decode engine's holds a request where told to):
+``computing`` (the prefill engine's first layer is being computed: the reservation is
+claimed, nothing written), ``grant-pending`` (the same, with the decode engine's reservation
+held back for ``HOLD_S``: the claim waits for its grant), ``mid-push`` (one layer's writes
+posted, the next being computed), ``pushed`` (every layer's writes posted), ``delivered``
+(every byte has arrived; the decode engine holds the request from vLLM's scheduler for
+``HOLD_S``).
+
+Connectors (``--connectors``, each with engines of its own, one after the other):
+
+- ``kvx``: ``KvxConnector`` behind kvx's router (``python -m kvx.vllm.router``), which sends
+  each request to both engines at once.
+- ``nixl``: vLLM's ``NixlConnector`` (NIXL over UCX's TCP transport on the prefill–decode
+  link: ``UCX_TLS=tcp``, ``UCX_NET_DEVICES`` its veth, so that the link's faults reach it as
+  they reach kvx), sent as vLLM's example proxy sends it: the prefill engine first
+  (``do_remote_decode``, one token), then the decode engine with the prefill engine's
+  ``kv_transfer_params``. This script is that proxy; what it gets is what a client of vLLM's
+  example proxy would get. NIXL's decode engine reads the KV once the prefill engine has
+  answered, so its states name only how far the prefill engine has computed.
+
+``--in-flight N`` sends N requests at once in each cell (the fault comes when the first reaches
+the state) and N next requests; a cell's outcome counts them.
 
 Run by ``scripts/fault-matrix.sh``, which makes the namespaces and veth pairs, and removes
-them; as root. Prints a Markdown table and writes JSON (``--out``)."""
+them; as root. Prints a Markdown table and writes JSON (``--out``). Exits 1 when a kvx cell
+hangs or answers wrong tokens (those of another connector are what it measures)."""
 
 from __future__ import annotations
 
@@ -56,11 +77,32 @@ HTTP_ADDR = {"prefill": "10.78.1.2", "decode": "10.78.2.2"}
 PD_ADDR = {"prefill": "10.78.0.1", "decode": "10.78.0.2"}
 #: The prefill engine's end of the prefill–decode veth pair.
 PD_LINK = ("kvxfm-p", "kvxfm-pd0")
-PORTS = {"prefill": 8100, "decode": 8200, "alloc": 8400, "fabric": 8300, "router": 8000}
+#: Each engine's end of the prefill–decode link (NIXL's UCX is told to use it).
+PD_DEVICE = {"prefill": "kvxfm-pd0", "decode": "kvxfm-pd1"}
+PORTS = {"prefill": 8100, "decode": 8200, "alloc": 8400, "fabric": 8300, "router": 8000, "nixl": 5600}
+CONNECTORS = ["kvx", "nixl"]
 MAX_TOKENS = 16
 FAULTS = ["prefill-killed", "prefill-hung", "decode-killed", "decode-hung", "link-down-1s", "link-down-30s",
           "client-gone"]
-STATES = ["computing", "mid-push", "pushed"]
+STATES = ["computing", "grant-pending", "mid-push", "pushed", "delivered"]
+#: How long the decode engine holds a request in the states it holds (``slow_connector.py``'s
+#: control file): longer than the prefill engine's compute, shorter than the hang bound.
+HOLD_S = 6
+#: What each state waits for in the mark file (a line, how many times), and what the decode
+#: engine is told to hold. ``grant-pending``: the prefill engine's claim is made (a layer
+#: being saved) and the decode engine's reservation is being held back; ``delivered``: the
+#: decode engine has every byte, and vLLM has not been told yet.
+STATE_MARKS: Dict[str, Tuple[Tuple[Tuple[str, int], ...], Optional[str]]] = {
+    "computing": ((("saving", 1),), None),
+    "grant-pending": ((("saving", 1), ("reserving", 1)), "grant"),
+    "mid-push": ((("posted", 1),), None),
+    "pushed": ((("posted", tiny_llama.LAYERS),), None),
+    "delivered": ((("delivered", 1),), "delivered"),
+}
+#: The states a connector lacks, or that this script cannot hold it in: NIXL grants nothing,
+#: and its decode side reports a finished read other than through ``get_finished``'s return
+#: in the vLLM measured (the hold of ``slow_connector.py`` never saw one).
+NO_SUCH_STATE = {"nixl": {"grant-pending", "delivered"}}
 
 
 def prompt(index: int) -> str:
@@ -94,23 +136,32 @@ class Cluster:
 
     def __init__(self, model: str, logdir: str, connector: str, policy: str) -> None:
         self.model, self.logdir, self.connector, self.policy = model, logdir, connector, policy
-        self.mark = os.path.join(logdir, "posted")
+        self.mark = os.path.join(logdir, "marks")
+        self.control = os.path.join(logdir, "control")
         self.procs: Dict[str, Process] = {}
         self.starts = 0
 
     def _kv(self, kind: str) -> Dict[str, Any]:
         if self.connector == "kvx":
             if kind == "decode":
-                return {"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm",
+                return {"kv_connector": "SlowKvxConnector", "kv_connector_module_path": "slow_connector",
                         "kv_role": "kv_consumer", "kv_load_failure_policy": self.policy,
                         "kv_connector_extra_config": {"host": PD_ADDR["decode"], "alloc_port": PORTS["alloc"],
                                                       "fabric_port": PORTS["fabric"]}}
             return {"kv_connector": "SlowKvxConnector", "kv_connector_module_path": "slow_connector",
                     "kv_role": "kv_producer", "kv_connector_extra_config": {}}
-        raise SystemExit(f"connector {self.connector!r}: only kvx is wired here")
+        if kind == "decode":
+            return {"kv_connector": "SlowNixlConnector", "kv_connector_module_path": "slow_connector",
+                    "kv_role": "kv_both", "kv_buffer_device": "cpu", "kv_load_failure_policy": self.policy}
+        return {"kv_connector": "SlowNixlConnector", "kv_connector_module_path": "slow_connector",
+                "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
     def start(self, kind: str) -> None:
-        env = {"KVX_E2E_MARK": self.mark} if kind == "prefill" else {}
+        env = {"KVX_E2E_MARK": self.mark, "KVX_E2E_ROLE": kind, "KVX_E2E_CONTROL": self.control}
+        if self.connector == "nixl":
+            # The side channel and UCX's transfers over the prefill–decode link.
+            env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": PD_ADDR[kind], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(PORTS["nixl"]),
+                        "UCX_TLS": "tcp", "UCX_NET_DEVICES": PD_DEVICE[kind]})
         self.starts += 1
         proc, _ = engine(f"{kind}-{self.starts}", self.model, self.logdir, self._kv(kind), env=env,
                          netns=NETNS[kind], port=PORTS[kind])
@@ -124,6 +175,8 @@ class Cluster:
             self.start(kind)
         for kind in ("decode", "prefill"):
             self.wait_up(kind)
+        if self.connector != "kvx":
+            return  # this script is the proxy
         config = os.path.join(self.logdir, "router.json")
         with open(config, "w") as f:
             json.dump({"listen": f"127.0.0.1:{PORTS['router']}",
@@ -166,45 +219,80 @@ def link(up: bool) -> None:
 
 
 class Streamed:
-    """One streamed completion through the router, read in a thread of its own: its text,
-    the error it ended with, and when it ended."""
+    """One streamed completion, read in a thread of its own: its text, the error it ended
+    with, and when it ended. Through kvx's router (``kvx``), or as vLLM's example proxy sends
+    a ``NixlConnector`` request (``nixl``): the prefill engine first, then the decode engine."""
 
-    def __init__(self, model: str, text: str, hang_bound: float) -> None:
-        self.model, self.text, self.hang_bound = model, text, hang_bound
-        self.got, self.error, self.status = "", None, None  # type: ignore[var-annotated]
+    def __init__(self, model: str, text: str, hang_bound: float, connector: str = "kvx") -> None:
+        self.model, self.text, self.hang_bound, self.connector = model, text, hang_bound, connector
+        self.got = ""
+        self.error: Optional[str] = None
+        self.status: Optional[int] = None
         self.ended: Optional[float] = None
         self.sock: Optional[socket.socket] = None
+        self.aborted = False
+        #: Whether the error was an answer (an OpenAI error object or error event), not a cut.
+        self.typed = True
+        self.leg = ""
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        body = json.dumps({"model": self.model, "prompt": self.text, "max_tokens": MAX_TOKENS, "temperature": 0,
-                           "stream": True}).encode()
+        body: Dict[str, Any] = {"model": self.model, "prompt": self.text, "max_tokens": MAX_TOKENS,
+                                "temperature": 0, "stream": True}
         try:
-            self.sock = socket.create_connection(("127.0.0.1", PORTS["router"]), timeout=self.hang_bound)
-            self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\ncontent-type: application/json\r\n"
-                              b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-            raw = b""
-            while True:
-                chunk = self.sock.recv(65536)
-                if not chunk:
-                    break
-                raw += chunk
-            self._parse(raw)
-        except OSError as e:
-            self.error = self.error or f"connection: {e!r}"
+            if self.connector == "kvx":
+                status, raw = self._exchange("router", ("127.0.0.1", PORTS["router"]), body)
+            else:
+                status, raw = self._exchange("prefill", (HTTP_ADDR["prefill"], PORTS["prefill"]), {
+                    **body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+                        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+                if status != 200:
+                    self._parse(status, raw, "prefill ")
+                    return
+                params = json.loads(_dechunk(raw))["kv_transfer_params"]
+                status, raw = self._exchange("decode", (HTTP_ADDR["decode"], PORTS["decode"]),
+                                             {**body, "kv_transfer_params": params})
+            self._parse(status, raw, "")
+        except (OSError, ValueError, KeyError) as e:
+            if not self.error:
+                self.error, self.typed = f"{self.leg} connection: {e!r}", False
         finally:
             self.ended = time.monotonic()
 
-    def _parse(self, raw: bytes) -> None:
-        head, _, body = raw.partition(b"\r\n\r\n")
-        self.status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else None
-        if self.status != 200:
+    def _exchange(self, leg: str, address: Tuple[str, int], body: Dict[str, Any]) -> Tuple[Optional[int], bytes]:
+        """One HTTP/1.1 POST to /v1/completions, read to its end: (status, body)."""
+        self.leg = leg
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(address, timeout=self.hang_bound)
+        self.sock = sock
+        if self.aborted:
+            raise OSError("the client went away")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: engine\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+        raw = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+        sock.close()
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        return (int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else None), rest
+
+    def _parse(self, status: Optional[int], body: bytes, leg: str) -> None:
+        self.status = status
+        if status is None:
+            self.error = f"{leg}connection closed without an answer"
+            self.typed = False
+            return
+        if status != 200:
             try:
                 error = json.loads(_dechunk(body))["error"]
-                self.error = f"{self.status} {error.get('type')}: {str(error.get('message'))[:100]}"
+                self.error = f"{leg}{status} {error.get('type')}: {str(error.get('message'))[:100]}"
             except (ValueError, KeyError, TypeError):
-                self.error = f"{self.status}: {body[:100]!r}"
+                self.error = f"{leg}{status}: {body[:100]!r}"
             return
         for line in _dechunk(body).split(b"\n"):
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -216,8 +304,12 @@ class Streamed:
                 self.got += "".join(c.get("text", "") for c in event.get("choices", []))
 
     def abort(self) -> None:
+        self.aborted = True
         if self.sock is not None:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self.sock.close()
 
 
@@ -236,13 +328,13 @@ def _dechunk(body: bytes) -> bytes:
     return out
 
 
-def wait_state(mark: str, state: str, bound: float, request: "Streamed") -> bool:
-    """Whether the request reached ``state`` (within ``bound``, and before it ended)."""
-    want = {"computing": ("saving", 1), "mid-push": ("posted", 1), "pushed": ("posted", tiny_llama.LAYERS)}[state]
+def wait_state(mark: str, state: str, bound: float, requests: List["Streamed"]) -> bool:
+    """Whether a request reached ``state`` (within ``bound``, and before they all ended)."""
+    wants = STATE_MARKS[state][0]
     deadline = time.monotonic() + bound
-    while time.monotonic() < deadline and request.ended is None:
+    while time.monotonic() < deadline and any(r.ended is None for r in requests):
         lines = open(mark).read().split() if os.path.exists(mark) else []
-        if lines.count(want[0]) >= want[1]:
+        if all(lines.count(word) >= n for word, n in wants):
             return True
         time.sleep(0.02)
     return False
@@ -272,21 +364,52 @@ def router_sees_all_up(bound: float) -> bool:
     return False
 
 
+def outcome(request: "Streamed", reference: str, fault: str) -> str:
+    if request.ended is None:
+        return "HANG"
+    if fault == "client-gone":
+        return "client gone"
+    if request.error:
+        return ("typed failure: " if request.typed else "UNTYPED failure: ") + request.error
+    if request.got == reference:
+        return "correct"
+    return f"WRONG TOKENS: {request.got!r}"
+
+
+def counted(outcomes: List[str]) -> str:
+    """One outcome, or each distinct one with its count (``3× correct, 5× typed failure: …``)."""
+    if len(set(outcomes)) == 1 and len(outcomes) == 1:
+        return outcomes[0]
+    distinct = sorted(set(outcomes), key=outcomes.index)
+    return ", ".join(f"{outcomes.count(o)}× {o}" for o in distinct)
+
+
 def cell(cluster: Cluster, model: str, references: List[str], index: int, fault: str, state: str,
-         hang_bound: float) -> Dict[str, Any]:
-    """One cell: prompt ``2 * index`` meets the fault, ``2 * index + 1`` is the next request.
-    Begins once both engines are idle and the router sees them up."""
+         hang_bound: float, in_flight: int = 1) -> Dict[str, Any]:
+    """One cell: prompts ``2N·index …`` (N = ``in_flight``) meet the fault, the N after them
+    are the next requests. Begins once both engines are idle (and the router sees them up)."""
     for kind in ("decode", "prefill"):
         until_idle(kind, time.monotonic(), 60)
-    router_sees_all_up(30)
+    if cluster.connector == "kvx":
+        router_sees_all_up(30)
     if os.path.exists(cluster.mark):
         os.remove(cluster.mark)
-    reference = references[2 * index]
-    request = Streamed(model, prompt(2 * index), hang_bound)
-    row: Dict[str, Any] = {"fault": fault, "state": state}
-    if not wait_state(cluster.mark, state, 120, request):
-        request.thread.join(hang_bound)
-        row["outcome"] = f"state not reached (the request: {request.error or 'answered'})"
+    hold = STATE_MARKS[state][1]
+    if hold:
+        with open(cluster.control, "w") as f:
+            f.write(f"{hold} {HOLD_S}")
+    base = 2 * in_flight * index
+    requests = [Streamed(model, prompt(base + j), hang_bound, cluster.connector) for j in range(in_flight)]
+    row: Dict[str, Any] = {"connector": cluster.connector, "fault": fault, "state": state}
+    if in_flight > 1:
+        row["in_flight"] = in_flight
+    reached = wait_state(cluster.mark, state, 120, requests)
+    if os.path.exists(cluster.control):
+        os.remove(cluster.control)  # what is held stays held; the next requests are not
+    if not reached:
+        for r in requests:
+            r.thread.join(hang_bound)
+        row["outcome"] = f"state not reached (the requests: {[r.error or 'answered' for r in requests]})"
         return row
     faulted = time.monotonic()
     stopped: List[str] = []
@@ -303,19 +426,13 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
         restore = threading.Timer(seconds, link, (True,))
         restore.start()
     elif fault == "client-gone":
-        request.abort()
-    request.thread.join(hang_bound)
-    if request.ended is None:
-        row["outcome"] = "HANG"
-    elif fault == "client-gone":
-        row["outcome"] = "client gone"
-    elif request.error:
-        row["outcome"] = "typed failure: " + request.error
-    elif request.got == reference:
-        row["outcome"] = "correct"
-    else:
-        row["outcome"] = f"WRONG TOKENS: {request.got!r}"
-    row["client_s"] = None if request.ended is None else round(request.ended - faulted, 2)
+        for r in requests:
+            r.abort()
+    for r in requests:
+        r.thread.join(max(0.0, faulted + hang_bound - time.monotonic()))
+    row["outcome"] = counted([outcome(r, references[base + j], fault) for j, r in enumerate(requests)])
+    ends = [r.ended for r in requests]
+    row["client_s"] = None if None in ends else round(max(e for e in ends if e is not None) - faulted, 2)
     for kind in ("decode", "prefill"):
         dead = kind in stopped or (fault == f"{kind}-killed")
         took = None if dead else until_idle(kind, faulted, 60)
@@ -326,10 +443,10 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
     for kind in ("prefill", "decode"):
         if fault.startswith(kind) and (fault.endswith("-killed") or fault.endswith("-hung")):
             back += cluster.restart(kind)
-    nxt = Streamed(model, prompt(2 * index + 1), hang_bound)
-    nxt.thread.join(hang_bound)
-    row["next"] = "correct" if (nxt.ended and not nxt.error and nxt.got == references[2 * index + 1]) else \
-        f"not: {nxt.error or repr(nxt.got)}"
+    nexts = [Streamed(model, prompt(base + in_flight + j), hang_bound, cluster.connector) for j in range(in_flight)]
+    for r in nexts:
+        r.thread.join(hang_bound)
+    row["next"] = counted([outcome(r, references[base + in_flight + j], "") for j, r in enumerate(nexts)])
     row["restart_s"] = round(back, 1) if back else None
     return row
 
@@ -355,20 +472,26 @@ def reference_answers(model: str, logdir: str, count: int) -> List[str]:
 
 
 def short(outcome: str) -> str:
-    """An outcome as the table gives it: a typed failure by its status and type alone."""
-    found = re.match(r"typed failure: (?:event )?(\d+ )?(\w+)", outcome)
-    return f"typed failure (`{(found.group(1) or '')}{found.group(2)}`)" if found else outcome
+    """An outcome as the table gives it: a typed failure by its leg, status and type alone."""
+
+    def one(text: str) -> str:
+        found = re.match(r"(\d+× )?typed failure: (?:event )?((?:prefill |decode |router )?)(\d+ )?(\w+)", text)
+        if not found:
+            return text
+        return f"{found.group(1) or ''}typed failure (`{found.group(2)}{found.group(3) or ''}{found.group(4)}`)"
+
+    return ", ".join(one(part) for part in re.split(r", (?=\d+× )", outcome))
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    out = ["| fault | state | outcome at the client | client s | decode idle s | prefill idle s | next request |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| connector | fault | state | outcome at the client | client s | decode idle s | prefill idle s | next request |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        nxt = r.get("next", "")
+        nxt = short(str(r.get("next", "")))
         if r.get("restart_s"):
             nxt += f" (engine back in {r['restart_s']} s)"
-        out.append(f"| {r['fault']} | {r['state']} | {short(str(r.get('outcome')))} | {r.get('client_s', '')} | "
-                   f"{r.get('decode_idle_s', '')} | {r.get('prefill_idle_s', '')} | {nxt} |")
+        out.append(f"| {r.get('connector', 'kvx')} | {r['fault']} | {r['state']} | {short(str(r.get('outcome')))} | "
+                   f"{r.get('client_s', '')} | {r.get('decode_idle_s', '')} | {r.get('prefill_idle_s', '')} | {nxt} |")
     return "\n".join(out)
 
 
@@ -376,43 +499,55 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--states", default=",".join(STATES), help=f"comma-separated, of {', '.join(STATES)}")
-    ap.add_argument("--connector", default="kvx", help="kvx (the only one wired so far)")
+    ap.add_argument("--connectors", default=",".join(CONNECTORS),
+                    help=f"comma-separated, of {', '.join(CONNECTORS)}: each with engines of its own, in turn")
+    ap.add_argument("--in-flight", type=int, default=1, help="requests at once in each cell (default 1)")
     ap.add_argument("--policy", default="recompute", help="the decode engine's kv_load_failure_policy")
     ap.add_argument("--hang-bound", type=float, default=120.0, help="a request not ended after this is a HANG")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     states = [s for s in args.states.split(",") if s]
+    connectors = [c for c in args.connectors.split(",") if c]
     for f in faults:
         if f not in FAULTS:
             ap.error(f"unknown fault {f!r} (known: {', '.join(FAULTS)})")
     for s in states:
         if s not in STATES:
             ap.error(f"unknown state {s!r} (known: {', '.join(STATES)})")
+    for c in connectors:
+        if c not in CONNECTORS:
+            ap.error(f"unknown connector {c!r} (known: {', '.join(CONNECTORS)})")
+    if args.in_flight < 1:
+        ap.error("--in-flight must be at least 1")
     logdir = tempfile.mkdtemp(prefix="kvx-fault-matrix-")
     model = tiny_llama.make(os.path.join(logdir, "model"))
     os.environ.setdefault("KVX_E2E_SLOW_SAVE_SEC", "1.5")
-    references = reference_answers(model, logdir, 2 * len(faults) * len(states))
-    cluster = Cluster(model, logdir, args.connector, args.policy)
+    cells = [(f, s) for f in faults for s in states]
+    references = reference_answers(model, logdir, 2 * args.in_flight * len(cells))
     rows: List[Dict[str, Any]] = []
     began = time.monotonic()
-    try:
-        cluster.up()
-        cells = [(f, s) for f in faults for s in states]
-        for index, (fault, state) in enumerate(cells):
-            row = cell(cluster, model, references, index, fault, state, args.hang_bound)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        cluster.down()
-        link(True)
-    print(f"\n{args.connector} connector, kv_load_failure_policy {args.policy}, "
+    for connector in connectors:
+        cluster = Cluster(model, os.path.join(logdir, connector), connector, args.policy)
+        os.makedirs(cluster.logdir, exist_ok=True)
+        try:
+            cluster.up()
+            for index, (fault, state) in enumerate(cells):
+                if state in NO_SUCH_STATE.get(connector, ()):
+                    continue
+                row = cell(cluster, model, references, index, fault, state, args.hang_bound, args.in_flight)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            cluster.down()
+            link(True)
+    print(f"\n{', '.join(connectors)}; kv_load_failure_policy {args.policy}; {args.in_flight} request(s) in flight; "
           f"{len(rows)} cells in {time.monotonic() - began:.0f} s (logs: {logdir})\n")
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    bad = [r for r in rows if str(r.get("outcome", "")).startswith(("HANG", "WRONG"))]
+    bad = [r for r in rows if r["connector"] == "kvx" and re.search(r"HANG|WRONG|UNTYPED|not reached", str(r.get("outcome")))]
     return 1 if bad else 0
 
 
