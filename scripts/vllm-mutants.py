@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/kvx_vllm/test_scheduler.py and test_pair.py (vLLM's real scheduler),
+python/tests/kvx_vllm/test_bootstrap.py (llm-d's protocol engine to engine), test_scheduler.py and test_pair.py (vLLM's real scheduler),
 test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
 test_reasons.py and test_failure_reasons.py (a failed transfer's reason, through the router to its client),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
@@ -24,7 +24,7 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 # The router's tests first: they take seconds, and its variants are caught there.
-TESTS = ["python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
@@ -32,6 +32,26 @@ TESTS = ["python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/tes
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "llmd-registration-failure-ignored": (PKG + "scheduler.py",
+        "self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True, failed=why))",
+        "pass",
+        "under llm-d, a reservation the prefill engine refused waits out claim_timeout_sec instead of failing its load at once"),
+    "llmd-one-secret": (PKG + "scheduler.py",
+        "            secret = new_claim_secret()\n",
+        "            secret = 'kvx-llm-d-shared-secret'\n",
+        "under llm-d, every reservation has the same claim secret: whoever knows one transfer id claims any"),
+    "llmd-registration-overwritten": (PKG + "bootstrap.py",
+        "                if held[1] == registration.claim_secret:\n",
+        "                if True:\n",
+        "a second registration of a transfer is answered as registered though the first holds it"),
+    "llmd-cancel-without-secret": (PKG + "bootstrap.py",
+        "            if held[1] != claim_secret:\n",
+        "            if False:\n",
+        "anyone who knows a transfer id cancels its registration"),
+    "llmd-allow-ignored": (PKG + "bootstrap.py",
+        "                if not server.allow:\n",
+        "                if True:\n",
+        "registrations from outside bootstrap_allow are taken"),
     "router-dead-engine-kept": (PKG + "router_pool.py",
         "            slot.down_since = time.monotonic()\n",
         "            pass\n",

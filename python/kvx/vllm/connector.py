@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
+from kvx.vllm.bootstrap import Registrar, bootstrap_server  # noqa: E402
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
@@ -133,12 +134,23 @@ class KvxConnector(KVConnectorBase_V1):
         self._decode: Optional[DecodeScheduler] = None
         self._prefill: Optional[PrefillScheduler] = None
         self._worker: Optional[KvxWorker] = None
+        self._registrar: Optional[Registrar] = None
         if role == KVConnectorRole.SCHEDULER:
-            if self.settings.side == "decode":
-                self._decode = DecodeScheduler(block_size)
+            s, tp = self.settings, parallel.tensor_parallel_size
+            if s.side == "decode":
+                # Under llm-d, reservations are registered with the prefill engine, naming
+                # this engine's receivers (kvx.vllm.bootstrap).
+                self._registrar = Registrar(s.connect_timeout_sec)
+                endpoints = (tuple(s.alloc_endpoint(r) for r in range(tp)),
+                             tuple(s.fabric_endpoint(r) for r in range(tp)))
+                self._decode = DecodeScheduler(block_size, self._registrar, endpoints)
             else:
+                if s.bootstrap_port is not None and parallel.data_parallel_size > 1:
+                    raise ConfigError("KvxConnector: bootstrap_port serves one data-parallel rank; "
+                                      "run one prefill engine per port")
                 self._prefill = PrefillScheduler(
-                    block_size, parallel.tensor_parallel_size, self.settings.grant_timeout_sec
+                    block_size, tp, s.grant_timeout_sec,
+                    registrations=None if s.bootstrap_port is None else bootstrap_server(s).registrations,
                 )
         else:
             rank = _tp_rank()
@@ -256,3 +268,5 @@ class KvxConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._registrar is not None:
+            self._registrar.close()

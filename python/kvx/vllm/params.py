@@ -18,6 +18,17 @@ request ids (which vLLM may rewrite) never need to agree. ``kvx_claim_secret`` i
 prefill engine proves to claim the decode engine's reservation: the id travels in logs and
 in clear, so it claims nothing alone. The router draws a fresh secret per request and hands
 it to the two engines it chose only; it is never logged.
+
+llm-d's shape (its routing sidecar's ``--kv-connector mooncake``; ``docs/vllm.md``, "Under
+llm-d"), which carries no endpoint and no secret::
+
+    decode:  {"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": "xfer-…",
+              "remote_bootstrap_addr": "http://<prefill host>:8998", "remote_engine_id": "<id>"}
+    prefill: {"do_remote_prefill": false, "do_remote_decode": true, "transfer_id": "xfer-…"}
+
+``transfer_id`` names the request at kvx on both sides. The decode engine draws the claim
+secret itself and registers its reservation (the secret and its endpoints) with the prefill
+engine's bootstrap server (``kvx.vllm.bootstrap``); the prefill engine claims once it has.
 """
 
 from __future__ import annotations
@@ -31,6 +42,11 @@ CLAIM_SECRET = "kvx_claim_secret"
 DECODE_ALLOC = "kvx_decode_alloc"
 DECODE_FABRIC = "kvx_decode_fabric"
 
+#: llm-d's keys (llm-d-router's ``pkg/sidecar/proxy/connector_mooncake.go``).
+TRANSFER_ID = "transfer_id"
+BOOTSTRAP_ADDR = "remote_bootstrap_addr"
+ENGINE_ID = "remote_engine_id"
+
 #: The longest kvx request id (kvx's receiver refuses longer ones: req_id_bytes_max).
 REQUEST_ID_BYTES_MAX = 512
 #: A claim secret's bounds in bytes (kvx's ``ClaimSecret``: printable ASCII).
@@ -43,12 +59,32 @@ class ParamsError(ValueError):
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Decode side, llm-d's shape: where this engine registers its reservation (the prefill
+    engine's bootstrap server) and the prefill engine it names."""
+
+    addr: str
+    engine_id: str
+
+
+@dataclass(frozen=True)
 class RemotePrefill:
     """Decode side: this request's KV is computed by a prefill engine and pushed here."""
 
     kvx_id: str
-    #: What the prefill engine proves to claim this engine's reservation.
-    claim_secret: str = field(repr=False)
+    #: What the prefill engine proves to claim this engine's reservation; None in llm-d's
+    #: shape, where this engine draws it and registers it at ``bootstrap``.
+    claim_secret: Optional[str] = field(repr=False)
+    bootstrap: Optional[Bootstrap] = None
+
+
+@dataclass(frozen=True)
+class AwaitRegistration:
+    """Prefill side, llm-d's shape: push this request's KV into the decode engine that
+    registers a reservation of ``kvx_id`` (the ``transfer_id``) at this engine's bootstrap
+    server; its endpoints and secret come with the registration."""
+
+    kvx_id: str
 
 
 @dataclass(frozen=True)
@@ -71,18 +107,44 @@ def _kvx_id(params: Mapping[str, Any]) -> str:
     return value
 
 
-def _claim_secret(params: Mapping[str, Any]) -> str:
-    value = params.get(CLAIM_SECRET)
+def _transfer_id(params: Mapping[str, Any]) -> str:
+    value = params.get(TRANSFER_ID)
+    if not isinstance(value, str) or not value or len(value.encode()) > REQUEST_ID_BYTES_MAX:
+        raise ParamsError(
+            f"kv_transfer_params {TRANSFER_ID}={value!r}: a non-empty string of at most "
+            f"{REQUEST_ID_BYTES_MAX} bytes"
+        )
+    return value
+
+
+def _bootstrap(params: Mapping[str, Any]) -> Bootstrap:
+    addr, engine_id = params.get(BOOTSTRAP_ADDR), params.get(ENGINE_ID)
+    if not isinstance(addr, str) or not addr.startswith(("http://", "https://")):
+        raise ParamsError(
+            f"kv_transfer_params {BOOTSTRAP_ADDR}={addr!r}: the prefill engine's bootstrap "
+            "server, http://host:port"
+        )
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ParamsError(f"kv_transfer_params {ENGINE_ID}={engine_id!r}: a non-empty string")
+    return Bootstrap(addr.rstrip("/"), engine_id)
+
+
+def check_claim_secret(value: Any, where: str) -> str:
+    """``value`` if it is a claim secret (kvx's ``ClaimSecret``: 16..128 printable ASCII
+    characters); ``ParamsError`` naming ``where`` otherwise, never repeating the value."""
     low, high = CLAIM_SECRET_BYTES
-    # The value itself is never repeated in the message: it is a secret.
     if not isinstance(value, str) or not low <= len(value) <= high or not all(
         "!" <= c <= "~" for c in value
     ):
-        raise ParamsError(
-            f"kv_transfer_params {CLAIM_SECRET}: {low}..{high} printable ASCII characters "
-            "(the router draws one per request)"
-        )
+        raise ParamsError(f"{where}: {low}..{high} printable ASCII characters")
     return value
+
+
+def _claim_secret(params: Mapping[str, Any]) -> str:
+    return check_claim_secret(
+        params.get(CLAIM_SECRET),
+        f"kv_transfer_params {CLAIM_SECRET} (the router draws one per request)",
+    )
 
 
 def new_claim_secret() -> str:
@@ -104,15 +166,23 @@ def _endpoints(params: Mapping[str, Any], key: str) -> Tuple[str, ...]:
     return tuple(value)
 
 
-def parse(params: Optional[Mapping[str, Any]]) -> Union[RemotePrefill, RemoteDecode, None]:
+def parse(
+    params: Optional[Mapping[str, Any]],
+) -> Union[RemotePrefill, RemoteDecode, AwaitRegistration, None]:
     """What a request's ``kv_transfer_params`` ask of kvx: a remote prefill (decode side), a
-    remote decode (prefill side), or nothing (None: the request runs locally). Raises
-    ``ParamsError`` when they ask for a transfer with missing or malformed keys."""
+    remote decode (prefill side; ``AwaitRegistration`` in llm-d's shape), or nothing (None:
+    the request runs locally). Raises ``ParamsError`` when they ask for a transfer with
+    missing or malformed keys."""
     if not params:
         return None
     prefill, decode = bool(params.get("do_remote_prefill")), bool(params.get("do_remote_decode"))
     if prefill and decode:
         raise ParamsError("kv_transfer_params: do_remote_prefill and do_remote_decode together")
+    llmd = REQUEST_ID not in params and TRANSFER_ID in params
+    if prefill and llmd:
+        return RemotePrefill(_transfer_id(params), None, _bootstrap(params))
+    if decode and llmd:
+        return AwaitRegistration(_transfer_id(params))
     if prefill:
         return RemotePrefill(_kvx_id(params), _claim_secret(params))
     if decode:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,13 @@ class Release:
     """Decode: withdraw ``kvx_id`` (its request ended first). ``reserved``: its blocks were
     reserved, and the workers report the request received once no write can land in them;
     else there is nothing to withdraw (the prefill engine's claim is refused after
-    ``claim_timeout_sec``)."""
+    ``claim_timeout_sec``). ``failed``: the request goes on, its load failed (its
+    registration was refused under llm-d): the workers report its blocks as load errors."""
 
     req_id: str
     kvx_id: str
     reserved: bool
+    failed: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from kvx.vllm.params import ParamsError, RemoteDecode, RemotePrefill, parse
+from kvx.vllm.bootstrap import CANCELLED, Registrar, Registration, Registrations
+from kvx.vllm.params import (
+    AwaitRegistration,
+    ParamsError,
+    RemoteDecode,
+    RemotePrefill,
+    new_claim_secret,
+    parse,
+)
 from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan, WorkerReport
 from kvx.vllm.reasons import ERROR
 
@@ -51,10 +59,21 @@ def _prompt_len(request: Any) -> int:
 
 
 class DecodeScheduler:
-    """A decode engine's scheduler side: allocations become reservations."""
+    """A decode engine's scheduler side: allocations become reservations. Under llm-d
+    (``RemotePrefill.bootstrap``) each reservation's secret is drawn here and registered with
+    the prefill engine by ``registrar``, with this engine's ``endpoints`` (alloc and fabric,
+    one per TP rank)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        registrar: Optional[Registrar] = None,
+        endpoints: Tuple[Tuple[str, ...], Tuple[str, ...]] = ((), ()),
+    ) -> None:
         self.block_size = block_size
+        self.registrar, self.endpoints = registrar, endpoints
+        #: llm-d: each registered request's (bootstrap, secret), for its cancel.
+        self.registered: Dict[str, Tuple[Any, str]] = {}
         #: Requests whose blocks are reserved and whose KV has not been reported received.
         self.reserved: Dict[str, Reserve] = {}
         #: Requests whose remote load is over (received, failed or withdrawn): after a
@@ -93,20 +112,38 @@ class DecodeScheduler:
                 f"kvx: request {rid} has {len(block_ids)} blocks for {end} tokens "
                 f"({last} needed)"
             )
-        reserve = Reserve(
-            rid, params.kvx_id, params.claim_secret, first, tuple(block_ids[first:last]), end
-        )
+        secret = params.claim_secret
+        if params.bootstrap is not None:
+            secret = new_claim_secret()
+        assert secret is not None
+        reserve = Reserve(rid, params.kvx_id, secret, first, tuple(block_ids[first:last]), end)
         self.reserved[rid] = reserve
         self._plan.reserve.append(reserve)
+        if params.bootstrap is not None:
+            if self.registrar is None:
+                self._plan.release.append(Release(
+                    rid, params.kvx_id, reserved=True,
+                    failed="llm-d's transfer_id reached an engine without a registrar"))
+                return
+            self.registered[rid] = (params.bootstrap, secret)
+            self.registrar.register(rid, params.bootstrap, params.kvx_id, secret, *self.endpoints)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        """This step's plan for the workers (and a fresh one for the next step)."""
+        """This step's plan for the workers (and a fresh one for the next step), with the
+        loads whose registration failed since the last step."""
+        for rid, why in self.registrar.failures() if self.registrar is not None else ():
+            reserve = self.reserved.get(rid)
+            registered = self.registered.pop(rid, None)
+            if reserve is not None and registered is not None and rid not in self.released:
+                self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True, failed=why))
         plan, self._plan = self._plan, StepPlan()
         return plan
 
     def update_connector_output(self, finished_recving: Any) -> None:
         """Requests the workers reported received (complete, failed or withdrawn)."""
         for rid in finished_recving or ():
+            if self.registered.pop(rid, None) is not None and self.registrar is not None:
+                self.registrar.forget(rid)
             if self.reserved.pop(rid, None) is None:
                 continue
             if rid in self.released:
@@ -127,6 +164,9 @@ class DecodeScheduler:
         if reserve is not None:
             self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True))
             self.released.add(rid)
+            registered = self.registered.pop(rid, None)
+            if registered is not None and self.registrar is not None:
+                self.registrar.cancel(rid, registered[0], reserve.kvx_id, registered[1])
             return False, None
         if rid in self.loaded:
             self.loaded.discard(rid)
@@ -159,11 +199,18 @@ class PrefillScheduler:
         tp_size: int,
         grant_timeout_sec: float,
         clock: Callable[[], float] = time.monotonic,
+        registrations: Optional[Registrations] = None,
     ) -> None:
         self.block_size = block_size
         self.tp_size = tp_size
         self.grant_timeout_sec = grant_timeout_sec
         self.clock = clock
+        #: llm-d: the decode engines' registrations (``kvx.vllm.bootstrap``); None without
+        #: a bootstrap server.
+        self.registrations = registrations
+        #: llm-d: requests whose decode engine has not registered yet: request id →
+        #: (transfer id, prompt blocks, deadline).
+        self.awaiting: Dict[str, Tuple[str, int, float]] = {}
         #: Claimed, not yet granted by every rank: request id → (transfer, deadline).
         self.claiming: Dict[str, Tuple[RemoteDecode, float]] = {}
         self.grant_counts: Dict[str, int] = {}
@@ -181,18 +228,40 @@ class PrefillScheduler:
         self._warned: Set[str] = set()
 
     def on_new_request(self, request: Any) -> None:
-        """A request for a remote decode claims its reservation at once."""
+        """A request for a remote decode claims its reservation at once (under llm-d, once
+        its decode engine has registered it)."""
         params = _params(request, self._warned)
         rid = request.request_id
-        if isinstance(params, RemoteDecode) and rid not in self.claiming:
-            self.claiming[rid] = (params, self.clock() + self.grant_timeout_sec)
-            blocks = -(-request.num_prompt_tokens // self.block_size)
-            self._plan.begin.append(
-                Begin(
-                    rid, params.kvx_id, params.claim_secret, params.decode_alloc,
-                    params.decode_fabric, blocks,
-                )
-            )
+        if rid in self.claiming or rid in self.awaiting:
+            return
+        blocks = -(-request.num_prompt_tokens // self.block_size)
+        deadline = self.clock() + self.grant_timeout_sec
+        if isinstance(params, RemoteDecode):
+            self._claim(rid, params, blocks, deadline)
+        elif isinstance(params, AwaitRegistration):
+            self.awaiting[rid] = (params.kvx_id, blocks, deadline)
+            self._take_registration(rid)
+
+    def _claim(self, rid: str, params: RemoteDecode, blocks: int, deadline: float) -> None:
+        self.claiming[rid] = (params, deadline)
+        self._plan.begin.append(
+            Begin(rid, params.kvx_id, params.claim_secret, params.decode_alloc, params.decode_fabric, blocks)
+        )
+
+    def _take_registration(self, rid: str) -> None:
+        """Claims ``rid`` if its decode engine has registered; refuses it if the decode
+        request ended first, or if no registration can come."""
+        kvx_id, blocks, deadline = self.awaiting[rid]
+        if self.registrations is None:
+            self._refuse(rid, "llm-d's transfer_id needs the bootstrap server: set bootstrap_port (prefill)")
+            return
+        got = self.registrations.take(kvx_id)
+        if got is CANCELLED:
+            self._refuse(rid, "the decode engine's request ended before it was claimed")
+        elif isinstance(got, Registration):
+            del self.awaiting[rid]
+            self._claim(rid, RemoteDecode(kvx_id, got.claim_secret, got.decode_alloc, got.decode_fabric),
+                        blocks, deadline)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -202,10 +271,21 @@ class PrefillScheduler:
         rid = request.request_id
         if rid in self.granted or rid in self.refused or rid in self.pushing:
             return 0, False
-        if rid not in self.claiming:
+        if rid not in self.claiming and rid not in self.awaiting:
             self.on_new_request(request)  # a vLLM that did not call on_new_request
-            if rid not in self.claiming:
+        if rid in self.awaiting:
+            self._take_registration(rid)
+        if rid in self.awaiting:
+            kvx_id, _, deadline = self.awaiting[rid]
+            if self.clock() >= deadline:
+                reason = (f"no decode engine registered a reservation within grant_timeout_sec "
+                          f"(prefill) ({self.grant_timeout_sec:g} s)")
+                logger.warning("kvx: request %s (transfer %s): %s: it runs without a push", rid, kvx_id, reason)
+                self._refuse(rid, reason)
                 return 0, False
+            return None, False
+        if rid not in self.claiming:
+            return 0, False
         params, deadline = self.claiming[rid]
         if self.clock() >= deadline:
             reason = (
@@ -224,6 +304,9 @@ class PrefillScheduler:
         if entry is not None:
             self._plan.cancel.append(rid)
             self.failures[rid] = (entry[0].kvx_id, reason)
+        awaited = self.awaiting.pop(rid, None)
+        if awaited is not None:  # never claimed: nothing to cancel
+            self.failures[rid] = (awaited[0], reason)
         self.refused.add(rid)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -308,6 +391,8 @@ class PrefillScheduler:
             self.grant_counts.pop(rid, None)
             self._plan.cancel.append(rid)
             return False, None
+        if self.awaiting.pop(rid, None) is not None:
+            return False, None  # never claimed
         st = self.pushing.pop(rid, None)
         if st is None:
             return False, None
@@ -319,5 +404,6 @@ class PrefillScheduler:
         return True, {"kvx_request_id": st.kvx_id, "kvx_pushed_tokens": st.prompt_len if st.last_planned else 0}
 
     def has_pending_push_work(self) -> bool:
-        """True while a grant is awaited or a finished request's blocks are held."""
-        return bool(self.claiming or self.sending)
+        """True while a registration or a grant is awaited or a finished request's blocks
+        are held."""
+        return bool(self.claiming or self.awaiting or self.sending)

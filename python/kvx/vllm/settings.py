@@ -66,7 +66,8 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
     "connect_timeout_sec": (
         float,
         _DEFAULTS["node"]["connect_timeout"],
-        "prefill: how long connecting to a decode engine's receiver may take",
+        "how long reaching a peer engine may take (prefill: a decode engine's receiver; "
+        "decode, under llm-d: the prefill engine's bootstrap server)",
     ),
     "grant_timeout_sec": (
         float,
@@ -107,6 +108,30 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
         _DEFAULTS["node"]["heartbeat_timeout"],
         "the silence after which a peer engine is given up and its requests fail (prefill: "
         "a decode engine; decode: a prefill engine); at least twice heartbeat_interval_sec",
+    ),
+    # llm-d's P/D protocol (docs/vllm.md, "Under llm-d"; kvx.vllm.bootstrap).
+    "bootstrap_port": (
+        int,
+        None,
+        "prefill, under llm-d: serve the bootstrap server on this port (the routing "
+        "sidecar's --mooncake-bootstrap-port, 8998 by default); unset: none",
+    ),
+    "bootstrap_host": (
+        str,
+        "0.0.0.0",
+        "prefill, under llm-d: the address the bootstrap server listens on",
+    ),
+    "bootstrap_engine_id": (
+        str,
+        None,
+        "prefill, under llm-d: the engine id /query states (the sidecar caches it for good); "
+        "unset: kvx-<host name>-<bootstrap_port>, the same after a restart",
+    ),
+    "bootstrap_allow": (
+        str,
+        None,
+        "prefill, under llm-d: the networks decode engines register from, comma-separated "
+        "(10.0.0.0/8,fd00::/8); unset: any",
     ),
     # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak
     # ZeroMQ's NULL mechanism and the network is trusted.
@@ -155,6 +180,10 @@ class KvxVllmSettings:
     idle_timeout_sec: float
     heartbeat_interval_sec: float = _DEFAULTS["node"]["heartbeat_interval"]
     heartbeat_timeout_sec: float = _DEFAULTS["node"]["heartbeat_timeout"]
+    bootstrap_port: Optional[int] = None
+    bootstrap_host: str = "0.0.0.0"
+    bootstrap_engine_id: Optional[str] = None
+    bootstrap_allow: Optional[str] = None
     curve_secret_key: Optional[str] = None
     curve_allow: Optional[str] = None
     curve_server_key: Optional[str] = None
@@ -183,6 +212,8 @@ def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     for name in ("alloc_port", "fabric_port"):
         if not 1 <= out[name] <= 65535:
             raise ConfigError(f"kv_connector_extra_config {name}={out[name]}: a port, 1..65535")
+    if out["bootstrap_port"] is not None and not 1 <= out["bootstrap_port"] <= 65535:
+        raise ConfigError(f"kv_connector_extra_config bootstrap_port={out['bootstrap_port']}: a port, 1..65535")
     if out["heartbeat_timeout_sec"] < 2 * out["heartbeat_interval_sec"]:
         raise ConfigError(
             f"kv_connector_extra_config heartbeat_timeout_sec={out['heartbeat_timeout_sec']}: at "
@@ -205,6 +236,10 @@ def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
     side = ROLES[role]
     if side == "prefill" and extra["curve_allow"] is not None:
         raise ConfigError("kv_connector_extra_config curve_allow: a decode (kv_consumer) key")
+    if side == "decode":
+        for key in ("bootstrap_port", "bootstrap_engine_id", "bootstrap_allow"):
+            if extra[key] is not None:
+                raise ConfigError(f"kv_connector_extra_config {key}: a prefill (kv_producer) key")
     if side == "decode" and extra["curve_server_key"] is not None:
         raise ConfigError(
             "kv_connector_extra_config curve_server_key: a prefill (kv_producer) key"

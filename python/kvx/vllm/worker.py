@@ -46,7 +46,9 @@ class KvxWorker:
             self._reserved[r.kvx_id] = r
             self.transfer.reserve(r.kvx_id, r.claim_secret, r.first_block, r.block_ids, r.num_tokens)
         for rel in plan.release:
-            if rel.reserved and rel.kvx_id in self._reserved:
+            if rel.failed is not None:
+                logger.warning("kvx: KV of request %s (kvx %s) cannot come: %s", rel.req_id, rel.kvx_id, rel.failed)
+            elif rel.reserved and rel.kvx_id in self._reserved:
                 self._withdrawn.add(rel.kvx_id)
             self.transfer.release(rel.kvx_id, rel.reserved and rel.kvx_id in self._reserved)
         for b in plan.begin:

@@ -546,8 +546,9 @@ FAULTS = ("corrupt", "expire", "lose_prefill")
 SCHEDULER_SETS = ("kv_holding_waiting", "deferred_waiting", "finished_req_ids",
                   "finished_recving_kv_req_ids", "failed_recving_kv_req_ids")
 
-#: Attributes a fingerprint leaves out: references to the rest of the world, and clocks.
-UNFROZEN = {"transfer", "clock", "on_land", "decode_kv", "prefill_kv"}
+#: Attributes a fingerprint leaves out: references to the rest of the world (llm-d's
+#: registrar is an HTTP client), and clocks.
+UNFROZEN = {"transfer", "clock", "on_land", "decode_kv", "prefill_kv", "registrar", "_registrar"}
 
 
 def freeze(x: Any, depth: int = 0) -> Any:
