@@ -38,6 +38,11 @@ Connectors (``--connectors``, each with engines of its own, one after the other)
   example proxy would get. NIXL's decode engine reads the KV once the prefill engine has
   answered, so its states name only how far the prefill engine has computed.
 
+``prefill-preempted`` is a row of its own, on a prefill engine started to run out of KV
+blocks (``PREEMPT_ARGS``): three requests at once, each prefilled a block a step, outgrow its
+cache mid-push and vLLM's scheduler preempts one (counted by ``vllm:num_preemptions_total``;
+a cell without a preemption is "state not reached"); it is recomputed and pushed again.
+
 ``--in-flight N`` sends N requests at once in each cell (the fault comes when the first reaches
 the state) and N next requests; a cell's outcome counts them.
 
@@ -83,7 +88,12 @@ PORTS = {"prefill": 8100, "decode": 8200, "alloc": 8400, "fabric": 8300, "router
 CONNECTORS = ["kvx", "nixl"]
 MAX_TOKENS = 16
 FAULTS = ["prefill-killed", "prefill-hung", "decode-killed", "decode-hung", "link-down-1s", "link-down-30s",
-          "client-gone"]
+          "client-gone", "prefill-preempted"]
+#: The prefill engine of the preemption row: room for 7 blocks, each request's prefill one block
+#: a step beside the others', so that three prompts of three blocks outgrow the KV cache in
+#: their third step and vLLM preempts the last one mid-push (it is recomputed later).
+PREEMPT_ARGS = "--num-gpu-blocks-override 7 --max-num-batched-tokens 384 --long-prefill-token-threshold 128"
+PREEMPT_IN_FLIGHT = 3
 STATES = ["computing", "grant-pending", "mid-push", "pushed", "delivered"]
 #: How long the decode engine holds a request in the states it holds (``slow_connector.py``'s
 #: control file): longer than the prefill engine's compute, shorter than the hang bound.
@@ -120,7 +130,7 @@ def metrics(kind: str) -> Optional[Dict[str, float]]:
     except OSError:
         return None
     out = {}
-    for name in ("kv_cache_usage_perc", "num_requests_running"):
+    for name in ("kv_cache_usage_perc", "num_requests_running", "num_preemptions_total"):
         found = re.findall(r"^vllm:%s\{[^}]*\} ([0-9.e+-]+)$" % name, text, re.M)
         out[name] = sum(float(v) for v in found) if found else float("nan")
     return out
@@ -134,8 +144,10 @@ def idle(kind: str) -> bool:
 class Cluster:
     """The engines and the router; ``restart`` brings one engine back on its ports."""
 
-    def __init__(self, model: str, logdir: str, connector: str, policy: str) -> None:
+    def __init__(self, model: str, logdir: str, connector: str, policy: str, prefill_args: str = "") -> None:
         self.model, self.logdir, self.connector, self.policy = model, logdir, connector, policy
+        #: Engine arguments of the prefill engine's own (``PREEMPT_ARGS``).
+        self.prefill_args = prefill_args
         self.mark = os.path.join(logdir, "marks")
         self.control = os.path.join(logdir, "control")
         self.procs: Dict[str, Process] = {}
@@ -163,8 +175,14 @@ class Cluster:
             env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": PD_ADDR[kind], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(PORTS["nixl"]),
                         "UCX_TLS": "tcp", "UCX_NET_DEVICES": PD_DEVICE[kind]})
         self.starts += 1
-        proc, _ = engine(f"{kind}-{self.starts}", self.model, self.logdir, self._kv(kind), env=env,
-                         netns=NETNS[kind], port=PORTS[kind])
+        own = self.prefill_args if kind == "prefill" else ""
+        before = os.environ.get("KVX_E2E_ENGINE_ARGS", "")
+        os.environ["KVX_E2E_ENGINE_ARGS"] = f"{before} {own}".strip()
+        try:
+            proc, _ = engine(f"{kind}-{self.starts}", self.model, self.logdir, self._kv(kind), env=env,
+                             netns=NETNS[kind], port=PORTS[kind])
+        finally:
+            os.environ["KVX_E2E_ENGINE_ARGS"] = before
         self.procs[kind] = proc
 
     def wait_up(self, kind: str) -> None:
@@ -399,6 +417,7 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
         with open(cluster.control, "w") as f:
             f.write(f"{hold} {HOLD_S}")
     base = 2 * in_flight * index
+    preemptions = (metrics("prefill") or {}).get("num_preemptions_total", 0.0)
     requests = [Streamed(model, prompt(base + j), hang_bound, cluster.connector) for j in range(in_flight)]
     row: Dict[str, Any] = {"connector": cluster.connector, "fault": fault, "state": state}
     if in_flight > 1:
@@ -428,9 +447,15 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
     elif fault == "client-gone":
         for r in requests:
             r.abort()
+    # prefill-preempted: nothing to do; the prefill engine's own scheduler preempts.
     for r in requests:
         r.thread.join(max(0.0, faulted + hang_bound - time.monotonic()))
     row["outcome"] = counted([outcome(r, references[base + j], fault) for j, r in enumerate(requests)])
+    if fault == "prefill-preempted":
+        preempted = (metrics("prefill") or {}).get("num_preemptions_total", 0.0) - preemptions
+        if not preempted > 0:
+            row["outcome"] = f"state not reached (no preemption; the requests: {row['outcome']})"
+        row["preemptions"] = preempted
     ends = [r.ended for r in requests]
     row["client_s"] = None if None in ends else round(max(e for e in ends if e is not None) - faulted, 2)
     for kind in ("decode", "prefill"):
@@ -523,24 +548,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     logdir = tempfile.mkdtemp(prefix="kvx-fault-matrix-")
     model = tiny_llama.make(os.path.join(logdir, "model"))
     os.environ.setdefault("KVX_E2E_SLOW_SAVE_SEC", "1.5")
-    cells = [(f, s) for f in faults for s in states]
-    references = reference_answers(model, logdir, 2 * args.in_flight * len(cells))
+    # The preemption row has engines of its own (PREEMPT_ARGS), and one state: vLLM's
+    # scheduler picks the moment, mid-push.
+    cells = [(f, s) for f in faults if f != "prefill-preempted" for s in states]
+    preempt = ["prefill-preempted"] if "prefill-preempted" in faults else []
+    in_flight = max(args.in_flight, PREEMPT_IN_FLIGHT) if preempt else args.in_flight
+    references = reference_answers(model, logdir, 2 * in_flight * (len(cells) + len(preempt)))
     rows: List[Dict[str, Any]] = []
     began = time.monotonic()
     for connector in connectors:
-        cluster = Cluster(model, os.path.join(logdir, connector), connector, args.policy)
-        os.makedirs(cluster.logdir, exist_ok=True)
-        try:
-            cluster.up()
-            for index, (fault, state) in enumerate(cells):
-                if state in NO_SUCH_STATE.get(connector, ()):
-                    continue
-                row = cell(cluster, model, references, index, fault, state, args.hang_bound, args.in_flight)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            cluster.down()
-            link(True)
+        runs = [("", cells, args.in_flight)] if cells else []
+        runs += [(PREEMPT_ARGS, [(f, "mid-push") for f in preempt], in_flight)] if preempt else []
+        for prefill_args, these, n in runs:
+            cluster = Cluster(model, os.path.join(logdir, connector), connector, args.policy, prefill_args)
+            os.makedirs(cluster.logdir, exist_ok=True)
+            try:
+                cluster.up()
+                for fault, state in these:
+                    if state in NO_SUCH_STATE.get(connector, ()):
+                        continue
+                    index = (cells + [(f, "mid-push") for f in preempt]).index((fault, state))
+                    row = cell(cluster, model, references, index, fault, state, args.hang_bound, n)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            finally:
+                cluster.down()
+                link(True)
     print(f"\n{', '.join(connectors)}; kv_load_failure_policy {args.policy}; {args.in_flight} request(s) in flight; "
           f"{len(rows)} cells in {time.monotonic() - began:.0f} s (logs: {logdir})\n")
     print(table(rows))

@@ -8,8 +8,9 @@
 //! guards that hand back what a dropped caller held, and the waits.
 //!
 //! Map:
-//! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), and `EnvVisitor`, the
-//!   one `match` from a choice to a concrete `Env`.
+//! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), `EnvVisitor`, the
+//!   one `match` from a choice to a concrete `Env`, and `TransportChoice::set_heartbeats`,
+//!   the one place the ZeroMQ heartbeats are set (the binary's flags, Python's keywords).
 //! - `named`: transports and fabrics by the names users write (`EnvChoice::named`,
 //!   `InProcess` for the "mem" ones), the one mapping the binary and Python share.
 //! - `lmcache`: LMCache's `pd_buffer_size` as kvx's slot count, for the binary and Python.
@@ -27,6 +28,8 @@
 //!   `unique_local_id`, a sender identity of its own for each sender.
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
+//!
+//! `lib.rs` is only this map and the re-exports: no module reaches into it for helpers.
 
 #![warn(missing_docs)]
 

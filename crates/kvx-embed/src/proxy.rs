@@ -14,7 +14,7 @@ use tokio::sync::{oneshot, Mutex};
 
 use crate::choice::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
 use crate::runtime::Runtime;
-use crate::EmbedError;
+use crate::error::EmbedError;
 
 /// A running proxy: its notice channel is bound at `endpoint()`.
 #[derive(Debug)]

@@ -31,7 +31,7 @@ use crate::choice::{EnvChoice, EnvVisitor};
 use crate::memory::{Memory, MemoryView};
 use crate::returns::ReturnQueue;
 use crate::runtime::Runtime;
-use crate::EmbedError;
+use crate::error::EmbedError;
 
 /// What a receiver is started with.
 #[derive(Debug)]

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use crate::choice::{EnvChoice, EnvVisitor};
 use crate::memory::{Memory, MemoryView};
 use crate::runtime::Runtime;
-use crate::EmbedError;
+use crate::error::EmbedError;
 
 /// What a sender is started with.
 #[derive(Debug)]

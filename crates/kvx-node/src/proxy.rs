@@ -18,7 +18,7 @@ use kvx_proto::wire;
 use kvx_proto::{Principal, ProxyConfig, ReqId};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::StartError;
+use crate::start::StartError;
 
 /// How an awaited request ended at the proxy.
 pub type ProxyOutcome = Result<(), ProxyFailure>;
@@ -258,7 +258,7 @@ impl<E: Env> Driver<E> {
         loop {
             self.deliver();
             let deadline = self.tracker.poll_timeout();
-            let sleep = crate::sleep_until_deadline(&self.env, deadline);
+            let sleep = crate::deadline::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 notice = self.source.recv_notice() => {
                     let Some(notice) = notice else { break };

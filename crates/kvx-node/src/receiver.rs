@@ -17,7 +17,7 @@ use kvx_proto::{ReceiverConfig, ReqId, ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics as m;
-use crate::StartError;
+use crate::start::StartError;
 
 /// A request whose chunks are all in the buffer: read `slots` (chunk order), then `consume`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,7 +198,7 @@ impl ReceiverNode {
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
-        let geometry = crate::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
+        let geometry = crate::start::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
         let listener = env.fabric().expose(fabric_endpoint, geometry).await?;
         Ok(Self::run(env, ledger, server, listener))
     }
@@ -214,7 +214,7 @@ impl ReceiverNode {
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
-        crate::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
+        crate::start::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
         let ledger = ReceiverLedger::new(cfg.clone())?;
         let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;
@@ -350,7 +350,7 @@ impl<E: Env> Driver<E> {
         loop {
             self.carry_out(&replies).await;
             let deadline = self.ledger.poll_timeout();
-            let sleep = crate::sleep_until_deadline(&self.env, deadline);
+            let sleep = crate::deadline::sleep_until_deadline(&self.env, deadline);
             // Landing notices first: a notice already in the channel happened before any
             // message its write's completion caused (a sender's CancelNotif after a write it
             // was told was corrupt), so the ledger sees them in that order and reports the

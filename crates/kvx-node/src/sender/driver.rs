@@ -16,7 +16,7 @@ use kvx_proto::PeerId;
 use tokio::sync::mpsc;
 
 use super::{ReceiverAddr, RequestEnd, Shared};
-use crate::StartError;
+use crate::start::StartError;
 
 mod fabric_link;
 
@@ -194,7 +194,7 @@ impl<E: Env> Driver<E> {
                 self.write_out_notices().await;
                 return;
             }
-            let sleep = crate::sleep_until_deadline(&self.env, deadline);
+            let sleep = crate::deadline::sleep_until_deadline(&self.env, deadline);
             tokio::select! {
                 _ = self.shared.poke.notified() => {}
                 Some(input) = self.inbox.recv() => self.on_input(input),

@@ -16,7 +16,7 @@ use super::driver::Cmd;
 use super::sleepers::{TaskSleeper, Wake};
 use super::staging_turn::StagingTurn;
 use super::{ReceiverAddr, RequestEnd, Shared};
-use crate::StartError;
+use crate::start::StartError;
 
 /// Handle to a running sender; clone it freely, use it from any thread.
 #[derive(Debug)]

@@ -30,7 +30,7 @@ use kvx_proto::sender::{SenderEvent, SenderFlow};
 use kvx_proto::{PeerId, SenderConfig};
 use tokio::sync::{mpsc, Notify};
 
-use crate::StartError;
+use crate::start::StartError;
 use driver::Driver;
 pub use handle::{SenderHandle, WriteCounts};
 use sleepers::Wakes;
@@ -214,7 +214,7 @@ impl SenderNode {
     ) -> Result<SenderHandle<E>, StartError> {
         // Refused before any memory is allocated or taken.
         cfg.validate()?;
-        let geometry = crate::configured_geometry(cfg.staging_slots, chunk_bytes)?;
+        let geometry = crate::start::configured_geometry(cfg.staging_slots, chunk_bytes)?;
         let memory = env.fabric().allocate_staging(geometry)?;
         Self::start_over(env, cfg, memory, local_id, proxy).await
     }
@@ -230,7 +230,7 @@ impl SenderNode {
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        crate::lent_fits("staging", &staging, cfg.staging_slots)?;
+        crate::start::lent_fits("staging", &staging, cfg.staging_slots)?;
         // Refused before any memory is allocated or taken.
         cfg.validate()?;
         let memory = env.fabric().staging_in(staging)?;
