@@ -13,8 +13,8 @@ use kvx_proto::{ProxyConfig, ReqId};
 use tokio::sync::{oneshot, Mutex};
 
 use crate::choice::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
-use crate::runtime::Runtime;
 use crate::error::EmbedError;
+use crate::runtime::Runtime;
 
 /// A running proxy: its notice channel is bound at `endpoint()`.
 #[derive(Debug)]

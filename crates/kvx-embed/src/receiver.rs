@@ -28,10 +28,10 @@ use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
 use kvx_proto::{ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::{EnvChoice, EnvVisitor};
+use crate::error::EmbedError;
 use crate::memory::{Memory, MemoryView};
 use crate::returns::ReturnQueue;
 use crate::runtime::Runtime;
-use crate::error::EmbedError;
 
 /// What a receiver is started with.
 #[derive(Debug)]

@@ -23,9 +23,9 @@ use kvx_proto::{PeerId, Placement, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
 
 use crate::choice::{EnvChoice, EnvVisitor};
+use crate::error::EmbedError;
 use crate::memory::{Memory, MemoryView};
 use crate::runtime::Runtime;
-use crate::error::EmbedError;
 
 /// What a sender is started with.
 #[derive(Debug)]
