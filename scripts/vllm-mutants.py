@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
-python/tests/kvx_vllm/test_bootstrap.py (llm-d's protocol engine to engine), test_scheduler.py and test_pair.py (vLLM's real scheduler),
+python/tests/kvx_vllm/test_bootstrap.py (llm-d's protocol engine to engine), test_signals.py
+(what the connector adds to vLLM's metrics), test_scheduler.py and test_pair.py (vLLM's real scheduler),
 test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
 test_reasons.py and test_failure_reasons.py (a failed transfer's reason, through the router to its client),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
@@ -24,7 +25,7 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 # The router's tests first: they take seconds, and its variants are caught there.
-TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_signals.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
@@ -32,6 +33,18 @@ TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "signals-gauges-summed": (PKG + "signals.py",
+        "        elif key.startswith(\"now_\"):\n            out[key] = value\n",
+        "        elif key.startswith(\"now_\"):\n            out[key] = out.get(key, 0) + value\n",
+        "a gauge (reserved blocks, waiting claims) adds up over steps instead of reading its latest value"),
+    "prom-histograms-unfed": (PKG + "connector.py",
+        "                for seconds in value:\n",
+        "                for seconds in ():\n",
+        "the handover's phase histograms stay empty on /metrics"),
+    "received-wait-of-failed-loads": (PKG + "worker.py",
+        "            self._reserved_at.pop(kvx_id, None)\n            r = self._reserved.pop(kvx_id, None)\n",
+        "            r = self._reserved.pop(kvx_id, None)\n            if kvx_id in self._reserved_at:\n                self._waits.append(0.0)\n",
+        "a failed load is timed as a received one"),
     "llmd-registration-failure-ignored": (PKG + "scheduler.py",
         "self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True, failed=why))",
         "pass",

@@ -18,7 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
+
+from kvx.vllm import signals  # noqa: E402
 
 from kvx.vllm.bootstrap import Registrar, bootstrap_server  # noqa: E402
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
@@ -70,10 +76,7 @@ class KvxConnectorStats(KVConnectorStats):
         self.data: Dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvxConnectorStats":
-        total = dict(self.data)
-        for key, n in other.data.items():
-            total[key] = total.get(key, 0) + n
-        return KvxConnectorStats(data=total)
+        return KvxConnectorStats(data=signals.merge(self.data, other.data))
 
     def reduce(self) -> Dict[str, Any]:
         d = self.data
@@ -93,7 +96,42 @@ class KvxConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # A gauge's 0 is news (it was not 0 before).
+        return not any(v or k.startswith("now_") for k, v in self.data.items())
+
+
+class KvxPromMetrics(KVConnectorPromMetrics):
+    """kvx's part of the engine's ``/metrics`` (``kvx.vllm.signals``): the handover's phases
+    as histograms, loads, pushes, refusals by reason and registrations as counters, reserved
+    blocks and waiting claims as gauges, each per engine as vLLM labels its own."""
+
+    def __init__(self, vllm_config: Any, metric_types: Dict[type, type], labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = lambda metric: create_metric_per_engine(metric, per_engine_labelvalues)  # noqa: E731
+        self.histograms = {key: per_engine(self._histogram_cls(
+            name=name, documentation=doc, buckets=list(signals.BUCKETS), labelnames=labelnames))
+            for key, (name, doc) in signals.HISTOGRAMS.items()}
+        self.counters = {key: per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
+                         for key, (name, doc) in signals.COUNTERS.items()}
+        self.gauges = {key: per_engine(self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                                       multiprocess_mode="mostrecent"))
+                       for key, (name, doc) in signals.GAUGES.items()}
+        self.refused = self._counter_cls(name=signals.REFUSED[0], documentation=signals.REFUSED[1],
+                                         labelnames=labelnames + ["reason"])
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key in self.histograms:
+                for seconds in value:
+                    self.histograms[key][engine_idx].observe(seconds)
+            elif key in self.counters and value:
+                self.counters[key][engine_idx].inc(value)
+            elif key in self.gauges:
+                self.gauges[key][engine_idx].set(value)
+            elif key.startswith(signals.REFUSED_PREFIX) and value:
+                reason = key[len(signals.REFUSED_PREFIX):]
+                self.refused.labels(*self.per_engine_labelvalues[engine_idx], reason).inc(value)
 
 
 def _tp_rank() -> int:
@@ -253,13 +291,21 @@ class KvxConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
-            return None
-        counts = self._worker.take_counts()
-        return KvxConnectorStats(data=counts) if any(counts.values()) else None
+            side = self._decode or self._prefill
+            data = side.signals.take() if side is not None else {}
+        else:
+            data = self._worker.take_counts()
+        stats = KvxConnectorStats(data=data)
+        return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[KVConnectorStats]:
         return KvxConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[type, type], labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]) -> KvxPromMetrics:
+        return KvxPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         report = self._w().take_report()

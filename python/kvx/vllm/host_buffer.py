@@ -292,7 +292,7 @@ class HostBufferedTransfer:
             self._withdrawn.discard(kvx_id)
         return events
 
-    def take_counts(self) -> Dict[str, int]:
+    def take_counts(self) -> Dict[str, Any]:
         return self.inner.take_counts()
 
     def close(self) -> None:

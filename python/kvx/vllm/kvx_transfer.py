@@ -211,7 +211,7 @@ class DecodeTransfer:
             layout.page_bytes if layout else None, layout.pages_per_block if layout else 1,
         )
 
-    def take_counts(self) -> Dict[str, int]:
+    def take_counts(self) -> Dict[str, Any]:
         """Loads received and failed (withdrawals among them) since the last call."""
         counts, self._counts = dict(self._counts), Counter()
         return counts
@@ -297,6 +297,8 @@ class PrefillTransfer:
         self._refused: Dict[str, str] = {}
         self._sent: Set[str] = set()
         self._counts: Counter = Counter()
+        #: Each delivered push's times (``kvx.vllm.signals``), since the last ``take_counts``.
+        self._samples: Dict[str, List[float]] = {}
         #: The sender's ``write_counts()`` at the last ``take_counts``.
         self._writes_counted: Tuple[int, int] = (0, 0)
 
@@ -462,6 +464,8 @@ class PrefillTransfer:
             self._counts["timed_bytes"] += push.nbytes
             self._counts["push_us"] += int(1e6 * (now - push.first_posted))
             self._counts["delivery_us"] += int(1e6 * (now - push.last_posted))
+            self._samples.setdefault("push_s", []).append(now - push.first_posted)
+            self._samples.setdefault("delivery_s", []).append(now - push.last_posted)
         self._sent.add(kvx_id)
 
     def poll(self) -> TransferEvents:
@@ -515,12 +519,15 @@ class PrefillTransfer:
                 push.draining.discard(layer)
             self._settle(kvx_id, push)
 
-    def take_counts(self) -> Dict[str, int]:
-        """Pushes delivered and failed, and the fabric writes posted and their bytes, since
-        the last call. A write is what the fabric carries as one: over TCP a run of pages
+    def take_counts(self) -> Dict[str, Any]:
+        """Pushes delivered and failed, the fabric writes posted and their bytes, and each
+        delivered push's times (``push_s``, ``delivery_s``), since the last call. A write is what the fabric carries as one: over TCP a run of pages
         consecutive in both engines' KV (``Sender.write_counts``), so writes per request are
         layers × runs per step, not layers × blocks."""
-        counts, self._counts = dict(self._counts), Counter()
+        counts: Dict[str, Any] = dict(self._counts)
+        self._counts = Counter()
+        counts.update(self._samples)
+        self._samples = {}
         if self.sender is not None:
             writes, nbytes = self.sender.write_counts()
             before_writes, before_bytes = self._writes_counted

@@ -35,6 +35,7 @@ from kvx.vllm.params import (
 )
 from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan, WorkerReport
 from kvx.vllm.reasons import ERROR
+from kvx.vllm.signals import Signals
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -72,6 +73,8 @@ class DecodeScheduler:
     ) -> None:
         self.block_size = block_size
         self.registrar, self.endpoints = registrar, endpoints
+        #: What this side adds to vLLM's metrics (``kvx.vllm.signals``).
+        self.signals = Signals(time.monotonic)
         #: llm-d: each registered request's (bootstrap, secret), for its cancel.
         self.registered: Dict[str, Tuple[Any, str]] = {}
         #: Requests whose blocks are reserved and whose KV has not been reported received.
@@ -132,10 +135,12 @@ class DecodeScheduler:
         """This step's plan for the workers (and a fresh one for the next step), with the
         loads whose registration failed since the last step."""
         for rid, why in self.registrar.failures() if self.registrar is not None else ():
+            self.signals.count("registrations_failed")
             reserve = self.reserved.get(rid)
             registered = self.registered.pop(rid, None)
             if reserve is not None and registered is not None and rid not in self.released:
                 self._plan.release.append(Release(rid, reserve.kvx_id, reserved=True, failed=why))
+        self.signals.gauge("now_reserved_blocks", sum(len(r.block_ids) for r in self.reserved.values()))
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -211,6 +216,8 @@ class PrefillScheduler:
         #: llm-d: requests whose decode engine has not registered yet: request id →
         #: (transfer id, prompt blocks, deadline).
         self.awaiting: Dict[str, Tuple[str, int, float]] = {}
+        #: What this side adds to vLLM's metrics (``kvx.vllm.signals``).
+        self.signals = Signals(clock)
         #: Claimed, not yet granted by every rank: request id → (transfer, deadline).
         self.claiming: Dict[str, Tuple[RemoteDecode, float]] = {}
         self.grant_counts: Dict[str, int] = {}
@@ -244,6 +251,7 @@ class PrefillScheduler:
 
     def _claim(self, rid: str, params: RemoteDecode, blocks: int, deadline: float) -> None:
         self.claiming[rid] = (params, deadline)
+        self.signals.start("claim_to_grant_s", rid)
         self._plan.begin.append(
             Begin(rid, params.kvx_id, params.claim_secret, params.decode_alloc, params.decode_fabric, blocks)
         )
@@ -298,6 +306,8 @@ class PrefillScheduler:
         return None, False
 
     def _refuse(self, rid: str, reason: str) -> None:
+        self.signals.refused(reason)
+        self.signals.drop(rid)
         entry = self.claiming.pop(rid, None)
         self.grant_counts.pop(rid, None)
         self.granted.pop(rid, None)
@@ -345,6 +355,7 @@ class PrefillScheduler:
                     Push(rid, st.kvx_id, st.next_block, tuple(st.blocks[st.next_block:upto]), last)
                 )
                 st.next_block, st.last_planned = upto, last
+        self.signals.gauge("now_waiting_claims", len(self.claiming) + len(self.awaiting))
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -359,6 +370,7 @@ class PrefillScheduler:
                     params, _ = self.claiming.pop(rid)
                     del self.grant_counts[rid]
                     self.granted[rid] = params
+                    self.signals.end("claim_to_grant_s", rid)
             for rid, reason in report.refused.items():
                 if rid in self.claiming:
                     logger.warning("kvx: request %s (kvx %s) cannot push its KV: %s; it runs "
@@ -377,6 +389,7 @@ class PrefillScheduler:
         rid = request.request_id
         self._warned.discard(rid)
         self.refused.discard(rid)
+        self.signals.drop(rid)
         failure = self.failures.pop(rid, None)
         if failure is not None:
             kvx_id, reason = failure

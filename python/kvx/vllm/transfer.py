@@ -80,7 +80,7 @@ class KvTransfer(Protocol):
     def poll(self) -> TransferEvents:
         """Events since the last call."""
 
-    def take_counts(self) -> Dict[str, int]:
+    def take_counts(self) -> Dict[str, Any]:
         """What it counted since the last call (pushes, writes and their bytes; loads
         received and failed), for vLLM's KV transfer metrics."""
 

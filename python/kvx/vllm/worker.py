@@ -6,6 +6,7 @@ not import vLLM."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from kvx.vllm.plan import Push, Reserve, StepPlan, WorkerReport
@@ -33,6 +34,10 @@ class KvxWorker:
         self._finished_by_vllm: Set[str] = set()
         self._sent_early: Set[str] = set()
         self._report = WorkerReport()
+        #: Decode: when each reservation was made, and the received requests' waits since
+        #: (``reserve_to_received_s``, ``kvx.vllm.signals``).
+        self._reserved_at: Dict[str, float] = {}
+        self._waits: List[float] = []
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """The engine's per-layer paged KV tensors."""
@@ -44,6 +49,7 @@ class KvxWorker:
         self._plan = plan
         for r in plan.reserve:
             self._reserved[r.kvx_id] = r
+            self._reserved_at[r.kvx_id] = time.monotonic()
             self.transfer.reserve(r.kvx_id, r.claim_secret, r.first_block, r.block_ids, r.num_tokens)
         for rel in plan.release:
             if rel.failed is not None:
@@ -95,10 +101,14 @@ class KvxWorker:
         recving: Set[str] = set()
         for kvx_id in events.received:
             r = self._reserved.pop(kvx_id, None)
+            at = self._reserved_at.pop(kvx_id, None)
             if r is not None:
                 self._withdrawn.discard(kvx_id)
                 recving.add(r.req_id)
+                if at is not None:
+                    self._waits.append(time.monotonic() - at)
         for kvx_id, reason in events.failed.items():
+            self._reserved_at.pop(kvx_id, None)
             r = self._reserved.pop(kvx_id, None)
             if r is None:
                 continue
@@ -143,9 +153,13 @@ class KvxWorker:
         report, self._report = self._report, WorkerReport()
         return report if (report.granted or report.refused) else None
 
-    def take_counts(self) -> Dict[str, int]:
-        """The transfer's counts since the last call (``KvTransfer.take_counts``)."""
-        return self.transfer.take_counts()
+    def take_counts(self) -> Dict[str, Any]:
+        """The transfer's counts since the last call (``KvTransfer.take_counts``), with the
+        received requests' waits from their reservation (``reserve_to_received_s``)."""
+        counts = self.transfer.take_counts()
+        if self._waits:
+            counts["reserve_to_received_s"], self._waits = self._waits, []
+        return counts
 
     def shutdown(self) -> None:
         """Stops the transfer."""

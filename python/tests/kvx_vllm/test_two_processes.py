@@ -40,6 +40,8 @@ class Engine:
         assert self._read() == {"ready": True}
         #: The transfer's counts over every step so far.
         self.counts: collections.Counter = collections.Counter()
+        #: Its samples (phase times, kvx.vllm.signals) over every step so far.
+        self.samples: Dict[str, List[float]] = {}
 
     def _read(self) -> Dict[str, Any]:
         import selectors
@@ -61,7 +63,11 @@ class Engine:
 
     def step(self, plan: Optional[Dict[str, Any]] = None, finished: List[str] = (), forward: bool = False) -> Dict[str, Any]:
         out = self.ask(op="step", plan=plan or {}, finished=list(finished), forward=forward)
-        self.counts.update(out["counts"])
+        for key, value in out["counts"].items():
+            if isinstance(value, list):  # samples in seconds (kvx.vllm.signals)
+                self.samples.setdefault(key, []).extend(value)
+            else:
+                self.counts[key] += value
         return out
 
     def until(self, what: str, plan=None, finished=(), timeout: float = 15.0) -> Dict[str, Any]:
@@ -127,6 +133,8 @@ def test_every_byte_of_a_pushed_request_lands_in_the_granted_blocks(engines):
     sent = prefill.until("sent", finished=["p-k1"])
     assert sent["sent"] == ["p-k1"]
     assert decode.counts == {"received": 1}
+    assert len(decode.samples["reserve_to_received_s"]) == 1
+    assert len(prefill.samples["push_s"]) == len(prefill.samples["delivery_s"]) == 1
     # Per layer three writes: the held block is answered, not written, and no two of the
     # others are consecutive in both engines (3 -> 5 in one step; 7 -> 6 and 8 -> 9 in the next).
     timed = {k: prefill.counts.pop(k) for k in ("push_us", "delivery_us")}

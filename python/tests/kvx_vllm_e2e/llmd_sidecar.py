@@ -100,7 +100,7 @@ class Sidecar:
                     on_prefill(conn)
                 conn.getresponse().read()  # discarded
                 conn.close()
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 pass  # the sidecar records it on its trace span only
 
         t = threading.Thread(target=prefill_leg, daemon=True)

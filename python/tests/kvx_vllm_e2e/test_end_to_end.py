@@ -315,6 +315,17 @@ def test_under_llm_ds_sidecar_the_decode_engine_answers_as_a_single_engine(model
         assert all(b["kv_transfer_params"]["transfer_id"].startswith("xfer-") for b in legs)
         assert all(b["max_tokens"] == 1 and b["stream"] is False for (leg, _, _, b) in sidecar.sent if leg == "prefill")
         wait_idle([d_port, p_port], 30)
+        # What kvx adds to vLLM's /metrics (kvx.vllm.signals), beside vLLM's own.
+        deadline = time.monotonic() + 30
+        while True:
+            decode_metrics = urllib.request.urlopen(f"http://127.0.0.1:{d_port}/metrics", timeout=10).read().decode()
+            prefill_metrics = urllib.request.urlopen(f"http://127.0.0.1:{p_port}/metrics", timeout=10).read().decode()
+            received = re.findall(r'^vllm:kvx_reserve_to_received_seconds_count\{[^}]*\} ([0-9.e+]+)$', decode_metrics, re.M)
+            granted = re.findall(r'^vllm:kvx_claim_to_grant_seconds_count\{[^}]*\} ([0-9.e+]+)$', prefill_metrics, re.M)
+            if received and granted and float(received[0]) >= len(got) - 1 and float(granted[0]) >= len(got) - 1:
+                break
+            assert time.monotonic() < deadline, (received, granted)
+            time.sleep(1)
     finally:
         for p in procs:
             p.stop()
@@ -359,6 +370,65 @@ def test_under_llm_d_an_aborted_leg_costs_nothing_held_and_no_wrong_tokens(model
         assert prompt_sources(d_port).get("local_compute", 0) > 0
         wait_idle([d_port, p_port], 15)
         assert took < 15
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_two_prefill_and_two_decode_engines_through_the_sidecar_and_the_router(model, single_engine_outputs, tmp_path):
+    """2P2D: each decode engine fed by both prefill engines, the legs paired by llm-d's
+    sidecar (each decode engine's own) and then by kvx's router; every answer the single
+    engine's."""
+    logdir = str(tmp_path)
+    decodes, prefills, procs = [], [], []
+    try:
+        for i in range(2):
+            alloc, fabric = free_port(), free_port()
+            proc, port = engine(f"decode{i}", model, logdir, {
+                "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "fail",
+                "kv_connector_extra_config": {"host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric}})
+            procs.append(proc)
+            decodes.append((port, alloc, fabric))
+        for i in range(2):
+            bootstrap = free_port()
+            proc, port = engine(f"prefill{i}", model, logdir, {
+                "kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.vllm", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"bootstrap_port": bootstrap, "bootstrap_host": "127.0.0.1"}})
+            procs.append(proc)
+            prefills.append((port, bootstrap))
+        for proc, port in zip(procs, [d[0] for d in decodes] + [p[0] for p in prefills]):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT)
+        # Through the sidecars: request i to decode engine i % 2 and prefill engine (i // 2) % 2,
+        # so that every pair serves.
+        pairs = [(i % 2, (i // 2) % 2) for i in range(len(prompts()))]
+
+        def through_sidecar(i: int) -> str:
+            d, p = pairs[i]
+            sidecar = Sidecar(f"127.0.0.1:{decodes[d][0]}", prefills[p][1])
+            return sidecar_complete(sidecar, f"127.0.0.1:{prefills[p][0]}", model, prompts()[i])
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts())) as pool:
+            got = list(pool.map(through_sidecar, range(len(prompts()))))
+        assert got == single_engine_outputs[:len(prompts())]
+        assert set(pairs) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+        for port, _, _ in decodes:
+            sources = prompt_sources(port)
+            assert sources.get("local_compute", 0) == 0 and sources["external_kv_transfer"] > 0, sources
+        # Through kvx's router, the same engines.
+        r_port = free_port()
+        config = os.path.join(logdir, "router.json")
+        with open(config, "w") as f:
+            json.dump({"listen": f"127.0.0.1:{r_port}",
+                       "prefill": [{"url": f"http://127.0.0.1:{p}"} for p, _ in prefills],
+                       "decode": [{"url": f"http://127.0.0.1:{d}", "kvx_alloc": [f"tcp://127.0.0.1:{a}"],
+                                   "kvx_fabric": [f"tcp://127.0.0.1:{fb}"]} for d, a, fb in decodes]}, f)
+        router = Process("router", [sys.executable, "-m", "kvx.vllm.router", "--config", config], logdir)
+        procs.append(router)
+        router.wait_http(f"http://127.0.0.1:{r_port}/health", 60)
+        assert complete_all(r_port, model) == single_engine_outputs
+        for port, _, _ in decodes:
+            assert prompt_sources(port).get("local_compute", 0) == 0
     finally:
         for p in procs:
             p.stop()
