@@ -62,6 +62,9 @@ REGISTRATION_TTL_SEC = 60.0
 REGISTRATIONS_MAX = 4096
 #: The largest request body the server reads.
 BODY_BYTES_MAX = 16 * 1024
+#: Connections served at once (a thread each), and how long one may stay idle.
+CONNECTIONS_MAX = 64
+CONNECTION_IDLE_SEC = 10.0
 #: The protocol version ``/query`` states, for decode engines to check.
 PROTOCOL = 1
 
@@ -198,6 +201,8 @@ class BootstrapServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # A connection idle this long is closed (one that trickles its request too).
+            timeout = CONNECTION_IDLE_SEC
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 logger.debug("kvx bootstrap: " + format, *args)
@@ -283,9 +288,24 @@ class BootstrapServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+        slots = threading.BoundedSemaphore(CONNECTIONS_MAX)
+
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                # At most CONNECTIONS_MAX at once (a thread each): past it, closed unanswered.
+                if not slots.acquire(blocking=False):
+                    self.shutdown_request(request)
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         self._http = Server((host, port), Handler)
         self._http.timeout = 5

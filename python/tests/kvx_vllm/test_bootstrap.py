@@ -304,3 +304,27 @@ def test_the_prefill_side_runs_without_a_push_when_no_registration_comes_or_it_w
     q.on_new_request(r)
     assert q.get_num_new_matched_tokens(r, 0) == (0, False)
     assert "bootstrap_port" in q.request_finished(r)[1]["kvx_error"]
+
+
+def test_connections_are_bounded_in_number_and_idleness(monkeypatch):
+    import socket
+
+    import kvx.vllm.bootstrap as bootstrap
+
+    monkeypatch.setattr(bootstrap, "CONNECTIONS_MAX", 4)
+    monkeypatch.setattr(bootstrap, "CONNECTION_IDLE_SEC", 1.0)
+    s = BootstrapServer(Registrations(), "127.0.0.1", free_port(), ENGINE)
+    idlers = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", s.port))
+        extra.settimeout(5)
+        extra.sendall(b"GET /query HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(64) == b"", "past the cap, closed unanswered"
+        extra.close()
+        time.sleep(1.5)  # the idlers are closed: the server answers again
+        assert call(s.port, "GET", "/query")[0] == 200
+    finally:
+        for c in idlers:
+            c.close()
+        s.close()
