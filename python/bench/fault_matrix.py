@@ -574,8 +574,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             finally:
                 cluster.down()
                 link(True)
-    print(f"\n{', '.join(connectors)}; kv_load_failure_policy {args.policy}; {args.in_flight} request(s) in flight; "
-          f"{len(rows)} cells in {time.monotonic() - began:.0f} s (logs: {logdir})\n")
+    bad_count = sum(1 for r in rows if re.search(r"HANG|WRONG|UNTYPED|not reached", str(r.get("outcome"))))
+    print(f"\n{len(rows)} cells in {time.monotonic() - began:.0f} s, {bad_count} hung, wrong, untyped or not reached: "
+          f"{', '.join(connectors)}; kv_load_failure_policy {args.policy}; {args.in_flight} request(s) in flight "
+          f"(logs: {logdir})\n")
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:
