@@ -251,6 +251,8 @@ class Streamed:
         self.aborted = False
         #: Whether the error was an answer (an OpenAI error object or error event), not a cut.
         self.typed = True
+        #: Nothing came for ``hang_bound`` (this proxy gave up).
+        self.hung = False
         self.leg = ""
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -273,6 +275,8 @@ class Streamed:
                 status, raw = self._exchange("decode", (HTTP_ADDR["decode"], PORTS["decode"]),
                                              {**body, "kv_transfer_params": params})
             self._parse(status, raw, "")
+        except socket.timeout:
+            self.hung = True  # no byte for hang_bound: what the cell calls a hang
         except (OSError, ValueError, KeyError) as e:
             if not self.error:
                 self.error, self.typed = f"{self.leg} connection: {e!r}", False
@@ -358,6 +362,42 @@ def wait_state(mark: str, state: str, bound: float, requests: List["Streamed"]) 
     return False
 
 
+class IdleWatch:
+    """Samples an engine from a fault on (every 0.25 s, in a thread of its own) and says
+    when it was idle for good: the time from the fault past its last busy sample, once the
+    requests have ended and it is idle. 0 for an engine that held nothing throughout."""
+
+    def __init__(self, kind: str, since: float) -> None:
+        self.kind, self.since = kind, since
+        self.last_busy: Optional[float] = None
+        self.settled = threading.Event()
+        self.ended: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic()
+            if idle(self.kind):
+                if self.ended is not None and now >= self.ended:
+                    self.settled.set()
+                    return
+            else:
+                self.last_busy = now
+            if self.ended is not None and now > self.ended + 60:
+                return
+            time.sleep(0.25)
+
+    def result(self, ended: float) -> Optional[float]:
+        """Seconds from the fault until idle for good, given when the requests ended; None
+        when it was still busy 60 s after."""
+        self.ended = ended
+        self._thread.join(65)
+        if not self.settled.is_set():
+            return None
+        return 0.0 if self.last_busy is None else self.last_busy + 0.25 - self.since
+
+
 def until_idle(kind: str, since: float, bound: float) -> Optional[float]:
     deadline = since + bound
     while time.monotonic() < deadline:
@@ -383,7 +423,7 @@ def router_sees_all_up(bound: float) -> bool:
 
 
 def outcome(request: "Streamed", reference: str, fault: str) -> str:
-    if request.ended is None:
+    if request.ended is None or request.hung:
         return "HANG"
     if fault == "client-gone":
         return "client gone"
@@ -448,6 +488,8 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
         for r in requests:
             r.abort()
     # prefill-preempted: nothing to do; the prefill engine's own scheduler preempts.
+    watches = {kind: IdleWatch(kind, faulted) for kind in ("decode", "prefill")
+               if kind not in stopped and fault != f"{kind}-killed"}
     for r in requests:
         r.thread.join(max(0.0, faulted + hang_bound - time.monotonic()))
     row["outcome"] = counted([outcome(r, references[base + j], fault) for j, r in enumerate(requests)])
@@ -458,10 +500,13 @@ def cell(cluster: Cluster, model: str, references: List[str], index: int, fault:
         row["preemptions"] = preempted
     ends = [r.ended for r in requests]
     row["client_s"] = None if None in ends else round(max(e for e in ends if e is not None) - faulted, 2)
+    ended = max([e for e in ends if e is not None] + [time.monotonic()])
     for kind in ("decode", "prefill"):
-        dead = kind in stopped or (fault == f"{kind}-killed")
-        took = None if dead else until_idle(kind, faulted, 60)
-        row[f"{kind}_idle_s"] = "-" if dead else (round(took, 2) if took is not None else "> 60")
+        if kind not in watches:
+            row[f"{kind}_idle_s"] = "-"
+            continue
+        took = watches[kind].result(ended)
+        row[f"{kind}_idle_s"] = round(took, 2) if took is not None else "busy 60 s after the end"
     if restore is not None:
         restore.join()
     back = 0.0
