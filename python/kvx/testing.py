@@ -11,8 +11,10 @@ a receiving program does with a load that failed it. ``free_port`` picks a loopb
 test's server.
 """
 
+import os
 import random
 import socket
+import time
 from typing import Any
 
 from kvx._kvx import Sender, StagingSlot
@@ -46,6 +48,30 @@ def corrupting_sender(**kwargs: Any) -> Sender:
     a receiving program does with a failed load; never for real traffic. It corrupts what
     ``add`` staged, so it needs kvx's own staging (``placement="pool"``)."""
     return _CorruptingSender(Sender(**kwargs))  # type: ignore[return-value]
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOPs ``pid`` (a hung process, for tests) and returns once every one of its threads
+    is stopped: the signal is only queued when ``kill`` returns, and a thread still running
+    meanwhile may answer one more message. Linux only (``/proc``)."""
+    import glob
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(stat) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that ended
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout} s: {states}")
+        time.sleep(0.001)
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import kvx
+from kvx.testing import stop_process
 
 np = pytest.importorskip("numpy")
 
@@ -60,7 +61,7 @@ def test_a_dead_senders_reservation_comes_back_at_once_with_the_reason(how):
         else:
             # Stopped, as a hung engine is: its connections stay open and its kernel keeps
             # acknowledging; only the missing heartbeats say it is gone.
-            proc.send_signal(signal.SIGSTOP)
+            stop_process(proc.pid)
         try:
             back = rx.returned(timeout=WAIT)
             took = time.monotonic() - died

@@ -27,12 +27,15 @@ RECEIVER = textwrap.dedent("""
                       fabric_endpoint=fabric)
     print("up", flush=True)
     for line in sys.stdin:
-        req = line.strip()
-        rx.reserve(req, [0], claim_secret="secret-of-" + req + "-0123456789")
-        print("reserved", flush=True)
-        for lease in rx.next_ready(max=1, timeout=30):
-            lease.consume()
-            print("consumed", flush=True)
+        cmd, req = line.split()
+        if cmd == "reserve":
+            rx.reserve(req, [0], claim_secret="secret-of-" + req + "-0123456789")
+            print("reserved", flush=True)
+        else:  # consume: the next ready request's lease, waited for at most 30 s
+            leases = rx.next_ready(max=1, timeout=30)
+            for lease in leases:
+                lease.consume()
+            print("consumed" if leases else "nothing ready", flush=True)
 """ % (SLOT, SLOT))
 
 
@@ -47,11 +50,14 @@ class Receiver:
         assert self.proc.stdout.readline().strip() == "up"
 
     def reserve(self, req):
-        self.proc.stdin.write(req + "\n")
+        self.proc.stdin.write(f"reserve {req}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "reserved"
 
     def consumed(self):
+        """Waits until the receiver has read the next ready request (at most 30 s)."""
+        self.proc.stdin.write("consume -\n")
+        self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "consumed"
 
     def kill(self):

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from kvx.testing import free_port
+from kvx.testing import free_port, stop_process
 
 np = pytest.importorskip("numpy")
 
@@ -222,7 +222,7 @@ def test_a_prefill_engine_that_hangs_mid_push_fails_the_load_within_the_heartbea
     decode.step({"reserve": [["d-k5", "k5", 0, [1, 2, 3], 12]]})
     prefill.until("granted", begin(engines, "k5", 3))
     prefill.step({"push": [["p-k5", "k5", 0, [0], False]]}, forward=True)
-    prefill.proc.send_signal(signal.SIGSTOP)
+    stop_process(prefill.proc.pid)
     hung = time.monotonic()
     try:
         failed = decode.until("received", timeout=HEARTBEAT_TIMEOUT + SLACK + 5)
@@ -247,7 +247,7 @@ def test_a_decode_engine_that_dies_or_hangs_mid_push_frees_the_prefill_engines_b
         decode.proc.kill()
         decode.proc.wait()
     else:
-        decode.proc.send_signal(signal.SIGSTOP)
+        stop_process(decode.proc.pid)
     gone = time.monotonic()
     try:
         prefill.step({"push": [["p-k6", "k6", 0, [0, 1], True]]}, forward=True)
