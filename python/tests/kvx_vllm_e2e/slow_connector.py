@@ -52,13 +52,7 @@ class SlowKvxConnector(KvxConnector):
         self._held: Dict[str, float] = {}
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        if _decode():
-            super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-            return
-        _mark(f"saving {layer_name}")
-        time.sleep(float(os.environ.get("KVX_E2E_SLOW_SAVE_SEC", "1.5")))
-        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-        _mark(f"posted {layer_name}")
+        _slow_save(super().save_kv_layer, layer_name, kv_layer, attn_metadata, **kwargs)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         plan = getattr(connector_metadata, "plan", None)
@@ -73,6 +67,18 @@ class SlowKvxConnector(KvxConnector):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         sending, recving = super().get_finished(finished_req_ids)
         return sending, _hold_delivered(self._held, recving)
+
+
+def _slow_save(save: Any, layer_name: str, *args: Any, **kwargs: Any) -> None:
+    """Prefill: ``save`` (the connector's own ``save_kv_layer``), after
+    ``KVX_E2E_SLOW_SAVE_SEC`` and between the marks; decode: at once, unmarked."""
+    if _decode():
+        save(layer_name, *args, **kwargs)
+        return
+    _mark(f"saving {layer_name}")
+    time.sleep(float(os.environ.get("KVX_E2E_SLOW_SAVE_SEC", "1.5")))
+    save(layer_name, *args, **kwargs)
+    _mark(f"posted {layer_name}")
 
 
 def _hold_delivered(held: Dict[str, float], recving: Optional[Set[str]]) -> Optional[Set[str]]:
@@ -107,13 +113,7 @@ def _slow_nixl() -> Any:
             return sending, _hold_delivered(self._held, recving)
 
         def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            if _decode():
-                super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-                return
-            _mark(f"saving {layer_name}")
-            time.sleep(float(os.environ.get("KVX_E2E_SLOW_SAVE_SEC", "1.5")))
-            super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-            _mark(f"posted {layer_name}")
+            _slow_save(super().save_kv_layer, layer_name, kv_layer, attn_metadata, **kwargs)
 
     return SlowNixlConnector
 
