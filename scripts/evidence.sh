@@ -8,8 +8,10 @@
 #   vllm-variants     every broken variant of kvx.vllm caught, against vLLM's scheduler
 #   vllm-e2e          kvx.vllm end to end on real CPU vLLM engines (scripts/vllm-e2e.sh)
 #   fault-matrix      every fault at every state of a request on real engines, each in a
-#                     network namespace (scripts/fault-matrix.sh; no cell hangs or answers
-#                     wrong tokens); its table goes to target/evidence/fault-matrix.json
+#                     network namespace, kvx's connector and NIXL's (scripts/fault-matrix.sh;
+#                     no kvx cell hangs or answers wrong tokens), then kvx's kill and
+#                     preemption rows with 4 requests in flight; its tables go to
+#                     target/evidence/fault-matrix*.json
 #   sim-sweeps        the simulation's long sweeps, determinism, its --break variants
 #   fuzz              a fuzz run of every cargo-fuzz target (scripts/fuzz-smoke.sh)
 #
@@ -36,7 +38,9 @@ run_part() {
     lmcache-variants) KVX_MUTANTS=all KVX_MUTANTS_ONLY=1 bash scripts/python-tests.sh ;;
     vllm-variants) KVX_MUTANTS=all KVX_MUTANTS_ONLY=1 bash scripts/vllm-tests.sh ;;
     vllm-e2e) bash scripts/vllm-e2e.sh ;;
-    fault-matrix) bash scripts/fault-matrix.sh --out target/evidence/fault-matrix.json ;;
+    fault-matrix) bash scripts/fault-matrix.sh --out target/evidence/fault-matrix.json &&
+      bash scripts/fault-matrix.sh --connectors kvx --faults prefill-killed,decode-killed,prefill-preempted \
+        --states mid-push --in-flight 4 --out target/evidence/fault-matrix-in-flight.json ;;
     sim-sweeps) sim/sweeps.sh ;;
     fuzz) SECONDS_PER_TARGET="${SECONDS_PER_TARGET:-45}" bash scripts/fuzz-smoke.sh ;;
     *) echo "no such part: $1 (the parts: ${all[*]})"; return 2 ;;

@@ -8,7 +8,8 @@
 #
 #   bash scripts/fault-matrix.sh [fault_matrix.py's arguments, e.g. --faults prefill-hung]
 #
-# Not part of the CI gate: it takes about 50 minutes on 2 cores (both connectors). scripts/evidence.sh runs it.
+# Not part of the CI gate: it takes about 100 minutes on 2 cores (both connectors; NIXL's
+# engines take 2-4 minutes to start again after each kill). scripts/evidence.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 label="fault matrix"
