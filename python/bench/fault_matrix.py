@@ -89,10 +89,11 @@ CONNECTORS = ["kvx", "nixl"]
 MAX_TOKENS = 16
 FAULTS = ["prefill-killed", "prefill-hung", "decode-killed", "decode-hung", "link-down-1s", "link-down-30s",
           "client-gone", "prefill-preempted"]
-#: The prefill engine of the preemption row: room for 7 blocks, each request's prefill one block
-#: a step beside the others', so that three prompts of three blocks outgrow the KV cache in
-#: their third step and vLLM preempts the last one mid-push (it is recomputed later).
-PREEMPT_ARGS = "--num-gpu-blocks-override 7 --max-num-batched-tokens 384 --long-prefill-token-threshold 128"
+#: The prefill engine of the preemption row: room for 9 blocks (vLLM keeps one: the least that
+#: holds one 1,024-token sequence), each request's prefill one block a step beside the others', so that
+#: three prompts of three blocks outgrow the KV cache in their third step and vLLM preempts
+#: the last one mid-push (it is recomputed later).
+PREEMPT_ARGS = "--num-gpu-blocks-override 9 --max-num-batched-tokens 384 --long-prefill-token-threshold 128"
 PREEMPT_IN_FLIGHT = 3
 STATES = ["computing", "grant-pending", "mid-push", "pushed", "delivered"]
 #: How long the decode engine holds a request in the states it holds (``slow_connector.py``'s
