@@ -6,6 +6,8 @@
 //! - `batching.rs`: each request's pending batch (`handle_add`), and the flush rule that
 //!   submits pending batches when only they hold staging (`allocate_or_submit`).
 //! - `lifecycle.rs`: channel sends, failure and clean-up, delivery, channel reset.
+//! - `queries.rs`: what a driver or a test reads without changing anything (counters, staging,
+//!   requests, channels, whether a held message's reply is awaited).
 //! - `invariants.rs`: `check_invariants`.
 //! - `channel.rs`: one control channel to one receiver (pipelined or serial).
 //! - `reply.rs`: what a receiver's reply does.
@@ -34,6 +36,7 @@ mod canon;
 mod channel;
 mod invariants;
 mod lifecycle;
+mod queries;
 mod reply;
 mod staging;
 
@@ -477,15 +480,6 @@ impl SenderFlow {
         self.requests.get(req_id).is_some_and(|r| !gone_early(r))
     }
 
-    /// Whether the message numbered `seq` to `receiver` is in flight: sent as far as this
-    /// flow knows, its reply awaited. A driver that held the message back (its channel was
-    /// down) must then send it: the channel may admit nothing else until that reply comes.
-    pub fn awaits_reply(&self, receiver: PeerId, seq: u64) -> bool {
-        self.channels
-            .get(&receiver)
-            .is_some_and(|ch| ch.in_flight.iter().any(|f| f.seq == seq))
-    }
-
     /// Whether `req_id` runs, or ended recently enough that its outcome is remembered.
     pub fn knows(&self, req_id: &ReqId) -> bool {
         self.requests.contains_key(req_id) || self.outcomes.contains_key(req_id)
@@ -664,62 +658,6 @@ impl SenderFlow {
     /// The next event, in the order they happened.
     pub fn poll_event(&mut self) -> Option<SenderEvent> {
         self.events.pop_front()
-    }
-
-    /// Counters since start.
-    pub fn stats(&self) -> &SenderStats {
-        &self.stats
-    }
-
-    /// Staging slots free now.
-    pub fn staging_free(&self) -> u32 {
-        self.staging.free_count()
-    }
-
-    /// True when unsubmitted chunks take every staging slot: only their callers can free one,
-    /// by submitting them (their allocate calls get `StagingHeldByCaller`).
-    pub fn staging_held_by_callers(&self) -> bool {
-        let unsubmitted = self.requests.values().map(|r| r.staged.len());
-        unsubmitted.sum::<usize>() == self.staging.capacity() as usize
-    }
-
-    /// With caller staging, the submitted chunks that read `slot` now: the application must
-    /// not change it while any does (0 with kvx's pool).
-    pub fn staging_readers(&self, slot: StagingSlot) -> u32 {
-        self.staging.readers(slot)
-    }
-
-    /// Staging slots in the pool.
-    pub fn staging_capacity(&self) -> u32 {
-        self.staging.capacity()
-    }
-
-    /// Whether `req_id` runs and holds its reservation (it may stage and submit).
-    pub fn is_admitted(&self, req_id: &ReqId) -> bool {
-        self.requests
-            .get(req_id)
-            .is_some_and(|r| r.state == State::Admitted)
-    }
-
-    /// Requests running, failing ones included (bounded by `requests_max`).
-    pub fn tracked_requests(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// What the channel to `receiver` has learnt of it; `None` before its first request.
-    pub fn channel_mode(&self, receiver: PeerId) -> Option<Mode> {
-        self.channels.get(&receiver).map(|c| c.mode)
-    }
-
-    /// True when no request, message or write is outstanding and all staging is free.
-    pub fn is_quiescent(&self) -> bool {
-        self.requests.is_empty()
-            && self.writes.is_empty()
-            && self.staging.is_idle()
-            && self
-                .channels
-                .values()
-                .all(|c| c.queue.is_empty() && c.in_flight.is_empty())
     }
 
     /// The request, if it is admitted; else why the caller cannot use it now.
