@@ -326,7 +326,9 @@ impl ExternalRegion {
     /// One region of `parts` laid end to end — a serving framework's per-layer KV tensors,
     /// each one part — whose slots follow one another: slot `p × part_slots + i` is slot i
     /// of part p. Every part must have as many slots of the same size (refused otherwise,
-    /// saying which differs), and none may overlap another; each keeps its owner.
+    /// saying which differs), and none may overlap another; each keeps its owner. Parts that
+    /// follow one another in memory, in the order given (views of one allocation), make a
+    /// region of one part: one range, which a NIC registers once.
     pub fn join(parts: Vec<ExternalRegion>) -> Result<Self, FabricError> {
         let Some(first) = parts.first() else {
             return Err(FabricError::Allocation("a region of no parts".into()));
@@ -371,6 +373,16 @@ impl ExternalRegion {
             ptrs.extend(part.parts);
             owners.push(part.owner);
         }
+        let part_len = part_slots as usize * slot_bytes;
+        let end_to_end = ptrs.windows(2).all(|w| {
+            (w[0].as_ptr() as usize).checked_add(part_len) == Some(w[1].as_ptr() as usize)
+        });
+        let (ptrs, part_slots) = if end_to_end {
+            // Checked above: every slot fits in u32.
+            (vec![ptrs[0]], part_slots * ptrs.len() as u32)
+        } else {
+            (ptrs, part_slots)
+        };
         Ok(Self {
             parts: ptrs,
             part_slots,
@@ -484,6 +496,47 @@ mod tests {
             .expect("joined");
         let err = ExternalRegion::join(vec![nested, lent(vec![0; 256], 64)]).expect_err("nested");
         assert!(err.to_string().contains("several parts"), "{err}");
+    }
+
+    /// Per-layer views of one allocation, in order, are one range (one NIC registration);
+    /// out of order they stay parts, whose slots follow the order given.
+    #[test]
+    fn parts_end_to_end_in_memory_are_one_range() {
+        let mut backing = vec![0u8; 3 * 2 * 64].into_boxed_slice();
+        let ptr = backing.as_mut_ptr();
+        let views = |order: [usize; 3]| {
+            order
+                .iter()
+                .map(|&i| {
+                    // SAFETY: each view is a third of `backing`, which outlives the regions;
+                    // they do not overlap.
+                    unsafe { ExternalRegion::new(ptr.add(i * 128), 128, 64, Box::new(())) }
+                        .expect("valid")
+                })
+                .collect::<Vec<_>>()
+        };
+        let joined = ExternalRegion::join(views([0, 1, 2])).expect("joined");
+        assert_eq!((joined.slots(), joined.parts()), (6, 1));
+        let region = SlotRegion::external(joined);
+        assert_eq!(
+            region.raw().map(|(p, len)| (p.as_ptr(), len)),
+            Some((ptr, 6 * 64))
+        );
+        for slot in 0..6u32 {
+            region.with_slot(slot, |b| b.fill(slot as u8 + 1));
+        }
+        drop(region);
+        assert!(backing
+            .chunks(64)
+            .enumerate()
+            .all(|(i, c)| c.iter().all(|&x| x == i as u8 + 1)));
+        let shuffled = ExternalRegion::join(views([1, 0, 2])).expect("joined");
+        assert_eq!((shuffled.slots(), shuffled.parts()), (6, 3));
+        let region = SlotRegion::external(shuffled);
+        region.with_slot(0, |b| b.fill(0xAA)); // part 0 is the middle third
+        drop(region);
+        assert!(backing[128..192].iter().all(|&x| x == 0xAA));
+        drop(backing);
     }
 
     #[test]

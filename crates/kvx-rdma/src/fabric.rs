@@ -107,12 +107,14 @@ impl<V: Verbs> RdmaFabric<V> {
         access: RemoteAccess,
     ) -> Result<Arc<RdmaMemory>, FabricError> {
         checked_geometry(region.slots(), region.slot_bytes())?;
-        // One registration covers one range: a region joined from several (per-layer
-        // tensors) would need one per part and remote addresses per part.
+        // One registration covers one range. Parts end to end in memory (per-layer views of
+        // one allocation, as kvx's vLLM connector lends its host buffer) are one range
+        // already (`ExternalRegion::join`); separate allocations would need a registration
+        // and remote addresses per part, which one range costs none of.
         if region.parts() > 1 {
             return Err(FabricError::Allocation(format!(
-                "a region in {} separate parts cannot be registered over RDMA yet: lend one \
-                 contiguous region",
+                "a region in {} separate parts cannot be registered over RDMA: lend one \
+                 contiguous region (parts that are views of one allocation, in order, are one)",
                 region.parts()
             )));
         }

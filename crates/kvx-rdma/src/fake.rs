@@ -280,6 +280,11 @@ impl FakeVerbs {
         self.lock().corrupt_after = Some((n, byte));
     }
 
+    /// Memory regions registered on this device so far.
+    pub(crate) fn registrations(&self) -> u64 {
+        self.lock().regions.len() as u64
+    }
+
     pub(crate) fn writes_applied(&self) -> u64 {
         self.lock().writes_applied
     }

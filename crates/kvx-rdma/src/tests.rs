@@ -769,8 +769,9 @@ async fn a_fence_with_writes_outstanding_announces_exactly_what_completed_ok() {
     assert_eq!(landed, ok, "Landed notices against Ok completions");
 }
 
-/// A receive buffer lent in several parts (per-layer tensors, `ExternalRegion::join`) is
-/// refused with the reason: one registration covers one range.
+/// A receive buffer lent in parts that are separate allocations (per-layer tensors,
+/// `ExternalRegion::join`) is refused with the reason: one registration covers one range.
+/// (Parts of one allocation are one range: `tests_node`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
 async fn a_buffer_lent_in_parts_is_refused_saying_why() {

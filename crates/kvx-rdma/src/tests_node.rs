@@ -4,8 +4,10 @@
 //! receiver ends the request, the proxy hears of the failure — and once the driver has
 //! replaced the connection, requests go through on a new queue pair; a byte that changes after
 //! its write landed fails its request at the receiver with a checksum mismatch, and the
-//! decoder never sees it.
+//! decoder never sees it. Buffers lent the way kvx's vLLM connector lends its host buffer
+//! (per-layer views of one allocation) are registered once and carry a whole request.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::mem::MemTransport;
@@ -37,8 +39,64 @@ struct Rig {
     ready: mpsc::UnboundedReceiver<ReqId>,
 }
 
+/// Memory lent by the test: one allocation, freed when the last region over it is dropped.
+struct Backing(*mut [u8]);
+
+// SAFETY: the bytes are reached only through the regions' slots, under kvx's rules.
+#[allow(unsafe_code)]
+unsafe impl Send for Backing {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for Backing {}
+
+impl Drop for Backing {
+    #[allow(unsafe_code)] // frees the test's own allocation
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from `Box::into_raw` and no region uses it any more.
+        drop(unsafe { Box::from_raw(self.0) });
+    }
+}
+
+/// `layers × slots_per_layer` slots of `CHUNK` bytes as the vLLM connector lends a host
+/// buffer: one allocation, one part per layer, the parts end to end.
+#[allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
+fn lent_as_layers(layers: usize, slots_per_layer: usize) -> kvx_io::ExternalRegion {
+    let layer_bytes = slots_per_layer * CHUNK;
+    let raw = Box::into_raw(vec![0u8; layers * layer_bytes].into_boxed_slice());
+    let ptr = raw.cast::<u8>();
+    let backing = Arc::new(Backing(raw));
+    let parts = (0..layers)
+        .map(|i| {
+            // SAFETY: layer i's bytes of the allocation, kept by `backing` as long as the
+            // region lives; the parts do not overlap.
+            unsafe {
+                kvx_io::ExternalRegion::new(
+                    ptr.add(i * layer_bytes),
+                    layer_bytes,
+                    CHUNK,
+                    Box::new(backing.clone()),
+                )
+            }
+            .expect("a layer")
+        })
+        .collect();
+    let joined = kvx_io::ExternalRegion::join(parts).expect("equal layers");
+    assert_eq!(
+        joined.parts(),
+        1,
+        "views of one allocation, in order, are one range"
+    );
+    joined
+}
+
 impl Rig {
     async fn start() -> Rig {
+        Self::start_with(false).await
+    }
+
+    /// `lent`: the receiver's buffer and the sender's staging lent as per-layer views of
+    /// one allocation each (`lent_as_layers`).
+    async fn start_with(lent: bool) -> Rig {
         let verbs = FakeVerbs::new();
         let fabric = RdmaFabric::with_verbs(verbs.clone(), RdmaConfig::default()).expect("fabric");
         let env = TokioEnv::new(MemTransport::new(), fabric);
@@ -50,9 +108,19 @@ impl Rig {
             ..ReceiverConfig::default()
         };
         assert!(cfg.require_checksums, "the default");
-        let mut receiver = ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "127.0.0.1:0")
+        let mut receiver = if lent {
+            ReceiverNode::start_in(
+                env.clone(),
+                cfg,
+                lent_as_layers(4, 4),
+                "alloc",
+                "127.0.0.1:0",
+            )
             .await
-            .expect("receiver");
+        } else {
+            ReceiverNode::start(env.clone(), cfg, CHUNK, "alloc", "127.0.0.1:0").await
+        }
+        .expect("receiver");
         let addr = ReceiverAddr {
             alloc: receiver.alloc_endpoint().to_owned(),
             fabric: receiver.fabric_endpoint().to_owned(),
@@ -79,14 +147,20 @@ impl Rig {
             ..SenderConfig::default()
         };
         assert!(sender_cfg.checksums, "the default");
-        let sender = SenderNode::start(
-            env.clone(),
-            sender_cfg,
-            CHUNK,
-            "s0".into(),
-            Some(proxy.endpoint().into()),
-        )
-        .await
+        let proxy_endpoint = Some(proxy.endpoint().to_owned());
+        let sender = if lent {
+            let staging = lent_as_layers(2, 2);
+            SenderNode::start_in(
+                env.clone(),
+                sender_cfg,
+                staging,
+                "s0".into(),
+                proxy_endpoint,
+            )
+            .await
+        } else {
+            SenderNode::start(env.clone(), sender_cfg, CHUNK, "s0".into(), proxy_endpoint).await
+        }
         .expect("sender");
         let peer = sender.add_receiver(addr).await.expect("connects");
         Rig {
@@ -214,4 +288,33 @@ async fn a_byte_flipped_after_landing_fails_its_request_with_a_checksum_mismatch
             "the decoder was handed the corrupt request"
         );
     }
+}
+
+/// The receive buffer and the staging lent as the vLLM connector lends its host buffer (one
+/// allocation, a part per layer): each side registers one memory region, and requests go
+/// through byte for byte, their checksums checked, one after another over the same buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffers_lent_as_layers_of_one_allocation_carry_whole_requests() {
+    let mut rig = Rig::start_with(true).await;
+    assert_eq!(rig.verbs.registrations(), 2, "one region each side");
+    for n in 0..3 {
+        let request = rig.request(&format!("layered-{n}"));
+        let verdict = rig
+            .proxy
+            .expect(request.req_id.clone(), 1)
+            .await
+            .expect("fresh id");
+        tokio::time::timeout(STEP, synthetic::prefill(&rig.sender, &request))
+            .await
+            .expect("bounded")
+            .expect("sent");
+        let proxy_says = tokio::time::timeout(STEP, verdict).await.expect("bounded");
+        assert!(proxy_says.expect("answered").is_ok());
+        assert_eq!(rig.outcome(&request.req_id).await, Outcome::Consumed);
+    }
+    assert_eq!(
+        rig.verbs.registrations(),
+        2,
+        "registered once, not per request"
+    );
 }
