@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Deliberately broken variants of kvx.vllm (the vLLM connector), each of which
 python/tests/kvx_vllm/test_bootstrap.py (llm-d's protocol engine to engine), test_signals.py
-(what the connector adds to vLLM's metrics), test_scheduler.py and test_pair.py (vLLM's real scheduler),
+(what the connector adds to vLLM's metrics), test_tracing.py (each transfer's span pair), test_settings.py (the connector's keys), test_scheduler.py and test_pair.py (vLLM's real scheduler),
 test_worker.py, test_router.py, test_router_guard.py, test_two_processes.py (two engine processes over kvx),
 test_reasons.py and test_failure_reasons.py (a failed transfer's reason, through the router to its client),
 test_prefill_transfer.py (the prefill transfer over a scripted sender),
@@ -25,7 +25,7 @@ ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
 # The router's tests first: they take seconds, and its variants are caught there.
-TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_signals.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
+TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_signals.py", "python/tests/kvx_vllm/test_tracing.py", "python/tests/kvx_vllm/test_settings.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
          "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
          "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
          "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
@@ -33,6 +33,30 @@ TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
+    "trace-pair-unjoined": (PKG + "tracing.py",
+        "context=transfer_context(kvx_id)",
+        "context=None",
+        "each engine's span of a transfer starts a trace of its own: the pair is not joined"),
+    "trace-failure-reported-delivered": (PKG + "worker.py",
+        "        for kvx_id, reason in events.undelivered.items():\n            self.spans.close(kvx_id, \"failed\", reason)\n",
+        "",
+        "a push that failed after its grant ends its span as delivered"),
+    "trace-client-link-dropped": (PKG + "tracing.py",
+        "            if client.is_valid:\n",
+        "            if False:\n",
+        "the transfer's spans lose the link to the request's own trace"),
+    "host-buffer-per-layer": (PKG + "host_buffer.py",
+        "        if len(shapes) != 1:\n",
+        "        if True:\n",
+        "the host buffer is an allocation per layer: kvx sees as many ranges, and RDMA refuses it"),
+    "rdma-in-place": (PKG + "host_buffer.py",
+        "    return bool(settings.host_buffer or settings.fabric == \"rdma\")\n",
+        "    return bool(settings.host_buffer)\n",
+        "over RDMA a CPU engine's per-layer KV tensors are lent in place, which RDMA cannot register as one range"),
+    "undelivered-as-refused": (PKG + "kvx_transfer.py",
+        "(self._undelivered if push.granted else self._refused)[kvx_id] = push.failure",
+        "self._refused[kvx_id] = push.failure",
+        "a push that failed after its grant is reported as a refused claim"),
     "signals-gauges-summed": (PKG + "signals.py",
         "        elif key.startswith(\"now_\"):\n            out[key] = value\n",
         "        elif key.startswith(\"now_\"):\n            out[key] = out.get(key, 0) + value\n",

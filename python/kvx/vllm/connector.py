@@ -30,8 +30,9 @@ from kvx.vllm.bootstrap import Registrar, bootstrap_server  # noqa: E402
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
-from kvx.vllm.host_buffer import HostBufferedTransfer  # noqa: E402
+from kvx.vllm.host_buffer import HostBufferedTransfer, asks_for_host_buffer  # noqa: E402
 from kvx.vllm.kvx_transfer import transfer_for  # noqa: E402
+from kvx.vllm.tracing import Spans, tracer_for  # noqa: E402
 from kvx.vllm.transfer import KvTransfer  # noqa: E402
 from kvx.vllm.worker import KvxWorker  # noqa: E402
 
@@ -196,9 +197,11 @@ class KvxConnector(KVConnectorBase_V1):
                 num_blocks = getattr(kv_cache_config, "num_blocks", None)
                 transfer = HostBufferedTransfer(
                     transfer_for(self.settings, rank, num_blocks, block_size),
-                    self.settings.host_buffer, self.settings.kv_buffer_device,
+                    asks_for_host_buffer(self.settings), self.settings.kv_buffer_device,
                 )
-            self._worker = KvxWorker(transfer, rank)
+            observability = getattr(vllm_config, "observability_config", None)
+            spans = Spans(tracer_for(getattr(observability, "otlp_traces_endpoint", None)))
+            self._worker = KvxWorker(transfer, rank, spans)
 
     # ---- scheduler side -------------------------------------------------------------
 

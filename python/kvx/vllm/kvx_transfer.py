@@ -295,6 +295,7 @@ class PrefillTransfer:
         self._receivers: Dict[Tuple[str, str], int] = {}
         self._pushes: Dict[str, _Push] = {}
         self._refused: Dict[str, str] = {}
+        self._undelivered: Dict[str, str] = {}
         self._sent: Set[str] = set()
         self._counts: Counter = Counter()
         #: Each delivered push's times (``kvx.vllm.signals``), since the last ``take_counts``.
@@ -455,8 +456,8 @@ class PrefillTransfer:
         if push.open or push.draining:
             return
         del self._pushes[kvx_id]
-        if push.failure is not None and not push.granted:
-            self._refused[kvx_id] = push.failure
+        if push.failure is not None:
+            (self._undelivered if push.granted else self._refused)[kvx_id] = push.failure
         self._counts["pushed" if push.failure is None else "push_failures"] += 1
         if push.failure is None and push.first_posted is not None and push.last_posted is not None:
             now = time.monotonic()
@@ -500,6 +501,8 @@ class PrefillTransfer:
                 events.granted.add(kvx_id)
         events.refused.update(self._refused)
         self._refused.clear()
+        events.undelivered.update(self._undelivered)
+        self._undelivered.clear()
         events.sent |= self._sent
         self._sent.clear()
         return events

@@ -23,6 +23,8 @@ class Reserve:
     first_block: int
     block_ids: Tuple[int, ...]
     num_tokens: int
+    #: The request's W3C trace context, where vLLM kept one (``kvx.vllm.tracing``).
+    trace_headers: Optional[Dict[str, str]] = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Begin:
     decode_fabric: Tuple[str, ...]
     #: The prompt's blocks: every one is pushed (the decode engine answers those it holds).
     num_blocks: int
+    #: The request's W3C trace context, where vLLM kept one (``kvx.vllm.tracing``).
+    trace_headers: Optional[Dict[str, str]] = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

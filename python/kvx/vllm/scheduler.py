@@ -55,6 +55,13 @@ def _params(request: Any, warned: Set[str]) -> Any:
         return None
 
 
+def _trace_headers(request: Any) -> Optional[Dict[str, str]]:
+    """The request's W3C trace context, where vLLM kept one (``kvx.vllm.tracing`` links the
+    transfer's spans to it)."""
+    headers = getattr(request, "trace_headers", None)
+    return dict(headers) if headers else None
+
+
 def _prompt_len(request: Any) -> int:
     return len(request.prompt_token_ids or ())
 
@@ -119,7 +126,8 @@ class DecodeScheduler:
         if params.bootstrap is not None:
             secret = new_claim_secret()
         assert secret is not None
-        reserve = Reserve(rid, params.kvx_id, secret, first, tuple(block_ids[first:last]), end)
+        reserve = Reserve(rid, params.kvx_id, secret, first, tuple(block_ids[first:last]), end,
+                          _trace_headers(request))
         self.reserved[rid] = reserve
         self._plan.reserve.append(reserve)
         if params.bootstrap is not None:
@@ -231,6 +239,8 @@ class PrefillScheduler:
         self.pushing: Dict[str, _Pushing] = {}
         #: Finished; blocks held until the workers report the push delivered or drained.
         self.sending: Set[str] = set()
+        #: Requests' trace contexts, until their claim is planned (``kvx.vllm.tracing``).
+        self._trace_headers: Dict[str, Dict[str, str]] = {}
         self._plan = StepPlan()
         self._warned: Set[str] = set()
 
@@ -243,6 +253,9 @@ class PrefillScheduler:
             return
         blocks = -(-request.num_prompt_tokens // self.block_size)
         deadline = self.clock() + self.grant_timeout_sec
+        headers = _trace_headers(request)
+        if headers is not None and isinstance(params, (RemoteDecode, AwaitRegistration)):
+            self._trace_headers[rid] = headers
         if isinstance(params, RemoteDecode):
             self._claim(rid, params, blocks, deadline)
         elif isinstance(params, AwaitRegistration):
@@ -253,7 +266,8 @@ class PrefillScheduler:
         self.claiming[rid] = (params, deadline)
         self.signals.start("claim_to_grant_s", rid)
         self._plan.begin.append(
-            Begin(rid, params.kvx_id, params.claim_secret, params.decode_alloc, params.decode_fabric, blocks)
+            Begin(rid, params.kvx_id, params.claim_secret, params.decode_alloc, params.decode_fabric, blocks,
+                  self._trace_headers.pop(rid, None))
         )
 
     def _take_registration(self, rid: str) -> None:
@@ -390,6 +404,7 @@ class PrefillScheduler:
         self._warned.discard(rid)
         self.refused.discard(rid)
         self.signals.drop(rid)
+        self._trace_headers.pop(rid, None)
         failure = self.failures.pop(rid, None)
         if failure is not None:
             kvx_id, reason = failure

@@ -25,6 +25,9 @@ class TransferEvents:
     #: Prefill: every write landed and the decode engine confirmed (or a cancel drained):
     #: the request's blocks here may be freed.
     sent: Set[str] = field(default_factory=set)
+    #: Prefill: of those sent, the granted pushes that ended undelivered (a write failed, the
+    #: decode engine was lost, a cancel): why.
+    undelivered: Dict[str, str] = field(default_factory=dict)
     #: Decode: every write landed and passed its checksum, or a withdrawn reservation can
     #: no longer be written: the blocks may be read, or freed.
     received: Set[str] = field(default_factory=set)

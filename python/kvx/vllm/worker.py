@@ -10,17 +10,20 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from kvx.vllm.plan import Push, Reserve, StepPlan, WorkerReport
+from kvx.vllm.tracing import Spans
 from kvx.vllm.transfer import KvTransfer
 
 logger = logging.getLogger("kvx.vllm")
 
 
 class KvxWorker:
-    """One TP rank's connector worker over ``transfer``."""
+    """One TP rank's connector worker over ``transfer``; ``spans``: each transfer's span
+    (``kvx.vllm.tracing``), where tracing is on."""
 
-    def __init__(self, transfer: KvTransfer, tp_rank: int = 0) -> None:
+    def __init__(self, transfer: KvTransfer, tp_rank: int = 0, spans: Optional[Spans] = None) -> None:
         self.transfer = transfer
         self.tp_rank = tp_rank
+        self.spans = spans if spans is not None else Spans(None)
         self._plan: Optional[StepPlan] = None
         # Decode: reserved requests by kvx id, and the requests vLLM told finished.
         self._reserved: Dict[str, Reserve] = {}
@@ -50,10 +53,15 @@ class KvxWorker:
         for r in plan.reserve:
             self._reserved[r.kvx_id] = r
             self._reserved_at[r.kvx_id] = time.monotonic()
+            self.spans.open(r.kvx_id, "kvx.receive", {
+                "kvx.role": "decode", "kvx.tp_rank": self.tp_rank, "vllm.request_id": r.req_id,
+                "kvx.blocks": len(r.block_ids), "kvx.first_block": r.first_block,
+            }, r.trace_headers)
             self.transfer.reserve(r.kvx_id, r.claim_secret, r.first_block, r.block_ids, r.num_tokens)
         for rel in plan.release:
             if rel.failed is not None:
                 logger.warning("kvx: KV of request %s (kvx %s) cannot come: %s", rel.req_id, rel.kvx_id, rel.failed)
+                self.spans.close(rel.kvx_id, "failed", rel.failed)
             elif rel.reserved and rel.kvx_id in self._reserved:
                 self._withdrawn.add(rel.kvx_id)
             self.transfer.release(rel.kvx_id, rel.reserved and rel.kvx_id in self._reserved)
@@ -61,6 +69,10 @@ class KvxWorker:
             self._claimed[b.req_id] = b.kvx_id
             self._by_kvx[b.kvx_id] = b.req_id
             rank = self.tp_rank % len(b.decode_alloc)
+            self.spans.open(b.kvx_id, "kvx.push", {
+                "kvx.role": "prefill", "kvx.tp_rank": self.tp_rank, "vllm.request_id": b.req_id,
+                "kvx.blocks": b.num_blocks, "kvx.decode_alloc": b.decode_alloc[rank],
+            }, b.trace_headers)
             self.transfer.begin(
                 b.kvx_id, b.claim_secret, b.decode_alloc[rank], b.decode_fabric[rank], b.num_blocks
             )
@@ -82,6 +94,7 @@ class KvxWorker:
         """Posts this layer's writes of every push of the step (without waiting)."""
         for p in self._pushes:
             self._posted.add(p.kvx_id)
+            self.spans.event(p.kvx_id, "first write posted")
             self.transfer.write_layer(p.kvx_id, layer_name, kv_layer, p.first_block, p.block_ids, p.last)
 
     def wait_for_save(self) -> None:
@@ -90,6 +103,7 @@ class KvxWorker:
         for p in self._pushes:
             if p.last:
                 self.transfer.finish(p.kvx_id)
+                self.spans.event(p.kvx_id, "last write posted")
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str]]:
         """(sent, received) vLLM request ids. A sent request is reported only once vLLM
@@ -103,6 +117,7 @@ class KvxWorker:
             r = self._reserved.pop(kvx_id, None)
             at = self._reserved_at.pop(kvx_id, None)
             if r is not None:
+                self.spans.close(kvx_id, "withdrawn" if kvx_id in self._withdrawn else "received")
                 self._withdrawn.discard(kvx_id)
                 recving.add(r.req_id)
                 if at is not None:
@@ -115,16 +130,25 @@ class KvxWorker:
             if kvx_id not in self._withdrawn:
                 logger.warning("kvx: KV of request %s (kvx %s) failed to load: %s", r.req_id, kvx_id, reason)
                 self._load_errors.update(r.block_ids)
+                self.spans.close(kvx_id, "failed", reason)
+            else:
+                self.spans.close(kvx_id, "withdrawn")
             self._withdrawn.discard(kvx_id)
             recving.add(r.req_id)
         for kvx_id in events.granted:
+            self.spans.event(kvx_id, "granted")
             rid = self._by_kvx.get(kvx_id)
             if rid is not None:
                 self._report.granted[rid] += 1
         for kvx_id, reason in events.refused.items():
+            self.spans.close(kvx_id, "refused", reason)
             rid = self._by_kvx.get(kvx_id)
             if rid is not None:
                 self._report.refused[rid] = reason
+        for kvx_id, reason in events.undelivered.items():
+            self.spans.close(kvx_id, "failed", reason)
+        for kvx_id in events.sent:
+            self.spans.close(kvx_id, "delivered")
         self._sent_early |= {self._by_kvx[k] for k in events.sent if k in self._by_kvx}
         sending = self._sent_early & self._finished_by_vllm
         self._sent_early -= sending
@@ -162,5 +186,6 @@ class KvxWorker:
         return counts
 
     def shutdown(self) -> None:
-        """Stops the transfer."""
+        """Stops the transfer; transfers still open end their spans."""
+        self.spans.close_all("engine stopped")
         self.transfer.close()

@@ -122,6 +122,7 @@ class PrefillEnd(QuietEnd):
         self.hub.claimed.discard(kvx_id)
         if self.hub.reserved.pop(kvx_id, None) is not None:
             self.hub.decode_events.failed[kvx_id] = "cancelled by the prefill engine"
+            self.hub.prefill_events.undelivered[kvx_id] = "cancelled by the prefill engine"
         self.hub.prefill_events.sent.add(kvx_id)
 
     def poll(self) -> TransferEvents:

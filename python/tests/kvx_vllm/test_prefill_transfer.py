@@ -116,15 +116,20 @@ def test_a_failed_push_is_sent_only_once_no_posted_write_reads_the_engines_block
     tx.reading.discard(layer_request("X", 0))
     assert "X" not in t.poll().sent, "layer 1 still reads them"
     tx.reading.discard(layer_request("X", 1))
-    assert "X" in t.poll().sent
-    assert "X" not in t.poll().sent, "reported once"
+    events = t.poll()
+    assert "X" in events.sent
+    # Granted, then failed: undelivered, with kvx's reason (the span's error), not refused.
+    assert "write failed" in events.undelivered["X"] and not events.refused
+    events = t.poll()
+    assert "X" not in events.sent and not events.undelivered, "reported once"
 
 
 def test_a_delivered_push_is_sent_at_once():
     t, tx = transfer()
     pushed(t, tx, "X", [1, 4])
     tx.ends += [(layer_request("X", layer), None) for layer in range(LAYERS)]
-    assert "X" in t.poll().sent
+    events = t.poll()
+    assert "X" in events.sent and not events.undelivered and not events.refused
 
 
 def test_without_checksums_the_pages_are_copied_into_kvxs_own_staging():

@@ -19,6 +19,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ObservabilityConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -80,6 +81,7 @@ class Engine:
         prefix_caching: bool = False,
         multi: bool = False,
         transfer: Optional[Any] = None,
+        otlp_traces_endpoint: Optional[str] = None,
     ) -> None:
         model = ModelConfig(
             model=tiny_model_dir(),
@@ -116,6 +118,7 @@ class Engine:
             ),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv,
+            observability_config=ObservabilityConfig(otlp_traces_endpoint=otlp_traces_endpoint),
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32)
@@ -161,8 +164,9 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def add(self, req_id: str, prompt_len: int, params: Optional[Dict[str, Any]], max_tokens: int = 4,
-            tokens: Optional[List[int]] = None) -> Request:
-        """Adds a request of ``prompt_len`` tokens (or the prompt ``tokens``)."""
+            tokens: Optional[List[int]] = None, trace_headers: Optional[Dict[str, str]] = None) -> Request:
+        """Adds a request of ``prompt_len`` tokens (or the prompt ``tokens``), with the W3C
+        trace context ``trace_headers`` as vLLM's server hands it on."""
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         if params is not None:
             sampling.extra_args = {"kv_transfer_params": params}
@@ -172,6 +176,7 @@ class Engine:
             sampling_params=sampling,
             pooling_params=None,
             block_hasher=self.block_hasher,
+            trace_headers=trace_headers,
         )
         self.scheduler.add_request(request)
         return request
