@@ -109,7 +109,9 @@ fn bad_name(e: NameError) -> PyErr {
     PyValueError::new_err(match e {
         // The package is built without RDMA: the binary's rebuild hint does not apply.
         NameError::NoRdma => {
-            "fabric \"rdma\": this build of the kvx package has no RDMA support".into()
+            "fabric \"rdma\": this build of the kvx package has no RDMA support (build the \
+             wheel with `maturin build --release --features rdma`; see docs/operations.md)"
+                .into()
         }
         other => other.to_string(),
     })

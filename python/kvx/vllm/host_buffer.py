@@ -2,7 +2,9 @@
 
 kvx's fabrics move host memory. When an engine's paged KV lives on a device (a CUDA GPU),
 the connector keeps a **host buffer**: one host tensor per layer, of the layer's logical
-shape and dtype (pinned where the device is CUDA), and hands *those* to the transfer beneath
+shape and dtype (pinned where the device is CUDA), all in one allocation (kvx sees one
+range: RDMA registers it once; ``fabric: rdma`` always moves KV through it, on CPU engines
+too), and hands *those* to the transfer beneath
 (``kvx.vllm.kvx_transfer``), which then runs exactly as it does on a CPU engine. This
 module only adds the copies between the device's blocks and the host buffer's:
 
@@ -101,10 +103,21 @@ class Copier:
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def host_like(self, tensor: Any) -> Any:
-        """A host tensor of ``tensor``'s logical shape and dtype, contiguous (pinned when the
-        KV is on CUDA, so that copies can run asynchronously)."""
-        return self._torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
+    def host_buffer(self, kv_caches: Mapping[str, Any]) -> Dict[str, Any]:
+        """Host tensors of the layers' logical shape and dtype, contiguous (pinned when the KV
+        is on CUDA, so that copies can run asynchronously), by layer name: one allocation,
+        the layers end to end in the order of their names (kvx's slot order), so that kvx
+        sees one range, which RDMA registers once. Layers of different shapes (refused by
+        ``PagedLayout`` right after) get a tensor each."""
+        torch = self._torch
+        names = sorted(kv_caches)
+        shapes = {(tuple(t.shape), t.dtype) for t in kv_caches.values()}
+        if len(shapes) != 1:
+            return {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=self.cuda)
+                    for n, t in kv_caches.items()}
+        ((shape, dtype),) = shapes
+        whole = torch.empty((len(names), *shape), dtype=dtype, device="cpu", pin_memory=self.cuda)
+        return {name: whole[i] for i, name in enumerate(names)}
 
     def to_host(self, src: Any, dst: Any, block_dim: int, block_ids: Sequence[int]) -> PendingCopy:
         """Starts copying ``block_ids`` of ``src`` (the engine's) into ``dst`` (the host's)."""
@@ -138,6 +151,13 @@ class Copier:
 def _device_type(tensor: Any) -> str:
     device = getattr(tensor, "device", None)
     return "cpu" if device is None else getattr(device, "type", str(device))
+
+
+def asks_for_host_buffer(settings: Any) -> bool:
+    """Whether the settings send KV in host memory through the host buffer too: when
+    ``host_buffer`` says so, and always over RDMA, which registers what it moves once, as one
+    range (the host buffer is one allocation; an engine's per-layer tensors are not)."""
+    return bool(settings.host_buffer or settings.fabric == "rdma")
 
 
 def needs_host_buffer(kv_caches: Mapping[str, Any], host_buffer: bool, kv_buffer_device: Optional[str]) -> bool:
@@ -210,7 +230,7 @@ class HostBufferedTransfer:
             return
         first = next(iter(kv_caches.values()))
         copier = self._make_copier(first.device)
-        host = {name: copier.host_like(t) for name, t in kv_caches.items()}
+        host = copier.host_buffer(kv_caches)
         num_blocks = getattr(self.inner, "num_blocks", None)
         layout = PagedLayout.of(host, num_blocks)
         # [num_blocks, ...]: blocks on the first dimension; [2, num_blocks, ...]: the second.
@@ -300,4 +320,4 @@ class HostBufferedTransfer:
         self.inner.close()
 
 
-__all__ = ["Copier", "HostBufferedTransfer", "PendingCopy", "block_runs", "needs_host_buffer"]
+__all__ = ["Copier", "HostBufferedTransfer", "PendingCopy", "asks_for_host_buffer", "block_runs", "needs_host_buffer"]

@@ -23,16 +23,19 @@ _DEFAULTS = _native_defaults()
 #: vLLM's ``kv_role`` → kvx's side. ``kv_both`` is not yet supported.
 ROLES: Dict[str, str] = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
-#: The fabrics the connector can run on now.
-FABRICS: Tuple[str, ...] = ("tcp",)
+#: The fabrics the connector can run on: TCP, and RDMA from a host buffer (one registered
+#: range: ``kvx.vllm.host_buffer``).
+FABRICS: Tuple[str, ...] = ("tcp", "rdma")
 
 #: kvx's settings in ``kv_connector_extra_config``: name → (type, default, meaning).
 EXTRA_KEYS: Dict[str, KeySpec] = {
     "fabric": (
         str,
         "tcp",
-        "how KV bytes move: tcp (between processes and hosts); rdma is not yet supported "
-        "by the connector",
+        "how KV bytes move: tcp (between processes and hosts), or rdma (one-sided writes from "
+        "and into the connector's host buffer, which rdma always uses: one registered range; "
+        "a GPU engine also needs kv_buffer_device cpu; a kvx wheel built with the rdma "
+        "feature)",
     ),
     "host": (
         str,
@@ -206,8 +209,7 @@ def read_extra(extra: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     out = read_keys(extra, EXTRA_KEYS, "kv_connector_extra_config", ConfigError)
     if out["fabric"] not in FABRICS:
         raise ConfigError(
-            f"kv_connector_extra_config fabric={out['fabric']!r}: use tcp (rdma is not yet "
-            "supported by the vLLM connector)"
+            f"kv_connector_extra_config fabric={out['fabric']!r}: use {' or '.join(FABRICS)}"
         )
     for name in ("alloc_port", "fabric_port"):
         if not 1 <= out[name] <= 65535:
@@ -250,8 +252,23 @@ def settings_from(kv_transfer_config: Any) -> KvxVllmSettings:
         raise ConfigError(f"kv_connector_extra_config: curve_secret_key and {other} go together")
     engine_id = str(getattr(kv_transfer_config, "engine_id", None) or "")
     buffer_device = getattr(kv_transfer_config, "kv_buffer_device", None)
+    if extra["fabric"] == "rdma":
+        _check_rdma()
     return KvxVllmSettings(side=side, engine_id=engine_id,
                            kv_buffer_device=None if buffer_device is None else str(buffer_device), **extra)
+
+
+def _check_rdma() -> None:
+    """The wheel must have RDMA (a build feature: it needs cmake and libclang to build)."""
+    import kvx
+
+    fabrics = kvx.defaults()["node"].get("fabrics", [])
+    if "rdma" not in fabrics:
+        raise ConfigError(
+            f"kv_connector_extra_config fabric='rdma': this kvx was built without RDMA (its fabrics: "
+            f"{', '.join(fabrics)}); build the wheel with `maturin build --release --features rdma` "
+            "(docs/operations.md)"
+        )
 
 
 def describe_extra_keys() -> List[str]:

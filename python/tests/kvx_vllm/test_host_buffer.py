@@ -181,6 +181,26 @@ def test_kv_in_host_memory_is_moved_in_place_unless_the_setting_asks_for_a_host_
     assert all(staged.inner.kv[n] is not kv[n] and staged.inner.kv[n].shape == kv[n].shape for n in kv)
 
 
+@pytest.mark.parametrize("shape", [(BLOCKS, 2, 4, 16), (2, BLOCKS, 4, 2, 8)])
+def test_the_host_buffer_is_one_allocation_with_the_layers_end_to_end_in_kvxs_order(shape):
+    """kvx sees one range (RDMA registers it once): layer i + 1 (in name order, kvx's slot
+    order) starts where layer i ends."""
+
+    class Inner:
+        def register_kv_caches(self, kv):
+            self.kv = kv
+
+    names = layer_names()
+    kv = {n: torch.zeros(shape) for n in reversed(names)}  # vLLM's order need not be kvx's
+    t = HostBufferedTransfer(Inner(), host_buffer=True)
+    t.register_kv_caches(kv)
+    host = t.inner.kv
+    nbytes = host[names[0]].numel() * host[names[0]].element_size()
+    starts = [host[n].data_ptr() for n in sorted(names)]
+    assert starts == [starts[0] + i * nbytes for i in range(len(names))]
+    assert all(host[n].is_contiguous() and host[n].shape == kv[n].shape for n in names)
+
+
 @pytest.mark.parametrize("buffer_device", [None, "cuda"])
 def test_kv_on_a_device_without_kv_buffer_device_cpu_is_refused_saying_what_to_set(buffer_device):
     kv = {n: torch.empty(2, BLOCKS, 4, 2, 8, device="meta") for n in layer_names()}

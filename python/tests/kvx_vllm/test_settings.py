@@ -11,6 +11,7 @@ import pytest
 
 import kvx
 from kvx.vllm import settings_from
+from kvx.vllm.host_buffer import asks_for_host_buffer
 from kvx.vllm.settings import EXTRA_KEYS, ConfigError
 from kvx.vllm.version import SUPPORTED_RANGE, UnsupportedVllmError, check_version, parse_release
 
@@ -67,13 +68,25 @@ def test_unknown_key_is_refused_with_the_known_ones():
         ("reply_timeout_sec", 0),
         ("reply_timeout_sec", float("inf")),
         ("grant_timeout_sec", "soon"),
-        ("fabric", "rdma"),
         ("fabric", "shm"),
     ],
 )
 def test_wrong_values_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         settings_from(cfg(**{key: value}))
+
+
+@pytest.mark.parametrize("built_with_rdma", [True, False])
+def test_rdma_is_taken_where_the_wheel_has_it_and_refused_naming_the_build_where_not(monkeypatch, built_with_rdma):
+    fabrics = ["tcp", "shm", "mem"] + (["rdma"] if built_with_rdma else [])
+    defaults = kvx.defaults()
+    monkeypatch.setattr(kvx, "defaults", lambda: {**defaults, "node": {**defaults["node"], "fabrics": fabrics}})
+    if built_with_rdma:
+        s = settings_from(cfg(fabric="rdma"))
+        assert s.fabric == "rdma" and asks_for_host_buffer(s) and not asks_for_host_buffer(settings_from(cfg()))
+    else:
+        with pytest.raises(ConfigError, match=r"fabric='rdma': this kvx was built without RDMA .*--features rdma"):
+            settings_from(cfg(fabric="rdma"))
 
 
 def test_strings_from_a_json_config_are_read():
