@@ -6,6 +6,8 @@ joined by the in-process stand-in for kvx (``loopback``), with vLLM's
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvx.vllm.version import SUPPORTED, installed_version, parse_release
@@ -168,6 +170,7 @@ def test_a_span_that_cannot_be_made_fails_nothing(spans, caplog):
         def start_span(self, *args, **kwargs):
             raise RuntimeError("exporter gone")
 
+    caplog.set_level(logging.WARNING, logger="kvx.vllm")
     s = Spans(Broken())
     s.open("X", "kvx.push", {})
     s.event("X", "granted")
