@@ -12,6 +12,10 @@
 #                     no kvx cell hangs or answers wrong tokens), then kvx's kill and
 #                     preemption rows with 4 requests in flight; its tables go to
 #                     target/evidence/fault-matrix*.json
+#   fault-pairs       kvx's kill rows with two prefill and two decode engines under llm-d's
+#                     sidecar (scripts/fault-matrix.sh --pairs): the faulted requests
+#                     recomputed or typed, the other pairs' all correct; its table goes to
+#                     target/evidence/fault-pairs.json
 #   sim-sweeps        the simulation's long sweeps, determinism, its --break variants
 #   fuzz              a fuzz run of every cargo-fuzz target (scripts/fuzz-smoke.sh)
 #
@@ -27,7 +31,7 @@ cd "$(dirname "$0")/.."
 # cross-user tests (which a broken variant may otherwise turn into a silent skip), fails.
 # Run it as CI runs, as root.
 export KVX_REQUIRE_PYTHON=1 KVX_REQUIRE_CROSS_USER=1
-all=(rust-variants curve-variants lmcache-variants vllm-variants vllm-e2e fault-matrix sim-sweeps fuzz)
+all=(rust-variants curve-variants lmcache-variants vllm-variants vllm-e2e fault-matrix fault-pairs sim-sweeps fuzz)
 parts=("$@")
 [[ ${#parts[@]} -gt 0 ]] || parts=("${all[@]}")
 
@@ -41,6 +45,8 @@ run_part() {
     fault-matrix) bash scripts/fault-matrix.sh --out target/evidence/fault-matrix.json &&
       bash scripts/fault-matrix.sh --connectors kvx --faults prefill-killed,decode-killed,prefill-preempted \
         --states mid-push --in-flight 4 --out target/evidence/fault-matrix-in-flight.json ;;
+    fault-pairs) bash scripts/fault-matrix.sh --pairs --states computing,mid-push,pushed \
+        --out target/evidence/fault-pairs.json ;;
     sim-sweeps) sim/sweeps.sh ;;
     fuzz) SECONDS_PER_TARGET="${SECONDS_PER_TARGET:-45}" bash scripts/fuzz-smoke.sh ;;
     *) echo "no such part: $1 (the parts: ${all[*]})"; return 2 ;;

