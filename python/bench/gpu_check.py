@@ -2,7 +2,7 @@
 PyTorch with CUDA and the kvx wheel, not vLLM. Run by ``scripts/gpu-check.sh``.
 
 Two processes, a decode engine's worker side and a prefill engine's, each a kvx transfer of
-``kvx.vllm`` (``DecodeTransfer``, ``PrefillTransfer``) under ``HostBufferedTransfer``, with
+``kvx.vllm`` (``DecodeTransfer``, ``PrefillTransfer``) under ``HostBufferedDecode`` and ``HostBufferedPrefill``, with
 per-layer paged KV tensors on the device, over loopback TCP (the connector's fabric). For
 each attention layout vLLM's GPU backends use (FlashAttention ``[2, num_blocks, ...]``, its
 HND order as strides, FlashInfer ``[num_blocks, 2, ...]``, MLA's latent cache): the prefill
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from kvx.testing import free_port
-from kvx.vllm.host_buffer import HostBufferedTransfer
+from kvx.vllm.host_buffer import HostBufferedDecode, HostBufferedPrefill
 from kvx.vllm.kvx_transfer import DecodeTransfer, PrefillTransfer
 from kvx.vllm.settings import settings_from
 
@@ -106,7 +106,7 @@ def poll_until(transfer: Any, field: str, kvx_id: str, timeout: float = 60.0) ->
 
 def decode_side(conn: Any, a: Dict[str, Any]) -> None:
     dev = a["device"]
-    t = HostBufferedTransfer(DecodeTransfer(settings("kv_consumer", a["alloc"], a["fabric"], a["host_buffer"]),
+    t = HostBufferedDecode(DecodeTransfer(settings("kv_consumer", a["alloc"], a["fabric"], a["host_buffer"]),
                                             0, a["num_blocks"]), a["host_buffer"], "cpu")
     kv = kv_tensors(a["layout"], a["layers"], a["num_blocks"], dev)
     t.register_kv_caches(kv)
@@ -142,7 +142,7 @@ def prefill_side(conn: Any, a: Dict[str, Any]) -> None:
     dev = a["device"]
     t = None
     if a["connect"]:
-        t = HostBufferedTransfer(PrefillTransfer(settings("kv_producer", a["alloc"], a["fabric"], a["host_buffer"]),
+        t = HostBufferedPrefill(PrefillTransfer(settings("kv_producer", a["alloc"], a["fabric"], a["host_buffer"]),
                                                  0, a["num_blocks"]), a["host_buffer"], "cpu")
     kv = kv_tensors(a["layout"], a["layers"], a["num_blocks"], dev)
     if t is not None:

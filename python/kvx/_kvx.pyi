@@ -196,10 +196,17 @@ class Sender:
         dtype: str = ...,
         fmt: int = 1,
         claim_secret: Optional[str] = None,
+        report_admission: bool = False,
     ) -> None:
         """Begins a request; its admission probe goes out at once. ``claim_secret``: the
         secret of the receiver's reservation for it, which a ``placement="caller"`` receiver
-        requires (``Receiver.reserve``); sent with the first message only, never printed."""
+        requires (``Receiver.reserve``); sent with the first message only, never printed.
+        ``report_admission``: its admission (or why it never came) is reported once through
+        ``next_admitted`` instead of asked for."""
+    def next_admitted(self, max: int = 64, timeout: Optional[float] = None) -> List[Tuple[str, Optional[KvxError]]]:
+        """Up to ``max`` admissions of requests begun with ``report_admission=True``: ``(req_id,
+        None)`` admitted, ``(req_id, error)`` never will be; waits at most ``timeout`` for the
+        first, ``[]`` when none came. Each comes once, to one caller."""
     def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
         """True once admitted, False when ``timeout`` passed; raises when it failed."""
     def admitted(self, req_id: str) -> Future[None]:

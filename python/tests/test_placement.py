@@ -77,6 +77,25 @@ def test_a_sender_that_comes_first_waits_for_its_reservation():
     assert tx.wait_admitted("early", timeout=WAIT)
 
 
+def test_admissions_asked_to_be_reported_come_as_events_each_once():
+    """``begin(report_admission=True)``: a sender with many requests waiting learns of each
+    admission from ``next_admitted`` as it comes, instead of asking each in turn."""
+    tx, rx, peer, _ = caller_pair()
+    for req_id, report in (("a", True), ("b", True), ("quiet", False), ("f", True)):
+        tx.begin(req_id, receiver=peer, total_chunks=1, claim_secret=secret(req_id), report_admission=report)
+    assert tx.next_admitted(timeout=0.2) == []
+    rx.reserve("a", [3], claim_secret=secret("a"))
+    assert tx.next_admitted(timeout=WAIT) == [("a", None)]
+    rx.reserve("b", [2], claim_secret=secret("b"))
+    assert tx.next_admitted(timeout=WAIT) == [("b", None)]
+    tx.cancel("f")  # it will never be admitted: reported with why
+    [(req_id, error)] = tx.next_admitted(timeout=WAIT)
+    assert req_id == "f" and isinstance(error, kvx.KvxError), error
+    rx.reserve("quiet", [5], claim_secret=secret("quiet"))
+    assert tx.wait_admitted("quiet", timeout=WAIT)
+    assert tx.next_admitted(timeout=0.2) == []  # "quiet" asked for no report; each came once
+
+
 def test_a_withdrawn_reservation_comes_back_and_fails_its_sender_with_the_reason():
     tx, rx, peer, _ = caller_pair()
     rx.reserve("w", [0, 1], claim_secret=secret("w"))

@@ -52,4 +52,4 @@ pub use named::{InProcess, NameError, FABRIC_NAMES, TRANSPORT_NAMES};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use sender::{unique_local_id, Sender, SenderSettings, SlotChunk, StagingGuard};
+pub use sender::{unique_local_id, Admission, Sender, SenderSettings, SlotChunk, StagingGuard};

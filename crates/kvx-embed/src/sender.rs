@@ -220,7 +220,20 @@ pub struct Sender {
     runtime: Runtime,
     api: Arc<dyn SenderApi>,
     ends: tokio::sync::Mutex<mpsc::UnboundedReceiver<RequestEnd>>,
+    /// Admissions of the requests begun with `begin_reporting_admission`.
+    admissions_tx: mpsc::UnboundedSender<Admission>,
+    admissions: tokio::sync::Mutex<mpsc::UnboundedReceiver<Admission>>,
     staging_timeout: Duration,
+}
+
+/// A request's admission, or why it never came (`Sender::begin_reporting_admission`).
+#[derive(Debug, Clone)]
+pub struct Admission {
+    /// The request.
+    pub req_id: ReqId,
+    /// `Ok`: admitted (the receiver reserved room for all its chunks); `Err`: why it will
+    /// never be.
+    pub outcome: Result<(), SendFailure>,
 }
 
 impl fmt::Debug for Sender {
@@ -302,10 +315,13 @@ impl Sender {
         let start = settings.env.clone().visit(Start { settings })?;
         let api: Arc<dyn SenderApi> = Arc::from(runtime.block_on(start)?);
         let ends = tokio::sync::Mutex::new(api.completions());
+        let (admissions_tx, admissions) = mpsc::unbounded_channel();
         Ok(Self {
             runtime: runtime.clone(),
             api,
             ends,
+            admissions_tx,
+            admissions: tokio::sync::Mutex::new(admissions),
             staging_timeout,
         })
     }
@@ -326,6 +342,54 @@ impl Sender {
     /// Begins a request: its admission probe goes out.
     pub fn begin(&self, spec: RequestSpec) -> Result<(), SendError> {
         self.api.begin(spec)
+    }
+
+    /// `begin`, and the request's admission reported once through `next_admissions` when it
+    /// comes, or why it never will (the request failed first): a caller with many requests
+    /// waiting learns of each admission as an event instead of asking each in turn. The
+    /// report is queued until taken.
+    pub fn begin_reporting_admission(&self, spec: RequestSpec) -> Result<(), SendError> {
+        let req_id = spec.req_id.clone();
+        self.api.begin(spec)?;
+        let (api, tx) = (self.api.clone(), self.admissions_tx.clone());
+        // Ends with the request: `admitted` answers once it is admitted or has failed.
+        self.runtime.spawn(async move {
+            let outcome = api.admitted(&req_id).await;
+            let _ = tx.send(Admission { req_id, outcome });
+        });
+        Ok(())
+    }
+
+    /// Up to `max` admissions of requests begun with `begin_reporting_admission`, waiting
+    /// at most `timeout` for the first; empty when none came. Each comes once, to one
+    /// caller.
+    pub fn next_admissions(&self, max: usize, timeout: Duration) -> Vec<Admission> {
+        if max == 0 {
+            return Vec::new();
+        }
+        self.runtime
+            .block_on_for(timeout, self.admissions(max))
+            .unwrap_or_default()
+    }
+
+    /// The async form of `next_admissions`, unbounded: up to `max` once the first came.
+    /// Dropping it loses none.
+    pub async fn admissions(&self, max: usize) -> Vec<Admission> {
+        let mut out = Vec::new();
+        if max == 0 {
+            return out;
+        }
+        let mut admissions = self.admissions.lock().await;
+        if let Some(first) = admissions.recv().await {
+            out.push(first);
+            while out.len() < max {
+                match admissions.try_recv() {
+                    Ok(next) => out.push(next),
+                    Err(_) => break,
+                }
+            }
+        }
+        out
     }
 
     /// Waits at most `timeout` for the receiver to admit `req_id` (`Ok(false)`: not yet).

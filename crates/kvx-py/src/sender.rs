@@ -195,8 +195,9 @@ impl Sender {
     /// ``fmt`` describe the KV layout to the receiver (LMCache's fields). ``claim_secret``:
     /// the secret of the receiver's reservation for this request (``Receiver.reserve``),
     /// which a receiver with ``placement="caller"`` requires; sent with the request's first
-    /// message only, never printed.
-    #[pyo3(signature = (req_id, *, receiver, total_chunks, shape = vec![1], dtype = "bfloat16".to_owned(), fmt = 1, claim_secret = None))]
+    /// message only, never printed. ``report_admission``: its admission (or why it never
+    /// came) is reported once through ``next_admitted``, instead of asked for.
+    #[pyo3(signature = (req_id, *, receiver, total_chunks, shape = vec![1], dtype = "bfloat16".to_owned(), fmt = 1, claim_secret = None, report_admission = false))]
     #[allow(clippy::too_many_arguments)] // Python keywords, each with its default
     fn begin(
         &self,
@@ -207,6 +208,7 @@ impl Sender {
         dtype: String,
         fmt: u32,
         claim_secret: Option<String>,
+        report_admission: bool,
     ) -> PyResult<()> {
         let claim = claim_secret
             .map(crate::placement::claim_secret)
@@ -220,7 +222,37 @@ impl Sender {
             dtype,
             claim,
         };
-        self.inner.begin(spec).map_err(|e| errors::send_error(&e))
+        if report_admission {
+            self.inner.begin_reporting_admission(spec)
+        } else {
+            self.inner.begin(spec)
+        }
+        .map_err(|e| errors::send_error(&e))
+    }
+
+    /// Up to ``max`` admissions of requests begun with ``report_admission=True``, as
+    /// ``(req_id, error)`` pairs (``error`` None: admitted; else the exception saying why it
+    /// never will be), waiting at most ``timeout`` for the first; ``[]`` when none came. Each
+    /// comes once, to one caller.
+    #[pyo3(signature = (max = 64, timeout = None))]
+    fn next_admitted(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<(String, Option<PyErr>)>> {
+        let admissions =
+            wait::interruptibly(py, wait::seconds(timeout)?, self.inner.admissions(max))?
+                .unwrap_or_default();
+        Ok(admissions
+            .into_iter()
+            .map(|a| {
+                (
+                    a.req_id.0,
+                    a.outcome.err().map(|f| errors::send_failure(&f)),
+                )
+            })
+            .collect())
     }
 
     /// Waits until the receiver admitted ``req_id`` (reserved room for all its chunks).

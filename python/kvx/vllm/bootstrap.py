@@ -1,4 +1,4 @@
-"""llm-d's P/D protocol, engine to engine: a decode engine registers each reservation with
+"""llm-d's P/D protocol, engine to engine, and its prefill side: a decode engine registers each reservation with
 the prefill engine's bootstrap server, because llm-d's routing sidecar carries neither
 endpoints nor secrets (``docs/vllm.md``, "Under llm-d"; the shape is its ``mooncake``
 connector's, llm-d-router ``pkg/sidecar/proxy/connector_mooncake.go`` @ ``ebab687``).
@@ -20,10 +20,10 @@ The prefill scheduler takes a request's registration when it is there (``Registr
 and claims as it does for kvx's router. Registrations nobody takes expire after
 ``REGISTRATION_TTL_SEC``.
 
-Decode side (``Registrar``): registers and cancels in the background (a request never waits
-on HTTP in vLLM's scheduler); a registration that fails is reported back
-(``Registrar.failures``), and the request's load fails at once (recomputed under
-``kv_load_failure_policy: recompute``) instead of waiting out ``claim_timeout_sec``.
+Decode side: ``kvx.vllm.registrar`` (``Registrar``) registers and cancels in the background (a
+request never waits on HTTP in vLLM's scheduler); a registration that fails is reported back,
+and the request's load fails at once (recomputed under ``kv_load_failure_policy: recompute``)
+instead of waiting out ``claim_timeout_sec``.
 
 Trust: the secret travels decode → prefill in the registration, never through the sidecar.
 Whoever can reach the bootstrap port and knows a transfer id first could register its own
@@ -33,22 +33,19 @@ networks in ``bootstrap_allow``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ipaddress
 import json
 import logging
 import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from kvx.vllm.params import REQUEST_ID_BYTES_MAX, Bootstrap, ParamsError, check_claim_secret
+from kvx.vllm.params import REQUEST_ID_BYTES_MAX, ParamsError, check_claim_secret
 
 logger = logging.getLogger("kvx.vllm")
 
@@ -340,83 +337,3 @@ def bootstrap_server(settings: Any) -> BootstrapServer:
                 raise OSError(f"kvx: the bootstrap server cannot listen on {key[0]}:{port}: {e}") from e
             _SERVERS[key] = server
         return server
-
-
-def _http(method: str, url: str, body: Optional[Dict[str, Any]], headers: Dict[str, str],
-          timeout: float) -> Tuple[int, str]:
-    """One HTTP request: (status, the body's text); status 0 when no answer came."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read(4096).decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(4096).decode(errors="replace")
-    except (OSError, ValueError) as e:
-        return 0, str(e)
-
-
-Http = Callable[[str, str, Optional[Dict[str, Any]], Dict[str, str], float], Tuple[int, str]]
-
-
-class Registrar:
-    """The decode engine's side: registrations and cancels sent in the background, at most
-    ``workers`` at once; each bounded by ``timeout_sec``."""
-
-    def __init__(self, timeout_sec: float, workers: int = 4, http: Http = _http) -> None:
-        self.timeout_sec, self._http = timeout_sec, http
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvx-register")
-        self._lock = threading.Lock()
-        self._failed: List[Tuple[str, str]] = []
-        #: Each request's registration under way, so that its cancel follows it.
-        self._pending: Dict[str, "concurrent.futures.Future[bool]"] = {}
-
-    def register(self, rid: str, bootstrap: Bootstrap, transfer_id: str, claim_secret: str,
-                 decode_alloc: Sequence[str], decode_fabric: Sequence[str]) -> None:
-        body = {"transfer_id": transfer_id, "engine_id": bootstrap.engine_id, "claim_secret": claim_secret,
-                "decode_alloc": list(decode_alloc), "decode_fabric": list(decode_fabric)}
-
-        def run() -> bool:
-            status, text = self._http("POST", bootstrap.addr + RESERVATIONS, body, {}, self.timeout_sec)
-            if status in (200, 201):
-                return True
-            why = f"the prefill engine's bootstrap server at {bootstrap.addr} " + (
-                f"refused the registration ({status}: {text[:200]})" if status else f"did not answer: {text[:200]}")
-            with self._lock:
-                self._failed.append((rid, why))
-            return False
-
-        with self._lock:
-            self._pending[rid] = self._pool.submit(run)
-
-    def cancel(self, rid: str, bootstrap: Bootstrap, transfer_id: str, claim_secret: str) -> None:
-        """Cancels ``rid``'s registration once it is through (a cancel that overtook it
-        would find nothing to cancel)."""
-        with self._lock:
-            pending = self._pending.pop(rid, None)
-
-        def run() -> None:
-            if pending is not None and not pending.result():
-                return  # never registered
-            url = f"{bootstrap.addr}{RESERVATIONS}/{urllib.parse.quote(transfer_id, safe='')}"
-            status, text = self._http("DELETE", url, None, {SECRET_HEADER: claim_secret}, self.timeout_sec)
-            if status not in (200, 404):  # 404: taken by the prefill engine already
-                logger.info("kvx: cancel of transfer %s at %s: %s %s", transfer_id, bootstrap.addr, status, text[:200])
-
-        self._pool.submit(run)
-
-    def forget(self, rid: str) -> None:
-        """``rid`` needs no cancel (its KV arrived or its load failed)."""
-        with self._lock:
-            self._pending.pop(rid, None)
-
-    def failures(self) -> List[Tuple[str, str]]:
-        """The registrations that failed since the last call: (request id, why)."""
-        with self._lock:
-            out, self._failed = self._failed, []
-            return out
-
-    def close(self, wait: bool = False) -> None:
-        """Stops; ``wait``: after what was handed in is sent (else it is dropped)."""
-        self._pool.shutdown(wait=wait, cancel_futures=not wait)

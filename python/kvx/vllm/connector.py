@@ -26,15 +26,16 @@ from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
 
 from kvx.vllm import signals  # noqa: E402
 
-from kvx.vllm.bootstrap import Registrar, bootstrap_server  # noqa: E402
+from kvx.vllm.bootstrap import bootstrap_server  # noqa: E402
+from kvx.vllm.registrar import Registrar  # noqa: E402
 from kvx.vllm.plan import StepPlan, WorkerReport  # noqa: E402
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
-from kvx.vllm.host_buffer import HostBufferedTransfer, asks_for_host_buffer  # noqa: E402
+from kvx.vllm.host_buffer import asks_for_host_buffer, host_buffered  # noqa: E402
 from kvx.vllm.kvx_transfer import transfer_for  # noqa: E402
 from kvx.vllm.tracing import Spans, tracer_for  # noqa: E402
 from kvx.vllm.transfer import KvTransfer  # noqa: E402
-from kvx.vllm.worker import KvxWorker  # noqa: E402
+from kvx.vllm.worker import KvxWorker, worker_for  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -195,13 +196,13 @@ class KvxConnector(KVConnectorBase_V1):
             rank = _tp_rank()
             if transfer is None:
                 num_blocks = getattr(kv_cache_config, "num_blocks", None)
-                transfer = HostBufferedTransfer(
-                    transfer_for(self.settings, rank, num_blocks, block_size),
+                transfer = host_buffered(
+                    self.settings.side, transfer_for(self.settings, rank, num_blocks, block_size),
                     asks_for_host_buffer(self.settings), self.settings.kv_buffer_device,
                 )
             observability = getattr(vllm_config, "observability_config", None)
             spans = Spans(tracer_for(getattr(observability, "otlp_traces_endpoint", None)))
-            self._worker = KvxWorker(transfer, rank, spans)
+            self._worker = worker_for(self.settings.side, transfer, rank, spans)
 
     # ---- scheduler side -------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""KV on a GPU, moved through a host buffer: ``HostBufferedTransfer``.
+"""KV on a GPU, moved through a host buffer: ``HostBufferedDecode`` and
+``HostBufferedPrefill`` (``host_buffered`` makes the one of a side).
 
 kvx's fabrics move host memory. When an engine's paged KV lives on a device (a CUDA GPU),
 the connector keeps a **host buffer**: one host tensor per layer, of the layer's logical
@@ -42,11 +43,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from kvx.vllm.pages import LayoutError, PagedLayout
 from kvx.vllm.settings import ConfigError
-from kvx.vllm.transfer import KvTransfer, TransferEvents
+from kvx.vllm.transfer import DecodeKvTransfer, PrefillKvTransfer, TransferEvents
 
 
 def _parts(tensor: Any, block_dim: int) -> List[Any]:
@@ -193,15 +194,16 @@ class _Write:
     last: bool
 
 
-class HostBufferedTransfer:
-    """A ``KvTransfer`` that stages the engine's KV through a host buffer when it needs one
-    (``needs_host_buffer``, decided when the KV tensors are registered) and is ``inner``
-    itself otherwise. ``copier`` makes the ``Copier`` for the KV's device (tests give one
-    whose copies complete late)."""
+class _HostBuffered:
+    """What both sides' host-buffered transfers share: whether the engine's KV goes through
+    a host buffer (``needs_host_buffer``, decided when the KV tensors are registered), the
+    buffer, and the copier. ``inner`` is the transfer beneath, which moves the host
+    buffer's bytes (or the engine's own, when no host buffer is needed). ``copier`` makes
+    the ``Copier`` for the KV's device (tests give one whose copies complete late)."""
 
     def __init__(
         self,
-        inner: KvTransfer,
+        inner: Any,
         host_buffer: bool = False,
         kv_buffer_device: Optional[str] = None,
         copier: Callable[[Any], Copier] = Copier,
@@ -215,10 +217,6 @@ class HostBufferedTransfer:
         self.device: Dict[str, Any] = {}
         self.host: Dict[str, Any] = {}
         self._block_dim = 0
-        self._writes: Deque[_Write] = deque()
-        #: Decode: the blocks each reservation writes, and the reservations withdrawn.
-        self._reserved: Dict[str, Sequence[int]] = {}
-        self._withdrawn: Set[str] = set()
 
     @property
     def staged(self) -> bool:
@@ -238,7 +236,24 @@ class HostBufferedTransfer:
         self.device, self.host, self.copier = dict(kv_caches), host, copier
         self.inner.register_kv_caches(host)
 
-    # ---- decode --------------------------------------------------------------------
+    def take_counts(self) -> Dict[str, Any]:
+        return self.inner.take_counts()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class HostBufferedDecode(_HostBuffered):
+    """A decode engine's ``DecodeKvTransfer`` through the host buffer: kvx lands into the
+    reservation's host blocks, copied host → device when the request is received."""
+
+    def __init__(self, inner: DecodeKvTransfer, host_buffer: bool = False, kv_buffer_device: Optional[str] = None,
+                 copier: Callable[[Any], Copier] = Copier) -> None:
+        super().__init__(inner, host_buffer, kv_buffer_device, copier)
+        self.inner: DecodeKvTransfer = inner
+        #: The blocks each reservation writes, and the reservations withdrawn.
+        self._reserved: Dict[str, Sequence[int]] = {}
+        self._withdrawn: Set[str] = set()
 
     def reserve(self, kvx_id: str, claim_secret: str, first_block: int, block_ids: Sequence[int],
                 num_tokens: int) -> None:
@@ -251,7 +266,33 @@ class HostBufferedTransfer:
             self._withdrawn.add(kvx_id)
         self.inner.release(kvx_id, reserved)
 
-    # ---- prefill -------------------------------------------------------------------
+    def poll(self) -> TransferEvents:
+        events = self.inner.poll()
+        if not self.staged:
+            return events
+        assert self.copier is not None
+        for kvx_id in events.received:
+            blocks = self._reserved.pop(kvx_id, None)
+            if blocks is None or kvx_id in self._withdrawn:
+                self._withdrawn.discard(kvx_id)
+                continue
+            for name, host in self.host.items():
+                self.copier.to_device(host, self.device[name], self._block_dim, blocks)
+        for kvx_id in events.failed:
+            self._reserved.pop(kvx_id, None)
+            self._withdrawn.discard(kvx_id)
+        return events
+
+
+class HostBufferedPrefill(_HostBuffered):
+    """A prefill engine's ``PrefillKvTransfer`` through the host buffer: each layer's blocks
+    copied device → host as it is saved, its writes posted once the copy completed."""
+
+    def __init__(self, inner: PrefillKvTransfer, host_buffer: bool = False, kv_buffer_device: Optional[str] = None,
+                 copier: Callable[[Any], Copier] = Copier) -> None:
+        super().__init__(inner, host_buffer, kv_buffer_device, copier)
+        self.inner: PrefillKvTransfer = inner
+        self._writes: Deque[_Write] = deque()
 
     def begin(self, kvx_id: str, claim_secret: str, alloc: str, fabric: str, num_blocks: int) -> None:
         self.inner.begin(kvx_id, claim_secret, alloc, fabric, num_blocks)
@@ -292,32 +333,24 @@ class HostBufferedTransfer:
         self._writes = deque(w for w in self._writes if w.kvx_id != kvx_id)
         self.inner.cancel(kvx_id)
 
-    # ---- both ----------------------------------------------------------------------
-
     def poll(self) -> TransferEvents:
-        if not self.staged:
-            return self.inner.poll()
-        self._post(wait=False)
-        events = self.inner.poll()
-        assert self.copier is not None
-        for kvx_id in events.received:
-            blocks = self._reserved.pop(kvx_id, None)
-            if blocks is None or kvx_id in self._withdrawn:
-                self._withdrawn.discard(kvx_id)
-                continue
-            for name, host in self.host.items():
-                self.copier.to_device(host, self.device[name], self._block_dim, blocks)
-        for kvx_id in events.failed:
-            self._reserved.pop(kvx_id, None)
-            self._withdrawn.discard(kvx_id)
-        return events
-
-    def take_counts(self) -> Dict[str, Any]:
-        return self.inner.take_counts()
+        if self.staged:
+            self._post(wait=False)
+        return self.inner.poll()
 
     def close(self) -> None:
         self._writes.clear()
         self.inner.close()
 
 
-__all__ = ["Copier", "HostBufferedTransfer", "PendingCopy", "asks_for_host_buffer", "block_runs", "needs_host_buffer"]
+def host_buffered(side: str, inner: Any, host_buffer: bool = False, kv_buffer_device: Optional[str] = None,
+                  copier: Callable[[Any], Copier] = Copier) -> Union[HostBufferedDecode, HostBufferedPrefill]:
+    """``inner`` (the transfer of ``side``) behind a host buffer where the KV needs one."""
+    cls = HostBufferedDecode if side == "decode" else HostBufferedPrefill
+    return cls(inner, host_buffer, kv_buffer_device, copier)
+
+
+__all__ = [
+    "Copier", "HostBufferedDecode", "HostBufferedPrefill", "PendingCopy", "asks_for_host_buffer", "block_runs",
+    "host_buffered", "needs_host_buffer",
+]

@@ -22,6 +22,17 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 
+def layer_request(kvx_id: str, layer: int) -> str:
+    """A layer's kvx request id: ``{kvx id}.{layer index}``."""
+    return f"{kvx_id}.{layer}"
+
+
+def split_layer_request(req_id: str) -> Tuple[str, int]:
+    """``layer_request``'s inverse."""
+    kvx_id, _, layer = req_id.rpartition(".")
+    return kvx_id, int(layer)
+
+
 class LayoutError(ValueError):
     """The engine's KV tensors cannot be moved by kvx as they are laid out."""
 

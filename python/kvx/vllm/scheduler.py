@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from kvx.vllm.bootstrap import CANCELLED, Registrar, Registration, Registrations
+from kvx.vllm.bootstrap import CANCELLED, Registration, Registrations
+from kvx.vllm.registrar import Registrar
 from kvx.vllm.params import (
     AwaitRegistration,
     ParamsError,

@@ -1,5 +1,5 @@
 """One engine's connector worker side in a process of its own, for the worker-level tests
-(``test_two_processes.py``): ``KvxWorker`` over kvx's real transfer (``transfer_for``), with
+(``test_two_processes.py``): the worker side (``worker_for``) over kvx's real transfer (``transfer_for``), with
 NumPy arrays as the engine's per-layer paged KV, driven line by line over stdin/stdout in
 JSON. No vLLM needed.
 
@@ -33,7 +33,7 @@ from kvx.testing import corrupting_sender
 from kvx.vllm.kvx_transfer import PrefillTransfer, transfer_for
 from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan
 from kvx.vllm.settings import settings_from
-from kvx.vllm.worker import KvxWorker
+from kvx.vllm.worker import worker_for
 
 LAYERS = 3
 BLOCKS = 16
@@ -86,7 +86,7 @@ def main() -> None:
         )
     else:
         transfer = transfer_for(settings, 0, BLOCKS)
-    worker = KvxWorker(transfer)
+    worker = worker_for(settings.side, transfer)
     worker.register_kv_caches(kv)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -1,6 +1,6 @@
 """A stand-in for one vLLM engine behind its OpenAI server, in a process of its own, for the
 router's failure tests (``test_failure_reasons.py``): the connector's real scheduler side
-(``DecodeScheduler`` or ``PrefillScheduler``) and worker side (``KvxWorker`` over kvx's real
+(``DecodeScheduler`` or ``PrefillScheduler``) and worker side (``worker_for`` over kvx's real
 transfer, NumPy arrays as the paged KV), stepped in a thread of their own as vLLM's engine
 core steps apart from its server, in vLLM's order of calls. Each prompt character is one
 token. No vLLM needed.
@@ -34,7 +34,7 @@ from aiohttp import web
 from kvx.vllm.kvx_transfer import transfer_for
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler
 from kvx.vllm.settings import settings_from
-from kvx.vllm.worker import KvxWorker
+from kvx.vllm.worker import worker_for
 
 LAYERS = 2
 BLOCKS = 32
@@ -70,7 +70,7 @@ class Engine:
             name: rng.standard_normal((BLOCKS, HEADS, block_size, 2 * HEAD_FLOATS)).astype(np.float32)
             for name in layer_names()
         }
-        self.worker = KvxWorker(transfer_for(self.settings, 0, BLOCKS, block_size))
+        self.worker = worker_for(self.settings.side, transfer_for(self.settings, 0, BLOCKS, block_size))
         self.worker.register_kv_caches(self.kv)
         if self.settings.side == "decode":
             self.decode: Optional[DecodeScheduler] = DecodeScheduler(block_size)

@@ -533,10 +533,9 @@ class World:
         d, p = self.decode.connector._decode, self.prefill.connector._prefill
         assert not (d.reserved or d.released), (d.reserved, d.released)
         assert not (p.claiming or p.granted or p.pushing or p.sending), vars(p)
-        for engine in (self.decode, self.prefill):
-            w = engine.worker._worker
-            assert not (w._reserved or w._withdrawn or w._claimed or w._by_kvx or w._posted
-                        or w._finished_by_vllm or w._sent_early), vars(w)
+        dw, pw = self.decode.worker._worker, self.prefill.worker._worker
+        assert not (dw._reserved or dw._withdrawn or dw._reserved_at), vars(dw)
+        assert not (pw._claimed or pw._by_kvx or pw._posted or pw._finished_by_vllm or pw._sent_early), vars(pw)
 
 
 #: kvx events that are faults (the swarm's heal phase leaves them out).

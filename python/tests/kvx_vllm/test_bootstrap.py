@@ -19,10 +19,10 @@ from kvx.vllm.bootstrap import (
     RESERVATIONS,
     SECRET_HEADER,
     BootstrapServer,
-    Registrar,
     Registration,
     Registrations,
 )
+from kvx.vllm.registrar import Registrar
 from kvx.vllm.params import AwaitRegistration, Bootstrap, ParamsError, RemotePrefill, parse
 from kvx.vllm.scheduler import DecodeScheduler, PrefillScheduler
 from kvx.testing import free_port

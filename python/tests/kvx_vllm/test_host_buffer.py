@@ -1,6 +1,6 @@
 """KV moved through a host buffer (``kvx.vllm.host_buffer``), the path of GPU engines, run on
 CPU tensors: a prefill transfer and a decode transfer, kvx's real ones over loopback TCP, each
-wrapped in ``HostBufferedTransfer`` with ``host_buffer`` on, in every attention layout vLLM
+wrapped in ``HostBufferedDecode`` and ``HostBufferedPrefill`` with ``host_buffer`` on, in every attention layout vLLM
 0.33's backends use (logical shapes; HND and NHD differ in strides, which a permuted view
 stands for). Every byte of every layer of the request's blocks arrives in the decode engine's
 own tensors, nothing outside its blocks changes, copies that complete late are waited for,
@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvx.testing import free_port  # noqa: E402
-from kvx.vllm.host_buffer import Copier, HostBufferedTransfer, PendingCopy, block_runs  # noqa: E402
+from kvx.vllm.host_buffer import Copier, HostBufferedDecode, HostBufferedPrefill, PendingCopy, block_runs  # noqa: E402
 from kvx.vllm.kvx_transfer import DecodeTransfer, PrefillTransfer  # noqa: E402
 from kvx.vllm.settings import ConfigError, settings_from  # noqa: E402
 
@@ -80,9 +80,9 @@ class LateCopier(Copier):
 
 def pair(layout: str, copier: Callable[[Any], Copier] = Copier, **extra: Any):
     alloc, fabric = free_port(), free_port()
-    decode = HostBufferedTransfer(DecodeTransfer(settings("kv_consumer", alloc, fabric, **extra), 0, BLOCKS),
+    decode = HostBufferedDecode(DecodeTransfer(settings("kv_consumer", alloc, fabric, **extra), 0, BLOCKS),
                                   host_buffer=True)
-    prefill = HostBufferedTransfer(PrefillTransfer(settings("kv_producer", alloc, fabric, **extra), 0, BLOCKS),
+    prefill = HostBufferedPrefill(PrefillTransfer(settings("kv_producer", alloc, fabric, **extra), 0, BLOCKS),
                                    host_buffer=True, copier=copier)
     gen = torch.Generator().manual_seed(11)
     p_kv = {n: LAYOUTS[layout]() for n in layer_names()}
@@ -172,10 +172,10 @@ def test_kv_in_host_memory_is_moved_in_place_unless_the_setting_asks_for_a_host_
             self.kv = kv
 
     kv = {n: torch.zeros(BLOCKS, 2, 4, 16) for n in layer_names()}
-    plain = HostBufferedTransfer(Inner())
+    plain = HostBufferedDecode(Inner())
     plain.register_kv_caches(kv)
     assert not plain.staged and plain.inner.kv is kv
-    staged = HostBufferedTransfer(Inner(), host_buffer=True)
+    staged = HostBufferedDecode(Inner(), host_buffer=True)
     staged.register_kv_caches(kv)
     assert staged.staged
     assert all(staged.inner.kv[n] is not kv[n] and staged.inner.kv[n].shape == kv[n].shape for n in kv)
@@ -192,7 +192,7 @@ def test_the_host_buffer_is_one_allocation_with_the_layers_end_to_end_in_kvxs_or
 
     names = layer_names()
     kv = {n: torch.zeros(shape) for n in reversed(names)}  # vLLM's order need not be kvx's
-    t = HostBufferedTransfer(Inner(), host_buffer=True)
+    t = HostBufferedDecode(Inner(), host_buffer=True)
     t.register_kv_caches(kv)
     host = t.inner.kv
     nbytes = host[names[0]].numel() * host[names[0]].element_size()
@@ -204,7 +204,7 @@ def test_the_host_buffer_is_one_allocation_with_the_layers_end_to_end_in_kvxs_or
 @pytest.mark.parametrize("buffer_device", [None, "cuda"])
 def test_kv_on_a_device_without_kv_buffer_device_cpu_is_refused_saying_what_to_set(buffer_device):
     kv = {n: torch.empty(2, BLOCKS, 4, 2, 8, device="meta") for n in layer_names()}
-    t = HostBufferedTransfer(object(), kv_buffer_device=buffer_device)  # type: ignore[arg-type]
+    t = HostBufferedDecode(object(), kv_buffer_device=buffer_device)  # type: ignore[arg-type]
     with pytest.raises(ConfigError) as e:
         t.register_kv_caches(kv)
     assert "kv_buffer_device" in str(e.value) and '"cpu"' in str(e.value) and "meta" in str(e.value)

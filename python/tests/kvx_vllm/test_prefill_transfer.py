@@ -30,16 +30,18 @@ class ScriptedSender:
         self.cancelled: List[str] = []
         self.ends: List[Tuple[str, Optional[kvx.KvxError]]] = []
         self.reading: Set[str] = set()
-        self.admitted: Set[str] = set()
+        self.admitted: List[Tuple[str, Optional[kvx.KvxError]]] = []
 
     def add_receiver(self, alloc: str, fabric: str, *, timeout: float = 10.0) -> int:
         return 1
 
-    def begin(self, req_id: str, **kwargs: Any) -> None:
-        self.admitted.add(req_id)
+    def begin(self, req_id: str, *, report_admission: bool = False, **kwargs: Any) -> None:
+        assert report_admission, "admissions come as events"
+        self.admitted.append((req_id, None))
 
-    def wait_admitted(self, req_id: str, timeout: Optional[float] = None) -> bool:
-        return req_id in self.admitted
+    def next_admitted(self, max: int = 64, timeout: Optional[float] = None):
+        admitted, self.admitted = self.admitted[:max], self.admitted[max:]
+        return admitted
 
     def submit_slots(self, req_id: str, slots, keys, *, tokens=0, last=False) -> None:
         self.batches.append((req_id, list(slots), list(keys), last))
@@ -122,6 +124,18 @@ def test_a_failed_push_is_sent_only_once_no_posted_write_reads_the_engines_block
     assert "write failed" in events.undelivered["X"] and not events.refused
     events = t.poll()
     assert "X" not in events.sent and not events.undelivered, "reported once"
+
+
+def test_a_push_is_granted_once_every_layers_admission_came_and_never_on_a_failed_one():
+    t, tx = transfer()
+    t.begin("X", "secret-0123456789abcdef", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 1)
+    t.begin("Y", "secret-0123456789abcdef", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", 1)
+    x = [a for a in tx.admitted if a[0].startswith("X.")]
+    y = [(req_id, kvx.RefusedError(f"{req_id} refused")) for req_id, _ in tx.admitted if req_id.startswith("Y.")]
+    tx.admitted = x[:1]  # one layer of X admitted so far; Y's admissions failed
+    assert not t.poll().granted
+    tx.admitted = x[1:] + y
+    assert t.poll().granted == {"X"}  # Y's end comes through next_ends
 
 
 def test_a_delivered_push_is_sent_at_once():

@@ -11,7 +11,7 @@ from fake_transfer import FakeTransfer
 
 from kvx.vllm import signals
 from kvx.vllm.plan import Reserve, StepPlan
-from kvx.vllm.worker import KvxWorker
+from kvx.vllm.worker import DecodeWorker
 
 
 def test_data_adds_up_over_workers_and_steps():
@@ -52,7 +52,7 @@ def test_phases_gauges_and_refusals_of_one_side():
 
 def test_the_decode_worker_times_each_received_request_from_its_reservation():
     transfer = FakeTransfer()
-    worker = KvxWorker(transfer)
+    worker = DecodeWorker(transfer)
     worker.bind(StepPlan(reserve=[Reserve("r1", "k1", "secret-of-k1-0123456789", 0, (7,), 10),
                                   Reserve("r2", "k2", "secret-of-k2-0123456789", 0, (8,), 10)]))
     worker.clear()

@@ -1,5 +1,5 @@
 """Level (b) of docs/vllm.md "Tests": the connector's worker side in two processes, a decode
-engine's and a prefill engine's (``engine_process.py``: ``KvxWorker`` over kvx's real
+engine's and a prefill engine's (``engine_process.py``: the worker side over kvx's real
 transfer, NumPy arrays as the paged KV), kvx over loopback TCP between them; the test plays
 both schedulers. Every byte of the pushed blocks is compared; blocks outside the grant stay
 untouched. Then the failures: a write corrupted after its checksum, a prefill engine killed

@@ -1,4 +1,4 @@
-"""kvx.vllm's worker side (``KvxWorker``) over a fake transfer, by vLLM's rules for what a
+"""kvx.vllm's worker side (``DecodeWorker``, ``PrefillWorker``) over a fake transfer, by vLLM's rules for what a
 worker reports and when: no vLLM needed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from fake_transfer import FakeTransfer
 
 from kvx.vllm.plan import Begin, Push, Release, Reserve, StepPlan
-from kvx.vllm.worker import KvxWorker
+from kvx.vllm.worker import DecodeWorker, KvxWorker, PrefillWorker
 
 LAYERS = ("l0", "l1")
 
@@ -28,7 +28,7 @@ def step(worker: KvxWorker, plan: StepPlan, finished=(), forward=True):
 
 def decode():
     transfer = FakeTransfer()
-    return KvxWorker(transfer), transfer
+    return DecodeWorker(transfer), transfer
 
 
 def test_a_reservation_is_reported_received_only_when_the_transfer_says_so():
@@ -78,7 +78,7 @@ def prefill_push(worker, transfer):
 
 def test_a_prefill_rank_claims_at_its_own_ranks_receiver_and_writes_each_layer_once():
     transfer = FakeTransfer()
-    worker = KvxWorker(transfer, tp_rank=1)
+    worker = PrefillWorker(transfer, tp_rank=1)
     prefill_push(worker, transfer)
     assert transfer.named("begin") == [("begin", "k1", "tcp://d:8401", "tcp://d:8301")]
     assert transfer.named("write") == [("write", "k1", name, 0, (3, 4, 5)) for name in LAYERS]
@@ -87,7 +87,7 @@ def test_a_prefill_rank_claims_at_its_own_ranks_receiver_and_writes_each_layer_o
 
 def test_sent_is_reported_only_after_vllm_said_the_request_finished():
     transfer = FakeTransfer()
-    worker = KvxWorker(transfer)
+    worker = PrefillWorker(transfer)
     prefill_push(worker, transfer)
     transfer.deliver("k1")  # delivered before vLLM told the worker the request finished
     assert step(worker, StepPlan())[0] == set()
@@ -97,7 +97,7 @@ def test_sent_is_reported_only_after_vllm_said_the_request_finished():
 
 def test_a_cancel_before_any_write_forgets_the_request():
     transfer = FakeTransfer()
-    worker = KvxWorker(transfer)
+    worker = PrefillWorker(transfer)
     step(worker, StepPlan(begin=[Begin("p1", "k1", "secret-of-k1-0123456789", ("tcp://d:1",), ("tcp://d:2",), 2)]), forward=False)
     step(worker, StepPlan(cancel=["p1"]), forward=False)
     assert ("cancel", "k1") in transfer.calls
@@ -106,7 +106,7 @@ def test_a_cancel_before_any_write_forgets_the_request():
 
 def test_a_cancel_after_writes_is_reported_sent_once_drained():
     transfer = FakeTransfer()
-    worker = KvxWorker(transfer)
+    worker = PrefillWorker(transfer)
     begin = Begin("p1", "k1", "secret-of-k1-0123456789", ("tcp://d:1",), ("tcp://d:2",), 2)
     step(worker, StepPlan(begin=[begin]), forward=False)
     step(worker, StepPlan(push=[Push("p1", "k1", 0, (3,), False)]))
