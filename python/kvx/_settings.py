@@ -11,12 +11,21 @@ them, the same way for both:
 - a key whose default is ``None`` may be left unset (optional files).
 
 Every refusal names the key: ``{where} {name}={value!r}: expected …``.
+
+And one table of the protocol's settings that both carry (``PROTOCOL_KEYS``): each is written
+once, its default read from the native module (``kvx.defaults()``, the core's), and each
+integration takes the ones it exposes under its own names and words (``protocol_keys``:
+``kvx.lmcache`` as ``kvx_*`` keys of a sender and a receiver, ``kvx.vllm`` as bare keys of a
+prefill and a decode engine).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+
+from kvx._kvx import defaults as _native_defaults
 
 #: A setting: its type, its default (None: optional), what it means.
 KeySpec = Tuple[type, Any, str]
@@ -70,3 +79,89 @@ def read_keys(
 def describe(keys: Mapping[str, KeySpec]) -> List[str]:
     """One line per setting: name, default, meaning (for docs and errors)."""
     return [f"{n} (default {d!r}): {m}" for n, (_, d, m) in keys.items()]
+
+
+@dataclass(frozen=True)
+class Words:
+    """How an integration names the sides, for the meanings of ``PROTOCOL_KEYS``."""
+
+    #: The side that writes, and the one written to, as a meaning's leading word.
+    sender: str
+    receiver: str
+    #: One peer of each side, and several, in a sentence.
+    a_sender: str
+    a_receiver: str
+    senders: str
+    receivers: str
+    #: What one write carries, and what a process of either side is called.
+    unit: str
+    worker: str
+    #: The integration's key prefix (``kvx_`` or none), for meanings that name other keys.
+    prefix: str = ""
+
+
+_DEFAULTS = _native_defaults()
+
+#: kvx's protocol settings as serving stacks' configurations carry them, each once: name →
+#: (type, default, meaning with ``{Words}`` fields). The default is the core's (the native
+#: module's), or None for an optional file.
+PROTOCOL_KEYS: Dict[str, KeySpec] = {
+    # One key for both sides: the sender's `checksums` and the receiver's
+    # `require_checksums`, whose core defaults agree (a test checks it).
+    "checksums": (bool, _DEFAULTS["sender"]["checksums"],
+                  "end-to-end checksums of every {unit} ({sender} computes, {receiver} requires and checks)"),
+    "failure_notices": (bool, _DEFAULTS["sender"]["notify_proxy_on_failure"],
+                        "{sender}: tell the proxy when a request fails (kvx's FailNotif)"),
+    "connect_timeout_sec": (float, _DEFAULTS["node"]["connect_timeout"],
+                            "{sender}: how long connecting to {a_receiver} may take"),
+    "reply_timeout_sec": (float, _DEFAULTS["sender"]["reply_timeout"],
+                          "{sender}: how long {a_receiver} may take to answer"),
+    "write_timeout_sec": (float, _DEFAULTS["sender"]["write_timeout"],
+                          "{sender}: how long one {unit} may take"),
+    "grant_timeout_sec": (float, _DEFAULTS["sender"]["admission_reply_timeout"],
+                          "{sender}: how long a request waits for its admission (the grant of its "
+                          "reservation)"),
+    "claim_timeout_sec": (float, _DEFAULTS["receiver"]["admission_timeout"],
+                          "{receiver}: how long reserved room waits for {a_sender} to claim it"),
+    "idle_timeout_sec": (float, _DEFAULTS["receiver"]["request_idle_timeout"],
+                         "{receiver}: how long a claimed request may go without a landed {unit}"),
+    "unconsumed_ttl_sec": (float, _DEFAULTS["receiver"]["unconsumed_ttl"],
+                           "{receiver}: how long a delivered request may wait for the decoder "
+                           "before its slots are reclaimed"),
+    "peer_share_percent": (int, _DEFAULTS["receiver"]["peer_share_percent"],
+                           "{receiver}: the most of the buffer {a_sender} may hold, in percent "
+                           "(xPyD fairness)"),
+    # Heartbeats on the control channels (docs/spec/zmq.md §5.1): how a stopped or hung peer,
+    # or a link down without a reset, is found while its connection stays open.
+    "heartbeat_interval_sec": (float, _DEFAULTS["node"]["heartbeat_interval"],
+                               "{sender}: how often its connection to each {a_receiver_word} pings it"),
+    "heartbeat_timeout_sec": (float, _DEFAULTS["node"]["heartbeat_timeout"],
+                              "the silence after which a peer {worker} is given up and its requests "
+                              "fail; at least twice {prefix}heartbeat_interval_sec"),
+    # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak ZeroMQ's
+    # NULL mechanism, and the network is trusted.
+    "curve_secret_key": (str, None,
+                         "CURVE: this {worker}'s secret certificate (NAME.key_secret, from `kvx keygen` "
+                         "or zmq.auth.create_certificates); with {prefix}curve_allow ({receiver}) or "
+                         "{prefix}curve_server_key ({sender})"),
+    "curve_allow": (str, None,
+                    "{receiver}, CURVE: the directory of the public certificates (NAME.key) of the "
+                    "{senders} allowed to connect"),
+    "curve_server_key": (str, None,
+                         "{sender}, CURVE: the public certificate (NAME.key) of the {receivers}"),
+}
+
+
+def protocol_keys(names: Sequence[str], words: Words,
+                  notes: Optional[Mapping[str, str]] = None) -> Dict[str, KeySpec]:
+    """The ``PROTOCOL_KEYS`` an integration exposes, named ``words.prefix + name``, their
+    meanings in its ``words`` (``notes``: a sentence of its own after a key's meaning)."""
+    fields = {**vars(words), "a_receiver_word": words.a_receiver.split(" ", 1)[-1]}
+    out: Dict[str, KeySpec] = {}
+    for name in names:
+        kind, default, meaning = PROTOCOL_KEYS[name]
+        text = meaning.format(**fields)
+        if notes and name in notes:
+            text += notes[name]
+        out[words.prefix + name] = (kind, default, text)
+    return out

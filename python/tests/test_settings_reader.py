@@ -60,3 +60,32 @@ def test_an_unknown_key_of_ours_is_refused_with_the_known_ones():
 
 def test_describe_lists_every_key_with_its_default():
     assert describe(KEYS)[0] == "kvx_on (default True): a switch"
+
+
+def test_the_protocols_settings_are_written_once_for_both_integrations():
+    """``kvx.lmcache``'s ``kvx_*`` keys and ``kvx.vllm``'s keys that are protocol settings
+    come from one table (``PROTOCOL_KEYS``): the same type and default under either name,
+    the default the native module's, and a meaning in each integration's words."""
+    import kvx
+    from kvx._settings import PROTOCOL_KEYS
+    from kvx.lmcache.settings import KVX_EXTRA_KEYS
+    from kvx.vllm.settings import EXTRA_KEYS
+
+    native = kvx.defaults()
+    assert PROTOCOL_KEYS["checksums"][1] == native["sender"]["checksums"] == native["receiver"]["require_checksums"]
+    assert PROTOCOL_KEYS["reply_timeout_sec"][1] == native["sender"]["reply_timeout"]
+    shared = 0
+    for table, prefix, words in ((KVX_EXTRA_KEYS, "kvx_", ("sender", "receiver")),
+                                 (EXTRA_KEYS, "", ("prefill", "decode"))):
+        for key, (kind, default, meaning) in table.items():
+            name = key[len(prefix):]
+            if name in PROTOCOL_KEYS:
+                shared += 1
+                assert (kind, default) == PROTOCOL_KEYS[name][:2], key
+                assert "{" not in meaning, f"{key}: {meaning}"
+        sides = " ".join(m for _, _, m in table.values())
+        assert all(w in sides for w in words)
+    both = {k[4:] for k in KVX_EXTRA_KEYS if k[4:] in PROTOCOL_KEYS} & set(EXTRA_KEYS)
+    assert {"checksums", "reply_timeout_sec", "write_timeout_sec", "connect_timeout_sec",
+            "curve_secret_key", "curve_allow", "curve_server_key"} <= both
+    assert shared >= 2 * len(both)

@@ -20,11 +20,15 @@ from typing import Any, Dict, List, Optional
 
 from kvx._kvx import defaults as _native_defaults
 from kvx._kvx import lmcache_pd_buffer_slots
-from kvx._settings import KeySpec, describe, read_keys
+from kvx._settings import KeySpec, Words, describe, protocol_keys, read_keys
 
 logger = logging.getLogger("kvx.lmcache")
 
 _DEFAULTS = _native_defaults()
+
+#: How kvx's protocol settings read here (``kvx._settings.protocol_keys``).
+WORDS = Words(sender="sender", receiver="receiver", a_sender="a sender", a_receiver="a receiver",
+              senders="senders", receivers="receivers", unit="chunk", worker="worker", prefix="kvx_")
 
 #: kvx's own settings, read from LMCache's ``extra_config``: name → (type, default, meaning).
 KVX_EXTRA_KEYS: Dict[str, KeySpec] = {
@@ -36,33 +40,11 @@ KVX_EXTRA_KEYS: Dict[str, KeySpec] = {
         "(in-process copies: prefill and decode StorageManagers in one process, as LMCache's "
         "mock_memory channel, for tests and benchmarks)",
     ),
-    # One key for both sides: the sender's `checksums` and the receiver's `require_checksums`,
-    # whose core defaults agree (a test checks it).
-    "kvx_checksums": (
-        bool,
-        _DEFAULTS["sender"]["checksums"],
-        "end-to-end chunk checksums (sender computes, receiver requires and checks)",
-    ),
-    "kvx_failure_notices": (
-        bool,
-        _DEFAULTS["sender"]["notify_proxy_on_failure"],
-        "sender: tell the proxy when a request fails (kvx's FailNotif); set false for a proxy "
-        "that knows only LMCache's messages (its example proxy decodes every frame as one)",
-    ),
-    "kvx_reply_timeout_sec": (
-        float,
-        _DEFAULTS["sender"]["reply_timeout"],
-        "sender: how long a receiver may take to answer",
-    ),
-    "kvx_write_timeout_sec": (
-        float,
-        _DEFAULTS["sender"]["write_timeout"],
-        "sender: how long one chunk write may take",
-    ),
-    "kvx_connect_timeout_sec": (
-        float,
-        _DEFAULTS["node"]["connect_timeout"],
-        "sender: how long connecting to a receiver may take",
+    **protocol_keys(
+        ["checksums", "failure_notices", "reply_timeout_sec", "write_timeout_sec", "connect_timeout_sec"],
+        WORDS,
+        {"failure_notices": "; set false for a proxy that knows only LMCache's messages (its example "
+                            "proxy decodes every frame as one)"},
     ),
     "kvx_admission_grace_sec": (
         float,
@@ -76,42 +58,15 @@ KVX_EXTRA_KEYS: Dict[str, KeySpec] = {
         "sender: chunks of requests the receiver has not admitted yet that can wait in host "
         "memory (0: as many as pd_buffer_size holds)",
     ),
-    "kvx_unconsumed_ttl_sec": (
-        float,
-        _DEFAULTS["receiver"]["unconsumed_ttl"],
-        "receiver: how long a delivered request may wait for the decoder before its slots "
-        "are reclaimed",
-    ),
-    "kvx_peer_share_percent": (
-        int,
-        _DEFAULTS["receiver"]["peer_share_percent"],
-        "receiver: the most of the buffer one sender may hold, in percent (xPyD fairness)",
-    ),
+    **protocol_keys(["unconsumed_ttl_sec", "peer_share_percent"], WORDS),
     "kvx_get_wait_sec": (
         float,
         5.0,
         "receiver: how long get_blocking waits for a key whose request is still arriving",
     ),
-    # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak ZeroMQ's
-    # NULL mechanism, as LMCache does, and the network is trusted.
-    "kvx_curve_secret_key": (
-        str,
-        None,
-        "CURVE: this worker's secret certificate (NAME.key_secret, from `kvx keygen` or "
-        "zmq.auth.create_certificates); with kvx_curve_allow (receiver) or "
-        "kvx_curve_server_key (sender)",
-    ),
-    "kvx_curve_allow": (
-        str,
-        None,
-        "receiver, CURVE: the directory of the public certificates (NAME.key) of the senders "
-        "allowed to connect",
-    ),
-    "kvx_curve_server_key": (
-        str,
-        None,
-        "sender, CURVE: the public certificate (NAME.key) of the receivers and the proxy, "
-        "which share that key pair",
+    **protocol_keys(
+        ["curve_secret_key", "curve_allow", "curve_server_key"], WORDS,
+        {"curve_server_key": ", and of the proxy, which shares that key pair"},
     ),
 }
 

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvx._kvx import defaults as _native_defaults
-from kvx._settings import KeySpec, describe, read_keys
+from kvx._settings import KeySpec, Words, describe, protocol_keys, read_keys
 
 _DEFAULTS = _native_defaults()
+
+#: How kvx's protocol settings read here (``kvx._settings.protocol_keys``).
+WORDS = Words(sender="prefill", receiver="decode", a_sender="a prefill engine", a_receiver="a decode engine",
+              senders="prefill engines", receivers="decode engines", unit="write", worker="engine")
 
 #: vLLM's ``kv_role`` → kvx's side. ``kv_both`` is not yet supported.
 ROLES: Dict[str, str] = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -59,58 +63,17 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
         "memory (the GPU engines' path, run on a CPU engine; KV on a GPU always takes it, "
         "with vLLM's kv_buffer_device: cpu)",
     ),
-    # One key for both sides: the sender's `checksums` and the receiver's
-    # `require_checksums`, whose core defaults agree (a test checks it).
-    "checksums": (
-        bool,
-        _DEFAULTS["sender"]["checksums"],
-        "end-to-end checksums of every write (prefill computes, decode requires and checks)",
-    ),
-    "connect_timeout_sec": (
-        float,
-        _DEFAULTS["node"]["connect_timeout"],
-        "how long reaching a peer engine may take (prefill: a decode engine's receiver; "
-        "decode, under llm-d: the prefill engine's bootstrap server)",
-    ),
-    "grant_timeout_sec": (
-        float,
-        _DEFAULTS["sender"]["admission_reply_timeout"],
-        "prefill: how long a request waits for its decode engine's grant before it runs "
-        "without a push (the decode side then reports a load error)",
-    ),
-    "reply_timeout_sec": (
-        float,
-        _DEFAULTS["sender"]["reply_timeout"],
-        "prefill: how long a decode engine may take to answer",
-    ),
-    "write_timeout_sec": (
-        float,
-        _DEFAULTS["sender"]["write_timeout"],
-        "prefill: how long one write may take",
-    ),
-    "claim_timeout_sec": (
-        float,
-        _DEFAULTS["receiver"]["admission_timeout"],
-        "decode: how long reserved blocks wait for the prefill engine to claim them before "
-        "the load fails",
-    ),
-    "idle_timeout_sec": (
-        float,
-        _DEFAULTS["receiver"]["request_idle_timeout"],
-        "decode: how long a claimed request may go without a landed write before the load fails",
-    ),
-    # Heartbeats on the control channels (docs/spec/zmq.md §5.1): how a stopped or hung
-    # engine, or a link down without a reset, is found while its connection stays open.
-    "heartbeat_interval_sec": (
-        float,
-        _DEFAULTS["node"]["heartbeat_interval"],
-        "prefill: how often its connection to each decode engine pings it",
-    ),
-    "heartbeat_timeout_sec": (
-        float,
-        _DEFAULTS["node"]["heartbeat_timeout"],
-        "the silence after which a peer engine is given up and its requests fail (prefill: "
-        "a decode engine; decode: a prefill engine); at least twice heartbeat_interval_sec",
+    **protocol_keys(
+        ["checksums", "connect_timeout_sec", "grant_timeout_sec", "reply_timeout_sec", "write_timeout_sec",
+         "claim_timeout_sec", "idle_timeout_sec", "heartbeat_interval_sec", "heartbeat_timeout_sec"],
+        WORDS,
+        {
+            "connect_timeout_sec": " (decode, under llm-d: the prefill engine's bootstrap server)",
+            "grant_timeout_sec": "; past it, the request runs without a push (the decode side then "
+                                 "reports a load error)",
+            "claim_timeout_sec": "; past it, the load fails",
+            "idle_timeout_sec": "; past it, the load fails",
+        },
     ),
     # llm-d's P/D protocol (docs/vllm.md, "Under llm-d"; kvx.vllm.bootstrap).
     "bootstrap_port": (
@@ -136,25 +99,7 @@ EXTRA_KEYS: Dict[str, KeySpec] = {
         "prefill, under llm-d: the networks decode engines register from, comma-separated "
         "(10.0.0.0/8,fd00::/8); unset: any",
     ),
-    # CURVE on the control channels (docs/operations.md, "CURVE"): unset, they speak
-    # ZeroMQ's NULL mechanism and the network is trusted.
-    "curve_secret_key": (
-        str,
-        None,
-        "CURVE: this engine's secret certificate (NAME.key_secret); with curve_allow "
-        "(decode) or curve_server_key (prefill)",
-    ),
-    "curve_allow": (
-        str,
-        None,
-        "decode, CURVE: the directory of the public certificates of the prefill engines "
-        "allowed to connect",
-    ),
-    "curve_server_key": (
-        str,
-        None,
-        "prefill, CURVE: the public certificate of the decode engines",
-    ),
+    **protocol_keys(["curve_secret_key", "curve_allow", "curve_server_key"], WORDS),
 }
 
 
