@@ -65,6 +65,7 @@ class DecodeTransfer:
             slot_bytes=layout.page_bytes,
             buffer=[byte_view(kv_caches[name]) for name in layout.layer_names],
             placement="caller",
+            fabric=s.fabric,
             alloc=s.alloc_endpoint(self.tp_rank),
             fabric_endpoint=s.fabric_endpoint(self.tp_rank),
             admission_timeout=s.claim_timeout_sec,

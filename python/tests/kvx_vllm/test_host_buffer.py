@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import kvx  # noqa: E402
 from kvx.testing import free_port  # noqa: E402
 from kvx.vllm.host_buffer import Copier, HostBufferedDecode, HostBufferedPrefill, PendingCopy, block_runs  # noqa: E402
 from kvx.vllm.kvx_transfer import DecodeTransfer, PrefillTransfer  # noqa: E402
@@ -199,6 +200,23 @@ def test_the_host_buffer_is_one_allocation_with_the_layers_end_to_end_in_kvxs_or
     starts = [host[n].data_ptr() for n in sorted(names)]
     assert starts == [starts[0] + i * nbytes for i in range(len(names))]
     assert all(host[n].is_contiguous() and host[n].shape == kv[n].shape for n in names)
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_both_sides_run_kvx_on_the_fabric_the_settings_name(monkeypatch, side):
+    """``fabric: rdma`` reaches kvx on both sides (a build without RDMA, or a machine without
+    a device, then refuses it saying so), never a TCP side facing an RDMA one."""
+    defaults = kvx.defaults()
+    rdma = {**defaults, "node": {**defaults["node"], "fabrics": [*defaults["node"]["fabrics"], "rdma"]}}
+    monkeypatch.setattr(kvx, "defaults", lambda: rdma)
+    role = "kv_consumer" if side == "decode" else "kv_producer"
+    alloc, fabric = free_port(), free_port()
+    s = settings_from(types.SimpleNamespace(kv_role=role, engine_id=role, kv_connector_extra_config={
+        "host": "127.0.0.1", "alloc_port": alloc, "fabric_port": fabric, "fabric": "rdma"}))
+    inner = (DecodeTransfer if side == "decode" else PrefillTransfer)(s, 0, BLOCKS)
+    t = (HostBufferedDecode if side == "decode" else HostBufferedPrefill)(inner, host_buffer=True)
+    with pytest.raises(Exception, match="(?i)rdma"):
+        t.register_kv_caches({n: torch.zeros(BLOCKS, 2, 4, 16) for n in layer_names()})
 
 
 @pytest.mark.parametrize("buffer_device", [None, "cuda"])
