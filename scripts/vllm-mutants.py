@@ -24,12 +24,18 @@ import python_mutants
 ROOT = python_mutants.ROOT
 SCRATCH = "/tmp/kvx-vllm-mutants"
 PKG = "python/kvx/vllm/"
-# The router's tests first: they take seconds, and its variants are caught there.
-TESTS = ["python/tests/kvx_vllm/test_bootstrap.py", "python/tests/kvx_vllm/test_signals.py", "python/tests/kvx_vllm/test_tracing.py", "python/tests/kvx_vllm/test_settings.py", "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_scheduler.py", "python/tests/kvx_vllm/test_pair.py",
-         "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_router.py",
-         "python/tests/kvx_vllm/test_reasons.py", "python/tests/kvx_vllm/test_failure_reasons.py",
-         "python/tests/kvx_vllm/test_two_processes.py", "python/tests/kvx_vllm/test_swarm.py",
-         "python/tests/kvx_vllm/test_prefill_transfer.py", "python/tests/kvx_vllm/test_explore.py"]
+TESTS = [
+    # Fast and specific first: a variant is caught by its first failing test (-x), and a
+    # variant caught late pays for every file before.
+    "python/tests/kvx_vllm/test_settings.py", "python/tests/kvx_vllm/test_prefill_transfer.py",
+    "python/tests/kvx_vllm/test_worker.py", "python/tests/kvx_vllm/test_signals.py",
+    "python/tests/kvx_vllm/test_router_guard.py", "python/tests/kvx_vllm/test_tracing.py",
+    "python/tests/kvx_vllm/test_host_buffer.py", "python/tests/kvx_vllm/test_scheduler.py",
+    "python/tests/kvx_vllm/test_pair.py", "python/tests/kvx_vllm/test_bootstrap.py",
+    "python/tests/kvx_vllm/test_router.py", "python/tests/kvx_vllm/test_reasons.py",
+    "python/tests/kvx_vllm/test_failure_reasons.py", "python/tests/kvx_vllm/test_two_processes.py",
+    "python/tests/kvx_vllm/test_swarm.py", "python/tests/kvx_vllm/test_explore.py",
+]
 
 # name: (file, old, new, what it breaks)
 MUTANTS = {
