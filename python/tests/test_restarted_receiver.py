@@ -26,10 +26,14 @@ RECEIVER = textwrap.dedent("""
     rx = kvx.Receiver(slots=8, slot_bytes=%d, buffer=buf, placement="caller", alloc=alloc,
                       fabric_endpoint=fabric)
     print("up", flush=True)
+    reserved = 0
     for line in sys.stdin:
         cmd, req = line.split()
         if cmd == "reserve":
-            rx.reserve(req, [0], claim_secret="secret-of-" + req + "-0123456789")
+            # A slot of its own each: an earlier request's may not have come back yet (a
+            # receiver that was stopped notices its failed request only when it runs again).
+            rx.reserve(req, [reserved %% 8], claim_secret="secret-of-" + req + "-0123456789")
+            reserved += 1
             print("reserved", flush=True)
         else:  # consume: the next ready request's lease, waited for at most 30 s
             leases = rx.next_ready(max=1, timeout=30)
