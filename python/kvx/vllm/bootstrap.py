@@ -6,11 +6,13 @@ connector's, llm-d-router ``pkg/sidecar/proxy/connector_mooncake.go`` @ ``ebab68
 Prefill side (``BootstrapServer``, with ``Registrations``), on ``bootstrap_port`` (8998, the
 sidecar's ``--mooncake-bootstrap-port`` default):
 
-- ``GET /query``: ``{"0": {"engine_id": <id>, "kvx": {...}}}``, what the sidecar reads once
-  per prefill engine and caches for good (so the id is stable across restarts: the host's
-  name and the port, unless ``bootstrap_engine_id`` is set). One data-parallel rank.
+- ``GET /query``: ``{"0": {"engine_id": <id>, "kvx": {..., "instance": <this process's>}}}``,
+  what the sidecar reads once per prefill engine and caches for good (so the id is stable
+  across restarts: the host's name and the port, unless ``bootstrap_engine_id`` is set), and
+  what a decode engine asks while it has registrations here (``kvx.vllm.registrar``: no
+  answer, or another instance, and they are gone). One data-parallel rank.
 - ``POST /kvx/v1/reservations``: ``{"transfer_id", "engine_id", "claim_secret",
-  "decode_alloc": [...], "decode_fabric": [...]}``. 201 registered; 400 malformed; 403 from
+  "decode_alloc": [...], "decode_fabric": [...]}``. 201 registered (with the instance); 400 malformed; 403 from
   an address outside ``bootstrap_allow``; 404 another engine id; 409 the transfer is
   registered already with another secret; 413 too large; 503 the table is full.
 - ``DELETE /kvx/v1/reservations/<transfer_id>`` with the registration's secret in
@@ -40,6 +42,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -190,6 +193,9 @@ class BootstrapServer:
         allow: Sequence[str] = (),
     ) -> None:
         self.registrations, self.engine_id = registrations, engine_id
+        #: This server's life: a decode engine that registered under one instance and sees
+        #: another knows its registrations are gone (the prefill engine restarted).
+        self.instance = uuid.uuid4().hex
         try:
             self.allow = [ipaddress.ip_network(a.strip(), strict=False) for a in allow if a.strip()]
         except ValueError as e:
@@ -209,7 +215,8 @@ class BootstrapServer:
                     self._answer(404, {"error": f"no route {self.path!r}"})
                     return
                 self._answer(200, {"0": {"engine_id": server.engine_id,
-                                         "kvx": {"protocol": PROTOCOL, "reservations": RESERVATIONS}}})
+                                         "kvx": {"protocol": PROTOCOL, "reservations": RESERVATIONS,
+                                                 "instance": server.instance}}})
 
             def do_POST(self) -> None:  # noqa: N802
                 if self.path != RESERVATIONS:
@@ -232,7 +239,7 @@ class BootstrapServer:
                 if refused is not None:
                     self._answer(refused[0], {"error": refused[1]})
                     return
-                self._answer(201, {"status": "registered"})
+                self._answer(201, {"status": "registered", "instance": server.instance})
 
             def do_DELETE(self) -> None:  # noqa: N802
                 prefix = RESERVATIONS + "/"

@@ -180,7 +180,8 @@ class KvxConnector(KVConnectorBase_V1):
             if s.side == "decode":
                 # Under llm-d, reservations are registered with the prefill engine, naming
                 # this engine's receivers (kvx.vllm.bootstrap).
-                self._registrar = Registrar(s.connect_timeout_sec)
+                self._registrar = Registrar(s.connect_timeout_sec, probe_interval_sec=s.heartbeat_interval_sec,
+                                            dead_after_sec=s.heartbeat_timeout_sec)
                 endpoints = (tuple(s.alloc_endpoint(r) for r in range(tp)),
                              tuple(s.fabric_endpoint(r) for r in range(tp)))
                 self._decode = DecodeScheduler(block_size, self._registrar, endpoints)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
@@ -127,7 +128,8 @@ def test_query_answers_as_the_sidecar_reads_it(server):
 
 
 def test_a_registration_is_taken_by_the_scheduler_and_cancelled_by_its_secret(server):
-    assert call(server.port, "POST", RESERVATIONS, registration()) == (201, {"status": "registered"})
+    assert call(server.port, "POST", RESERVATIONS, registration()) == (201, {"status": "registered",
+                                                                            "instance": server.instance})
     assert call(server.port, "POST", RESERVATIONS, registration(claim_secret="o" * 32))[0] == 409
     assert call(server.port, "DELETE", RESERVATIONS + "/xfer-1", headers={SECRET_HEADER: "o" * 32})[0] == 403
     assert call(server.port, "DELETE", RESERVATIONS + "/xfer-1", headers={SECRET_HEADER: SECRET})[0] == 200
@@ -199,6 +201,67 @@ def test_a_registration_nobody_takes_is_a_failure_reported_at_once():
     assert time.monotonic() - began < 3
     assert failures[0][0] == "r1" and "did not answer" in failures[0][1]
     r.close()
+
+
+@pytest.mark.parametrize("fate", ["killed", "restarted", "silent"])
+def test_registrations_held_by_a_prefill_engine_that_dies_or_restarts_fail_within_the_heartbeat_timeout(fate):
+    """A registration lives in the prefill engine's memory until it is claimed: an engine that
+    goes away (its port refuses), restarts (another instance on the same port: its
+    registrations are gone) or stops answering fails the loads it held within the heartbeat
+    timeout, not after claim_timeout_sec; one that answers, and a registration cancelled or
+    forgotten, fail nothing."""
+    port = free_port()
+    first = BootstrapServer(Registrations(), "127.0.0.1", port, ENGINE)
+    boot = Bootstrap(f"http://127.0.0.1:{port}", ENGINE)
+    r = Registrar(timeout_sec=2, probe_interval_sec=0.1, dead_after_sec=0.6)
+    silence: List[socket.socket] = []
+    try:
+        for rid in ("held", "cancelled", "forgotten"):
+            r.register(rid, boot, "xfer-" + rid, SECRET, ALLOC, FABRIC)
+        wait_for(lambda: sum(len(held) for held in r._held.values()) == 3)  # all three taken
+        time.sleep(0.5)  # probes of a live engine: nothing fails
+        assert r.failures() == []
+        r.cancel("cancelled", boot, "xfer-cancelled", SECRET)
+        r.forget("forgotten")
+        first.close()
+        began = time.monotonic()
+        second = None
+        if fate == "restarted":
+            second = BootstrapServer(Registrations(), "127.0.0.1", port, ENGINE)
+        elif fate == "silent":  # a listener that never answers: the engine is hung
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(16)
+            silence.append(listener)
+        failures: List[Tuple[str, str]] = []
+        wait_for(lambda: bool(failures.extend(r.failures()) or failures), bound=5)
+        took = time.monotonic() - began
+        time.sleep(0.3)
+        failures += r.failures()
+        assert [f[0] for f in failures] == ["held"], failures
+        words = {"killed": "is gone", "restarted": "restarted", "silent": "did not answer"}[fate]
+        assert words in failures[0][1] and f"127.0.0.1:{port}" in failures[0][1], failures
+        assert took < (1.5 if fate != "silent" else 3.0), took
+        if second is not None:
+            second.close()
+    finally:
+        r.close()
+        for listener in silence:
+            listener.close()
+
+
+def test_a_live_prefill_engine_holding_registrations_fails_none():
+    port = free_port()
+    s = BootstrapServer(Registrations(), "127.0.0.1", port, ENGINE)
+    r = Registrar(timeout_sec=2, probe_interval_sec=0.05, dead_after_sec=0.3)
+    try:
+        r.register("r1", Bootstrap(f"http://127.0.0.1:{port}", ENGINE), "xfer-1", SECRET, ALLOC, FABRIC)
+        time.sleep(1.0)  # twenty probes, each answered by the same instance
+        assert r.failures() == []
+    finally:
+        r.close()
+        s.close()
 
 
 # ---- both scheduler sides ----------------------------------------------------------------
