@@ -375,21 +375,7 @@ impl Sender {
     /// The async form of `next_admissions`, unbounded: up to `max` once the first came.
     /// Dropping it loses none.
     pub async fn admissions(&self, max: usize) -> Vec<Admission> {
-        let mut out = Vec::new();
-        if max == 0 {
-            return out;
-        }
-        let mut admissions = self.admissions.lock().await;
-        if let Some(first) = admissions.recv().await {
-            out.push(first);
-            while out.len() < max {
-                match admissions.try_recv() {
-                    Ok(next) => out.push(next),
-                    Err(_) => break,
-                }
-            }
-        }
-        out
+        up_to(&self.admissions, max).await
     }
 
     /// Waits at most `timeout` for the receiver to admit `req_id` (`Ok(false)`: not yet).
@@ -580,21 +566,7 @@ impl Sender {
     /// came; empty once the sender has stopped and every end was taken. Dropping it loses
     /// no end.
     pub async fn ends(&self, max: usize) -> Vec<RequestEnd> {
-        let mut out = Vec::new();
-        if max == 0 {
-            return out;
-        }
-        let mut ends = self.ends.lock().await;
-        if let Some(end) = ends.recv().await {
-            out.push(end);
-            while out.len() < max {
-                match ends.try_recv() {
-                    Ok(end) => out.push(end),
-                    Err(_) => break,
-                }
-            }
-        }
-        out
+        up_to(&self.ends, max).await
     }
 
     /// The configured bound of `allocate` when it is given none.
@@ -659,3 +631,14 @@ const _: () = {
     is::<Sender>();
     is::<StagingGuard>();
 };
+
+/// Up to `max` of a stream's items once the first came (empty once it closed and every
+/// item was taken); one caller at a time. `recv_many` is cancel safe: a caller that stops
+/// waiting takes nothing.
+async fn up_to<T>(stream: &tokio::sync::Mutex<mpsc::UnboundedReceiver<T>>, max: usize) -> Vec<T> {
+    let mut out = Vec::new();
+    if max > 0 {
+        stream.lock().await.recv_many(&mut out, max).await;
+    }
+    out
+}
