@@ -1,10 +1,10 @@
-//! Transport and fabric, chosen at run time. Drivers are generic over `Env` so that each
-//! environment (production's, the simulation's) is monomorphised with no `dyn` on the data
-//! path; `EnvChoice::visit` is the one `match` that turns a run-time choice into a concrete
-//! `Env` and hands it to generic code (an `EnvVisitor`).
+//! Transport and fabric, chosen at run time. `EnvChoice::into_env` is the one `match` that
+//! turns a choice into the concrete transport and fabric, handed on as objects (`AnyEnv`,
+//! kvx-io's `any_env`): every driver of an embedding program is then one type,
+//! `SenderNode<AnyEnv>` and the like, whatever was chosen.
 
 use kvx_io::mem::{MemFabric, MemTransport};
-use kvx_io::{Env, TokioEnv};
+use kvx_io::AnyEnv;
 use kvx_transport::shm_fabric::ShmFabric;
 use kvx_transport::tcp_fabric::{TcpFabric, TcpFabricConfig};
 use kvx_transport::zmq::{ZmqConfig, ZmqTransport};
@@ -94,14 +94,6 @@ impl TransportChoice {
     }
 }
 
-/// Generic code run on the environment a choice names.
-pub trait EnvVisitor {
-    /// What the visit yields (a started driver's handle, typically a boxed future of it).
-    type Output;
-    /// Runs on the concrete environment the choice made; called once.
-    fn visit<E: Env>(self, env: E) -> Self::Output;
-}
-
 impl EnvChoice {
     /// ZeroMQ with its default settings and the TCP fabric: what separate processes use.
     pub fn zmq_tcp() -> Self {
@@ -127,33 +119,31 @@ impl EnvChoice {
         (transport, fabric)
     }
 
-    /// Makes the environment and runs `visitor` on it.
-    pub fn visit<V: EnvVisitor>(self, visitor: V) -> Result<V::Output, EnvError> {
+    /// Makes the transport and the fabric (a ZeroMQ context, an RDMA device opened) and
+    /// hands them on as one environment.
+    pub fn into_env(self) -> Result<AnyEnv, EnvError> {
         match self.transport {
             TransportChoice::Zmq(cfg) => {
                 let transport = ZmqTransport::new(cfg).map_err(EnvError::Zmq)?;
-                visit_fabric(transport, self.fabric, visitor)
+                with_fabric(transport, self.fabric)
             }
-            TransportChoice::Mem(transport) => visit_fabric(transport, self.fabric, visitor),
+            TransportChoice::Mem(transport) => with_fabric(transport, self.fabric),
         }
     }
 }
 
-fn visit_fabric<T: kvx_io::Transport, V: EnvVisitor>(
+fn with_fabric<T: kvx_io::Transport>(
     transport: T,
     fabric: FabricChoice,
-    visitor: V,
-) -> Result<V::Output, EnvError> {
+) -> Result<AnyEnv, EnvError> {
     Ok(match fabric {
-        FabricChoice::Tcp(cfg) => {
-            visitor.visit(TokioEnv::new(transport, TcpFabric::with_config(cfg)))
-        }
-        FabricChoice::Shm => visitor.visit(TokioEnv::new(transport, ShmFabric::new())),
-        FabricChoice::Mem(fabric) => visitor.visit(TokioEnv::new(transport, fabric)),
+        FabricChoice::Tcp(cfg) => AnyEnv::of(transport, TcpFabric::with_config(cfg)),
+        FabricChoice::Shm => AnyEnv::of(transport, ShmFabric::new()),
+        FabricChoice::Mem(fabric) => AnyEnv::of(transport, fabric),
         #[cfg(feature = "rdma")]
         FabricChoice::Rdma(cfg) => {
             let fabric = kvx_rdma::RdmaFabric::open(cfg).map_err(EnvError::Rdma)?;
-            visitor.visit(TokioEnv::new(transport, fabric))
+            AnyEnv::of(transport, fabric)
         }
     })
 }

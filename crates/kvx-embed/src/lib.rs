@@ -8,8 +8,8 @@
 //! guards that hand back what a dropped caller held, and the waits.
 //!
 //! Map:
-//! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`), `EnvVisitor`, the
-//!   one `match` from a choice to a concrete `Env`, and `TransportChoice::set_heartbeats`,
+//! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`) and `into_env`, the
+//!   one `match` from a choice to the concrete transport and fabric (an `AnyEnv`), and `TransportChoice::set_heartbeats`,
 //!   the one place the ZeroMQ heartbeats are set (the binary's flags, Python's keywords).
 //! - `named`: transports and fabrics by the names users write (`EnvChoice::named`,
 //!   `InProcess` for the "mem" ones), the one mapping the binary and Python share.
@@ -23,9 +23,9 @@
 //!   `ReadyLeases`.
 //! - `returns`: `ReturnQueue`, caller placement's returned reservations for every caller of
 //!   one receiver, with those a caller handed back unseen first.
-//! - `sender`: `Sender` (begin, admission, staging guards, batches, request ends; with
-//!   caller staging, batches of the caller's own slots, `SlotChunk`, and `released`), and
-//!   `unique_local_id`, a sender identity of its own for each sender.
+//! - `sender`: `Sender` (its `SenderHandle<AnyEnv>`, staging guards, admissions reported
+//!   as events, request ends shared by every caller), and `unique_local_id`, a sender
+//!   identity of its own for each sender.
 //! - `memory`: `Memory`, where staging or a receive buffer lives (kvx's or the caller's).
 //! - `error`: `EmbedError`.
 //!
@@ -45,11 +45,11 @@ mod returns;
 pub mod runtime;
 pub mod sender;
 
-pub use choice::{EnvChoice, EnvError, EnvVisitor, FabricChoice, HeartbeatError, TransportChoice};
+pub use choice::{EnvChoice, EnvError, FabricChoice, HeartbeatError, TransportChoice};
 pub use error::EmbedError;
 pub use memory::{Memory, MemoryView};
 pub use named::{InProcess, NameError, FABRIC_NAMES, TRANSPORT_NAMES};
 pub use proxy::{Proxy, ProxyWait};
 pub use receiver::{ReadLease, Receiver, ReceiverSettings};
 pub use runtime::Runtime;
-pub use sender::{unique_local_id, Admission, Sender, SenderSettings, SlotChunk, StagingGuard};
+pub use sender::{unique_local_id, Admission, Sender, SenderSettings, StagingGuard};

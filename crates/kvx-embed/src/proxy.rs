@@ -5,14 +5,13 @@
 use std::time::Duration;
 
 use kvx_io::mem::MemFabric;
-use kvx_io::Env;
 use kvx_node::proxy::ProxyEvents;
 use kvx_node::{ProxyHandle, ProxyNode, ProxyOutcome};
 use kvx_proto::proxy::{ExpectError, ProxyEvent};
 use kvx_proto::{ProxyConfig, ReqId};
 use tokio::sync::{oneshot, Mutex};
 
-use crate::choice::{EnvChoice, EnvVisitor, FabricChoice, TransportChoice};
+use crate::choice::{EnvChoice, FabricChoice, TransportChoice};
 use crate::error::EmbedError;
 use crate::runtime::Runtime;
 
@@ -30,24 +29,6 @@ pub struct ProxyWait {
     outcome: oneshot::Receiver<ProxyOutcome>,
 }
 
-struct Start {
-    cfg: ProxyConfig,
-    endpoint: String,
-}
-
-impl EnvVisitor for Start {
-    type Output = std::pin::Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = Result<(ProxyHandle, ProxyEvents), kvx_node::StartError>,
-                > + Send,
-        >,
-    >;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        Box::pin(async move { ProxyNode::start_with_events(env, self.cfg, &self.endpoint).await })
-    }
-}
-
 impl Proxy {
     /// Binds the notice channel at `endpoint` (`tcp://host:port` for ZeroMQ; port 0 lets
     /// the OS pick) over `transport`. `cfg.await_on_first_notice` set: a standalone proxy,
@@ -63,11 +44,9 @@ impl Proxy {
             transport,
             fabric: FabricChoice::Mem(MemFabric::new()),
         };
-        let start = choice.visit(Start {
-            cfg,
-            endpoint: endpoint.to_owned(),
-        })?;
-        let (handle, events) = runtime.block_on(start)?;
+        let env = choice.into_env()?;
+        let (handle, events) =
+            runtime.block_on(ProxyNode::start_with_events(env, cfg, endpoint))?;
         Ok(Self {
             runtime: runtime.clone(),
             handle,

@@ -15,19 +15,15 @@
 //! (`returned`) once no write can land in its slots.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_io::{Env, SlotMemory};
-use kvx_node::{
-    BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned, Returns, StartError,
-};
+use kvx_io::AnyMemory;
+use kvx_node::{BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned};
 use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
 use kvx_proto::{ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
 
-use crate::choice::{EnvChoice, EnvVisitor};
+use crate::choice::EnvChoice;
 use crate::error::EmbedError;
 use crate::memory::{Memory, MemoryView};
 use crate::returns::ReturnQueue;
@@ -48,106 +44,6 @@ pub struct ReceiverSettings {
     pub fabric_endpoint: String,
 }
 
-type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// What the facade asks of `ChunkReader<M>` beyond the leases, for any memory `M`, as one
-/// type.
-trait ReaderApi: Send + Sync {
-    fn snapshot(&self) -> BoxFuture<'_, Result<BufferSnapshot, ConsumeError>>;
-    fn shutdown(&self) -> BoxFuture<'_, ()>;
-    fn reserve<'a>(
-        &'a self,
-        req_id: &'a str,
-        held: u32,
-        slots: Vec<SlotIndex>,
-        secret: ClaimSecret,
-    ) -> BoxFuture<'a, Result<(), PlacementError>>;
-    fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>>;
-    fn memory_view(&self) -> Option<MemoryView>;
-    fn slots(&self) -> u32;
-    fn slot_bytes(&self) -> usize;
-}
-
-impl<M: SlotMemory> ReaderApi for ChunkReader<M> {
-    fn snapshot(&self) -> BoxFuture<'_, Result<BufferSnapshot, ConsumeError>> {
-        Box::pin(ChunkReader::snapshot(self))
-    }
-    fn shutdown(&self) -> BoxFuture<'_, ()> {
-        Box::pin(ChunkReader::shutdown(self))
-    }
-    fn reserve<'a>(
-        &'a self,
-        req_id: &'a str,
-        held: u32,
-        slots: Vec<SlotIndex>,
-        secret: ClaimSecret,
-    ) -> BoxFuture<'a, Result<(), PlacementError>> {
-        Box::pin(ChunkReader::reserve_held(self, req_id, held, slots, secret))
-    }
-    fn withdraw<'a>(&'a self, req_id: &'a str) -> BoxFuture<'a, Result<(), PlacementError>> {
-        Box::pin(ChunkReader::withdraw(self, req_id))
-    }
-    fn memory_view(&self) -> Option<MemoryView> {
-        MemoryView::of(self.memory())
-    }
-    fn slots(&self) -> u32 {
-        self.memory().slots()
-    }
-    fn slot_bytes(&self) -> usize {
-        self.memory().slot_bytes()
-    }
-}
-
-struct Started {
-    leases: ReadyLeases,
-    returns: Returns,
-    reader: Box<dyn ReaderApi>,
-    alloc_endpoint: String,
-    fabric_endpoint: String,
-}
-
-struct Start {
-    settings: ReceiverSettings,
-}
-
-impl EnvVisitor for Start {
-    type Output = BoxFuture<'static, Result<Started, StartError>>;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        let ReceiverSettings {
-            config,
-            buffer,
-            alloc_endpoint,
-            fabric_endpoint,
-            ..
-        } = self.settings;
-        Box::pin(async move {
-            let mut handle = match buffer {
-                Memory::Allocate { slot_bytes } => {
-                    ReceiverNode::start(env, config, slot_bytes, &alloc_endpoint, &fabric_endpoint)
-                        .await?
-                }
-                Memory::External(region) => {
-                    ReceiverNode::start_in(env, config, region, &alloc_endpoint, &fabric_endpoint)
-                        .await?
-                }
-            };
-            let alloc_endpoint = handle.alloc_endpoint().to_owned();
-            let fabric_endpoint = handle.fabric_endpoint().to_owned();
-            let returns = handle
-                .take_returns()
-                .expect("invariant: a new handle's returns are untaken");
-            let (leases, reader) = handle.into_ready_leases();
-            Ok(Started {
-                leases,
-                returns,
-                reader: Box::new(reader),
-                alloc_endpoint,
-                fabric_endpoint,
-            })
-        })
-    }
-}
-
 /// A running receiver. Every call may come from any thread; the blocking ones are bounded
 /// and must not be called from a task of its runtime.
 pub struct Receiver {
@@ -155,7 +51,7 @@ pub struct Receiver {
     leases: Arc<ReadyLeases>,
     /// Returned reservations (caller placement).
     returns: Arc<ReturnQueue>,
-    reader: Arc<dyn ReaderApi>,
+    reader: ChunkReader<AnyMemory>,
     alloc_endpoint: String,
     fabric_endpoint: String,
 }
@@ -237,16 +133,47 @@ impl ReadLease {
 impl Receiver {
     /// Starts a receiver on `runtime`: its alloc channel bound and its buffer exposed.
     pub fn start(runtime: &Runtime, settings: ReceiverSettings) -> Result<Self, EmbedError> {
-        let start = settings.env.clone().visit(Start { settings })?;
-        let started = runtime.block_on(start)?;
-        Ok(Self {
-            runtime: runtime.clone(),
-            leases: Arc::new(started.leases),
-            returns: Arc::new(ReturnQueue::new(started.returns)),
-            reader: Arc::from(started.reader),
-            alloc_endpoint: started.alloc_endpoint,
-            fabric_endpoint: started.fabric_endpoint,
+        let ReceiverSettings {
+            env,
+            config,
+            buffer,
+            alloc_endpoint,
+            fabric_endpoint,
+        } = settings;
+        let env = env.into_env()?;
+        // Within the runtime: the leases run their waits on it.
+        runtime.block_on(async move {
+            let mut handle = match buffer {
+                Memory::Allocate { slot_bytes } => {
+                    ReceiverNode::start(env, config, slot_bytes, &alloc_endpoint, &fabric_endpoint)
+                        .await?
+                }
+                Memory::External(region) => {
+                    ReceiverNode::start_in(env, config, region, &alloc_endpoint, &fabric_endpoint)
+                        .await?
+                }
+            };
+            let alloc_endpoint = handle.alloc_endpoint().to_owned();
+            let fabric_endpoint = handle.fabric_endpoint().to_owned();
+            let returns = handle
+                .take_returns()
+                .expect("invariant: a new handle's returns are untaken");
+            let (leases, reader) = handle.into_ready_leases();
+            Ok::<_, EmbedError>(Self {
+                runtime: runtime.clone(),
+                leases: Arc::new(leases),
+                returns: Arc::new(ReturnQueue::new(returns)),
+                reader,
+                alloc_endpoint,
+                fabric_endpoint,
+            })
         })
+    }
+
+    /// The driver's reader: every call that needs nothing of this layer (the async forms
+    /// of `snapshot`, `reserve`, `withdraw`; the buffer's memory).
+    pub fn reader(&self) -> &ChunkReader<AnyMemory> {
+        &self.reader
     }
 
     /// The bound alloc endpoint (a port 0 request resolved): what senders connect to.
@@ -329,7 +256,10 @@ impl Receiver {
         timeout: Duration,
     ) -> Result<(), EmbedError> {
         self.runtime
-            .block_on_for(timeout, self.reader.reserve(req_id, held, slots, secret))
+            .block_on_for(
+                timeout,
+                self.reader.reserve_held(req_id, held, slots, secret),
+            )
             .ok_or(EmbedError::TimedOut(timeout))?
             .map_err(EmbedError::Placement)
     }
@@ -361,21 +291,11 @@ impl Receiver {
         self.returns.give_back(returns);
     }
 
-    /// Slots in the buffer.
-    pub fn slots(&self) -> u32 {
-        self.reader.slots()
-    }
-
-    /// Bytes per slot.
-    pub fn slot_bytes(&self) -> usize {
-        self.reader.slot_bytes()
-    }
-
     /// The receive buffer, for a view the caller keeps: what a program reads leased chunks
     /// through when kvx allocated the buffer (the shm fabric). `None` when it cannot be
     /// viewed (RDMA-registered memory).
     pub fn memory_view(&self) -> Option<MemoryView> {
-        self.reader.memory_view()
+        MemoryView::of(self.reader.memory())
     }
 }
 

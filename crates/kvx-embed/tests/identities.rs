@@ -7,6 +7,9 @@
 // clock reads (`clippy.toml`) is for the library.
 #![allow(clippy::disallowed_methods)]
 
+mod waits;
+use waits::Waits;
+
 use std::time::{Duration, Instant};
 
 use kvx_embed::{
@@ -75,6 +78,7 @@ fn four_senders_in_one_process_with_default_identities_all_deliver() {
             .unwrap_or_else(|e| panic!("sender {s} connects: {e}"));
         let id = ReqId(format!("req-{s}"));
         sender
+            .handle()
             .begin(RequestSpec {
                 req_id: id.clone(),
                 receiver: peer,
@@ -94,7 +98,7 @@ fn four_senders_in_one_process_with_default_identities_all_deliver() {
         sender
             .add(guard, format!("req-{s}@0"), SLOT, 1)
             .expect("added");
-        sender.submit(&id, true).expect("submitted");
+        sender.handle().submit_added(&id, true).expect("submitted");
         ids.push(id);
     }
     // The decoder's side: every request ready, then consumed (bounded in count and time).

@@ -9,6 +9,9 @@
 #![allow(clippy::disallowed_methods)]
 #![allow(unsafe_code)] // the test lends its own memory (`ExternalRegion::new`)
 
+mod waits;
+use waits::Waits;
+
 use std::cell::UnsafeCell;
 use std::future::Future;
 use std::sync::Arc;
@@ -127,7 +130,10 @@ fn two_interleaved_requests_arrive_byte_exact_in_a_buffer_smaller_than_both() {
     let ids = ["a", "b"];
     // The second request waits for admission until the first is consumed: 8 + 8 > 10.
     for id in ids {
-        p.sender.begin(spec(id, p.peer, 8)).expect("begins");
+        p.sender
+            .handle()
+            .begin(spec(id, p.peer, 8))
+            .expect("begins");
     }
     let decoder = std::thread::scope(|scope| {
         let decoder = scope.spawn(|| {
@@ -189,7 +195,10 @@ fn two_interleaved_requests_arrive_byte_exact_in_a_buffer_smaller_than_both() {
                     .expect("added");
                 next[r] += 1;
                 if next[r] % 2 == 0 {
-                    p.sender.submit(&req_id, next[r] == 8).expect("submitted");
+                    p.sender
+                        .handle()
+                        .submit_added(&req_id, next[r] == 8)
+                        .expect("submitted");
                 }
             }
         }
@@ -218,7 +227,7 @@ fn two_interleaved_requests_arrive_byte_exact_in_a_buffer_smaller_than_both() {
         (10, 0),
         "nothing held: {snap:?}"
     );
-    assert_eq!(p.sender.staging_free(), 4, "all staging back");
+    assert_eq!(p.sender.handle().staging_free(), 4, "all staging back");
     drop(p.rt);
 }
 
@@ -226,18 +235,25 @@ fn two_interleaved_requests_arrive_byte_exact_in_a_buffer_smaller_than_both() {
 fn a_dropped_guard_hands_its_slot_back_and_a_cancel_ends_the_request() {
     let p = pair(4, 2);
     let id = ReqId("c".into());
-    p.sender.begin(spec("c", p.peer, 2)).expect("begins");
+    p.sender
+        .handle()
+        .begin(spec("c", p.peer, 2))
+        .expect("begins");
     assert!(p.sender.wait_admitted(&id, WAIT).expect("admitted"));
     let guard = p.sender.allocate(&id, Some(WAIT)).expect("staging");
-    assert_eq!(p.sender.staging_free(), 1);
+    assert_eq!(p.sender.handle().staging_free(), 1);
     drop(guard);
-    assert_eq!(p.sender.staging_free(), 2, "the unused slot came back");
+    assert_eq!(
+        p.sender.handle().staging_free(),
+        2,
+        "the unused slot came back"
+    );
     let guard = p.sender.allocate(&id, Some(WAIT)).expect("staging again");
     assert!(
         p.sender.add(guard, "c@0".into(), SLOT + 1, 1).is_err(),
         "a chunk larger than its slot is refused"
     );
-    p.sender.cancel(&id).expect("cancelled");
+    p.sender.handle().cancel(&id).expect("cancelled");
     let ends = p.sender.next_ends(8, WAIT);
     assert_eq!(ends.len(), 1);
     assert!(ends[0].outcome.is_err(), "{ends:?}");
@@ -266,7 +282,10 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
     let p = pair(40, 4);
     let ids = ["v", "w", "x", "y", "z"];
     for id in ids {
-        p.sender.begin(spec(id, p.peer, 8)).expect("begins");
+        p.sender
+            .handle()
+            .begin(spec(id, p.peer, 8))
+            .expect("begins");
     }
     for id in ids {
         assert!(p
@@ -288,7 +307,10 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
                 .add(guard, format!("{id}@{chunk}"), SLOT, 256)
                 .expect("added");
             if (chunk + 1) % 4 == 0 {
-                p.sender.submit(&req_id, chunk == 7).expect("submitted");
+                p.sender
+                    .handle()
+                    .submit_added(&req_id, chunk == 7)
+                    .expect("submitted");
             }
         }
     }
@@ -327,7 +349,10 @@ fn one_thread_interleaving_more_requests_than_staging_never_waits_on_itself() {
 fn a_waiting_allocate_gets_staging_when_another_thread_adds_and_never_submits() {
     let p = pair(40, 4);
     for id in ["holder", "waiter"] {
-        p.sender.begin(spec(id, p.peer, 8)).expect("begins");
+        p.sender
+            .handle()
+            .begin(spec(id, p.peer, 8))
+            .expect("begins");
         assert!(p
             .sender
             .wait_admitted(&ReqId(id.into()), WAIT)
@@ -395,7 +420,7 @@ fn concurrent_first_connects_to_one_receiver_all_wait_for_its_channel() {
                 scope.spawn(move || {
                     let peer = sender.add_receiver(addr, WAIT).expect("connects");
                     let id = format!("first-{t}");
-                    sender.begin(spec(&id, peer, 1)).expect("begins");
+                    sender.handle().begin(spec(&id, peer, 1)).expect("begins");
                     sender
                         .wait_admitted(&ReqId(id.clone()), WAIT)
                         .map_err(|f| format!("{id}: {f}"))
@@ -429,14 +454,20 @@ fn dropped_while_leasing(let_them_arrive: bool) {
     for attempt in 0..20 {
         let id = format!("r{attempt}");
         let req = ReqId(id.clone());
-        p.sender.begin(spec(&id, p.peer, 1)).expect("begins");
+        p.sender
+            .handle()
+            .begin(spec(&id, p.peer, 1))
+            .expect("begins");
         assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
         let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
         guard.with_slot(&mut |slot| slot.copy_from_slice(&pattern(&id, 0)));
         p.sender
             .add(guard, format!("{id}@0"), SLOT, 1)
             .expect("added");
-        p.sender.submit(&req, true).expect("submitted");
+        p.sender
+            .handle()
+            .submit_added(&req, true)
+            .expect("submitted");
         p.sender
             .wait_outcome(&req, WAIT)
             .expect("ended")
@@ -476,7 +507,10 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
     for round in 0..20 {
         let id = format!("d{round}");
         let req = ReqId(id.clone());
-        p.sender.begin(spec(&id, p.peer, 2)).expect("begins");
+        p.sender
+            .handle()
+            .begin(spec(&id, p.peer, 2))
+            .expect("begins");
         assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
         for chunk in 0..2 {
             let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
@@ -484,7 +518,10 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
                 .add(guard, format!("{id}@{chunk}"), SLOT, 1)
                 .expect("added");
         }
-        p.sender.submit(&req, true).expect("submitted");
+        p.sender
+            .handle()
+            .submit_added(&req, true)
+            .expect("submitted");
         let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");
         assert_eq!(leases.len(), 1, "round {round}");
         drop(leases);
@@ -506,11 +543,17 @@ fn a_dropped_lease_is_released_before_the_next_call_reaches_the_driver() {
 fn an_ended_requests_notice_does_not_end_a_wait_early() {
     let p = pair(4, 2);
     let req = ReqId("e".into());
-    p.sender.begin(spec("e", p.peer, 1)).expect("begins");
+    p.sender
+        .handle()
+        .begin(spec("e", p.peer, 1))
+        .expect("begins");
     assert!(p.sender.wait_admitted(&req, WAIT).expect("admitted"));
     let guard = p.sender.allocate(&req, Some(WAIT)).expect("staging");
     p.sender.add(guard, "e@0".into(), SLOT, 1).expect("added");
-    p.sender.submit(&req, true).expect("submitted");
+    p.sender
+        .handle()
+        .submit_added(&req, true)
+        .expect("submitted");
     let leases = p.receiver.next_ready(4, WAIT).expect("the receiver runs");
     assert_eq!(leases.len(), 1);
     leases

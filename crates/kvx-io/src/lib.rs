@@ -33,6 +33,9 @@
 //! - `secret_label`: `SecretLabel`, how an identity or credential shows in logs (a short
 //!   hash keyed per process, never the bytes).
 //! - `env`: `Env` and `TokioEnv` (real time in production, virtual under madsim).
+//! - `any_env`: `AnyTransport`, `AnyFabric` (over `AnyMemory`) and `AnyEnv`: a transport and
+//!   a fabric chosen at run time, as trait objects at the IO edge (setup and slot access go
+//!   through a vtable, posted writes and control messages do not).
 //! - `mem`: `MemTransport` and `MemFabric`, in-process.
 //! - `sockets` (feature): the TCP sockets beside every fabric's data path (bind with a
 //!   rebind grace, bounded connect), shared by `kvx-transport`'s fabrics and `kvx-rdma`'s
@@ -42,6 +45,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
+pub mod any_env;
 pub mod budget;
 pub mod checksum;
 pub mod env;
@@ -60,6 +64,7 @@ pub mod conformance;
 pub mod sockets;
 
 pub use access::{AdmittedWrite, FabricAccess, FabricCredential, WriteRefusal};
+pub use any_env::{AnyEnv, AnyFabric, AnyMemory, AnyTransport};
 pub use budget::{ConnectionBudget, Evicted, Held};
 pub use checksum::{chunk_checksum, copy_with_checksum, LandingChecksum};
 pub use env::{Env, TokioEnv};

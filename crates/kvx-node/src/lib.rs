@@ -16,7 +16,8 @@
 //! - `sender`: `SenderNode` / `SenderHandle` — begin (staging of kvx's or the caller's
 //!   memory: `start` / `start_in`), a staging allocate that blocks (for prefill threads) or
 //!   awaits and submits the caller's held batch when only it stands in the way, stage bytes,
-//!   add a chunk to its request's pending batch, submit, cancel, await the outcome or read
+//!   add a chunk to its request's pending batch, submit (with caller staging, batches of
+//!   the caller's own slots: `submit_slots`, `SlotChunk`), cancel, await the outcome or read
 //!   every request's end (`completions`). Inside:
 //!   `sender/staging_turn` (an allocate call's wait for staging; the order is the core's),
 //!   `sender/sleepers` (blocked prefill threads, woken by turn) and
@@ -60,5 +61,7 @@ pub use receiver::{
     BufferSnapshot, ChunkReader, ReadyRequest, ReceiverHandle, ReceiverNode, ReceiverNotice,
     Returned, Returns,
 };
-pub use sender::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, WriteCounts, NOTICE_LINGER};
+pub use sender::{
+    ReceiverAddr, RequestEnd, SenderHandle, SenderNode, SlotChunk, WriteCounts, NOTICE_LINGER,
+};
 pub use start::StartError;

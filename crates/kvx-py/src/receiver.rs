@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvx_embed::{ReadLease as Lease, ReceiverSettings};
+use kvx_io::SlotMemory;
 use kvx_proto::receiver::ChunkLayout;
 use kvx_proto::{ReceiverConfig, SlotIndex};
 use pyo3::exceptions::PyValueError;
@@ -316,13 +317,13 @@ impl Receiver {
     /// Slots in the buffer.
     #[getter]
     fn slots(&self) -> u32 {
-        self.inner.slots()
+        self.inner.reader().memory().slots()
     }
 
     /// Bytes per slot.
     #[getter]
     fn slot_bytes(&self) -> usize {
-        self.inner.slot_bytes()
+        self.inner.reader().memory().slot_bytes()
     }
 
     /// The whole buffer as a byte ``memoryview`` (with the shm fabric, of kvx's memory);
@@ -356,7 +357,7 @@ impl Receiver {
             keys: lease.chunk_keys().to_vec(),
             layout: lease.layout().clone(),
             tokens: lease.chunk_tokens().to_vec(),
-            slot_bytes: self.inner.slot_bytes(),
+            slot_bytes: self.inner.reader().memory().slot_bytes(),
             views: self.views.as_ref().map(|v| v.clone_ref(py)),
             lease: Mutex::new(Some(lease)),
         }

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvx_embed::{SenderSettings, StagingGuard};
+use kvx_io::SlotMemory;
 use kvx_node::ReceiverAddr;
 use kvx_proto::sender::{RequestSpec, SendError};
 use kvx_proto::{PeerId, Placement, ReqId, SenderConfig};
@@ -225,7 +226,7 @@ impl Sender {
         if report_admission {
             self.inner.begin_reporting_admission(spec)
         } else {
-            self.inner.begin(spec)
+            self.inner.handle().begin(spec)
         }
         .map_err(|e| errors::send_error(&e))
     }
@@ -265,7 +266,11 @@ impl Sender {
         timeout: Option<f64>,
     ) -> PyResult<bool> {
         let id = ReqId(req_id);
-        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.admitted(&id))?;
+        let done = wait::interruptibly(
+            py,
+            wait::seconds(timeout)?,
+            self.inner.handle().admitted(&id),
+        )?;
         match done {
             None => Ok(false),
             Some(Ok(())) => Ok(true),
@@ -280,6 +285,7 @@ impl Sender {
         aio::spawn(slf.py(), async move {
             me.get()
                 .inner
+                .handle()
                 .admitted(&ReqId(req_id))
                 .await
                 .map_err(|f| errors::send_failure(&f))
@@ -293,6 +299,7 @@ impl Sender {
         aio::spawn(slf.py(), async move {
             me.get()
                 .inner
+                .handle()
                 .outcome(&ReqId(req_id))
                 .await
                 .map_err(|f| errors::send_failure(&f))
@@ -384,7 +391,7 @@ impl Sender {
         tokens: u64,
     ) -> PyResult<()> {
         let guard = slot.take()?;
-        let len = nbytes.unwrap_or(self.inner.slot_bytes());
+        let len = nbytes.unwrap_or(self.inner.handle().staging().slot_bytes());
         // The checksum reads the whole chunk: other Python threads run meanwhile.
         py.detach(|| self.inner.add(guard, key, len, tokens))
             .map_err(|e| errors::send_error(&e))
@@ -396,7 +403,8 @@ impl Sender {
     fn submit(&self, req_id: String, last: bool) -> PyResult<()> {
         // Never waits (the batch is queued for the sender's task): the GIL stays held.
         self.inner
-            .submit(&ReqId(req_id), last)
+            .handle()
+            .submit_added(&ReqId(req_id), last)
             .map_err(|e| errors::send_error(&e))
     }
 
@@ -427,15 +435,19 @@ impl Sender {
         let chunks = slots
             .into_iter()
             .zip(keys)
-            .map(|(slot, key)| kvx_embed::SlotChunk {
+            .map(|(slot, key)| kvx_node::SlotChunk {
                 slot: kvx_proto::StagingSlot(slot),
                 key,
                 tokens,
             })
             .collect();
         // The checksums read every chunk: other Python threads run meanwhile.
-        py.detach(|| self.inner.submit_slots(&ReqId(req_id), chunks, last))
-            .map_err(|e| errors::send_error(&e))
+        py.detach(|| {
+            self.inner
+                .handle()
+                .submit_slots(&ReqId(req_id), chunks, last)
+        })
+        .map_err(|e| errors::send_error(&e))
     }
 
     /// ``placement="caller"``: waits until ``req_id`` reads none of the program's staging
@@ -446,7 +458,11 @@ impl Sender {
     #[pyo3(signature = (req_id, timeout = None))]
     fn wait_released(&self, py: Python<'_>, req_id: String, timeout: Option<f64>) -> PyResult<()> {
         let id = ReqId(req_id.clone());
-        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.released(&id))?;
+        let done = wait::interruptibly(
+            py,
+            wait::seconds(timeout)?,
+            self.inner.handle().released(&id),
+        )?;
         match done {
             Some(Ok(())) => Ok(()),
             Some(Err(f)) => Err(errors::send_failure(&f)),
@@ -462,6 +478,7 @@ impl Sender {
         aio::spawn(slf.py(), async move {
             me.get()
                 .inner
+                .handle()
                 .released(&ReqId(req_id))
                 .await
                 .map_err(|f| errors::send_failure(&f))
@@ -472,6 +489,7 @@ impl Sender {
     /// and its end is ``CancelledError``.
     fn cancel(&self, req_id: String) -> PyResult<()> {
         self.inner
+            .handle()
             .cancel(&ReqId(req_id))
             .map_err(|e| errors::send_error(&e))
     }
@@ -481,7 +499,11 @@ impl Sender {
     #[pyo3(signature = (req_id, timeout = None))]
     fn wait_outcome(&self, py: Python<'_>, req_id: String, timeout: Option<f64>) -> PyResult<()> {
         let id = ReqId(req_id.clone());
-        let done = wait::interruptibly(py, wait::seconds(timeout)?, self.inner.outcome(&id))?;
+        let done = wait::interruptibly(
+            py,
+            wait::seconds(timeout)?,
+            self.inner.handle().outcome(&id),
+        )?;
         match done {
             Some(Ok(())) => Ok(()),
             Some(Err(f)) => Err(errors::send_failure(&f)),
@@ -517,7 +539,7 @@ impl Sender {
     /// Staging slots free now (a snapshot).
     #[getter]
     fn staging_free(&self) -> u32 {
-        self.inner.staging_free()
+        self.inner.handle().staging_free()
     }
 
     /// ``(writes, bytes)``: fabric writes this sender posted so far and the bytes they
@@ -525,20 +547,20 @@ impl Sender {
     /// consecutive (a run of KV blocks) go as one write over the TCP fabric, so
     /// ``writes`` counts runs there, chunks elsewhere.
     fn write_counts(&self) -> (u64, u64) {
-        let counts = self.inner.write_counts();
+        let counts = self.inner.handle().write_counts();
         (counts.writes, counts.bytes)
     }
 
     /// Staging slots in all.
     #[getter]
     fn slots(&self) -> u32 {
-        self.inner.slots()
+        self.inner.handle().staging().slots()
     }
 
     /// Bytes per staging slot.
     #[getter]
     fn slot_bytes(&self) -> usize {
-        self.inner.slot_bytes()
+        self.inner.handle().staging().slot_bytes()
     }
 
     /// The whole staging as a byte ``memoryview`` (with the shm fabric, of kvx's mapping).

@@ -1,14 +1,11 @@
-//! From the command line's `--transport`/`--fabric` to a concrete environment: the flags
-//! become a `kvx_embed::EnvChoice`, whose `visit` (the one `match` over implementations)
-//! runs the generic demo or role on it.
+//! From the command line's `--transport`/`--fabric` to an environment: the flags become a
+//! `kvx_embed::EnvChoice`, whose `into_env` (the one `match` over implementations) makes the
+//! `AnyEnv` the demo or role runs on.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::process::ExitCode;
 
-use kvx_embed::{EnvChoice, EnvVisitor, FabricChoice, InProcess, TransportChoice};
+use kvx_embed::{EnvChoice, FabricChoice, InProcess, TransportChoice};
 use kvx_io::mem::MemFabric;
-use kvx_io::Env;
 use kvx_transport::zmq::{CurveConfig, ZmqConfig};
 
 use crate::cli::{
@@ -21,9 +18,6 @@ const ZMQ_STYLE: Style = Style {
     control: |h, p| format!("tcp://{h}:{p}"),
     fabric: |h, p| format!("{h}:{p}"),
 };
-
-/// What a visitor hands back: the run, to await.
-type Run<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
 
 /// The choice the flags make, through `kvx_embed::named` (the mapping Python uses too).
 /// In-process parts share one `InProcess`. `curve`: the ZMQ transport's CURVE settings
@@ -109,18 +103,6 @@ fn cross_process(kind: FabricKind) -> anyhow::Result<FabricKind> {
     Ok(kind)
 }
 
-struct Demo {
-    endpoints: Endpoints,
-    args: DemoArgs,
-}
-
-impl EnvVisitor for Demo {
-    type Output = Run<(demo::Summary, ExitCode)>;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        Box::pin(demo::run_on(env, self.endpoints, self.args))
-    }
-}
-
 pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let json = args.workload.json;
     let choice = choice(args.transport, args.fabric, &args.rdma, None)?;
@@ -148,7 +130,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }
         .into(),
     };
-    let (summary, code) = choice.visit(Demo { endpoints, args })?.await?;
+    let (summary, code) = demo::run_on(choice.into_env()?, endpoints, args).await?;
     if json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
@@ -157,45 +139,18 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-struct Receiver(ReceiverArgs);
-
-impl EnvVisitor for Receiver {
-    type Output = Run<ExitCode>;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        Box::pin(roles::receiver(env, ZMQ_STYLE, self.0))
-    }
-}
-
 pub async fn receiver(args: ReceiverArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
     let mut choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
     args.heartbeats.apply(&mut choice)?;
-    choice.visit(Receiver(args))?.await
-}
-
-struct Sender(SenderArgs);
-
-impl EnvVisitor for Sender {
-    type Output = Run<ExitCode>;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        Box::pin(roles::sender(env, ZMQ_STYLE, self.0))
-    }
+    roles::receiver(choice.into_env()?, ZMQ_STYLE, args).await
 }
 
 pub async fn sender(args: SenderArgs) -> anyhow::Result<ExitCode> {
     let fabric = cross_process(args.fabric)?;
     let mut choice = choice(TransportKind::Zmq, fabric, &args.rdma, args.curve.load()?)?;
     args.heartbeats.apply(&mut choice)?;
-    choice.visit(Sender(args))?.await
-}
-
-struct Proxy(ProxyArgs);
-
-impl EnvVisitor for Proxy {
-    type Output = Run<ExitCode>;
-    fn visit<E: Env>(self, env: E) -> Self::Output {
-        Box::pin(roles::proxy(env, ZMQ_STYLE, self.0))
-    }
+    roles::sender(choice.into_env()?, ZMQ_STYLE, args).await
 }
 
 pub async fn proxy(args: ProxyArgs) -> anyhow::Result<ExitCode> {
@@ -207,7 +162,7 @@ pub async fn proxy(args: ProxyArgs) -> anyhow::Result<ExitCode> {
         }),
         fabric: FabricChoice::Mem(MemFabric::new()),
     };
-    choice.visit(Proxy(args))?.await
+    roles::proxy(choice.into_env()?, ZMQ_STYLE, args).await
 }
 
 /// `kvx keygen`: a fresh key pair written as certificates; prints where, and the public key.

@@ -341,6 +341,54 @@ impl<E: Env> SenderHandle<E> {
         result
     }
 
+    /// Caller staging (`SenderConfig::staging_placement = Caller`): submits one batch of
+    /// `req_id`'s chunks read straight from the caller's own staging slots, where their
+    /// bytes already are (`is_last`: it completes the request). Each chunk is its whole
+    /// slot, so that several requests may name one slot at once and agree on what it holds;
+    /// its checksum is taken now, from the slot. The slots must not change until `released`
+    /// says the request reads them no more. Refused, touching nothing, on a sender that
+    /// stages in kvx's pool (where the slots belong to the requests that took them) and for
+    /// a slot out of range.
+    pub fn submit_slots(
+        &self,
+        req_id: &ReqId,
+        chunks: Vec<SlotChunk>,
+        is_last: bool,
+    ) -> Result<(), SendError> {
+        let misuse = |why: String| SendError::Misuse {
+            req_id: req_id.clone(),
+            why,
+        };
+        if self.staging_placement() != Placement::Caller {
+            return Err(misuse(
+                "submit_slots is for caller staging (staging_placement = caller): this \
+                 sender stages in kvx's pool (allocate, add, submit)"
+                    .to_owned(),
+            ));
+        }
+        let slots = self.memory.slots();
+        if let Some(c) = chunks.iter().find(|c| c.slot.0 >= slots) {
+            return Err(misuse(format!(
+                "chunk {} in slot {}: the staging has slots 0..{slots}",
+                c.key, c.slot.0
+            )));
+        }
+        let slot_bytes = self.memory.slot_bytes();
+        let specs = chunks
+            .into_iter()
+            .map(|c| {
+                self.staged(c.slot, slot_bytes);
+                ChunkSpec {
+                    key: c.key,
+                    staging: c.slot,
+                    tokens: c.tokens,
+                    bytes: slot_bytes as u64,
+                }
+            })
+            .collect();
+        self.submit(req_id, specs, is_last)
+    }
+
     /// Adds a chunk staged in a slot the caller holds for `req_id` to the request's pending
     /// batch, which its next `submit` (or `submit_added`) sends first
     /// (`SenderFlow::handle_add`). The chunk's `bytes` is set to the length staged in its
@@ -449,6 +497,18 @@ impl<E: Env> SenderHandle<E> {
         self.shared.poke.notify_one();
         self.shared.wake_all();
     }
+}
+
+/// One chunk of a batch read straight from the caller's own staging
+/// (`SenderHandle::submit_slots`): the whole of its slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotChunk {
+    /// The caller's slot its bytes are in.
+    pub slot: StagingSlot,
+    /// Names it to the receiver.
+    pub key: String,
+    /// The tokens it covers.
+    pub tokens: u64,
 }
 
 /// `SenderHandle::write_counts`: fabric writes posted and their bytes.

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::start::StartError;
 use driver::Driver;
-pub use handle::{SenderHandle, WriteCounts};
+pub use handle::{SenderHandle, SlotChunk, WriteCounts};
 use sleepers::Wakes;
 
 mod driver;
