@@ -20,9 +20,7 @@
 //! - `proxy`: `Proxy`, awaiting each request's notices from every TP rank.
 //! - `receiver`: `Receiver` (ready requests as `ReadLease`s, consumed or released on drop;
 //!   never lost to a caller that stops waiting), the blocking form of kvx-node's
-//!   `ReadyLeases`.
-//! - `returns`: `ReturnQueue`, caller placement's returned reservations for every caller of
-//!   one receiver, with those a caller handed back unseen first.
+//!   `ReadyLeases`; caller placement's returned reservations, a kvx-node `SharedStream`.
 //! - `sender`: `Sender` (its `SenderHandle<AnyEnv>`, staging guards, admissions reported
 //!   as events, request ends shared by every caller), and `unique_local_id`, a sender
 //!   identity of its own for each sender.
@@ -41,7 +39,6 @@ pub mod memory;
 pub mod named;
 pub mod proxy;
 pub mod receiver;
-mod returns;
 pub mod runtime;
 pub mod sender;
 

@@ -19,14 +19,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::AnyMemory;
-use kvx_node::{BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned};
+use kvx_node::{BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned, SharedStream};
 use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
 use kvx_proto::{ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::EnvChoice;
 use crate::error::EmbedError;
 use crate::memory::{Memory, MemoryView};
-use crate::returns::ReturnQueue;
 use crate::runtime::Runtime;
 
 /// What a receiver is started with.
@@ -50,7 +49,7 @@ pub struct Receiver {
     runtime: Runtime,
     leases: Arc<ReadyLeases>,
     /// Returned reservations (caller placement).
-    returns: Arc<ReturnQueue>,
+    returns: Arc<SharedStream<Returned>>,
     reader: ChunkReader<AnyMemory>,
     alloc_endpoint: String,
     fabric_endpoint: String,
@@ -162,7 +161,7 @@ impl Receiver {
             Ok::<_, EmbedError>(Self {
                 runtime: runtime.clone(),
                 leases: Arc::new(leases),
-                returns: Arc::new(ReturnQueue::new(returns)),
+                returns: Arc::new(SharedStream::new(returns)),
                 reader,
                 alloc_endpoint,
                 fabric_endpoint,

@@ -17,7 +17,7 @@ use std::fmt;
 use std::time::Duration;
 
 use kvx_io::{AnyEnv, SlotMemory};
-use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode};
+use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, SharedStream};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
 use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
@@ -69,10 +69,10 @@ pub fn unique_local_id(prefix: &str) -> Result<String, EmbedError> {
 pub struct Sender {
     runtime: Runtime,
     handle: SenderHandle<AnyEnv>,
-    ends: tokio::sync::Mutex<mpsc::UnboundedReceiver<RequestEnd>>,
+    ends: SharedStream<RequestEnd>,
     /// Admissions of the requests begun with `begin_reporting_admission`.
     admissions_tx: mpsc::UnboundedSender<Admission>,
-    admissions: tokio::sync::Mutex<mpsc::UnboundedReceiver<Admission>>,
+    admissions: SharedStream<Admission>,
     staging_timeout: Duration,
 }
 
@@ -168,14 +168,14 @@ impl Sender {
                 }
             }
         })?;
-        let ends = tokio::sync::Mutex::new(handle.completions());
+        let ends = SharedStream::new(handle.completions());
         let (admissions_tx, admissions) = mpsc::unbounded_channel();
         Ok(Self {
             runtime: runtime.clone(),
             handle,
             ends,
             admissions_tx,
-            admissions: tokio::sync::Mutex::new(admissions),
+            admissions: SharedStream::new(admissions),
             staging_timeout,
         })
     }
@@ -225,7 +225,7 @@ impl Sender {
     /// first came (bound the wait with a timeout around it). Each comes once, to one
     /// caller; dropping the call loses none.
     pub async fn admissions(&self, max: usize) -> Vec<Admission> {
-        up_to(&self.admissions, max).await
+        self.admissions.take(max).await.unwrap_or_default()
     }
 
     /// Takes a staging slot for `req_id`, blocking at most `timeout` (None: the configured
@@ -300,7 +300,7 @@ impl Sender {
     /// from the sender's start on, each once, shared by every caller. Dropping the call
     /// loses no end.
     pub async fn ends(&self, max: usize) -> Vec<RequestEnd> {
-        up_to(&self.ends, max).await
+        self.ends.take(max).await.unwrap_or_default()
     }
 
     /// The configured bound of `allocate` when it is given none.
@@ -338,14 +338,3 @@ const _: () = {
     is::<Sender>();
     is::<StagingGuard>();
 };
-
-/// Up to `max` of a stream's items once the first came (empty once it closed and every
-/// item was taken); one caller at a time. `recv_many` is cancel safe: a caller that stops
-/// waiting takes nothing.
-async fn up_to<T>(stream: &tokio::sync::Mutex<mpsc::UnboundedReceiver<T>>, max: usize) -> Vec<T> {
-    let mut out = Vec::new();
-    if max > 0 {
-        stream.lock().await.recv_many(&mut out, max).await;
-    }
-    out
-}

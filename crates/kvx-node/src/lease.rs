@@ -9,22 +9,19 @@
 //! (an embedding program's callers): a wait for the first can be cancelled at any point, and
 //! once a request is off the notice stream it is leased and handed over, or given back for
 //! the next caller: a ready request is never released unread because a caller stopped
-//! waiting. Each call that must wait runs as one task on the receiver's runtime, so that its
-//! caller is woken once, with the leases.
+//! waiting (kvx-node's one hand-over, `handover`). Each call that must wait runs as one task
+//! on the receiver's runtime, so that its caller is woken once, with the leases.
 
-use std::collections::VecDeque;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_io::SlotMemory;
 use kvx_proto::receiver::{ChunkLayout, ConsumeError, Outcome};
 use kvx_proto::{ReqKey, SlotIndex};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use crate::handover::{handover, GivenBack, Handing};
 use crate::receiver::{ChunkReader, ReaderLink, ReadyRequest, ReceiverHandle, ReceiverNotice};
 
 /// A ready request the decoder holds: its slots stay put until `consume`, `release`, or the
@@ -189,7 +186,7 @@ struct Leasing {
     memory: Arc<dyn SlotMemory>,
     /// Leases taken for callers that stopped waiting before they got them: the next caller
     /// gets them first.
-    returned: Arc<Returned>,
+    returned: Arc<GivenBack<ReadLease>>,
     /// Where ends go, if anywhere.
     ends: Option<mpsc::UnboundedSender<(ReqKey, Outcome)>>,
 }
@@ -197,35 +194,6 @@ struct Leasing {
 impl fmt::Debug for ReadyLeases {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReadyLeases").finish_non_exhaustive()
-    }
-}
-
-/// Leases given back, for the next caller; a caller already waiting for the stream hears of
-/// them (`arrived`), since they may come while it waits.
-#[derive(Default)]
-struct Returned {
-    leases: Mutex<VecDeque<ReadLease>>,
-    arrived: tokio::sync::Notify,
-}
-
-impl Returned {
-    fn give_back(&self, leases: Vec<ReadLease>) {
-        if leases.is_empty() {
-            return;
-        }
-        self.lock().extend(leases);
-        self.arrived.notify_waiters();
-    }
-
-    /// Up to `max` leases given back, oldest first.
-    fn take(&self, max: usize) -> Vec<ReadLease> {
-        let mut leases = self.lock();
-        let n = leases.len().min(max);
-        leases.drain(..n).collect()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<ReadLease>> {
-        self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -240,34 +208,6 @@ enum First {
     ),
     /// The notice stream ended: the driver is gone.
     Stopped,
-}
-
-/// What one `take` found, on its way from the task that ran it to the caller. Dropped before
-/// it arrives (the caller stopped waiting), it closes the way and gives back the leases that
-/// had arrived: the task, which stops waiting for a notice once the way is closed, gives
-/// back any it leases after that.
-struct Handover {
-    taken: oneshot::Receiver<Result<Vec<ReadLease>, ConsumeError>>,
-    returned: Arc<Returned>,
-}
-
-impl Future for Handover {
-    type Output = Result<Vec<ReadLease>, ConsumeError>;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // An error: the task panicked; the leases it held were released as it unwound.
-        Pin::new(&mut self.taken)
-            .poll(cx)
-            .map(|got| got.unwrap_or_else(|_| Ok(Vec::new())))
-    }
-}
-
-impl Drop for Handover {
-    fn drop(&mut self) {
-        self.taken.close();
-        if let Ok(Ok(leases)) = self.taken.try_recv() {
-            self.returned.give_back(leases);
-        }
-    }
 }
 
 impl ReadyLeases {
@@ -315,15 +255,11 @@ impl ReadyLeases {
             Some(First::Stopped) => return Err(ConsumeError::Stopped),
             found => found,
         };
-        let (tx, taken) = oneshot::channel();
+        let (handing, handover) = handover(self.inner.returned.clone());
         let inner = self.inner.clone();
-        let task = async move { inner.take_for(tx, found, max, first_within).await };
+        let task = async move { inner.take_for(handing, found, max, first_within).await };
         self.runtime.spawn(task);
-        Handover {
-            taken,
-            returned: self.inner.returned.clone(),
-        }
-        .await
+        handover.await
     }
 
     /// Hands leases back unread: the next `take` gets them first. For a caller that took
@@ -334,13 +270,13 @@ impl ReadyLeases {
 }
 
 impl Leasing {
-    /// One `take`, sent to its caller through `tx`, from what `first_now` found (`None`:
-    /// nothing yet). The wait for the first notice ends when the caller stops waiting (it
+    /// One `take`, handed to its caller through `handing`, from what `first_now` found
+    /// (`None`: nothing yet). The wait for the first notice ends when the caller stops waiting (it
     /// is cancel-safe); from the first notice on, the leasing runs to its end and gives back
     /// what the caller is no longer there to get.
     async fn take_for(
         &self,
-        mut tx: oneshot::Sender<Result<Vec<ReadLease>, ConsumeError>>,
+        mut handing: Handing<ReadLease, ConsumeError>,
         found: Option<First>,
         max: usize,
         first_within: Option<Duration>,
@@ -359,7 +295,7 @@ impl Leasing {
                 tokio::select! {
                     biased;
                     first = first => first,
-                    () = tx.closed() => return,
+                    () = handing.closed() => return,
                 }
             }
         };
@@ -369,9 +305,7 @@ impl Leasing {
             Some(First::GivenBack(returned)) => Ok(returned),
             Some(First::Ready(first, notices)) => Ok(self.lease_notices(first, notices, max).await),
         };
-        if let Err(Ok(leases)) = tx.send(taken) {
-            self.returned.give_back(leases);
-        }
+        handing.send(taken);
     }
 
     /// What the stream holds now, without waiting: leases given back, a ready request, or
@@ -395,31 +329,27 @@ impl Leasing {
         }
     }
 
-    /// The wait for the first ready request; it can be cancelled at any point without
-    /// losing one.
+    /// The wait for the first ready request, or for leases given back; it can be cancelled
+    /// at any point without losing one.
     async fn first(&self, max: usize) -> First {
         let mut notices = self.notices.clone().lock_owned().await;
-        loop {
-            // Armed before the look, so that leases given back after it wake the wait.
-            let arrived = self.returned.arrived.notified();
-            tokio::pin!(arrived);
-            arrived.as_mut().enable();
-            let returned = self.returned.take(max);
-            if !returned.is_empty() {
-                return First::GivenBack(returned);
-            }
-            tokio::select! {
-                first = notices.recv() => match first {
-                    Some(ReceiverNotice::Ready(ready)) => return First::Ready(ready, notices),
+        let next_ready = async {
+            loop {
+                match notices.recv().await {
+                    Some(ReceiverNotice::Ready(ready)) => return Some(ready),
                     // Every request's end is noticed, consumed ones too; an end leases
                     // nothing, so it must not end the wait for a ready one.
                     Some(ReceiverNotice::Ended { key, outcome }) => {
                         pass_on(self.ends.as_ref(), key, outcome);
                     }
-                    None => return First::Stopped,
-                },
-                () = &mut arrived => {}
+                    None => return None,
+                }
             }
+        };
+        match self.returned.or_wait(max, next_ready).await {
+            Ok(given) => First::GivenBack(given),
+            Err(Some(ready)) => First::Ready(ready, notices),
+            Err(None) => First::Stopped,
         }
     }
 

@@ -32,6 +32,10 @@
 //!   dropped (from any thread, never blocking); `ReadyLeases` — ready requests handed out as
 //!   leases to callers on many tasks or threads, none lost to a cancelled wait (what
 //!   Python's `Receiver.next_ready` runs on).
+//! - `handover`: the one cancel-safe hand-over of what must reach a caller or go back
+//!   (leases, returned reservations, request ends, admissions): `GivenBack` (taken, not
+//!   passed on, handed out again first), `Handover` (a task's result on its way to its
+//!   caller) and `SharedStream` (a driver's channel for many callers).
 //! - `proxy`: `ProxyNode` / `ProxyHandle` — await every TP rank's notice of a request; notices
 //!   from a sender the request is not bound to are refused, counted and logged once per sender.
 //! - `metrics`: names of the metrics the drivers record (exported by the binary).
@@ -46,6 +50,7 @@
 #![warn(missing_docs)]
 
 mod deadline;
+pub mod handover;
 pub mod lease;
 pub mod metrics;
 pub mod placement;
@@ -55,6 +60,7 @@ pub mod sender;
 mod start;
 pub mod synthetic;
 
+pub use handover::{GivenBack, SharedStream};
 pub use lease::{ReadLease, ReadyLeases, RequestEnds};
 pub use proxy::{ProxyHandle, ProxyNode, ProxyOutcome};
 pub use receiver::{

@@ -8,15 +8,17 @@
 //! it held (a staging slot goes back to the pool).
 //!
 //! What must reach the caller or go back (leases, returned reservations) travels as a
-//! `Delivery` (`spawn_delivery`): the runtime's side ends before the loop knows whether its
-//! await was cancelled meanwhile, so the Python objects are made only in a task of the loop
-//! (`kvx._aio.delivered`), and a `Delivery` dropped unopened hands its contents
-//! back.
+//! `Delivery` (`spawn_delivery`) of items `OnTheirWay`: the runtime's side ends before the
+//! loop knows whether its await was cancelled meanwhile, so the Python objects are made only
+//! in a task of the loop (`kvx._aio.delivered`), and a `Delivery` dropped unopened gives its
+//! items back to the stream they came from, through that stream's `give_back` (kvx-node's
+//! `handover`, the one hand-over under every caller).
 
 use std::future::Future;
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
+use pyo3::PyClass;
 
 /// An asyncio future of the running loop that is already done with `result`. Raises
 /// `RuntimeError` outside a running loop, as asyncio's own calls do.
@@ -70,6 +72,44 @@ impl Delivery {
             None => Err(pyo3::exceptions::PyRuntimeError::new_err(
                 "this delivery was already taken",
             )),
+        }
+    }
+}
+
+/// A frozen Python class whose objects any thread may read (`Py::get`): what items go back
+/// to.
+pub(crate) trait Owner:
+    PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync
+{
+}
+impl<O: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync> Owner for O {}
+
+/// Items of `owner`'s on their way to an awaiting caller: made into a list of Python objects
+/// (`make`, each) in a task of the caller's loop, or, dropped before that (the await was
+/// cancelled), given back to `owner` (`back`) for its next caller.
+pub(crate) struct OnTheirWay<O: Owner, T: Send + 'static> {
+    pub(crate) owner: Py<O>,
+    pub(crate) items: Vec<T>,
+    pub(crate) make: fn(&O, Python<'_>, T) -> PyResult<Py<PyAny>>,
+    pub(crate) back: fn(&O, Vec<T>),
+}
+
+impl<O: Owner, T: Send + 'static> Deliverable for OnTheirWay<O, T> {
+    fn deliver(mut self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let items = std::mem::take(&mut self.items);
+        let owner = self.owner.get();
+        let objects = items
+            .into_iter()
+            .map(|item| (self.make)(owner, py, item))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(pyo3::types::PyList::new(py, objects)?.into_any().unbind())
+    }
+}
+
+impl<O: Owner, T: Send + 'static> Drop for OnTheirWay<O, T> {
+    fn drop(&mut self) {
+        if !self.items.is_empty() {
+            (self.back)(self.owner.get(), std::mem::take(&mut self.items));
         }
     }
 }

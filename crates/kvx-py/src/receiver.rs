@@ -11,6 +11,7 @@ use kvx_proto::{ReceiverConfig, SlotIndex};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::IntoPyObjectExt;
 
 use crate::{aio, env, errors, memory, placement, runtime, wait};
 
@@ -212,7 +213,12 @@ impl Receiver {
                 .ready(max)
                 .await
                 .map_err(|e| errors::embed(&e))?;
-            Ok(Leased { owner, leases })
+            Ok(aio::OnTheirWay {
+                owner,
+                items: leases,
+                make: |owner: &Self, py, lease| owner.lease(py, lease).into_py_any(py),
+                back: |owner: &Self, leases| owner.inner.give_back(leases),
+            })
         })
     }
 
@@ -310,7 +316,12 @@ impl Receiver {
                 .returned(max)
                 .await
                 .map_err(|e| errors::embed(&e))?;
-            Ok(ReturnsOnTheirWay { owner, returns })
+            Ok(aio::OnTheirWay {
+                owner,
+                items: returns,
+                make: |_: &Self, py, back| placement::Returned::from(back).into_py_any(py),
+                back: |owner: &Self, returns| owner.inner.give_back_returns(returns),
+            })
         })
     }
 
@@ -360,67 +371,6 @@ impl Receiver {
             slot_bytes: self.inner.reader().memory().slot_bytes(),
             views: self.views.as_ref().map(|v| v.clone_ref(py)),
             lease: Mutex::new(Some(lease)),
-        }
-    }
-}
-
-/// Returned reservations on their way to an awaiting caller (in an `aio::Delivery`): made
-/// into ``Returned`` objects in a task of the caller's loop, or handed back to the receiver
-/// if the await was cancelled before that.
-struct ReturnsOnTheirWay {
-    owner: Py<Receiver>,
-    returns: Vec<kvx_node::Returned>,
-}
-
-impl aio::Deliverable for ReturnsOnTheirWay {
-    fn deliver(mut self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let returns = std::mem::take(&mut self.returns);
-        Ok(
-            PyList::new(py, returns.into_iter().map(placement::Returned::from))?
-                .into_any()
-                .unbind(),
-        )
-    }
-}
-
-impl Drop for ReturnsOnTheirWay {
-    fn drop(&mut self) {
-        if !self.returns.is_empty() {
-            self.owner
-                .get()
-                .inner
-                .give_back_returns(std::mem::take(&mut self.returns));
-        }
-    }
-}
-
-/// Leases on their way to an awaiting caller (in an `aio::Delivery`): made into
-/// ``ReadLease`` objects in a task of the caller's loop, or given back to the receiver if
-/// the await was cancelled before that.
-struct Leased {
-    owner: Py<Receiver>,
-    leases: Vec<Lease>,
-}
-
-impl aio::Deliverable for Leased {
-    fn deliver(mut self: Box<Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let leases = std::mem::take(&mut self.leases);
-        let owner = self.owner.get();
-        Ok(
-            PyList::new(py, leases.into_iter().map(|l| owner.lease(py, l)))?
-                .into_any()
-                .unbind(),
-        )
-    }
-}
-
-impl Drop for Leased {
-    fn drop(&mut self) {
-        if !self.leases.is_empty() {
-            self.owner
-                .get()
-                .inner
-                .give_back(std::mem::take(&mut self.leases));
         }
     }
 }
