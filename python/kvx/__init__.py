@@ -29,6 +29,7 @@ from kvx._kvx import (
     __version__,
     configure,
     defaults,
+    may_stage_in_place,
 )
 from kvx.config import ReceiverConfig, SenderConfig
 
@@ -64,5 +65,6 @@ __all__ = [
     "__version__",
     "configure",
     "defaults",
+    "may_stage_in_place",
     "new_claim_secret",
 ]

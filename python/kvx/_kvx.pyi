@@ -34,6 +34,7 @@ __all__ = [
     "configure",
     "defaults",
     "lmcache_pd_buffer_slots",
+    "may_stage_in_place",
     "synthetic_check",
     "synthetic_fill",
 ]
@@ -73,6 +74,12 @@ def defaults() -> Dict[str, Dict[str, Any]]:
     ``node`` also lists the names ``transport=`` and ``fabric=`` take in this build
     (``"transports"``, ``"fabrics"``), and the ZeroMQ transport's heartbeats
     (``"heartbeat_interval"``, ``"heartbeat_timeout"``)."""
+
+def may_stage_in_place(checksums: bool) -> bool:
+    """Whether memory its owner may reuse while a write still reads it (a vLLM engine's KV
+    blocks) may be staged in place (``placement="caller"``) by a sender with ``checksums``:
+    kvx's rule, so that no integration decides it for itself. ``False``: copy such memory into
+    kvx's own staging."""
 
 def configure(*, workers: int) -> None:
     """Sets the number of threads kvx's runtime uses (default 2), before any kvx object."""

@@ -8,7 +8,7 @@ use kvx_io::mem::MemFabric;
 use kvx_node::proxy::ProxyEvents;
 use kvx_node::{ProxyHandle, ProxyNode, ProxyOutcome};
 use kvx_proto::proxy::{ExpectError, ProxyEvent};
-use kvx_proto::{ProxyConfig, ReqId};
+use kvx_proto::{Checked, ProxyConfig, ReqId};
 use tokio::sync::{oneshot, Mutex};
 
 use crate::choice::{EnvChoice, FabricChoice, TransportChoice};
@@ -37,7 +37,7 @@ impl Proxy {
         runtime: &Runtime,
         transport: TransportChoice,
         endpoint: &str,
-        cfg: ProxyConfig,
+        cfg: Checked<ProxyConfig>,
     ) -> Result<Self, EmbedError> {
         // The proxy moves no KV bytes: the in-process fabric will do for its environment.
         let choice = EnvChoice {

@@ -21,7 +21,7 @@ use std::time::Duration;
 use kvx_io::AnyMemory;
 use kvx_node::{BufferSnapshot, ChunkReader, ReadyLeases, ReceiverNode, Returned, SharedStream};
 use kvx_proto::receiver::{ChunkLayout, ConsumeError, PlacementError};
-use kvx_proto::{ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
+use kvx_proto::{Checked, ClaimSecret, ReceiverConfig, ReqKey, SlotIndex};
 
 use crate::choice::EnvChoice;
 use crate::error::EmbedError;
@@ -33,8 +33,9 @@ use crate::runtime::Runtime;
 pub struct ReceiverSettings {
     /// Transport and fabric.
     pub env: EnvChoice,
-    /// The ledger's limits and timers (`buffer_slots` is the buffer's slot count).
-    pub config: ReceiverConfig,
+    /// The ledger's limits and timers (`buffer_slots` is the buffer's slot count), checked
+    /// (`ReceiverConfig::validate`) where the settings came in.
+    pub config: Checked<ReceiverConfig>,
     /// Its receive buffer.
     pub buffer: Memory,
     /// Where its alloc channel binds (`tcp://host:port`; port 0 lets the OS pick).

@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvx_io::{AnyEnv, SlotMemory};
 use kvx_node::{ReceiverAddr, RequestEnd, SenderHandle, SenderNode, SharedStream};
 use kvx_proto::sender::{ChunkSpec, RequestSpec, SendError, SendFailure};
-use kvx_proto::{PeerId, ReqId, SenderConfig, StagingSlot};
+use kvx_proto::{Checked, PeerId, ReqId, SenderConfig, StagingSlot};
 use tokio::sync::mpsc;
 
 use crate::choice::EnvChoice;
@@ -32,8 +32,9 @@ use crate::runtime::Runtime;
 pub struct SenderSettings {
     /// Transport and fabric.
     pub env: EnvChoice,
-    /// The state machine's limits and timers (`staging_slots` is the staging's slot count).
-    pub config: SenderConfig,
+    /// The state machine's limits and timers (`staging_slots` is the staging's slot count),
+    /// checked (`SenderConfig::validate`) where the settings came in.
+    pub config: Checked<SenderConfig>,
     /// Its staging.
     pub staging: Memory,
     /// Its identity on every receiver's alloc channel, unique per sender: a receiver refuses

@@ -31,7 +31,9 @@ fn receiver(rt: &Runtime) -> Receiver {
                 buffer_slots: 16,
                 peer_share_percent: 100,
                 ..ReceiverConfig::default()
-            },
+            }
+            .validate()
+            .expect("valid"),
             buffer: Memory::Allocate { slot_bytes: SLOT },
             alloc_endpoint: "tcp://127.0.0.1:0".into(),
             fabric_endpoint: "tcp://127.0.0.1:0".into(),
@@ -48,7 +50,9 @@ fn sender(rt: &Runtime, local_id: String) -> Sender {
             config: SenderConfig {
                 staging_slots: 2,
                 ..SenderConfig::default()
-            },
+            }
+            .validate()
+            .expect("valid"),
             staging: Memory::Allocate { slot_bytes: SLOT },
             local_id,
             proxy: None,

@@ -21,7 +21,13 @@ fn notice(msg: Message) -> Bytes {
 fn an_expected_request_is_ready_after_every_rank_and_a_failure_says_why() {
     let rt = Runtime::new(2).expect("runtime");
     let zmq = TransportChoice::Zmq(ZmqConfig::default());
-    let proxy = Proxy::start(&rt, zmq, "tcp://127.0.0.1:0", ProxyConfig::default()).expect("proxy");
+    let proxy = Proxy::start(
+        &rt,
+        zmq,
+        "tcp://127.0.0.1:0",
+        ProxyConfig::default().validate().expect("valid"),
+    )
+    .expect("proxy");
     let mut ready = proxy.expect("r1", 2).expect("awaited");
     let mut failed = proxy.expect("r2", 1).expect("awaited");
     assert!(
@@ -71,7 +77,13 @@ fn a_standalone_proxy_reports_each_request_as_an_event() {
         ..ProxyConfig::default()
     };
     let zmq = TransportChoice::Zmq(ZmqConfig::default());
-    let proxy = Proxy::start(&rt, zmq, "tcp://127.0.0.1:0", cfg).expect("proxy");
+    let proxy = Proxy::start(
+        &rt,
+        zmq,
+        "tcp://127.0.0.1:0",
+        cfg.validate().expect("valid"),
+    )
+    .expect("proxy");
     assert_eq!(proxy.next_event(Duration::from_millis(50)), None);
     let endpoint = proxy.endpoint().to_owned();
     rt.block_on(async {

@@ -76,7 +76,9 @@ fn pair(buffer_slots: u32, staging_slots: u32) -> Pair {
                 buffer_slots,
                 peer_share_percent: 100,
                 ..ReceiverConfig::default()
-            },
+            }
+            .validate()
+            .expect("valid"),
             buffer: Memory::External(buffer_region),
             alloc_endpoint: "tcp://127.0.0.1:0".into(),
             fabric_endpoint: "tcp://127.0.0.1:0".into(),
@@ -91,7 +93,9 @@ fn pair(buffer_slots: u32, staging_slots: u32) -> Pair {
             config: SenderConfig {
                 staging_slots,
                 ..SenderConfig::default()
-            },
+            }
+            .validate()
+            .expect("valid"),
             staging: Memory::External(staging_region),
             local_id: "embed-test".into(),
             proxy: None,
@@ -402,7 +406,9 @@ fn concurrent_first_connects_to_one_receiver_all_wait_for_its_channel() {
                 buffer_slots: 8,
                 peer_share_percent: 100,
                 ..ReceiverConfig::default()
-            },
+            }
+            .validate()
+            .expect("valid"),
             buffer: Memory::External(region),
             alloc_endpoint: "tcp://127.0.0.1:0".into(),
             fabric_endpoint: "tcp://127.0.0.1:0".into(),

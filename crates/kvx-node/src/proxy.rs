@@ -15,7 +15,7 @@ use kvx_proto::proxy::{
     ExpectError, NoticeFrom, NoticeRefusal, ProxyEvent, ProxyFailure, ProxyTracker, Refused,
 };
 use kvx_proto::wire;
-use kvx_proto::{Principal, ProxyConfig, ReqId};
+use kvx_proto::{IntoChecked, Principal, ProxyConfig, ReqId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::start::StartError;
@@ -65,7 +65,7 @@ impl ProxyNode {
     /// alone.
     pub async fn start<E: Env>(
         env: E,
-        cfg: ProxyConfig,
+        cfg: impl IntoChecked<ProxyConfig>,
         endpoint: &str,
     ) -> Result<ProxyHandle, StartError> {
         Ok(Self::start_with_events(env, cfg, endpoint).await?.0)
@@ -74,10 +74,10 @@ impl ProxyNode {
     /// Starts a proxy on `endpoint`, and returns the outcomes no `expect` awaits as well.
     pub async fn start_with_events<E: Env>(
         env: E,
-        cfg: ProxyConfig,
+        cfg: impl IntoChecked<ProxyConfig>,
         endpoint: &str,
     ) -> Result<(ProxyHandle, ProxyEvents), StartError> {
-        let tracker = ProxyTracker::new(cfg)?;
+        let tracker = ProxyTracker::from_checked(cfg.into_checked()?);
         let source = env.transport().notify_source(endpoint).await?;
         crate::metrics::register_proxy();
         let (tx, rx) = mpsc::channel(kvx_io::transport::CHANNEL_DEPTH);

@@ -13,7 +13,7 @@ use kvx_proto::receiver::{
     ReceiverLedger,
 };
 use kvx_proto::wire::{self, AllocResponse, Message};
-use kvx_proto::{ReceiverConfig, ReqId, ReqKey, SlotIndex};
+use kvx_proto::{IntoChecked, ReceiverConfig, ReqId, ReqKey, SlotIndex};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics as m;
@@ -191,14 +191,15 @@ impl ReceiverNode {
     /// `cfg.buffer_slots × chunk_bytes`, which its fabric allocates, at `fabric_endpoint`.
     pub async fn start<E: Env>(
         env: E,
-        cfg: ReceiverConfig,
+        cfg: impl IntoChecked<ReceiverConfig>,
         chunk_bytes: usize,
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
-        let ledger = ReceiverLedger::new(cfg.clone())?;
-        let server = env.transport().serve(alloc_endpoint).await?;
+        let cfg = cfg.into_checked()?;
         let geometry = crate::start::configured_geometry(cfg.buffer_slots, chunk_bytes)?;
+        let ledger = ReceiverLedger::from_checked(cfg);
+        let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose(fabric_endpoint, geometry).await?;
         Ok(Self::run(env, ledger, server, listener))
     }
@@ -209,13 +210,14 @@ impl ReceiverNode {
     /// refuses it (`FabricError::ExternalMemory`).
     pub async fn start_in<E: Env>(
         env: E,
-        cfg: ReceiverConfig,
+        cfg: impl IntoChecked<ReceiverConfig>,
         buffer: ExternalRegion,
         alloc_endpoint: &str,
         fabric_endpoint: &str,
     ) -> Result<ReceiverHandle<<E::Fabric as Fabric>::Memory>, StartError> {
+        let cfg = cfg.into_checked()?;
         crate::start::lent_fits("buffer", &buffer, cfg.buffer_slots)?;
-        let ledger = ReceiverLedger::new(cfg.clone())?;
+        let ledger = ReceiverLedger::from_checked(cfg);
         let server = env.transport().serve(alloc_endpoint).await?;
         let listener = env.fabric().expose_in(fabric_endpoint, buffer).await?;
         Ok(Self::run(env, ledger, server, listener))

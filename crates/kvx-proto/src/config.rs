@@ -1,6 +1,8 @@
 //! Configuration of each state machine. Every wait has a bound here with a sane default, and
 //! every table or queue has a `*_max`; `validate` refuses settings that would break a rule of
-//! the protocol (`docs/spec/protocol.md` §Timeouts).
+//! the protocol (`docs/spec/protocol.md` §Timeouts) and is the only way to a `Checked`
+//! configuration, which the state machines, the drivers and the bindings take without
+//! checking it again: each setting is checked once, here, wherever it came from.
 
 use std::time::Duration;
 
@@ -10,6 +12,54 @@ use crate::ids::WriteTag;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid configuration: {0}")]
 pub struct ConfigError(pub String);
+
+/// A configuration `validate` accepted. Only `validate` makes one, so whoever holds one (a
+/// state machine's `from_checked`, a driver's `start`, a binding that checked its caller's
+/// settings at its door) knows it is valid and never checks it again. Read it through
+/// `Deref`; `into_inner` gives the plain configuration back (to change it, and check it
+/// again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked<C>(C);
+
+impl<C> Checked<C> {
+    /// The plain configuration.
+    pub fn into_inner(self) -> C {
+        self.0
+    }
+}
+
+impl<C> std::ops::Deref for Checked<C> {
+    type Target = C;
+    fn deref(&self) -> &C {
+        &self.0
+    }
+}
+
+/// A configuration, checked or not: what the drivers' `start` takes. One already `Checked`
+/// (a binding's) goes through as it is; a plain one (a test's, the simulation's) is checked
+/// there, once.
+pub trait IntoChecked<C> {
+    /// The checked configuration, or why it cannot work.
+    fn into_checked(self) -> Result<Checked<C>, ConfigError>;
+}
+
+impl<C> IntoChecked<C> for Checked<C> {
+    fn into_checked(self) -> Result<Checked<C>, ConfigError> {
+        Ok(self)
+    }
+}
+
+/// `validate` as each configuration's `IntoChecked`.
+macro_rules! checked_by_validate {
+    ($($config:ty),*) => {$(
+        impl IntoChecked<$config> for $config {
+            fn into_checked(self) -> Result<Checked<$config>, ConfigError> {
+                self.validate()
+            }
+        }
+    )*};
+}
+checked_by_validate!(ReceiverConfig, SenderConfig, ProxyConfig);
 
 fn require(ok: bool, why: impl FnOnce() -> String) -> Result<(), ConfigError> {
     if ok {
@@ -158,8 +208,13 @@ impl ReceiverConfig {
     /// becomes ready), a zero write quarantine (a late write could land in a reused slot), a
     /// zero tombstone TTL or count or byte bound (a late batch of an ended request would be
     /// admitted afresh), a zero queued-bytes bound, a share outside 1..=100.
-    /// `ReceiverLedger::new` calls it.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// The only way to a `Checked` one.
+    pub fn validate(self) -> Result<Checked<Self>, ConfigError> {
+        self.problems()?;
+        Ok(Checked(self))
+    }
+
+    fn problems(&self) -> Result<(), ConfigError> {
         require(self.buffer_slots > 0, || {
             "buffer_slots must be at least 1".into()
         })?;
@@ -346,10 +401,26 @@ impl Default for SenderConfig {
 }
 
 impl SenderConfig {
+    /// Whether memory its owner may reuse while a write still reads it (a vLLM prefill
+    /// engine's KV blocks, given to another request when the engine preempts one) may be
+    /// staged in place (`Placement::Caller`): only with checksums, which let the receiver
+    /// tell a chunk that changed under its write (the request then fails; wrong bytes never
+    /// reach a decoder). Without them such memory is copied into kvx's pool as it is ready.
+    /// The one place this data-path rule is decided (the vLLM connector asks it through
+    /// `kvx.may_stage_in_place`).
+    pub fn may_stage_reused_memory_in_place(&self) -> bool {
+        self.checksums
+    }
+
     /// Refuses settings the flow cannot run with: no staging slot, a zero `inflight_max`,
-    /// `requests_max` or `outcomes_kept`, a zero reply or write timeout. `SenderFlow::new`
-    /// calls it.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// `requests_max` or `outcomes_kept`, a zero reply or write timeout. The only way to a
+    /// `Checked` one.
+    pub fn validate(self) -> Result<Checked<Self>, ConfigError> {
+        self.problems()?;
+        Ok(Checked(self))
+    }
+
+    fn problems(&self) -> Result<(), ConfigError> {
         require(self.staging_slots > 0, || {
             "staging_slots must be at least 1".into()
         })?;
@@ -419,8 +490,14 @@ impl Default for ProxyConfig {
 
 impl ProxyConfig {
     /// Refuses a zero `requests_max`, a zero `kv_ready_timeout`, `await_on_first_notice` of 0
-    /// ranks or a zero `ranks_per_connection`. `ProxyTracker::new` calls it.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// ranks or a zero `ranks_per_connection`. The only way to a `Checked`
+    /// one.
+    pub fn validate(self) -> Result<Checked<Self>, ConfigError> {
+        self.problems()?;
+        Ok(Checked(self))
+    }
+
+    fn problems(&self) -> Result<(), ConfigError> {
         require(self.requests_max > 0, || {
             "requests_max must be at least 1".into()
         })?;
@@ -469,6 +546,38 @@ mod tests {
         ReceiverConfig::default()
             .validate()
             .expect("the defaults are valid");
+    }
+
+    #[test]
+    fn reused_memory_is_staged_in_place_only_with_checksums() {
+        let with = SenderConfig::default();
+        assert!(with.checksums && with.may_stage_reused_memory_in_place());
+        let without = SenderConfig {
+            checksums: false,
+            ..SenderConfig::default()
+        };
+        assert!(!without.may_stage_reused_memory_in_place());
+    }
+
+    #[test]
+    fn only_validate_makes_a_checked_configuration_and_it_is_not_checked_again() {
+        let bad = SenderConfig {
+            staging_slots: 0,
+            ..SenderConfig::default()
+        };
+        assert!(
+            bad.clone().into_checked().is_err(),
+            "a plain one is checked"
+        );
+        let good = SenderConfig::default()
+            .validate()
+            .expect("the defaults are valid");
+        let same = good
+            .clone()
+            .into_checked()
+            .expect("a checked one goes through");
+        assert_eq!(same, good);
+        assert_eq!(same.into_inner(), SenderConfig::default());
     }
 
     #[test]

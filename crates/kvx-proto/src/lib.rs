@@ -50,7 +50,8 @@ pub mod wire;
 
 pub use claim::ClaimSecret;
 pub use config::{
-    ConfigError, LegacySenders, Placement, ProxyConfig, ReceiverConfig, SenderConfig,
+    Checked, ConfigError, IntoChecked, LegacySenders, Placement, ProxyConfig, ReceiverConfig,
+    SenderConfig,
 };
 pub use ids::{
     PeerId, Principal, ReqId, ReqKey, SlotIndex, StagingSlot, Ticket, WriteId, WriteTag,

@@ -163,3 +163,16 @@ fn placement_name(placement: Placement) -> &'static str {
         Placement::Caller => "caller",
     }
 }
+
+/// Whether memory its owner may reuse while a write still reads it (a vLLM engine's KV
+/// blocks) may be staged in place (``placement="caller"``) by a sender with ``checksums``:
+/// kvx's rule (``SenderConfig::may_stage_reused_memory_in_place``), so that no integration
+/// decides it for itself. ``False``: copy such memory into kvx's own staging.
+#[pyfunction]
+pub(crate) fn may_stage_in_place(checksums: bool) -> bool {
+    SenderConfig {
+        checksums,
+        ..SenderConfig::default()
+    }
+    .may_stage_reused_memory_in_place()
+}

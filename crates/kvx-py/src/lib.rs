@@ -47,6 +47,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<receiver::ReadLease>()?;
     m.add_class::<placement::Returned>()?;
     m.add_function(wrap_pyfunction!(defaults::defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(defaults::may_stage_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_fill, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic::synthetic_check, m)?)?;

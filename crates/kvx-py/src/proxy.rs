@@ -66,7 +66,10 @@ impl Proxy {
             await_on_first_notice: standalone_tp_ranks,
             ranks_per_connection: ranks_per_connection.unwrap_or(core.ranks_per_connection),
             ..core
-        };
+        }
+        // Checked here, once: kvx's driver and core take it as it is.
+        .validate()
+        .map_err(errors::start)?;
         let rt = runtime::get()?;
         let transport = TransportChoice::Zmq(ZmqConfig {
             curve: curve.map(Box::new),

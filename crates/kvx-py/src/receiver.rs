@@ -138,7 +138,8 @@ impl Receiver {
             placement,
             ..core
         };
-        config
+        // Checked here, once: kvx's driver and core take it as it is.
+        let config = config
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let settings = ReceiverSettings {

@@ -147,7 +147,8 @@ impl Sender {
             staging_placement,
             ..core
         };
-        config
+        // Checked here, once: kvx's driver and core take it as it is.
+        let config = config
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let local_id = match local_id {

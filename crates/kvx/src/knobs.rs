@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use kvx_proto::config::Pipelining;
-use kvx_proto::{LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
+use kvx_proto::{Checked, LegacySenders, ProxyConfig, ReceiverConfig, SenderConfig};
 
 /// Seconds as a duration, positive and finite.
 fn seconds(s: &str) -> Result<f64, String> {
@@ -136,7 +136,7 @@ pub struct ReceiverFlags {
 
 impl ReceiverKnobs {
     /// The receiver's configuration, checked.
-    pub fn apply(&self, f: ReceiverFlags) -> anyhow::Result<ReceiverConfig> {
+    pub fn apply(&self, f: ReceiverFlags) -> anyhow::Result<Checked<ReceiverConfig>> {
         let defaults = ReceiverConfig::default();
         let cfg = ReceiverConfig {
             buffer_slots: f.buffer_slots,
@@ -165,8 +165,7 @@ impl ReceiverKnobs {
             // the vLLM connector's.
             placement: kvx_proto::Placement::Pool,
         };
-        cfg.validate()?;
-        Ok(cfg)
+        Ok(cfg.validate()?)
     }
 }
 
@@ -265,7 +264,7 @@ pub struct SenderFlags {
 
 impl SenderKnobs {
     /// The sender's configuration, checked.
-    pub fn apply(&self, f: SenderFlags) -> anyhow::Result<SenderConfig> {
+    pub fn apply(&self, f: SenderFlags) -> anyhow::Result<Checked<SenderConfig>> {
         let defaults = SenderConfig::default();
         let cfg = SenderConfig {
             staging_slots: f.staging_slots,
@@ -291,8 +290,7 @@ impl SenderKnobs {
             staging_placement: defaults.staging_placement,
             checksums: f.checksums,
         };
-        cfg.validate()?;
-        Ok(cfg)
+        Ok(cfg.validate()?)
     }
 }
 
@@ -329,7 +327,7 @@ pub struct ProxyKnobs {
 impl ProxyKnobs {
     /// The proxy's configuration, awaiting each request from its first notice from
     /// `tp_ranks` senders, checked.
-    pub fn apply(&self, tp_ranks: u32) -> anyhow::Result<ProxyConfig> {
+    pub fn apply(&self, tp_ranks: u32) -> anyhow::Result<Checked<ProxyConfig>> {
         let cfg = ProxyConfig {
             kv_ready_timeout: duration(self.kv_ready_timeout_s),
             requests_max: self.requests_max,
@@ -341,8 +339,7 @@ impl ProxyKnobs {
             await_on_first_notice: Some(tp_ranks),
             ranks_per_connection: self.ranks_per_connection,
         };
-        cfg.validate()?;
-        Ok(cfg)
+        Ok(cfg.validate()?)
     }
 }
 
@@ -553,7 +550,7 @@ mod tests {
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
-        assert_eq!(c, ReceiverConfig::default());
+        assert_eq!(*c, ReceiverConfig::default());
         let Command::Demo(d) = parse(&["kvx", "demo"]) else {
             panic!("a demo")
         };
@@ -565,7 +562,7 @@ mod tests {
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
-        assert_eq!(c, ReceiverConfig::default(), "kvx demo's receiver");
+        assert_eq!(*c, ReceiverConfig::default(), "kvx demo's receiver");
         assert_eq!(d.staging_chunks, SenderConfig::default().staging_slots);
         assert_eq!(d.chunk_bytes, kvx_embed::defaults::CHUNK_BYTES);
 
@@ -582,14 +579,14 @@ mod tests {
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
-        assert_eq!(c, SenderConfig::default());
+        assert_eq!(*c, SenderConfig::default());
 
         let Command::Proxy(p) = parse(&["kvx", "proxy"]) else {
             panic!("a proxy")
         };
         let c = p.protocol.apply(1).expect("valid");
         assert_eq!(
-            c,
+            *c,
             ProxyConfig {
                 await_on_first_notice: Some(1),
                 ..ProxyConfig::default()
@@ -629,7 +626,7 @@ mod tests {
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
-        assert_eq!(c, ReceiverConfig::default());
+        assert_eq!(*c, ReceiverConfig::default());
         let c = s
             .protocol
             .apply(SenderFlags {
@@ -638,7 +635,7 @@ mod tests {
                 lmcache_allocation_timeout: None,
             })
             .expect("valid");
-        assert_eq!(c, SenderConfig::default());
+        assert_eq!(*c, SenderConfig::default());
     }
 
     #[test]

@@ -69,10 +69,10 @@ class PrefillTransfer:
         #: Whether a new decode receiver's port is tried before kvx connects to it
         #: (``_add_receiver``): kvx's own sender's connect only times out on a closed port.
         self.probe_ports = sender_factory is kvx.Sender
-        # Without checksums, pages are copied: vLLM may preempt a prefill request and give
-        # its blocks to another while a write of an earlier step still reads them, and only
-        # a checksum lets the decode engine tell (the load then fails, never answers wrong).
-        self.copy_staging = copy_staging or not settings.checksums
+        # Whether the engine's pages are sent in place is kvx's rule, not this connector's:
+        # vLLM may preempt a prefill request and give its blocks to another while a write
+        # of an earlier step still reads them (``kvx.may_stage_in_place``).
+        self.copy_staging = copy_staging or not kvx.may_stage_in_place(settings.checksums)
         self.layout: Optional[PagedLayout] = None
         self.sender: Optional[kvx.Sender] = None
         self._sender_factory = sender_factory

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvx_io::{Env, ExternalRegion, Fabric, SlotMemory, Transport};
 use kvx_proto::sender::{SenderEvent, SenderFlow};
-use kvx_proto::{PeerId, SenderConfig};
+use kvx_proto::{Checked, IntoChecked, PeerId, SenderConfig};
 use tokio::sync::{mpsc, Notify};
 
 use crate::start::StartError;
@@ -207,13 +207,13 @@ impl SenderNode {
     /// `cfg.staging_slots × chunk_bytes` that its fabric allocates.
     pub async fn start<E: Env>(
         env: E,
-        cfg: SenderConfig,
+        cfg: impl IntoChecked<SenderConfig>,
         chunk_bytes: usize,
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
         // Refused before any memory is allocated or taken.
-        cfg.validate()?;
+        let cfg = cfg.into_checked()?;
         let geometry = crate::start::configured_geometry(cfg.staging_slots, chunk_bytes)?;
         let memory = env.fabric().allocate_staging(geometry)?;
         Self::start_over(env, cfg, memory, local_id, proxy).await
@@ -225,28 +225,29 @@ impl SenderNode {
     /// refuses it (`FabricError::ExternalMemory`).
     pub async fn start_in<E: Env>(
         env: E,
-        cfg: SenderConfig,
+        cfg: impl IntoChecked<SenderConfig>,
         staging: ExternalRegion,
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        crate::start::lent_fits("staging", &staging, cfg.staging_slots)?;
         // Refused before any memory is allocated or taken.
-        cfg.validate()?;
+        let cfg = cfg.into_checked()?;
+        crate::start::lent_fits("staging", &staging, cfg.staging_slots)?;
         let memory = env.fabric().staging_in(staging)?;
         Self::start_over(env, cfg, memory, local_id, proxy).await
     }
 
     async fn start_over<E: Env>(
         env: E,
-        cfg: SenderConfig,
+        cfg: Checked<SenderConfig>,
         memory: Arc<<E::Fabric as Fabric>::Memory>,
         local_id: String,
         proxy: Option<String>,
     ) -> Result<SenderHandle<E>, StartError> {
-        let flow = SenderFlow::new(cfg.clone())?;
         // Before connecting to the proxy, which may take up to the connect timeout.
         crate::metrics::register_sender(cfg.staging_slots);
+        let (staging_slots, checksums) = (cfg.staging_slots, cfg.checksums);
+        let flow = SenderFlow::from_checked(cfg);
         let chunk_bytes = memory.slot_bytes();
         let sink = match &proxy {
             Some(endpoint) => Some(env.transport().notify_sink(endpoint).await?),
@@ -262,11 +263,11 @@ impl SenderNode {
                 shutdown: false,
             }),
             poke: Notify::new(),
-            lens: (0..cfg.staging_slots)
+            lens: (0..staging_slots)
                 .map(|_| AtomicUsize::new(chunk_bytes))
                 .collect(),
-            checksums: (0..cfg.staging_slots).map(|_| AtomicU64::new(0)).collect(),
-            compute_checksums: cfg.checksums,
+            checksums: (0..staging_slots).map(|_| AtomicU64::new(0)).collect(),
+            compute_checksums: checksums,
             writes_posted: AtomicU64::new(0),
             write_bytes_posted: AtomicU64::new(0),
             completions: Mutex::new(None),

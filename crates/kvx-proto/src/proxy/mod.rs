@@ -27,7 +27,7 @@ mod binding;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::config::{ConfigError, ProxyConfig};
+use crate::config::{Checked, ConfigError, ProxyConfig};
 use crate::ids::{Principal, ReqId};
 use crate::time::{earliest, Instant};
 use crate::wire::Message;
@@ -176,10 +176,16 @@ fn early_bytes(req_id: &ReqId, early: &Early, reason: Option<&String>) -> usize 
 }
 
 impl ProxyTracker {
-    /// Nothing awaited or kept. Refuses what `ProxyConfig::validate` refuses.
+    /// Nothing awaited or kept. `new` refuses what `ProxyConfig::validate` refuses.
     pub fn new(cfg: ProxyConfig) -> Result<Self, ConfigError> {
-        cfg.validate()?;
-        Ok(Self {
+        Ok(Self::from_checked(cfg.validate()?))
+    }
+
+    /// `new`, with a configuration checked already (a driver's, a binding's): not checked
+    /// again.
+    pub fn from_checked(cfg: Checked<ProxyConfig>) -> Self {
+        let cfg = cfg.into_inner();
+        Self {
             cfg,
             awaited: BTreeMap::new(),
             deadlines: BTreeSet::new(),
@@ -190,7 +196,7 @@ impl ProxyTracker {
             events: VecDeque::new(),
             dropped_notices: 0,
             refused: [0; NoticeRefusal::ALL.len()],
-        })
+        }
     }
 
     /// Notices refused so far for `why`.

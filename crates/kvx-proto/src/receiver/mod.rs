@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::admission::Admission;
-use crate::config::{ConfigError, Placement, ReceiverConfig};
+use crate::config::{Checked, ConfigError, Placement, ReceiverConfig};
 use crate::ids::{PeerId, Principal, ReqId, ReqKey, SlotIndex, Ticket, WriteTag};
 use crate::slots::{GrantChange, SlotTable};
 use crate::time::{earliest, Instant};
@@ -243,11 +243,17 @@ pub struct ReceiverLedger {
 }
 
 impl ReceiverLedger {
-    /// An empty buffer of `cfg.buffer_slots` slots. Refuses what `ReceiverConfig::validate`
+    /// An empty buffer of `cfg.buffer_slots` slots. `new` refuses what `ReceiverConfig::validate`
     /// refuses.
     pub fn new(cfg: ReceiverConfig) -> Result<Self, ConfigError> {
-        cfg.validate()?;
-        Ok(Self {
+        Ok(Self::from_checked(cfg.validate()?))
+    }
+
+    /// `new`, with a configuration checked already (a driver's, a binding's): not checked
+    /// again.
+    pub fn from_checked(cfg: Checked<ReceiverConfig>) -> Self {
+        let cfg = cfg.into_inner();
+        Self {
             admission: Admission::new(cfg.admission_limits()),
             slots: match cfg.placement {
                 Placement::Pool => SlotTable::new(cfg.buffer_slots),
@@ -272,7 +278,7 @@ impl ReceiverLedger {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
-        })
+        }
     }
 
     /// The driver's fabric lands every byte through its access mirror, so once a grant's

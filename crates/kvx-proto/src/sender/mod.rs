@@ -44,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use crate::claim::ClaimSecret;
-use crate::config::{ConfigError, Placement, SenderConfig};
+use crate::config::{Checked, ConfigError, Placement, SenderConfig};
 use crate::ids::{PeerId, ReqId, SlotIndex, StagingSlot, WriteId, WriteTag};
 use crate::time::{earliest, Instant};
 use crate::wire::{AllocRequest, Message};
@@ -371,11 +371,17 @@ pub struct SenderFlow {
 }
 
 impl SenderFlow {
-    /// No request, channel or write; all staging free. Refuses what
+    /// No request, channel or write; all staging free. `new` refuses what
     /// `SenderConfig::validate` refuses.
     pub fn new(cfg: SenderConfig) -> Result<Self, ConfigError> {
-        cfg.validate()?;
-        Ok(Self {
+        Ok(Self::from_checked(cfg.validate()?))
+    }
+
+    /// `new`, with a configuration checked already (a driver's, a binding's): not checked
+    /// again.
+    pub fn from_checked(cfg: Checked<SenderConfig>) -> Self {
+        let cfg = cfg.into_inner();
+        Self {
             staging: match cfg.staging_placement {
                 Placement::Pool => StagingPool::new(cfg.staging_slots),
                 Placement::Caller => StagingPool::callers(cfg.staging_slots),
@@ -396,7 +402,7 @@ impl SenderFlow {
             outcomes: BTreeMap::new(),
             outcome_order: VecDeque::new(),
             next_outcome: 0,
-        })
+        }
     }
 
     /// The configuration it was built with.
