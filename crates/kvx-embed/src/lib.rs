@@ -1,16 +1,18 @@
 //! kvx-embed: kvx for programs that embed it (the `kvx` binary, the Python package).
 //! kvx-node's drivers are generic over an `Env` (a transport and a fabric); this crate is
-//! the one place that names the concrete ones and picks them at run time, owns the tokio
-//! runtime they run on, and offers blocking calls (each bounded) beside async ones. It adds
-//! a language's conveniences, not a second implementation: rules live in the core and
-//! client features in kvx-node's handles (pending batches: `SenderHandle::add`), which the
-//! `kvx` binary and the simulation drive too; what is here is type erasure over `Env`,
-//! guards that hand back what a dropped caller held, and the waits.
+//! the one place that names the concrete ones and picks them at run time (handed to the
+//! drivers as kvx-io's `AnyEnv`, trait objects at the IO edge), owns the tokio runtime they
+//! run on, and offers the blocking calls a Python thread makes (each bounded). It adds a
+//! language's conveniences, not a second implementation: rules live in the core and client
+//! calls in kvx-node's handles (`Sender::handle`, `Receiver::reader` hand them out), which
+//! the `kvx` binary and the simulation drive too; what is here is the choice, guards that
+//! hand back what a dropped caller held, and the waits.
 //!
 //! Map:
 //! - `choice`: `EnvChoice` (a `TransportChoice` and a `FabricChoice`) and `into_env`, the
-//!   one `match` from a choice to the concrete transport and fabric (an `AnyEnv`), and `TransportChoice::set_heartbeats`,
-//!   the one place the ZeroMQ heartbeats are set (the binary's flags, Python's keywords).
+//!   one `match` from a choice to the concrete transport and fabric (an `AnyEnv`), and
+//!   `TransportChoice::set_heartbeats`, the one place the ZeroMQ heartbeats are set (the
+//!   binary's flags, Python's keywords).
 //! - `named`: transports and fabrics by the names users write (`EnvChoice::named`,
 //!   `InProcess` for the "mem" ones), the one mapping the binary and Python share.
 //! - `lmcache`: LMCache's `pd_buffer_size` as kvx's slot count, for the binary and Python.
