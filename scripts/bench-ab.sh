@@ -44,8 +44,6 @@ for f in sorted({f for f, _ in rows}):
     base = [rows[f, r]["base"] for r in rounds]
     gb = lambda ds: [d["bytes_per_sec"] / 1e9 for d in ds]
     vs_build = [o["bytes_per_sec"] / b["bytes_per_sec"] for o, b in zip(ours, base)]
-    vs_own = [o["ratio"] for o in ours]
-    base_own = [b["ratio"] for b in base]
     med = statistics.median
     print(f"{f}: ours {med(gb(ours)):.2f} GB/s ({min(gb(ours)):.2f}-{max(gb(ours)):.2f}), "
           f"baseline build {med(gb(base)):.2f} ({min(gb(base)):.2f}-{max(gb(base)):.2f}); "
@@ -57,6 +55,8 @@ for f in sorted({f for f, _ in rows}):
         print(f"{f}: request p50 ours {med(p50(ours)):.1f} ms, baseline build {med(p50(base)):.1f} ms; "
               f"ours/baseline build per round: median {med(lat):.2f} ({min(lat):.2f}-{max(lat):.2f})")
         continue
+    vs_own = [o["ratio"] for o in ours]
+    base_own = [b["ratio"] for b in base]
     print(f"{f}: against the bench's own baseline ({ours[0]['baseline']}): ours median "
           f"{med(vs_own):.2f} ({min(vs_own):.2f}-{max(vs_own):.2f}), baseline build median "
           f"{med(base_own):.2f} ({min(base_own):.2f}-{max(base_own):.2f})")
