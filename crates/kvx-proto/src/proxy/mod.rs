@@ -17,13 +17,15 @@
 //! the driver, which logs them. Nothing else tells a forged notice from a real one: the wire
 //! carries no rank and no proof, so the binding is all a proxy can hold a sender to.
 //!
-//! `binding.rs` holds who a notice comes from (`NoticeFrom`) and the binding rules.
+//! `binding.rs` holds who a notice comes from (`NoticeFrom`) and the binding rules;
+//! `early.rs` what a notice kept for an id not awaited yet holds.
 //!
 //! Contract: a driver feeds `handle_expect`, `handle_message` (every decoded notice, with
 //! its sender) and `handle_timeout` (at `poll_timeout`), and after each call drains
 //! `poll_event`; each awaited request ends in exactly one event.
 
 mod binding;
+mod early;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -111,6 +113,7 @@ pub enum ExpectError {
 
 use binding::Binding;
 pub use binding::{NoticeFrom, NoticeRefusal, Refused};
+use early::{early_bytes, Early};
 
 #[derive(Debug, Clone)]
 struct Awaited {
@@ -118,24 +121,6 @@ struct Awaited {
     seen: u32,
     deadline: Instant,
     binding: Binding,
-}
-
-#[derive(Debug, Clone, Default)]
-struct Early {
-    notices: u32,
-    failed: bool,
-    /// Its key in `early_order`: when it was last kept, and a sequence number that orders
-    /// entries kept at the same instant.
-    order: (Instant, u64),
-    binding: Binding,
-}
-
-impl Early {
-    /// The messages this entry stands for (each notice, and the failure if any): what is
-    /// lost when it is pushed out.
-    fn messages(&self) -> u64 {
-        u64::from(self.notices) + u64::from(self.failed)
-    }
 }
 
 /// The proxy's state machine: the awaited requests with their deadlines, and the notices
@@ -166,27 +151,16 @@ pub struct ProxyTracker {
     refused: [u64; NoticeRefusal::ALL.len()],
 }
 
-/// What one kept early notice holds, about: its id twice (map and order), its failure reason,
-/// the connections it is bound to, and the overhead of both entries.
-fn early_bytes(req_id: &ReqId, early: &Early, reason: Option<&String>) -> usize {
-    2 * req_id.0.len()
-        + reason.map_or(0, String::len)
-        + early.binding.connections.len() * std::mem::size_of::<(u64, u32)>()
-        + 128
-}
-
 impl ProxyTracker {
-    /// Nothing awaited or kept. `new` refuses what `ProxyConfig::validate` refuses.
+    /// Nothing awaited or kept; refuses what `ProxyConfig::validate` refuses.
     pub fn new(cfg: ProxyConfig) -> Result<Self, ConfigError> {
         Ok(Self::from_checked(cfg.validate()?))
     }
 
-    /// `new`, with a configuration checked already (a driver's, a binding's): not checked
-    /// again.
+    /// `new`, with a configuration checked already (a driver's): not checked again.
     pub fn from_checked(cfg: Checked<ProxyConfig>) -> Self {
-        let cfg = cfg.into_inner();
         Self {
-            cfg,
+            cfg: cfg.into_inner(),
             awaited: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             early: BTreeMap::new(),
